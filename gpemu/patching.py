@@ -1,0 +1,114 @@
+"""Reversible patching: every original gpemu replaces is recorded in one place.
+
+``gpemu.patch()`` installs all of its replacements through a :class:`Patcher`;
+``gpemu.unpatch()`` calls :meth:`Patcher.restore_all`, which puts every original back in
+reverse order, so torch ends exactly as it was (tests compare the attributes).
+
+Why a registry and not ``unittest.mock.patch``: several ``torch.cuda`` submodules import
+functions by name (``from . import current_device``), so one logical patch touches many
+attributes; and some originals are absent (``torch.cuda.set_device`` may not exist on a CPU
+build), which must be restored as "absent" again.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+__all__ = ["Patcher", "MISSING"]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+
+@dataclass
+class _Record:
+    owner: Any
+    name: str
+    original: Any  # MISSING when the attribute did not exist
+    in_dict: bool  # whether the original lived in owner.__dict__ (vs inherited)
+
+
+class Patcher:
+    """Replaces attributes and remembers the originals."""
+
+    def __init__(self) -> None:
+        self._records: list[_Record] = []
+        self._undo: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ install
+    def replace(self, owner: Any, name: str, new: Any) -> Any:
+        """Set ``owner.name = new``; return the original (or MISSING)."""
+        in_dict = isinstance(owner, type) and name in owner.__dict__ or (
+            not isinstance(owner, type) and hasattr(owner, "__dict__") and name in vars(owner)
+        )
+        original = owner.__dict__[name] if isinstance(owner, type) and in_dict else getattr(owner, name, MISSING)
+        self._records.append(_Record(owner, name, original, in_dict))
+        setattr(owner, name, new)
+        return original
+
+    def replace_everywhere(self, original: Any, new: Any, modules: Iterable[ModuleType] | None = None,
+                           prefix: str = "torch") -> int:
+        """Replace every module-level reference to ``original`` under ``prefix`` with ``new``.
+
+        Catches copies made by ``from x import f``. Returns how many references were replaced.
+        """
+        count = 0
+        mods = list(modules) if modules is not None else [
+            m for n, m in list(sys.modules.items()) if m is not None and (n == prefix or n.startswith(prefix + "."))
+        ]
+        for mod in mods:
+            try:
+                items = list(vars(mod).items())
+            except TypeError:
+                continue
+            for attr, value in items:
+                if value is original:
+                    self.replace(mod, attr, new)
+                    count += 1
+        return count
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` at restore time (for things that are not attributes: hooks, modes)."""
+        self._undo.append(undo)
+
+    # ------------------------------------------------------------------ restore
+    def restore_all(self) -> None:
+        """Undo everything, newest first."""
+        errors: list[BaseException] = []
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except BaseException as exc:  # keep restoring the rest
+                errors.append(exc)
+        while self._records:
+            rec = self._records.pop()
+            try:
+                if rec.original is MISSING or (isinstance(rec.owner, type) and not rec.in_dict):
+                    try:
+                        delattr(rec.owner, rec.name)
+                    except AttributeError:
+                        pass
+                    if rec.original is not MISSING and not isinstance(rec.owner, type):
+                        setattr(rec.owner, rec.name, rec.original)
+                else:
+                    setattr(rec.owner, rec.name, rec.original)
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(f"gpemu.unpatch(): {len(errors)} originals could not be restored: {errors[0]!r}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self._records or self._undo)
+
+    def __len__(self) -> int:
+        return len(self._records)

@@ -1,0 +1,172 @@
+"""The live state of one emulated run, and the single place that patches torch.
+
+``gpemu.patch()`` builds an :class:`EmuConfig`, opens the profile database, creates a
+:class:`Runtime`, and asks each component to install itself through the runtime's
+:class:`~gpemu.patching.Patcher`. ``gpemu.unpatch()`` restores every original in reverse.
+
+Components (each a module with ``install(rt: Runtime) -> None``) are listed in
+``COMPONENTS`` in install order; each keeps its per-run state on the runtime (``rt.state``)
+so that unpatching and patching again starts clean.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .config import EmuConfig
+from .patching import Patcher
+from .recorder import Recorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gpemu.db import GpuSpec, ProfileDB
+
+__all__ = ["Runtime", "patch", "unpatch", "emulate", "current", "is_patched", "COMPONENTS"]
+
+# Install order matters: the time engine and memory trackers exist before the tensor type that
+# uses them; the torch.cuda surface comes after the tensor type it hands out.
+COMPONENTS: tuple[str, ...] = (
+    "gpemu.engine",            # virtual streams, events, deadline waits       (time)
+    "gpemu.memory",            # per-device memory tracker, OOM                  (device)
+    "gpemu.tensor",            # the emulated tensor type, dispatch, .cuda/.to   (device)
+    "gpemu.replay",            # module forward/backward fast path + GPU time   (device/time)
+    "gpemu.autocast",          # autocast('cuda') dtype behaviour                (device)
+    "gpemu.serialization",     # torch.save/torch.load of emulated tensors       (device)
+    "gpemu.cuda_api",          # torch.cuda / torch.accelerator / backends        (surface)
+    "gpemu.distributed",       # nccl->gloo, emulated DDP                        (surface)
+    "gpemu.transfers",         # host<->GPU copy time                            (host side)
+    "gpemu.integrations.pinned_memory",  # mlock-backed pin_memory()          (host side)
+    "gpemu.integrations.sharing.client",  # GPU time through a sharing manager  (sharing)
+    "gpemu.observe",           # end-of-run summary, metrics JSON, Chrome trace  (observability)
+)
+
+
+@dataclass
+class Runtime:
+    """Everything an emulated run knows. One exists while gpemu is patched."""
+
+    config: EmuConfig
+    db: "ProfileDB"
+    gpus: list["GpuSpec"]  # spec of each emulated device, index order
+    patcher: Patcher = field(default_factory=Patcher)
+    recorder: Recorder = field(default_factory=Recorder)
+    # Per-component state, keyed by component name (e.g. "engine", "memory", "pinned").
+    state: dict[str, Any] = field(default_factory=dict)
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    # torch.cuda's current device is per thread, like CUDA's.
+    @property
+    def current_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    @current_device.setter
+    def current_device(self, index: int) -> None:
+        self.check_device(index)
+        self._local.device = index
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.gpus)
+
+    def check_device(self, index: int) -> int:
+        """Validate a device index, raising like CUDA does for a bad ordinal."""
+        if not isinstance(index, int) or not 0 <= index < len(self.gpus):
+            raise RuntimeError(
+                f"CUDA error: invalid device ordinal (gpemu: device {index!r} requested, "
+                f"{len(self.gpus)} emulated GPU(s) available: 0..{len(self.gpus) - 1})"
+            )
+        return index
+
+    def say_once(self, message: str) -> None:
+        """Tell the user something once per run (provenance, fallbacks), on stderr."""
+        if self.recorder.note(message):
+            import sys
+
+            print(f"[gpemu] {message}", file=sys.stderr, flush=True)
+
+
+_runtime: Runtime | None = None
+_lock = threading.RLock()
+
+
+def current() -> Runtime | None:
+    """The active runtime, or None when gpemu is not patched."""
+    return _runtime
+
+
+def is_patched() -> bool:
+    return _runtime is not None
+
+
+def _build_runtime(config: EmuConfig) -> Runtime:
+    from gpemu.db import open_profile_db
+
+    db = open_profile_db(config)
+    gpus = [db.gpu(name) for name in config.gpus_per_device]  # clear error for unknown names
+    return Runtime(config=config, db=db, gpus=gpus)
+
+
+def patch(config: EmuConfig | None = None, **settings: Any) -> Runtime:
+    """Make torch see emulated GPUs. Settings as in :class:`EmuConfig` (gpu, num_gpus, model,
+    db_url, memory, ...); unset ones come from ``GPEMU_*`` environment variables.
+
+    Patching twice with the same settings is a no-op; with different settings, unpatch first.
+    """
+    global _runtime
+    with _lock:
+        cfg = config if config is not None else EmuConfig.from_env(**settings)
+        if _runtime is not None:
+            if config is None and not settings:
+                return _runtime
+            if _runtime.config == cfg:
+                return _runtime
+            raise RuntimeError("gpemu is already patched with other settings; call gpemu.unpatch() first")
+        rt = _build_runtime(cfg)
+        _runtime = rt
+        try:
+            for name in COMPONENTS:
+                module = _import_component(name)
+                if module is not None:
+                    module.install(rt)
+        except BaseException:
+            _runtime = None
+            rt.patcher.restore_all()
+            raise
+        return rt
+
+
+def unpatch() -> None:
+    """Restore every original torch attribute gpemu replaced. Safe to call when not patched."""
+    global _runtime
+    with _lock:
+        rt = _runtime
+        if rt is None:
+            return
+        try:
+            rt.patcher.restore_all()
+        finally:
+            _runtime = None
+
+
+@contextmanager
+def emulate(config: EmuConfig | None = None, **settings: Any) -> Iterator[Runtime]:
+    """Scoped form: ``with gpemu.emulate(gpu="A100", num_gpus=2): ...``."""
+    rt = patch(config, **settings)
+    try:
+        yield rt
+    finally:
+        unpatch()
+
+
+def _import_component(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        # While the project is being assembled a component may not exist yet; a missing
+        # dependency *inside* an existing component is a real error.
+        if exc.name == name:
+            return None
+        raise

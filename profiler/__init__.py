@@ -1,0 +1,1 @@
+"""gpemu.profiler"""
