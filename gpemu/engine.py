@@ -1,0 +1,632 @@
+"""Emulated GPU time: virtual streams, events and sync points (component ``gpemu.engine``).
+
+The model is CUDA's: the host *enqueues* GPU work and runs ahead; a stream executes its work in
+order, each item starting when both the stream is free and the work was enqueued
+(``start = max(now, busy_until)``). The host only waits at sync points (``synchronize``,
+``.item()``, blocking copies, ``Event.synchronize``), and then until an ABSOLUTE deadline (the
+stream's ``busy_until``), so the emulator's own host time is hidden behind emulated GPU time
+exactly as a real program's is, and sleep overshoot never accumulates.
+
+A GPU time *backend* (the sharing client) can replace local deadline arithmetic: work is then
+collected per device and handed, at the configured granularity, to a per-device worker thread
+that calls ``backend.run(device, seconds, peak_bytes, kind)`` (which blocks while the sharing
+manager runs other jobs). The host still runs ahead; sync points wait for the worker.
+
+``Stream`` and ``Event`` are shaped like ``torch.cuda.Stream`` / ``torch.cuda.Event`` so the
+torch.cuda surface can hand them out directly.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+
+import torch
+
+from .clock import Clock, RealClock
+from .recorder import Recorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = [
+    "TimeEngine", "VirtualStream", "Stream", "EmuEvent", "Event", "GpuTimeBackend", "install",
+    "get_engine",
+]
+
+_GRANULARITIES = ("iteration", "sync", "forward-backward")
+
+
+class GpuTimeBackend(Protocol):
+    """Something that 'runs' GPU time for this job, e.g. a sharing manager client."""
+
+    def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine
+# ---------------------------------------------------------------------------------------------
+class TimeEngine:
+    """All streams of all emulated devices of one run, and the host's sync points."""
+
+    def __init__(self, num_devices: int, recorder: Recorder | None = None, clock: Clock | None = None,
+                 granularity: str = "iteration") -> None:
+        if not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+        if granularity not in _GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(_GRANULARITIES)}, got {granularity!r}")
+        self.num_devices = num_devices
+        self.recorder = recorder if recorder is not None else Recorder()
+        self.clock: Clock = clock if clock is not None else RealClock()
+        self.granularity = granularity
+        self._lock = threading.RLock()
+        self._local = threading.local()  # .current: dict device -> stream; .scope: int
+        # Latest end of any work on each device (all streams): a device sync waits for this.
+        self._device_busy = [0.0] * num_devices
+        self._next_stream_id = [1] * num_devices
+        self._default = [VirtualStream._make(self, d, 0, 0) for d in range(num_devices)]
+        self._backend: GpuTimeBackend | None = None
+        self._workers: dict[int, _BackendWorker] = {}
+        self._pending: list[list[tuple]] = [[] for _ in range(num_devices)]
+        self._backward_since_mark = [False] * num_devices
+
+    # ------------------------------------------------------------------ streams
+    def check_device(self, device: int) -> int:
+        if not isinstance(device, int) or isinstance(device, bool) or not 0 <= device < self.num_devices:
+            raise RuntimeError(
+                f"CUDA error: invalid device ordinal (gpemu: device {device!r} requested, "
+                f"{self.num_devices} emulated GPU(s) available: 0..{self.num_devices - 1})"
+            )
+        return device
+
+    def default_stream(self, device: int) -> "VirtualStream":
+        return self._default[self.check_device(device)]
+
+    def new_stream(self, device: int, priority: int = 0) -> "VirtualStream":
+        self.check_device(device)
+        with self._lock:
+            sid = self._next_stream_id[device]
+            self._next_stream_id[device] = sid + 1
+        return VirtualStream._make(self, device, priority, sid)
+
+    def stream(self, device: int) -> "VirtualStream":
+        """The calling thread's current stream on ``device`` (default stream unless set)."""
+        current = getattr(self._local, "current", None)
+        if current is not None:
+            s = current.get(device)
+            if s is not None:
+                return s
+        return self._default[device]
+
+    def set_stream(self, stream: "VirtualStream") -> "VirtualStream":
+        """Make ``stream`` current on its device for this thread; returns the previous one."""
+        if not isinstance(stream, VirtualStream) or stream._engine is not self:
+            raise TypeError(f"expected a gpemu stream of this run, got {stream!r}")
+        current = getattr(self._local, "current", None)
+        if current is None:
+            current = self._local.current = {}
+        previous = current.get(stream.device_index, self._default[stream.device_index])
+        current[stream.device_index] = stream
+        return previous
+
+    @contextmanager
+    def use_stream(self, stream: "VirtualStream | None") -> Iterator["VirtualStream | None"]:
+        """``with engine.use_stream(s):`` work enqueued on s's device goes to s (torch.cuda.stream)."""
+        if stream is None:  # torch.cuda.stream(None) is a no-op
+            yield None
+            return
+        previous = self.set_stream(stream)
+        try:
+            yield stream
+        finally:
+            self.set_stream(previous)
+
+    # ------------------------------------------------------------------ sync points
+    def now(self) -> float:
+        return self.clock.now()
+
+    def device_busy_until(self, device: int) -> float:
+        return self._device_busy[device]
+
+    def synchronize(self, device: int | None = None, reason: str = "synchronize") -> None:
+        """Host waits until every stream of ``device`` (all devices when None) is idle."""
+        devices = range(self.num_devices) if device is None else (self.check_device(device),)
+        for d in devices:
+            self._wait_device(d, self._device_busy[d], reason)
+
+    def _wait_device(self, device: int, deadline: float, reason: str) -> None:
+        if self._backend is not None:
+            self._flush(device)
+            worker = self._workers.get(device)
+            if worker is not None:
+                start = self.clock.now()
+                worker.wait_idle()
+                end = self.clock.now()
+                if end > start:
+                    self.recorder.host_wait(device, "sharing", start, end)
+            return
+        start = self.clock.now()
+        if deadline > start:
+            self.clock.wait_until(deadline)
+            self.recorder.host_wait(device, reason, start, self.clock.now())
+
+    # ------------------------------------------------------------------ enqueue
+    def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
+                 peak_bytes: int) -> float:
+        if seconds < 0 or seconds != seconds:
+            raise ValueError(f"GPU work must take a non-negative time, got {seconds!r} s for {kind} {name!r}")
+        device = stream.device_index
+        if kind == "backward":
+            self._backward_since_mark[device] = True
+        if self._backend is not None:
+            return self._enqueue_backend(stream, seconds, kind, name, peak_bytes)
+        now = self.clock.now()
+        with self._lock:
+            start = stream.busy_until if stream.busy_until > now else now
+            end = start + seconds
+            stream.busy_until = end
+            if end > self._device_busy[device]:
+                self._device_busy[device] = end
+        if seconds > 0:
+            self.recorder.span(device, stream.stream_id, kind, name, start, end, now)
+        return end
+
+    # ------------------------------------------------------------------ charged scopes
+    @contextmanager
+    def charged_scope(self) -> Iterator[None]:
+        """Inside, per-op time is already covered by a whole-module or optimizer charge, so
+        :func:`gpemu.costs.op_seconds` returns 0 (no double counting)."""
+        self._local.scope = getattr(self._local, "scope", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.scope -= 1
+
+    @property
+    def in_charged_scope(self) -> bool:
+        return getattr(self._local, "scope", 0) > 0
+
+    def _set_scope(self, depth: int) -> None:
+        self._local.scope = depth
+
+    # ------------------------------------------------------------------ iterations
+    def end_iteration(self, device: int) -> None:
+        """An optimizer step finished on ``device``: mark an iteration (at the GPU time its work
+        ends) and hand the iteration's work to a backend when one is plugged in."""
+        if not self._backward_since_mark[device]:
+            # e.g. a second optimizer in the same iteration, or steps without backward
+            return
+        self._backward_since_mark[device] = False
+        if self._backend is not None and self.granularity == "iteration":
+            self._flush(device)
+        t = max(self.clock.now(), self._device_busy[device])
+        self.recorder.iteration(device, t)
+
+    # ------------------------------------------------------------------ backend
+    @property
+    def backend(self) -> GpuTimeBackend | None:
+        return self._backend
+
+    def set_backend(self, backend: GpuTimeBackend | None) -> None:
+        """Route GPU time through ``backend.run(...)`` (None: back to local deadlines).
+
+        Pending local work is waited for first so no time is lost or counted twice."""
+        if backend is not None and not callable(getattr(backend, "run", None)):
+            raise TypeError("a GPU time backend needs a run(device, seconds, peak_bytes, kind) method")
+        self.synchronize(None, "backend-switch")
+        self.close()
+        self._backend = backend
+
+    def close(self) -> None:
+        """Stop backend workers (after finishing what they hold)."""
+        workers, self._workers = self._workers, {}
+        for w in workers.values():
+            w.stop()
+
+    def _enqueue_backend(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
+                         peak_bytes: int) -> float:
+        device = stream.device_index
+        now = self.clock.now()
+        self._pending[device].append((stream.stream_id, seconds, kind, name, now, peak_bytes))
+        if self.granularity == "forward-backward" and kind == "backward":
+            self._flush(device)
+        # An estimate only: the backend decides when the work really ends.
+        return max(now, stream.busy_until) + seconds
+
+    def _flush(self, device: int) -> int:
+        """Hand pending work of ``device`` to its backend worker; returns the worker's ticket."""
+        with self._lock:
+            items, self._pending[device] = self._pending[device], []
+            worker = self._workers.get(device)
+            if worker is None:
+                worker = self._workers[device] = _BackendWorker(self, device, self._backend)
+        if not items:
+            return worker.last_ticket
+        label = items[0][2] if all(it[2] == items[0][2] for it in items) else self.granularity
+        return worker.submit(items, label)
+
+    def _backend_done(self, device: int, end: float) -> None:
+        with self._lock:
+            if end > self._device_busy[device]:
+                self._device_busy[device] = end
+            for s in (self._default[device],):
+                if end > s.busy_until:
+                    s.busy_until = end
+
+
+class _BackendWorker:
+    """Runs one device's GPU work through a backend, in order, off the host thread."""
+
+    def __init__(self, engine: TimeEngine, device: int, backend: GpuTimeBackend) -> None:
+        self.engine = engine
+        self.device = device
+        self.backend = backend
+        self.queue: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.last_ticket = 0
+        self.done_ticket = 0
+        self.done_at: dict[int, float] = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"gpemu-gpu{device}-backend", daemon=True)
+        self.thread.start()
+
+    def submit(self, items: list[tuple], label: str) -> int:
+        with self.cond:
+            self.last_ticket += 1
+            ticket = self.last_ticket
+        self.queue.put((ticket, items, label))
+        return ticket
+
+    def _loop(self) -> None:
+        clock, rec = self.engine.clock, self.engine.recorder
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            ticket, items, label = job
+            seconds = sum(it[1] for it in items)
+            peak = max((it[5] for it in items), default=0)
+            t0 = clock.now()
+            try:
+                self.backend.run(self.device, seconds, peak, label)
+            except BaseException as exc:  # surfaced to the host at its next wait
+                self.error = exc
+            t1 = clock.now()
+            # Lay the items out inside the granted window, in proportion to their length.
+            scale = (t1 - t0) / seconds if seconds > 0 else 0.0
+            t = t0
+            for sid, secs, kind, name, enq, _ in items:
+                if secs > 0:
+                    rec.span(self.device, sid, kind, name, t, t + secs * scale, enq)
+                t += secs * scale
+            self.engine._backend_done(self.device, t1)
+            with self.cond:
+                self.done_ticket = ticket
+                self.done_at[ticket] = t1
+                if len(self.done_at) > 4096:  # events only need recent tickets
+                    for k in sorted(self.done_at)[:2048]:
+                        del self.done_at[k]
+                self.cond.notify_all()
+
+    def wait(self, ticket: int) -> float:
+        with self.cond:
+            while self.done_ticket < ticket and self.error is None:
+                self.cond.wait(0.5)
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"gpemu: the GPU time backend failed: {err!r}") from err
+        return self.done_at.get(ticket, self.engine.clock.now())
+
+    def wait_idle(self) -> None:
+        self.wait(self.last_ticket)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# streams and events, shaped like torch.cuda.Stream / torch.cuda.Event
+# ---------------------------------------------------------------------------------------------
+def get_engine() -> TimeEngine:
+    """The active run's engine; a clear error when gpemu is not patched."""
+    from .runtime import current
+
+    rt = current()
+    if rt is None or "engine" not in rt.state:
+        raise RuntimeError("gpemu is not patched: call gpemu.patch() before using emulated CUDA streams/events")
+    return rt.state["engine"]
+
+
+def _device_index(device: Any, engine: TimeEngine) -> int:
+    """torch.cuda-style device argument (None, int, 'cuda:1', torch.device) -> index."""
+    if device is None:
+        from .runtime import current
+
+        rt = current()
+        return rt.current_device if rt is not None else 0
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"expected a cuda device, got {device}")
+        return _device_index(device.index, engine)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return engine.check_device(device)
+    raise TypeError(f"device must be None, an int, a 'cuda:N' string or a torch.device, got {device!r}")
+
+
+class VirtualStream:
+    """One emulated CUDA stream: in-order GPU work with a ``busy_until`` deadline.
+
+    Constructed like ``torch.cuda.Stream(device=None, priority=0)`` by user code; the engine
+    builds its default streams internally.
+    """
+
+    __slots__ = ("_engine", "device_index", "priority", "stream_id", "busy_until", "__weakref__")
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"gpemu streams do not support {', '.join(sorted(kwargs))} "
+                            "(external/foreign CUDA streams cannot exist in emulation)")
+        engine = get_engine()
+        index = _device_index(device, engine)
+        new = engine.new_stream(index, priority)
+        self._init(engine, index, priority, new.stream_id)
+
+    @classmethod
+    def _make(cls, engine: TimeEngine, device: int, priority: int, stream_id: int) -> "VirtualStream":
+        s = cls.__new__(cls)
+        s._init(engine, device, priority, stream_id)
+        return s
+
+    def _init(self, engine: TimeEngine, device: int, priority: int, stream_id: int) -> None:
+        self._engine = engine
+        self.device_index = device
+        self.priority = int(priority)
+        self.stream_id = stream_id
+        self.busy_until = 0.0
+
+    # -------------------------------------------------------------- engine-level API
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.device_index)
+
+    def enqueue(self, seconds: float, kind: str, name: str, peak_bytes: int = 0) -> float:
+        """Append GPU work taking ``seconds``; returns the (emulated) GPU time it ends. Never blocks."""
+        return self._engine._enqueue(self, seconds, kind, name, peak_bytes)
+
+    def synchronize(self, reason: str = "stream-synchronize") -> None:
+        """Host waits until this stream's work is done (absolute deadline)."""
+        self._engine._wait_device(self.device_index, self.busy_until, reason) if self._engine._backend is None \
+            else self._engine._wait_device(self.device_index, 0.0, reason)
+
+    def query(self) -> bool:
+        """True when all work enqueued on this stream has completed."""
+        eng = self._engine
+        if eng._backend is not None:
+            w = eng._workers.get(self.device_index)
+            return not eng._pending[self.device_index] and (w is None or w.done_ticket >= w.last_ticket)
+        return self.busy_until <= eng.clock.now()
+
+    def wait_event(self, event: "EmuEvent") -> None:
+        """Work enqueued later on this stream starts only after ``event`` (GPU side; host goes on)."""
+        if not isinstance(event, EmuEvent):
+            raise TypeError(f"wait_event expects a torch.cuda.Event, got {type(event).__name__}")
+        if event._time is None and event._ticket is None:
+            return  # CUDA: waiting on a never-recorded event is a no-op
+        eng = self._engine
+        if eng._backend is not None:
+            # One backend queue per device runs its streams in order; cross-device order is kept
+            # by waiting on the host (an approximation documented in docs/time.md).
+            if event._device != self.device_index:
+                event.synchronize()
+            return
+        with eng._lock:
+            if event._time > self.busy_until:
+                self.busy_until = event._time
+
+    def wait_stream(self, stream: "VirtualStream") -> None:
+        """Later work on this stream waits for all work already enqueued on ``stream``."""
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: "EmuEvent | None" = None) -> "EmuEvent":
+        event = EmuEvent() if event is None else event
+        event.record(self)
+        return event
+
+    # -------------------------------------------------------------- torch.cuda.Stream surface
+    @property
+    def cuda_stream(self) -> int:
+        # A stable fake handle: 0 for the default stream, like CUDA's legacy default stream.
+        return 0 if self.stream_id == 0 else (self.device_index << 32) | self.stream_id
+
+    @property
+    def device_type(self) -> int:
+        return 1  # c10::DeviceType::CUDA
+
+    def __enter__(self) -> "VirtualStream":
+        prev = self._engine.set_stream(self)
+        stack = getattr(self._engine._local, "enter_stack", None)
+        if stack is None:
+            stack = self._engine._local.enter_stack = []
+        stack.append(prev)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._engine.set_stream(self._engine._local.enter_stack.pop())
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, VirtualStream) and other._engine is self._engine
+                and other.device_index == self.device_index and other.stream_id == self.stream_id)
+
+    def __hash__(self) -> int:
+        return hash((id(self._engine), self.device_index, self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device=cuda:{self.device_index} cuda_stream={self.cuda_stream:#x}>"
+
+
+class EmuEvent:
+    """An emulated ``torch.cuda.Event``: marks a point in a stream's GPU time.
+
+    ``elapsed_time`` is in milliseconds of *emulated GPU time* between two recorded events.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 external: bool = False) -> None:
+        if interprocess:
+            raise ValueError("gpemu: interprocess CUDA events cannot be shared between emulated "
+                             "processes; use enable_timing/blocking only")
+        self.enable_timing = bool(enable_timing)
+        self.blocking = bool(blocking)
+        self.interprocess = False
+        self._engine: TimeEngine | None = None
+        self._device: int | None = None
+        self._time: float | None = None   # GPU time the event completes (local mode)
+        self._ticket: int | None = None   # backend mode: worker ticket that completes it
+
+    def record(self, stream: VirtualStream | None = None) -> None:
+        """Mark the point after all work currently enqueued on ``stream`` (current stream if None)."""
+        if stream is None:
+            eng = get_engine()
+            from .runtime import current
+
+            rt = current()
+            stream = eng.stream(rt.current_device if rt is not None else 0)
+        if not isinstance(stream, VirtualStream):
+            raise TypeError(f"Event.record expects a torch.cuda.Stream, got {type(stream).__name__}")
+        eng = stream._engine
+        self._engine, self._device = eng, stream.device_index
+        if eng._backend is not None:
+            ticket = eng._flush(stream.device_index)
+            worker = eng._workers[stream.device_index]
+            with worker.cond:
+                idle = worker.done_ticket >= ticket
+            # Nothing outstanding: the event completes now; else when its ticket's work ends.
+            self._time, self._ticket = (eng.clock.now(), None) if idle else (None, ticket)
+            return
+        self._ticket = None
+        self._time = max(eng.clock.now(), stream.busy_until)
+
+    def query(self) -> bool:
+        if self._engine is None:
+            return True  # CUDA: an unrecorded event counts as complete
+        if self._ticket is not None:
+            w = self._engine._workers.get(self._device)
+            return w is None or w.done_ticket >= self._ticket
+        return self._time <= self._engine.clock.now()
+
+    def synchronize(self) -> None:
+        """Host waits until the event has completed."""
+        eng = self._engine
+        if eng is None:
+            return
+        if self._ticket is not None:
+            w = eng._workers.get(self._device)
+            if w is not None:
+                start = eng.clock.now()
+                self._time = w.wait(self._ticket)
+                eng.recorder.host_wait(self._device, "sharing", start, eng.clock.now())
+            else:
+                self._time = eng.clock.now()
+            self._ticket = None
+            return
+        start = eng.clock.now()
+        if self._time > start:
+            eng.clock.wait_until(self._time)
+            eng.recorder.host_wait(self._device, "event", start, eng.clock.now())
+
+    def wait(self, stream: VirtualStream | None = None) -> None:
+        """Make ``stream`` (current stream if None) wait for this event on the GPU side."""
+        if stream is None:
+            eng = self._engine or get_engine()
+            from .runtime import current
+
+            rt = current()
+            stream = eng.stream(rt.current_device if rt is not None else 0)
+        stream.wait_event(self)
+
+    def elapsed_time(self, end_event: "EmuEvent") -> float:
+        """Milliseconds of emulated GPU time from this event to ``end_event``."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._engine is None or end_event._engine is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query() and end_event.query()):
+            # as CUDA's cudaErrorNotReady: the caller must synchronize first
+            raise RuntimeError("CUDA error: device not ready (gpemu: synchronize the end event "
+                               "before calling elapsed_time)")
+        if self._ticket is not None:
+            self.synchronize()
+        if end_event._ticket is not None:
+            end_event.synchronize()
+        return (end_event._time - self._time) * 1000.0
+
+    @property
+    def cuda_event(self) -> int:
+        return id(self)
+
+    @property
+    def event_id(self) -> int:
+        return id(self)
+
+    def ipc_handle(self) -> bytes:
+        raise RuntimeError("gpemu: interprocess CUDA events are not emulated")
+
+    def __repr__(self) -> str:
+        state = "unrecorded" if self._engine is None else f"cuda:{self._device}"
+        return f"<torch.cuda.Event {state}>"
+
+
+# torch-shaped names for the torch.cuda surface (torch.cuda.Stream = gpemu.engine.Stream)
+Stream = VirtualStream
+Event = EmuEvent
+
+
+# ---------------------------------------------------------------------------------------------
+# component install
+# ---------------------------------------------------------------------------------------------
+def install(rt: "Runtime") -> None:
+    """Create the run's engine (``rt.state['engine']``) and the global optimizer-step hooks.
+
+    ``rt.config.extra['clock']`` may supply a clock (tests use :class:`gpemu.clock.VirtualClock`).
+    """
+    clock = rt.config.extra.get("clock") if rt.config.extra else None
+    engine = TimeEngine(rt.num_devices, rt.recorder, clock=clock, granularity=rt.config.sharing_granularity)
+    rt.state["engine"] = engine
+    rt.patcher.on_restore(engine.close)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step's own ops are covered by one optimizer charge (no per-op time inside).
+        engine._set_scope(1)
+
+    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        engine._set_scope(0)
+        device = _optimizer_device(optimizer)
+        if device is None or device >= engine.num_devices:
+            return  # a CPU optimizer: no GPU time
+        from .costs import optimizer_step_seconds
+
+        seconds, _ = optimizer_step_seconds(rt, optimizer, device)
+        engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
+        engine.end_iteration(device)
+
+    pre = register_optimizer_step_pre_hook(before_step)
+    post = register_optimizer_step_post_hook(after_step)
+    rt.patcher.on_restore(pre.remove)
+    rt.patcher.on_restore(post.remove)
+
+
+def _optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            dev = p.device
+            if dev.type == "cuda":
+                return dev.index or 0
+            return None
+    return None
