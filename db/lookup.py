@@ -1,0 +1,403 @@
+"""``ProfileDB``: name resolution, lookups with provenance, and the write API of the profiler.
+
+Lookups run at model-identification time, not per op; each (GPU, model, kind) series is read
+once and kept in memory, so repeated lookups cost microseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import threading
+from dataclasses import asdict
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from sqlalchemy import Engine, Table, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from . import schema as S
+from .records import (
+    BATCH_INDEPENDENT,
+    KIND_UNITS,
+    KINDS,
+    GpuSpec,
+    Lookup,
+    Measurement,
+    MissingMeasurementError,
+    ModelInfo,
+    UnknownNameError,
+    check_batch_size,
+    check_kind,
+    normalize_name,
+)
+
+__all__ = ["ProfileDB", "validate_measurement", "upsert"]
+
+# Fraction of the profiled points (the largest batch sizes) a beyond-range linear fit uses.
+_EXTRAPOLATION_FRACTION = 0.25
+
+
+class ProfileDB:
+    """The profile database: GPUs, models, measurements and sampled distributions."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+        self._lock = threading.Lock()
+        self._gpus: dict[int, GpuSpec] | None = None
+        self._gpu_keys: dict[str, int] = {}
+        self._models: dict[int, ModelInfo] | None = None
+        self._model_keys: dict[str, int] = {}
+        self._series: dict[tuple[int, int, str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._dists: dict[str, np.ndarray] = {}
+
+    def __repr__(self) -> str:
+        return f"ProfileDB({self.engine.url.render_as_string(hide_password=True)!r})"
+
+    # ------------------------------------------------------------------ names
+    def _load_names(self) -> None:
+        with self._lock:
+            if self._gpus is not None and self._models is not None:
+                return
+            with self.engine.connect() as conn:
+                grows = conn.execute(select(S.gpus)).mappings().all()
+                mrows = conn.execute(select(S.models)).mappings().all()
+            gpus: dict[int, GpuSpec] = {}
+            keys: dict[str, int] = {}
+            for r in grows:
+                spec = GpuSpec(
+                    name=r["name"], aliases=tuple(json.loads(r["aliases"] or "[]")),
+                    memory_bytes=int(r["memory_bytes"]), fp32_flops=r["fp32_flops"], fp16_flops=r["fp16_flops"],
+                    memory_bandwidth=r["memory_bandwidth"],
+                    host_link_bandwidth_pinned=r["host_link_bandwidth_pinned"],
+                    host_link_bandwidth_pageable=r["host_link_bandwidth_pageable"], sm_count=int(r["sm_count"]),
+                )
+                gpus[r["id"]] = spec
+                for n in (spec.name, *spec.aliases):
+                    keys.setdefault(normalize_name(n), r["id"])
+            models: dict[int, ModelInfo] = {}
+            mkeys: dict[str, int] = {}
+            for r in mrows:
+                info = ModelInfo(
+                    name=r["name"], class_name=r["class_name"], param_count=int(r["param_count"]),
+                    param_bytes=int(r["param_bytes"]), buffer_bytes=int(r["buffer_bytes"]),
+                    fwd_flops_per_sample=r["fwd_flops_per_sample"], fwd_bwd_flops_per_sample=r["fwd_bwd_flops_per_sample"],
+                    fingerprint=r["fingerprint"], input_size=r["input_size"],
+                )
+                models[r["id"]] = info
+                mkeys[info.name.lower()] = r["id"]
+            self._gpus, self._gpu_keys, self._models, self._model_keys = gpus, keys, models, mkeys
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            self._gpus = None
+            self._models = None
+            self._series.clear()
+            self._dists.clear()
+
+    def _gpu_id(self, name: str) -> int:
+        self._load_names()
+        if isinstance(name, GpuSpec):
+            name = name.name
+        if not isinstance(name, str):
+            raise TypeError(f"GPU name must be a string such as 'V100', got {type(name).__name__}")
+        gid = self._gpu_keys.get(normalize_name(name))
+        if gid is None:
+            specs = list(self._gpus.values())
+            valid = [s.short_name for s in specs] or []
+            every = [n for s in specs for n in (s.name, *s.aliases)]
+            raise UnknownNameError("GPU", name, valid, extra_keys=every) if specs else UnknownNameError(
+                "GPU", name, [f"(none: the database {self._where()} is empty; run `gpemu db init`)"]
+            )
+        return gid
+
+    def _model_id(self, name: str) -> int:
+        self._load_names()
+        if isinstance(name, ModelInfo):
+            name = name.name
+        if not isinstance(name, str):
+            raise TypeError(f"model name must be a string such as 'resnet50', got {type(name).__name__}")
+        mid = self._model_keys.get(name.strip().lower())
+        if mid is None:
+            valid = sorted(m.name for m in self._models.values())
+            raise UnknownNameError("model", name, valid or [f"(none: the database {self._where()} is empty)"])
+        return mid
+
+    def _where(self) -> str:
+        return self.engine.url.render_as_string(hide_password=True)
+
+    def gpu(self, name: str) -> GpuSpec:
+        """The GPU with this name or alias (case, spaces, '_' and '-' do not matter)."""
+        return self._gpus[self._gpu_id(name)]  # type: ignore[index]
+
+    def gpus(self) -> list[GpuSpec]:
+        self._load_names()
+        return sorted(self._gpus.values(), key=lambda s: s.short_name.lower())  # type: ignore[union-attr]
+
+    def model(self, name: str) -> ModelInfo:
+        """The model with this name (case-insensitive)."""
+        return self._models[self._model_id(name)]  # type: ignore[index]
+
+    def models(self) -> list[ModelInfo]:
+        self._load_names()
+        return sorted(self._models.values(), key=lambda m: m.name)  # type: ignore[union-attr]
+
+    def models_by_structure(self, class_name: str, param_count: int) -> list[ModelInfo]:
+        """Models whose nn.Module class name and parameter count both match exactly."""
+        self._load_names()
+        return sorted(
+            (m for m in self._models.values() if m.class_name == class_name and m.param_count == int(param_count)),  # type: ignore[union-attr]
+            key=lambda m: m.name,
+        )
+
+    # ------------------------------------------------------------------ measurements
+    def _load_series(self, gid: int, mid: int, kind: str, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (gid, mid, kind, world_size)
+        hit = self._series.get(key)
+        if hit is not None:
+            return hit
+        m = S.measurements
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(m.c.batch_size, m.c.value)
+                .where(m.c.gpu_id == gid, m.c.model_id == mid, m.c.kind == kind, m.c.world_size == world_size)
+                .order_by(m.c.batch_size)
+            ).all()
+        series = (np.array([r[0] for r in rows], dtype=float), np.array([r[1] for r in rows], dtype=float))
+        if rows:  # absent series are not cached: the profiler may add them later
+            self._series[key] = series
+        return series
+
+    def series(self, gpu: str, model: str, kind: str, world_size: int = 1) -> list[tuple[float, float]]:
+        """The measured (batch size, value) points, by batch size; empty when none."""
+        check_kind(kind)
+        b, v = self._load_series(self._gpu_id(gpu), self._model_id(model), kind, world_size)
+        return [(float(x), float(y)) for x, y in zip(b, v)]
+
+    def has(self, gpu: str, model: str, kind: str, world_size: int = 1) -> bool:
+        check_kind(kind)
+        return len(self._load_series(self._gpu_id(gpu), self._model_id(model), kind, world_size)[0]) > 0
+
+    def kinds(self, gpu: str, model: str) -> list[str]:
+        """The kinds measured for this GPU and model, in KINDS order."""
+        gid, mid = self._gpu_id(gpu), self._model_id(model)
+        m = S.measurements
+        with self.engine.connect() as conn:
+            present = set(conn.execute(
+                select(m.c.kind).where(m.c.gpu_id == gid, m.c.model_id == mid).distinct()
+            ).scalars())
+        return [k for k in KINDS if k in present]
+
+    def lookup(self, gpu: str, model: str, batch_size: int, kind: str, world_size: int = 1) -> Lookup:
+        """Value of ``kind`` for ``model`` on ``gpu`` at ``batch_size``, with its provenance.
+
+        measured: a profiled batch size; interpolated: piecewise-linear between the two
+        neighbouring profiled sizes (small models are far from linear in batch size);
+        extrapolated: outside the profiled range, a least-squares line through the nearest
+        quarter of the points, never below zero.
+        """
+        check_kind(kind)
+        bs = check_batch_size(batch_size)
+        gid, mid = self._gpu_id(gpu), self._model_id(model)
+        xs, ys = self._load_series(gid, mid, kind, world_size)
+        unit = KIND_UNITS[kind]
+        if len(xs) == 0:
+            have = self.kinds(gpu, model)
+            raise MissingMeasurementError(
+                f"no {kind} measurements for {self.model(model).name} on {self.gpu(gpu).name}"
+                + (f" (world size {world_size})" if world_size != 1 else "")
+                + f"; measured kinds for this pair: {', '.join(have) or 'none'}"
+            )
+        if kind in BATCH_INDEPENDENT or (len(xs) == 1 and xs[0] == 0):
+            return Lookup(float(ys[-1]), unit, "measured")
+        i = int(np.searchsorted(xs, bs))
+        if i < len(xs) and xs[i] == bs:
+            return Lookup(float(ys[i]), unit, "measured")
+        if xs[0] < bs < xs[-1]:
+            return Lookup(float(np.interp(bs, xs, ys)), unit, "interpolated")
+        return Lookup(_extrapolate(xs, ys, bs), unit, "extrapolated")
+
+    def distribution(self, name: str) -> np.ndarray:
+        """Samples of a named distribution (e.g. 'decode-dali', seconds per batch), recorded order."""
+        hit = self._dists.get(name)
+        if hit is not None:
+            return hit.copy()
+        d = S.distributions
+        with self.engine.connect() as conn:
+            row = conn.execute(select(d.c.samples_json).where(d.c.name == name)).first()
+            if row is None:
+                valid = sorted(conn.execute(select(d.c.name)).scalars())
+                raise UnknownNameError("distribution", name, valid)
+        arr = np.asarray(json.loads(row[0]), dtype=float)
+        self._dists[name] = arr
+        return arr.copy()
+
+    def distributions(self) -> list[tuple[str, str, int, str]]:
+        """(name, unit, sample count, description) of every distribution."""
+        d = S.distributions
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(d.c.name, d.c.unit, d.c.samples_json, d.c.description).order_by(d.c.name)).all()
+        return [(r[0], r[1], len(json.loads(r[2])), r[3]) for r in rows]
+
+    def count(self, kind: str | None = None) -> int:
+        """Number of measurement rows (of one kind, or all)."""
+        m = S.measurements
+        q = select(func.count()).select_from(m)
+        if kind is not None:
+            q = q.where(m.c.kind == check_kind(kind))
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar_one())
+
+    def meta(self) -> dict[str, str]:
+        with self.engine.connect() as conn:
+            return {k: v for k, v in conn.execute(select(S.meta.c.key, S.meta.c.value)).all()}
+
+    # ------------------------------------------------------------------ writes (profiler, import)
+    def add_gpu(self, spec: GpuSpec) -> None:
+        """Insert or update a GPU (matched by name)."""
+        if not isinstance(spec, GpuSpec):
+            raise TypeError(f"add_gpu takes a GpuSpec, got {type(spec).__name__}")
+        with self.engine.begin() as conn:
+            upsert(conn, S.gpus, [_gpu_row(spec)], ("name",))
+        self._invalidate()
+
+    def add_model(self, info: ModelInfo) -> None:
+        """Insert or update a model (matched by name)."""
+        if not isinstance(info, ModelInfo):
+            raise TypeError(f"add_model takes a ModelInfo, got {type(info).__name__}")
+        with self.engine.begin() as conn:
+            upsert(conn, S.models, [_model_row(info)], ("name",))
+        self._invalidate()
+
+    def add_measurements(self, rows: Iterable[Measurement | Mapping[str, Any]]) -> int:
+        """Upsert measurements in one transaction (all or none). Returns the number written.
+
+        GPUs and models must exist already (add_gpu / add_model first).
+        """
+        prepared = []
+        for n, row in enumerate(rows, 1):
+            try:
+                m = validate_measurement(row)
+            except ValueError as exc:
+                raise ValueError(f"measurement {n}: {exc}") from None
+            prepared.append(self._measurement_row(m))
+        with self.engine.begin() as conn:
+            upsert(conn, S.measurements, prepared, ("gpu_id", "model_id", "kind", "batch_size", "world_size"))
+        self._series.clear()
+        return len(prepared)
+
+    def _measurement_row(self, m: Measurement) -> dict[str, Any]:
+        row = asdict(m)
+        row["gpu_id"] = self._gpu_id(row.pop("gpu"))
+        row["model_id"] = self._model_id(row.pop("model"))
+        row["metadata_json"] = json.dumps(dict(row.pop("metadata") or {}), sort_keys=True)
+        return row
+
+    def add_distribution(self, name: str, unit: str, samples: Sequence[float], *,
+                         source: str = "", description: str = "") -> None:
+        """Insert or replace a named sampled distribution."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("distribution name must be a non-empty string such as 'decode-dali'")
+        if unit not in ("seconds", "bytes"):
+            raise ValueError(f"distribution unit must be 'seconds' or 'bytes', got {unit!r}")
+        arr = np.asarray(samples, dtype=float)
+        if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr < 0):
+            raise ValueError(f"distribution {name!r} needs a non-empty list of finite values >= 0")
+        with self.engine.begin() as conn:
+            upsert(conn, S.distributions, [{
+                "name": name, "unit": unit, "samples_json": json.dumps(arr.tolist()),
+                "source": source, "description": description,
+            }], ("name",))
+        self._dists.pop(name, None)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _extrapolate(xs: np.ndarray, ys: np.ndarray, bs: int) -> float:
+    """Least-squares line through the quarter of points nearest the requested side; >= 0."""
+    n = len(xs)
+    if n == 1:
+        return float(max(ys[0] * bs / xs[0], 0.0)) if xs[0] > 0 else float(ys[0])
+    k = max(2, int(math.ceil(n * _EXTRAPOLATION_FRACTION)))
+    sel = slice(n - k, n) if bs > xs[-1] else slice(0, k)
+    slope, intercept = np.polyfit(xs[sel], ys[sel], 1)
+    return float(max(slope * bs + intercept, 0.0))
+
+
+def validate_measurement(row: Measurement | Mapping[str, Any]) -> Measurement:
+    """Check one measurement; returns it with its unit filled in. ValueError says what is wrong."""
+    if isinstance(row, Mapping):
+        known = set(Measurement.__dataclass_fields__)
+        unknown = set(row) - known
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}; valid fields: {', '.join(sorted(known))}")
+        missing = [f for f in ("gpu", "model", "kind", "batch_size", "value") if row.get(f) in (None, "")]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        row = Measurement(**row)
+    elif not isinstance(row, Measurement):
+        raise ValueError(f"expected a Measurement or a mapping, got {type(row).__name__}")
+    kind = check_kind(row.kind)
+    bs = row.batch_size
+    if isinstance(bs, bool) or not isinstance(bs, numbers.Integral):
+        raise ValueError(f"batch_size must be an integer, got {bs!r}")
+    if kind in BATCH_INDEPENDENT:
+        if bs != 0:
+            raise ValueError(f"{kind} does not depend on the batch size: store it with batch_size 0, got {bs}")
+    elif bs < 1:
+        raise ValueError(f"batch_size must be >= 1 for {kind}, got {bs}")
+    ws = row.world_size
+    if isinstance(ws, bool) or not isinstance(ws, numbers.Integral) or ws < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {ws!r}")
+    v = row.value
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"value must be a finite number >= 0, got {v!r}")
+    unit = KIND_UNITS[kind]
+    if row.unit is not None and row.unit != unit:
+        raise ValueError(f"{kind} is stored in {unit}, got unit {row.unit!r}")
+    for fname in ("std", "p50", "p90", "p99"):
+        x = getattr(row, fname)
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0):
+            raise ValueError(f"{fname} must be a finite number >= 0 or empty, got {x!r}")
+    if row.samples is not None and (isinstance(row.samples, bool) or not isinstance(row.samples, numbers.Integral) or row.samples < 1):
+        raise ValueError(f"samples must be an integer >= 1 or empty, got {row.samples!r}")
+    return Measurement(**{**asdict(row), "unit": unit, "batch_size": int(bs), "world_size": int(ws), "value": float(v)})
+
+
+def _gpu_row(s: GpuSpec) -> dict[str, Any]:
+    row = asdict(s)
+    row["aliases"] = json.dumps(list(s.aliases))
+    return row
+
+
+def _model_row(m: ModelInfo) -> dict[str, Any]:
+    return asdict(m)
+
+
+def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], key: Sequence[str]) -> None:
+    """Insert rows, updating those whose ``key`` columns already exist (idempotent writes)."""
+    if not rows:
+        return
+    dialect = conn.dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        cols = [c for c in rows[0] if c not in key]
+        for start in range(0, len(rows), 5000):
+            stmt = dialect_insert(table)
+            stmt = stmt.on_conflict_do_update(index_elements=list(key), set_={c: stmt.excluded[c] for c in cols})
+            conn.execute(stmt, rows[start:start + 5000])
+        return
+    # Portable fallback for other databases: one lookup per row.
+    for row in rows:
+        cond = [table.c[k] == row[k] for k in key]
+        found = conn.execute(select(table.c[key[0]]).where(*cond)).first()
+        if found is None:
+            conn.execute(insert(table), [row])
+        else:
+            conn.execute(update(table).where(*cond).values(**{c: v for c, v in row.items() if c not in key}))

@@ -1,0 +1,98 @@
+"""SQLAlchemy 2.x schema of the profile database.
+
+Unique constraints make every write an upsert on a natural key, so importing the same data
+twice (or the profiler re-measuring) never duplicates rows.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+__all__ = ["SCHEMA_VERSION", "metadata", "meta", "gpus", "models", "measurements", "distributions"]
+
+# Bump when tables change: default databases built by an older gpemu are rebuilt on open.
+SCHEMA_VERSION = 1
+
+metadata = MetaData()
+
+meta = Table(
+    "meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+
+gpus = Table(
+    "gpus",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("aliases", Text, nullable=False, default="[]"),  # JSON list; short alias first
+    Column("memory_bytes", BigInteger, nullable=False),
+    Column("fp32_flops", Float, nullable=False),
+    Column("fp16_flops", Float, nullable=False),
+    Column("memory_bandwidth", Float, nullable=False),  # bytes/s
+    Column("host_link_bandwidth_pinned", Float, nullable=False),  # bytes/s
+    Column("host_link_bandwidth_pageable", Float, nullable=False),  # bytes/s
+    Column("sm_count", Integer, nullable=False),
+)
+
+models = Table(
+    "models",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("class_name", String(128), nullable=False),
+    Column("param_count", BigInteger, nullable=False),
+    Column("param_bytes", BigInteger, nullable=False),
+    Column("buffer_bytes", BigInteger, nullable=False),
+    Column("fwd_flops_per_sample", Float, nullable=False),
+    Column("fwd_bwd_flops_per_sample", Float, nullable=False),
+    Column("input_size", Integer, nullable=True),
+    Column("fingerprint", String(128), nullable=True),
+)
+
+measurements = Table(
+    "measurements",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("gpu_id", Integer, ForeignKey("gpus.id", ondelete="CASCADE"), nullable=False),
+    Column("model_id", Integer, ForeignKey("models.id", ondelete="CASCADE"), nullable=False),
+    Column("kind", String(32), nullable=False),
+    # 0 for batch-independent kinds (model_transfer); never NULL so the unique key holds.
+    Column("batch_size", Integer, nullable=False),
+    Column("world_size", Integer, nullable=False, default=1),
+    Column("value", Float, nullable=False),
+    Column("unit", String(16), nullable=False),  # "seconds" | "bytes"
+    Column("samples", Integer, nullable=True),
+    Column("std", Float, nullable=True),
+    Column("p50", Float, nullable=True),
+    Column("p90", Float, nullable=True),
+    Column("p99", Float, nullable=True),
+    Column("source", Text, nullable=False, default=""),
+    Column("measured_at", String(40), nullable=True),
+    Column("metadata_json", Text, nullable=False, default="{}"),
+    UniqueConstraint("gpu_id", "model_id", "kind", "batch_size", "world_size", name="uq_measurement"),
+)
+
+distributions = Table(
+    "distributions",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("unit", String(16), nullable=False),
+    Column("samples_json", Text, nullable=False),  # JSON list of floats, in recorded order
+    Column("source", Text, nullable=False, default=""),
+    Column("description", Text, nullable=False, default=""),
+)
