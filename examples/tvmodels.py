@@ -1,0 +1,363 @@
+"""Plain-PyTorch re-implementations of a few torchvision architectures.
+
+torchvision cannot be imported with the CPU build of torch on these machines, so tests, examples
+and benchmarks build their models from here. Class names, submodule names and parameter counts
+equal torchvision's (checked against ``torchvision_models.csv`` by tests/test_identify.py), so a
+model from here is recognised exactly like the real one. No gpemu import: this is ordinary user
+code.
+
+    from examples.tvmodels import resnet50
+    model = resnet50(num_classes=1000)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "AlexNet", "alexnet",
+    "ResNet", "BasicBlock", "Bottleneck", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "resnext50_32x4d", "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2",
+    "VGG", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn",
+    "MobileNetV2", "mobilenet_v2",
+    "SqueezeNet", "squeezenet1_0", "squeezenet1_1",
+    "MODELS",
+]
+
+
+# ----------------------------------------------------------------------------- AlexNet
+class AlexNet(nn.Module):
+    def __init__(self, num_classes: int = 1000, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2), nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=3, stride=2),
+            nn.Conv2d(64, 192, kernel_size=5, padding=2), nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=3, stride=2),
+            nn.Conv2d(192, 384, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=3, stride=2),
+        )
+        self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+        self.classifier = nn.Sequential(
+            nn.Dropout(p=dropout), nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True),
+            nn.Dropout(p=dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+            nn.Linear(4096, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.avgpool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def alexnet(num_classes: int = 1000) -> AlexNet:
+    return AlexNet(num_classes=num_classes)
+
+
+# ----------------------------------------------------------------------------- ResNet
+def _conv3x3(cin: int, cout: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, groups=groups, bias=False)
+
+
+def _conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
+                 groups: int = 1, base_width: int = 64) -> None:
+        super().__init__()
+        self.conv1 = _conv3x3(inplanes, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
+                 groups: int = 1, base_width: int = 64) -> None:
+        super().__init__()
+        width = int(planes * (base_width / 64.0)) * groups
+        self.conv1 = _conv1x1(inplanes, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = _conv3x3(width, width, stride, groups)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = _conv1x1(width, planes * self.expansion)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int], num_classes: int = 1000,
+                 groups: int = 1, width_per_group: int = 64) -> None:
+        super().__init__()
+        self.inplanes = 64
+        self.groups = groups
+        self.base_width = width_per_group
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(block, 64, layers[0])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512 * block.expansion, num_classes)
+
+    def _make_layer(self, block, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.Sequential(_conv1x1(self.inplanes, planes * block.expansion, stride),
+                                       nn.BatchNorm2d(planes * block.expansion))
+        layers = [block(self.inplanes, planes, stride, downsample, self.groups, self.base_width)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes, groups=self.groups, base_width=self.base_width)
+                   for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18(num_classes: int = 1000) -> ResNet:
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes)
+
+
+def resnet34(num_classes: int = 1000) -> ResNet:
+    return ResNet(BasicBlock, [3, 4, 6, 3], num_classes)
+
+
+def resnet50(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes)
+
+
+def resnet101(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 23, 3], num_classes)
+
+
+def resnet152(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 8, 36, 3], num_classes)
+
+
+def resnext50_32x4d(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, groups=32, width_per_group=4)
+
+
+def resnext101_32x8d(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 23, 3], num_classes, groups=32, width_per_group=8)
+
+
+def wide_resnet50_2(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, width_per_group=128)
+
+
+def wide_resnet101_2(num_classes: int = 1000) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 23, 3], num_classes, width_per_group=128)
+
+
+# ----------------------------------------------------------------------------- VGG
+_VGG_CFGS: dict[str, list[int | str]] = {
+    "A": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "B": [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "D": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+    "E": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+          512, 512, 512, 512, "M"],
+}
+
+
+class VGG(nn.Module):
+    def __init__(self, features: nn.Module, num_classes: int = 1000, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.features = features
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
+            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
+            nn.Linear(4096, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.avgpool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def _vgg_features(cfg: list[int | str], batch_norm: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    cin = 3
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+            continue
+        layers.append(nn.Conv2d(cin, int(v), kernel_size=3, padding=1))
+        if batch_norm:
+            layers.append(nn.BatchNorm2d(int(v)))
+        layers.append(nn.ReLU(inplace=True))
+        cin = int(v)
+    return nn.Sequential(*layers)
+
+
+def _vgg(cfg: str, batch_norm: bool) -> Callable[..., VGG]:
+    def build(num_classes: int = 1000) -> VGG:
+        return VGG(_vgg_features(_VGG_CFGS[cfg], batch_norm), num_classes)
+    return build
+
+
+vgg11, vgg11_bn = _vgg("A", False), _vgg("A", True)
+vgg13, vgg13_bn = _vgg("B", False), _vgg("B", True)
+vgg16, vgg16_bn = _vgg("D", False), _vgg("D", True)
+vgg19, vgg19_bn = _vgg("E", False), _vgg("E", True)
+for _name, _fn in (("vgg11", vgg11), ("vgg11_bn", vgg11_bn), ("vgg13", vgg13), ("vgg13_bn", vgg13_bn),
+                   ("vgg16", vgg16), ("vgg16_bn", vgg16_bn), ("vgg19", vgg19), ("vgg19_bn", vgg19_bn)):
+    _fn.__name__ = _fn.__qualname__ = _name
+
+
+# ----------------------------------------------------------------------------- MobileNetV2
+def _make_divisible(v: float, divisor: int = 8) -> int:
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    if new_v < 0.9 * v:  # never round down by more than 10%
+        new_v += divisor
+    return new_v
+
+
+class _ConvBNReLU6(nn.Sequential):
+    def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1) -> None:
+        super().__init__(
+            nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
+            nn.BatchNorm2d(cout), nn.ReLU6(inplace=True),
+        )
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand_ratio: int) -> None:
+        super().__init__()
+        hidden = int(round(cin * expand_ratio))
+        self.use_res_connect = stride == 1 and cin == cout
+        layers: list[nn.Module] = []
+        if expand_ratio != 1:
+            layers.append(_ConvBNReLU6(cin, hidden, kernel_size=1))
+        layers += [_ConvBNReLU6(hidden, hidden, stride=stride, groups=hidden),
+                   nn.Conv2d(hidden, cout, 1, 1, 0, bias=False), nn.BatchNorm2d(cout)]
+        self.conv = nn.Sequential(*layers)
+        self.out_channels = cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv(x) if self.use_res_connect else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, dropout: float = 0.2) -> None:
+        super().__init__()
+        settings = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2],
+                    [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1]]
+        cin = _make_divisible(32 * width_mult)
+        self.last_channel = _make_divisible(1280 * max(1.0, width_mult))
+        features: list[nn.Module] = [_ConvBNReLU6(3, cin, stride=2)]
+        for t, c, n, s in settings:
+            cout = _make_divisible(c * width_mult)
+            for i in range(n):
+                features.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
+                cin = cout
+        features.append(_ConvBNReLU6(cin, self.last_channel, kernel_size=1))
+        self.features = nn.Sequential(*features)
+        self.classifier = nn.Sequential(nn.Dropout(p=dropout), nn.Linear(self.last_channel, num_classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def mobilenet_v2(num_classes: int = 1000) -> MobileNetV2:
+    return MobileNetV2(num_classes=num_classes)
+
+
+# ----------------------------------------------------------------------------- SqueezeNet
+class Fire(nn.Module):
+    def __init__(self, cin: int, squeeze: int, expand1x1: int, expand3x3: int) -> None:
+        super().__init__()
+        self.squeeze = nn.Conv2d(cin, squeeze, kernel_size=1)
+        self.squeeze_activation = nn.ReLU(inplace=True)
+        self.expand1x1 = nn.Conv2d(squeeze, expand1x1, kernel_size=1)
+        self.expand1x1_activation = nn.ReLU(inplace=True)
+        self.expand3x3 = nn.Conv2d(squeeze, expand3x3, kernel_size=3, padding=1)
+        self.expand3x3_activation = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.squeeze_activation(self.squeeze(x))
+        return torch.cat([self.expand1x1_activation(self.expand1x1(x)),
+                          self.expand3x3_activation(self.expand3x3(x))], 1)
+
+
+class SqueezeNet(nn.Module):
+    def __init__(self, version: str = "1_0", num_classes: int = 1000, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        pool = lambda: nn.MaxPool2d(kernel_size=3, stride=2, ceil_mode=True)  # noqa: E731
+        if version == "1_0":
+            self.features = nn.Sequential(
+                nn.Conv2d(3, 96, kernel_size=7, stride=2), nn.ReLU(inplace=True), pool(),
+                Fire(96, 16, 64, 64), Fire(128, 16, 64, 64), Fire(128, 32, 128, 128), pool(),
+                Fire(256, 32, 128, 128), Fire(256, 48, 192, 192), Fire(384, 48, 192, 192),
+                Fire(384, 64, 256, 256), pool(), Fire(512, 64, 256, 256),
+            )
+        elif version == "1_1":
+            self.features = nn.Sequential(
+                nn.Conv2d(3, 64, kernel_size=3, stride=2), nn.ReLU(inplace=True), pool(),
+                Fire(64, 16, 64, 64), Fire(128, 16, 64, 64), pool(),
+                Fire(128, 32, 128, 128), Fire(256, 32, 128, 128), pool(),
+                Fire(256, 48, 192, 192), Fire(384, 48, 192, 192), Fire(384, 64, 256, 256),
+                Fire(512, 64, 256, 256),
+            )
+        else:
+            raise ValueError(f"SqueezeNet version must be '1_0' or '1_1', got {version!r}")
+        self.classifier = nn.Sequential(
+            nn.Dropout(p=dropout), nn.Conv2d(512, num_classes, kernel_size=1), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d((1, 1)),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.flatten(self.classifier(self.features(x)), 1)
+
+
+def squeezenet1_0(num_classes: int = 1000) -> SqueezeNet:
+    return SqueezeNet("1_0", num_classes)
+
+
+def squeezenet1_1(num_classes: int = 1000) -> SqueezeNet:
+    return SqueezeNet("1_1", num_classes)
+
+
+# name -> builder, for tests and benchmarks that iterate over what exists here
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    fn.__name__: fn for fn in (
+        alexnet, resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, resnext101_32x8d,
+        wide_resnet50_2, wide_resnet101_2, vgg11, vgg11_bn, vgg13, vgg13_bn, vgg16, vgg16_bn, vgg19,
+        vgg19_bn, mobilenet_v2, squeezenet1_0, squeezenet1_1,
+    )
+}
