@@ -76,6 +76,9 @@ class EmuConfig:
     trace_path: str | None = None
     # GPEMU_DEBUG: show tracebacks and log more.
     debug: bool = False
+    # GPEMU_ENABLE: set by `gpemu run`; the sitecustomize bootstrap patches every Python process
+    # started with it (the script, DataLoader spawn workers, torchrun / mp.spawn children).
+    enable: bool = False
     # Anything else the user passed that a component may understand (kept, not validated here).
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -183,7 +186,7 @@ def _coerce(name: str, value: Any) -> Any:
             except ValueError:
                 raise ConfigError(f"num_gpus must be an integer from 1 to 64, got {value!r}") from None
         return value
-    if name in ("replay", "pinned", "summary", "debug"):
+    if name in ("replay", "pinned", "summary", "debug", "enable"):
         if isinstance(value, str):
             low = value.strip().lower()
             if low in _TRUE:
