@@ -1,0 +1,396 @@
+"""A job's side of GPU sharing: :class:`SharingClient` (standalone) and the emulator component.
+
+Standalone (no emulator needed)::
+
+    with SharingClient(url, job_id="job-a", device="0", persistent_bytes=300 << 20) as job:
+        for _ in range(iterations):
+            job.run(seconds=0.075, peak_bytes=5 << 30)   # blocks until the manager ran it
+
+Inside the emulator the component ``install(rt)`` is a no-op unless ``config.sharing`` is set
+(``patch(sharing="amqp://…")``, ``GPEMU_SHARING``, ``gpemu run --share``). It then plugs a
+GPU-time backend into the time engine: GPU work is collected per device and sent as one
+request per iteration (``sharing_granularity``), and the wait is recorded as a host wait
+with reason ``"sharing"`` plus the ``sharing_wait_s`` counter.
+
+Reliability: every message is persistent and publisher-confirmed; a request keeps its id when it
+is resent (after a lost reply, a broker restart or a manager restart), so the manager never
+serves it twice; a heartbeat thread keeps the job's lease; if the manager forgot the job
+(restart) the client registers again and resends. If the broker or the manager stays away for
+``manager_timeout_s`` the client raises :class:`SharingUnavailableError` saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import protocol as P
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gpemu.runtime import Runtime
+
+__all__ = ["SharingClient", "SharingUnavailableError", "SharingRefusedError", "RunResult", "SharingBackend",
+           "install"]
+
+
+class SharingUnavailableError(RuntimeError):
+    """The broker or the sharing manager did not answer for too long."""
+
+
+class SharingRefusedError(ValueError):
+    """The manager refused to register the job (its persistent memory does not fit, bad id, ...)."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    request_id: str
+    seconds: float  # GPU time asked for
+    waited_s: float  # time the manager kept the request queued behind other jobs
+    elapsed_s: float  # wall time from sending the request to its reply
+
+
+def _redact(url: str) -> str:
+    from gpemu.config import _redact as redact
+
+    return redact(url)
+
+
+class _Heartbeat(threading.Thread):
+    """Own connection (pika connections are single-threaded): keeps the job's lease alive."""
+
+    def __init__(self, client: "SharingClient") -> None:
+        super().__init__(name=f"gpemu-sharing-heartbeat-{client.job_id}", daemon=True)
+        self.client = client
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        import pika
+
+        c = self.client
+        conn = None
+        period = max(0.05, c.lease_s / 3.0)
+        while not self.stop_event.is_set():
+            try:
+                if conn is None or not conn.is_open:
+                    conn = pika.BlockingConnection(c._params())
+                    ch = conn.channel()
+                    queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+                    ch.basic_consume(queue, self._on_reply, auto_ack=True)
+                token = c.token
+                if token:
+                    ch.basic_publish("", P.REQUEST_QUEUE,
+                                     P.encode({"type": "heartbeat", "job_id": c.job_id, "token": token}),
+                                     pika.BasicProperties(reply_to=queue, expiration=str(int(c.lease_s * 1000))))
+                deadline = time.monotonic() + period
+                while not self.stop_event.is_set() and time.monotonic() < deadline:
+                    conn.process_data_events(time_limit=min(0.1, max(0.0, deadline - time.monotonic())))
+            except Exception:
+                conn = None
+                self.stop_event.wait(min(period, 0.5))
+        if conn is not None and conn.is_open:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def _on_reply(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        c = self.client
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            return
+        c.last_manager_contact = time.monotonic()
+        if reply.get("type") == "error" and reply.get("code") in (P.ERR_UNKNOWN_JOB, P.ERR_BAD_TOKEN):
+            c.needs_register = True
+
+
+class SharingClient:
+    """One job's connection to a sharing manager. Thread-safe ``run`` (one request at a time)."""
+
+    def __init__(self, url: str, job_id: str | None = None, device: str = "0", persistent_bytes: int = 0,
+                 weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
+                 resend_s: float | None = None, heartbeat: bool = True) -> None:
+        if not url.startswith(("amqp://", "amqps://")):
+            raise ValueError(f"sharing URL must be amqp:// or amqps://, got {_redact(url)!r}")
+        if not lease_s > 0 or not manager_timeout_s > 0:
+            raise ValueError("lease_s and manager_timeout_s must be positive seconds")
+        self.url = url
+        self.safe_url = _redact(url)
+        self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.device = str(device)
+        self.persistent_bytes = int(persistent_bytes)
+        self.weight = float(weight)
+        self.lease_s = float(lease_s)
+        self.manager_timeout_s = float(manager_timeout_s)
+        self.resend_s = float(resend_s) if resend_s else max(0.5, self.lease_s)
+        self.token: str | None = None
+        self.needs_register = True
+        self.last_manager_contact = time.monotonic()
+        self.reply_queue = f"gpemu.sharing.reply.{self.job_id}.{uuid.uuid4().hex[:8]}"
+        self.resends = 0
+        self.reconnects = 0
+        self._lock = threading.RLock()
+        self._conn = None
+        self._ch = None
+        self._replies: dict[str, dict[str, Any]] = {}
+        self._awaiting: str | None = None
+        self._heartbeat = _Heartbeat(self) if heartbeat else None
+
+    # ------------------------------------------------------------------ connection
+    def _params(self) -> Any:
+        import pika
+
+        params = pika.URLParameters(self.url)
+        params.connection_attempts = 1
+        params.socket_timeout = 2
+        return params
+
+    def _connect(self) -> None:
+        import pika
+
+        self._conn = pika.BlockingConnection(self._params())
+        ch = self._conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(P.REQUEST_QUEUE, durable=True)
+        # Durable, named reply queue: survives a broker restart so answers are not lost; it
+        # expires on its own once this job is gone.
+        ch.queue_declare(self.reply_queue, durable=True,
+                         arguments={"x-expires": int(max(30.0, 4 * self.lease_s) * 1000)})
+        ch.basic_consume(self.reply_queue, self._on_reply, auto_ack=True)
+        self._ch = ch
+
+    def _on_reply(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        try:
+            reply = json.loads(body)
+        except ValueError:
+            return
+        self.last_manager_contact = time.monotonic()
+        rid = reply.get("request_id")
+        if isinstance(rid, str) and rid == self._awaiting:  # late duplicates of old answers are dropped
+            self._replies[rid] = reply
+
+    def _ensure_connected(self, give_up_at: float) -> None:
+        import pika.exceptions as pex
+
+        delay = 0.05
+        while self._conn is None or not self._conn.is_open:
+            try:
+                self._connect()
+                return
+            except (pex.AMQPError, OSError) as exc:
+                self._conn = None
+                if time.monotonic() > give_up_at:
+                    raise SharingUnavailableError(
+                        f"cannot reach the RabbitMQ broker at {self.safe_url} ({type(exc).__name__}) "
+                        f"for {self.manager_timeout_s:.0f} s; is it running?") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                self.reconnects += 1
+
+    def _publish(self, payload: dict[str, Any]) -> None:
+        import pika
+
+        self._ch.basic_publish("", P.REQUEST_QUEUE, P.encode(payload),
+                               pika.BasicProperties(delivery_mode=2, reply_to=self.reply_queue,
+                                                    content_type="application/json"),
+                               mandatory=True)
+
+    def _call(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Send ``payload`` and wait for the reply with its request id, resending as needed."""
+        import pika.exceptions as pex
+
+        rid = payload["request_id"]
+        self._awaiting = rid
+        self._replies.clear()
+        sent = False
+        next_resend = 0.0
+        self.last_manager_contact = max(self.last_manager_contact, time.monotonic() - self.resend_s)
+        while True:
+            now = time.monotonic()
+            if now - self.last_manager_contact > self.manager_timeout_s:
+                raise SharingUnavailableError(
+                    f"the sharing manager on {self.safe_url} has not answered for {self.manager_timeout_s:.0f} s "
+                    f"(job {self.job_id!r}); is `gpemu share-manager` running?")
+            try:
+                self._ensure_connected(self.last_manager_contact + self.manager_timeout_s)
+                if not sent or now >= next_resend:
+                    if sent:
+                        self.resends += 1
+                    self._publish(payload)
+                    sent = True
+                    next_resend = now + self.resend_s
+                reply = self._replies.pop(rid, None)
+                if reply is None:
+                    self._conn.process_data_events(time_limit=min(self.resend_s, max(0.0, next_resend - now)))
+                    reply = self._replies.pop(rid, None)
+                if reply is not None:
+                    return reply
+            except (pex.AMQPError, OSError):
+                # Broker gone (restart): reconnect and resend with the same id.
+                self._conn = None
+                sent = False
+                time.sleep(0.05)
+
+    # ------------------------------------------------------------------ protocol
+    def register(self) -> str:
+        """Register (again): returns the secret token the manager issued."""
+        with self._lock:
+            reply = self._call({"type": "register", "job_id": self.job_id, "request_id": uuid.uuid4().hex,
+                                "device": self.device, "persistent_bytes": self.persistent_bytes,
+                                "weight": self.weight})
+            if reply.get("type") != "registered":
+                raise SharingRefusedError(f"the sharing manager refused job {self.job_id!r}: "
+                                          f"{reply.get('reason', reply)}")
+            self.token = reply["token"]
+            self.needs_register = False
+            if self._heartbeat is not None and not self._heartbeat.is_alive():
+                self._heartbeat.start()
+            return self.token
+
+    def run(self, seconds: float, peak_bytes: int = 0, kind: str = "iteration") -> RunResult:
+        """Block until the manager has run ``seconds`` of GPU work for this job.
+
+        Raises ``torch.cuda.OutOfMemoryError`` when the manager refuses it for memory.
+        """
+        if not isinstance(seconds, (int, float)) or not 0 <= seconds <= P.MAX_SECONDS:
+            raise ValueError(f"seconds must be from 0 to {P.MAX_SECONDS:g}, got {seconds!r}")
+        with self._lock:
+            rid = uuid.uuid4().hex
+            start = time.monotonic()
+            for _ in range(10):
+                if self.needs_register or self.token is None:
+                    self.register()
+                reply = self._call({"type": "request", "job_id": self.job_id, "token": self.token,
+                                    "request_id": rid, "device": self.device, "seconds": float(seconds),
+                                    "peak_bytes": int(peak_bytes), "kind": kind})
+                kind_ = reply.get("type")
+                if kind_ == "done":
+                    return RunResult(rid, float(seconds), float(reply.get("waited_s", 0.0)),
+                                     time.monotonic() - start)
+                if kind_ == "refused":
+                    import torch
+
+                    raise torch.cuda.OutOfMemoryError(reply.get("reason", "refused by the sharing manager"))
+                if kind_ == "error" and reply.get("code") in (P.ERR_UNKNOWN_JOB, P.ERR_BAD_TOKEN):
+                    self.needs_register = True  # the manager restarted or dropped us: join again
+                    continue
+                raise ValueError(f"the sharing manager rejected the request: {reply.get('reason', reply)}")
+            raise SharingUnavailableError(f"job {self.job_id!r} could not stay registered with the sharing manager")
+
+    def close(self) -> None:
+        """Deregister (frees this job's memory on the emuGPU at once) and disconnect."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop_event.set()
+        with self._lock:
+            if self.token is not None and self._conn is not None and self._conn.is_open:
+                try:
+                    old = self.manager_timeout_s
+                    self.manager_timeout_s = min(old, 5.0)  # do not hang at exit
+                    self._call({"type": "deregister", "job_id": self.job_id, "token": self.token,
+                                "request_id": uuid.uuid4().hex})
+                except Exception:
+                    pass  # the lease frees it anyway
+                finally:
+                    self.manager_timeout_s = old
+            self.token = None
+            if self._conn is not None and self._conn.is_open:
+                try:
+                    self._ch.queue_delete(self.reply_queue)
+                    self._conn.close()
+                except Exception:
+                    pass
+            self._conn = None
+        if self._heartbeat is not None and self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=2)
+
+    def __enter__(self) -> "SharingClient":
+        self.register()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- emulator component
+_FLUSH_KINDS = {"iteration": ("optimizer",), "forward-backward": ("forward", "backward", "optimizer")}
+
+
+class SharingBackend:
+    """GPU-time backend for the time engine: ``run(device, seconds, peak_bytes, kind)``.
+
+    Work is collected per device and sent as one request when the granularity says so:
+    ``iteration`` at the optimizer step (the end of an iteration's GPU work), ``forward-backward``
+    at every forward/backward/optimizer piece, ``sync`` only when the engine calls
+    :meth:`flush` (host sync points). The host blocks while the manager runs it; the wait beyond
+    the GPU time itself is recorded as a ``sharing`` host wait.
+    """
+
+    def __init__(self, clients: dict[int, SharingClient], granularity: str = "iteration",
+                 recorder: Any = None) -> None:
+        self.clients = clients
+        self.granularity = granularity
+        self.recorder = recorder
+        self._pending: dict[int, list[float]] = {}  # device -> [seconds, peak_bytes]
+
+    def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None:
+        acc = self._pending.setdefault(device, [0.0, 0])
+        acc[0] += seconds
+        acc[1] = max(acc[1], int(peak_bytes))
+        if kind in _FLUSH_KINDS.get(self.granularity, ()):
+            self.flush(device, kind)
+
+    def flush(self, device: int | None = None, kind: str = "sync") -> None:
+        for dev in ([device] if device is not None else list(self._pending)):
+            acc = self._pending.pop(dev, None)
+            if not acc or acc[0] <= 0:
+                continue
+            start = time.perf_counter()
+            result = self.clients[dev].run(acc[0], acc[1], kind)
+            end = time.perf_counter()
+            if self.recorder is not None:
+                self.recorder.host_wait(dev, "sharing", start, end)
+                self.recorder.add("sharing_wait_s", max(0.0, (end - start) - acc[0]))
+                self.recorder.add("sharing_requests", 1)
+                self.recorder.add("sharing_queued_s", result.waited_s)
+
+    def close(self) -> None:
+        self.flush()
+        for client in self.clients.values():
+            client.close()
+
+
+def install(rt: "Runtime") -> None:
+    """Route the run's GPU time through the sharing manager when ``config.sharing`` is set."""
+    cfg = rt.config
+    if not cfg.sharing:
+        return
+    engine = rt.state.get("engine")
+    if engine is None or not hasattr(engine, "set_backend"):
+        raise RuntimeError("GPU sharing needs the time engine (gpemu.engine) with set_backend(); it is not installed")
+    base = cfg.job_id or f"{socket.gethostname()}-{os.getpid()}"
+    extra = dict(cfg.extra or {})
+    clients: dict[int, SharingClient] = {}
+    for index, spec in enumerate(rt.gpus):
+        # The emuGPU id on the manager: the k8s-allocated id when there is one, else the index.
+        device = cfg.visible_devices[index] if cfg.visible_devices and index < len(cfg.visible_devices) else str(index)
+        clients[index] = SharingClient(
+            cfg.sharing, job_id=base if len(rt.gpus) == 1 else f"{base}.{index}", device=device,
+            persistent_bytes=int(extra.get("sharing_persistent_bytes", 0)),
+            weight=float(extra.get("sharing_weight", 1.0)),
+            lease_s=float(extra.get("sharing_lease_s", 10.0)))
+    for client in clients.values():
+        client.register()
+    backend = SharingBackend(clients, cfg.sharing_granularity, rt.recorder)
+    rt.state["sharing"] = backend
+    engine.set_backend(backend)
+    rt.patcher.on_restore(backend.close)
+    if hasattr(engine, "set_backend"):
+        rt.patcher.on_restore(lambda: engine.set_backend(None))
+    rt.say_once(f"GPU time shared through the sharing manager at {_redact(cfg.sharing)} "
+                f"(one request per {cfg.sharing_granularity})")

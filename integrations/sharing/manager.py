@@ -1,0 +1,507 @@
+"""The sharing manager: time-slices each emuGPU among registered jobs, one request at a time.
+
+Two layers:
+
+* :class:`SharingCore` — the scheduler. Pure state machine, no I/O, clock passed in: every
+  input (a message, the passage of time) returns the replies to send. Unit-testable with a
+  virtual clock.
+* :class:`SharingManager` — the daemon: a pika consumer on the durable request queue that
+  feeds the core, sleeps until the next absolute deadline (the earliest running request's end,
+  lease expiry, status publication), publishes replies with publisher confirms, and reconnects
+  when the broker goes away.
+
+Reliability rules: a GPU-time request is acknowledged to the broker only after it has been
+answered, so requests of a manager that dies are redelivered to the next one; request ids make
+duplicate deliveries harmless (a request already queued or running is not queued again, one
+already answered is answered again, never served again); jobs that stop sending heartbeats
+for a lease period are dropped and their running request, queue and memory freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from . import protocol as P
+from .policies import JobView, PendingView, Policy, load_policy
+
+__all__ = ["SharingCore", "SharingManager", "Outgoing", "DeviceSpec", "parse_device"]
+
+log = logging.getLogger("gpemu.sharing.manager")
+
+_DONE_MEMORY = 512  # answered request ids remembered per job (dedup of late duplicates)
+_SHARE_WINDOW_S = 5.0  # "recent share" in the status covers this many seconds
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str  # emuGPU id jobs name in their messages, e.g. "0"
+    gpu: str  # GPU model, e.g. "V100"
+    capacity_bytes: int
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def _parse_size(text: str) -> int:
+    low = text.strip().lower()
+    num = low.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = low[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"memory size must be a positive number with a unit (e.g. 16GiB, 32GB), got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def parse_device(spec: str, gpu_memory: Callable[[str], int] | None = None) -> DeviceSpec:
+    """``ID=GPU`` (memory from the profile database) or ``ID=GPU:SIZE`` (e.g. ``0=P100:16GiB``)."""
+    if "=" not in spec:
+        raise ValueError(f"--device must look like ID=GPU or ID=GPU:SIZE (e.g. 0=V100, 1=P100:16GiB), got {spec!r}")
+    name, _, rest = spec.partition("=")
+    gpu, _, size = rest.partition(":")
+    name, gpu = name.strip(), gpu.strip()
+    if not name or not gpu:
+        raise ValueError(f"--device must look like ID=GPU or ID=GPU:SIZE (e.g. 0=V100), got {spec!r}")
+    if size:
+        return DeviceSpec(name, gpu, _parse_size(size))
+    if gpu_memory is None:
+        raise ValueError(f"--device {spec!r}: no profile database to look up {gpu}'s memory; "
+                         f"give it explicitly, e.g. {name}={gpu}:16GiB")
+    return DeviceSpec(name, gpu, int(gpu_memory(gpu)))
+
+
+@dataclass
+class Outgoing:
+    """A reply to publish (``reply_to`` may be None: nothing to send) and delivery tags to ack after."""
+
+    reply_to: str | None
+    payload: dict[str, Any] | None
+    ack: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    rid: str
+    job_id: str
+    seconds: float
+    peak_bytes: int
+    seq: int
+    arrived: float
+    reply_to: str | None
+    tags: list[Any]
+    kind: str = ""
+    started: float | None = None
+    deadline: float | None = None
+
+
+@dataclass
+class _Job:
+    job_id: str
+    device: str
+    token: str
+    persistent_bytes: int
+    register_rid: str
+    view: JobView
+    last_seen: float
+    reply_to: str | None
+    served_count: int = 0
+    done: "OrderedDict[str, dict[str, Any]]" = field(default_factory=OrderedDict)
+    active: dict[str, _Request] = field(default_factory=dict)
+
+
+@dataclass
+class _Device:
+    spec: DeviceSpec
+    policy: Policy
+    jobs: dict[str, JobView] = field(default_factory=dict)
+    pending: list[_Request] = field(default_factory=list)
+    running: _Request | None = None
+    free_at: float = 0.0  # when the last request ended (chains back-to-back work exactly)
+    busy_s: float = 0.0
+    served: int = 0
+    recent: deque = field(default_factory=deque)  # (end, job_id, seconds)
+
+
+class SharingCore:
+    """Scheduler state of every emuGPU. Not thread-safe: one caller (the daemon loop)."""
+
+    def __init__(self, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
+                 lease_s: float = 10.0) -> None:
+        policy_cls = load_policy(policy) if isinstance(policy, str) else policy
+        self.policy_name = getattr(policy_cls, "name", policy_cls.__name__)
+        self.devices: dict[str, _Device] = {d.name: _Device(d, policy_cls()) for d in devices}
+        if not self.devices:
+            raise ValueError("the sharing manager needs at least one --device ID=GPU")
+        if not lease_s > 0:
+            raise ValueError(f"lease must be a positive number of seconds, got {lease_s!r}")
+        self.lease_s = float(lease_s)
+        self.jobs: dict[str, _Job] = {}
+        self._seq = 0
+        self.rejected = 0
+        self.refused = 0
+        self.expired = 0
+        self.started_at: float | None = None
+
+    # ------------------------------------------------------------------ input: messages
+    def receive(self, body: bytes, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
+        if self.started_at is None:
+            self.started_at = now
+        try:
+            msg = P.parse_message(body)
+        except P.ProtocolError as exc:
+            return [self._reject(exc.reason, exc.request_id, reply_to, tag, None)]
+        handler = getattr(self, "_on_" + msg.type.replace("-", "_"))
+        out = handler(msg, reply_to, tag, now)
+        return out + self.advance(now)
+
+    def _reject(self, reason: str, rid: str | None, reply_to: str | None, tag: Any, job_id: str | None,
+                code: str = P.ERR_BAD_MESSAGE) -> Outgoing:
+        self.rejected += 1
+        log.warning("rejected message%s: %s", f" from job {job_id!r}" if job_id else "", reason)
+        payload = {"type": "error", "code": code, "reason": reason, "request_id": rid}
+        return Outgoing(reply_to, payload, [tag])
+
+    def _authorised(self, msg: P.Message) -> _Job | str:
+        job = self.jobs.get(msg.job_id)
+        if job is None:
+            return P.ERR_UNKNOWN_JOB
+        if not secrets.compare_digest(job.token, msg.token):
+            return P.ERR_BAD_TOKEN
+        return job
+
+    def _on_register(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
+        dev = self.devices.get(msg.device)
+        if dev is None:
+            return [self._reject(f"unknown emuGPU {msg.device!r}; this manager has {', '.join(self.devices)}",
+                                 msg.request_id, reply_to, tag, msg.job_id, P.ERR_UNKNOWN_DEVICE)]
+        job = self.jobs.get(msg.job_id)
+        if job is not None:
+            if job.register_rid == msg.request_id:  # a duplicate delivery: answer the same again
+                job.last_seen, job.reply_to = now, reply_to
+                return [Outgoing(reply_to, self._registered(job), [tag])]
+            return [self._reject(f"job id {msg.job_id!r} is already registered", msg.request_id, reply_to, tag,
+                                 msg.job_id, P.ERR_JOB_EXISTS)]
+        used = sum(self.jobs[j].persistent_bytes for j in dev.jobs)
+        if used + msg.persistent_bytes > dev.spec.capacity_bytes:
+            self.refused += 1
+            reason = (f"registration refused: persistent memory {_gib(msg.persistent_bytes)} does not fit on "
+                      f"emuGPU {dev.spec.name} ({dev.spec.gpu}, {_gib(dev.spec.capacity_bytes)}): "
+                      f"{_gib(used)} is held by {len(dev.jobs)} other job(s)")
+            log.info("%s (job %r)", reason, msg.job_id)
+            return [Outgoing(reply_to, {"type": "refused", "request_id": msg.request_id, "reason": reason}, [tag])]
+        view = JobView(msg.job_id, msg.weight)
+        job = _Job(msg.job_id, msg.device, secrets.token_hex(16), msg.persistent_bytes, msg.request_id, view,
+                   now, reply_to)
+        self.jobs[msg.job_id] = job
+        dev.jobs[msg.job_id] = view
+        dev.policy.registered(view, dev.jobs)
+        log.info("job %r registered on emuGPU %s (persistent %s, weight %g)", msg.job_id, dev.spec.name,
+                 _gib(msg.persistent_bytes), msg.weight)
+        return [Outgoing(reply_to, self._registered(job), [tag])]
+
+    def _registered(self, job: _Job) -> dict[str, Any]:
+        return {"type": "registered", "request_id": job.register_rid, "job_id": job.job_id, "token": job.token,
+                "lease_s": self.lease_s}
+
+    def _on_request(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
+        job = self._authorised(msg)
+        if isinstance(job, str):
+            return [self._reject(f"{job}: request {msg.request_id!r} for job {msg.job_id!r}", msg.request_id,
+                                 reply_to, tag, msg.job_id, job)]
+        job.last_seen = now
+        if msg.device != job.device:
+            return [self._reject(f"job {msg.job_id!r} is registered on emuGPU {job.device!r}, not {msg.device!r}",
+                                 msg.request_id, reply_to, tag, msg.job_id, P.ERR_UNKNOWN_DEVICE)]
+        if msg.request_id in job.done:  # answered before: answer again, never serve again
+            return [Outgoing(reply_to, job.done[msg.request_id], [tag])]
+        req = job.active.get(msg.request_id)
+        if req is not None:  # queued or running: remember where to answer, ack with it
+            req.reply_to = reply_to or req.reply_to
+            req.tags.append(tag)
+            return []
+        self._seq += 1
+        req = _Request(msg.request_id, job.job_id, msg.seconds, msg.peak_bytes, self._seq, now, reply_to, [tag],
+                       msg.kind)
+        job.active[req.rid] = req
+        self.devices[job.device].pending.append(req)
+        return []
+
+    def _on_heartbeat(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
+        job = self._authorised(msg)
+        if isinstance(job, str):
+            return [self._reject(f"{job}: heartbeat for job {msg.job_id!r}", None, reply_to, tag, msg.job_id, job)]
+        job.last_seen = now
+        return [Outgoing(reply_to, {"type": "heartbeat-ack", "job_id": job.job_id}, [tag])]
+
+    def _on_deregister(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
+        job = self._authorised(msg)
+        if job == P.ERR_UNKNOWN_JOB:  # already gone (duplicate, or expired): the outcome is the same
+            return [Outgoing(reply_to, {"type": "deregistered", "request_id": msg.request_id}, [tag])]
+        if isinstance(job, str):
+            return [self._reject(f"{job}: deregister for job {msg.job_id!r}", msg.request_id, reply_to, tag,
+                                 msg.job_id, job)]
+        out = self._drop_job(job, now, "deregistered")
+        out.append(Outgoing(reply_to, {"type": "deregistered", "request_id": msg.request_id}, [tag]))
+        return out
+
+    def _on_status(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
+        snap = self.status(now)
+        snap["request_id"] = msg.request_id or None
+        return [Outgoing(reply_to, snap, [tag])]
+
+    # ------------------------------------------------------------------ input: time
+    def advance(self, now: float) -> list[Outgoing]:
+        """Finish requests whose deadline passed, start the next ones, expire silent jobs."""
+        out: list[Outgoing] = []
+        for job in [j for j in self.jobs.values() if now - j.last_seen > self.lease_s]:
+            self.expired += 1
+            log.warning("job %r sent nothing for %.1f s (lease %.1f s): dropped, its GPU time and memory freed",
+                        job.job_id, now - job.last_seen, self.lease_s)
+            out += self._drop_job(job, now, "lease expired")
+        for dev in self.devices.values():
+            while True:
+                run = dev.running
+                if run is not None:
+                    if run.deadline > now:
+                        break
+                    out.append(self._finish(dev, run, run.deadline))
+                if not dev.pending:
+                    break
+                out += self._start_next(dev, now)
+        return out
+
+    def _start_next(self, dev: _Device, now: float) -> list[Outgoing]:
+        pending = [PendingView(r.job_id, r.seq, r.seconds) for r in dev.pending]
+        chosen = dev.policy.pick(pending, dev.jobs)
+        req = next(r for r in dev.pending if r.seq == chosen.seq)
+        dev.pending.remove(req)
+        job = self.jobs[req.job_id]
+        others = sum(self.jobs[j].persistent_bytes for j in dev.jobs if j != req.job_id)
+        need = max(req.peak_bytes, job.persistent_bytes)
+        if others + need > dev.spec.capacity_bytes:
+            self.refused += 1
+            reason = (f"CUDA out of memory on emuGPU {dev.spec.name} ({dev.spec.gpu}, "
+                      f"{_gib(dev.spec.capacity_bytes)} total): this request's peak {_gib(need)} plus "
+                      f"{_gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it")
+            payload = {"type": "refused", "request_id": req.rid, "reason": reason}
+            return [self._answer(job, req, payload)]
+        # Back-to-back work starts when the previous request ended, not when the loop noticed.
+        req.started = max(req.arrived, min(now, dev.free_at)) if dev.free_at else now
+        req.deadline = req.started + req.seconds
+        dev.running = req
+        return []
+
+    def _finish(self, dev: _Device, req: _Request, end: float) -> Outgoing:
+        job = self.jobs[req.job_id]
+        dev.running = None
+        dev.free_at = end
+        served = max(0.0, end - req.started)
+        dev.busy_s += served
+        dev.served += 1
+        job.served_count += 1
+        job.view.served_s += served
+        dev.policy.served(job.view, served)
+        dev.recent.append((end, job.job_id, served))
+        payload = {"type": "done", "request_id": req.rid, "served_s": served,
+                   "waited_s": max(0.0, req.started - req.arrived)}
+        return self._answer(job, req, payload)
+
+    def _answer(self, job: _Job, req: _Request, payload: dict[str, Any]) -> Outgoing:
+        job.active.pop(req.rid, None)
+        job.done[req.rid] = payload
+        while len(job.done) > _DONE_MEMORY:
+            job.done.popitem(last=False)
+        return Outgoing(req.reply_to, payload, req.tags)
+
+    def _drop_job(self, job: _Job, now: float, why: str) -> list[Outgoing]:
+        dev = self.devices[job.device]
+        out: list[Outgoing] = []
+        if dev.running is not None and dev.running.job_id == job.job_id:
+            run = dev.running
+            dev.running = None
+            dev.free_at = now
+            served = max(0.0, now - run.started)
+            dev.busy_s += served
+            out.append(Outgoing(None, None, run.tags))
+        for req in [r for r in dev.pending if r.job_id == job.job_id]:
+            dev.pending.remove(req)
+            out.append(Outgoing(None, None, req.tags))
+        dev.jobs.pop(job.job_id, None)
+        self.jobs.pop(job.job_id, None)
+        log.info("job %r left emuGPU %s (%s)", job.job_id, dev.spec.name, why)
+        return out
+
+    def forget_delivery_tags(self) -> None:
+        """The channel is gone: its unacked messages will be redelivered, so drop their tags."""
+        for job in self.jobs.values():
+            for req in job.active.values():
+                req.tags.clear()
+
+    # ------------------------------------------------------------------ queries
+    def next_deadline(self) -> float | None:
+        ends = [d.running.deadline for d in self.devices.values() if d.running is not None]
+        if self.jobs:
+            ends.append(min(j.last_seen for j in self.jobs.values()) + self.lease_s + 1e-3)
+        return min(ends) if ends else None
+
+    def status(self, now: float) -> dict[str, Any]:
+        devices, jobs = [], []
+        for dev in self.devices.values():
+            while dev.recent and dev.recent[0][0] < now - _SHARE_WINDOW_S:
+                dev.recent.popleft()
+            recent: dict[str, float] = {}
+            for _, job_id, s in dev.recent:
+                recent[job_id] = recent.get(job_id, 0.0) + s
+            total_recent = sum(recent.values()) or 1.0
+            total = sum(v.served_s for v in dev.jobs.values()) or 1.0
+            up = max(now - (self.started_at or now), 1e-9)
+            devices.append({
+                "device": dev.spec.name, "gpu": dev.spec.gpu, "capacity_bytes": dev.spec.capacity_bytes,
+                "persistent_bytes": sum(self.jobs[j].persistent_bytes for j in dev.jobs),
+                "jobs": len(dev.jobs), "queue": len(dev.pending),
+                "running": dev.running.job_id if dev.running else None,
+                "served_requests": dev.served, "busy_s": dev.busy_s, "utilisation": min(1.0, dev.busy_s / up),
+            })
+            for view in dev.jobs.values():
+                job = self.jobs[view.job_id]
+                jobs.append({
+                    "job_id": view.job_id, "device": dev.spec.name, "weight": view.weight,
+                    "persistent_bytes": job.persistent_bytes, "served_s": view.served_s,
+                    "served_requests": job.served_count, "queued": len(job.active),
+                    "share": view.served_s / total, "recent_share": recent.get(view.job_id, 0.0) / total_recent,
+                })
+        return {"type": "status", "policy": self.policy_name, "lease_s": self.lease_s, "time": time.time(),
+                "devices": devices, "jobs": jobs,
+                "rejected": self.rejected, "refused": self.refused, "expired": self.expired}
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+class SharingManager:
+    """The daemon around :class:`SharingCore`: consume, schedule, reply, reconnect."""
+
+    def __init__(self, url: str, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
+                 lease_s: float = 10.0, status_interval_s: float = 1.0, reconnect_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from gpemu.config import _redact
+
+        self.url = url
+        self.safe_url = _redact(url)
+        self.core = SharingCore(devices, policy, lease_s)
+        self.status_interval_s = status_interval_s
+        self.reconnect_s = reconnect_s
+        self.clock = clock
+        self._stop = threading.Event()
+        self._conn = None
+        self._ch = None
+        self.connected = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the loop to end (thread-safe); it returns within a few milliseconds."""
+        self._stop.set()
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.add_callback_threadsafe(lambda: None)  # wake the loop
+            except Exception:
+                pass
+
+    def serve_forever(self) -> None:
+        import pika.exceptions as pex
+
+        log.info("sharing manager on %s: emuGPUs %s, policy %s, lease %.1f s", self.safe_url,
+                 ", ".join(f"{d.spec.name}={d.spec.gpu} ({_gib(d.spec.capacity_bytes)})"
+                           for d in self.core.devices.values()), self.core.policy_name, self.core.lease_s)
+        while not self._stop.is_set():
+            try:
+                self._connect()
+                self._loop()
+            except (pex.AMQPError, OSError) as exc:
+                self.connected.clear()
+                self.core.forget_delivery_tags()
+                if self._stop.is_set():
+                    break
+                log.warning("lost the broker at %s (%s); reconnecting every %.1f s", self.safe_url,
+                            type(exc).__name__, self.reconnect_s)
+                self._stop.wait(self.reconnect_s)
+            finally:
+                self._close()
+
+    def _connect(self) -> None:
+        import pika
+
+        params = pika.URLParameters(self.url)
+        params.connection_attempts = 1
+        params.socket_timeout = 2
+        self._conn = pika.BlockingConnection(params)
+        ch = self._conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(P.REQUEST_QUEUE, durable=True)
+        ch.exchange_declare(P.STATUS_EXCHANGE, exchange_type="fanout", durable=True)
+        ch.basic_qos(prefetch_count=2000)
+        ch.basic_consume(P.REQUEST_QUEUE, self._on_message, auto_ack=False)
+        self._ch = ch
+        self.connected.set()
+        log.info("connected to %s", self.safe_url)
+
+    def _close(self) -> None:
+        conn, self._conn, self._ch = self._conn, None, None
+        if conn is not None and conn.is_open:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        self._send(self.core.receive(body, props.reply_to, method.delivery_tag, self.clock()))
+
+    def _send(self, outs: list[Outgoing]) -> None:
+        import pika
+        import pika.exceptions as pex
+
+        ch = self._ch
+        for out in outs:
+            if out.reply_to and out.payload is not None:
+                try:
+                    ch.basic_publish("", out.reply_to, P.encode(out.payload),
+                                     pika.BasicProperties(delivery_mode=2, content_type="application/json"),
+                                     mandatory=True)
+                except pex.UnroutableError:
+                    # The job's reply queue is gone (job died); it will resend if it comes back.
+                    log.info("reply to a vanished queue dropped (%s)", out.payload.get("type"))
+            for tag in out.ack:
+                if tag is not None:
+                    ch.basic_ack(tag)
+
+    def _loop(self) -> None:
+        next_status = self.clock()
+        while not self._stop.is_set():
+            now = self.clock()
+            self._send(self.core.advance(now))
+            if now >= next_status:
+                self._publish_status(now)
+                next_status = now + self.status_interval_s
+            deadline = self.core.next_deadline()
+            wake = next_status if deadline is None else min(deadline, next_status)
+            left = wake - self.clock()
+            if left > 0.002:
+                # Sleep in the broker's select until ~1 ms before the deadline (or a message).
+                self._conn.process_data_events(time_limit=left - 0.001)
+            else:
+                self._conn.process_data_events(time_limit=0)  # short spin to hit the deadline
+
+    def _publish_status(self, now: float) -> None:
+        import pika
+
+        self._ch.basic_publish(P.STATUS_EXCHANGE, "", P.encode(self.core.status(now)),
+                               pika.BasicProperties(content_type="application/json", expiration="5000"))

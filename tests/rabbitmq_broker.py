@@ -1,0 +1,152 @@
+"""Start and stop a real, private RabbitMQ broker for the sharing tests and benchmarks.
+
+Every broker gets its own node name, AMQP port, Erlang distribution port, epmd port and
+data/log/home directories, so several engineers (or CI jobs) can run brokers side by side
+without clashing. ``stop()`` stops the node and the ``epmd`` it started.
+
+    broker = RabbitBroker.start()       # seconds
+    broker.url                          # amqp://guest:guest@127.0.0.1:<port>/%2F
+    broker.restart()                    # durable queues and their persistent messages survive
+    broker.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["RabbitBroker", "BrokerUnavailable", "free_port"]
+
+
+class BrokerUnavailable(RuntimeError):
+    """rabbitmq-server is not installed or did not start."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _find(name: str) -> str | None:
+    # Prefer the real scripts over Debian's /usr/sbin wrappers, which switch to the `rabbitmq`
+    # user when run as root and then cannot write our private temp directories.
+    real = f"/usr/lib/rabbitmq/bin/{name}"
+    return real if os.path.exists(real) else shutil.which(name)
+
+
+class RabbitBroker:
+    def __init__(self, base: Path) -> None:
+        server = _find("rabbitmq-server")
+        ctl = _find("rabbitmqctl")
+        if server is None or ctl is None:
+            raise BrokerUnavailable(
+                "rabbitmq-server is not installed; the sharing tests need a real broker: "
+                "`apt-get install rabbitmq-server` (CI installs it)")
+        self.server, self.ctl = server, ctl
+        self.base = base
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.epmd_port = free_port()
+        self.node = f"gpemu{os.getpid()}x{self.port}@localhost"
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+        self.proc: subprocess.Popen | None = None
+        for sub in ("mnesia", "log", "home"):
+            (base / sub).mkdir(parents=True, exist_ok=True)
+        (base / "enabled_plugins").write_text("[].\n")
+        # Loopback-only listener; guest may log in from loopback by default.
+        (base / "rabbitmq.conf").write_text(
+            f"listeners.tcp.default = 127.0.0.1:{self.port}\n"
+            "loopback_users.guest = true\n"
+            "disk_free_limit.absolute = 50MB\n")
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.base / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.base / "rabbitmq-env.conf"),
+            "RABBITMQ_PID_FILE": str(self.base / "rabbit.pid"),
+            "ERL_CRASH_DUMP": str(self.base / "erl_crash.dump"),
+            "HOME": str(self.base / "home"),  # the Erlang cookie lives here
+        })
+        return env
+
+    @classmethod
+    def start(cls, base: Path | None = None, timeout: float = 90.0) -> "RabbitBroker":
+        broker = cls(Path(base) if base else Path(tempfile.mkdtemp(prefix="gpemu-rabbit-")))
+        broker._launch(timeout)
+        return broker
+
+    def _launch(self, timeout: float) -> None:
+        log = open(self.base / "server.out", "ab")
+        self.proc = subprocess.Popen([self.server], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import pika
+
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                tail = (self.base / "server.out").read_text(errors="replace")[-2000:]
+                raise BrokerUnavailable(f"rabbitmq-server exited with {self.proc.returncode}:\n{tail}")
+            try:
+                conn = pika.BlockingConnection(pika.URLParameters(self.url + "?connection_attempts=1&socket_timeout=1"))
+                conn.close()
+                return
+            except Exception as exc:  # not listening yet
+                last = exc
+                time.sleep(0.25)
+        self.stop()
+        raise BrokerUnavailable(f"rabbitmq-server did not accept connections within {timeout:.0f} s: {last!r}")
+
+    def _ctl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run([self.ctl, "-n", self.node, *args], env=self.env, capture_output=True,
+                              timeout=timeout)
+
+    def stop_node(self) -> None:
+        """Stop the broker node (not epmd)."""
+        if self.proc is None:
+            return
+        try:
+            self._ctl("stop", timeout=60)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self, down_s: float = 0.0, timeout: float = 90.0) -> None:
+        """Stop and start the node again on the same port and data directory."""
+        self.stop_node()
+        time.sleep(down_s)
+        self._launch(timeout)
+
+    def stop(self) -> None:
+        self.stop_node()
+        epmd = shutil.which("epmd")
+        if epmd:
+            subprocess.run([epmd, "-port", str(self.epmd_port), "-kill"], capture_output=True, timeout=10,
+                           env=self.env)
+        shutil.rmtree(self.base, ignore_errors=True)
