@@ -124,6 +124,10 @@ class Measurer:
         self.module = host.to(self.device)
         return summarize(samples)
 
+    def to_device(self) -> None:
+        """Move the model to the device without timing it (its transfer is already stored)."""
+        self.module = self.module.to(self.device)
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.module.parameters() if p.requires_grad]
         if self.optimizer_name == "sgd":

@@ -1,0 +1,189 @@
+"""``gpemu profile``: measure models on a real GPU (or the CPU) into the profile database."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+__all__ = ["profile", "parse_memory_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_memory_size(text: str) -> int:
+    """``'200MiB'`` -> 209715200; plain numbers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise click.BadParameter(
+            f"{text!r} is not a memory size; use a number with an optional unit, e.g. 200MiB, 1.5GiB, 4GB, 1048576"
+        )
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise click.BadParameter(f"memory size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return None if value is None else parse_memory_size(value)
+
+
+@click.command("profile", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "models", multiple=True, metavar="NAME|module:callable",
+              help="Model to profile (repeatable): a torchvision name (resnet50), or a factory "
+                   "module:callable returning a module or (module, sample_batch); NAME=module:callable "
+                   "stores it under NAME.")
+@click.option("--gpu-name", default="auto", show_default=True,
+              help="Name to store the measurements under; auto: what torch.cuda.get_device_name reports ('cpu' on the CPU).")
+@click.option("--device", default="cuda", show_default=True, help="cuda, cuda:N, or cpu (tests the pipeline without a GPU).")
+@click.option("--batch-sizes", default="default", show_default=True,
+              help="Batch sizes: '1-16,32,64', 'pow2', 'dense:1-16+step:16', 'default' (1-16,24,32,48,...,256).")
+@click.option("--max-batch-size", default=256, show_default=True, type=click.IntRange(1),
+              help="Upper end of open-ended sweeps (pow2, step:S).")
+@click.option("--input-shape", default=None, metavar="C,H,W", help="Shape of one input sample [3,224,224].")
+@click.option("--input-dtype", default="float32", show_default=True, help="float32, float16, bfloat16, int64, ...")
+@click.option("--num-classes", default=None, type=click.IntRange(1), help="Classes of a classifier (passed to factories that take it).")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(0),
+              help="Iterations run first and not recorded (the first ones are slow).")
+@click.option("--iterations", default=20, show_default=True, type=click.IntRange(1), help="Recorded iterations per batch size.")
+@click.option("--optimizer", default="sgd", show_default=True, type=click.Choice(["sgd", "adam", "adamw"]),
+              help="Optimizer whose step is timed (SGD has momentum 0.9).")
+@click.option("--memory-limit", default=None, callback=_memory_option, metavar="SIZE",
+              help="Treat more than SIZE (e.g. 200MiB) as out of memory: a smaller GPU, or an OOM test on the CPU.")
+@click.option("--ddp-world-sizes", default="auto", show_default=True,
+              help="World sizes for DDP iteration times: '2,4', 'none', or auto (2..number of GPUs; none on the CPU).")
+@click.option("--ddp-batch-sizes", default=None, help="Per-GPU batch sizes for DDP [same as --batch-sizes].")
+@click.option("--db", "db_url", default=None, metavar="URL", help="SQLAlchemy URL of the profile database [your default database].")
+@click.option("--resume/--force", default=True, show_default=True,
+              help="--resume skips (model, batch size) units already in the database; --force measures them again.")
+@click.option("--export", "export_path", default=None, type=click.Path(dir_okay=False),
+              help="After profiling (or alone), write the database to FILE (.csv or .json, as `gpemu db export`).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (log lines only).")
+def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: str, max_batch_size: int,
+            input_shape: str | None, input_dtype: str, num_classes: int | None, warmup: int, iterations: int,
+            optimizer: str, memory_limit: int | None, ddp_world_sizes: str, ddp_batch_sizes: str | None,
+            db_url: str | None, resume: bool, export_path: str | None, no_progress: bool) -> None:
+    """Measure models on this machine's GPU into the profile database.
+
+    \b
+    For every model and batch size, after warm-up iterations: forward, backward and optimizer-step
+    time, host->GPU (pageable and pinned) and GPU->host copy of one input batch, peak and
+    persistent memory; once per model the model transfer. Every (model, batch size) is saved
+    atomically, so Ctrl-C loses at most the unit in progress and a rerun goes on from there.
+
+    \b
+      gpemu profile --model resnet50 --batch-sizes 1-16,32,64,128,256
+      gpemu profile --model net=mypkg.models:build_net --input-shape 3,32,32 --num-classes 10
+      gpemu profile --device cpu --model mypkg.models:tiny --batch-sizes 1,2,4 --db sqlite:///p.sqlite
+    """
+    from rich.console import Console
+
+    from gpemu.cli import UserError
+
+    err_console = Console(stderr=True)
+
+    if not models and not export_path:
+        raise click.UsageError("nothing to do: give at least one --model to profile, or --export FILE")
+
+    from .models import parse_dtype, parse_input_shape
+    from .sweep import parse_batch_sizes
+
+    sizes = parse_batch_sizes(batch_sizes, max_batch_size)
+    ddp_sizes = parse_batch_sizes(ddp_batch_sizes, max_batch_size) if ddp_batch_sizes else sizes
+    shape = parse_input_shape(input_shape) if input_shape else None
+    dtype = parse_dtype(input_dtype)
+
+    import torch
+
+    from .device import resolve_device
+    from .runner import Interrupted, ProfileOptions, profile_models
+    from .store import ProfileStore
+
+    store = ProfileStore.open(db_url)
+    try:
+        if models:
+            dev = resolve_device(device)
+            world_sizes = _world_sizes(ddp_world_sizes, dev)
+            opts = ProfileOptions(models=list(models), batch_sizes=sizes, device=dev,
+                                  gpu_name=None if gpu_name.strip().lower() == "auto" else gpu_name.strip(),
+                                  input_shape=shape, input_dtype=dtype, num_classes=num_classes, warmup=warmup,
+                                  iterations=iterations, optimizer=optimizer, memory_limit=memory_limit,
+                                  force=not resume)
+            try:
+                report = _run_with_progress(store, opts, no_progress, err_console)
+                if world_sizes:
+                    from .ddp import profile_ddp
+
+                    profile_ddp(store, opts, world_sizes, ddp_sizes, log=lambda msg: err_console.print(msg, highlight=False))
+            except Interrupted as exc:
+                r = exc.report
+                err_console.print(
+                    f"[yellow]interrupted[/yellow]: {len(r.measured)} (model, batch size) unit(s) saved this run; "
+                    f"the database is consistent. Run the same command again to go on from there.",
+                    highlight=False)
+                raise click.exceptions.Exit(130)
+            lim = "".join(f"; {m}: out of memory at batch {b}" for m, (b, _) in report.limits.items())
+            err_console.print(f"[green]done[/green]: {len(report.measured)} unit(s) measured, "
+                              f"{len(report.skipped)} already in the database, on '{report.gpu}'{lim}", highlight=False)
+        if export_path:
+            from .export import export_database
+
+            n = export_database(store, Path(export_path))
+            err_console.print(f"exported {n} measurement(s) to {export_path}", highlight=False)
+    except torch.OutOfMemoryError as exc:  # outside a unit (e.g. moving the model): one clear line
+        raise UserError(f"out of memory before measuring started: {exc}") from None
+    finally:
+        store.close()
+
+
+def _world_sizes(text: str, dev) -> list[int]:  # type: ignore[no-untyped-def]
+    low = text.strip().lower()
+    if low in ("none", "0", ""):
+        return []
+    if low == "auto":
+        if dev.type != "cuda":
+            return []
+        import torch
+
+        return list(range(2, torch.cuda.device_count() + 1))
+    try:
+        sizes = sorted({int(x) for x in low.split(",") if x.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give world sizes like '2,4', 'auto' or 'none'") from None
+    if not sizes or min(sizes) < 2:
+        raise click.BadParameter(f"{text!r}: DDP world sizes must be 2 or more ('2,4'), or 'auto' / 'none'")
+    if dev.type == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if max(sizes) > have:
+            raise click.BadParameter(f"world size {max(sizes)} needs {max(sizes)} GPUs; this machine has {have}")
+    return sizes
+
+
+def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore[no-untyped-def]
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    from .runner import profile_models
+
+    def log(msg: str) -> None:
+        console.print(msg, highlight=False)
+
+    if no_progress:
+        return profile_models(store, opts, log=log)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                  transient=False) as bar:
+        task = bar.add_task("profiling", total=None)
+
+        def advance(desc: str, n: int) -> None:
+            bar.update(task, description=desc, advance=n)
+
+        def set_total(total: int) -> None:
+            bar.update(task, total=total)
+
+        return profile_models(store, opts, progress=advance, set_total=set_total,
+                              log=lambda msg: bar.console.print(msg, highlight=False))

@@ -1,0 +1,261 @@
+"""The profiling loop: models x batch sizes into the profile database.
+
+One *unit* is one (model, batch size): warm-up iterations (not recorded), then the recorded
+iterations, then all of the unit's rows in one transaction. Units already in the database are
+skipped unless ``force``. A batch size that runs out of memory is recorded as the model's limit
+on the GPU, larger batch sizes of that model are skipped, and profiling goes on with the next
+model. Ctrl-C between or during units keeps the database consistent: an unfinished unit is
+simply not written (a write in progress is finished first), then :class:`Interrupted` is raised.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from gpemu.db import Measurement, ModelInfo
+
+from .device import device_memory, device_name, measure_gpu_spec, run_metadata
+from .measure import BatchMeasurement, Measurer, Stats
+from .models import LoadedModel, load_model, model_name_of, structural_fingerprint
+from .store import LIMIT_KIND, PINNED_KIND, ProfileStore, now_iso
+
+__all__ = ["ProfileOptions", "ProfileReport", "Interrupted", "profile_models", "unit_rows"]
+
+
+@dataclass
+class ProfileOptions:
+    models: Sequence[str]
+    batch_sizes: Sequence[int]
+    device: torch.device
+    gpu_name: str | None = None          # None: what the device reports ("cpu" on the CPU)
+    input_shape: tuple[int, ...] | None = None
+    input_dtype: torch.dtype = torch.float32
+    num_classes: int | None = None
+    warmup: int = 3
+    iterations: int = 20
+    optimizer: str = "sgd"
+    memory_limit: int | None = None      # bytes
+    force: bool = False
+
+
+@dataclass
+class ProfileReport:
+    """What a run did, for the closing message."""
+
+    gpu: str = ""
+    measured: list[tuple[str, int]] = field(default_factory=list)
+    skipped: list[tuple[str, int]] = field(default_factory=list)
+    limits: dict[str, tuple[int, int]] = field(default_factory=dict)   # model -> (oom at, largest fit)
+    model_transfers: list[str] = field(default_factory=list)
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the database holds every unit finished before it; ``report`` says which."""
+
+    def __init__(self, report: ProfileReport) -> None:
+        super().__init__("interrupted")
+        self.report = report
+
+
+class _SigintGuard:
+    """SIGINT raises KeyboardInterrupt at once, except inside ``critical()`` (a database write),
+    where it is held until the write has finished."""
+
+    def __init__(self) -> None:
+        self._critical = 0
+        self.pending = False
+        self._old: Any = None
+
+    def __enter__(self) -> "_SigintGuard":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self._critical:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def critical(self) -> Iterator[None]:
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
+        if self.pending and not self._critical:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+def _stat_row(gpu: str, model: str, kind: str, batch_size: int, stats: Stats, meta: dict[str, Any],
+              measured_at: str, world_size: int = 1) -> Measurement:
+    return Measurement(gpu=gpu, model=model, kind=kind, batch_size=batch_size, world_size=world_size,
+                       value=stats.mean, samples=stats.count, std=stats.std, p50=stats.p50, p90=stats.p90,
+                       p99=stats.p99, source="gpemu profile", measured_at=measured_at,
+                       metadata={**meta, "min": stats.min, "max": stats.max})
+
+
+def unit_rows(gpu: str, model: str, m: BatchMeasurement, meta: dict[str, Any]) -> list[Measurement]:
+    """The database rows of one measured (model, batch size)."""
+    at = now_iso()
+    bs = m.batch_size
+    t = m.times
+    pinned = t["h2d_pinned"].as_dict()
+    rows = [
+        _stat_row(gpu, model, "forward", bs, t["forward"], meta, at),
+        _stat_row(gpu, model, "backward", bs, t["backward"], meta, at),
+        _stat_row(gpu, model, "optimizer_step", bs, t["optimizer_step"], meta, at),
+        # h2d_transfer is the pageable copy (what the shipped GPEmu data measured); the pinned
+        # figures ride along in its metadata, and in their own kind when gpemu.db has one.
+        _stat_row(gpu, model, "h2d_transfer", bs, t["h2d_pageable"],
+                  {**meta, "memory": "pageable", "input_bytes": m.input_bytes, "pinned": pinned}, at),
+        _stat_row(gpu, model, PINNED_KIND, bs, t["h2d_pinned"],
+                  {**meta, "memory": "pinned", "input_bytes": m.input_bytes}, at),
+        _stat_row(gpu, model, "d2h_transfer", bs, t["d2h_transfer"],
+                  {**meta, "what": "one input batch, device to pageable host memory", "input_bytes": m.input_bytes}, at),
+    ]
+    mem_meta = {**meta, "memory_method": m.memory_method}
+    for kind, value in (("peak_memory", m.peak_memory), ("persistent_memory", m.persistent_memory)):
+        rows.append(Measurement(gpu=gpu, model=model, kind=kind, batch_size=bs, value=float(value),
+                                samples=t["forward"].count, source="gpemu profile", measured_at=at,
+                                metadata=mem_meta))
+    return rows
+
+
+def profile_models(store: ProfileStore, opts: ProfileOptions,
+                   progress: Callable[[str, int], None] | None = None,
+                   set_total: Callable[[int], None] | None = None,
+                   log: Callable[[str], None] = lambda msg: None) -> ProfileReport:
+    """Profile every model at every batch size into ``store``.
+
+    ``progress(description, advance)`` is called as units finish or are skipped; ``log`` gets
+    one line per notable event (skips, OOM limits).
+    """
+    report = ProfileReport()
+    advance = progress or (lambda desc, n: None)
+    device = opts.device
+    gpu = opts.gpu_name or device_name(device)
+    memory_bytes = device_memory(device, opts.memory_limit)
+    spec = store.gpu(gpu)
+    if spec is None:
+        log(f"'{gpu}' is new to the database: measuring its FLOP rate and bandwidths")
+        store.add_gpu(measure_gpu_spec(device, gpu, memory_bytes))
+        spec = store.gpu(gpu)
+    gpu = spec.name
+    report.gpu = gpu
+    meta = run_metadata(device, gpu, memory_bytes)
+    meta.update(optimizer=opts.optimizer, warmup=opts.warmup, iterations=opts.iterations,
+                memory_limit=opts.memory_limit)
+    sizes = sorted(set(opts.batch_sizes))
+    if set_total:
+        set_total(len(opts.models) * len(sizes))
+
+    with _SigintGuard() as guard:
+        try:
+            for spec_text in opts.models:
+                _profile_one(store, opts, spec_text, gpu, sizes, meta, report, guard, advance, log)
+        except KeyboardInterrupt:
+            raise Interrupted(report) from None
+    return report
+
+
+def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu: str, sizes: list[int],
+                 meta: dict[str, Any], report: ProfileReport, guard: _SigintGuard,
+                 advance: Callable[[str, int], None], log: Callable[[str], None]) -> None:
+    name = model_name_of(spec_text)
+    todo = list(sizes)
+    if not opts.force:
+        done = store.done_batch_sizes(gpu, name)
+        limit = store.limit(gpu, name)
+        skip = [b for b in todo if b in done or (limit is not None and b >= limit.oom_batch_size)]
+        if skip:
+            report.skipped.extend((name, b) for b in skip)
+            advance(f"{name}: already done", len(skip))
+            if limit is not None and any(b >= limit.oom_batch_size for b in skip):
+                log(f"{name}: batch sizes >= {limit.oom_batch_size} skipped (out of memory on {gpu} before; "
+                    f"--force to retry)")
+        todo = [b for b in todo if b not in skip]
+        if not todo and store.has_model_transfer(gpu, name):
+            return
+    lm = load_model(spec_text, opts.input_shape, opts.input_dtype, opts.num_classes)
+    measurer = Measurer(lm, opts.device, opts.optimizer, opts.memory_limit)
+    model_meta = {**meta, "input_shape": list(lm.sample_shape), "input_dtype": str(lm.input_dtype).removeprefix("torch."),
+                  "num_classes": lm.num_classes, "model_spec": lm.spec}
+
+    advance(f"{name}: model transfer", 0)
+    if opts.force or not store.has_model_transfer(gpu, name):
+        transfer = measurer.measure_model_transfer()
+    else:
+        transfer = None
+        measurer.to_device()
+    # Registered before any measurement row (rows refer to it); FLOPs counted on the device.
+    if opts.force or store.model(name) is None:
+        _register_model(store, lm, measurer)
+    if opts.force:
+        store.clear_limit(gpu, name)
+    if transfer is not None:
+        row = _stat_row(gpu, name, "model_transfer", 0, transfer, model_meta, now_iso())
+        with guard.critical():
+            store.write_unit([row])
+        report.model_transfers.append(name)
+
+    largest_fit = max((b for b in store.done_batch_sizes(gpu, name) if b < min(todo, default=0)), default=0)
+    for i, bs in enumerate(todo):
+        advance(f"{name}: batch {bs}", 0)
+        try:
+            m = measurer.measure(bs, opts.warmup, opts.iterations)
+        except torch.OutOfMemoryError as exc:
+            measurer.release()
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            extra = [Measurement(gpu=gpu, model=name, kind=LIMIT_KIND, batch_size=0, value=float(largest_fit),
+                                 source="gpemu profile", measured_at=now_iso(),
+                                 metadata={**model_meta, "oom_batch_size": bs})]
+            with guard.critical():
+                store.record_limit(gpu, name, bs, largest_fit, message, model_meta, extra)
+            report.limits[name] = (bs, largest_fit)
+            rest = len(todo) - i
+            log(f"{name}: out of memory at batch size {bs} on {gpu} (largest that fit: {largest_fit or 'none'}); "
+                f"skipping {rest - 1} larger batch size(s), going on with the next model")
+            advance(f"{name}: out of memory at {bs}", rest)
+            break
+        rows = unit_rows(gpu, name, m, model_meta)
+        with guard.critical():
+            store.write_unit(rows)
+        largest_fit = bs
+        report.measured.append((name, bs))
+        advance(f"{name}: batch {bs}", 1)
+    measurer.release()
+    del measurer, lm
+    if opts.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _register_model(store: ProfileStore, lm: LoadedModel, measurer: Measurer) -> None:
+    module = lm.module
+    params = list(module.parameters())
+    fwd, total = measurer.flops_per_sample()
+    shape = lm.sample_shape
+    input_size = shape[-1] if len(shape) == 3 and shape[-1] == shape[-2] else None
+    store.add_model(ModelInfo(
+        name=lm.name,
+        class_name=type(module).__name__,
+        param_count=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        fwd_flops_per_sample=fwd or 0.0,
+        fwd_bwd_flops_per_sample=total or 0.0,
+        fingerprint=structural_fingerprint(module),
+        input_size=input_size,
+    ))
