@@ -1,0 +1,124 @@
+"""``gpemu k8s``: emuGPU device files and the Kubernetes device plugin."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import click
+
+from gpemu.cli import UserError, console
+
+from .devices import DEFAULT_DEVICE_DIR, DeviceFileError, EmuGpu, create_devices, remove_devices, scan_devices
+
+__all__ = ["k8s"]
+
+_DIR_OPTION = click.option(
+    "--dir", "directory", default=DEFAULT_DEVICE_DIR, show_default=True,
+    type=click.Path(file_okay=False), help="The node's emuGPU directory.",
+)
+
+
+@click.group()
+def k8s() -> None:
+    """Kubernetes: emuGPU device files and the device plugin.
+
+    \b
+      gpemu k8s devices create --gpu V100 --count 8     make 8 emuGPUs on this node
+      gpemu k8s plugin                                   advertise them as gpemu.io/emugpu
+    """
+
+
+@k8s.group()
+def devices() -> None:
+    """Create, list and remove emuGPU files (one file per emulated GPU)."""
+
+
+@devices.command("create")
+@click.option("--gpu", required=True, help="GPU model, e.g. V100 (see `gpemu gpus`).")
+@click.option("--count", default=1, show_default=True, type=int, help="How many emuGPUs to create.")
+@click.option("--replace", is_flag=True,
+              help="Make the directory hold exactly these emuGPUs (indices 0..count-1); unchanged files are not rewritten.")
+@_DIR_OPTION
+def create_cmd(gpu: str, count: int, replace: bool, directory: str) -> None:
+    """Create emuGPU files of one GPU model (added after existing ones unless --replace)."""
+    try:
+        made = create_devices(directory, gpu, count, replace=replace)
+    except DeviceFileError as exc:
+        raise UserError(str(exc)) from None
+    ids = ", ".join(d.id for d in made)
+    console.print(f"created {len(made)} emuGPU(s) [bold]{made[0].gpu}[/bold] in {directory}: {ids}", highlight=False)
+
+
+@devices.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_DIR_OPTION
+def list_cmd(as_json: bool, directory: str) -> None:
+    """List the emuGPUs in the directory, with the health the plugin would advertise."""
+    found = scan_devices(directory)
+    if as_json:
+        rows = [
+            d.to_json() if isinstance(d, EmuGpu) else {"id": dev_id, "error": str(d)}
+            for dev_id, d in found.items()
+        ]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not found:
+        console.print(f"no emuGPUs in {directory} (create some: gpemu k8s devices create --gpu V100 --count 8 --dir {directory})",
+                      highlight=False)
+        return
+    from rich.table import Table
+
+    table = Table(title=f"emuGPUs in {directory}")
+    for col in ("id", "GPU", "memory", "health", "uuid"):
+        table.add_column(col)
+    for dev_id, d in found.items():
+        if isinstance(d, EmuGpu):
+            health = "Healthy" if d.healthy else "Unhealthy (file says healthy: false)"
+            table.add_row(d.id, d.gpu, f"{d.memory_bytes / 2**30:.0f} GiB", health, d.uuid)
+        else:
+            table.add_row(dev_id, "?", "?", f"Unhealthy ({d})", "")
+    console.print(table)
+
+
+@devices.command("remove")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "remove_all", is_flag=True, help="Remove every emuGPU in the directory.")
+@_DIR_OPTION
+def remove_cmd(ids: tuple[str, ...], remove_all: bool, directory: str) -> None:
+    """Remove emuGPUs by id (e.g. emugpu-3), or --all. The plugin advertises them Unhealthy, then drops them."""
+    if bool(ids) == remove_all:
+        raise UserError("name the emuGPU ids to remove (e.g. emugpu-3) or pass --all, not both")
+    try:
+        removed = remove_devices(directory, None if remove_all else ids)
+    except DeviceFileError as exc:
+        raise UserError(str(exc)) from None
+    console.print(f"removed {len(removed)} emuGPU(s): {', '.join(removed) or 'none'}", highlight=False)
+
+
+@k8s.command("plugin")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="YAML config (flags, sharing.timeSlicing replicas, sharing.manager); see k8s/README.md.")
+@click.option("--device-dir", help=f"emuGPU directory as the plugin sees it [default: {DEFAULT_DEVICE_DIR}].")
+@click.option("--host-device-dir", help="The same directory as the node sees it (when the plugin runs in a container).")
+@click.option("--container-device-dir", help="Where emuGPU files appear in workload containers [default: /var/run/gpemu/devices].")
+@click.option("--device-plugin-dir", help="The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins].")
+@click.option("--resource-name", help="Extended resource to advertise [default: gpemu.io/emugpu].")
+@click.option("--replicas", type=int, help="Time-slicing: advertise each emuGPU this many times.")
+@click.option("--sharing", help="amqp:// URL of the node's sharing manager, given to containers as GPEMU_SHARING.")
+@click.option("--state-dir", help="Where the allocation record is kept [default: the device-plugin directory].")
+@click.option("--poll-interval", type=float, help="Seconds between scans of the emuGPU directory [default: 1].")
+@click.option("--removed-grace", type=float, help="Seconds a removed emuGPU stays advertised Unhealthy [default: 30].")
+def plugin_cmd(config_path: str | None, **flags: object) -> None:
+    """Run the emuGPU device plugin (registers with the kubelet; serves until SIGTERM)."""
+    from .plugin import EmuGpuPlugin, PluginOptions, load_plugin_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = {"poll_interval": "poll_interval_s", "removed_grace": "removed_grace_s"}
+    options = load_plugin_config(config_path) if config_path else PluginOptions()
+    changes = {names.get(k, k): v for k, v in flags.items() if v is not None}
+    if changes:
+        from dataclasses import replace
+
+        options = replace(options, **changes)
+    EmuGpuPlugin(options).run_forever()
