@@ -59,7 +59,8 @@ def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None
 @click.option("--resume/--force", default=True, show_default=True,
               help="--resume skips (model, batch size) units already in the database; --force measures them again.")
 @click.option("--export", "export_path", default=None, type=click.Path(dir_okay=False),
-              help="After profiling (or alone), write the database to FILE (.csv or .json, as `gpemu db export`).")
+              help="After profiling, write this GPU's measurements to FILE (FILE.json, or a directory of CSV files; "
+                   "the `gpemu db export` format). Alone: the whole database, or --gpu-name's GPU.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (log lines only).")
 def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: str, max_batch_size: int,
             input_shape: str | None, input_dtype: str, num_classes: int | None, warmup: int, iterations: int,
@@ -113,10 +114,12 @@ def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: st
                                   force=not resume)
             try:
                 report = _run_with_progress(store, opts, no_progress, err_console)
+                ddp_units = 0
                 if world_sizes:
                     from .ddp import profile_ddp
 
-                    profile_ddp(store, opts, world_sizes, ddp_sizes, log=lambda msg: err_console.print(msg, highlight=False))
+                    ddp_units = profile_ddp(store, opts, world_sizes, ddp_sizes,
+                                            log=lambda msg: err_console.print(msg, highlight=False))
             except Interrupted as exc:
                 r = exc.report
                 err_console.print(
@@ -124,13 +127,21 @@ def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: st
                     f"the database is consistent. Run the same command again to go on from there.",
                     highlight=False)
                 raise click.exceptions.Exit(130)
-            lim = "".join(f"; {m}: out of memory at batch {b}" for m, (b, _) in report.limits.items())
+            lim = f"; {ddp_units} DDP unit(s)" if world_sizes else ""
+            lim += "".join(f"; {m}: out of memory at batch {b}" for m, (b, _) in report.limits.items())
             err_console.print(f"[green]done[/green]: {len(report.measured)} unit(s) measured, "
                               f"{len(report.skipped)} already in the database, on '{report.gpu}'{lim}", highlight=False)
         if export_path:
             from .export import export_database
 
-            n = export_database(store, Path(export_path))
+            # After a run: that GPU's measurements (a lab shares its own, not the shipped data).
+            if models:
+                only = [report.gpu]
+            elif gpu_name.strip().lower() != "auto":
+                only = [gpu_name.strip()]
+            else:
+                only = None
+            n = export_database(store, Path(export_path), gpus=only)
             err_console.print(f"exported {n} measurement(s) to {export_path}", highlight=False)
     except torch.OutOfMemoryError as exc:  # outside a unit (e.g. moving the model): one clear line
         raise UserError(f"out of memory before measuring started: {exc}") from None

@@ -1,18 +1,21 @@
-"""``gpemu profile --export FILE``: the database in the format ``gpemu db export`` writes."""
+"""``gpemu profile --export FILE``: measurements in the format ``gpemu db export`` writes, so
+``gpemu db import FILE`` reads them on another machine."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 from .store import ProfileStore
 
 __all__ = ["export_database"]
 
 
-def export_database(store: ProfileStore, path: Path) -> int:
-    """Write every GPU, model and measurement to ``path`` (.csv or .json); returns the row count."""
-    try:
-        from gpemu.db.exchange import export_file  # gpemu.db owns the format
-    except ImportError as exc:
-        raise ValueError(f"exporting needs gpemu.db's export, which this installation lacks ({exc})") from None
-    return export_file(store.db, path)
+def export_database(store: ProfileStore, path: Path, gpus: Iterable[str] | None = None,
+                    models: Iterable[str] | None = None) -> int:
+    """Write the given GPUs' and models' rows (all when None) to ``path``: a .json file, or a
+    directory of CSV files for any other name. Returns the number of measurements written."""
+    from gpemu.db.io import export_db  # gpemu.db owns the format
+
+    counts = export_db(store.db, path, gpus=list(gpus) if gpus else None, models=list(models) if models else None)
+    return int(counts["measurements"])
