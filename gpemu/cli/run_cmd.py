@@ -1,0 +1,44 @@
+"""``gpemu run``: the click command (implementation in :mod:`gpemu.launcher`)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+__all__ = ["run"]
+
+
+@click.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Run a PyTorch script on emulated GPUs (no edits to the script).",
+)
+@click.option("--gpu", metavar="NAME", help="GPU model of every emulated device (e.g. V100, A100; see `gpemu gpus`).")
+@click.option("--gpus", metavar="N|LIST", help="How many emulated GPUs (e.g. 2), or one model per device (V100,A100).")
+@click.option("--model", metavar="NAME", help="Take GPU times from this database model instead of identifying it.")
+@click.option("--db", "db_url", metavar="URL", help="SQLAlchemy URL of the profile database (default: per-user SQLite).")
+@click.option("--memory", type=click.Choice(["tracked", "profiled"]), help="Count every allocation, or use measured peaks.")
+@click.option("--share", "sharing", metavar="URL", help="amqp:// URL of a sharing manager to time-slice emuGPUs through.")
+@click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
+@click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
+@click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
+@click.option("-m", "module", metavar="MODULE", help="Run a Python module, like `python -m MODULE`.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_path, module, command) -> None:
+    """Run COMMAND with every Python process in it on emulated GPUs.
+
+    \b
+      gpemu run --gpu V100 -- python train.py --epochs 1
+      gpemu run --gpu A100 --gpus 2 -- torchrun --nproc-per-node 2 train_ddp.py
+      gpemu run --gpu V100 -m mypackage.train
+    """
+    from gpemu import launcher
+
+    config = launcher.build_config(gpu=gpu, gpus=gpus, model=model, db_url=db_url, memory=memory,
+                                   sharing=sharing, summary=summary, metrics_path=metrics_path,
+                                   trace_path=trace_path)
+    argv = launcher.command_argv(command, module)
+    env = launcher.child_env(config)
+    print(f"[gpemu] {config.describe()}: {' '.join(argv)}", file=sys.stderr, flush=True)
+    launcher.run_command(argv, env)

@@ -1,0 +1,115 @@
+"""``gpemu run``: run an unmodified command with every Python process in it emulated.
+
+The launcher validates the settings once (unknown GPU, bad counts and URLs fail here with one
+line, before the script starts), exports them as ``GPEMU_*`` variables plus ``GPEMU_ENABLE=1``,
+prepends :data:`BOOTSTRAP_DIR` (a directory holding only ``sitecustomize.py``) to
+``PYTHONPATH`` and replaces itself with the command. Python imports ``sitecustomize`` at every
+start, so the script, its spawned DataLoader workers, ``torchrun`` workers and ``mp.spawn``
+children all call :func:`bootstrap` and patch themselves from the same environment; forked
+DataLoader workers inherit the patched parent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .config import ConfigError, EmuConfig
+
+__all__ = ["BOOTSTRAP_DIR", "build_config", "child_env", "command_argv", "run_command", "bootstrap"]
+
+# Holds sitecustomize.py only, so putting it on PYTHONPATH adds nothing else importable.
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
+
+
+def build_config(gpu: str | None = None, gpus: str | int | None = None, **settings: Any) -> EmuConfig:
+    """EmuConfig from the environment and ``gpemu run`` flags, validated against the database.
+
+    ``gpus`` is a count (``2``) or a comma-separated list of GPU models (``V100,A100``).
+    Raises a ``ValueError`` subclass with one clear line for anything unusable.
+    """
+    overrides: dict[str, Any] = dict(settings)
+    if gpus is not None:
+        text = str(gpus).strip()
+        if text.lstrip("-").isdigit():
+            overrides["num_gpus"] = int(text)
+        elif text:
+            overrides["device_gpus"] = text
+        else:
+            raise ConfigError("--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100)")
+    config = EmuConfig.from_env(gpu=gpu, **overrides)
+    if (gpu is not None or "num_gpus" in overrides) and "device_gpus" not in overrides \
+            and config.device_gpus is not None:
+        # Explicit --gpu/--gpus flags win over a per-device list inherited from the environment.
+        config = config.replace(device_gpus=None, num_gpus=overrides.get("num_gpus", config.num_gpus))
+    _validate(config)
+    return config
+
+
+def _validate(config: EmuConfig) -> None:
+    """Open the profile database and resolve every GPU (and the model, if one is named)."""
+    from gpemu.db import open_profile_db
+
+    try:
+        db = open_profile_db(config)
+    except ValueError:
+        raise
+    except Exception as exc:  # SQLAlchemy: bad URL, missing driver, unreachable server
+        raise ConfigError(
+            f"cannot open the profile database {config.db_url or '(default)'}: {type(exc).__name__}: {exc}. "
+            "--db takes a SQLAlchemy URL such as sqlite:////path/to/gpemu.db or postgresql://host/db"
+        ) from None
+    for name in config.gpus_per_device:
+        db.gpu(name)  # UnknownNameError (a ValueError) suggests the close match
+    if config.model:
+        db.model(config.model)
+
+
+def child_env(config: EmuConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the command runs in: ``base`` + the config + the bootstrap on PYTHONPATH."""
+    # The launcher passes the user's whole environment through to the command it starts;
+    # settings themselves are read only by gpemu.config.
+    env = dict(os.environ if base is None else base)
+    for key in [k for k in env if k.startswith("GPEMU_")]:
+        del env[key]  # the config below is complete; stale variables must not mix in
+    env.update(config.replace(enable=True).to_env())
+    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *existing])
+    return env
+
+
+def command_argv(command: Sequence[str], module: str | None = None) -> list[str]:
+    """The argv to exec: ``-m module args`` and ``script.py args`` run with this Python."""
+    args = list(command)
+    if module:
+        return [sys.executable, "-m", module, *args]
+    if not args:
+        raise ConfigError("nothing to run: give a command after `--`, e.g. "
+                          "`gpemu run --gpu V100 -- python train.py`, or `-m module`")
+    if args[0].endswith(".py"):
+        return [sys.executable, *args]
+    return args
+
+
+def run_command(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Replace this process with ``argv`` (exit status and signals are the command's own)."""
+    program = argv[0]
+    resolved = shutil.which(program, path=env.get("PATH")) if os.sep not in program else program
+    if resolved is None or not os.path.exists(resolved):
+        raise ConfigError(f"command not found: {program!r} (is it installed and on PATH?)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(resolved, list(argv), dict(env))
+
+
+def bootstrap() -> None:
+    """Called by the sitecustomize of ``gpemu run``: patch this process from the environment."""
+    config = EmuConfig.from_env()
+    if not config.enable:
+        return
+    import gpemu
+
+    gpemu.patch(config)
