@@ -52,10 +52,19 @@ def create_cmd(gpu: str, count: int, replace: bool, directory: str) -> None:
 
 @devices.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--share-manager-args", "share_args", is_flag=True,
+              help="Print `--device emugpu-0=V100 ...` for `gpemu share-manager` (healthy emuGPUs only).")
 @_DIR_OPTION
-def list_cmd(as_json: bool, directory: str) -> None:
+def list_cmd(as_json: bool, share_args: bool, directory: str) -> None:
     """List the emuGPUs in the directory, with the health the plugin would advertise."""
     found = scan_devices(directory)
+    if share_args:
+        # The sharing client names devices by GPEMU_VISIBLE_DEVICES ids, i.e. these file ids.
+        good = [d for d in found.values() if isinstance(d, EmuGpu) and d.healthy]
+        if not good:
+            raise UserError(f"no healthy emuGPUs in {directory}")
+        click.echo(" ".join(f"--device {d.id}={d.gpu}" for d in good))
+        return
     if as_json:
         rows = [
             d.to_json() if isinstance(d, EmuGpu) else {"id": dev_id, "error": str(d)}
