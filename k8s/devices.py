@@ -5,7 +5,8 @@ as a file named ``emugpu-<index>.json`` in the node's emuGPU directory, holding 
 its memory and its index::
 
     {"kind": "emuGPU", "version": 1, "id": "emugpu-0", "index": 0, "gpu": "V100",
-     "memory_bytes": 17179869184, "uuid": "EMU-...", "healthy": true}
+     "memory_bytes": 34359738368, "uuid": "EMU-...", "healthy": true,
+     "product": "Tesla V100-PCIE-32GB"}
 
 Creating or deleting files is how an operator adds or removes emuGPUs (the plugin notices), and
 ``"healthy": false`` marks one as failed without removing it (like a GPU that raised an XID
@@ -57,6 +58,8 @@ class EmuGpu:
     memory_bytes: int
     uuid: str
     healthy: bool = True
+    # Full product name from the profile database, e.g. "Tesla V100-PCIE-32GB".
+    product: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": FILE_KIND, "version": FILE_VERSION, **asdict(self)}
@@ -66,8 +69,9 @@ def device_file(directory: str | os.PathLike[str], index: int) -> Path:
     return Path(directory) / f"emugpu-{index}.json"
 
 
-def resolve_gpu(name: str, db: Any = None) -> tuple[str, int]:
-    """Canonical GPU model name and memory (bytes) from the profile database.
+def resolve_gpu(name: str, db: Any = None) -> tuple[str, int, str]:
+    """Short GPU model name (e.g. "V100"), memory (bytes) and full product name from the
+    profile database.
 
     ``db`` is a :class:`gpemu.db.ProfileDB` (opened from the environment's settings when None).
     Unknown names raise the database's error, which lists the valid GPUs.
@@ -77,8 +81,9 @@ def resolve_gpu(name: str, db: Any = None) -> tuple[str, int]:
         from gpemu.db import open_profile_db
 
         db = open_profile_db(EmuConfig.from_env())
+    db.gpus()  # loads the name tables first (gpemu.db's gpu() of a fresh ProfileDB needs that at the time of writing)
     spec = db.gpu(name)
-    return spec.name, int(spec.memory_bytes)
+    return getattr(spec, "short_name", spec.name), int(spec.memory_bytes), spec.name
 
 
 def _atomic_write(path: Path, text: str) -> bool:
@@ -112,7 +117,7 @@ def create_devices(
     """
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= _MAX_DEVICES:
         raise DeviceFileError(f"count must be an integer from 1 to {_MAX_DEVICES}, got {count!r}")
-    name, memory = resolve_gpu(gpu, db)
+    name, memory, product = resolve_gpu(gpu, db)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     existing = _indices(root)
@@ -136,6 +141,7 @@ def create_devices(
             memory_bytes=memory,
             # Stable across re-creation so a re-run initContainer writes identical files.
             uuid="EMU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpemu:{root.resolve()}:{index}:{name}")),
+            product=product,
         )
         _atomic_write(device_file(root, index), json.dumps(dev.to_json(), indent=2) + "\n")
         made.append(dev)
@@ -174,6 +180,7 @@ def read_device(path: str | os.PathLike[str]) -> EmuGpu:
             memory_bytes=int(data["memory_bytes"]),
             uuid=str(data.get("uuid", "")),
             healthy=bool(data.get("healthy", True)),
+            product=str(data.get("product", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DeviceFileError(
