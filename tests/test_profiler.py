@@ -1,0 +1,311 @@
+"""`gpemu profile --device cpu`: the whole profiling pipeline into a real SQLite database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpemu.cli import main
+from gpemu.config import EmuConfig
+from gpemu.db import open_profile_db
+from gpemu.profiler.cli import parse_memory_size
+from gpemu.profiler.models import ModelSpecError, load_model, structural_fingerprint
+from gpemu.profiler.store import ProfileStore
+from gpemu.profiler.sweep import BatchSizeError, parse_batch_sizes
+
+# The gpemu command in a child process (the same interpreter as the tests).
+GPEMU = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
+UNIT_KINDS = ("forward", "backward", "optimizer_step", "h2d_transfer", "d2h_transfer", "peak_memory",
+              "persistent_memory")
+
+FACTORIES = textwrap.dedent('''
+    import time
+    import torch
+    from torch import nn
+
+    def mlp(num_classes=10):
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+    def cnn():
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        return net, torch.randn(2, 3, 16, 16)
+
+    def small():
+        return nn.Sequential(nn.Linear(16, 4)), torch.randn(2, 16)
+
+    class Slow(nn.Module):
+        """Slow enough that a run of many batch sizes can be interrupted in the middle."""
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+        def forward(self, x):
+            time.sleep(0.03)
+            return self.fc(x)
+
+    def slow():
+        return Slow(), torch.randn(2, 8)
+''')
+
+
+@pytest.fixture()
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "profmodels.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(pkg))
+    sys.modules.pop("profmodels", None)
+    return pkg
+
+
+@pytest.fixture()
+def db_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'profile.sqlite'}"
+
+
+def run_profile(db_url: str, *args: str) -> int:
+    return main(["profile", "--device", "cpu", "--db", db_url, "--warmup", "1", "--iterations", "2",
+                 "--no-progress", *args])
+
+
+def open_db(url: str):
+    return open_profile_db(EmuConfig.from_env(db_url=url))
+
+
+def gpu_of(db, name: str):
+    db.gpus()  # fills ProfileDB's name cache first (gpu()/model() index it before filling it)
+    return db.gpu(name)
+
+
+def model_of(db, name: str):
+    db.models()
+    return db.model(name)
+
+
+# ------------------------------------------------------------------ parsing
+def test_batch_size_sweeps() -> None:
+    assert parse_batch_sizes("1-4,8,16") == [1, 2, 3, 4, 8, 16]
+    assert parse_batch_sizes("pow2", max_batch=64) == [1, 2, 4, 8, 16, 32, 64]
+    assert parse_batch_sizes("dense:1-4+step:16", max_batch=64) == [1, 2, 3, 4, 16, 32, 48, 64]
+    assert parse_batch_sizes("32-128:32,4,4") == [4, 32, 64, 96, 128]
+    assert parse_batch_sizes("step:8:10-40") == [16, 24, 32, 40]
+    default = parse_batch_sizes("default")
+    assert default[:16] == list(range(1, 17)) and default[-1] == 256
+    for bad in ("", "0", "4-2", "a,b", "pow2:x", "1,,2", "dense:1-2-3"):
+        with pytest.raises(BatchSizeError, match="valid forms|backwards|from 1 to"):
+            parse_batch_sizes(bad)
+
+
+def test_memory_sizes() -> None:
+    assert parse_memory_size("200MiB") == 200 * 2**20
+    assert parse_memory_size("1.5GB") == 1_500_000_000
+    assert parse_memory_size("4096") == 4096
+    import click
+
+    with pytest.raises(click.BadParameter, match="200MiB"):
+        parse_memory_size("lots")
+
+
+def test_model_specs(factories: Path) -> None:
+    lm = load_model("net=profmodels:mlp", (3, 8, 8), num_classes=7)
+    assert lm.name == "net" and lm.num_classes == 7 and lm.sample_shape == (3, 8, 8)
+    x, y = lm.make_batch(5)
+    assert x.shape == (5, 3, 8, 8) and y is not None and int(y.max()) < 7
+    lm2 = load_model("profmodels:cnn")  # sample batch decides the input shape
+    assert lm2.name == "cnn" and lm2.sample_shape == (3, 16, 16)
+    fp = structural_fingerprint(lm2.module)
+    from gpemu.identify import structural_fingerprint as emulator_fingerprint
+
+    # The profiler stores what the emulator computes to recognise a user's model.
+    assert fp == emulator_fingerprint(lm2.module) == structural_fingerprint(load_model("profmodels:cnn").module)
+    assert fp != structural_fingerprint(lm.module)
+    with pytest.raises(ModelSpecError, match="no callable"):
+        load_model("profmodels:nothing")
+    with pytest.raises(ModelSpecError, match="cannot import"):
+        load_model("no_such_module_xyz:f")
+    with pytest.raises(ModelSpecError, match="torchvision"):
+        load_model("resnet50")  # torchvision is not importable with the CPU build here
+
+
+# ------------------------------------------------------------------ the pipeline
+def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
+    assert run_profile(db_url, "--model", "profmodels:mlp", "--model", "cnn=profmodels:cnn",
+                       "--input-shape", "3,8,8", "--batch-sizes", "1,2,4") == 0
+    db = open_db(db_url)
+    gpu = gpu_of(db, "cpu")
+    assert gpu.memory_bytes > 0 and gpu.fp32_flops > 0
+    for model in ("mlp", "cnn"):
+        for kind in UNIT_KINDS:
+            pts = db.series("cpu", model, kind)
+            assert [b for b, _ in pts] == [1.0, 2.0, 4.0], (model, kind)
+            assert all(v > 0 for _, v in pts)
+        assert db.has("cpu", model, "model_transfer")
+    # Memory: persistent = params + grads + SGD momentum (+ buffers), exactly, at every batch size.
+    cnn = model_of(db, "cnn")
+    expected = 3 * cnn.param_bytes + cnn.buffer_bytes
+    assert {v for _, v in db.series("cpu", "cnn", "persistent_memory")} == {float(expected)}
+    peaks = [v for _, v in db.series("cpu", "cnn", "peak_memory")]
+    assert peaks[0] < peaks[1] < peaks[2] and peaks[0] > expected - cnn.param_bytes
+    # Model info: structure for identification, FLOPs counted.
+    mlp = model_of(db, "mlp")
+    assert mlp.class_name == "Sequential" and mlp.param_count == 3 * 8 * 8 * 32 + 32 + 32 * 10 + 10
+    from gpemu.identify import structural_fingerprint as emulator_fingerprint
+
+    assert mlp.fingerprint == emulator_fingerprint(load_model("profmodels:mlp", (3, 8, 8)).module)
+    assert mlp.fwd_flops_per_sample == 2 * (3 * 8 * 8 * 32 + 32 * 10)
+    assert mlp.fwd_bwd_flops_per_sample > mlp.fwd_flops_per_sample
+    # Every row carries its provenance.
+    from sqlalchemy import text
+
+    with db.engine.connect() as conn:
+        rows = conn.execute(text("select kind, samples, p50, p99, measured_at, metadata_json from measurements")).all()
+    assert len(rows) == 2 * (len(UNIT_KINDS) * 3 + 1)
+    import json
+
+    for kind, samples, p50, p99, measured_at, meta_json in rows:
+        meta = json.loads(meta_json)
+        for key in ("gpu_name", "gpu_memory_bytes", "torch", "cuda", "driver", "host", "tool_version"):
+            assert key in meta, (kind, key)
+        assert meta["gpu_name"] == "cpu" and meta["torch"] == torch.__version__ and measured_at
+        if kind != "model_transfer":
+            assert samples == 2
+    db.close()
+
+
+def test_resume_skips_done_units_and_force_remeasures(factories: Path, db_url: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--model", "profmodels:mlp", "--input-shape", "3,8,8")
+    assert run_profile(db_url, *args, "--batch-sizes", "1,2") == 0
+    capsys.readouterr()
+    assert run_profile(db_url, *args, "--batch-sizes", "1,2,4") == 0
+    err = capsys.readouterr().err
+    assert "1 unit(s) measured, 2 already in the database" in err
+    db = open_db(db_url)
+    before = {r for r in db.series("cpu", "mlp", "forward")}
+    db.close()
+    assert run_profile(db_url, *args, "--batch-sizes", "1,2,4", "--force") == 0
+    assert "3 unit(s) measured, 0 already" in capsys.readouterr().err
+    db = open_db(db_url)
+    after = {r for r in db.series("cpu", "mlp", "forward")}
+    assert len(after) == 3 and after != before  # re-measured (upserted, not duplicated)
+    db.close()
+
+
+def test_out_of_memory_records_limit_and_goes_on(factories: Path, db_url: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # cnn at 3x16x16 needs ~50 KB at batch 2 and ~95 KB at batch 4 (estimate); small needs far less.
+    args = ("--model", "profmodels:cnn", "--model", "profmodels:small", "--batch-sizes", "1,2,4,8",
+            "--memory-limit", "70000")
+    assert run_profile(db_url, *args) == 0
+    err = capsys.readouterr().err
+    assert "out of memory at batch size 4" in err
+    db = open_db(db_url)
+    assert [b for b, _ in db.series("cpu", "cnn", "forward")] == [1.0, 2.0]
+    assert [b for b, _ in db.series("cpu", "small", "forward")] == [1.0, 2.0, 4.0, 8.0]
+    assert all(v <= 70000 for _, v in db.series("cpu", "cnn", "peak_memory"))
+    store = ProfileStore(db)
+    limit = store.limit("cpu", "cnn")
+    assert limit is not None and (limit.oom_batch_size, limit.largest_fitting) == (4, 2)
+    assert "memory limit" in limit.message
+    assert store.limit("cpu", "small") is None
+    db.close()
+    # A rerun does not try the batch sizes that ran out of memory again.
+    assert run_profile(db_url, *args) == 0
+    err = capsys.readouterr().err
+    assert "0 unit(s) measured, 8 already in the database" in err and "out of memory" in err
+
+
+def test_export_import_round_trip(factories: Path, db_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "lab.json"
+    assert run_profile(db_url, "--model", "profmodels:small", "--batch-sizes", "1,2", "--export", str(out)) == 0
+    assert out.exists()
+    from gpemu.db.io import import_path
+
+    other_url = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    other = open_db(other_url)
+    report = import_path(other, out)
+    assert not report.rejected and report.measurements == len(UNIT_KINDS) * 2 + 1
+    src = open_db(db_url)
+    for kind in UNIT_KINDS:
+        assert other.series("cpu", "small", kind) == src.series("cpu", "small", kind)
+    assert model_of(other, "small") == model_of(src, "small")
+    src.close()
+    other.close()
+
+
+def test_refuses_without_gpu_and_bad_input(factories: Path, db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["profile", "--model", "profmodels:small", "--db", db_url]) == 2
+    err = capsys.readouterr().err
+    assert "measures real GPUs" in err and "--device cpu" in err
+    assert main(["profile", "--device", "cpu", "--model", "profmodels:small", "--db", db_url,
+                 "--batch-sizes", "8-1"]) == 2
+    assert "backwards" in capsys.readouterr().err
+    assert main(["profile", "--device", "cpu", "--db", db_url]) == 2
+    assert "nothing to do" in capsys.readouterr().err
+
+
+def _child_env(factories: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(factories), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_sigint_leaves_database_consistent_and_rerun_completes(factories: Path, db_url: str) -> None:
+    cmd = [*GPEMU, "profile", "--device", "cpu", "--db", db_url, "--model",
+           "profmodels:slow", "--batch-sizes", "1-12", "--warmup", "1", "--iterations", "3", "--no-progress"]
+    proc = subprocess.Popen(cmd, env=_child_env(factories), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    deadline = time.monotonic() + 90
+    done = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with engine.connect() as conn:
+                done = conn.execute(text("select count(*) from measurements where kind='forward'")).scalar_one()
+        except Exception:  # tables not created yet
+            done = 0
+        if done >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "consistent" in err
+    with engine.connect() as conn:
+        per_batch = conn.execute(text(
+            "select batch_size, count(*) from measurements where batch_size > 0 group by batch_size")).all()
+    assert 2 <= len(per_batch) < 12
+    assert all(n == len(UNIT_KINDS) for _, n in per_batch)  # whole units only
+    engine.dispose()
+    # The rerun measures only what is missing.
+    rerun = subprocess.run(cmd, env=_child_env(factories), capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{12 - len(per_batch)} unit(s) measured, {len(per_batch)} already" in rerun.stderr
+    db = open_db(db_url)
+    assert [b for b, _ in db.series("cpu", "slow", "forward")] == [float(b) for b in range(1, 13)]
+    db.close()
+
+
+def test_ddp_iteration_times_with_gloo(factories: Path, db_url: str) -> None:
+    cmd = [*GPEMU, "profile", "--device", "cpu", "--db", db_url, "--model",
+           "profmodels:small", "--batch-sizes", "2,4", "--warmup", "1", "--iterations", "2", "--no-progress",
+           "--ddp-world-sizes", "2"]
+    run = subprocess.run(cmd, env=_child_env(factories), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    db = open_db(db_url)
+    pts = db.series("cpu", "small", "ddp_iteration", world_size=2)
+    assert [b for b, _ in pts] == [2.0, 4.0] and all(v > 0 for _, v in pts)
+    assert not db.series("cpu", "small", "ddp_iteration")  # world size 1 has none
+    db.close()
