@@ -221,23 +221,38 @@ def _demo() -> int:
     """Plugin as a separate process (`gpemu k8s plugin`), driven like a kubelet would."""
     root = Path(tempfile.mkdtemp(prefix="gpk-demo-"))
     dp_dir, dev_dir = root / "dp", root / "dev"
-    subprocess.run([sys.executable, "-m", "gpemu.cli", "k8s", "devices", "create", "--gpu", "V100",
-                    "--count", "4", "--dir", str(dev_dir)], check=True)
+    gpemu = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
+    subprocess.run(gpemu + ["k8s", "devices", "create", "--gpu", "V100", "--count", "4", "--dir", str(dev_dir)],
+                   check=True)
     kubelet = KubeletStandIn(dp_dir).start()
-    plugin = subprocess.Popen([sys.executable, "-m", "gpemu.cli", "k8s", "plugin", "--device-dir", str(dev_dir),
-                               "--device-plugin-dir", str(dp_dir), "--poll-interval", "0.2", "--removed-grace", "2"])
+    plugin = subprocess.Popen(gpemu + ["k8s", "plugin", "--device-dir", str(dev_dir), "--device-plugin-dir",
+                                       str(dp_dir), "--poll-interval", "0.2", "--removed-grace", "2"])
     try:
         kubelet.plugin("gpemu.io/emugpu")
         kubelet.allocate("gpemu.io/emugpu", 2)
         (dev_dir / "emugpu-3.json").unlink()
         kubelet.log("removed emugpu-3.json")
         kubelet.wait_for(lambda: kubelet.plugins["gpemu.io/emugpu"].devices.get("emugpu-3") == "Unhealthy", 5, "unhealthy")
-        kubelet.restart()
+        kubelet.wait_for(lambda: "emugpu-3" not in kubelet.plugins["gpemu.io/emugpu"].devices, 10, "emugpu-3 dropped")
+        elapsed = kubelet.restart()
+        assert elapsed < 5.0, elapsed
         kubelet.plugin("gpemu.io/emugpu")
-        try:
-            kubelet.allocate_ids("gpemu.io/emugpu", ["emugpu-9"])
-        except grpc.RpcError:
-            pass
+        # Plugin restart: a new process advertises the same ids; the record keeps the allocation.
+        plugin.terminate()
+        plugin.wait(10)
+        kubelet.log("plugin process stopped (SIGTERM); starting a new one")
+        before, old = len(kubelet.registrations), kubelet.plugins["gpemu.io/emugpu"]
+        plugin = subprocess.Popen(gpemu + ["k8s", "plugin", "--device-dir", str(dev_dir), "--device-plugin-dir",
+                                           str(dp_dir), "--poll-interval", "0.2"])
+        kubelet.wait_for(lambda: len(kubelet.registrations) > before and kubelet.plugins["gpemu.io/emugpu"] is not old
+                         and kubelet.plugins["gpemu.io/emugpu"].updates > 0, 20, "plugin re-registration")
+        kubelet.log("allocation record after plugin restart: " + (dp_dir / "gpemu-allocations.json").read_text()
+                    .replace("\n", " "))
+        for bad in (["emugpu-9"], ["emugpu-0", "emugpu-1", "emugpu-2", "emugpu-5"]):
+            try:
+                kubelet.allocate_ids("gpemu.io/emugpu", bad)
+            except grpc.RpcError:
+                pass
     finally:
         plugin.terminate()
         plugin.wait(10)

@@ -269,3 +269,17 @@ def test_refused_registration_is_not_retried_in_a_loop(devices, node, start_plug
         assert sum("REFUSED" in line for line in k.lines) == 1 and plugin.registrations == 0
     finally:
         k.stop()
+
+
+def test_plugin_process_via_cli_demo():
+    """`gpemu k8s plugin` as its own process: register, allocate, removal, kubelet restart,
+    plugin restart (SIGTERM + new process), bad requests; see tests/kubelet_standin.py."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "kubelet_standin.py")],
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for text in ("Unhealthy: emugpu-3", "plugin re-registered", "reloaded 1 recorded allocation(s)",
+                 "error NOT_FOUND: unknown emuGPU id(s) emugpu-9", "error INVALID_ARGUMENT: asked for 4"):
+        assert text in out, text
