@@ -1,0 +1,195 @@
+"""Which dataset model is this ``nn.Module``? (so its GPU time can come from real measurements)
+
+Order of evidence:
+
+1. **configured** — ``EmuConfig.model`` (``GPEMU_MODEL`` / ``--model``) names a dataset model; the
+   first module with parameters gpemu is asked about (the user's model: its call comes before
+   any of its submodules') takes that model's time, as does any module whose structure matches it.
+2. **fingerprint** — structure: the module's class name and parameter count equal a dataset
+   model's (``ProfileDB.models_by_structure``), confirmed by the structural fingerprint when the
+   database has one. A replaced classification head (``model.fc = nn.Linear(2048, 10)``) is
+   recognised too: the count is compared as if the head had the dataset's 1000 classes.
+   A wrapper module whose own structure matches nothing but which *contains* identified
+   submodules is identified by them (outermost identified submodules own the time).
+3. **estimated** — nothing matches: time comes from a FLOP/byte roofline (``gpemu.costs``).
+
+Results are cached per module object (weakly), so replay can ask on every call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gpemu.db import ModelInfo
+
+    from .runtime import Runtime
+
+__all__ = ["ModelIdentity", "identify", "structural_fingerprint", "SOURCES"]
+
+SOURCES = ("configured", "fingerprint", "estimated")
+_DATASET_CLASSES = 1000  # the profiled torchvision models are ImageNet classifiers
+
+
+@dataclass(eq=False)
+class ModelIdentity:
+    """What gpemu knows about one user module. Compared by identity (one object per module)."""
+
+    name: str | None                 # dataset model name (None when estimated)
+    source: str                      # "configured" | "fingerprint" | "estimated"
+    class_name: str
+    param_count: int
+    fingerprint: str
+    info: "ModelInfo | None" = None
+    # Identified submodules of a wrapper: their times add up to the wrapper's.
+    parts: tuple["ModelIdentity", ...] = ()
+    # Estimated models: per-(kind, batch, device) seconds filled by gpemu.costs.estimate_module.
+    estimates: dict[tuple[str, int, int], float] = field(default_factory=dict, repr=False)
+    param_bytes: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.class_name} (unknown, {self.param_count:,} parameters)"
+
+
+def structural_fingerprint(module: nn.Module) -> str:
+    """A short hash of the module tree: each submodule's type and its own parameters' shapes.
+
+    Independent of parameter values, device and dtype, so a model from ``examples.tvmodels`` and
+    one from torchvision with the same architecture have the same fingerprint.
+    """
+    h = hashlib.sha1()
+    for name, sub in module.named_modules():
+        h.update(type(sub).__name__.encode())
+        for pname, p in sub.named_parameters(recurse=False):
+            h.update(f"|{pname}{tuple(p.shape)}".encode())
+        h.update(b";")
+    return h.hexdigest()[:16]
+
+
+def _state(rt: "Runtime") -> dict[str, Any]:
+    st = rt.state.get("identify")
+    if st is None:
+        st = rt.state["identify"] = {"cache": weakref.WeakKeyDictionary(), "configured_taken": False}
+    return st
+
+
+def identify(rt: "Runtime", module: nn.Module) -> ModelIdentity:
+    """The identity of ``module`` (cached per module object for the run)."""
+    st = _state(rt)
+    cache = st["cache"]
+    try:
+        return cache[module]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable: identify without caching
+        return _identify(rt, module, st)
+    ident = _identify(rt, module, st)
+    cache[module] = ident
+    return ident
+
+
+def _counts(module: nn.Module) -> tuple[int, int]:
+    n = b = 0
+    for p in module.parameters():
+        n += p.numel()
+        b += p.numel() * p.element_size()
+    return n, b
+
+
+def _identify(rt: "Runtime", module: nn.Module, st: dict[str, Any]) -> ModelIdentity:
+    count, nbytes = _counts(module)
+    cls = type(module).__name__
+    fp = structural_fingerprint(module)
+    configured = rt.config.model
+    match = _match_structure(rt, module, cls, count, fp)
+    if configured:
+        info = rt.db.model(configured)  # UnknownNameError lists valid names
+        if match is not None and match.name == info.name or (count > 0 and not st["configured_taken"]):
+            st["configured_taken"] = True
+            rt.say_once(f"model {cls} ({count:,} parameters): GPU time of dataset model "
+                        f"{info.name!r} (configured)")
+            return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes)
+    if match is not None:
+        rt.say_once(f"model {cls} ({count:,} parameters) identified as {match.name!r} by its structure")
+        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes)
+    parts = tuple(_identified_children(rt, module, st))
+    if parts:
+        names = "+".join(p.name or "?" for p in parts)
+        rt.say_once(f"model {cls}: GPU time of its identified submodule(s) {names}")
+        return ModelIdentity(names, parts[0].source, cls, count, fp, None, parts=parts, param_bytes=nbytes)
+    if count > 0:
+        rt.say_once(f"model {cls} ({count:,} parameters) matches no dataset model: GPU time estimated "
+                    f"from FLOPs and bytes (set GPEMU_MODEL / gpemu.patch(model=...) to use a measured model)")
+    return ModelIdentity(None, "estimated", cls, count, fp, None, param_bytes=nbytes)
+
+
+def _match_structure(rt: "Runtime", module: nn.Module, cls: str, count: int, fp: str) -> "ModelInfo | None":
+    if count == 0:
+        return None
+    candidates = rt.db.models_by_structure(cls, count)
+    if not candidates:
+        adjusted = _count_with_dataset_head(module, count)
+        if adjusted is not None and adjusted != count:
+            candidates = rt.db.models_by_structure(cls, adjusted)
+    if not candidates:
+        return None
+    with_fp = [m for m in candidates if m.fingerprint]
+    if with_fp:
+        exact = [m for m in with_fp if m.fingerprint == fp]
+        if exact:
+            return exact[0]
+        # Fingerprints known and none equal: structure differs; only fingerprint-less ones remain.
+        candidates = [m for m in candidates if not m.fingerprint]
+        if not candidates:
+            return None
+    return candidates[0]
+
+
+def _count_with_dataset_head(module: nn.Module, count: int) -> int | None:
+    """Parameter count if the final classifier layer had the dataset's 1000 outputs."""
+    head = None
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) or (isinstance(sub, nn.Conv2d) and sub.kernel_size == (1, 1)):
+            head = sub
+    if head is None:
+        return None
+    if isinstance(head, nn.Linear):
+        fan_in, out = head.in_features, head.out_features
+    else:
+        if head.groups != 1:
+            return None
+        fan_in, out = head.in_channels, head.out_channels
+    bias = 1 if head.bias is not None else 0
+    return count - out * (fan_in + bias) + _DATASET_CLASSES * (fan_in + bias)
+
+
+def _identified_children(rt: "Runtime", module: nn.Module, st: dict[str, Any]) -> list[ModelIdentity]:
+    """Outermost submodules that match a dataset model (depth-first, not below a match)."""
+    found: list[ModelIdentity] = []
+
+    def visit(mod: nn.Module) -> None:
+        for child in mod.children():
+            count, nbytes = _counts(child)
+            if count == 0:
+                continue
+            cls = type(child).__name__
+            fp = structural_fingerprint(child)
+            info = _match_structure(rt, child, cls, count, fp)
+            if info is not None:
+                ident = ModelIdentity(info.name, "fingerprint", cls, count, fp, info, param_bytes=nbytes)
+                try:
+                    st["cache"][child] = ident
+                except TypeError:
+                    pass
+                found.append(ident)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
