@@ -14,7 +14,8 @@ What it writes (all committed, ~2 MB together):
   per-iteration time series of real training runs, DALI preprocessing memory growth).
 
 Memory rows whose batch size is not a whole number (the authors' regression fill-ins) are
-dropped and counted; the shipped artifact has none today, the count is printed either way.
+dropped and counted (the artifact has none today); memory values below zero (regression
+fill-ins: K80 resnet152 persistent memory at batch 234..256, 23 rows) are dropped and counted.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _batch(text: str) -> int | None:
 def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
     prof = shared_data / "gpemu-artifact" / "profiled_data"
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts: dict[str, int] = {"dropped_fractional_memory_rows": 0}
+    counts: dict[str, int] = {"dropped_fractional_memory_rows": 0, "dropped_negative_memory_rows": 0}
     rows: list[tuple[str, str, str, int, str]] = []
 
     def add(gpu_folder: str, model: str, kind: str, bs: int, value: str) -> None:
@@ -70,8 +71,12 @@ def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
             if bs is None:
                 counts["dropped_fractional_memory_rows"] += 1
                 continue
-            add(gpu, model, "peak_memory", bs, str(round(float(r["peak"]) * _MiB)))
-            add(gpu, model, "persistent_memory", bs, str(round(float(r["persistent"]) * _MiB)))
+            for kind, col in (("peak_memory", "peak"), ("persistent_memory", "persistent")):
+                value = float(r[col])
+                if value < 0:  # a regression fill-in gone below zero: not a measurement
+                    counts["dropped_negative_memory_rows"] += 1
+                    continue
+                add(gpu, model, kind, bs, str(round(value * _MiB)))
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")

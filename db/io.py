@@ -1,0 +1,338 @@
+"""Export a profile database to JSON or CSV, and import such files with per-row validation.
+
+Formats (both carry every table, so an export imported into an empty database reproduces it):
+- JSON: one file ``{"format": "gpemu-profile-db", "schema_version", "gpus": [...], "models": [...],
+  "measurements": {"columns": [...], "rows": [[...], ...]}, "distributions": [...]}``.
+- CSV: a directory with ``gpus.csv``, ``models.csv``, ``measurements.csv``, ``distributions.csv``.
+Import also takes a single ``measurements.csv``-style file (columns gpu, model, kind,
+batch_size, value and optionally the rest) for GPUs and models the database already knows.
+
+Import never stops at a bad row: it writes every valid row (an upsert, so importing twice
+changes nothing) and reports each rejected row with its reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from sqlalchemy import select
+
+from . import schema as S
+from .lookup import ProfileDB, _gpu_row, _model_row, clean_measurement, measurement_row, upsert
+from .records import GpuSpec, Measurement, ModelInfo, normalize_name
+
+__all__ = ["export_db", "import_path", "ImportReport", "Rejected", "MEASUREMENT_COLUMNS", "FORMAT_NAME"]
+
+FORMAT_NAME = "gpemu-profile-db"
+MEASUREMENT_COLUMNS = [f.name for f in fields(Measurement)]
+_GPU_COLUMNS = [f.name for f in fields(GpuSpec)]
+_MODEL_COLUMNS = [f.name for f in fields(ModelInfo)]
+_DIST_COLUMNS = ["name", "unit", "samples", "source", "description"]
+_OPTIONAL_FLOATS = ("std", "p50", "p90", "p99")
+
+
+@dataclass
+class Rejected:
+    where: str  # "file:line" or "section #n"
+    reason: str
+
+
+@dataclass
+class ImportReport:
+    gpus: int = 0
+    models: int = 0
+    measurements: int = 0
+    distributions: int = 0
+    rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        return self.gpus + self.models + self.measurements + self.distributions
+
+
+# ---------------------------------------------------------------------------------- export
+def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | None) -> dict[str, Any]:
+    gpu_specs = [db.gpu(g) for g in gpus] if gpus else db.gpus()
+    model_infos = [db.model(m) for m in models] if models else db.models()
+    gpu_names = {s.name for s in gpu_specs}
+    model_names = {m.name for m in model_infos}
+    m, g, mo = S.measurements, S.gpus, S.models
+    cols = [m.c[c] for c in MEASUREMENT_COLUMNS if c not in ("gpu", "model", "metadata")]
+    q = (
+        select(g.c.name, mo.c.name, m.c.metadata_json, *cols)
+        .join(g, g.c.id == m.c.gpu_id).join(mo, mo.c.id == m.c.model_id)
+        .order_by(g.c.name, mo.c.name, m.c.kind, m.c.world_size, m.c.batch_size)
+    )
+    rows = []
+    names = ["gpu", "model", "metadata"] + [c.name for c in cols]
+    order = [names.index(c) for c in MEASUREMENT_COLUMNS]
+    with db.engine.connect() as conn:
+        for r in conn.execute(q):
+            if r[0] in gpu_names and r[1] in model_names:
+                r = list(r)
+                r[2] = json.loads(r[2] or "{}")
+                rows.append([r[i] for i in order])
+        dists = conn.execute(select(S.distributions).order_by(S.distributions.c.name)).mappings().all()
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": S.SCHEMA_VERSION,
+        "gpus": [{**asdict(s), "aliases": list(s.aliases)} for s in gpu_specs],
+        "models": [asdict(mi) for mi in model_infos],
+        "measurements": {"columns": MEASUREMENT_COLUMNS, "rows": rows},
+        "distributions": [
+            {"name": d["name"], "unit": d["unit"], "samples": json.loads(d["samples_json"]),
+             "source": d["source"], "description": d["description"]}
+            for d in dists
+        ],
+    }
+
+
+def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
+              gpus: Iterable[str] | None = None, models: Iterable[str] | None = None) -> dict[str, int]:
+    """Write the database (or only some GPUs / models) to ``path``; returns row counts.
+
+    ``fmt`` is "json" or "csv"; by default a path ending in .json gets JSON, anything else a
+    CSV directory.
+    """
+    path = Path(path)
+    fmt = fmt or ("json" if path.suffix.lower() == ".json" else "csv")
+    if fmt not in ("json", "csv"):
+        raise ValueError(f"export format must be 'json' or 'csv', got {fmt!r}")
+    data = _dump(db, gpus, models)
+    if fmt == "json":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, separators=(",", ":")))
+    else:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"CSV export writes a directory of CSV files, but {path} is a file; "
+                             "name a directory, or a .json file for JSON")
+        path.mkdir(parents=True, exist_ok=True)
+        _write_csv(path / "gpus.csv", _GPU_COLUMNS,
+                   [[json.dumps(g[c]) if c == "aliases" else g[c] for c in _GPU_COLUMNS] for g in data["gpus"]])
+        _write_csv(path / "models.csv", _MODEL_COLUMNS, [[m[c] for c in _MODEL_COLUMNS] for m in data["models"]])
+        meta_i = MEASUREMENT_COLUMNS.index("metadata")
+        _write_csv(path / "measurements.csv", MEASUREMENT_COLUMNS,
+                   [[json.dumps(v, sort_keys=True) if i == meta_i else v for i, v in enumerate(r)]
+                    for r in data["measurements"]["rows"]])
+        _write_csv(path / "distributions.csv", _DIST_COLUMNS,
+                   [[json.dumps(d[c]) if c == "samples" else d[c] for c in _DIST_COLUMNS] for d in data["distributions"]])
+    return {"gpus": len(data["gpus"]), "models": len(data["models"]),
+            "measurements": len(data["measurements"]["rows"]), "distributions": len(data["distributions"])}
+
+
+def _write_csv(path: Path, header: list[str], rows: Iterable[list[Any]]) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        for r in rows:
+            # None -> empty cell; floats keep repr precision (exact round trip).
+            w.writerow(["" if v is None else repr(v) if isinstance(v, float) else v for v in r])
+
+
+# ---------------------------------------------------------------------------------- import
+def import_path(db: ProfileDB, path: str | Path) -> ImportReport:
+    """Import a JSON export, a CSV export directory, or one measurements CSV file."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"nothing to import: {path} does not exist (give a .json export, a CSV export "
+                         "directory, or a measurements .csv file)")
+    if path.is_dir():
+        sections = _read_csv_dir(path)
+    elif path.suffix.lower() == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise ValueError(f"{path} is not a gpemu profile database export (expected \"format\": \"{FORMAT_NAME}\")")
+        meas = data.get("measurements") or {"columns": MEASUREMENT_COLUMNS, "rows": []}
+        cols = meas.get("columns", [])
+        sections = {
+            "gpus": [(f"{path.name} gpus #{i}", g) for i, g in enumerate(data.get("gpus", []), 1)],
+            "models": [(f"{path.name} models #{i}", m) for i, m in enumerate(data.get("models", []), 1)],
+            "measurements": [(f"{path.name} measurements #{i}", dict(zip(cols, r)))
+                             for i, r in enumerate(meas.get("rows", []), 1)],
+            "distributions": [(f"{path.name} distributions #{i}", d) for i, d in enumerate(data.get("distributions", []), 1)],
+        }
+    elif path.suffix.lower() == ".csv":
+        sections = {"gpus": [], "models": [], "measurements": _csv_rows(path, _parse_measurement_cells), "distributions": []}
+    else:
+        raise ValueError(f"cannot import {path}: expected a .json export, a CSV export directory, or a .csv file")
+    return _import_sections(db, sections)
+
+
+def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
+    expected = ("gpus.csv", "models.csv", "measurements.csv", "distributions.csv")
+    if not any((path / f).exists() for f in expected):
+        raise ValueError(f"{path} holds none of {', '.join(expected)} (is it a `gpemu db export` directory?)")
+
+    def rows(name: str, parse: Any) -> list[tuple[str, Any]]:
+        return _csv_rows(path / name, parse) if (path / name).exists() else []
+
+    return {
+        "gpus": rows("gpus.csv", _parse_gpu_cells),
+        "models": rows("models.csv", _parse_model_cells),
+        "measurements": rows("measurements.csv", _parse_measurement_cells),
+        "distributions": rows("distributions.csv", _parse_dist_cells),
+    }
+
+
+def _csv_rows(path: Path, parse: Any) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        for line_no, cells in enumerate(reader, 2):
+            where = f"{path.name}:{line_no}"
+            try:
+                out.append((where, parse({k: v for k, v in cells.items() if k is not None})))
+            except ValueError as exc:
+                out.append((where, exc))  # reported as rejected
+    return out
+
+
+def _num(text: str, what: str, integer: bool = False) -> Any:
+    try:
+        if integer:
+            f = float(text)
+            if not math.isfinite(f) or f != int(f):
+                raise ValueError
+            return int(f)
+        return float(text)
+    except ValueError:
+        raise ValueError(f"bad {what} {text!r}: expected {'an integer' if integer else 'a number'}") from None
+
+
+def _parse_measurement_cells(c: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in c.items():
+        v = (v or "").strip()
+        if v == "":
+            continue
+        if k in ("batch_size", "world_size", "samples"):
+            out[k] = _num(v, k.replace("_", " "), integer=True)
+        elif k in ("value", *_OPTIONAL_FLOATS):
+            out[k] = _num(v, k)
+        elif k == "metadata":
+            try:
+                out[k] = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError(f"metadata must be a JSON object, got {v!r}") from None
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_gpu_cells(c: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(c)
+    out["aliases"] = json.loads(c.get("aliases") or "[]")
+    for k in ("memory_bytes", "sm_count"):
+        out[k] = _num(c.get(k, ""), k, integer=True)
+    for k in ("fp32_flops", "fp16_flops", "memory_bandwidth", "host_link_bandwidth_pinned", "host_link_bandwidth_pageable"):
+        out[k] = _num(c.get(k, ""), k)
+    return out
+
+
+def _parse_model_cells(c: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(c)
+    for k in ("param_count", "param_bytes", "buffer_bytes"):
+        out[k] = _num(c.get(k, ""), k, integer=True)
+    for k in ("fwd_flops_per_sample", "fwd_bwd_flops_per_sample"):
+        out[k] = _num(c.get(k, ""), k)
+    out["input_size"] = _num(c["input_size"], "input_size", integer=True) if c.get("input_size") else None
+    out["fingerprint"] = c.get("fingerprint") or None
+    return out
+
+
+def _parse_dist_cells(c: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(c)
+    try:
+        out["samples"] = json.loads(c.get("samples") or "")
+    except json.JSONDecodeError:
+        raise ValueError("samples must be a JSON list of numbers") from None
+    return out
+
+
+def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) -> ImportReport:
+    report = ImportReport()
+    gpu_rows, model_rows = [], []
+    for where, raw in sections["gpus"]:
+        try:
+            if isinstance(raw, Exception):
+                raise raw
+            spec = GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU"))
+            gpu_rows.append(_gpu_row(spec))
+        except (TypeError, ValueError) as exc:
+            report.rejected.append(Rejected(where, f"bad GPU spec: {exc}"))
+    for where, raw in sections["models"]:
+        try:
+            if isinstance(raw, Exception):
+                raise raw
+            info = ModelInfo(**_only(raw, _MODEL_COLUMNS, "model"))
+            model_rows.append(_model_row(info))
+        except (TypeError, ValueError) as exc:
+            report.rejected.append(Rejected(where, f"bad model info: {exc}"))
+    if gpu_rows or model_rows:
+        with db.engine.begin() as conn:
+            upsert(conn, S.gpus, gpu_rows, ("name",))
+            upsert(conn, S.models, model_rows, ("name",))
+        db._invalidate()
+    report.gpus, report.models = len(gpu_rows), len(model_rows)
+
+    # Resolve names once (the import may hold thousands of rows per GPU/model pair).
+    db._load_names()
+    gpu_ids = db._gpu_keys
+    model_ids = db._model_keys
+    prepared: list[dict[str, Any]] = []
+    gpu_cache: dict[str, int | None] = {}
+    for where, raw in sections["measurements"]:
+        try:
+            if isinstance(raw, Exception):
+                raise raw
+            m = clean_measurement(raw)
+            gid = gpu_cache.get(m["gpu"], -1)
+            if gid == -1:
+                gid = gpu_cache[m["gpu"]] = gpu_ids.get(normalize_name(m["gpu"]))
+            if gid is None:
+                raise ValueError(f"unknown GPU {m['gpu']!r} and the import has no spec for it")
+            mid = model_ids.get(m["model"].strip().lower())
+            if mid is None:
+                raise ValueError(f"unknown model {m['model']!r} and the import has no info for it")
+            prepared.append(measurement_row(m, gid, mid))
+        except (TypeError, ValueError) as exc:
+            report.rejected.append(Rejected(where, str(exc)))
+    dist_rows = []
+    for where, raw in sections["distributions"]:
+        try:
+            if isinstance(raw, Exception):
+                raise raw
+            d = _only(raw, _DIST_COLUMNS, "distribution")
+            samples = d.get("samples")
+            if d.get("unit") not in ("seconds", "bytes"):
+                raise ValueError(f"unit must be 'seconds' or 'bytes', got {d.get('unit')!r}")
+            if (not isinstance(d.get("name"), str) or not d["name"].strip() or not isinstance(samples, list) or not samples
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in samples)):
+                raise ValueError("needs a name and a non-empty list of finite sample values >= 0")
+            dist_rows.append({"name": d["name"], "unit": d["unit"], "samples_json": json.dumps(samples),
+                              "source": d.get("source") or "", "description": d.get("description") or ""})
+        except (TypeError, ValueError) as exc:
+            report.rejected.append(Rejected(where, f"bad distribution: {exc}"))
+    with db.engine.begin() as conn:
+        upsert(conn, S.measurements, prepared, ("gpu_id", "model_id", "kind", "batch_size", "world_size"))
+        upsert(conn, S.distributions, dist_rows, ("name",))
+    db._invalidate()
+    report.measurements, report.distributions = len(prepared), len(dist_rows)
+    return report
+
+
+def _only(raw: Any, allowed: list[str], what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"expected an object of {what} fields, got {type(raw).__name__}")
+    unknown = set(raw) - set(allowed)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+    return raw
