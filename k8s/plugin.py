@@ -242,6 +242,10 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "EmuGpuPlugin":
+        if not Path(self.options.device_dir).is_dir():
+            log.warning("emuGPU directory %s does not exist (yet); advertising no emuGPUs until it does "
+                        "(create some: gpemu k8s devices create --gpu V100 --count 8 --dir %s)",
+                        self.options.device_dir, self.options.device_dir)
         self.refresh_devices()
         log.info(
             "emuGPU plugin: resource %s, %d emuGPU(s) x %d replica(s) from %s",
@@ -471,6 +475,22 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         for dev_id in must:
             free[_physical(dev_id)].remove(dev_id)
         used = {_physical(d) for d in chosen}
+        # On a node with several GPU models keep a container on one model when it fits:
+        # a job's emulated GPUs should be alike, as on real multi-GPU servers.
+        with self._cond:
+            model = {p: (s.device.gpu if s.device else "?") for p, s in self._devices.items()}
+        need = size - len(chosen)
+        models = {model.get(p, "?") for p in used} or {model.get(p, "?") for p in free}
+        fitting = [
+            m for m in sorted(models)
+            if sum(len(v) for p, v in free.items() if model.get(p, "?") == m) >= need
+            and (not used or {model.get(p, "?") for p in used} == {m})
+        ]
+        if fitting:
+            # The model with the most free distinct emuGPUs, so replicas spread widest.
+            best_model = max(fitting, key=lambda m: (sum(1 for p, v in free.items() if v and model.get(p, "?") == m),
+                                                     -sorted(models).index(m)))
+            free = {p: v for p, v in free.items() if model.get(p, "?") == best_model}
         while len(chosen) < size:
             candidates = [p for p in free if free[p]]
             fresh = [p for p in candidates if p not in used] or candidates
@@ -593,12 +613,12 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
                 "mounts": [m.host_path for m in resp.mounts],
             }
             # Keep the newest record per device set (the kubelet may re-allocate the same ids).
-            self.allocations = [a for a in self.allocations if a.get("devices") != ids] + [entry]
+            self.allocations = ([a for a in self.allocations if a.get("devices") != ids] + [entry])[-1000:]
         path = self.record_path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps({"allocations": self.allocations[-1000:]}, indent=1))
+            tmp.write_text(json.dumps({"allocations": self.allocations}, indent=1))
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("could not write allocation record %s: %s", path, exc)

@@ -283,3 +283,23 @@ def test_plugin_process_via_cli_demo():
     for text in ("Unhealthy: emugpu-3", "plugin re-registered", "reloaded 1 recorded allocation(s)",
                  "error NOT_FOUND: unknown emuGPU id(s) emugpu-9", "error INVALID_ARGUMENT: asked for 4"):
         assert text in out, text
+
+
+def test_preferred_allocation_keeps_a_container_on_one_gpu_model(node, kubelet, start_plugin):
+    create_devices(node / "dev", "A100", 2)
+    create_devices(node / "dev", "V100", 3)
+    start_plugin()
+    ep = kubelet.plugin(RES)
+    # emugpu-1 (an A100) is taken: 2 alike GPUs are only available among the V100s.
+    available = ["emugpu-0", "emugpu-2", "emugpu-3", "emugpu-4"]
+    pref = ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=2)]))
+    assert sorted(pref.container_responses[0].deviceIDs) == ["emugpu-2", "emugpu-3"]
+    # A must-include A100 pins the model; with no second A100 free, it mixes rather than fail.
+    pref = ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available, must_include_deviceIDs=["emugpu-0"],
+                                                    allocation_size=2)]))
+    ids = list(pref.container_responses[0].deviceIDs)
+    assert ids[0] == "emugpu-0" and len(set(ids)) == 2
+    ids, resp = kubelet.allocate(RES, 3)
+    assert resp.envs["GPEMU_GPUS"] == "V100,V100,V100"
