@@ -1,0 +1,208 @@
+"""GPU memory of the emulated devices: one :class:`MemoryTracker` per device.
+
+Every emulated tensor holds a :class:`Block` for its storage; views and in-place results share
+their base's block, and a block is returned to the tracker when the last tensor using it dies
+(the block's ``__del__``), which is how PyTorch's caching allocator sees it too.
+
+Model of the caching allocator (enough for ``memory_allocated``/``memory_reserved`` and OOM):
+
+* every request is rounded up to a multiple of 512 bytes (the allocator's minimum block);
+* reserved memory grows in 2 MiB segments to cover what is allocated and is kept when blocks are
+  freed (the cache); ``empty_cache()`` shrinks it back to what is in use;
+* a request that cannot be covered within the device's capacity, even after the cache is
+  emptied, raises ``torch.cuda.OutOfMemoryError`` with PyTorch's message, before anything is
+  changed, so catching it and retrying with a smaller batch works.
+
+Fragmentation is not modelled. Memory samples for the recorder are taken at forward/backward
+boundaries by the replay path (never per op).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["MemoryTracker", "Block", "install", "trackers", "format_bytes", "MIN_BLOCK", "SEGMENT"]
+
+MIN_BLOCK = 512
+SEGMENT = 2 * 1024 * 1024
+_MiB = 1024 * 1024
+_addresses = itertools.count(1)
+
+
+def round_size(nbytes: int) -> int:
+    """Bytes the caching allocator really hands out for a request of ``nbytes``."""
+    if nbytes <= 0:
+        return 0
+    return (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+
+
+def _round_segment(nbytes: int) -> int:
+    return (nbytes + SEGMENT - 1) // SEGMENT * SEGMENT
+
+
+def format_bytes(nbytes: float) -> str:
+    """PyTorch's OOM-message style: '20.00 MiB', '31.74 GiB'."""
+    for unit, size in (("GiB", 1024 ** 3), ("MiB", _MiB), ("KiB", 1024)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+class Block:
+    """One allocation on an emulated device; freed when the last tensor holding it dies."""
+
+    __slots__ = ("tracker", "size", "address", "__weakref__")
+
+    def __init__(self, tracker: "MemoryTracker", size: int) -> None:
+        self.tracker = tracker
+        self.size = size
+        # A fake but unique device address, so data_ptr() can tell storages apart.
+        self.address = next(_addresses) << 24
+
+    def __del__(self) -> None:
+        try:
+            self.tracker._release(self.size)
+        except Exception:  # interpreter shutdown: nothing left to account for
+            pass
+
+    def __deepcopy__(self, memo: dict) -> "Block":
+        # A copy of a tensor needs its own storage: new allocation of the same size.
+        return self.tracker.allocate(self.size)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an emulated GPU memory block cannot be pickled")
+
+
+class MemoryTracker:
+    """Allocated/reserved/peak bytes of one emulated GPU; raises CUDA's OOM at its capacity."""
+
+    def __init__(self, device: int, capacity: int, recorder: Any = None) -> None:
+        if capacity <= 0:
+            raise ValueError(f"GPU memory capacity must be positive, got {capacity!r} bytes")
+        self.device = device
+        self.capacity = int(capacity)
+        self.recorder = recorder
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.num_allocs = 0          # live blocks
+        self.num_alloc_calls = 0     # total allocations (memory_stats "allocation.all.allocated")
+        self.num_frees = 0
+        self.num_ooms = 0
+        self.num_alloc_retries = 0
+
+    # ------------------------------------------------------------------ hot path
+    def allocate(self, nbytes: int) -> Block:
+        """Account one allocation; return its :class:`Block` (freed when garbage)."""
+        size = round_size(nbytes)
+        new_alloc = self.allocated + size
+        if new_alloc > self.reserved:
+            self._grow(new_alloc, size)
+        self.allocated = new_alloc
+        if new_alloc > self.peak_allocated:
+            self.peak_allocated = new_alloc
+        self.num_allocs += 1
+        self.num_alloc_calls += 1
+        return Block(self, size)
+
+    def _grow(self, new_alloc: int, size: int) -> None:
+        reserved = _round_segment(new_alloc)
+        if reserved > self.capacity:
+            # Like the caching allocator: release cached segments and retry before failing.
+            self.num_alloc_retries += 1
+            if new_alloc > self.capacity:
+                self.num_ooms += 1
+                raise torch.cuda.OutOfMemoryError(self.oom_message(size))
+            reserved = new_alloc
+        self.reserved = reserved
+        if reserved > self.peak_reserved:
+            self.peak_reserved = reserved
+
+    def _release(self, size: int) -> None:
+        self.allocated -= size
+        self.num_allocs -= 1
+        self.num_frees += 1
+
+    def touch(self, extra: int) -> None:
+        """Memory used for a moment on top of what is allocated (workspace, temporaries of a
+        replayed forward/backward): raises the peak, and OOMs if it does not fit."""
+        if extra <= 0:
+            return
+        block = self.allocate(extra)
+        del block
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def free(self) -> int:
+        return self.capacity - self.reserved
+
+    def reset_peak(self) -> None:
+        """Like torch.cuda.reset_peak_memory_stats(): the peaks restart from the current use."""
+        self.peak_allocated = self.allocated
+        self.peak_reserved = self.reserved
+
+    def empty_cache(self) -> None:
+        """Like torch.cuda.empty_cache(): give unused cached segments back."""
+        self.reserved = _round_segment(self.allocated)
+
+    def sample(self) -> None:
+        """Append (allocated, reserved) now to the run's recorder (forward/backward boundaries)."""
+        if self.recorder is not None:
+            self.recorder.memory_sample(self.device, time.perf_counter(), self.allocated, self.reserved)
+
+    def stats(self) -> dict[str, int]:
+        """A subset of torch.cuda.memory_stats() with the same key names."""
+        out: dict[str, int] = {}
+        for pool in ("all", "large_pool", "small_pool"):
+            # The model keeps no small/large split: both report the totals under "all" and
+            # zero elsewhere, so sums over pools stay right.
+            scale = 1 if pool == "all" else 0
+            out[f"allocated_bytes.{pool}.current"] = self.allocated * scale
+            out[f"allocated_bytes.{pool}.peak"] = self.peak_allocated * scale
+            out[f"reserved_bytes.{pool}.current"] = self.reserved * scale
+            out[f"reserved_bytes.{pool}.peak"] = self.peak_reserved * scale
+            out[f"active_bytes.{pool}.current"] = self.allocated * scale
+            out[f"active_bytes.{pool}.peak"] = self.peak_allocated * scale
+            out[f"allocation.{pool}.current"] = self.num_allocs * scale
+            out[f"allocation.{pool}.allocated"] = self.num_alloc_calls * scale
+            out[f"allocation.{pool}.freed"] = self.num_frees * scale
+        out["num_alloc_retries"] = self.num_alloc_retries
+        out["num_ooms"] = self.num_ooms
+        return out
+
+    def oom_message(self, size: int) -> str:
+        free = max(self.capacity - self.reserved, 0)
+        return (
+            f"CUDA out of memory. Tried to allocate {format_bytes(size)}. GPU {self.device} has a total "
+            f"capacity of {format_bytes(self.capacity)} of which {format_bytes(free)} is free. "
+            f"Including non-PyTorch memory, this process has {format_bytes(self.reserved)} memory in use. "
+            f"Of the allocated memory {format_bytes(self.allocated)} is allocated by PyTorch, and "
+            f"{format_bytes(self.reserved - self.allocated)} is reserved by PyTorch but unallocated. "
+            "If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+            "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables) "
+            "(gpemu: emulated device)"
+        )
+
+    def __repr__(self) -> str:
+        return (f"MemoryTracker(cuda:{self.device}, allocated={format_bytes(self.allocated)}, "
+                f"reserved={format_bytes(self.reserved)}, peak={format_bytes(self.peak_allocated)}, "
+                f"capacity={format_bytes(self.capacity)})")
+
+
+def trackers(rt: "Runtime") -> list[MemoryTracker]:
+    """The per-device trackers of a run (``rt.state['memory']``)."""
+    return rt.state["memory"]
+
+
+def install(rt: "Runtime") -> None:
+    """One tracker per emulated device, sized from the GPU spec (``rt.gpus[i].memory_bytes``)."""
+    rt.state["memory"] = [MemoryTracker(i, int(spec.memory_bytes), rt.recorder) for i, spec in enumerate(rt.gpus)]
