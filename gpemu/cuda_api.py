@@ -380,6 +380,8 @@ def install(rt: "Runtime") -> None:
         stats: dict[str, Any] = collections.OrderedDict()
         if m is None:
             return stats
+        if hasattr(m, "stats"):  # the tracker's own torch-named counters
+            stats.update(m.stats())
         values = {
             "allocated_bytes": (m.allocated, m.peak_allocated),
             "reserved_bytes": (m.reserved, getattr(m, "peak_reserved", m.reserved)),
@@ -388,12 +390,11 @@ def install(rt: "Runtime") -> None:
         }
         for key, (current, peak) in values.items():
             for pool in ("all", "large_pool", "small_pool"):
-                stats[f"{key}.{pool}.current"] = int(current) if pool != "small_pool" else 0
-                stats[f"{key}.{pool}.peak"] = int(peak) if pool != "small_pool" else 0
-        stats["num_alloc_retries"] = int(getattr(m, "num_alloc_retries", 0))
-        stats["num_ooms"] = int(getattr(m, "num_ooms", 0))
-        stats["num_device_alloc"] = int(getattr(m, "num_allocs", 0))
-        stats["num_device_free"] = int(getattr(m, "num_frees", 0))
+                scale = 1 if pool == "all" else 0  # no pool split: totals under "all"
+                stats.setdefault(f"{key}.{pool}.current", int(current) * scale)
+                stats.setdefault(f"{key}.{pool}.peak", int(peak) * scale)
+        stats.setdefault("num_alloc_retries", int(getattr(m, "num_alloc_retries", 0)))
+        stats.setdefault("num_ooms", int(getattr(m, "num_ooms", 0)))
         return collections.OrderedDict(sorted(stats.items()))
 
     def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
@@ -705,7 +706,11 @@ def _install_grad_scaler(rt: "Runtime", engine: Callable[[], Any]) -> None:
             if m.growth >= self._growth_interval:
                 m.scale *= self._growth_factor
                 m.growth = 0
-            charge(_scale.device, 5e-6, "amp update scale")
+        # Keep the device-side tensors in step (their host shadows, where the device layer keeps them).
+        with torch.no_grad():
+            _scale.fill_(m.scale)
+            if self._growth_tracker is not None:
+                self._growth_tracker.fill_(m.growth)
         self._per_optimizer_states = collections.defaultdict(gs._refresh_per_optimizer_state)
 
     def get_scale(self: Any) -> float:
