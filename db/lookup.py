@@ -130,7 +130,8 @@ class ProfileDB:
 
     def gpu(self, name: str) -> GpuSpec:
         """The GPU with this name or alias (case, spaces, '_' and '-' do not matter)."""
-        return self._gpus[self._gpu_id(name)]  # type: ignore[index]
+        gid = self._gpu_id(name)  # loads the names first
+        return self._gpus[gid]  # type: ignore[index]
 
     def gpus(self) -> list[GpuSpec]:
         self._load_names()
@@ -138,7 +139,8 @@ class ProfileDB:
 
     def model(self, name: str) -> ModelInfo:
         """The model with this name (case-insensitive)."""
-        return self._models[self._model_id(name)]  # type: ignore[index]
+        mid = self._model_id(name)
+        return self._models[mid]  # type: ignore[index]
 
     def models(self) -> list[ModelInfo]:
         self._load_names()
