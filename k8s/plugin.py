@@ -294,7 +294,9 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         """(Re)start the gRPC server on a fresh socket (the kubelet deletes sockets on restart)."""
         with self._server_lock:
             if self._server is not None:
-                self._server.stop(grace=0.2).wait(2)
+                # No grace: the kubelet that held these streams is gone, and waiting would delay
+                # re-registration.
+                self._server.stop(grace=None).wait(2)
                 self._server = None
             path = self.socket_path
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +333,9 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             log.error("kubelet refused registration of %s: %s", request.resource_name, exc.details())
             self._kubelet_seen = kubelet
             return
-        self._kubelet_seen = kubelet
+        # Stat again after the answer: the socket's ctime may change right after it was created
+        # (chmod), which must not look like another kubelet restart.
+        self._kubelet_seen = _stat_key(self.kubelet_socket) or kubelet
         self.registrations += 1
         self.registered.set()
         log.info("registered %s with the kubelet (endpoint %s)", request.resource_name, request.endpoint)

@@ -143,7 +143,12 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
     def _connect(self, request: api_pb2.RegisterRequest) -> None:
         channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
         stub = api_pb2_grpc.DevicePluginStub(channel)
-        options = stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=5)
+        try:
+            options = stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=5)
+        except grpc.RpcError as exc:
+            self.log(f"GetDevicePluginOptions on {request.endpoint} failed ({exc.code().name})")
+            channel.close()
+            return
         ep = PluginEndpoint(request.resource_name, request.endpoint, options, channel, stub,
                             registered_at=time.monotonic())
         with self._cond:
