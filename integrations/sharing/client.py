@@ -197,7 +197,7 @@ class SharingClient:
         import pika
 
         self._ch.basic_publish("", P.REQUEST_QUEUE, P.encode(payload),
-                               pika.BasicProperties(delivery_mode=2, reply_to=self.reply_queue,
+                               pika.BasicProperties(delivery_mode=1, reply_to=self.reply_queue,
                                                     content_type="application/json"),
                                mandatory=True)
 
@@ -318,49 +318,28 @@ class SharingClient:
 
 
 # ---------------------------------------------------------------------- emulator component
-_FLUSH_KINDS = {"iteration": ("optimizer",), "forward-backward": ("forward", "backward", "optimizer")}
-
-
 class SharingBackend:
     """GPU-time backend for the time engine: ``run(device, seconds, peak_bytes, kind)``.
 
-    Work is collected per device and sent as one request when the granularity says so:
-    ``iteration`` at the optimizer step (the end of an iteration's GPU work), ``forward-backward``
-    at every forward/backward/optimizer piece, ``sync`` only when the engine calls
-    :meth:`flush` (host sync points). The host blocks while the manager runs it; the wait beyond
-    the GPU time itself is recorded as a ``sharing`` host wait.
+    The engine batches GPU work by ``sharing_granularity`` (one batch per iteration by default)
+    and calls ``run`` from its per-device worker thread; ``run`` blocks while the manager serves
+    other jobs. The time spent queued behind other jobs is added to the ``sharing_wait_s``
+    counter (host waits with reason ``"sharing"`` are recorded by the engine at sync points).
     """
 
-    def __init__(self, clients: dict[int, SharingClient], granularity: str = "iteration",
-                 recorder: Any = None) -> None:
+    def __init__(self, clients: dict[int, SharingClient], recorder: Any = None) -> None:
         self.clients = clients
-        self.granularity = granularity
         self.recorder = recorder
-        self._pending: dict[int, list[float]] = {}  # device -> [seconds, peak_bytes]
 
     def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None:
-        acc = self._pending.setdefault(device, [0.0, 0])
-        acc[0] += seconds
-        acc[1] = max(acc[1], int(peak_bytes))
-        if kind in _FLUSH_KINDS.get(self.granularity, ()):
-            self.flush(device, kind)
-
-    def flush(self, device: int | None = None, kind: str = "sync") -> None:
-        for dev in ([device] if device is not None else list(self._pending)):
-            acc = self._pending.pop(dev, None)
-            if not acc or acc[0] <= 0:
-                continue
-            start = time.perf_counter()
-            result = self.clients[dev].run(acc[0], acc[1], kind)
-            end = time.perf_counter()
-            if self.recorder is not None:
-                self.recorder.host_wait(dev, "sharing", start, end)
-                self.recorder.add("sharing_wait_s", max(0.0, (end - start) - acc[0]))
-                self.recorder.add("sharing_requests", 1)
-                self.recorder.add("sharing_queued_s", result.waited_s)
+        start = time.perf_counter()
+        result = self.clients[device].run(seconds, int(peak_bytes), kind)
+        if self.recorder is not None:
+            self.recorder.add("sharing_wait_s", max(0.0, time.perf_counter() - start - seconds))
+            self.recorder.add("sharing_queued_s", result.waited_s)
+            self.recorder.add("sharing_requests", 1)
 
     def close(self) -> None:
-        self.flush()
         for client in self.clients.values():
             client.close()
 
@@ -386,11 +365,11 @@ def install(rt: "Runtime") -> None:
             lease_s=float(extra.get("sharing_lease_s", 10.0)))
     for client in clients.values():
         client.register()
-    backend = SharingBackend(clients, cfg.sharing_granularity, rt.recorder)
+    backend = SharingBackend(clients, rt.recorder)
     rt.state["sharing"] = backend
     engine.set_backend(backend)
+    # Restored newest first: detach (waits for work in flight), then deregister.
     rt.patcher.on_restore(backend.close)
-    if hasattr(engine, "set_backend"):
-        rt.patcher.on_restore(lambda: engine.set_backend(None))
+    rt.patcher.on_restore(lambda: engine.set_backend(None))
     rt.say_once(f"GPU time shared through the sharing manager at {_redact(cfg.sharing)} "
                 f"(one request per {cfg.sharing_granularity})")

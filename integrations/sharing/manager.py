@@ -474,7 +474,7 @@ class SharingManager:
             if out.reply_to and out.payload is not None:
                 try:
                     ch.basic_publish("", out.reply_to, P.encode(out.payload),
-                                     pika.BasicProperties(delivery_mode=2, content_type="application/json"),
+                                     pika.BasicProperties(delivery_mode=1, content_type="application/json"),
                                      mandatory=True)
                 except pex.UnroutableError:
                     # The job's reply queue is gone (job died); it will resend if it comes back.
