@@ -214,11 +214,16 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
     largest_fit = max((b for b in store.done_batch_sizes(gpu, name) if b < min(todo, default=0)), default=0)
     for i, bs in enumerate(todo):
         advance(f"{name}: batch {bs}", 0)
+        oom: str | None = None
         try:
             m = measurer.measure(bs, opts.warmup, opts.iterations)
         except torch.OutOfMemoryError as exc:
+            # Only the text is kept: the exception's frames hold the batch's tensors, which must be
+            # gone before release() returns their memory to the device.
+            oom = (str(exc).strip().splitlines() or ["out of memory"])[0]
+        if oom is not None:
             measurer.release()
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            message = oom
             extra = [Measurement(gpu=gpu, model=name, kind=LIMIT_KIND, batch_size=0, value=float(largest_fit),
                                  source="gpemu profile", measured_at=now_iso(),
                                  metadata={**model_meta, "oom_batch_size": bs})]

@@ -224,21 +224,20 @@ def test_out_of_memory_records_limit_and_goes_on(factories: Path, db_url: str,
 
 
 def test_export_import_round_trip(factories: Path, db_url: str, tmp_path: Path) -> None:
-    out = tmp_path / "lab.json"
-    assert run_profile(db_url, "--model", "profmodels:small", "--batch-sizes", "1,2", "--export", str(out)) == 0
-    assert out.exists()
-    from gpemu.db.io import import_path
-
-    other_url = f"sqlite:///{tmp_path / 'other.sqlite'}"
-    other = open_db(other_url)
-    report = import_path(other, out)
-    assert not report.rejected and report.measurements == len(UNIT_KINDS) * 2 + 1
+    out_json, out_csv = tmp_path / "lab.json", tmp_path / "lab-csv"
+    assert run_profile(db_url, "--model", "profmodels:small", "--batch-sizes", "1,2", "--export", str(out_json)) == 0
+    assert main(["profile", "--db", db_url, "--gpu-name", "cpu", "--export", str(out_csv)]) == 0  # export alone
     src = open_db(db_url)
-    for kind in UNIT_KINDS:
-        assert other.series("cpu", "small", kind) == src.series("cpu", "small", kind)
-    assert model_of(other, "small") == model_of(src, "small")
+    for i, exported in enumerate((out_json, out_csv)):
+        other_url = f"sqlite:///{tmp_path / f'other{i}.sqlite'}"
+        assert main(["db", "import", str(exported), "--db", other_url]) == 0  # the lab's import command
+        other = open_db(other_url)
+        assert gpu_of(other, "cpu") == gpu_of(src, "cpu")
+        assert model_of(other, "small") == model_of(src, "small")
+        for kind in UNIT_KINDS + ("model_transfer",):
+            assert other.series("cpu", "small", kind) == src.series("cpu", "small", kind), kind
+        other.close()
     src.close()
-    other.close()
 
 
 def test_refuses_without_gpu_and_bad_input(factories: Path, db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
