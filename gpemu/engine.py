@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 _GRANULARITIES = ("iteration", "sync", "forward-backward")
+# A wake-up later than this is not forgiven (something other than scheduling noise held us).
+_MAX_FORGIVEN_LATENESS = 0.05
 
 
 class GpuTimeBackend(Protocol):
@@ -125,7 +127,25 @@ class TimeEngine:
 
     # ------------------------------------------------------------------ sync points
     def now(self) -> float:
-        return self.clock.now()
+        """The host's time on the emulated timeline: the clock minus how late this thread woke
+        from its last sync wait (see :meth:`_waited`)."""
+        return self.clock.now() - getattr(self._local, "late", 0.0)
+
+    def _waited(self, deadline: float, start: float, device: int, reason: str) -> None:
+        """Book-keeping after the host waited until ``deadline``.
+
+        The OS wakes us after the deadline (a sleep overshoots; on a loaded machine the spin is
+        preempted). A real CUDA sync returns within microseconds, so that lateness is the
+        emulator's, not the program's: the host's emulated time stays on the deadline and the
+        lateness never delays later GPU work. Host time after the wake counts normally."""
+        woke = self.clock.now()
+        late = woke - deadline
+        if late > 0:
+            self._local.late = min(late, _MAX_FORGIVEN_LATENESS)
+            self.recorder.add("wake_late_s", late)
+        else:
+            self._local.late = 0.0
+        self.recorder.host_wait(device, reason, start, woke)
 
     def device_busy_until(self, device: int) -> float:
         return self._device_busy[device]
@@ -148,9 +168,9 @@ class TimeEngine:
                     self.recorder.host_wait(device, "sharing", start, end)
             return
         start = self.clock.now()
-        if deadline > start:
+        if deadline > self.now():
             self.clock.wait_until(deadline)
-            self.recorder.host_wait(device, reason, start, self.clock.now())
+            self._waited(deadline, start, device, reason)
 
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
@@ -162,7 +182,7 @@ class TimeEngine:
             self._backward_since_mark[device] = True
         if self._backend is not None:
             return self._enqueue_backend(stream, seconds, kind, name, peak_bytes)
-        now = self.clock.now()
+        now = self.clock.now() - getattr(self._local, "late", 0.0)
         with self._lock:
             start = stream.busy_until if stream.busy_until > now else now
             end = start + seconds
@@ -201,7 +221,7 @@ class TimeEngine:
         self._backward_since_mark[device] = False
         if self._backend is not None and self.granularity == "iteration":
             self._flush(device)
-        t = max(self.clock.now(), self._device_busy[device])
+        t = max(self.now(), self._device_busy[device])
         self.recorder.iteration(device, t)
 
     # ------------------------------------------------------------------ backend
@@ -409,7 +429,7 @@ class VirtualStream:
         if eng._backend is not None:
             w = eng._workers.get(self.device_index)
             return not eng._pending[self.device_index] and (w is None or w.done_ticket >= w.last_ticket)
-        return self.busy_until <= eng.clock.now()
+        return self.busy_until <= eng.now()
 
     def wait_event(self, event: "EmuEvent") -> None:
         """Work enqueued later on this stream starts only after ``event`` (GPU side; host goes on)."""
@@ -509,7 +529,7 @@ class EmuEvent:
             self._time, self._ticket = (eng.clock.now(), None) if idle else (None, ticket)
             return
         self._ticket = None
-        self._time = max(eng.clock.now(), stream.busy_until)
+        self._time = max(eng.now(), stream.busy_until)
 
     def query(self) -> bool:
         if self._engine is None:
@@ -517,7 +537,7 @@ class EmuEvent:
         if self._ticket is not None:
             w = self._engine._workers.get(self._device)
             return w is None or w.done_ticket >= self._ticket
-        return self._time <= self._engine.clock.now()
+        return self._time <= self._engine.now()
 
     def synchronize(self) -> None:
         """Host waits until the event has completed."""
@@ -535,9 +555,9 @@ class EmuEvent:
             self._ticket = None
             return
         start = eng.clock.now()
-        if self._time > start:
+        if self._time > eng.now():
             eng.clock.wait_until(self._time)
-            eng.recorder.host_wait(self._device, "event", start, eng.clock.now())
+            eng._waited(self._time, start, self._device, "event")
 
     def wait(self, stream: VirtualStream | None = None) -> None:
         """Make ``stream`` (current stream if None) wait for this event on the GPU side."""

@@ -1,0 +1,73 @@
+"""Drift: do many short emulated iterations end when the sum of their GPU times says?
+
+Each iteration enqueues a forward and a backward on the default stream of a real-clock
+TimeEngine and then synchronizes (like ``loss.item()``), optionally doing some host work in
+between (hidden behind GPU time, as on a real GPU). Because the engine waits until ABSOLUTE
+deadlines, one late wake-up does not delay the next iteration's deadline, so the total should
+end within 0.1% of the sum of targets (target). The remaining error is the host's own time
+between a sync's return and the next enqueue, which a real program pays too.
+
+    python benchmarks/drift.py                      # 10,000 iterations of ~2.5 ms
+    python benchmarks/drift.py --iterations 2000 --host-work-ms 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from gpemu.clock import RealClock
+from gpemu.engine import TimeEngine
+from gpemu.recorder import Recorder
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def run(iterations: int, fwd_ms: float, bwd_ms: float, jitter: float, host_work_ms: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    engine = TimeEngine(1, Recorder(), clock=RealClock())
+    stream = engine.default_stream(0)
+    targets = [(fwd_ms * (1 + rng.uniform(-jitter, jitter)) / 1e3, bwd_ms * (1 + rng.uniform(-jitter, jitter)) / 1e3)
+               for _ in range(iterations)]
+    host = host_work_ms / 1e3
+    start = time.perf_counter()
+    for f, b in targets:
+        stream.enqueue(f, "forward", "drift")
+        stream.enqueue(b, "backward", "drift")
+        if host:
+            busy(host)  # e.g. the next batch's preparation, overlapping the GPU
+        engine.synchronize(0, "item")
+    elapsed = time.perf_counter() - start
+    target = sum(f + b for f, b in targets)
+    return {"iterations": iterations, "target_s": target, "elapsed_s": elapsed,
+            "error_pct": 100 * (elapsed - target) / target,
+            "late_per_iter_us": 1e6 * (elapsed - target) / iterations}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=10_000)
+    p.add_argument("--fwd-ms", type=float, default=0.8)
+    p.add_argument("--bwd-ms", type=float, default=1.7)
+    p.add_argument("--jitter", type=float, default=0.3, help="relative +- spread of each target")
+    p.add_argument("--host-work-ms", type=float, default=0.0,
+                   help="host busy time per iteration between enqueue and sync (hidden if < GPU time)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    if a.iterations < 1 or a.fwd_ms < 0 or a.bwd_ms < 0:
+        p.error("iterations must be >= 1 and times >= 0")
+    r = run(a.iterations, a.fwd_ms, a.bwd_ms, a.jitter, a.host_work_ms, a.seed)
+    print(f"drift: {r['iterations']} iterations, fwd {a.fwd_ms} ms + bwd {a.bwd_ms} ms (+-{a.jitter:.0%}), "
+          f"host work {a.host_work_ms} ms/iter")
+    print(f"  sum of targets {r['target_s']:.4f} s, elapsed {r['elapsed_s']:.4f} s, "
+          f"error {r['error_pct']:+.4f}% ({r['late_per_iter_us']:+.2f} us/iteration)  "
+          f"[target |error| <= 0.1%: {'met' if abs(r['error_pct']) <= 0.1 else 'NOT met'}]")
+
+
+if __name__ == "__main__":
+    main()
