@@ -81,7 +81,6 @@ def resolve_gpu(name: str, db: Any = None) -> tuple[str, int, str]:
         from gpemu.db import open_profile_db
 
         db = open_profile_db(EmuConfig.from_env())
-    db.gpus()  # loads the name tables first (gpemu.db's gpu() of a fresh ProfileDB needs that at the time of writing)
     spec = db.gpu(name)
     return getattr(spec, "short_name", spec.name), int(spec.memory_bytes), spec.name
 
