@@ -57,8 +57,9 @@ class ImportReport:
 
 # ---------------------------------------------------------------------------------- export
 def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | None) -> dict[str, Any]:
-    gpu_specs = [db.gpu(g) for g in gpus] if gpus else db.gpus()
-    model_infos = [db.model(m) for m in models] if models else db.models()
+    # Same order as a full export, so a partial export re-exported compares equal.
+    gpu_specs = sorted({db.gpu(g) for g in gpus}, key=lambda s: s.short_name.lower()) if gpus else db.gpus()
+    model_infos = sorted({db.model(m) for m in models}, key=lambda m: m.name) if models else db.models()
     gpu_names = {s.name for s in gpu_specs}
     model_names = {m.name for m in model_infos}
     m, g, mo = S.measurements, S.gpus, S.models

@@ -1,0 +1,143 @@
+"""Export / import of the profile database: round trips, idempotence, per-row rejection."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpemu.config import EmuConfig
+from gpemu.db import open_profile_db
+from gpemu.db.build import open_url
+from gpemu.db.io import export_db, import_path
+
+# A slice of the shipped data big enough to hold every kind and a few series.
+SUBSET = {"gpus": ["V100", "K80"], "models": ["resnet50", "alexnet", "resnet152"]}
+
+
+@pytest.fixture(scope="module")
+def pdb():
+    return open_profile_db(EmuConfig.from_env())
+
+
+@pytest.fixture()
+def fresh(tmp_path):
+    db = open_url(f"sqlite:///{tmp_path / 'fresh.sqlite'}")
+    yield db
+    db.close()
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_round_trip_into_empty_database_reproduces_every_row(pdb, fresh, tmp_path, fmt):
+    out = tmp_path / ("subset.json" if fmt == "json" else "subset_csv")
+    counts = export_db(pdb, out, **SUBSET)
+    # 2 GPUs x 3 models x (3 time kinds + 2 memory kinds) x 256 + model_transfer, less K80 resnet152's
+    # 23 dropped persistent-memory rows.
+    assert counts["measurements"] == 2 * 3 * (5 * 256 + 1) - 23
+    report = import_path(fresh, out)
+    assert report.rejected == []
+    assert (report.gpus, report.models, report.measurements) == (2, 3, counts["measurements"])
+    assert report.distributions == counts["distributions"] == 14
+    again = tmp_path / "again.json"
+    export_db(fresh, again)
+    if fmt == "json":
+        assert again.read_text() == out.read_text()
+    else:
+        export_db(pdb, tmp_path / "ref.json", **SUBSET)
+        assert json.loads(again.read_text()) == json.loads((tmp_path / "ref.json").read_text())
+    for kind in ("forward", "peak_memory", "model_transfer"):
+        assert fresh.lookup("V100", "resnet50", 128, kind) == pdb.lookup("V100", "resnet50", 128, kind)
+    assert (fresh.distribution("norm-ffcv") == pdb.distribution("norm-ffcv")).all()
+
+
+def test_reimport_is_idempotent(pdb, fresh, tmp_path):
+    out = tmp_path / "subset.json"
+    export_db(pdb, out, gpus=["A100"], models=["vgg16"])
+    first = import_path(fresh, out)
+    before = (fresh.count(), len(fresh.gpus()), len(fresh.models()), len(fresh.distributions()))
+    second = import_path(fresh, out)
+    assert second.measurements == first.measurements and second.rejected == []
+    assert (fresh.count(), len(fresh.gpus()), len(fresh.models()), len(fresh.distributions())) == before
+    export_db(fresh, tmp_path / "after.json")
+    assert (tmp_path / "after.json").read_text() == out.read_text()
+
+
+BAD_CSV = """gpu,model,kind,batch_size,value,unit
+V100,resnet50,forward,8,0.01,seconds
+V100,resnet50,fwd,8,0.01,
+V100,resnet50,forward,8,-0.5,
+V100,resnet50,forward,3.5,0.01,
+V100,resnet50,forward,0,0.01,
+H100,resnet50,forward,8,0.01,
+V100,bert,forward,8,0.01,
+V100,resnet50,peak_memory,8,1000,seconds
+V100,resnet50,forward,eight,0.01,
+V100,resnet50,model_transfer,0,0.02,
+V100,resnet50,backward,16,nan,
+"""
+
+
+def test_import_reports_each_rejected_row_with_its_reason(pdb, fresh, tmp_path):
+    export_db(pdb, tmp_path / "base.json", gpus=["V100"], models=["resnet50"])
+    import_path(fresh, tmp_path / "base.json")
+    n0 = fresh.count()
+    src = tmp_path / "mine.csv"
+    src.write_text(BAD_CSV)
+    report = import_path(fresh, src)
+    assert report.measurements == 2  # the first row and the model_transfer row
+    reasons = {r.where: r.reason for r in report.rejected}
+    assert set(reasons) == {f"mine.csv:{n}" for n in (3, 4, 5, 6, 7, 8, 9, 10, 12)}
+    assert "unknown measurement kind 'fwd'" in reasons["mine.csv:3"]
+    assert "value must be a finite number >= 0" in reasons["mine.csv:4"]
+    assert "bad batch size '3.5'" in reasons["mine.csv:5"]
+    assert "batch_size must be >= 1 for forward" in reasons["mine.csv:6"]
+    assert "unknown GPU 'H100' and the import has no spec for it" in reasons["mine.csv:7"]
+    assert "unknown model 'bert'" in reasons["mine.csv:8"]
+    assert "peak_memory is stored in bytes" in reasons["mine.csv:9"]
+    assert "bad batch size 'eight'" in reasons["mine.csv:10"]
+    assert "finite" in reasons["mine.csv:12"]
+    assert fresh.count() == n0  # both valid rows replaced existing measurements
+    assert fresh.lookup("V100", "resnet50", 8, "forward").value == 0.01
+    assert fresh.lookup("V100", "resnet50", 8, "model_transfer").value == 0.02
+
+
+def test_import_accepts_new_gpu_when_the_file_carries_its_spec(pdb, fresh, tmp_path):
+    data = {
+        "format": "gpemu-profile-db", "schema_version": 1,
+        "gpus": [{"name": "NVIDIA H100 80GB HBM3", "aliases": ["H100"], "memory_bytes": 80 << 30,
+                  "fp32_flops": 67e12, "fp16_flops": 989e12, "memory_bandwidth": 3.35e12,
+                  "host_link_bandwidth_pinned": 50e9, "host_link_bandwidth_pageable": 10e9, "sm_count": 132},
+                 {"name": "Broken", "aliases": [], "memory_bytes": -1, "fp32_flops": 1, "fp16_flops": 1,
+                  "memory_bandwidth": 1, "host_link_bandwidth_pinned": 1, "host_link_bandwidth_pageable": 1,
+                  "sm_count": 1}],
+        "models": [{"name": "tiny", "class_name": "Tiny", "param_count": 10, "param_bytes": 40, "buffer_bytes": 0,
+                    "fwd_flops_per_sample": 100.0, "fwd_bwd_flops_per_sample": 300.0}],
+        "measurements": {"columns": ["gpu", "model", "kind", "batch_size", "value"],
+                         "rows": [["H100", "tiny", "forward", 4, 0.001], ["Broken", "tiny", "forward", 4, 0.001]]},
+        "distributions": [{"name": "bad", "unit": "seconds", "samples": []}],
+    }
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(data))
+    report = import_path(fresh, path)
+    assert (report.gpus, report.models, report.measurements) == (1, 1, 1)
+    reasons = [r.reason for r in report.rejected]
+    assert any("bad GPU spec" in r and "memory_bytes" in r for r in reasons)
+    assert any("unknown GPU 'Broken'" in r for r in reasons)
+    assert any("bad distribution" in r for r in reasons)
+    assert fresh.lookup("h100", "TINY", 4, "forward").value == 0.001
+
+
+def test_import_refuses_files_it_cannot_read(fresh, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        import_path(fresh, tmp_path / "nope.json")
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not a gpemu profile database export"):
+        import_path(fresh, tmp_path / "other.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        import_path(fresh, tmp_path / "broken.json")
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(ValueError, match="holds none of gpus.csv"):
+        import_path(fresh, tmp_path / "emptydir")
+    with pytest.raises(ValueError, match="format must be 'json' or 'csv'"):
+        export_db(fresh, tmp_path / "x", "xml")
