@@ -205,3 +205,28 @@ def test_backend_event_timing_and_errors_surface():
 def test_torch_shaped_stream_and_event_need_a_patched_runtime():
     with pytest.raises(RuntimeError, match="not patched"):
         VirtualStream()
+
+
+class _LateClock(VirtualClock):
+    """Wakes a fixed time after every deadline, like an OS that overshoots each sleep."""
+
+    def __init__(self, overshoot: float):
+        super().__init__(start=0.0)
+        self.overshoot = overshoot
+
+    def wait_until(self, deadline: float) -> None:
+        super().wait_until(deadline + self.overshoot)
+
+
+def test_wakeup_lateness_does_not_accumulate():
+    eng = TimeEngine(1, Recorder(), clock=_LateClock(overshoot=0.001))
+    s = eng.default_stream(0)
+    for _ in range(10):
+        s.enqueue(0.010, "forward", "m")
+        eng.synchronize(0, "item")
+    # 10 x 10 ms of GPU time; only the last wake-up's 1 ms shows, not 10 x 1 ms
+    assert eng.clock.now() == pytest.approx(0.101)
+    assert eng.recorder.counters["wake_late_s"] == pytest.approx(0.010)
+    # genuine host time after a wake still counts
+    eng.clock.advance(0.005)
+    assert s.enqueue(0.010, "forward", "m") == pytest.approx(0.115)
