@@ -1,11 +1,11 @@
 """Three ResNet-50 training jobs time-sharing one emulated P100 (Salus-style figure).
 
     python examples/sharing_three_jobs.py --out sharing.png              # ~2-3 minutes
-    python examples/sharing_three_jobs.py --spacing 5 --duration 20 --out quick.png
+    python examples/sharing_three_jobs.py --spacing 4 --durations 12,6,2 --out quick.png
     python examples/sharing_three_jobs.py --amqp amqp://guest:guest@localhost/ --out sharing.png
 
 Job k starts ``k * spacing`` seconds after the first and trains for a fixed number of
-iterations; they finish in reverse order. Each iteration asks the sharing manager for one
+iterations (``--durations``, later jobs shorter); they finish in reverse order. Each iteration asks the sharing manager for one
 iteration of GPU time (forward + backward of ResNet-50 at the batch size on a P100, from the
 profile database) and blocks until served. The figure shows each job's throughput over time:
 alone a job gets the whole GPU, with N jobs each gets 1/N (round-robin policy).
@@ -42,8 +42,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--amqp", help="broker URL (default: start a private broker)")
     ap.add_argument("--spacing", type=float, default=30.0, help="seconds between job starts")
-    ap.add_argument("--duration", type=float, default=60.0,
-                    help="GPU seconds of work per job (alone it would take this long)")
+    ap.add_argument("--durations", default="90,45,15",
+                    help="GPU seconds of work of each job (alone it would take this long); with 30 s spacing, "
+                         "90,45,15 makes them finish in reverse order in ~2.5 minutes")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--policy", default="round-robin")
     ap.add_argument("--out", default="sharing_three_jobs.png", help="figure path (PNG/PDF)")
@@ -52,8 +53,12 @@ def main() -> None:
     from gpemu.integrations.sharing.client import SharingClient
 
     seconds, peak, persistent = iteration_cost(args.batch_size)
-    iterations = max(1, int(args.duration / seconds))
-    print(f"ResNet-50 bs{args.batch_size} on P100: {seconds * 1e3:.1f} ms/iteration, {iterations} iterations/job")
+    try:
+        durations = [float(x) for x in args.durations.split(",")]
+    except ValueError:
+        ap.error(f"--durations must be comma-separated seconds, got {args.durations!r}")
+    counts = [max(1, int(d / seconds)) for d in durations]
+    print(f"ResNet-50 bs{args.batch_size} on P100: {seconds * 1e3:.1f} ms/iteration, iterations per job: {counts}")
 
     broker = None
     url = args.amqp
@@ -75,13 +80,13 @@ def main() -> None:
         while time.monotonic() < t0 + k * args.spacing:
             time.sleep(0.01)
         with SharingClient(url, job_id=name, persistent_bytes=persistent) as c:
-            for _ in range(iterations):
+            for _ in range(counts[k]):
                 c.run(seconds, peak, "iteration")
                 times.append(time.monotonic() - t0)
         print(f"{name} finished at {time.monotonic() - t0:.1f} s", flush=True)
 
     try:
-        threads = [threading.Thread(target=job, args=(k,)) for k in range(3)]
+        threads = [threading.Thread(target=job, args=(k,)) for k in range(len(counts))]
         for t in threads:
             t.start()
         for t in threads:
@@ -102,7 +107,7 @@ def main() -> None:
     end = max(ts[-1] for ts in marks.values())
     for name, ts in marks.items():
         xs, ys = [], []
-        t, i = 0.0, 0
+        t = 0.0
         while t < end:
             n = sum(1 for x in ts if t <= x < t + window)
             xs.append(t + window / 2)
