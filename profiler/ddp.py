@@ -9,7 +9,6 @@ iteration waits for). Rank 0 writes each (model, world size, batch size) in one 
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from typing import Any, Callable, Sequence
@@ -80,15 +79,14 @@ def _worker(rank: int, job: dict[str, Any]) -> None:
 
     ws = job["world_size"]
     is_cuda = job["device_type"] == "cuda"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(job["port"])
     if is_cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
         torch.set_num_threads(1)  # ranks share the host's cores
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if is_cuda else "gloo", rank=rank, world_size=ws)
+    dist.init_process_group("nccl" if is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
+                            rank=rank, world_size=ws)
     try:
         lm = load_model(job["spec"], job["input_shape"], parse_dtype(job["input_dtype"].removeprefix("torch.")),
                         job["num_classes"])

@@ -9,8 +9,8 @@ On ``cpu`` (the testable path) phases are timed with ``time.perf_counter`` and m
 
 * persistent = unique storage bytes of parameters, buffers, gradients and optimizer state after
   an optimizer step (what stays between iterations; the same set CUDA's memory_allocated sees);
-* peak = persistent without gradients + input batch + output + every tensor autograd saves for
-  backward (unique storages, found with ``saved_tensors_hooks``) + gradients. It is an upper
+* peak = persistent without gradients + input batch and targets + output + every other tensor
+  autograd saves for backward (unique storages, found with ``saved_tensors_hooks``) + gradients. It is an upper
   estimate: a real allocator frees activations while gradients are being allocated.
 
 ``memory_limit`` (bytes) makes the CPU path behave like a smaller GPU: the running estimate is
@@ -90,6 +90,9 @@ class Measurer:
         self.module.train()
         self.optimizer_name = optimizer
         self.optimizer: torch.optim.Optimizer | None = None
+        if self.is_cuda:
+            # CUDA events record on the current device's stream: make it the profiled one.
+            torch.cuda.set_device(device)
         if self.is_cuda and memory_limit is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
@@ -213,10 +216,6 @@ class Measurer:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            saved = None
-        else:
-            saved = _SavedBytes(self._static_storages(), self._bytes_without_grads() + input_bytes,
-                                self.memory_limit)
         times: dict[str, float] = {}
 
         with timer.phase(times, "h2d_pageable"):
@@ -225,6 +224,13 @@ class Measurer:
         with timer.phase(times, "h2d_pinned"):
             x = pinned.to(self.device, non_blocking=True) if self.is_cuda else pinned.clone()
         y = targets.to(self.device, non_blocking=True) if (targets is not None and self.is_cuda) else targets
+        saved = None
+        if not self.is_cuda:
+            # The batch (and targets) are counted once in the base, not again when autograd saves them.
+            batch = {x.untyped_storage().data_ptr()} | ({y.untyped_storage().data_ptr()} if y is not None else set())
+            target_bytes = y.untyped_storage().nbytes() if y is not None else 0
+            saved = _SavedBytes(self._static_storages() | batch,
+                                self._bytes_without_grads() + input_bytes + target_bytes, self.memory_limit)
         if saved is not None:
             with timer.phase(times, "forward"), torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
                 out = self.module(x)

@@ -135,6 +135,25 @@ def test_model_specs(factories: Path) -> None:
         load_model("resnet50")  # torchvision is not importable with the CPU build here
 
 
+def test_cpu_memory_estimate_counts_activations_once(factories: Path) -> None:
+    from gpemu.profiler.measure import Measurer
+
+    lm = load_model("profmodels:small")  # Linear(16, 4): saves only its input and weight
+    m = Measurer(lm, torch.device("cpu"))
+    m.to_device()
+    r = {bs: m.measure(bs, warmup=1, iterations=1) for bs in (1, 2, 4)}  # warm-up creates momentum
+    params = sum(p.numel() * 4 for p in lm.module.parameters())
+    assert {x.persistent_memory for x in r.values()} == {3 * params}  # weights, grads, momentum
+    # Linear saves the batch itself (counted once, as the input); cross entropy saves the logits'
+    # log-softmax; targets are int64. Per sample: 16*4 input + 4*4 logits + 4*4 log-softmax + 8 target.
+    per_sample = 16 * 4 + 4 * 4 + 4 * 4 + 8
+    assert r[2].peak_memory - r[1].peak_memory == per_sample
+    assert r[4].peak_memory - r[2].peak_memory == 2 * per_sample
+    # Parameters, momentum and gradients are live at the peak, plus the batch's bytes and a
+    # batch-independent rest (the scalar loss).
+    assert 0 <= r[1].peak_memory - (3 * params + per_sample) <= 64
+
+
 # ------------------------------------------------------------------ the pipeline
 def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
     assert run_profile(db_url, "--model", "profmodels:mlp", "--model", "cnn=profmodels:cnn",
