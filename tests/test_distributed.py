@@ -1,0 +1,131 @@
+"""torch.distributed on emulated GPUs: nccl->gloo, emulated DDP, collectives on emulated tensors.
+
+The end-to-end test runs 2 real processes (torch.multiprocessing spawn) that rendezvous over a
+real gloo process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpemu.distributed import _overlapped_finish, allreduce_seconds, interconnect_bandwidth, map_backend
+
+
+def test_backend_mapping() -> None:
+    assert map_backend("nccl") == "gloo"
+    assert map_backend("NCCL") == "gloo"
+    assert map_backend("gloo") == "gloo"
+    assert map_backend("cuda:nccl,cpu:gloo") == "cuda:gloo,cpu:gloo"
+    assert map_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:gloo"
+    assert map_backend(None) is None
+
+
+def test_ring_allreduce_estimate() -> None:
+    assert allreduce_seconds(100 << 20, 1, 12e9) == 0.0  # one rank: nothing to exchange
+    two = allreduce_seconds(100 << 20, 2, 12e9)
+    four = allreduce_seconds(100 << 20, 4, 12e9)
+    assert two == pytest.approx((100 << 20) / 12e9, rel=0.01)  # 2(n-1)/n = 1
+    assert four == pytest.approx(1.5 * (100 << 20) / 12e9, rel=0.01)  # 2(n-1)/n = 1.5
+    assert allreduce_seconds(100 << 20, 2, 230e9) < two / 10  # NVLink is much faster than PCIe
+
+
+def test_interconnect_of_shipped_gpus() -> None:
+    from gpemu.db.specs import SHIPPED_GPUS
+
+    by_name = {s.short_name: s for s in SHIPPED_GPUS}
+    assert interconnect_bandwidth(by_name["A100"]) > 100e9  # SXM4: NVLink
+    assert interconnect_bandwidth(by_name["V100"]) == by_name["V100"].host_link_bandwidth_pinned  # PCIe card
+
+
+def test_bucket_overlap_hides_communication_behind_backward() -> None:
+    buckets = [25 << 20] * 4
+    comm = sum(allreduce_seconds(b, 2, 12e9) for b in buckets)
+    # Backward much longer than communication: only the last bucket is exposed.
+    long_end = _overlapped_finish(0.0, 10 * comm, buckets, 2, 12e9)
+    assert long_end - 10 * comm == pytest.approx(allreduce_seconds(buckets[-1], 2, 12e9), rel=1e-6)
+    # Instant backward: all communication is exposed.
+    assert _overlapped_finish(5.0, 5.0, buckets, 2, 12e9) - 5.0 == pytest.approx(comm, rel=1e-6)
+
+
+# ------------------------------------------------------------------ two real processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP  # imported before patching, on purpose
+
+    import gpemu
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GPEMU_DATA_DIR=data_dir)
+    rt = gpemu.patch(gpu="V100", num_gpus=2, summary=False)
+    dist.init_process_group("cuda:nccl,cpu:gloo", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512)).cuda()
+    model.hidden_size = 2048
+    ddp = DDP(model, device_ids=[rank])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    backward_wall = []
+    for step in range(3):
+        loss = ddp(torch.randn(32, 512, device="cuda")).sum()
+        if rank == 1 and step == 1:
+            time.sleep(0.6)  # a slow rank: the other must wait for it at the gradient sync
+        t0 = time.perf_counter()
+        loss.backward()
+        backward_wall.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad()
+    with ddp.no_sync():  # gradient accumulation: no all-reduce
+        ddp(torch.randn(4, 512, device="cuda")).sum().backward()
+    metric = torch.tensor([float(rank + 1), 10.0], device="cuda")
+    dist.all_reduce(metric)  # a script's metrics all-reduce on emulated tensors
+    loss_sum = ddp(torch.randn(4, 512, device="cuda")).sum().detach()
+    dist.all_reduce(loss_sum)  # no known value: must not crash
+    torch.cuda.synchronize()
+    result = {
+        "is_ddp": isinstance(ddp, DDP),
+        "type": type(ddp).__name__,
+        "module_is_model": ddp.module is model,
+        "forwarded_attr": ddp.hidden_size,  # a plain attribute of the wrapped module
+        "keys": sorted(ddp.state_dict())[:2],
+        "backend": dist.get_backend(),
+        "syncs": rt.recorder.counters.get("ddp_gradient_syncs", 0.0),
+        "allreduce_bytes": rt.recorder.counters.get("ddp_allreduce_bytes", 0.0),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "comm_spans": sum(1 for s in rt.recorder.spans if s.kind == "comm"),
+        "metric": metric.tolist(),
+        "backward_wall": backward_wall,
+        "device": torch.cuda.current_device(),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    gpemu.unpatch()
+
+
+def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), str(_gpemu_data_dir)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, r in enumerate(results):
+        assert r["is_ddp"] and r["type"] == "EmulatedDDP" and r["module_is_model"]
+        assert r["keys"] == ["module.0.bias", "module.0.weight"] and r["forwarded_attr"] == 2048
+        assert r["backend"] == "cuda:gloo,cpu:gloo"
+        assert r["syncs"] == 3  # three synchronising backwards, the no_sync one excluded
+        assert r["allreduce_bytes"] == 3 * r["grad_bytes"]
+        assert r["comm_spans"] >= 1
+        assert r["metric"] == [3.0, 20.0]  # summed over both ranks
+        assert r["device"] == rank
+    # Lock-step: rank 0's second backward waited for the slow rank 1 (0.6 s of host time).
+    assert results[0]["backward_wall"][1] > 0.4
+    assert results[0]["backward_wall"][1] > 3 * results[0]["backward_wall"][2]
