@@ -1,0 +1,124 @@
+"""`gpemu gpus`, `models`, `show`, `db path|init|export|import` through the real command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from gpemu.cli import cli
+
+
+@pytest.fixture()
+def runner():
+    return CliRunner()
+
+
+def _gpemu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The installed console entry point (gpemu.cli:main), as a user runs it."""
+    return subprocess.run([sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())", *args],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "120", **(env or {})},
+                          timeout=120)
+
+
+def test_gpus_lists_six_with_memory(runner):
+    res = runner.invoke(cli, ["gpus"])
+    assert res.exit_code == 0, res.output
+    for short in ("A100", "RTX6000", "K80", "M40", "P100", "V100"):
+        assert short in res.output
+    assert "Tesla V100-PCIE-32GB" in res.output and "32 GiB" in res.output
+    data = json.loads(runner.invoke(cli, ["gpus", "--json"]).output)
+    assert len(data) == 6 and {d["aliases"][0] for d in data} >= {"V100", "K80"}
+    assert all(d["memory_bytes"] > 0 for d in data)
+
+
+def test_models_lists_36_with_class_and_params(runner):
+    res = runner.invoke(cli, ["models"])
+    assert res.exit_code == 0
+    assert "36 models" in res.output and "resnet50" in res.output and "25,557,032" in res.output
+    data = json.loads(runner.invoke(cli, ["models", "--json"]).output)
+    assert len(data) == 36
+    assert {"name": "alexnet", "class_name": "AlexNet"}.items() <= next(d for d in data if d["name"] == "alexnet").items()
+
+
+def test_show_measured_values(runner):
+    res = runner.invoke(cli, ["show", "resnet50", "--gpu", "V100", "--batch-size", "128"])
+    assert res.exit_code == 0, res.output
+    lines = {ln.split()[0]: ln.split() for ln in res.output.splitlines() if ln.strip()}
+    assert lines["forward"][1:3] == ["0.1193", "s"] and lines["forward"][-1] == "measured"
+    assert lines["backward"][1:3] == ["0.2655", "s"] and lines["backward"][-1] == "measured"
+    assert {"h2d_transfer", "model_transfer", "peak_memory", "persistent_memory"} <= set(lines)
+
+
+def test_show_provenance_beyond_and_between(runner, tmp_path):
+    out = json.loads(runner.invoke(cli, ["show", "RESNET50", "--gpu", "tesla v100-pcie-32gb", "-b", "300", "--json"]).output)
+    assert out["gpu"] == "Tesla V100-PCIE-32GB" and out["batch_size"] == 300
+    m = out["measurements"]
+    assert m["forward"]["provenance"] == m["backward"]["provenance"] == "extrapolated"
+    assert m["model_transfer"]["provenance"] == "measured"
+    table = runner.invoke(cli, ["show", "resnet50", "--gpu", "V100", "--batch-size", "300"]).output
+    assert "extrapolated" in table
+
+
+def test_unknown_gpu_is_one_line_suggesting_v100():
+    res = _gpemu("show", "resnet50", "--gpu", "V1000", "--batch-size", "128")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: unknown GPU 'V1000'; did you mean 'V100'")
+
+
+@pytest.mark.parametrize("bad", ["0", "3.5", "x"])
+def test_bad_batch_size_is_refused(runner, bad):
+    res = runner.invoke(cli, ["show", "resnet50", "--gpu", "V100", "--batch-size", bad])
+    assert res.exit_code == 2 and "batch-size" in res.output
+
+
+def test_db_path_init_export_import_with_db_url(runner, tmp_path):
+    default = runner.invoke(cli, ["db", "path"])
+    assert default.exit_code == 0 and default.output.strip().endswith("profiles.sqlite")
+
+    url = f"sqlite:///{tmp_path / 'sub.sqlite'}"
+    assert runner.invoke(cli, ["db", "path", "--db", url]).output.strip() == url
+    export = tmp_path / "v100_alexnet.json"
+    res = runner.invoke(cli, ["db", "export", str(export), "--gpu", "V100", "--model", "alexnet"])
+    assert res.exit_code == 0 and "1 GPUs, 1 models, 1281 measurements" in res.output
+
+    res = runner.invoke(cli, ["db", "import", str(export), "--db", url])
+    assert res.exit_code == 0, res.output
+    assert "imported 1 GPUs, 1 models, 1281 measurements" in res.output
+    again = runner.invoke(cli, ["db", "import", str(export), "--db", url])
+    assert again.exit_code == 0 and "1281 measurements" in again.output
+    shown = json.loads(runner.invoke(cli, ["show", "alexnet", "--gpu", "v100", "-b", "64", "--db", url, "--json"]).output)
+    assert shown["measurements"]["forward"]["provenance"] == "measured"
+    gpus = json.loads(runner.invoke(cli, ["gpus", "--db", url, "--json"]).output)
+    assert [g["aliases"][0] for g in gpus] == ["V100"]
+
+    csv_dir = tmp_path / "csv"
+    assert runner.invoke(cli, ["db", "export", str(csv_dir), "--db", url]).exit_code == 0
+    assert sorted(p.name for p in csv_dir.iterdir()) == ["distributions.csv", "gpus.csv", "measurements.csv", "models.csv"]
+
+
+def test_db_import_reports_rejected_rows_and_fails(runner, tmp_path):
+    src = tmp_path / "mine.csv"
+    src.write_text("gpu,model,kind,batch_size,value\nV100,resnet50,forward,8,0.01\nV100,resnet50,warp,8,1\n"
+                   "V100,resnet50,backward,8,-2\n")
+    url = f"sqlite:///{tmp_path / 'target.sqlite'}"
+    assert runner.invoke(cli, ["db", "init", "--db", url]).exit_code == 0
+    res = runner.invoke(cli, ["db", "import", str(src), "--db", url])
+    assert res.exit_code == 1
+    assert "imported 0 GPUs, 0 models, 1 measurements" in res.stdout
+    assert "rejected 2 rows" in res.stderr
+    assert "mine.csv:3: unknown measurement kind 'warp'" in res.stderr
+    assert "mine.csv:4: value must be a finite number >= 0" in res.stderr
+
+
+def test_gpemu_db_env_var_is_honoured(tmp_path):
+    url = f"sqlite:///{tmp_path / 'env.sqlite'}"
+    res = _gpemu("gpus", "--json", env={"GPEMU_DB": url})
+    assert res.returncode == 0 and json.loads(res.stdout) == []
+    res = _gpemu("show", "resnet50", "--gpu", "V100", "-b", "8", env={"GPEMU_DB": url})
+    assert res.returncode == 2 and "gpemu db init" in res.stderr
