@@ -451,6 +451,10 @@ class SharingManager:
         ch.basic_qos(prefetch_count=2000)
         ch.basic_consume(P.REQUEST_QUEUE, self._on_message, auto_ack=False)
         self._ch = ch
+        # Jobs could not reach us while the broker was away: their leases restart now.
+        now = self.clock()
+        for job in self.core.jobs.values():
+            job.last_seen = max(job.last_seen, now)
         self.connected.set()
         log.info("connected to %s", self.safe_url)
 
