@@ -42,12 +42,14 @@ KIND_UNITS: dict[str, str] = {
     "ddp_iteration": "seconds",  # one DDP training iteration; world_size says how many ranks
     "peak_memory": "bytes",
     "persistent_memory": "bytes",
+    "h2d_transfer_pinned": "seconds",  # the same input-batch copy from page-locked memory
+    "max_batch_size": "samples",  # largest batch size that fit in GPU memory (batch independent)
 }
 KINDS: tuple[str, ...] = tuple(KIND_UNITS)
 TIME_KINDS = tuple(k for k, u in KIND_UNITS.items() if u == "seconds")
 MEMORY_KINDS = tuple(k for k, u in KIND_UNITS.items() if u == "bytes")
 # Kinds measured once per (GPU, model), stored with batch_size 0 and valid at any batch size.
-BATCH_INDEPENDENT = ("model_transfer",)
+BATCH_INDEPENDENT = ("model_transfer", "max_batch_size")
 PROVENANCES = ("measured", "interpolated", "extrapolated")
 
 
@@ -132,7 +134,7 @@ class Lookup:
     """One answer of the database: the value, its unit and how it was obtained."""
 
     value: float
-    unit: str  # "seconds" | "bytes"
+    unit: str  # "seconds" | "bytes" | "samples" (max_batch_size only)
     provenance: str  # "measured" | "interpolated" | "extrapolated"
 
 

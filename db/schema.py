@@ -74,7 +74,7 @@ measurements = Table(
     Column("batch_size", Integer, nullable=False),
     Column("world_size", Integer, nullable=False, default=1),
     Column("value", Float, nullable=False),
-    Column("unit", String(16), nullable=False),  # "seconds" | "bytes"
+    Column("unit", String(16), nullable=False),  # "seconds" | "bytes" | "samples"
     Column("samples", Integer, nullable=True),
     Column("std", Float, nullable=True),
     Column("p50", Float, nullable=True),

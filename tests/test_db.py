@@ -290,3 +290,16 @@ def test_empty_database_says_how_to_fill_it(tmp_path):
     with pytest.raises(UnknownNameError, match="gpemu db init"):
         db.gpu("V100")
     assert db.gpus() == [] and db.count() == 0
+
+
+def test_profiler_kinds_pinned_copy_and_batch_limit(empty_db):
+    empty_db.add_measurements([
+        {"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size", "batch_size": 0, "value": 192},
+        {"gpu": "TG8", "model": "tinynet", "kind": "h2d_transfer_pinned", "batch_size": 64, "value": 0.004},
+    ])
+    limit = empty_db.lookup("TG8", "tinynet", 512, "max_batch_size")
+    assert (limit.value, limit.unit, limit.provenance) == (192.0, "samples", "measured")
+    assert empty_db.lookup("TG8", "tinynet", 64, "h2d_transfer_pinned").unit == "seconds"
+    with pytest.raises(ValueError, match="store it with batch_size 0"):
+        empty_db.add_measurements([{"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size",
+                                    "batch_size": 8, "value": 192}])
