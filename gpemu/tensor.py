@@ -72,6 +72,7 @@ class _State:
         self.rec: Any = None          # replay recording accumulator (has .cost) or None
         self.local = threading.local()  # .moving_model: per-tensor copies are not charged
         self.warned: set[str] = set()
+        self.param_generation = 0  # bumped when a parameter's dtype/device/requires_grad changes
 
     def say_once(self, message: str) -> None:
         if self.rt is not None:
@@ -79,6 +80,7 @@ class _State:
 
 
 _S = _State()
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 _CACHE_LIMIT = 200_000
 
 
@@ -137,11 +139,31 @@ class EmuTensor(torch.Tensor):
         # ``param.data = x`` swaps the TensorImpl's metadata in C++; the Python-side state
         # (device index, memory block, shadow) must follow or the accounting goes wrong.
         torch._C.TensorBase.data.__set__(self, new)
+        _S.param_generation += 1
         if isinstance(new, EmuTensor):
             self._dev = new._dev
             self._block = new._block
             self._meta = new._meta
             self._shadow = new._shadow
+            self._key = new._key
+
+    # requires_grad changes of parameters invalidate replay recordings (gpemu.replay keys on a
+    # generation counter instead of reading every parameter's flag on every call).
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        return _REQUIRES_GRAD.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        _REQUIRES_GRAD.__set__(self, value)
+        if getattr(self, "_is_param", False):
+            _S.param_generation += 1
+
+    def requires_grad_(self, requires_grad: bool = True) -> "EmuTensor":  # type: ignore[override]
+        _REQUIRES_GRAD.__set__(self, requires_grad)
+        if self.__dict__.get("_is_param", False):
+            _S.param_generation += 1
+        return self
 
     # -- ways back ---------------------------------------------------------------------------
     def tolist(self) -> Any:  # type: ignore[override]
@@ -247,6 +269,9 @@ def _wrap(shape: Any, stride: Any, offset: int, dtype: torch.dtype, dev: int, bl
     t._block = block
     t._meta = None
     t._shadow = None
+    # The op-cache signature of this tensor, fixed at creation (wrapper metadata never changes;
+    # ``.data = x`` refreshes it): reading it is one attribute lookup instead of three C calls.
+    t._key = (tuple(shape), tuple(stride), offset, dtype, dev)
     return t
 
 
@@ -285,7 +310,7 @@ def _sig(args: Any, emus: list, exact: bool) -> tuple:
         c = a.__class__
         if c is EmuTensor:
             emus.append(a)
-            out.append((a.shape, a.stride(), a.storage_offset(), a.dtype, a._dev))
+            out.append(a._key)
         elif c is float:
             out.append(a if exact else _FLOAT)
         elif c is list or c is tuple:
@@ -293,7 +318,7 @@ def _sig(args: Any, emus: list, exact: bool) -> tuple:
         elif isinstance(a, torch.Tensor):
             if isinstance(a, EmuTensor):  # a subclass of ours (rare)
                 emus.append(a)
-                out.append((a.shape, a.stride(), a.storage_offset(), a.dtype, a._dev))
+                out.append(a._key)
             else:
                 out.append(("host", a.device.type, a.shape, a.stride(), a.dtype))
         else:
@@ -480,6 +505,10 @@ def _slow_path(func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
                 if leaf is m:
                     alias, write = i, True
                     break
+            if write and (leaf.shape != emus[alias].shape or leaf.stride() != emus[alias].stride()):
+                raise NotImplementedError(
+                    f"gpemu: {func} changes a tensor's shape in place, which emulated tensors do not "
+                    "support; use the out-of-place form (e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0))")
             if alias is None:
                 alias = storages.get(leaf.untyped_storage()._cdata)
                 write = False
@@ -849,7 +878,17 @@ def _amp_update_scale(func: Any, args: tuple, kwargs: dict) -> Any:
     return scale
 
 
+def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
+    # Hot (autograd detaches every gradient it stores): an alias with the same metadata.
+    t = args[0]
+    out = _wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t._dev, t._block)
+    out._shadow = t._shadow
+    out._meta = t._meta
+    return out
+
+
 _SPECIAL: dict[Any, Callable] = {
+    aten.detach.default: _detach,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,

@@ -1,0 +1,479 @@
+"""Module-level record/replay: the fast path that keeps the emulator's own host time small.
+
+``nn.Module.__call__`` is patched. The OUTERMOST module with parameters that is called with
+emulated inputs or parameters owns the GPU time of its forward and backward (inner modules are
+not charged separately):
+
+* **first call** for a given situation (*recording*): the forward runs op by op on emulated
+  tensors. Gpemu measures the output specs, the memory that stays allocated for backward (saved
+  activations), the transient peaks of forward and backward, and which parameters receive
+  gradients. Forward time comes from :func:`gpemu.costs.forward_seconds` (profile database, or an
+  estimate for unknown models via :func:`gpemu.costs.estimate_module`); per-op time is not
+  charged inside (the outermost module owns it).
+* **later calls** (*replay*): the whole forward is ONE ``torch.autograd.Function`` whose forward
+  builds the outputs from the recorded specs (allocating their memory and the saved-activation
+  memory, touching the transient peak) and whose backward returns gradients shaped like the
+  inputs/parameters, frees the saved memory and charges :func:`gpemu.costs.backward_seconds`.
+
+The "situation" (cache key) is: the module's and all submodules' training flags, grad mode,
+inference mode, autocast state, the input specs (shapes/strides/dtypes/devices, non-tensor
+arguments), and each parameter's requires_grad/dtype/device.
+
+Fallback (the normal op-by-op path, time still charged per module; said once per reason):
+forward/backward hooks on any submodule (or global module hooks), outputs that are not
+tensors in tuples/lists/dicts, outputs that alias inputs or parameters, ``config.replay=False``.
+
+What replay does not reproduce: in-place updates of buffers inside forward (BatchNorm's running
+statistics keep their metadata, so nothing observable changes), and Python side effects of the
+forward (print, counters) after the first call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import tensor as _tensor
+from .tensor import EmuTensor, _S, _sig, _wrap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["install", "Recording", "replay_info"]
+
+_nn_module = torch.nn.modules.module
+
+
+class _ReplayState:
+    def __init__(self) -> None:
+        self.rt: Any = None
+        self.depth = 0
+        self.enabled = True
+        self.records: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self.unreplayable: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
+
+
+_R = _ReplayState()
+
+
+def replay_info() -> dict[str, int]:
+    """How many outermost-module calls were recorded, replayed, or ran the fallback path."""
+    return dict(_R.stats)
+
+
+class Recording:
+    """What one recorded forward of a module needs for replay."""
+
+    __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
+                 "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
+                 "dev", "n_inputs", "grad_specs", "__weakref__")
+
+    def __init__(self) -> None:
+        self.out_specs: list = []
+        self.treespec: Any = None
+        self.out_requires_grad: list[bool] = []
+        self.saved_bytes = 0
+        self.fwd_extra = 0
+        self.bwd_extra = 0
+        self.fwd_seconds = 0.0
+        self.bwd_seconds = 0.0
+        self.label = ""
+        self.params: list = []
+        self.grad_params: list[bool] = []
+        self.batch = 1
+        self.ident: Any = None
+        self.dev = 0
+        self.n_inputs = 0
+        self.grad_specs: list | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the patched Module.__call__
+# ----------------------------------------------------------------------------------------------
+def _make_call(orig_call: Any) -> Any:
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _R.depth or _R.rt is None:
+            return orig_call(self, *args, **kwargs)
+        dev = _emulated_device(self, args, kwargs)
+        if dev is None:
+            return orig_call(self, *args, **kwargs)
+        _R.depth += 1
+        try:
+            return _outer_call(orig_call, self, args, kwargs, dev)
+        finally:
+            _R.depth -= 1
+    return __call__
+
+
+def _emulated_device(module: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """Device of an emulated call of a module that has parameters, else None."""
+    first = None
+    for p in module.parameters():
+        first = p
+        break
+    if first is None:
+        return None  # parameterless modules (losses, activations) run op by op
+    if isinstance(first, EmuTensor):
+        return first._dev
+    for a in args:
+        if isinstance(a, EmuTensor):
+            return a._dev
+    for a in kwargs.values():
+        if isinstance(a, EmuTensor):
+            return a._dev
+    return None
+
+
+def _walk(module: torch.nn.Module) -> tuple[list, tuple, bool]:
+    """(parameters, training flags, any hooks) in one pass over the module tree."""
+    params: list = []
+    seen: set[int] = set()
+    flags: list[bool] = []
+    hooks = False
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        flags.append(m.training)
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            hooks = True
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        for c in m._modules.values():
+            if c is not None:
+                stack.append(c)
+    return params, tuple(flags), hooks
+
+
+def _global_hooks() -> bool:
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+
+
+def _outer_call(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int) -> Any:
+    rt = _R.rt
+    params, flags, hooks = _walk(module)
+    reason = None
+    if not rt.config.replay:
+        reason = "replay is off (config.replay=False)"
+    elif hooks or _global_hooks():
+        reason = "module hooks are registered"
+    else:
+        reason = _R.unreplayable.get(module)
+    if reason is not None:
+        return _run_charged(orig_call, module, args, kwargs, dev, params, None, reason)
+    emus: list = []
+    try:
+        in_sig = (_sig(args, emus, True), _sig(tuple(kwargs.items()), emus, True) if kwargs else None)
+        key = (flags, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), in_sig,
+               _S.param_generation)
+        hash(key)
+    except TypeError:
+        return _run_charged(orig_call, module, args, kwargs, dev, params, None,
+                            "a module argument is not hashable")
+    table = _R.records.get(module)
+    if table is None:
+        table = _R.records[module] = {}
+    rec = table.get(key)
+    if rec is not None and len(rec.params) == len(params) and all(a is b for a, b in zip(rec.params, params)):
+        return _replay(rec, emus, params)
+    rec = Recording()
+    out = _run_charged(orig_call, module, args, kwargs, dev, params, rec, None)
+    if rec.out_specs is not None and rec.treespec is not None:
+        table[key] = rec
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# recording (and the fallback path, which is recording without keeping the result)
+# ----------------------------------------------------------------------------------------------
+def _identity(rt: "Runtime", module: torch.nn.Module) -> Any:
+    try:
+        from .identify import identify
+    except ImportError:
+        return None
+    return identify(rt, module)
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return 1
+
+
+def _model_times(rt: "Runtime", module: torch.nn.Module, ident: Any, args: tuple, kwargs: dict, batch: int,
+                 dev: int) -> tuple[float, float]:
+    if ident is None:
+        return 0.0, 0.0
+    try:
+        from . import costs
+    except ImportError:
+        return 0.0, 0.0
+    if ident.name is None and not ident.parts and ident.source == "estimated":
+        try:
+            costs.estimate_module(rt, ident, module, args, kwargs, dev)
+        except Exception:  # estimate_module never raises by contract; stay safe anyway
+            pass
+    fwd, _ = costs.forward_seconds(rt, ident, batch, dev)
+    bwd, _ = costs.backward_seconds(rt, ident, batch, dev)
+    return float(fwd), float(bwd)
+
+
+def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | None:
+    if rt.config.memory != "profiled" or ident is None or ident.name is None:
+        return None
+    try:
+        found = rt.db.lookup(rt.gpus[dev].name, ident.name, batch, "peak_memory")
+    except Exception as exc:
+        rt.say_once(f"memory=profiled: no peak memory for {ident.name} ({exc}); tracking allocations instead")
+        return None
+    return int(found.value)
+
+
+def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int, params: list,
+                 rec: Recording | None, fallback_reason: str | None) -> Any:
+    rt = _R.rt
+    if fallback_reason is not None:
+        _R.stats["fallback"] += 1
+        rt.say_once(f"replay off for {type(module).__name__}: {fallback_reason}; running op by op "
+                    "(slower host side, same GPU time)")
+    engine = rt.state.get("engine")
+    mem = _S.memory[dev]
+    ident = _identity(rt, module)
+    batch = _batch_size(args, kwargs)
+    fwd_s, bwd_s = _model_times(rt, module, ident, args, kwargs, batch, dev)
+    label = ident.label if ident is not None else type(module).__name__
+    before = mem.allocated
+    outer_peak = mem.peak_allocated
+    mem.peak_allocated = before
+    try:
+        if engine is not None:
+            with engine.charged_scope():
+                out = orig_call(module, *args, **kwargs)
+        else:
+            out = orig_call(module, *args, **kwargs)
+    finally:
+        fwd_peak = mem.peak_allocated
+        mem.peak_allocated = max(outer_peak, fwd_peak)
+    if engine is not None and fwd_s > 0:
+        engine.stream(dev).enqueue(fwd_s, "forward", label)
+    peak = _profiled_peak(rt, ident, batch, dev)
+    if peak is not None:
+        mem.touch(peak - mem.allocated)
+    mem.sample()
+
+    leaves, treespec = tree_flatten(out)
+    ok = bool(leaves) and all(isinstance(x, EmuTensor) for x in leaves)
+    input_blocks = {id(t._block) for t in tree_flatten((args, kwargs))[0] if isinstance(t, EmuTensor)}
+    input_blocks.update(id(p._block) for p in params if isinstance(p, EmuTensor))
+    if ok and any(id(x._block) in input_blocks for x in leaves if x._block is not None):
+        ok = False
+        if rec is not None:
+            _R.unreplayable[module] = "its outputs alias its inputs or parameters"
+    elif not ok and rec is not None:
+        _R.unreplayable[module] = "its outputs are not (tuples/lists/dicts of) emulated tensors"
+    if rec is not None and ok:
+        _R.stats["recorded"] += 1
+        out_blocks: dict[int, int] = {}
+        for x in leaves:
+            if x._block is not None:
+                out_blocks[id(x._block)] = x._block.size
+        rec.out_specs = [(x.shape, x.stride(), x.storage_offset(), x.dtype, x._block.size if x._block else 0)
+                         for x in leaves]
+        rec.out_requires_grad = [x.requires_grad for x in leaves]
+        rec.treespec = treespec
+        rec.saved_bytes = max(0, mem.allocated - before - sum(out_blocks.values()))
+        rec.fwd_extra = max(0, fwd_peak - mem.allocated)
+        rec.fwd_seconds, rec.bwd_seconds = fwd_s, bwd_s
+        rec.label = label
+        rec.params = params
+        rec.batch = batch
+        rec.ident = ident
+        rec.dev = dev
+        reached = _params_reached(leaves)
+        rec.grad_params = [id(p) in reached for p in params]
+        for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
+            x._shadow = None
+    elif rec is not None:
+        rec.out_specs = None  # type: ignore[assignment]
+        rec.treespec = None
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        grads = [x for x in leaves if isinstance(x, EmuTensor) and x.requires_grad]
+        if grads:
+            marked = _BackwardStart.apply(_BackwardInfo(rec if ok else None, bwd_s, label, dev), *grads)
+            it = iter(marked)
+            leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
+            out = tree_unflatten(leaves, treespec)
+    return out
+
+
+def _params_reached(outputs: list) -> set[int]:
+    """ids of the leaf tensors (parameters) the outputs' autograd graph reaches."""
+    reached: set[int] = set()
+    seen: set[int] = set()
+    stack = [x.grad_fn for x in outputs if isinstance(x, torch.Tensor) and x.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return reached
+
+
+class _BackwardInfo:
+    __slots__ = ("rec", "bwd_seconds", "label", "dev")
+
+    def __init__(self, rec: Recording | None, bwd_seconds: float, label: str, dev: int) -> None:
+        self.rec, self.bwd_seconds, self.label, self.dev = rec, bwd_seconds, label, dev
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Marks where the op-by-op backward of a recorded/fallback module starts: charges the
+    module's backward time, stops per-op charging, and measures the backward's peak memory until
+    the whole backward pass ends."""
+
+    @staticmethod
+    def forward(ctx: Any, info: _BackwardInfo, *outs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.info = info
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        info: _BackwardInfo = ctx.info
+        rt = _R.rt
+        if rt is None:
+            return (None, *grads)
+        engine = rt.state.get("engine")
+        mem = _S.memory[info.dev]
+        if engine is not None and info.bwd_seconds > 0:
+            engine.stream(info.dev).enqueue(info.bwd_seconds, "backward", info.label)
+        start = mem.allocated
+        outer_peak = mem.peak_allocated
+        mem.peak_allocated = start
+        if engine is not None:
+            engine._local.scope = getattr(engine._local, "scope", 0) + 1
+
+        def done() -> None:
+            if engine is not None:
+                engine._local.scope = max(0, getattr(engine._local, "scope", 1) - 1)
+            if info.rec is not None:
+                info.rec.bwd_extra = max(0, mem.peak_allocated - start)
+            mem.peak_allocated = max(outer_peak, mem.peak_allocated)
+            mem.sample()
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+        return (None, *grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# replay
+# ----------------------------------------------------------------------------------------------
+def _new_outputs(rec: Recording, dev: int) -> list:
+    mem = _S.memory[dev]
+    outs = []
+    for shape, stride, offset, dtype, nbytes in rec.out_specs:
+        outs.append(_wrap(shape, stride, offset, dtype, dev, mem.allocate(nbytes) if nbytes else None))
+    return outs
+
+
+def _replay(rec: Recording, emus: list, params: list) -> Any:
+    _R.stats["replayed"] += 1
+    dev = rec.dev
+    mem = _S.memory[dev]
+    if not torch.is_grad_enabled():
+        mem.touch(rec.fwd_extra)
+        outs = _new_outputs(rec, dev)
+        _charge(rec.fwd_seconds, "forward", rec)
+        mem.sample()
+        return tree_unflatten(outs, rec.treespec)
+    inputs = [e for e in emus]
+    grad_params = [p for p, g in zip(params, rec.grad_params) if g]
+    outs = _ReplayFunction.apply(rec, len(inputs), *inputs, *grad_params)
+    return tree_unflatten(list(outs), rec.treespec)
+
+
+def _charge(seconds: float, kind: str, rec: Recording) -> None:
+    engine = _S.engine
+    if engine is not None and seconds > 0:
+        engine.stream(rec.dev).enqueue(seconds, kind, rec.label)
+
+
+def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
+    """(shape, contiguous strides, dtype, device, bytes) of the gradient of ``t``."""
+    stride = torch.empty(t.shape, device="meta").stride() if t.dim() else ()
+    return (t.shape, stride, t.dtype, t._dev if isinstance(t, EmuTensor) else dev, t.numel() * t.element_size())
+
+
+class _ReplayFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rec: Recording, n_inputs: int, *tensors: torch.Tensor) -> tuple:  # type: ignore[override]
+        mem = _S.memory[rec.dev]
+        saved = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
+        mem.touch(rec.fwd_extra)
+        outs = _new_outputs(rec, rec.dev)
+        _charge(rec.fwd_seconds, "forward", rec)
+        mem.sample()
+        ctx.rec = rec
+        ctx.saved_block = saved
+        specs = rec.grad_specs
+        if specs is None or len(specs) != len(tensors):
+            specs = rec.grad_specs = [_grad_spec(t, rec.dev) for t in tensors]
+        ctx.specs = specs
+        non_diff = [o for o, rg in zip(outs, rec.out_requires_grad) if not rg]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        rec: Recording = ctx.rec
+        mem = _S.memory[rec.dev]
+        _charge(rec.bwd_seconds, "backward", rec)
+        result: list[Any] = [None, None]
+        new_bytes = 0
+        for spec, needed in zip(ctx.specs, ctx.needs_input_grad[2:]):
+            if needed:
+                new_bytes += spec[4]
+        mem.touch(rec.bwd_extra - new_bytes)
+        for (shape, stride, dtype, dev, nbytes), needed in zip(ctx.specs, ctx.needs_input_grad[2:]):
+            if needed:
+                result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
+            else:
+                result.append(None)
+        ctx.saved_block = None  # saved activations are freed once backward has used them
+        mem.sample()
+        return tuple(result)
+
+
+# ----------------------------------------------------------------------------------------------
+# install
+# ----------------------------------------------------------------------------------------------
+def install(rt: "Runtime") -> None:
+    """Patch nn.Module.__call__ with the record/replay fast path."""
+    _R.rt = rt
+    _R.depth = 0
+    _R.records = weakref.WeakKeyDictionary()
+    _R.unreplayable = weakref.WeakKeyDictionary()
+    _R.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
+
+    def reset() -> None:
+        _R.rt = None
+        _R.records = weakref.WeakKeyDictionary()
+        _R.unreplayable = weakref.WeakKeyDictionary()
+
+    rt.patcher.on_restore(reset)
+    M = torch.nn.Module
+    rt.patcher.replace(M, "__call__", _make_call(M.__call__))
