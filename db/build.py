@@ -216,6 +216,14 @@ def ensure_default_db(data_dir: Path, *, force: bool = False) -> Path:
     except OSError as exc:
         raise ValueError(f"cannot create the gpemu data directory {data_dir}: {exc}; set GPEMU_DATA_DIR "
                          "to a writable directory or GPEMU_DB to a database URL") from None
+    try:
+        return _build_locked(data_dir, path, force)
+    except PermissionError as exc:
+        raise ValueError(f"cannot build the profile database in {data_dir}: {exc}; set GPEMU_DATA_DIR to a "
+                         "writable directory or GPEMU_DB to a database URL") from None
+
+
+def _build_locked(data_dir: Path, path: Path, force: bool) -> Path:
     with _exclusive(data_dir / (DEFAULT_DB_NAME + ".lock")):
         if not force and _is_current(path):  # another process built it while we waited
             return path
@@ -235,6 +243,8 @@ def ensure_default_db(data_dir: Path, *, force: bool = False) -> Path:
                 load_shipped(engine)
             finally:
                 engine.dispose()
+            with open(tmp, "rb+") as fh:  # on disk before it gets its public name
+                os.fsync(fh.fileno())
             os.chmod(tmp, 0o644)  # mkstemp makes it private; others only read it
             os.replace(tmp, path)  # atomic: readers see the old file or the complete new one
         except BaseException:
