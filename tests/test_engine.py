@@ -230,3 +230,66 @@ def test_wakeup_lateness_does_not_accumulate():
     # genuine host time after a wake still counts
     eng.clock.advance(0.005)
     assert s.enqueue(0.010, "forward", "m") == pytest.approx(0.115)
+
+
+# ------------------------------------------------------------------ through gpemu.patch
+def _tiny_training_run(rt):
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt
+
+
+def test_training_step_runs_ahead_then_item_waits_for_the_gpu():
+    import torch
+
+    import gpemu
+    from gpemu.clock import VirtualClock
+
+    with gpemu.emulate(gpu="V100", model="resnet50", extra={"clock": VirtualClock()}, summary=False) as rt:
+        eng = rt.state["engine"]
+        model, opt = _tiny_training_run(rt)
+        x = torch.empty(32, 64)
+        for _ in range(2):  # first: recording; second: replay
+            t0 = eng.now()
+            loss = model(x.cuda()).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            queued_until = eng.device_busy_until(0)
+            assert eng.now() < queued_until        # host ran ahead of the emulated GPU
+            loss.item()                            # sync point
+            assert eng.now() == pytest.approx(queued_until)
+        fwd = rt.db.lookup(rt.gpus[0].name, "resnet50", 32, "forward").value
+        bwd = rt.db.lookup(rt.gpus[0].name, "resnet50", 32, "backward").value
+        step_kinds = {s.kind for s in rt.recorder.spans if s.start >= t0}
+        assert {"forward", "backward", "optimizer"} <= step_kinds
+        charged = sum(s.end - s.start for s in rt.recorder.spans if s.start >= t0 and s.kind in ("forward", "backward"))
+        assert charged == pytest.approx(fwd + bwd)
+        assert [m.index for m in rt.recorder.iterations] == [0, 1]
+
+
+def test_cuda_events_time_emulated_gpu_work():
+    import torch
+
+    import gpemu
+    from gpemu.clock import VirtualClock
+
+    with gpemu.emulate(gpu="V100", model="resnet50", extra={"clock": VirtualClock()}, summary=False) as rt:
+        model, _ = _tiny_training_run(rt)
+        x = torch.empty(64, 64).cuda()
+        model(x)  # recording pass
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(x)
+        end.record()
+        end.synchronize()
+        fwd = rt.db.lookup(rt.gpus[0].name, "resnet50", 64, "forward").value
+        assert start.elapsed_time(end) == pytest.approx(1e3 * fwd, rel=1e-3)
+        side = torch.cuda.Stream()
+        assert isinstance(side, VirtualStream) and side.stream_id != 0
+        with torch.cuda.stream(side):
+            assert torch.cuda.current_stream() == side
+        assert torch.cuda.current_stream() == rt.state["engine"].default_stream(0)
