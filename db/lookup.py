@@ -182,15 +182,20 @@ class ProfileDB:
         check_kind(kind)
         return len(self._load_series(self._gpu_id(gpu), self._model_id(model), kind, world_size)[0]) > 0
 
-    def kinds(self, gpu: str, model: str) -> list[str]:
-        """The kinds measured for this GPU and model, in KINDS order."""
+    def kinds(self, gpu: str, model: str, world_size: int | None = 1) -> list[str]:
+        """The kinds measured for this GPU and model (at this world size; None: any), KINDS order."""
+        return sorted({k for k, _ in self.measured(gpu, model) if world_size is None or _ == world_size},
+                      key=KINDS.index)
+
+    def measured(self, gpu: str, model: str) -> list[tuple[str, int]]:
+        """Every (kind, world_size) with measurements for this GPU and model, KINDS order."""
         gid, mid = self._gpu_id(gpu), self._model_id(model)
         m = S.measurements
         with self.engine.connect() as conn:
-            present = set(conn.execute(
-                select(m.c.kind).where(m.c.gpu_id == gid, m.c.model_id == mid).distinct()
-            ).scalars())
-        return [k for k in KINDS if k in present]
+            present = conn.execute(
+                select(m.c.kind, m.c.world_size).where(m.c.gpu_id == gid, m.c.model_id == mid).distinct()
+            ).all()
+        return sorted(((k, int(w)) for k, w in present if k in KIND_UNITS), key=lambda kw: (KINDS.index(kw[0]), kw[1]))
 
     def lookup(self, gpu: str, model: str, batch_size: int, kind: str, world_size: int = 1) -> Lookup:
         """Value of ``kind`` for ``model`` on ``gpu`` at ``batch_size``, with its provenance.

@@ -122,3 +122,25 @@ def test_gpemu_db_env_var_is_honoured(tmp_path):
     assert res.returncode == 0 and json.loads(res.stdout) == []
     res = _gpemu("show", "resnet50", "--gpu", "V100", "-b", "8", env={"GPEMU_DB": url})
     assert res.returncode == 2 and "gpemu db init" in res.stderr
+
+
+def test_show_lists_ddp_iterations_per_world_size(runner, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ddp.sqlite'}"
+    src = tmp_path / "base.json"
+    assert runner.invoke(cli, ["db", "export", str(src), "--gpu", "P100", "--model", "resnet18"]).exit_code == 0
+    assert runner.invoke(cli, ["db", "import", str(src), "--db", url]).exit_code == 0
+    ddp = tmp_path / "ddp.csv"
+    ddp.write_text("gpu,model,kind,batch_size,world_size,value\nP100,resnet18,ddp_iteration,64,2,0.21\n"
+                   "P100,resnet18,ddp_iteration,64,4,0.25\n")
+    assert runner.invoke(cli, ["db", "import", str(ddp), "--db", url]).exit_code == 0
+    out = json.loads(runner.invoke(cli, ["show", "resnet18", "--gpu", "P100", "-b", "64", "--db", url, "--json"]).output)
+    m = out["measurements"]
+    assert m["ddp_iteration[world_size=2]"]["value"] == 0.21
+    assert m["ddp_iteration[world_size=4]"] == {"value": 0.25, "unit": "seconds", "provenance": "measured"}
+    assert m["forward"]["provenance"] == "measured"
+
+
+def test_db_init_default_reports_counts(runner):
+    res = runner.invoke(cli, ["db", "init"])
+    assert res.exit_code == 0, res.output
+    assert "6 GPUs, 36 models, 276673 measurements, 14 distributions" in res.output

@@ -115,10 +115,12 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
     (measured, interpolated between profiled batch sizes, or extrapolated beyond them)."""
     pdb = _open(db_url)
     spec, info = pdb.gpu(gpu), pdb.model(model)  # UnknownNameError -> one line with suggestions
-    kinds = pdb.kinds(gpu, model)
-    if not kinds:
+    measured = pdb.measured(gpu, model)
+    if not measured:
         raise UserError(f"no measurements for {info.name} on {spec.name} in {pdb}")
-    results = [(k, pdb.lookup(gpu, model, batch_size, k)) for k in kinds]
+    # DDP iterations are per world size: one row each, labelled with it.
+    results = [(k if w == 1 else f"{k}[world_size={w}]", pdb.lookup(gpu, model, batch_size, k, world_size=w))
+               for k, w in measured]
     if as_json:
         click.echo(json.dumps({
             "model": info.name, "gpu": spec.name, "batch_size": batch_size,
