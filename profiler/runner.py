@@ -22,7 +22,7 @@ from gpemu.db import Measurement, ModelInfo
 
 from .device import device_memory, device_name, measure_gpu_spec, run_metadata
 from .measure import BatchMeasurement, Measurer, Stats
-from .models import LoadedModel, load_model, model_name_of, structural_fingerprint
+from .models import LoadedModel, ModelSpecError, load_model, model_name_of, structural_fingerprint
 from .store import LIMIT_KIND, PINNED_KIND, ProfileStore, now_iso
 
 __all__ = ["ProfileOptions", "ProfileReport", "Interrupted", "profile_models", "unit_rows"]
@@ -118,7 +118,7 @@ def unit_rows(gpu: str, model: str, m: BatchMeasurement, meta: dict[str, Any]) -
         _stat_row(gpu, model, "backward", bs, t["backward"], meta, at),
         _stat_row(gpu, model, "optimizer_step", bs, t["optimizer_step"], meta, at),
         # h2d_transfer is the pageable copy (what the shipped GPEmu data measured); the pinned
-        # figures ride along in its metadata, and in their own kind when gpemu.db has one.
+        # copy has its own kind (and rides along in h2d_transfer's metadata for older readers).
         _stat_row(gpu, model, "h2d_transfer", bs, t["h2d_pageable"],
                   {**meta, "memory": "pageable", "input_bytes": m.input_bytes, "pinned": pinned}, at),
         _stat_row(gpu, model, PINNED_KIND, bs, t["h2d_pinned"],
@@ -200,9 +200,9 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
     else:
         transfer = None
         measurer.to_device()
-    # Registered before any measurement row (rows refer to it); FLOPs counted on the device.
-    if opts.force or store.model(name) is None:
-        _register_model(store, lm, measurer)
+    # Registered (upserted) before any measurement row, since rows refer to it; FLOPs are
+    # counted on the device. Every run that measures something refreshes it.
+    _register_model(store, lm, measurer)
     if opts.force:
         store.clear_limit(gpu, name)
     if transfer is not None:
@@ -221,6 +221,13 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
             # Only the text is kept: the exception's frames hold the batch's tensors, which must be
             # gone before release() returns their memory to the device.
             oom = (str(exc).strip().splitlines() or ["out of memory"])[0]
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelSpecError(
+                f"{name}: a training iteration failed at batch size {bs} ({type(exc).__name__}: {first}); "
+                f"check --input-shape (now {','.join(map(str, lm.sample_shape))}), --input-dtype and "
+                f"--num-classes, or let the factory return (model, sample_batch). Units measured so far are saved."
+            ) from exc
         if oom is not None:
             measurer.release()
             message = oom

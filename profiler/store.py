@@ -6,8 +6,8 @@ tell what is done by looking for the unit's rows.
 
 Limits: when a batch size runs out of memory, the model's limit on that GPU (the smallest batch
 size that did not fit, and the largest that did) goes into the table ``profile_limits``, which
-this module owns and creates next to gpemu.db's tables. When gpemu.db knows a
-``max_batch_size`` kind, the limit is also written as a measurement so export/import carry it.
+this module owns and creates next to gpemu.db's tables (reruns read it), and as a
+``max_batch_size`` measurement (largest batch size that fit) so export/import carry it.
 """
 
 from __future__ import annotations
