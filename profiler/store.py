@@ -77,15 +77,12 @@ class ProfileStore:
     # ------------------------------------------------------------------ GPUs and models
     def gpu(self, name: str) -> GpuSpec | None:
         try:
-            # gpus() first: ProfileDB.gpu() indexes its name cache before filling it after a write.
-            self.db.gpus()
             return self.db.gpu(name)
         except UnknownNameError:
             return None
 
     def model(self, name: str) -> ModelInfo | None:
         try:
-            self.db.models()  # same cache-order issue as gpu()
             return self.db.model(name)
         except UnknownNameError:
             return None

@@ -85,14 +85,6 @@ def err_text(capsys: pytest.CaptureFixture[str]) -> str:
     return " ".join(capsys.readouterr().err.split())
 
 
-def gpu_of(db, name: str):
-    db.gpus()  # fills ProfileDB's name cache first (gpu()/model() index it before filling it)
-    return db.gpu(name)
-
-
-def model_of(db, name: str):
-    db.models()
-    return db.model(name)
 
 
 # ------------------------------------------------------------------ parsing
@@ -164,7 +156,7 @@ def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
     assert run_profile(db_url, "--model", "profmodels:mlp", "--model", "cnn=profmodels:cnn",
                        "--input-shape", "3,8,8", "--batch-sizes", "1,2,4") == 0
     db = open_db(db_url)
-    gpu = gpu_of(db, "cpu")
+    gpu = db.gpu("cpu")
     assert gpu.memory_bytes > 0 and gpu.fp32_flops > 0
     for model in ("mlp", "cnn"):
         for kind in UNIT_KINDS:
@@ -173,13 +165,13 @@ def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
             assert all(v > 0 for _, v in pts)
         assert db.has("cpu", model, "model_transfer")
     # Memory: persistent = params + grads + SGD momentum (+ buffers), exactly, at every batch size.
-    cnn = model_of(db, "cnn")
+    cnn = db.model("cnn")
     expected = 3 * cnn.param_bytes + cnn.buffer_bytes
     assert {v for _, v in db.series("cpu", "cnn", "persistent_memory")} == {float(expected)}
     peaks = [v for _, v in db.series("cpu", "cnn", "peak_memory")]
     assert peaks[0] < peaks[1] < peaks[2] and peaks[0] > expected - cnn.param_bytes
     # Model info: structure for identification, FLOPs counted.
-    mlp = model_of(db, "mlp")
+    mlp = db.model("mlp")
     assert mlp.class_name == "Sequential" and mlp.param_count == 3 * 8 * 8 * 32 + 32 + 32 * 10 + 10
     from gpemu.identify import structural_fingerprint as emulator_fingerprint
 
@@ -258,8 +250,8 @@ def test_export_import_round_trip(factories: Path, db_url: str, tmp_path: Path) 
         other_url = f"sqlite:///{tmp_path / f'other{i}.sqlite'}"
         assert main(["db", "import", str(exported), "--db", other_url]) == 0  # the lab's import command
         other = open_db(other_url)
-        assert gpu_of(other, "cpu") == gpu_of(src, "cpu")
-        assert model_of(other, "small") == model_of(src, "small")
+        assert other.gpu("cpu") == src.gpu("cpu")
+        assert other.model("small") == src.model("small")
         for kind in UNIT_KINDS + ("model_transfer",):
             assert other.series("cpu", "small", kind) == src.series("cpu", "small", kind), kind
         other.close()
