@@ -56,6 +56,8 @@ __all__ = [
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
+_warned = False
+_warning: str | None = None  # the one message said about locking, for later runs' notes
 MLOCK_ADVICE = (
     "raise the locked-memory limit (`ulimit -l unlimited`, or a 'memlock' line in "
     "/etc/security/limits.conf, or LimitMEMLOCK=infinity for a systemd service), or give the "
@@ -133,8 +135,8 @@ class PinnedHostPool:
         self._misses = 0
         self._lock_failures = 0
         self._bytes_locked = 0
-        self._warned = False
         self.warning: str | None = None
+        _all_pools.add(self)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -153,7 +155,7 @@ class PinnedHostPool:
         # numpy arrays accept weak references and torch.frombuffer keeps the array alive for
         # as long as any storage view uses it, so the finalizer fires when the last tensor dies.
         array = np.frombuffer(block.mapping, dtype=np.uint8, count=max(nbytes, 0))
-        weakref.finalize(array, self._released.append, block)
+        weakref.finalize(array, self._release, block)  # also keeps the pool alive meanwhile
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(array, dtype=torch.uint8)
@@ -189,24 +191,30 @@ class PinnedHostPool:
         return block
 
     def _warn_unlocked(self, err: int, size: int) -> None:
-        if self._warned:
+        global _warned
+        if _warned:  # once per process, however many pools and blocks fail
             return
-        self._warned = True
+        _warned = True
         try:
             limit = _memlock_limit_text()
         except Exception:  # pragma: no cover - informational only
             limit = "unknown"
         why = os.strerror(err) if err else "unknown error"
-        self.warning = (
+        warning = self.warning = (
             f"pinned memory: mlock of a {size / 2**20:.1f} MiB block failed ({errno.errorcode.get(err, err)}: {why}; "
             f"RLIMIT_MEMLOCK {limit}, uid {os.getuid()}). pin_memory() keeps working with "
             f"ordinary (unlocked) memory, so the host may page it out. To lock it: {MLOCK_ADVICE}."
         )
+        global _warning
+        _warning = warning
         notify = self._notify
         if notify is not None:
-            notify(self.warning)
+            notify(warning)
         else:
-            print(f"[gpemu] {self.warning}", file=sys.stderr, flush=True)
+            print(f"[gpemu] {warning}", file=sys.stderr, flush=True)
+
+    def _release(self, block: _Block) -> None:
+        self._released.append(block)  # no lock: may run inside GC while this thread holds it
 
     def _drain_released(self) -> None:
         while self._released:
@@ -252,6 +260,7 @@ class PinnedHostPool:
 
 
 _pool: PinnedHostPool | None = None
+_all_pools: "weakref.WeakSet[PinnedHostPool]" = weakref.WeakSet()  # for is_pinned()
 _pool_lock = threading.Lock()
 
 
@@ -294,13 +303,13 @@ def locked_bytes() -> int:
 # ---------------------------------------------------------------------- tensor level
 def is_pinned(tensor: torch.Tensor) -> bool:
     """True exactly for CPU tensors whose storage lives in the pinned pool."""
-    if _pool is None or tensor.device.type != "cpu":
+    if tensor.device.type != "cpu":
         return False
     try:
         ptr = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return False
-    return ptr != 0 and _pool.owns(ptr)
+    return ptr != 0 and any(pool.owns(ptr) for pool in list(_all_pools))
 
 
 def pin(tensor: torch.Tensor, pool: PinnedHostPool | None = None) -> torch.Tensor:
@@ -355,8 +364,8 @@ def install(rt: "Runtime") -> None:
     state = {"pool": pool, "enabled": bool(rt.config.pinned), "pins": 0, "pin_seconds": 0.0}
     rt.state["pinned"] = state
     rt.patcher.on_restore(lambda: pool.set_notify(None))
-    if pool.warning:
-        rt.recorder.note(pool.warning)  # a process that pinned before this run already failed to lock
+    if _warning:
+        rt.recorder.note(_warning)  # this process already failed to lock before this run
 
     original_pin = torch.Tensor.pin_memory
     recorder = rt.recorder
