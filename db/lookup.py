@@ -51,6 +51,8 @@ class ProfileDB:
         self._models: dict[int, ModelInfo] | None = None
         self._model_keys: dict[str, int] = {}
         self._series: dict[tuple[int, int, str, int], tuple[np.ndarray, np.ndarray]] = {}
+        # (series key, above range?) -> (slope, intercept) of the extrapolation line
+        self._fits: dict[tuple[tuple[int, int, str, int], bool], tuple[float, float]] = {}
         self._dists: dict[str, np.ndarray] = {}
 
     def __repr__(self) -> str:
@@ -58,6 +60,8 @@ class ProfileDB:
 
     # ------------------------------------------------------------------ names
     def _load_names(self) -> None:
+        if self._gpus is not None and self._models is not None:  # fast path, no lock
+            return
         with self._lock:
             if self._gpus is not None and self._models is not None:
                 return
@@ -95,6 +99,7 @@ class ProfileDB:
             self._gpus = None
             self._models = None
             self._series.clear()
+            self._fits.clear()
             self._dists.clear()
 
     def _gpu_id(self, name: str) -> int:
@@ -224,7 +229,11 @@ class ProfileDB:
             return Lookup(float(ys[i]), unit, "measured")
         if xs[0] < bs < xs[-1]:
             return Lookup(float(np.interp(bs, xs, ys)), unit, "interpolated")
-        return Lookup(_extrapolate(xs, ys, bs), unit, "extrapolated")
+        above = bs > xs[-1]
+        fit = self._fits.get(((gid, mid, kind, world_size), above))
+        if fit is None:
+            fit = self._fits[((gid, mid, kind, world_size), above)] = _extrapolation_line(xs, ys, above)
+        return Lookup(float(max(fit[0] * bs + fit[1], 0.0)), unit, "extrapolated")
 
     def distribution(self, name: str) -> np.ndarray:
         """Samples of a named distribution (e.g. 'decode-dali', seconds per batch), recorded order."""
@@ -293,6 +302,7 @@ class ProfileDB:
         with self.engine.begin() as conn:
             upsert(conn, S.measurements, prepared, ("gpu_id", "model_id", "kind", "batch_size", "world_size"))
         self._series.clear()
+        self._fits.clear()
         return len(prepared)
 
     def add_distribution(self, name: str, unit: str, samples: Sequence[float], *,
@@ -316,15 +326,16 @@ class ProfileDB:
         self.engine.dispose()
 
 
-def _extrapolate(xs: np.ndarray, ys: np.ndarray, bs: int) -> float:
-    """Least-squares line through the quarter of points nearest the requested side; >= 0."""
+def _extrapolation_line(xs: np.ndarray, ys: np.ndarray, above: bool) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the quarter of the points nearest
+    the side being extrapolated (at least two points); through the origin for a single point."""
     n = len(xs)
     if n == 1:
-        return float(max(ys[0] * bs / xs[0], 0.0)) if xs[0] > 0 else float(ys[0])
+        return (float(ys[0] / xs[0]), 0.0) if xs[0] > 0 else (0.0, float(ys[0]))
     k = max(2, int(math.ceil(n * _EXTRAPOLATION_FRACTION)))
-    sel = slice(n - k, n) if bs > xs[-1] else slice(0, k)
+    sel = slice(n - k, n) if above else slice(0, k)
     slope, intercept = np.polyfit(xs[sel], ys[sel], 1)
-    return float(max(slope * bs + intercept, 0.0))
+    return float(slope), float(intercept)
 
 
 def _is_int(x: Any) -> bool:

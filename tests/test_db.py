@@ -303,3 +303,11 @@ def test_profiler_kinds_pinned_copy_and_batch_limit(empty_db):
     with pytest.raises(ValueError, match="store it with batch_size 0"):
         empty_db.add_measurements([{"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size",
                                     "batch_size": 8, "value": 192}])
+
+
+def test_extrapolation_from_a_single_point_scales_with_batch(empty_db):
+    _points(empty_db, "forward", [(10, 1.0)])
+    assert empty_db.lookup("TG8", "tinynet", 20, "forward").value == pytest.approx(2.0)
+    assert empty_db.lookup("TG8", "tinynet", 5, "forward").value == pytest.approx(0.5)
+    _points(empty_db, "forward", [(20, 4.0)])  # new data: the cached line is dropped
+    assert empty_db.lookup("TG8", "tinynet", 30, "forward").value == pytest.approx(7.0)
