@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -111,7 +112,10 @@ def main() -> None:
     g.add_argument("--quick", action="store_true", help="real-clock pass on a stratified subset (default)")
     g.add_argument("--full", action="store_true", help="real-clock pass on all combinations")
     g.add_argument("--virtual-only", action="store_true")
-    p.add_argument("--iterations", type=int, default=1, help="measured iterations per combination and pass")
+    p.add_argument("--iterations", type=int, default=3,
+                   help="measured iterations per combination in the real-clock pass (the virtual pass "
+                        "is deterministic and runs 1); a single wall-clock iteration carries the "
+                        "scheduling noise of its first and last wake-up, more iterations average it")
     p.add_argument("--gpus", default=None, help="comma-separated subset of GPUs (default: all in the database)")
     p.add_argument("--models", default=None, help="comma-separated subset of models (default: all)")
     p.add_argument("--show-worst", type=int, default=8)
@@ -147,13 +151,15 @@ def main() -> None:
                 chosen = models[gi % step_::step_][:6]
             for mi, name in enumerate(chosen):
                 batches = list(BATCHES) if subset is None else [BATCHES[(gi + mi) % len(BATCHES)]]
-                for bs, emu, target, standin in run_combo(gpu, name, batches, virtual, inputs, a.iterations):
+                iters = 1 if virtual else a.iterations
+                for bs, emu, target, standin in run_combo(gpu, name, batches, virtual, inputs, iters):
                     if emu != emu:
                         oom.append(f"{gpu}/{name}/bs{bs}")
                         continue
                     rows.append((gpu, name, bs, emu, target, standin, (emu - target) / target))
         took = time.perf_counter() - started
-        print(f"\n== {title}: {stats([r[-1] for r in rows])}  ({took:.1f} s wall)")
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"\n== {title}: {stats([r[-1] for r in rows])}  ({took:.1f} s wall, load {load})")
         if oom:
             print(f"   skipped, out of emulated GPU memory ({len(oom)}): {', '.join(oom)}")
         for tag, sel in (("identified by structure", [r for r in rows if not r[5]]),
