@@ -21,9 +21,11 @@ queued before it on that stream). A ``non_blocking=True`` copy from pinned memor
 later work on the same stream runs after it, and it overlaps with compute only when issued on
 another stream (``torch.cuda.stream(s)``), which is the time engine's business.
 
-Moving a model (``Module.to``/``.cuda``/``.cpu``) is charged once, as the database's measured
-``model_transfer`` for an identified model or the bandwidth estimate over all its tensors; the
-per-tensor copies inside the move are not charged again.
+Moving a model onto a GPU (``Module.to``/``.cuda``, whose patch in gpemu.tensor calls
+:func:`model_to_device`) is charged once, as the database's measured ``model_transfer`` for an
+identified model or the bandwidth estimate over all its tensors; moving it back
+(``Module.cpu()``/``.to("cpu")``, patched here) is also charged once. The per-tensor copies
+inside a move are not charged again.
 """
 
 from __future__ import annotations
@@ -290,32 +292,29 @@ def _wrap_move(rt: "Runtime", original: Callable[..., Any],
 
 
 def install(rt: "Runtime") -> None:
-    """Charge model moves once (component ``gpemu.transfers``); tensor copies are charged by the
-    emulated tensor's ``.to``/``.cuda`` calling :func:`copy_to_device` / :func:`copy_to_host`."""
+    """Component ``gpemu.transfers``. Tensor copies are charged by the emulated tensor's
+    ``.to``/``.cuda``/``.cpu`` calling :func:`copy_to_device` / :func:`copy_to_host`, and moves of a
+    whole model onto a GPU by its ``Module.to``/``.cuda`` calling :func:`model_to_device` once
+    (gpemu.tensor). Here: moves of a model back to the host (``Module.cpu()``,
+    ``Module.to("cpu")``) are charged once instead of once per tensor."""
     _state(rt)
     Module = torch.nn.Module
 
     def to_target(args: tuple, kwargs: dict) -> tuple[int | None, bool, tuple, dict]:
-        # torch cannot parse .to(0) on a CPU build; turn an int into "cuda:N" first.
-        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
-            args = (f"cuda:{rt.check_device(args[0])}",) + args[1:]
-        if isinstance(kwargs.get("device"), int) and not isinstance(kwargs.get("device"), bool):
-            kwargs = dict(kwargs, device=f"cuda:{rt.check_device(kwargs['device'])}")
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is None:
-            return None, False, args, kwargs
-        if device.type == "cpu":
-            return None, True, args, kwargs
-        return _device_index(rt, device), False, args, kwargs
-
-    def cuda_target(args: tuple, kwargs: dict) -> tuple[int | None, bool, tuple, dict]:
         device = args[0] if args else kwargs.get("device")
-        index = rt.current_device if device is None else _device_index(rt, device)
-        return index, False, args, kwargs
+        if isinstance(device, (int, torch.dtype, torch.Tensor)) or device is None:
+            # .to(0) (a GPU), .to(dtype), .to(tensor): not a move to the host by device name.
+            if isinstance(device, torch.Tensor) and device.device.type == "cpu":
+                return None, True, args, kwargs
+            return None, False, args, kwargs
+        try:
+            to_host = torch.device(device).type == "cpu"
+        except (RuntimeError, TypeError):
+            to_host = False
+        return None, to_host, args, kwargs
 
     def cpu_target(args: tuple, kwargs: dict) -> tuple[int | None, bool, tuple, dict]:
         return None, True, args, kwargs
 
     rt.patcher.replace(Module, "to", _wrap_move(rt, Module.to, to_target))
-    rt.patcher.replace(Module, "cuda", _wrap_move(rt, Module.cuda, cuda_target))
     rt.patcher.replace(Module, "cpu", _wrap_move(rt, Module.cpu, cpu_target))

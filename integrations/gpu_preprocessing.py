@@ -291,17 +291,15 @@ class GpuPreprocess:
         trackers = rt.state.get("memory")
         if trackers is not None:
             # A real allocation on the emulated device: counts in memory_allocated and can OOM.
-            self._blocks.append(trackers[self.device].allocate(grow))
+            tracker = trackers[self.device]
+            self._blocks.append(tracker.allocate(grow))
+            tracker.sample()
         self._held = target
         rt.recorder.add("preprocess_memory_bytes", grow)
 
     def close(self) -> None:
         """Free the GPU memory this step holds (as destroying a DALI pipeline does)."""
-        blocks, self._blocks = self._blocks, []
-        for block in blocks:
-            free = getattr(block, "free", None)
-            if callable(free):
-                free()
+        self._blocks = []  # the tracker frees a block when its last reference goes
         self._held = 0
 
     def __enter__(self) -> "GpuPreprocess":
