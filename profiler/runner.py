@@ -175,6 +175,10 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
                  meta: dict[str, Any], report: ProfileReport, guard: _SigintGuard,
                  advance: Callable[[str, int], None], log: Callable[[str], None]) -> None:
     name = model_name_of(spec_text)
+    # Loaded even when everything is done, so a different model reusing the name is caught.
+    lm = load_model(spec_text, opts.input_shape, opts.input_dtype, opts.num_classes)
+    if not opts.force:
+        _check_same_model(store, lm)
     todo = list(sizes)
     if not opts.force:
         done = store.done_batch_sizes(gpu, name)
@@ -189,7 +193,6 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
         todo = [b for b in todo if b not in skip]
         if not todo and store.has_model_transfer(gpu, name):
             return
-    lm = load_model(spec_text, opts.input_shape, opts.input_dtype, opts.num_classes)
     measurer = Measurer(lm, opts.device, opts.optimizer, opts.memory_limit)
     model_meta = {**meta, "input_shape": list(lm.sample_shape), "input_dtype": str(lm.input_dtype).removeprefix("torch."),
                   "num_classes": lm.num_classes, "model_spec": lm.spec}
@@ -254,12 +257,37 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
         torch.cuda.empty_cache()
 
 
+def _input_size(shape: tuple[int, ...]) -> int | None:
+    return shape[-1] if len(shape) == 3 and shape[-1] == shape[-2] else None
+
+
+def _check_same_model(store: ProfileStore, lm: LoadedModel) -> None:
+    """Refuse to mix two different models (or input sizes) under one name: the database has no
+    input-size dimension, so its lookups would blend them."""
+    old = store.model(lm.name)
+    if old is None:
+        return
+    params = sum(p.numel() for p in lm.module.parameters())
+    size = _input_size(lm.sample_shape)
+    problems = []
+    if (old.class_name, old.param_count) != (type(lm.module).__name__, params):
+        problems.append(f"it is a {old.class_name} with {old.param_count:,} parameters there, "
+                        f"this one is a {type(lm.module).__name__} with {params:,}")
+    if old.input_size is not None and size is not None and old.input_size != size:
+        problems.append(f"it was measured with {old.input_size}x{old.input_size} inputs there, "
+                        f"these are {size}x{size}")
+    if problems:
+        raise ModelSpecError(
+            f"model {lm.name!r} is already in the database and differs: {'; '.join(problems)}. "
+            f"Store it under another name (NAME=module:callable), or --force to replace that model's facts."
+        )
+
+
 def _register_model(store: ProfileStore, lm: LoadedModel, measurer: Measurer) -> None:
     module = lm.module
     params = list(module.parameters())
     fwd, total = measurer.flops_per_sample()
-    shape = lm.sample_shape
-    input_size = shape[-1] if len(shape) == 3 and shape[-1] == shape[-2] else None
+    input_size = _input_size(lm.sample_shape)
     store.add_model(ModelInfo(
         name=lm.name,
         class_name=type(module).__name__,

@@ -269,6 +269,13 @@ def test_refuses_without_gpu_and_bad_input(factories: Path, db_url: str, capsys:
     assert "backwards" in err_text(capsys)
     assert main(["profile", "--device", "cpu", "--db", db_url]) == 2
     assert "nothing to do" in err_text(capsys)
+    # Two different models under one name would blend in lookups: refused, the first one kept.
+    assert run_profile(db_url, "--model", "small=profmodels:cnn", "--batch-sizes", "1") == 0
+    assert run_profile(db_url, "--model", "small=profmodels:mlp", "--input-shape", "3,8,8", "--batch-sizes", "1") == 2
+    assert "already in the database and differs" in err_text(capsys)
+    db = open_db(db_url)
+    assert db.model("small").class_name == "Sequential" and db.model("small").param_count == 330
+    db.close()
     # A model that cannot take the given input: one line naming the option to fix.
     assert run_profile(db_url, "--model", "profmodels:mlp", "--input-shape", "3,4,4", "--batch-sizes", "1") == 2
     err = err_text(capsys)
