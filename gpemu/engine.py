@@ -420,8 +420,8 @@ class VirtualStream:
 
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
-        self._engine._wait_device(self.device_index, self.busy_until, reason) if self._engine._backend is None \
-            else self._engine._wait_device(self.device_index, 0.0, reason)
+        # (with a backend the device's worker decides when the work ends; the deadline is unused)
+        self._engine._wait_device(self.device_index, self.busy_until, reason)
 
     def query(self) -> bool:
         """True when all work enqueued on this stream has completed."""
