@@ -102,11 +102,13 @@ def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: st
     from .runner import Interrupted, ProfileOptions, profile_models
     from .store import ProfileStore
 
+    # The device first: without a GPU the refusal comes before any database work.
+    dev = resolve_device(device) if models else None
+    world_sizes = _world_sizes(ddp_world_sizes, dev) if dev is not None else []
     store = ProfileStore.open(db_url)
     try:
         if models:
-            dev = resolve_device(device)
-            world_sizes = _world_sizes(ddp_world_sizes, dev)
+            assert dev is not None
             opts = ProfileOptions(models=list(models), batch_sizes=sizes, device=dev,
                                   gpu_name=None if gpu_name.strip().lower() == "auto" else gpu_name.strip(),
                                   input_shape=shape, input_dtype=dtype, num_classes=num_classes, warmup=warmup,
