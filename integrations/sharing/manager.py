@@ -7,7 +7,8 @@ Two layers:
   virtual clock.
 * :class:`SharingManager` — the daemon: a pika consumer on the durable request queue that
   feeds the core, sleeps until the next absolute deadline (the earliest running request's end,
-  lease expiry, status publication), publishes replies with publisher confirms, and reconnects
+  lease expiry, status publication), publishes replies (acking a request after its reply, on the
+  same channel), and reconnects
   when the broker goes away.
 
 Reliability rules: a GPU-time request is acknowledged to the broker only after it has been
@@ -388,11 +389,21 @@ def _gib(n: int) -> str:
 
 
 class SharingManager:
-    """The daemon around :class:`SharingCore`: consume, schedule, reply, reconnect."""
+    """The daemon around :class:`SharingCore`: consume, schedule, reply, reconnect.
+
+    Asynchronous (pika ``SelectConnection``): one I/O loop, no blocking round trips. A reply and
+    the ack of the request it answers are written together, in that order, on one channel; one
+    timer is kept armed for the core's next deadline (the earliest running request's end, a
+    lease expiry) and another publishes the status.
+    """
+
+    # The epoll timer fires up to ~1 ms late (millisecond resolution plus scheduling); this
+    # much before a request's end the loop stops sleeping and spins to reply on time.
+    SPIN_S = 0.0015
 
     def __init__(self, url: str, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
                  lease_s: float = 10.0, status_interval_s: float = 1.0, reconnect_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefetch: int = 2000) -> None:
         from gpemu.config import _redact
 
         self.url = url
@@ -401,9 +412,16 @@ class SharingManager:
         self.status_interval_s = status_interval_s
         self.reconnect_s = reconnect_s
         self.clock = clock
+        # Unacked requests the broker may push ahead: requests stay unacked while queued here,
+        # so this bounds how many jobs can wait at once, not throughput.
+        self.prefetch = prefetch
         self._stop = threading.Event()
-        self._conn = None
-        self._ch = None
+        self._conn: Any = None
+        self._ch: Any = None
+        self._timer: Any = None
+        self._timer_at: float | None = None
+        self._status_timer: Any = None
+        self._props: Any = None
         self.connected = threading.Event()
 
     def stop(self) -> None:
@@ -412,100 +430,142 @@ class SharingManager:
         conn = self._conn
         if conn is not None:
             try:
-                conn.add_callback_threadsafe(lambda: None)  # wake the loop
+                conn.ioloop.add_callback_threadsafe(self._close)
             except Exception:
                 pass
 
     def serve_forever(self) -> None:
-        import pika.exceptions as pex
+        import pika
 
         log.info("sharing manager on %s: emuGPUs %s, policy %s, lease %.1f s", self.safe_url,
                  ", ".join(f"{d.spec.name}={d.spec.gpu} ({_gib(d.spec.capacity_bytes)})"
                            for d in self.core.devices.values()), self.core.policy_name, self.core.lease_s)
+        self._props = pika.BasicProperties(delivery_mode=1, content_type="application/json")
         while not self._stop.is_set():
+            params = pika.URLParameters(self.url)
+            params.connection_attempts = 1
+            params.socket_timeout = 2
+            self._lost: str | None = None
             try:
-                self._connect()
-                self._loop()
-            except (pex.AMQPError, OSError) as exc:
-                self.connected.clear()
-                self.core.forget_delivery_tags()
-                if self._stop.is_set():
-                    break
-                log.warning("lost the broker at %s (%s); reconnecting every %.1f s", self.safe_url,
-                            type(exc).__name__, self.reconnect_s)
-                self._stop.wait(self.reconnect_s)
-            finally:
+                self._conn = pika.SelectConnection(params, on_open_callback=self._on_open,
+                                                   on_open_error_callback=self._on_open_error,
+                                                   on_close_callback=self._on_closed)
+                self._conn.ioloop.start()  # returns when the connection is closed (or failed)
+            except Exception as exc:  # a bug in a callback must not end the daemon silently
+                log.exception("sharing manager loop failed: %r", exc)
+                self._lost = type(exc).__name__
                 self._close()
+            self.connected.clear()
+            self.core.forget_delivery_tags()
+            self._conn = self._ch = self._timer = self._status_timer = None
+            self._timer_at = None
+            if self._stop.is_set():
+                break
+            log.warning("lost the broker at %s (%s); reconnecting every %.1f s", self.safe_url,
+                        self._lost or "connection closed", self.reconnect_s)
+            self._stop.wait(self.reconnect_s)
 
-    def _connect(self) -> None:
-        import pika
+    # ------------------------------------------------------------------ connection life
+    def _on_open_error(self, conn: Any, exc: BaseException) -> None:
+        self._lost = type(exc).__name__
+        conn.ioloop.stop()
 
-        params = pika.URLParameters(self.url)
-        params.connection_attempts = 1
-        params.socket_timeout = 2
-        self._conn = pika.BlockingConnection(params)
-        ch = self._conn.channel()
-        ch.confirm_delivery()
-        ch.queue_declare(P.REQUEST_QUEUE, durable=True)
-        ch.exchange_declare(P.STATUS_EXCHANGE, exchange_type="fanout", durable=True)
-        ch.basic_qos(prefetch_count=2000)
-        ch.basic_consume(P.REQUEST_QUEUE, self._on_message, auto_ack=False)
+    def _on_closed(self, conn: Any, reason: BaseException) -> None:
+        self._lost = self._lost or type(reason).__name__
+        conn.ioloop.stop()
+
+    def _close(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        if conn.is_open:
+            try:
+                conn.close()  # _on_closed stops the loop
+                return
+            except Exception:
+                pass
+        if not conn.is_closing:
+            conn.ioloop.stop()
+
+    def _on_open(self, conn: Any) -> None:
+        conn.channel(on_open_callback=self._on_channel)
+
+    def _on_channel(self, ch: Any) -> None:
         self._ch = ch
+        ch.add_on_close_callback(lambda ch_, reason: self._close())
+        # No publisher confirms on replies: waiting for one per reply serialised every job
+        # behind a broker round trip (it was most of the added latency). Channel order gives
+        # what they would: a reply is published before the request is acked, on the same
+        # channel, and the broker handles a channel's frames in order, so a request leaves the
+        # queue only once its reply was routed. A reply lost after that (job gone, broker
+        # crash) is sent again from memory when the job resends the request with the same id.
+        ch.add_on_return_callback(self._on_returned)
+        ch.exchange_declare(P.STATUS_EXCHANGE, exchange_type="fanout", durable=True,
+                            callback=lambda _: ch.queue_declare(P.REQUEST_QUEUE, durable=True,
+                                                                callback=self._on_queue))
+
+    def _on_queue(self, _frame: Any) -> None:
+        self._ch.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
+
+    def _on_qos(self, _frame: Any) -> None:
+        self._ch.basic_consume(P.REQUEST_QUEUE, self._on_message, auto_ack=False)
         # Jobs could not reach us while the broker was away: their leases restart now.
         now = self.clock()
         for job in self.core.jobs.values():
             job.last_seen = max(job.last_seen, now)
         self.connected.set()
         log.info("connected to %s", self.safe_url)
+        self._publish_status()
+        self._tick()
 
-    def _close(self) -> None:
-        conn, self._conn, self._ch = self._conn, None, None
-        if conn is not None and conn.is_open:
-            try:
-                conn.close()
-            except Exception:
-                pass
+    def _on_returned(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        # The job's reply queue is gone (the job died); it resends if it comes back.
+        log.info("reply to a vanished queue %r dropped (%s)", method.routing_key, method.reply_text)
 
+    # ------------------------------------------------------------------ work
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         self._send(self.core.receive(body, props.reply_to, method.delivery_tag, self.clock()))
+        self._arm()
 
     def _send(self, outs: list[Outgoing]) -> None:
-        import pika
-        import pika.exceptions as pex
-
         ch = self._ch
         for out in outs:
             if out.reply_to and out.payload is not None:
-                try:
-                    ch.basic_publish("", out.reply_to, P.encode(out.payload),
-                                     pika.BasicProperties(delivery_mode=1, content_type="application/json"),
-                                     mandatory=True)
-                except pex.UnroutableError:
-                    # The job's reply queue is gone (job died); it will resend if it comes back.
-                    log.info("reply to a vanished queue dropped (%s)", out.payload.get("type"))
+                ch.basic_publish("", out.reply_to, P.encode(out.payload), self._props, mandatory=True)
             for tag in out.ack:
                 if tag is not None:
                     ch.basic_ack(tag)
 
-    def _loop(self) -> None:
-        next_status = self.clock()
-        while not self._stop.is_set():
-            now = self.clock()
-            self._send(self.core.advance(now))
-            if now >= next_status:
-                self._publish_status(now)
-                next_status = now + self.status_interval_s
-            deadline = self.core.next_deadline()
-            wake = next_status if deadline is None else min(deadline, next_status)
-            left = wake - self.clock()
-            if left > 0.002:
-                # Sleep in the broker's select until ~1 ms before the deadline (or a message).
-                self._conn.process_data_events(time_limit=left - 0.001)
-            else:
-                self._conn.process_data_events(time_limit=0)  # short spin to hit the deadline
+    def _tick(self) -> None:
+        """The timer: finish what is due (spinning the last moment before a close deadline)."""
+        self._timer = self._timer_at = None
+        if self._ch is None or not self._ch.is_open:
+            return
+        deadline = self.core.next_deadline()
+        if deadline is not None:
+            while 0 < deadline - self.clock() <= self.SPIN_S:
+                pass  # the reply goes out on time instead of one timer granule late
+        self._send(self.core.advance(self.clock()))
+        self._arm()
 
-    def _publish_status(self, now: float) -> None:
+    def _arm(self) -> None:
+        """Keep one timer set for the core's next deadline."""
+        deadline = self.core.next_deadline()
+        if deadline is None:
+            return
+        wake = deadline - self.SPIN_S
+        if self._timer is not None:
+            if self._timer_at is not None and self._timer_at <= wake:
+                return
+            self._conn.ioloop.remove_timeout(self._timer)
+        self._timer_at = wake
+        self._timer = self._conn.ioloop.call_later(max(0.0, wake - self.clock()), self._tick)
+
+    def _publish_status(self) -> None:
+        if self._ch is None or not self._ch.is_open:
+            return
         import pika
 
-        self._ch.basic_publish(P.STATUS_EXCHANGE, "", P.encode(self.core.status(now)),
+        self._ch.basic_publish(P.STATUS_EXCHANGE, "", P.encode(self.core.status(self.clock())),
                                pika.BasicProperties(content_type="application/json", expiration="5000"))
+        self._status_timer = self._conn.ioloop.call_later(self.status_interval_s, self._publish_status)
