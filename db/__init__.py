@@ -54,9 +54,9 @@ def db_location(config: "EmuConfig") -> str:
     """The SQLAlchemy URL the config names: ``config.db_url`` or the per-user SQLite default."""
     if config.db_url:
         return config.db_url
-    from .build import default_db_path
+    from .build import default_db_path, sqlite_url
 
-    return f"sqlite:///{default_db_path(config.default_data_dir)}"
+    return sqlite_url(default_db_path(config.default_data_dir))
 
 
 def open_profile_db(config: "EmuConfig") -> "ProfileDB":
@@ -67,12 +67,12 @@ def open_profile_db(config: "EmuConfig") -> "ProfileDB":
     ``db_url`` is opened as is (tables created when missing); fill it with ``gpemu db init``
     or ``gpemu db import``.
     """
-    from .build import ensure_default_db, open_url
+    from .build import ensure_default_db, open_url, sqlite_url
 
     if config.db_url:
         return open_url(config.db_url)
     path = ensure_default_db(config.default_data_dir)
-    return open_url(f"sqlite:///{path}")
+    return open_url(sqlite_url(path))
 
 
 def __getattr__(name: str):  # ProfileDB without importing SQLAlchemy at package import

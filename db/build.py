@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sqlalchemy import Engine, create_engine, delete, event, insert, select
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool, StaticPool
 
 from . import schema as S
@@ -42,6 +42,7 @@ __all__ = [
     "load_shipped",
     "make_engine",
     "open_url",
+    "sqlite_url",
 ]
 
 DEFAULT_DB_NAME = "profiles.sqlite"
@@ -67,6 +68,11 @@ def data_version() -> str:
 
 def default_db_path(data_dir: Path) -> Path:
     return Path(data_dir) / DEFAULT_DB_NAME
+
+
+def sqlite_url(path: str | Path) -> str:
+    """SQLAlchemy URL of a SQLite file; escapes '#', '?' and '%' that a plain f-string would not."""
+    return URL.create("sqlite", database=str(Path(path).resolve())).render_as_string()
 
 
 def make_engine(url: str) -> Engine:
@@ -181,7 +187,8 @@ def _measurement_rows(gpu_ids: dict[str, int], model_ids: dict[str, int]) -> lis
 def _current_versions(path: Path) -> tuple[str | None, str | None]:
     """(schema_version, data_version) stored in a database file, or Nones if unreadable."""
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+        # as_uri() percent-encodes '#', '?' and spaces, which a raw "file:" URI would misread.
+        con = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=60)
         try:
             meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
         finally:
@@ -230,7 +237,7 @@ def _build_locked(data_dir: Path, path: Path, force: bool) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=DEFAULT_DB_NAME + ".", suffix=".building", dir=data_dir)
         os.close(fd)
         try:
-            engine = make_engine(f"sqlite:///{tmp}")
+            engine = make_engine(sqlite_url(tmp))
 
             @event.listens_for(engine, "connect")
             def _fast_build(dbapi_conn: Any, _record: Any) -> None:

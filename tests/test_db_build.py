@@ -82,6 +82,17 @@ def test_outdated_or_broken_database_is_rebuilt(tmp_path):
     assert db.lookup("K80", "vgg16", 32, "backward").provenance == "measured"
 
 
+def test_data_dir_with_odd_characters_is_built_once(tmp_path):
+    from gpemu.db.build import _is_current
+
+    odd = tmp_path / "my data #1?x"
+    path = ensure_default_db(odd)
+    assert _is_current(path)
+    ino = os.stat(path).st_ino
+    assert open_profile_db(EmuConfig(data_dir=str(odd))).lookup("M40", "alexnet", 8, "forward").value > 0
+    assert os.stat(path).st_ino == ino  # not rebuilt on the second open
+
+
 def test_unreadable_file_is_not_current(tmp_path):
     from gpemu.db.build import _is_current
 

@@ -169,10 +169,10 @@ def db_init(force: bool, db_url: str | None) -> None:
         counts = load_shipped(pdb.engine)
         where = str(pdb)
     else:
-        from gpemu.db.build import ensure_default_db, open_url
+        from gpemu.db.build import ensure_default_db, open_url, sqlite_url
 
         path = ensure_default_db(cfg.default_data_dir, force=force)
-        pdb = open_url(f"sqlite:///{path}")
+        pdb = open_url(sqlite_url(path))
         counts = {"gpus": len(pdb.gpus()), "models": len(pdb.models()), "measurements": pdb.count(),
                   "distributions": len(pdb.distributions())}
         where = str(path)
