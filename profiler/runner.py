@@ -159,13 +159,20 @@ def profile_models(store: ProfileStore, opts: ProfileOptions,
     meta.update(optimizer=opts.optimizer, warmup=opts.warmup, iterations=opts.iterations,
                 memory_limit=opts.memory_limit)
     sizes = sorted(set(opts.batch_sizes))
-    if set_total:
-        set_total(len(opts.models) * len(sizes))
+    remaining = [len(opts.models) * len(sizes)]
+
+    def drop(n: int) -> None:
+        # Skipped units leave the total instead of counting as done, so the ETA reflects real work.
+        remaining[0] -= n
+        if set_total:
+            set_total(remaining[0])
+
+    drop(0)
 
     with _SigintGuard() as guard:
         try:
             for spec_text in opts.models:
-                _profile_one(store, opts, spec_text, gpu, sizes, meta, report, guard, advance, log)
+                _profile_one(store, opts, spec_text, gpu, sizes, meta, report, guard, advance, drop, log)
         except KeyboardInterrupt:
             raise Interrupted(report) from None
     return report
@@ -173,7 +180,8 @@ def profile_models(store: ProfileStore, opts: ProfileOptions,
 
 def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu: str, sizes: list[int],
                  meta: dict[str, Any], report: ProfileReport, guard: _SigintGuard,
-                 advance: Callable[[str, int], None], log: Callable[[str], None]) -> None:
+                 advance: Callable[[str, int], None], drop: Callable[[int], None],
+                 log: Callable[[str], None]) -> None:
     name = model_name_of(spec_text)
     # Loaded even when everything is done, so a different model reusing the name is caught.
     lm = load_model(spec_text, opts.input_shape, opts.input_dtype, opts.num_classes)
@@ -186,7 +194,8 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
         skip = [b for b in todo if b in done or (limit is not None and b >= limit.oom_batch_size)]
         if skip:
             report.skipped.extend((name, b) for b in skip)
-            advance(f"{name}: already done", len(skip))
+            drop(len(skip))
+            advance(f"{name}: {len(skip)} batch size(s) already done", 0)
             if limit is not None and any(b >= limit.oom_batch_size for b in skip):
                 log(f"{name}: batch sizes >= {limit.oom_batch_size} skipped (out of memory on {gpu} before; "
                     f"--force to retry)")
@@ -243,7 +252,8 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
             rest = len(todo) - i
             log(f"{name}: out of memory at batch size {bs} on {gpu} (largest that fit: {largest_fit or 'none'}); "
                 f"skipping {rest - 1} larger batch size(s), going on with the next model")
-            advance(f"{name}: out of memory at {bs}", rest)
+            drop(rest)
+            advance(f"{name}: out of memory at {bs}", 0)
             break
         rows = unit_rows(gpu, name, m, model_meta)
         with guard.critical():
