@@ -1,0 +1,128 @@
+"""Memory accounting of emulated GPUs: storages, views, frees, rounding, peaks, OOM and recovery."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import gpemu
+from gpemu.clock import VirtualClock
+from gpemu.memory import MemoryTracker, format_bytes, round_size
+
+
+@pytest.fixture
+def rt():
+    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, extra={"clock": VirtualClock()})
+    yield r
+    gpemu.unpatch()
+
+
+def test_tracker_rounding_reserved_peak_and_stats():
+    m = MemoryTracker(0, 64 * 2**20)
+    assert round_size(1) == 512 and round_size(512) == 512 and round_size(513) == 1024 and round_size(0) == 0
+    a = m.allocate(100)
+    b = m.allocate(3 * 2**20)
+    assert m.allocated == 512 + 3 * 2**20
+    assert m.reserved == 4 * 2**20  # 2 MiB segments
+    del b
+    assert m.allocated == 512 and m.reserved == 4 * 2**20  # the cache keeps the segment
+    assert m.peak_allocated == 512 + 3 * 2**20
+    m.reset_peak()
+    assert m.peak_allocated == 512
+    m.empty_cache()
+    assert m.reserved == 2 * 2**20
+    s = m.stats()
+    assert s["allocated_bytes.all.current"] == 512 and s["allocation.all.current"] == 1
+    assert s["reserved_bytes.all.peak"] == 4 * 2**20
+    del a
+    assert m.allocated == 0 and m.num_allocs == 0
+
+
+def test_views_share_one_block_and_frees_happen_when_last_tensor_dies(rt):
+    mem = rt.state["memory"][0]
+    base = mem.allocated
+    x = torch.empty(1024, 1024, device="cuda")  # 4 MiB
+    assert mem.allocated - base == 4 * 2**20
+    views = [x[1:], x.view(-1), x.t(), x.detach(), x[::2, ::2]]
+    assert mem.allocated - base == 4 * 2**20
+    y = x + 1  # a new storage
+    assert mem.allocated - base == 8 * 2**20
+    del x
+    assert mem.allocated - base == 8 * 2**20  # views keep the storage alive
+    del views
+    assert mem.allocated - base == 4 * 2**20
+    x2 = y.add_(1)  # in place: same storage
+    assert x2 is y and mem.allocated - base == 4 * 2**20
+    del y, x2
+    gc.collect()
+    assert mem.allocated == base
+
+
+def test_saved_activations_live_until_backward(rt):
+    mem = rt.state["memory"][0]
+    w = torch.randn(256, 256, requires_grad=True, device="cuda")
+    x = torch.randn(128, 256, device="cuda")
+    base = mem.allocated
+    h = torch.tanh(x @ w)  # tanh saves its output for backward
+    loss = (h * h).sum()
+    del h
+    held = mem.allocated - base
+    assert held >= 128 * 256 * 4  # activations kept by the graph
+    loss.backward()
+    del loss
+    gc.collect()
+    assert mem.allocated - base == 256 * 256 * 4  # only w.grad remains
+
+
+def test_oom_raises_cuda_message_and_recovery_works(rt):
+    mem = rt.state["memory"][1]
+    cap = mem.capacity
+    keep = torch.empty(int(cap * 0.6) // 4, device="cuda:1")
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+        torch.empty(int(cap * 0.5) // 4, device="cuda:1")
+    msg = str(info.value)
+    assert msg.startswith("CUDA out of memory. Tried to allocate ")
+    assert "GPU 1 has a total capacity of" in msg and "is allocated by PyTorch" in msg
+    assert format_bytes(cap) in msg
+    assert mem.num_ooms == 1
+    # Catch, free, retry smaller: works, memory really freed.
+    del keep
+    ok = torch.empty(int(cap * 0.5) // 4, device="cuda:1")
+    assert ok.shape[0] == int(cap * 0.5) // 4
+
+
+def test_training_oom_on_large_batch_then_smaller_batch_succeeds(rt):
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10)).cuda()
+    mem = rt.state["memory"][0]
+    start = mem.allocated
+
+    def step(batch):
+        out = model(torch.empty(batch, 4096, device="cuda"))
+        out.sum().backward()
+
+    huge = mem.capacity // (4096 * 4)  # one activation alone fills the GPU
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        step(huge)
+    gc.collect()
+    assert mem.allocated == start  # nothing leaked from the failed attempt
+    step(64)
+    assert model[0].weight.grad.shape == (4096, 4096)
+
+
+def test_memory_samples_are_recorded_at_module_boundaries(rt):
+    model = torch.nn.Linear(64, 64).cuda()
+    n = len(rt.recorder.memory)
+    model(torch.empty(8, 64, device="cuda")).sum().backward()
+    assert len(rt.recorder.memory) > n
+    assert all(s.device == 0 for s in rt.recorder.memory[n:])
+
+
+def test_capacity_comes_from_the_gpu_spec(rt):
+    assert rt.state["memory"][0].capacity == rt.gpus[0].memory_bytes
+
+
+def test_bad_capacity_is_rejected():
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        MemoryTracker(0, 0)

@@ -1,0 +1,185 @@
+"""Record/replay fast path: equivalence with the op-by-op path, cache keys, fallbacks, time, memory."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import gpemu
+from gpemu import replay
+from gpemu.clock import VirtualClock
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = torch.relu(self.bn(self.conv(x)))
+        return {"logits": self.fc(h.flatten(1)), "features": (h, h.mean())}
+
+
+@pytest.fixture
+def rt():
+    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    yield r
+    gpemu.unpatch()
+
+
+def _specs(tree):
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    return spec, [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in leaves]
+
+
+def _step(model, batch=4):
+    out = model(torch.randn(batch, 3, 8, 8).cuda())
+    loss = out["logits"].sum() + out["features"][1]
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return out
+
+
+def test_replay_matches_the_op_by_op_path(rt):
+    model = Net().cuda()
+    first = _step(model)  # recorded
+    assert replay.replay_info()["recorded"] == 1
+    rec_grads = {n: (p.grad.shape, p.grad.dtype, p.grad.device) if p.grad is not None else None
+                 for n, p in model.named_parameters()}
+    second = _step(model)  # replayed
+    assert replay.replay_info()["replayed"] == 1
+    assert _specs(first) == _specs(second)
+    rep_grads = {n: (p.grad.shape, p.grad.dtype, p.grad.device) if p.grad is not None else None
+                 for n, p in model.named_parameters()}
+    assert rep_grads == rec_grads
+    assert rec_grads["unused.weight"] is None and rec_grads["conv.weight"] == ((8, 3, 3, 3), torch.float32,
+                                                                                torch.device("cuda", 0))
+
+
+def test_replay_input_grads_and_chained_modules(rt):
+    a, b = nn.Linear(16, 32).cuda(), nn.Linear(32, 4).cuda()
+    for _ in range(3):
+        x = torch.randn(8, 16).cuda().requires_grad_()
+        h = a(x)
+        b(h).sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        assert a.weight.grad.shape == a.weight.shape
+        a.zero_grad(), b.zero_grad()
+    assert replay.replay_info()["replayed"] >= 4
+
+
+def test_cache_key_changes_rerecord(rt):
+    model = Net().cuda()
+    _step(model)
+    _step(model, batch=6)  # new input shape
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.randn(4, 3, 8, 8).cuda())
+    assert not out["logits"].requires_grad
+    with torch.no_grad():
+        model(torch.randn(4, 3, 8, 8).cuda())
+    model.train()
+    model.conv.weight.requires_grad_(False)  # freezing a layer invalidates recordings
+    _step(model)
+    assert model.conv.weight.grad is None and model.fc.weight.grad is not None
+    info = replay.replay_info()
+    assert info["recorded"] == 4 and info["replayed"] == 1
+
+
+def test_hooks_force_the_normal_path(rt, capsys):
+    model = Net().cuda()
+    seen = []
+    model.fc.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    for _ in range(3):
+        _step(model)
+    assert len(seen) >= 3  # the hook ran every time: no replay (+1 if the cost model runs it on meta)
+    assert replay.replay_info()["fallback"] == 3 and replay.replay_info()["replayed"] == 0
+    assert "module hooks are registered" in capsys.readouterr().err
+
+
+def test_replay_off_by_config():
+    rt = gpemu.patch(gpu="V100", summary=False, replay=False, extra={"clock": VirtualClock()})
+    model = Net().cuda()
+    _step(model), _step(model)
+    assert replay.replay_info()["replayed"] == 0 and replay.replay_info()["fallback"] == 2
+    gpemu.unpatch()
+
+
+def test_non_tensor_outputs_fall_back(rt):
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x), "label"
+
+    m = Odd().cuda()
+    for _ in range(2):
+        out, label = m(torch.randn(2, 4).cuda())
+        assert label == "label" and out.shape == (2, 4)
+    assert replay.replay_info()["replayed"] == 0
+
+
+def test_outermost_module_owns_forward_and_backward_time(rt):
+    model = Net().cuda()
+    for _ in range(3):
+        _step(model)
+    spans = rt.recorder.spans
+    fwd = [s for s in spans if s.kind == "forward"]
+    bwd = [s for s in spans if s.kind == "backward"]
+    assert len(fwd) == 3 and len(bwd) == 3  # one per iteration: inner modules not charged
+    assert all(s.name == fwd[0].name for s in fwd) and fwd[0].end - fwd[0].start > 0
+    # recording and replay charge the same times
+    assert fwd[0].end - fwd[0].start == pytest.approx(fwd[2].end - fwd[2].start)
+    assert bwd[0].end - bwd[0].start == pytest.approx(bwd[2].end - bwd[2].start)
+
+
+def test_replay_memory_matches_recording(rt):
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.Tanh()).cuda()
+    mem = rt.state["memory"][0]
+    x = torch.empty(256, 512, device="cuda")
+    held, peaks = [], []
+    start = mem.allocated
+    for _ in range(3):
+        mem.reset_peak()
+        base = mem.allocated
+        out = model(x)
+        held.append(mem.allocated - base)  # outputs + saved activations
+        out.sum().backward()
+        del out
+        gc.collect()
+        peaks.append(mem.peak_allocated)
+        model.zero_grad(set_to_none=True)
+    assert held[0] > 256 * 512 * 4  # saved activations, not just the output
+    assert held[1] == held[0] == held[2]
+    assert peaks[2] == pytest.approx(peaks[0], rel=0.05)
+    assert mem.allocated == start  # saved activations freed by backward, grads dropped
+
+
+def test_resnet_like_model_from_examples(rt):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import tvmodels
+    except ImportError:
+        pytest.skip("examples/tvmodels.py not available")
+    model = tvmodels.resnet18(num_classes=10).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        out = model(torch.randn(2, 3, 64, 64).cuda())
+        loss = nn.functional.cross_entropy(out, torch.zeros(2, dtype=torch.long).cuda())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert out.shape == (2, 10)
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    assert replay.replay_info()["replayed"] == 2

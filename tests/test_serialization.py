@@ -1,0 +1,90 @@
+"""torch.save / torch.load of emulated tensors, with and without gpemu, and real-CUDA files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import gpemu
+from gpemu.clock import VirtualClock
+from gpemu.tensor import EmuTensor
+
+
+@pytest.fixture
+def rt():
+    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, extra={"clock": VirtualClock()})
+    yield r
+    gpemu.unpatch()
+
+
+def _checkpoint(tmp_path):
+    model = nn.Linear(4, 3).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4).cuda()).sum().backward()
+    opt.step()
+    path = tmp_path / "ck.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": torch.tensor(7, device="cuda"),
+                "on1": torch.zeros(100, 100, device="cuda:1")}, path)
+    return path
+
+
+def test_round_trip_with_gpemu(rt, tmp_path):
+    path = _checkpoint(tmp_path)
+    ck = torch.load(path)
+    w = ck["model"]["weight"]
+    assert isinstance(w, EmuTensor) and w.device == torch.device("cuda", 0) and w.shape == (3, 4)
+    assert ck["on1"].device == torch.device("cuda", 1) and ck["epoch"].item() == 7
+    assert ck["opt"]["state"][0]["exp_avg"].device.type == "cuda"
+    target = nn.Linear(4, 3).cuda()
+    target.load_state_dict(ck["model"])
+    opt = torch.optim.Adam(target.parameters())
+    opt.load_state_dict(ck["opt"])
+    assert opt.state[target.weight]["exp_avg"].device == target.weight.device
+
+
+def test_map_location_forms(rt, tmp_path):
+    path = _checkpoint(tmp_path)
+    assert torch.load(path, map_location="cpu")["model"]["weight"].device.type == "cpu"
+    assert torch.load(path, map_location="cuda:1")["model"]["weight"].device == torch.device("cuda", 1)
+    assert torch.load(path, map_location=torch.device("cuda", 1))["on1"].device.index == 1
+    assert torch.load(path, map_location={"cuda:1": "cuda:0"})["on1"].device.index == 0
+    assert torch.load(path, map_location=lambda s, loc: s)["model"]["weight"].device.type == "cpu"
+    assert torch.load(path, map_location=lambda s, loc: s.cuda())["model"]["weight"].device.type == "cuda"
+
+
+def test_full_module_pickle(rt, tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).cuda()
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert isinstance(loaded[0].weight, torch.nn.Parameter) and loaded[0].weight.device.type == "cuda"
+    assert loaded[1].running_mean.device.type == "cuda"
+
+
+def test_file_loads_without_gpemu(rt, tmp_path):
+    path = _checkpoint(tmp_path)
+    gpemu.unpatch()
+    code = ("import torch,sys; ck=torch.load(sys.argv[1]); w=ck['model']['weight'];"
+            "print(type(w).__name__, w.device, tuple(w.shape), int(ck['epoch']), tuple(ck['on1'].shape))")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Tensor", "cpu", "(3,", "4)", "7", "(100,", "100)"]
+
+
+def test_files_from_real_cuda_runs_load_onto_emulated_gpus(rt, tmp_path):
+    # Write a checkpoint whose storages are tagged 'cuda:1', as a real CUDA run would.
+    path = tmp_path / "real.pt"
+    registry = torch.serialization._package_registry
+    entry = (-100, lambda obj: "cuda:1", lambda obj, location: None)
+    registry.append(entry)
+    registry.sort(key=lambda e: e[0])
+    try:
+        torch.save({"w": torch.ones(2, 3)}, path)
+    finally:
+        registry.remove(entry)
+    assert isinstance(torch.load(path)["w"], EmuTensor) and torch.load(path)["w"].device.index == 1
+    assert torch.load(path, map_location="cuda:0")["w"].device.index == 0
+    assert torch.load(path, map_location="cpu")["w"].device.type == "cpu"
