@@ -99,7 +99,7 @@ def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: st
     import torch
 
     from .device import resolve_device
-    from .runner import Interrupted, ProfileOptions, profile_models
+    from .runner import Interrupted, ProfileOptions
     from .store import ProfileStore
 
     # The device first: without a GPU the refusal comes before any database work.

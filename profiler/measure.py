@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 from .models import LoadedModel
 
