@@ -75,7 +75,7 @@ def open_profile_db(config: "EmuConfig") -> "ProfileDB":
     return open_url(sqlite_url(path))
 
 
-def __getattr__(name: str):  # ProfileDB without importing SQLAlchemy at package import
+def __getattr__(name: str) -> type:  # ProfileDB without importing SQLAlchemy at package import
     if name == "ProfileDB":
         from .lookup import ProfileDB
 

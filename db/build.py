@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
-from sqlalchemy import Engine, create_engine, delete, event, insert, select
+from sqlalchemy import Engine, create_engine, event, insert, select
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool, StaticPool
 

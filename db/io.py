@@ -285,9 +285,9 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
     report.gpus, report.models = len(gpu_rows), len(model_rows)
 
     # Resolve names once (the import may hold thousands of rows per GPU/model pair).
-    db._load_names()
-    gpu_ids = db._gpu_keys
-    model_ids = db._model_keys
+    names = db._names()
+    gpu_ids = names.gpu_keys
+    model_ids = names.model_keys
     prepared: list[dict[str, Any]] = []
     gpu_cache: dict[str, int | None] = {}
     for where, raw in sections["measurements"]:

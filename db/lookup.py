@@ -10,7 +10,7 @@ import json
 import math
 import numbers
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -39,6 +39,14 @@ __all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measuremen
 _EXTRAPOLATION_FRACTION = 0.25
 
 
+@dataclass(frozen=True)
+class _Names:
+    gpus: dict[int, GpuSpec]
+    gpu_keys: dict[str, int]  # normalize_name(name or alias) -> id
+    models: dict[int, ModelInfo]
+    model_keys: dict[str, int]  # lower-case name -> id
+
+
 class ProfileDB:
     """The profile database: GPUs, models, measurements and sampled distributions."""
 
@@ -46,10 +54,7 @@ class ProfileDB:
         self.engine = engine
         self.url = url
         self._lock = threading.Lock()
-        self._gpus: dict[int, GpuSpec] | None = None
-        self._gpu_keys: dict[str, int] = {}
-        self._models: dict[int, ModelInfo] | None = None
-        self._model_keys: dict[str, int] = {}
+        self._names_cache: _Names | None = None
         self._series: dict[tuple[int, int, str, int], tuple[np.ndarray, np.ndarray]] = {}
         # (series key, above range?) -> (slope, intercept) of the extrapolation line
         self._fits: dict[tuple[tuple[int, int, str, int], bool], tuple[float, float]] = {}
@@ -59,17 +64,19 @@ class ProfileDB:
         return f"ProfileDB({self.engine.url.render_as_string(hide_password=True)!r})"
 
     # ------------------------------------------------------------------ names
-    def _load_names(self) -> None:
-        if self._gpus is not None and self._models is not None:  # fast path, no lock
-            return
+    def _names(self) -> "_Names":
+        """GPUs and models by id and by lookup key, swapped in as one object so a write on
+        another thread (which drops it) never leaves a reader with half a cache."""
+        names = self._names_cache
+        if names is not None:
+            return names
         with self._lock:
-            if self._gpus is not None and self._models is not None:
-                return
+            if self._names_cache is not None:
+                return self._names_cache
             with self.engine.connect() as conn:
                 grows = conn.execute(select(S.gpus)).mappings().all()
                 mrows = conn.execute(select(S.models)).mappings().all()
-            gpus: dict[int, GpuSpec] = {}
-            keys: dict[str, int] = {}
+            names = _Names({}, {}, {}, {})
             for r in grows:
                 spec = GpuSpec(
                     name=r["name"], aliases=tuple(json.loads(r["aliases"] or "[]")),
@@ -78,11 +85,9 @@ class ProfileDB:
                     host_link_bandwidth_pinned=r["host_link_bandwidth_pinned"],
                     host_link_bandwidth_pageable=r["host_link_bandwidth_pageable"], sm_count=int(r["sm_count"]),
                 )
-                gpus[r["id"]] = spec
+                names.gpus[r["id"]] = spec
                 for n in (spec.name, *spec.aliases):
-                    keys.setdefault(normalize_name(n), r["id"])
-            models: dict[int, ModelInfo] = {}
-            mkeys: dict[str, int] = {}
+                    names.gpu_keys.setdefault(normalize_name(n), r["id"])
             for r in mrows:
                 info = ModelInfo(
                     name=r["name"], class_name=r["class_name"], param_count=int(r["param_count"]),
@@ -90,43 +95,42 @@ class ProfileDB:
                     fwd_flops_per_sample=r["fwd_flops_per_sample"], fwd_bwd_flops_per_sample=r["fwd_bwd_flops_per_sample"],
                     fingerprint=r["fingerprint"], input_size=r["input_size"],
                 )
-                models[r["id"]] = info
-                mkeys[info.name.lower()] = r["id"]
-            self._gpus, self._gpu_keys, self._models, self._model_keys = gpus, keys, models, mkeys
+                names.models[r["id"]] = info
+                names.model_keys[info.name.lower()] = r["id"]
+            self._names_cache = names
+            return names
 
     def _invalidate(self) -> None:
         with self._lock:
-            self._gpus = None
-            self._models = None
+            self._names_cache = None
             self._series.clear()
             self._fits.clear()
             self._dists.clear()
 
     def _gpu_id(self, name: str) -> int:
-        self._load_names()
+        names = self._names()
         if isinstance(name, GpuSpec):
             name = name.name
         if not isinstance(name, str):
-            raise TypeError(f"GPU name must be a string such as 'V100', got {type(name).__name__}")
-        gid = self._gpu_keys.get(normalize_name(name))
+            raise ValueError(f"GPU name must be a string such as 'V100', got {name!r}")
+        gid = names.gpu_keys.get(normalize_name(name))
         if gid is None:
-            specs = list(self._gpus.values())
-            valid = [s.short_name for s in specs] or []
+            specs = list(names.gpus.values())
+            if not specs:
+                raise UnknownNameError("GPU", name, [f"(none: the database {self._where()} is empty; run `gpemu db init`)"])
             every = [n for s in specs for n in (s.name, *s.aliases)]
-            raise UnknownNameError("GPU", name, valid, extra_keys=every) if specs else UnknownNameError(
-                "GPU", name, [f"(none: the database {self._where()} is empty; run `gpemu db init`)"]
-            )
+            raise UnknownNameError("GPU", name, [s.short_name for s in specs], extra_keys=every)
         return gid
 
     def _model_id(self, name: str) -> int:
-        self._load_names()
+        names = self._names()
         if isinstance(name, ModelInfo):
             name = name.name
         if not isinstance(name, str):
-            raise TypeError(f"model name must be a string such as 'resnet50', got {type(name).__name__}")
-        mid = self._model_keys.get(name.strip().lower())
+            raise ValueError(f"model name must be a string such as 'resnet50', got {name!r}")
+        mid = names.model_keys.get(name.strip().lower())
         if mid is None:
-            valid = sorted(m.name for m in self._models.values())
+            valid = sorted(m.name for m in names.models.values())
             raise UnknownNameError("model", name, valid or [f"(none: the database {self._where()} is empty)"])
         return mid
 
@@ -135,27 +139,25 @@ class ProfileDB:
 
     def gpu(self, name: str) -> GpuSpec:
         """The GPU with this name or alias (case, spaces, '_' and '-' do not matter)."""
-        gid = self._gpu_id(name)  # loads the names first
-        return self._gpus[gid]  # type: ignore[index]
+        gid = self._gpu_id(name)
+        return self._names().gpus[gid]
 
     def gpus(self) -> list[GpuSpec]:
-        self._load_names()
-        return sorted(self._gpus.values(), key=lambda s: s.short_name.lower())  # type: ignore[union-attr]
+        return sorted(self._names().gpus.values(), key=lambda s: s.short_name.lower())
 
     def model(self, name: str) -> ModelInfo:
         """The model with this name (case-insensitive)."""
         mid = self._model_id(name)
-        return self._models[mid]  # type: ignore[index]
+        return self._names().models[mid]
 
     def models(self) -> list[ModelInfo]:
-        self._load_names()
-        return sorted(self._models.values(), key=lambda m: m.name)  # type: ignore[union-attr]
+        return sorted(self._names().models.values(), key=lambda m: m.name)
 
     def models_by_structure(self, class_name: str, param_count: int) -> list[ModelInfo]:
         """Models whose nn.Module class name and parameter count both match exactly."""
-        self._load_names()
         return sorted(
-            (m for m in self._models.values() if m.class_name == class_name and m.param_count == int(param_count)),  # type: ignore[union-attr]
+            (m for m in self._names().models.values()
+             if m.class_name == class_name and m.param_count == int(param_count)),
             key=lambda m: m.name,
         )
 
