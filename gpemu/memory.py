@@ -87,7 +87,8 @@ class MemoryTracker:
         if capacity <= 0:
             raise ValueError(f"GPU memory capacity must be positive, got {capacity!r} bytes")
         self.device = device
-        self.capacity = int(capacity)
+        self.total = int(capacity)      # the GPU's memory
+        self.capacity = int(capacity)   # what this process may use (set_fraction lowers it)
         self.recorder = recorder
         self.allocated = 0
         self.reserved = 0
@@ -139,10 +140,17 @@ class MemoryTracker:
         block = self.allocate(extra)
         del block
 
+    def set_fraction(self, fraction: float) -> None:
+        """Like torch.cuda.set_per_process_memory_fraction(): allocations beyond
+        ``fraction * total`` raise OOM."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.capacity = int(self.total * fraction)
+
     # ------------------------------------------------------------------ queries
     @property
     def free(self) -> int:
-        return self.capacity - self.reserved
+        return max(self.total - self.reserved, 0)
 
     def reset_peak(self) -> None:
         """Like torch.cuda.reset_peak_memory_stats(): the peaks restart from the current use."""
@@ -179,10 +187,13 @@ class MemoryTracker:
         return out
 
     def oom_message(self, size: int) -> str:
-        free = max(self.capacity - self.reserved, 0)
+        free = max(self.total - self.reserved, 0)
+        limit = ""
+        if self.capacity < self.total:
+            limit = f"this process is limited to {format_bytes(self.capacity)} (set_per_process_memory_fraction). "
         return (
             f"CUDA out of memory. Tried to allocate {format_bytes(size)}. GPU {self.device} has a total "
-            f"capacity of {format_bytes(self.capacity)} of which {format_bytes(free)} is free. "
+            f"capacity of {format_bytes(self.total)} of which {format_bytes(free)} is free. {limit}"
             f"Including non-PyTorch memory, this process has {format_bytes(self.reserved)} memory in use. "
             f"Of the allocated memory {format_bytes(self.allocated)} is allocated by PyTorch, and "
             f"{format_bytes(self.reserved - self.allocated)} is reserved by PyTorch but unallocated. "

@@ -119,8 +119,14 @@ def test_memory_samples_are_recorded_at_module_boundaries(rt):
     assert all(s.device == 0 for s in rt.recorder.memory[n:])
 
 
-def test_capacity_comes_from_the_gpu_spec(rt):
-    assert rt.state["memory"][0].capacity == rt.gpus[0].memory_bytes
+def test_capacity_comes_from_the_gpu_spec_and_fraction_limits_it(rt):
+    mem = rt.state["memory"][0]
+    assert mem.capacity == mem.total == rt.gpus[0].memory_bytes
+    mem.set_fraction(0.25)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="limited to"):
+        torch.empty(int(mem.total * 0.3) // 4, device="cuda")
+    with pytest.raises(ValueError, match="Allowed range"):
+        mem.set_fraction(1.5)
 
 
 def test_bad_capacity_is_rejected():
