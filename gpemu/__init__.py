@@ -9,7 +9,8 @@ or, with no code change, ``gpemu run --gpu V100 -- python train.py``.
 """
 
 from .config import ConfigError, EmuConfig
+from .observe import print_summary, summary
 from .runtime import current, emulate, is_patched, patch, unpatch
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "emulate", "is_patched", "current", "EmuConfig", "ConfigError", "__version__"]
+__all__ = ["patch", "unpatch", "emulate", "is_patched", "current", "summary", "print_summary", "EmuConfig", "ConfigError", "__version__"]
