@@ -427,9 +427,12 @@ def install(rt: "Runtime") -> None:
         "all_gather_into_tensor": all_gather_into_tensor, "reduce_scatter_tensor": reduce_scatter_tensor,
         "barrier": barrier,
     }
+    from .cuda_api import _replace_copies
+
+    # One pass over torch's modules replaces every by-name copy (torch.distributed re-exports
+    # c10d's functions; other modules import them by name).
+    _replace_copies(rt, {id(getattr(c10d, name)): (getattr(c10d, name), new) for name, new in replacements.items()})
     for name, new in replacements.items():
-        original = getattr(c10d, name)
-        rt.patcher.replace_everywhere(original, new, prefix="torch")
         if getattr(dist, name, None) is not new:
             rt.patcher.replace(dist, name, new)
 
