@@ -134,6 +134,12 @@ class EmulatedDDP(_TorchDDP):
         self._gpemu_backward_start: float | None = None
         self._gpemu_lock = threading.Lock()
         self._gpemu_hooks = [p.register_post_accumulate_grad_hook(self._gpemu_on_grad_ready) for p in params]
+        # The reducer's flat bucket buffers are a second copy of the gradients on the GPU
+        # (unless gradient_as_bucket_view makes the gradients views into them).
+        self._gpemu_buckets_memory = None
+        trackers = rt.state.get("memory")
+        if trackers is not None and self._gpemu_device is not None and not gradient_as_bucket_view:
+            self._gpemu_buckets_memory = trackers[self._gpemu_device].allocate(self._gpemu_grad_bytes)
         if init_sync:
             # DDP broadcasts rank 0's parameters and buffers at construction.
             state_bytes = sum(_tensor_bytes(t) for t in module.state_dict().values() if isinstance(t, torch.Tensor))
@@ -194,6 +200,7 @@ class EmulatedDDP(_TorchDDP):
         state.pop("process_group", None)
         state.pop("_gpemu_hooks", None)
         state.pop("_gpemu_lock", None)
+        state.pop("_gpemu_buckets_memory", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -201,6 +208,7 @@ class EmulatedDDP(_TorchDDP):
         self.process_group = dist.group.WORLD
         self._gpemu_lock = threading.Lock()
         self._gpemu_hooks = []
+        self._gpemu_buckets_memory = None
 
     # ---------------------------------------------------------------- emulation
     def _gpemu_bandwidth(self) -> float:

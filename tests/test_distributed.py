@@ -73,7 +73,9 @@ def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
     torch.cuda.set_device(rank)
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512)).cuda()
     model.hidden_size = 2048
+    before = torch.cuda.memory_allocated(rank)
     ddp = DDP(model, device_ids=[rank])
+    bucket_memory = torch.cuda.memory_allocated(rank) - before
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     backward_wall = []
     for step in range(3):
@@ -106,6 +108,7 @@ def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
         "metric": metric.tolist(),
         "backward_wall": backward_wall,
         "device": torch.cuda.current_device(),
+        "bucket_memory": bucket_memory,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -126,6 +129,7 @@ def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> N
         assert r["comm_spans"] >= 1
         assert r["metric"] == [3.0, 20.0]  # summed over both ranks
         assert r["device"] == rank
+        assert r["bucket_memory"] >= r["grad_bytes"]  # the reducer's gradient buckets live on the GPU
     # Lock-step: rank 0's second backward waited for the slow rank 1 (0.6 s of host time).
     assert results[0]["backward_wall"][1] > 0.4
     assert results[0]["backward_wall"][1] > 3 * results[0]["backward_wall"][2]
