@@ -45,8 +45,8 @@ def purge(broker):
 
 
 class ThreadManager:
-    def __init__(self, url: str, policy: str = "round-robin", capacity: int = 16 * GiB) -> None:
-        self.m = SharingManager(url, [DeviceSpec("0", "P100", capacity)], policy, lease_s=LEASE,
+    def __init__(self, url: str, policy: str = "round-robin", capacity: int = 16 * GiB, lease: float = LEASE) -> None:
+        self.m = SharingManager(url, [DeviceSpec("0", "P100", capacity)], policy, lease_s=lease,
                                 status_interval_s=0.2, reconnect_s=0.2)
         self.t = threading.Thread(target=self.m.serve_forever, daemon=True)
         self.t.start()
@@ -291,3 +291,132 @@ def test_share_status_once_json_and_table(broker, purge):
     out = subprocess.run([sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once",
                           "--timeout", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no sharing manager answered" in out.stderr
+
+
+# ---------------------------------------------------------------------------- through the emulator
+JOB_SCRIPT = r"""
+import json, sys
+import torch
+import gpemu
+from gpemu.runtime import current
+
+url, job_id, iters, hold_gib, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+rt = current()
+if rt is None:  # not started by `gpemu run --share`
+    rt = gpemu.patch(gpu="P100", sharing=url, model="resnet50", job_id=job_id)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                            torch.nn.Linear(8 * 30 * 30, 10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+hold = torch.empty(int(hold_gib * (1 << 30)), dtype=torch.uint8, device="cuda") if hold_gib else None
+
+def step():
+    x, y = torch.randn(32, 3, 32, 32).cuda(), torch.randint(0, 10, (32,)).cuda()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+print("ready", flush=True)
+assert sys.stdin.readline().strip() == "go"
+for _ in range(iters):
+    step()
+torch.cuda.synchronize()
+report = {"counters": dict(rt.recorder.counters), "iterations": len(rt.recorder.iterations),
+          "sharing_waits": [w.end - w.start for w in rt.recorder.waits if w.reason == "sharing"]}
+print("trained", flush=True)
+if sys.stdin.readline().strip() == "oom":
+    big = torch.empty(8 << 30, dtype=torch.uint8, device="cuda")  # fits this job's own 16 GiB view
+    try:
+        step()
+        torch.cuda.synchronize()
+        report["oom"] = None
+    except Exception as exc:
+        report["oom"] = {"type": type(exc).__name__, "cause": type(exc.__cause__).__name__,
+                         "message": str(exc)}
+    del big
+json.dump(report, open(out, "w"))
+gpemu.unpatch()
+print("done", flush=True)
+"""
+
+
+def _line(proc: subprocess.Popen, err: Path, timeout: float = 120.0) -> str:
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert box and box[0], f"job process said nothing (exit {proc.poll()}):\n{err.read_text()[-3000:]}"
+    return box[0].strip()
+
+
+def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, purge, tmp_path):
+    """Two real processes train under gpemu (one via gpemu.patch(sharing=...), one via
+    `gpemu run --share`) against a real manager: both are served, time-sliced, the waits land
+    in the emulator's statistics, and a memory refusal reaches user code as a CUDA OOM."""
+    import torch
+
+    mgr = ThreadManager(broker.url, lease=10.0)
+    script = tmp_path / "job.py"
+    script.write_text(JOB_SCRIPT)
+    iters = 10
+    procs, errs = {}, {}
+    try:
+        cli = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"]
+        commands = {
+            # job a holds 9 GiB for its whole life (persistent memory the manager must learn)
+            "a": [sys.executable, str(script), broker.url, "job-a", str(iters), "9", str(tmp_path / "a.json")],
+            "b": cli + ["run", "--gpu", "P100", "--model", "resnet50", "--share", broker.url, "--no-summary", "--",
+                        sys.executable, str(script), broker.url, "job-b", str(iters), "0", str(tmp_path / "b.json")],
+        }
+        for name, argv in commands.items():
+            errs[name] = tmp_path / f"{name}.err"
+            procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           stderr=open(errs[name], "w"), env={**os.environ, "GPEMU_JOB_ID": "job-b"}
+                                           if name == "b" else None)
+        for name, p in procs.items():
+            assert _line(p, errs[name]) == "ready"
+        for p in procs.values():  # start together so they contend for the GPU
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for name, p in procs.items():
+            assert _line(p, errs[name]) == "trained"
+        core = mgr.m.core
+        jobs = {j: (v.persistent_bytes, v.served_count) for j, v in list(core.jobs.items())}
+        assert set(jobs) == {"job-a", "job-b"}
+        # Registration and requests report real persistent memory from the device memory tracker.
+        assert 9 * GiB <= jobs["job-a"][0] < 9 * GiB + 64 << 20
+        assert 0 < jobs["job-b"][0] < 64 << 20
+        procs["b"].stdin.write("oom\n")
+        procs["b"].stdin.flush()
+        assert _line(procs["b"], errs["b"]) == "done"
+        procs["a"].stdin.write("exit\n")
+        procs["a"].stdin.flush()
+        assert _line(procs["a"], errs["a"]) == "done"
+        for p in procs.values():
+            assert p.wait(60) == 0
+        reports = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in procs}
+        a, b = reports["a"]["counters"], reports["b"]["counters"]
+        for name, rep in reports.items():
+            c = rep["counters"]
+            assert rep["iterations"] == iters
+            assert c["sharing_requests"] >= iters  # at least one request per iteration
+            assert jobs[f"job-{name}"][1] == c["sharing_requests"]  # manager served each request once
+            assert c["sharing_wait_s"] > 0 and c["sharing_queued_s"] > 0  # each waited behind the other
+            assert rep["sharing_waits"] and sum(rep["sharing_waits"]) > 0  # host waits, reason "sharing"
+        dev = core.devices["0"]
+        assert dev.served == a["sharing_requests"] + b["sharing_requests"]
+        assert dev.busy_s == pytest.approx(a["sharing_gpu_s"] + b["sharing_gpu_s"], rel=1e-6)
+        # Equal jobs asked for equal GPU time; round-robin interleaved them (both queued above).
+        assert a["sharing_gpu_s"] == pytest.approx(b["sharing_gpu_s"], rel=0.05)
+        oom = reports["b"]["oom"]
+        assert oom is not None, "8 GiB on top of job a's 9 GiB fit on a 16 GiB P100"
+        assert "out of memory" in oom["message"] and "9.00 GiB persistent memory of 1 other job" in oom["message"]
+        # The engine's backend worker hands the refusal to the host as the program's CUDA OOM
+        # (until gpemu.engine re-raises it unwrapped, it arrives as the RuntimeError's cause).
+        assert torch.cuda.OutOfMemoryError.__name__ in (oom["type"], oom["cause"])
+        assert core.refused == 1 and not core.jobs  # both deregistered at exit
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        mgr.stop()

@@ -249,15 +249,23 @@ class SharingClient:
                                           f"{reply.get('reason', reply)}")
             self.token = reply["token"]
             self.needs_register = False
+            lease = reply.get("lease_s")
+            if isinstance(lease, (int, float)) and 0 < lease < self.lease_s:
+                self.lease_s = float(lease)  # heartbeat often enough for the manager's lease
             if self._heartbeat is not None and not self._heartbeat.is_alive():
                 self._heartbeat.start()
             return self.token
 
-    def run(self, seconds: float, peak_bytes: int = 0, kind: str = "iteration") -> RunResult:
+    def run(self, seconds: float, peak_bytes: int = 0, kind: str = "iteration",
+            persistent_bytes: int | None = None) -> RunResult:
         """Block until the manager has run ``seconds`` of GPU work for this job.
 
-        Raises ``torch.cuda.OutOfMemoryError`` when the manager refuses it for memory.
+        ``peak_bytes``: the job's whole GPU memory at this work's peak; ``persistent_bytes``
+        (optional): what the job holds between iterations now, when it changed since it
+        registered. Raises ``torch.cuda.OutOfMemoryError`` when the manager refuses it for memory.
         """
+        if persistent_bytes is not None:
+            self.persistent_bytes = int(persistent_bytes)  # also what a (re-)registration reports
         if not isinstance(seconds, (int, float)) or not 0 <= seconds <= P.MAX_SECONDS:
             raise ValueError(f"seconds must be from 0 to {P.MAX_SECONDS:g}, got {seconds!r}")
         with self._lock:
@@ -266,9 +274,12 @@ class SharingClient:
             for _ in range(10):
                 if self.needs_register or self.token is None:
                     self.register()
-                reply = self._call({"type": "request", "job_id": self.job_id, "token": self.token,
-                                    "request_id": rid, "device": self.device, "seconds": float(seconds),
-                                    "peak_bytes": int(peak_bytes), "kind": kind})
+                payload = {"type": "request", "job_id": self.job_id, "token": self.token, "request_id": rid,
+                           "device": self.device, "seconds": float(seconds), "peak_bytes": int(peak_bytes),
+                           "kind": kind}
+                if persistent_bytes is not None:
+                    payload["persistent_bytes"] = self.persistent_bytes
+                reply = self._call(payload)
                 kind_ = reply.get("type")
                 if kind_ == "done":
                     return RunResult(rid, float(seconds), float(reply.get("waited_s", 0.0)),
@@ -323,21 +334,43 @@ class SharingBackend:
 
     The engine batches GPU work by ``sharing_granularity`` (one batch per iteration by default)
     and calls ``run`` from its per-device worker thread; ``run`` blocks while the manager serves
-    other jobs. The time spent queued behind other jobs is added to the ``sharing_wait_s``
-    counter (host waits with reason ``"sharing"`` are recorded by the engine at sync points).
+    other jobs. Counters on the run's recorder: ``sharing_requests``, ``sharing_gpu_s`` (GPU
+    time the manager ran for this job), ``sharing_queued_s`` (time the manager kept requests
+    queued behind other jobs) and ``sharing_wait_s`` (time ``run`` blocked beyond the GPU time:
+    queueing plus messaging). Host waits with reason ``"sharing"`` are recorded by the engine
+    at sync points.
+
+    Memory comes from the device's memory tracker when there is one (``memory``): the job
+    registers at its first request (so the model, gradients and optimizer state exist by then)
+    with the bytes allocated at that moment as its persistent memory, and every request carries
+    the current allocation (persistent memory may grow, e.g. optimizer state created at the first
+    step) and the tracker's peak (the most the job has held since the run or the last
+    ``torch.cuda.reset_peak_memory_stats``) as the request's peak.
     """
 
-    def __init__(self, clients: dict[int, SharingClient], recorder: Any = None) -> None:
+    def __init__(self, clients: dict[int, SharingClient], recorder: Any = None,
+                 memory: list[Any] | None = None, persistent_bytes: int | None = None) -> None:
         self.clients = clients
         self.recorder = recorder
+        self.memory = memory
+        self.fixed_persistent = persistent_bytes  # a configured figure overrides the tracker's
 
     def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None:
+        client = self.clients[device]
+        tracker = self.memory[device] if self.memory is not None and device < len(self.memory) else None
+        persistent = self.fixed_persistent
+        peak = int(peak_bytes)
+        if tracker is not None:
+            if persistent is None:
+                persistent = int(tracker.allocated)
+            peak = max(peak, int(tracker.peak_allocated))
         start = time.perf_counter()
-        result = self.clients[device].run(seconds, int(peak_bytes), kind)
+        result = client.run(seconds, peak, kind, persistent_bytes=persistent)
         if self.recorder is not None:
             self.recorder.add("sharing_wait_s", max(0.0, time.perf_counter() - start - seconds))
             self.recorder.add("sharing_queued_s", result.waited_s)
             self.recorder.add("sharing_requests", 1)
+            self.recorder.add("sharing_gpu_s", seconds)
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -354,18 +387,18 @@ def install(rt: "Runtime") -> None:
         raise RuntimeError("GPU sharing needs the time engine (gpemu.engine) with set_backend(); it is not installed")
     base = cfg.job_id or f"{socket.gethostname()}-{os.getpid()}"
     extra = dict(cfg.extra or {})
+    fixed = extra.get("sharing_persistent_bytes")
     clients: dict[int, SharingClient] = {}
     for index, spec in enumerate(rt.gpus):
         # The emuGPU id on the manager: the k8s-allocated id when there is one, else the index.
         device = cfg.visible_devices[index] if cfg.visible_devices and index < len(cfg.visible_devices) else str(index)
         clients[index] = SharingClient(
             cfg.sharing, job_id=base if len(rt.gpus) == 1 else f"{base}.{index}", device=device,
-            persistent_bytes=int(extra.get("sharing_persistent_bytes", 0)),
-            weight=float(extra.get("sharing_weight", 1.0)),
+            persistent_bytes=int(fixed or 0), weight=float(extra.get("sharing_weight", 1.0)),
             lease_s=float(extra.get("sharing_lease_s", 10.0)))
-    for client in clients.values():
-        client.register()
-    backend = SharingBackend(clients, rt.recorder)
+    # Jobs register at their first request (real persistent memory by then), not here.
+    backend = SharingBackend(clients, rt.recorder, rt.state.get("memory"),
+                             int(fixed) if fixed is not None else None)
     rt.state["sharing"] = backend
     engine.set_backend(backend)
     # Restored newest first: detach (waits for work in flight), then deregister.

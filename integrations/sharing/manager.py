@@ -223,6 +223,9 @@ class SharingCore:
                                  msg.request_id, reply_to, tag, msg.job_id, P.ERR_UNKNOWN_DEVICE)]
         if msg.request_id in job.done:  # answered before: answer again, never serve again
             return [Outgoing(reply_to, job.done[msg.request_id], [tag])]
+        if msg.persistent_bytes is not None:
+            # What the job holds between iterations now; checked against others' requests from now on.
+            job.persistent_bytes = msg.persistent_bytes
         req = job.active.get(msg.request_id)
         if req is not None:  # queued or running: remember where to answer, ack with it
             req.reply_to = reply_to or req.reply_to

@@ -12,7 +12,9 @@ Topology (all names under ``gpemu.sharing``):
 Messages from jobs (``type``):
 
 ``register``   job_id, request_id, device, persistent_bytes, weight
-``request``    job_id, token, request_id, device, seconds, peak_bytes
+``request``    job_id, token, request_id, device, seconds, peak_bytes (optional: kind, and
+               persistent_bytes — the job's persistent memory now, which may have grown since
+               it registered, e.g. optimizer state created at the first step)
 ``heartbeat``  job_id, token
 ``deregister`` job_id, token, request_id
 ``status``     (no other field; answered on reply_to)
@@ -64,7 +66,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
     "register": ("weight",),
-    "request": ("kind",),
+    "request": ("kind", "persistent_bytes"),
     "heartbeat": (),
     "deregister": (),
     "status": ("request_id",),
@@ -89,7 +91,7 @@ class Message:
     device: str = ""
     seconds: float = 0.0
     peak_bytes: int = 0
-    persistent_bytes: int = 0
+    persistent_bytes: int | None = None  # always set on register; on request only when sent
     weight: float = 1.0
     kind: str = ""
 
@@ -153,6 +155,8 @@ def parse_message(body: bytes) -> Message:
         out["peak_bytes"] = _bytes("peak_bytes", data["peak_bytes"], rid)
         if "kind" in data:
             out["kind"] = _text("kind", data["kind"], rid)
+        if "persistent_bytes" in data:
+            out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
     if kind == "register":
         out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
         if "weight" in data:
