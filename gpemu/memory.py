@@ -19,7 +19,6 @@ boundaries by the replay path (never per op).
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,6 @@ __all__ = ["MemoryTracker", "Block", "install", "trackers", "format_bytes", "MIN
 MIN_BLOCK = 512
 SEGMENT = 2 * 1024 * 1024
 _MiB = 1024 * 1024
-_addresses = itertools.count(1)
 
 
 def round_size(nbytes: int) -> int:
@@ -58,13 +56,16 @@ def format_bytes(nbytes: float) -> str:
 class Block:
     """One allocation on an emulated device; freed when the last tensor holding it dies."""
 
-    __slots__ = ("tracker", "size", "address", "__weakref__")
+    __slots__ = ("tracker", "size", "__weakref__")
 
     def __init__(self, tracker: "MemoryTracker", size: int) -> None:
         self.tracker = tracker
         self.size = size
-        # A fake but unique device address, so data_ptr() can tell storages apart.
-        self.address = next(_addresses) << 24
+
+    @property
+    def address(self) -> int:
+        """A fake device address, unique while the block lives (data_ptr() tells storages apart)."""
+        return id(self) << 4
 
     def __del__(self) -> None:
         try:

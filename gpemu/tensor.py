@@ -229,15 +229,17 @@ class EmuTensor(torch.Tensor):
     # -- dispatch ----------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-        special = _SPECIAL.get(func)
+        # Ops are keyed by id(): OpOverload.__hash__ is a Python method, and ops are singletons.
+        fid = id(func)
+        special = _SPECIAL.get(fid)
         if special is not None:
             return special(func, args, kwargs or {})
         emus: list[EmuTensor] = []
         try:
-            if func in _FLOAT_SENSITIVE:
-                key = (func, _sig(args, emus, True), _sig_kw(kwargs, emus, True) if kwargs else None)
+            if fid in _FLOAT_SENSITIVE:
+                key = (fid, _sig(args, emus, True), _sig_kw(kwargs, emus, True) if kwargs else None)
             else:
-                key = (func, _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
+                key = (fid, _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
             entry = _S.cache.get(key)
         except TypeError:  # an unhashable argument: no caching for this call
             key = None
@@ -341,7 +343,7 @@ def _float_sensitive() -> set:
         if packet is None:
             continue
         for overload in packet.overloads():
-            ops.add(getattr(packet, overload))
+            ops.add(id(getattr(packet, overload)))
     return ops
 
 
@@ -684,7 +686,7 @@ def _generic(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` through the normal cached path (used by special handlers)."""
     emus: list = []
     try:
-        key = (func, _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
+        key = (id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
         entry = _S.cache.get(key)
     except TypeError:
         key, entry = None, None
@@ -881,20 +883,24 @@ def _amp_update_scale(func: Any, args: tuple, kwargs: dict) -> Any:
 def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     # Hot (autograd detaches every gradient it stores): an alias with the same metadata.
     t = args[0]
-    out = _wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t._dev, t._block)
+    k = t._key
+    out = _make_wrapper(EmuTensor, k[0], strides=k[1], storage_offset=k[2], dtype=k[3], device=_META)
+    out._dev = t._dev
+    out._block = t._block
     out._shadow = t._shadow
     out._meta = t._meta
+    out._key = k
     return out
 
 
-_SPECIAL: dict[Any, Callable] = {
+_SPECIAL: dict[int, Callable] = {id(op): handler for op, handler in {
     aten.detach.default: _detach,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check,
     aten._amp_update_scale_.default: _amp_update_scale,
-}
+}.items()}
 
 
 # ----------------------------------------------------------------------------------------------
