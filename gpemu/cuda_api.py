@@ -273,6 +273,19 @@ def install(rt: "Runtime") -> None:
     def ipc_collect() -> None:
         lazy_init()
 
+    sync_debug = {"mode": 0}
+
+    def set_sync_debug_mode(debug_mode: int | str) -> None:
+        modes = {"default": 0, "warn": 1, "error": 2}
+        if isinstance(debug_mode, str):
+            if debug_mode not in modes:
+                raise RuntimeError('invalid value of debug_mode, expected one of `default`, `warn`, `error`')
+            debug_mode = modes[debug_mode]
+        sync_debug["mode"] = int(debug_mode)
+
+    def get_sync_debug_mode() -> int:
+        return sync_debug["mode"]
+
     for name, fn in (
         ("is_available", is_available), ("device_count", device_count), ("current_device", current_device),
         ("set_device", set_device), ("_exchange_device", exchange_device),
@@ -281,6 +294,7 @@ def install(rt: "Runtime") -> None:
         ("can_device_access_peer", can_device_access_peer), ("get_arch_list", get_arch_list),
         ("is_bf16_supported", is_bf16_supported), ("is_tf32_supported", is_tf32_supported),
         ("synchronize", synchronize), ("ipc_collect", ipc_collect),
+        ("set_sync_debug_mode", set_sync_debug_mode), ("get_sync_debug_mode", get_sync_debug_mode),
     ):
         on(cuda, name, fn)
 

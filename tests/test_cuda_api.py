@@ -229,6 +229,14 @@ def test_backends_flags(rt4) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def test_sync_debug_mode(rt4) -> None:
+    assert torch.cuda.get_sync_debug_mode() == 0
+    torch.cuda.set_sync_debug_mode("warn")
+    assert torch.cuda.get_sync_debug_mode() == 1
+    with pytest.raises(RuntimeError, match="expected one of"):
+        torch.cuda.set_sync_debug_mode("loud")
+
+
 def test_nvtx_ranges(rt4) -> None:
     assert torch.cuda.nvtx.range_push("forward") == 0
     assert torch.cuda.nvtx.range_push("inner") == 1
