@@ -165,6 +165,18 @@ class EmuTensor(torch.Tensor):
             _S.param_generation += 1
         return self
 
+    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+        """No-op: emulated blocks are freed when the last tensor dies; stream-ordered reuse
+        is not modelled."""
+
+    def new_tensor(self, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+                   **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        idx = self._dev if device is None else device_index(device)
+        host = torch.as_tensor(data.cpu() if isinstance(data, torch.Tensor) else data,
+                               dtype=dtype or self.dtype).clone()
+        out = host if idx is None else to_emulated(host, idx)
+        return out.requires_grad_(requires_grad) if requires_grad else out
+
     # -- ways back ---------------------------------------------------------------------------
     def tolist(self) -> Any:  # type: ignore[override]
         return to_host(self, reason="tolist").tolist()
@@ -1169,6 +1181,26 @@ def _make_factory(orig: Callable, name: str) -> Callable:
     return factory
 
 
+def _make_tensor_new(orig: Callable) -> Callable:
+    """``t.new_zeros(..., device='cuda')`` and friends (the C++ path would initialise CUDA)."""
+    @functools.wraps(orig)
+    def new(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        d = kwargs.get("device")
+        idx = device_index(d) if d is not None else None
+        if idx is None:
+            return orig(self, *args, **kwargs)
+        idx = _check(idx)
+        kw = dict(kwargs)
+        kw["device"] = _META
+        kw.pop("pin_memory", None)
+        requires_grad = bool(kw.pop("requires_grad", False))
+        kw.setdefault("dtype", self.dtype)
+        meta_self = torch.empty((), dtype=self.dtype, device=_META)
+        out = _from_meta(orig(meta_self, *args, **kw), idx)
+        return out.requires_grad_(True) if requires_grad else out
+    return new
+
+
 def _make_device_context_tf(orig_tf: Callable) -> Callable:
     """``torch.set_default_device('cuda')`` / ``with torch.device('cuda')``: torch's DeviceContext
     mode adds ``device='cuda'`` to factories; route those to emulated factories."""
@@ -1270,6 +1302,8 @@ def install(rt: "Runtime") -> None:
     p.replace(T, "to", _make_tensor_to(T.to))
     p.replace(T, "cuda", _make_tensor_cuda(T.cuda))
     p.replace(T, "type", _make_tensor_type(T.type))
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full"):
+        p.replace(T, name, _make_tensor_new(getattr(T, name)))
     from torch.utils._device import DeviceContext, _device_constructors
 
     _device_constructors()  # fill its cache with torch's own functions before ours replace them

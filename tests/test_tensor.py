@@ -216,3 +216,25 @@ def test_unpatch_restores_torch():
 def test_to_emulated_requires_runtime():
     with pytest.raises(RuntimeError, match="gpemu is not patched"):
         to_emulated(torch.zeros(2), 0)
+
+
+def test_common_training_script_calls(rt):
+    x = torch.randn(8, 100).cuda()
+    y = torch.randint(0, 100, (8,), device="cuda")
+    x.record_stream(object())  # accepted (no-op)
+    assert x.new_tensor([1, 2]).device.type == "cuda" and x.new_zeros(3).device.type == "cuda"
+    assert torch.ones(2).new_zeros(3, device="cuda").device.type == "cuda"
+    assert x.argmax(1).eq(y).shape == (8,) and torch.topk(x, 5)[1].shape == (8, 5)
+    assert torch.nn.Embedding(100, 16).cuda()(y).shape == (8, 16)
+    assert x[torch.tensor([0, 2])].shape == (2, 100)  # CPU index tensor, as CUDA allows
+    assert torch.randn(2, 3, 4, 4).cuda().to(memory_format=torch.channels_last).stride() == (48, 1, 12, 3)
+    m = torch.nn.Linear(100, 10).cuda()
+    m(x).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).device.type == "cuda"
+    import copy
+
+    clone = copy.deepcopy(m)
+    assert clone.weight.device.type == "cuda" and clone.weight is not m.weight
+    assert isinstance(clone.weight, torch.nn.Parameter)
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        x.pin_memory()
