@@ -90,6 +90,23 @@ def test_bootstrap_chains_an_existing_sitecustomize_and_keeps_the_exit_code(tmp_
     assert "cuda: True 1 Tesla K80" in proc.stdout
 
 
+def test_bootstrap_failure_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="1", GPEMU_GPU="Z9000")
+    proc = subprocess.run([sys.executable, "-c", "print('script ran')"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "script ran" not in proc.stdout
+    assert proc.stderr.startswith("[gpemu] error: could not emulate GPUs in this process: unknown GPU 'Z9000'")
+    assert "Fatal Python error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bootstrap_does_nothing_without_enable(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="0", GPEMU_GPU="Z9000")
+    proc = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False"  # not even torch was imported
+
+
 CHILDREN_MODULE = '''
 import sys
 import torch

@@ -24,6 +24,7 @@ def _chain_to_shadowed_sitecustomize() -> None:
 
 
 def _emulate() -> None:
+    import os
     import sys
 
     try:
@@ -34,7 +35,9 @@ def _emulate() -> None:
         bootstrap()
     except Exception as exc:  # one clear line, not a half-emulated run that silently uses the CPU
         print(f"[gpemu] error: could not emulate GPUs in this process: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        # SystemExit inside site's import is reported as a fatal interpreter error; nothing has
+        # run yet, so ending here with gpemu's status for bad settings loses nothing.
+        os._exit(2)
 
 
 _chain_to_shadowed_sitecustomize()
