@@ -15,7 +15,9 @@ What it writes (all committed, ~2 MB together):
 
 Memory rows whose batch size is not a whole number (the authors' regression fill-ins) are
 dropped and counted (the artifact has none today); memory values below zero (regression
-fill-ins: K80 resnet152 persistent memory at batch 234..256, 23 rows) are dropped and counted.
+fill-ins: K80 resnet152 persistent memory at batch 234..256, 23 rows) and persistent memory
+below the model's parameter bytes (impossible: the parameters stay on the GPU; K80 resnet152 at
+batch 201..233, 33 rows) are dropped and counted.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ def _batch(text: str) -> int | None:
 def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
     prof = shared_data / "gpemu-artifact" / "profiled_data"
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts: dict[str, int] = {"dropped_fractional_memory_rows": 0, "dropped_negative_memory_rows": 0}
+    counts: dict[str, int] = {"dropped_fractional_memory_rows": 0, "dropped_negative_memory_rows": 0,
+                              "dropped_persistent_below_params_rows": 0}
+    param_bytes = {r["model"]: int(r["param_bytes"])
+                   for r in csv.DictReader((shared_data / "torchvision_models.csv").open())}
     rows: list[tuple[str, str, str, int, str]] = []
 
     def add(gpu_folder: str, model: str, kind: str, bs: int, value: str) -> None:
@@ -75,6 +80,10 @@ def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
                 value = float(r[col])
                 if value < 0:  # a regression fill-in gone below zero: not a measurement
                     counts["dropped_negative_memory_rows"] += 1
+                    continue
+                if kind == "persistent_memory" and value * _MiB < param_bytes[model]:
+                    # The parameters alone stay on the GPU between batches: less is impossible.
+                    counts["dropped_persistent_below_params_rows"] += 1
                     continue
                 add(gpu, model, kind, bs, str(round(value * _MiB)))
 

@@ -210,7 +210,7 @@ class ProfileDB:
         measured: a profiled batch size; interpolated: piecewise-linear between the two
         neighbouring profiled sizes (small models are far from linear in batch size);
         extrapolated: outside the profiled range, a least-squares line through the nearest
-        quarter of the points, never below zero.
+        quarter of the points, never below zero (memory: never below the parameters' bytes).
         """
         check_kind(kind)
         bs = check_batch_size(batch_size)
@@ -235,7 +235,9 @@ class ProfileDB:
         fit = self._fits.get(((gid, mid, kind, world_size), above))
         if fit is None:
             fit = self._fits[((gid, mid, kind, world_size), above)] = _extrapolation_line(xs, ys, above)
-        return Lookup(float(max(fit[0] * bs + fit[1], 0.0)), unit, "extrapolated")
+        # Memory never goes below the parameters' bytes (they stay on the GPU); time never below 0.
+        floor = float(self._names().models[mid].param_bytes) if unit == "bytes" else 0.0
+        return Lookup(float(max(fit[0] * bs + fit[1], floor)), unit, "extrapolated")
 
     def distribution(self, name: str) -> np.ndarray:
         """Samples of a named distribution (e.g. 'decode-dali', seconds per batch), recorded order."""

@@ -143,4 +143,4 @@ def test_show_lists_ddp_iterations_per_world_size(runner, tmp_path):
 def test_db_init_default_reports_counts(runner):
     res = runner.invoke(cli, ["db", "init"])
     assert res.exit_code == 0, res.output
-    assert "6 GPUs, 36 models, 276673 measurements, 14 distributions" in res.output
+    assert "6 GPUs, 36 models, 276640 measurements, 14 distributions" in res.output

@@ -81,8 +81,9 @@ def test_shipped_row_counts_per_kind(pdb):
     assert pdb.count("h2d_transfer") == per_pair * 256
     assert pdb.count("model_transfer") == per_pair
     assert pdb.count("peak_memory") == per_pair * 256
-    # 23 negative regression fill-ins (K80 resnet152, batch 234..256) are not shipped.
-    assert pdb.count("persistent_memory") == per_pair * 256 - 23
+    # K80 resnet152's regression fill-ins at batch 201..256 (negative, or below the parameters'
+    # bytes) are not shipped.
+    assert pdb.count("persistent_memory") == per_pair * 256 - 56
     assert pdb.count() == sum(pdb.count(k) for k in KINDS)
 
 
@@ -197,6 +198,14 @@ def test_shipped_beyond_range_is_extrapolated_and_grows(pdb):
     at300 = pdb.lookup("V100", "resnet50", 300, "forward")
     assert at300.provenance == "extrapolated"
     assert at256.value < at300.value < at256.value * 300 / 256 * 1.2
+
+
+def test_memory_extrapolation_stays_above_parameter_bytes(pdb, empty_db):
+    params = pdb.model("resnet152").param_bytes
+    k80 = pdb.lookup("K80", "resnet152", 256, "persistent_memory")  # profiled only up to 200
+    assert k80.provenance == "extrapolated" and k80.value >= params
+    _points(empty_db, "persistent_memory", [(1, 9000.0), (2, 8000.0), (3, 7000.0), (4, 6000.0)])
+    assert empty_db.lookup("TG8", "tinynet", 50, "persistent_memory").value == 4000  # tinynet's param_bytes
 
 
 def test_batch_independent_kind(pdb):
