@@ -70,7 +70,7 @@ class Recording:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
                  "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
-                 "dev", "n_inputs", "grad_specs", "__weakref__")
+                 "dev", "n_inputs", "grad_specs", "profiled_peak", "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list = []
@@ -89,6 +89,7 @@ class Recording:
         self.dev = 0
         self.n_inputs = 0
         self.grad_specs: list | None = None
+        self.profiled_peak: int | None = None  # memory='profiled': the database's peak (bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,6 +298,7 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
         rec.batch = batch
         rec.ident = ident
         rec.dev = dev
+        rec.profiled_peak = peak
         reached = _params_reached(leaves)
         rec.grad_params = [id(p) in reached for p in params]
         for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
@@ -396,6 +398,8 @@ def _replay(rec: Recording, emus: list, params: list) -> Any:
     if not torch.is_grad_enabled():
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, dev)
+        if rec.profiled_peak is not None:
+            mem.touch(rec.profiled_peak - mem.allocated)
         _charge(rec.fwd_seconds, "forward", rec)
         mem.sample()
         return tree_unflatten(outs, rec.treespec)
@@ -424,6 +428,8 @@ class _ReplayFunction(torch.autograd.Function):
         saved = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, rec.dev)
+        if rec.profiled_peak is not None:
+            mem.touch(rec.profiled_peak - mem.allocated)
         _charge(rec.fwd_seconds, "forward", rec)
         mem.sample()
         ctx.rec = rec

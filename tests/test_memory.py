@@ -132,3 +132,24 @@ def test_capacity_comes_from_the_gpu_spec_and_fraction_limits_it(rt):
 def test_bad_capacity_is_rejected():
     with pytest.raises(ValueError, match="capacity must be positive"):
         MemoryTracker(0, 0)
+
+
+def test_profiled_mode_uses_the_databases_peak_for_identified_models():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    tvmodels = pytest.importorskip("tvmodels")
+    rt = gpemu.patch(gpu="V100", summary=False, memory="profiled", extra={"clock": VirtualClock()})
+    try:
+        model = tvmodels.resnet18().cuda()
+        mem = rt.state["memory"][0]
+        x = torch.empty(8, 3, 224, 224, device="cuda")
+        for _ in range(2):  # recorded, then replayed
+            mem.reset_peak()
+            model(x).sum().backward()
+            db_peak = rt.db.lookup(rt.gpus[0].name, "resnet18", 8, "peak_memory").value
+            assert mem.peak_allocated >= db_peak
+            assert mem.peak_allocated < db_peak * 1.5
+    finally:
+        gpemu.unpatch()
