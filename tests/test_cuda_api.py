@@ -90,6 +90,15 @@ def test_bad_device_arguments_raise_clear_errors(rt4) -> None:
             pass
 
 
+def test_patch_without_arguments_reads_the_environment(monkeypatch) -> None:
+    # What a k8s emuGPU allocation or `gpemu run` leaves for a script that calls gpemu.patch().
+    monkeypatch.setenv("GPEMU_GPUS", "P100,A100")
+    gpemu.patch()
+    assert torch.cuda.device_count() == 2
+    assert torch.cuda.get_device_name(0) == "Tesla P100-PCIE-16GB"
+    assert torch.cuda.get_device_capability(1) == (8, 0)
+
+
 def test_bad_configuration_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="did you mean 'V100'"):
         gpemu.patch(gpu="V10")
