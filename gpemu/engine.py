@@ -63,7 +63,7 @@ class TimeEngine:
         self.recorder = recorder if recorder is not None else Recorder()
         self.clock: Clock = clock if clock is not None else RealClock()
         self.granularity = granularity
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._local = threading.local()  # .current: dict device -> stream; .scope: int
         # Latest end of any work on each device (all streams): a device sync waits for this.
         self._device_busy = [0.0] * num_devices
@@ -139,13 +139,15 @@ class TimeEngine:
         emulator's, not the program's: the host's emulated time stays on the deadline and the
         lateness never delays later GPU work. Host time after the wake counts normally."""
         woke = self.clock.now()
-        late = woke - deadline
+        self.recorder.host_wait(device, reason, start, woke)
+        # Measured after our own book-keeping, so that is forgiven too: the program's next
+        # action happens at the deadline on the emulated timeline.
+        late = self.clock.now() - deadline
         if late > 0:
             self._local.late = min(late, _MAX_FORGIVEN_LATENESS)
             self.recorder.add("wake_late_s", late)
         else:
             self._local.late = 0.0
-        self.recorder.host_wait(device, reason, start, woke)
 
     def device_busy_until(self, device: int) -> float:
         return self._device_busy[device]
@@ -175,6 +177,8 @@ class TimeEngine:
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
                  peak_bytes: int) -> float:
+        # Read the host's time first: the emulator's own checks below are not the program's.
+        now = self.clock.now() - getattr(self._local, "late", 0.0)
         if seconds < 0 or seconds != seconds:
             raise ValueError(f"GPU work must take a non-negative time, got {seconds!r} s for {kind} {name!r}")
         device = stream.device_index
@@ -182,7 +186,6 @@ class TimeEngine:
             self._backward_since_mark[device] = True
         if self._backend is not None:
             return self._enqueue_backend(stream, seconds, kind, name, peak_bytes)
-        now = self.clock.now() - getattr(self._local, "late", 0.0)
         with self._lock:
             start = stream.busy_until if stream.busy_until > now else now
             end = start + seconds
