@@ -457,6 +457,7 @@ def install(rt: "Runtime") -> None:
         return nn.Module.__new__(cls)
 
     rt.patcher.replace(_TorchDDP, "__new__", ddp_new)
+    _install_data_parallel(rt)
 
     # torchrun sets LOCAL_RANK: each local rank starts on "its" emulated GPU when there is one.
     try:
@@ -465,6 +466,111 @@ def install(rt: "Runtime") -> None:
         local_rank = None  # not started by torchrun
     if isinstance(local_rank, int) and 0 <= local_rank < rt.num_devices:
         rt.current_device = local_rank
+
+
+def _install_data_parallel(rt: "Runtime") -> None:
+    """torch.nn.DataParallel across emulated GPUs.
+
+    Its scatter/broadcast/gather/reduce primitives are C functions of the CUDA build; here they
+    become copies between emulated devices (each charged as a transfer by the device layer).
+    Replicas run one after another on the host thread: each device's GPU work still goes to its
+    own stream, so the emulated GPUs work in parallel as with real threads.
+    """
+    import importlib
+
+    from torch.nn.parallel import _functions, comm
+
+    # (the package re-exports the function under the module's name)
+    parallel_apply_module = importlib.import_module("torch.nn.parallel.parallel_apply")
+
+    from .cuda_api import _replace_copies, device_index
+
+    def cuda(index: int) -> torch.device:
+        return torch.device("cuda", index)
+
+    def indices(devices: Any) -> list[int]:
+        return [device_index(rt, d) for d in devices]
+
+    def broadcast_coalesced(tensors: Any, devices: Any, buffer_size: int = 10485760) -> list:
+        out = []
+        for d in indices(devices):
+            out.append([t if t.device == cuda(d) else t.to(cuda(d), non_blocking=True) for t in tensors])
+        return out
+
+    def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None, dim: int = 0,
+                streams: Any = None, *, out: Any = None) -> tuple:
+        if out is not None:
+            chunks = tensor.split([o.shape[dim] for o in out], dim)
+            for o, c in zip(out, chunks):
+                o.copy_(c, non_blocking=True)
+            return tuple(out)
+        devs = indices(devices)
+        chunks = tensor.split(list(chunk_sizes), dim) if chunk_sizes else tensor.chunk(len(devs), dim)
+        return tuple(c.to(cuda(d), non_blocking=True) if c.device != cuda(d) else c.contiguous()
+                     for c, d in zip(chunks, devs))
+
+    def gather(tensors: Any, dim: int = 0, destination: Any = None, *, out: Any = None) -> torch.Tensor:
+        if out is not None:
+            return torch.cat([t.to(out.device, non_blocking=True) for t in tensors], dim, out=out)
+        if destination == -1 or destination == "cpu":
+            target = torch.device("cpu")
+        else:
+            target = cuda(device_index(rt, destination))
+        return torch.cat([t.to(target, non_blocking=True) for t in tensors], dim)
+
+    def reduce_add_coalesced(inputs: Any, destination: Any = None, buffer_size: int = 10485760) -> tuple:
+        target = cuda(device_index(rt, destination))
+        result = []
+        for group in zip(*inputs):
+            total = None
+            for t in group:
+                t = t.to(target, non_blocking=True)
+                total = t if total is None else total + t
+            result.append(total)
+        return tuple(result)
+
+    def parallel_apply(modules: Any, inputs: Any, kwargs_tup: Any = None, devices: Any = None) -> list:
+        if kwargs_tup is None:
+            kwargs_tup = ({},) * len(modules)
+        if devices is None:
+            devices = [None] * len(modules)
+        outputs = []
+        for module, args, kwargs, device in zip(modules, inputs, kwargs_tup, devices):
+            if device is None:
+                first = next(iter(module.parameters()), None)
+                device = first.device if first is not None else rt.current_device
+            if not isinstance(args, (list, tuple)):
+                args = (args,)
+            with torch.cuda.device(device_index(rt, device)):
+                outputs.append(module(*args, **kwargs))
+        return outputs
+
+    replacements = {}
+    for module, name, new in ((comm, "broadcast_coalesced", broadcast_coalesced), (comm, "scatter", scatter),
+                              (comm, "gather", gather), (comm, "reduce_add_coalesced", reduce_add_coalesced),
+                              (parallel_apply_module, "parallel_apply", parallel_apply)):
+        original = getattr(module, name)
+        replacements[id(original)] = (original, new)
+    _replace_copies(rt, replacements)
+    # Background copy streams of the CUDA build: copies go on the devices' current streams.
+    rt.patcher.replace(_functions, "_get_stream", lambda device: None)
+
+    def scatter_forward(ctx: Any, target_gpus: Any, chunk_sizes: Any, dim: int, input: torch.Tensor) -> tuple:
+        # torch's version builds torch.device(int) (C-level parsing that needs a real
+        # accelerator) to pick copy streams; the emulated copies need none.
+        target_gpus = indices(target_gpus)
+        ctx.dim = dim
+        ctx.input_device = input.get_device() if input.device.type != "cpu" else -1
+        return scatter(input, target_gpus, chunk_sizes, dim)
+
+    rt.patcher.replace(_functions.Scatter, "forward", staticmethod(scatter_forward))
+
+    def data_parallel_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # The wrapper itself is not the unit whose GPU time is charged: each replica's work is
+        # charged on its own device (a batch/N share each), so N emulated GPUs work in parallel.
+        return nn.Module._call_impl(self, *args, **kwargs)
+
+    rt.patcher.replace(nn.DataParallel, "__call__", data_parallel_call)
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -54,6 +54,26 @@ def test_bucket_overlap_hides_communication_behind_backward() -> None:
     assert _overlapped_finish(5.0, 5.0, buckets, 2, 12e9) - 5.0 == pytest.approx(comm, rel=1e-6)
 
 
+def test_data_parallel_runs_replicas_on_every_emulated_gpu() -> None:
+    import gpemu
+
+    rt = gpemu.patch(gpu="V100", num_gpus=2, summary=False)
+    model = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                                      torch.nn.Linear(256, 10))).cuda()
+    assert model.device_ids == [0, 1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in (torch.randn(32, 64), torch.randn(32, 64, device="cuda")):  # host and GPU inputs
+        out = model(batch)
+        assert out.shape == (32, 10) and out.device == torch.device("cuda:0")  # gathered on device 0
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    busy = {d: sum(s.end - s.start for s in rt.recorder.spans if s.device == d) for d in (0, 1)}
+    assert busy[0] > 0 and busy[1] > 0  # both GPUs did work
+    assert torch.cuda.max_memory_allocated(1) > 0  # replica parameters live on device 1
+
+
 # ------------------------------------------------------------------ two real processes
 def _free_port() -> int:
     with socket.socket() as s:

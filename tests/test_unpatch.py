@@ -35,6 +35,10 @@ def _owners() -> dict[str, object]:
     owners["class:GradScaler"] = torch.amp.GradScaler
     owners["class:cuda.amp.GradScaler"] = torch.cuda.amp.GradScaler
     owners["class:DDP"] = torch.nn.parallel.DistributedDataParallel
+    owners["class:DataParallel"] = torch.nn.DataParallel
+    from torch.nn.parallel import _functions
+
+    owners["class:Scatter"] = _functions.Scatter
     return owners
 
 
