@@ -34,6 +34,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import tensor as _tensor
@@ -405,8 +406,29 @@ def _replay(rec: Recording, emus: list, params: list) -> Any:
         return tree_unflatten(outs, rec.treespec)
     inputs = [e for e in emus]
     grad_params = [p for p, g in zip(params, rec.grad_params) if g]
-    outs = _ReplayFunction.apply(rec, len(inputs), *inputs, *grad_params)
+    direct = None
+    if grad_params and not any(p._post_accumulate_grad_hooks is not None or p._backward_hooks
+                               for p in grad_params):
+        # No hooks on the parameters: backward may set .grad itself (see _ReplayFunction).
+        direct = _Direct(len(inputs), grad_params)
+    outs = _ReplayFunction.apply(rec, direct, *inputs, *grad_params)
     return tree_unflatten(list(outs), rec.treespec)
+
+
+class _Direct:
+    """Lets the replayed backward store parameter gradients directly (``p.grad = g``) instead
+    of returning them to autograd, which would run one AccumulateGrad node (and a Python-dispatched
+    ``detach``) per parameter: the biggest host cost of an emulated backward. Used only when the
+    engine will run the parameters' AccumulateGrad nodes in this backward (``loss.backward()``,
+    not ``torch.autograd.grad(..., params)``) and no parameter has hooks."""
+
+    __slots__ = ("n_inputs", "params", "node")
+
+    def __init__(self, n_inputs: int, params: list) -> None:
+        self.n_inputs = n_inputs
+        self.params = params
+        # The accumulator node the graph will use (kept alive by this reference).
+        self.node = get_gradient_edge(params[0]).node
 
 
 def _charge(seconds: float, kind: str, rec: Recording) -> None:
@@ -423,7 +445,7 @@ def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
 
 class _ReplayFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rec: Recording, n_inputs: int, *tensors: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, rec: Recording, direct: "_Direct | None", *tensors: torch.Tensor) -> tuple:  # type: ignore[override]
         mem = _S.memory[rec.dev]
         saved = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
         mem.touch(rec.fwd_extra)
@@ -433,6 +455,7 @@ class _ReplayFunction(torch.autograd.Function):
         _charge(rec.fwd_seconds, "forward", rec)
         mem.sample()
         ctx.rec = rec
+        ctx.direct = direct
         ctx.saved_block = saved
         specs = rec.grad_specs
         if specs is None or len(specs) != len(tensors):
@@ -454,11 +477,21 @@ class _ReplayFunction(torch.autograd.Function):
             if needed:
                 new_bytes += spec[4]
         mem.touch(rec.bwd_extra - new_bytes)
-        for (shape, stride, dtype, dev, nbytes), needed in zip(ctx.specs, ctx.needs_input_grad[2:]):
-            if needed:
-                result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
-            else:
+        direct: _Direct | None = ctx.direct
+        if direct is not None and not torch._C._will_engine_execute_node(direct.node):
+            direct = None  # e.g. torch.autograd.grad(loss, params): return the gradients
+        first_param = direct.n_inputs if direct is not None else len(ctx.specs)
+        for i, ((shape, stride, dtype, dev, nbytes), needed) in enumerate(zip(ctx.specs, ctx.needs_input_grad[2:])):
+            if not needed:
                 result.append(None)
+            elif i >= first_param:
+                p = direct.params[i - first_param]  # type: ignore[union-attr]
+                if p.grad is None:
+                    p.grad = _wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None)
+                # else: accumulated in place (metadata unchanged; its transient is in the touch above)
+                result.append(None)
+            else:
+                result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
         ctx.saved_block = None  # saved activations are freed once backward has used them
         mem.sample()
         return tuple(result)

@@ -967,7 +967,10 @@ def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
     block = _S.memory[dev].allocate(nbytes) if nbytes else None
     _charge_h2d(t, dev, non_blocking)
     e = _wrap(t.shape, stride, 0, t.dtype, dev, block)
-    e._shadow = _small_shadow(t)
+    if not getattr(_S.local, "moving_model", False):
+        # Model parameters/buffers get no shadows: their values are not what host code reads
+        # back, and a shadow would add a host op to every step of the optimizer.
+        e._shadow = _small_shadow(t)
     return e
 
 
