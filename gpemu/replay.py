@@ -478,8 +478,13 @@ class _ReplayFunction(torch.autograd.Function):
                 new_bytes += spec[4]
         mem.touch(rec.bwd_extra - new_bytes)
         direct: _Direct | None = ctx.direct
-        if direct is not None and not torch._C._will_engine_execute_node(direct.node):
-            direct = None  # e.g. torch.autograd.grad(loss, params): return the gradients
+        if direct is not None:
+            try:
+                runs = torch._C._will_engine_execute_node(direct.node)
+            except RuntimeError:  # raised for leaves while torch.autograd.grad() runs
+                runs = False
+            if not runs:
+                direct = None  # e.g. torch.autograd.grad(loss, params): return the gradients
         first_param = direct.n_inputs if direct is not None else len(ctx.specs)
         for i, ((shape, stride, dtype, dev, nbytes), needed) in enumerate(zip(ctx.specs, ctx.needs_input_grad[2:])):
             if not needed:

@@ -183,3 +183,24 @@ def test_resnet_like_model_from_examples(rt):
     assert out.shape == (2, 10)
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
     assert replay.replay_info()["replayed"] == 2
+
+
+def test_replayed_grads_reach_autograd_grad_and_parameter_hooks(rt):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).cuda()
+    x = torch.randn(4, 8).cuda()
+    model(x).sum().backward()  # recorded
+    model.zero_grad(set_to_none=True)
+    # torch.autograd.grad w.r.t. parameters: gradients are returned, .grad untouched
+    grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    assert [g.shape for g in grads] == [p.shape for p in model.parameters()]
+    assert all(p.grad is None for p in model.parameters())
+    # post-accumulate-grad hooks (as DDP uses) still fire on replay
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda t: fired.append(t.shape))
+    model(x).sum().backward()
+    assert len(fired) == 4 and replay.replay_info()["replayed"] == 2
+    # accumulation keeps the existing gradient tensor
+    g = model[0].weight.grad
+    model(x).sum().backward()
+    assert model[0].weight.grad is g
