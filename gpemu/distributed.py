@@ -131,6 +131,8 @@ class EmulatedDDP(_TorchDDP):
         self._gpemu_grad_bytes = sum(self._gpemu_bucket_bytes)
         self._gpemu_sync_this_backward = False
         self._gpemu_queued = False
+        self._gpemu_batch: int | None = None
+        self._gpemu_measured: dict[int, float | None] = {}  # per-GPU batch -> exposed comm seconds
         self._gpemu_backward_start: float | None = None
         self._gpemu_lock = threading.Lock()
         self._gpemu_hooks = [p.register_post_accumulate_grad_hook(self._gpemu_on_grad_ready) for p in params]
@@ -156,6 +158,9 @@ class EmulatedDDP(_TorchDDP):
         # what gets identified against the profile database.
         self._gpemu_sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._gpemu_backward_start = None
+        first = next((a for a in (*inputs, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        if first is not None:
+            self._gpemu_batch = int(first.shape[0])
         return nn.Module._call_impl(self, *inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -256,13 +261,51 @@ class EmulatedDDP(_TorchDDP):
         backward_end = max(stream.busy_until, engine.now())
         backward_start = self._gpemu_backward_start if self._gpemu_backward_start is not None else backward_end
         backward_start = min(backward_start, backward_end)
-        finish = _overlapped_finish(backward_start, backward_end, self._gpemu_bucket_bytes,
-                                    self._gpemu_world, self._gpemu_bandwidth())
+        measured = self._gpemu_measured_comm()
+        if measured is not None:
+            finish = backward_end + measured
+        else:
+            finish = _overlapped_finish(backward_start, backward_end, self._gpemu_bucket_bytes,
+                                        self._gpemu_world, self._gpemu_bandwidth())
         # Ranks wait for the slowest one: the all-reduce ends when the last rank's ends.
         finish = _lockstep(self.process_group, finish)
         start = max(stream.busy_until, engine.now())
         rt.recorder.add("ddp_allreduce_bytes", float(self._gpemu_grad_bytes))
         self._gpemu_charge(max(0.0, finish - start), "DDP gradient all-reduce")
+
+
+    def _gpemu_measured_comm(self) -> float | None:
+        """Exposed communication from the database's measured DDP iterations, when there are some:
+        ddp_iteration - forward - backward - optimizer step, for this model, GPU, world size and
+        per-GPU batch. Looked up once per batch size (never on the hot path afterwards)."""
+        batch = self._gpemu_batch
+        if batch is None or self._gpemu_device is None:
+            return None
+        if batch in self._gpemu_measured:
+            return self._gpemu_measured[batch]
+        value = None
+        rt = type(self)._gpemu_rt
+        try:
+            from .costs import backward_seconds, forward_seconds
+            from .identify import identify
+
+            identity = identify(rt, self.module)
+            gpu = rt.gpus[self._gpemu_device].name
+            if identity.name and rt.db.has(gpu, identity.name, "ddp_iteration", self._gpemu_world):
+                iteration = rt.db.lookup(gpu, identity.name, batch, "ddp_iteration", self._gpemu_world)
+                fwd, _ = forward_seconds(rt, identity, batch, self._gpemu_device)
+                bwd, _ = backward_seconds(rt, identity, batch, self._gpemu_device)
+                step = (rt.db.lookup(gpu, identity.name, batch, "optimizer_step").value
+                        if rt.db.has(gpu, identity.name, "optimizer_step") else 0.0)
+                value = max(0.0, iteration.value - fwd - bwd - step)
+                rt.say_once(f"DDP all-reduce of {identity.name} on {self._gpemu_world} x {gpu}: from the database's "
+                            f"ddp_iteration ({iteration.provenance}) minus forward, backward and step")
+        except Exception as exc:  # the estimate below still applies
+            if rt.config.debug:
+                rt.say_once(f"DDP: measured all-reduce time unavailable ({exc!r}); using the ring estimate")
+            value = None
+        self._gpemu_measured[batch] = value
+        return value
 
 
 def _buckets(sizes: list[int], cap: int) -> list[int]:

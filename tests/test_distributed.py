@@ -74,6 +74,45 @@ def test_data_parallel_runs_replicas_on_every_emulated_gpu() -> None:
     assert torch.cuda.max_memory_allocated(1) > 0  # replica parameters live on device 1
 
 
+def test_measured_ddp_iterations_decide_the_allreduce_time(tmp_path: Path, _gpemu_data_dir: Path) -> None:
+    """With ddp_iteration measured for the model, GPU and world size, the exposed all-reduce is
+    ddp_iteration - forward - backward (here a world of one real gloo rank, in-process)."""
+    import shutil
+    import sys
+
+    import torch.distributed as dist
+
+    import gpemu
+    from gpemu.clock import VirtualClock
+    from gpemu.db import Measurement, db_location, open_profile_db
+    from gpemu.config import EmuConfig
+
+    source = db_location(EmuConfig.from_env()).removeprefix("sqlite:///")
+    open_profile_db(EmuConfig.from_env())  # make sure the session's default database exists
+    shutil.copy(source, tmp_path / "db.sqlite")
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    db = open_profile_db(EmuConfig(db_url=url))
+    fwd = db.lookup("V100", "resnet18", 8, "forward").value
+    bwd = db.lookup("V100", "resnet18", 8, "backward").value
+    db.add_measurements([Measurement("V100", "resnet18", "ddp_iteration", 8, fwd + bwd + 0.030)])
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import tvmodels
+
+    clock = VirtualClock()
+    rt = gpemu.patch(gpu="V100", db_url=url, summary=False, extra={"clock": clock})
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(tvmodels.resnet18().cuda())
+        for _ in range(2):
+            model(torch.randn(8, 3, 224, 224, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+        comm = [s for s in rt.recorder.spans if s.kind == "comm" and "gradient" in s.name]
+        assert len(comm) == 2
+        assert comm[-1].end - comm[-1].start == pytest.approx(0.030, rel=0.05)
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ two real processes
 def _free_port() -> int:
     with socket.socket() as s:
