@@ -293,3 +293,21 @@ def test_cuda_events_time_emulated_gpu_work():
         with torch.cuda.stream(side):
             assert torch.cuda.current_stream() == side
         assert torch.cuda.current_stream() == rt.state["engine"].default_stream(0)
+
+
+@pytest.mark.parametrize("granularity, expected", [
+    ("forward-backward", [(0, 0.003, 0, "forward-backward"), (0, 0.001, 0, "optimizer")]),
+    ("sync", [(0, 0.004, 0, "sync")]),
+])
+def test_backend_granularity_decides_what_one_request_covers(granularity, expected):
+    eng = TimeEngine(1, Recorder(), granularity=granularity)
+    backend = _Backend()
+    eng.set_backend(backend)
+    s = eng.default_stream(0)
+    s.enqueue(0.001, "forward", "m")
+    s.enqueue(0.002, "backward", "m")
+    s.enqueue(0.001, "optimizer", "SGD")
+    eng.end_iteration(0)  # not a boundary for these granularities
+    eng.synchronize(0, "item")
+    assert backend.calls == expected
+    eng.close()
