@@ -351,7 +351,9 @@ class _BackwardStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, info: _BackwardInfo, *outs: torch.Tensor) -> tuple:  # type: ignore[override]
         ctx.info = info
-        return tuple(o.view_as(o) for o in outs)
+        # New wrappers over the same memory block, not autograd views: the user may modify the
+        # outputs in place (``logits /= T``), which autograd forbids on views made in a Function.
+        return tuple(_wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o._dev, o._block) for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]

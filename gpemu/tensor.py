@@ -69,7 +69,6 @@ class _State:
         self.engine: Any = None
         self.memory: list = []
         self.cache: dict = {}
-        self.rec: Any = None          # replay recording accumulator (has .cost) or None
         self.local = threading.local()  # .moving_model: per-tensor copies are not charged
         self.warned: set[str] = set()
         self.param_generation = 0  # bumped when a parameter's dtype/device/requires_grad changes
@@ -205,9 +204,16 @@ class EmuTensor(torch.Tensor):
         if contents is None:
             with torch.no_grad():
                 contents = ts._tensor_str(values, len("tensor(")) if values.numel() or values.dim() else "[]"
+        prefix = "Parameter containing:\n" if self.__dict__.get("_is_param", False) else ""
         try:
-            text = ts._str_intern(self, tensor_contents=contents)
-            return "tensor(" + text[len(type(self).__name__) + 1:]
+            # On a detached alias: torch would print a subclass parameter as "Parameter(EmuTensor(".
+            text = ts._str_intern(self.detach(), tensor_contents=contents)
+            text = "tensor(" + text[len(type(self).__name__) + 1:-1]
+            if self.grad_fn is not None:
+                text += f", grad_fn=<{type(self.grad_fn).__name__}>"
+            elif self.requires_grad:
+                text += ", requires_grad=True"
+            return prefix + text + ")"
         except Exception:  # e.g. torch.cuda.current_device() not available yet
             extra = f", device='cuda:{self._dev}'"
             if self.dtype not in (torch.get_default_dtype(), torch.int64, torch.bool):
@@ -216,7 +222,7 @@ class EmuTensor(torch.Tensor):
                 extra += f", grad_fn=<{type(self.grad_fn).__name__}>"
             elif self.requires_grad:
                 extra += ", requires_grad=True"
-            return f"tensor({contents}{extra})"
+            return f"{prefix}tensor({contents}{extra})"
 
     def __reduce_ex__(self, protocol: int) -> Any:
         from .serialization import reduce_emulated
@@ -412,10 +418,6 @@ def _fast_path(entry: _Entry, func: Any, args: tuple, kwargs: dict | None, emus:
 def _charge(entry: _Entry, dev: int) -> None:
     cost = entry.cost
     if cost:
-        rec = _S.rec
-        if rec is not None:
-            rec.cost += cost
-            return
         engine = _S.engine
         if engine is not None and not engine.in_charged_scope:
             engine.stream(dev).enqueue(cost, "op", entry.name)
@@ -1291,14 +1293,12 @@ def install(rt: "Runtime") -> None:
     _S.memory = rt.state["memory"]
     _S.cache = {}
     _S.warned = set()
-    _S.rec = None
 
     def reset() -> None:
         _S.rt = None
         _S.engine = None
         _S.memory = []
         _S.cache = {}
-        _S.rec = None
 
     p.on_restore(reset)
     T = torch.Tensor

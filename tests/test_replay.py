@@ -204,3 +204,13 @@ def test_replayed_grads_reach_autograd_grad_and_parameter_hooks(rt):
     g = model[0].weight.grad
     model(x).sum().backward()
     assert model[0].weight.grad is g
+
+
+def test_outputs_can_be_modified_in_place(rt):
+    model = nn.Linear(4, 3).cuda()
+    for _ in range(3):  # recorded, replayed, replayed
+        out = model(torch.randn(2, 4).cuda())
+        out /= 2.0
+        torch.relu_(out)
+        out.sum().backward()
+        assert model.weight.grad.shape == (3, 4)
