@@ -130,6 +130,9 @@ class _State:
     def __init__(self, rt: "Runtime", initial_seed: int) -> None:
         self.initialized = False
         self.lock = threading.Lock()
+        # Callbacks queued through torch.cuda._lazy_call after patching: run at (emulated) init.
+        # torch's own queue (from before patching) targets real CUDA and is left alone.
+        self.queued: list[Callable[[], Any]] = []
         self.seeds = [initial_seed] * rt.num_devices
         self.offsets = [0] * rt.num_devices
         self.properties = [_properties(spec, i) for i, spec in enumerate(rt.gpus)]
@@ -190,19 +193,29 @@ def install(rt: "Runtime") -> None:
         # that do not exist on the CPU build, so the emulator only records "initialised".
         if not state.initialized:
             with state.lock:
-                if not state.initialized:
-                    rt.patcher.replace(cuda, "_initialized", True)
-                    state.initialized = True
+                if state.initialized:
+                    return
+                rt.patcher.replace(cuda, "_initialized", True)
+                state.initialized = True
+                queued, state.queued = state.queued, []
+            for call in queued:
+                run_queued(call)
 
     def lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
         if kwargs.get("seed") or kwargs.get("seed_all"):
             return  # seeding is handled by the emulated seed functions below
         if state.initialized:
-            try:
-                callable()
-            except Exception:  # a real-CUDA callback (C functions absent): nothing to emulate
-                if rt.config.debug:
-                    rt.say_once(f"skipped a lazy CUDA callback {getattr(callable, '__name__', callable)!r}")
+            run_queued(callable)
+        else:
+            with state.lock:
+                state.queued.append(callable)
+
+    def run_queued(callable: Callable[[], Any]) -> None:
+        try:
+            callable()
+        except Exception:  # a real-CUDA callback (C functions absent): nothing to emulate
+            if rt.config.debug:
+                rt.say_once(f"skipped a lazy CUDA callback {getattr(callable, '__name__', callable)!r}")
 
     for name, fn in (("is_initialized", is_initialized), ("_lazy_init", lazy_init), ("init", lazy_init),
                      ("_lazy_call", lazy_call)):

@@ -252,6 +252,8 @@ class EmulatedDDP(_TorchDDP):
             self._gpemu_queued = False
             self._gpemu_sync_this_backward = False
         rt = type(self)._gpemu_rt
+        if rt is None:  # gpemu was unpatched while this wrapper lived on
+            return
         rt.recorder.add("ddp_gradient_syncs", 1.0)
         stream = self._gpemu_stream()
         if stream is None:

@@ -195,6 +195,17 @@ def test_emulated_tensors_are_counted_and_oom_is_torchs(rt4) -> None:
 
 
 # ------------------------------------------------------------------ seeding
+def test_lazy_calls_run_at_initialisation(rt4) -> None:
+    ran: list[str] = []
+    torch.cuda._lazy_call(lambda: ran.append("queued"))
+    torch.cuda._lazy_call(lambda: ran.append("seed"), seed=True)  # seeding is emulated directly
+    assert ran == []
+    torch.cuda.current_device()  # first CUDA use initialises
+    assert ran == ["queued"]
+    torch.cuda._lazy_call(lambda: ran.append("now"))
+    assert ran == ["queued", "now"]
+
+
 def test_seeding_after_initialisation_does_not_crash(rt4) -> None:
     torch.cuda.init()
     assert torch.cuda.is_initialized()
