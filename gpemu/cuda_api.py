@@ -286,6 +286,32 @@ def install(rt: "Runtime") -> None:
     def ipc_collect() -> None:
         lazy_init()
 
+    def utilization(device: Any = None) -> int:
+        """Percent of the last second the device's GPU was busy (what nvidia-smi samples)."""
+        i = idx(device)
+        eng = rt.state.get("engine")
+        now = eng.now() if eng is not None else 0.0
+        window_start = now - 1.0
+        busy = []
+        for span in reversed(rt.recorder.spans):  # newest last: stop once spans are older
+            if span.end <= window_start and span.start <= window_start:
+                if span.device == i:
+                    break
+                continue
+            if span.device == i:
+                busy.append((max(span.start, window_start), min(span.end, now)))
+        busy.sort()
+        total, cursor = 0.0, window_start
+        for start, end in busy:  # union of intervals: overlapping streams count once
+            start = max(start, cursor)
+            if end > start:
+                total += end - start
+                cursor = end
+        return int(round(100 * min(total, 1.0)))
+
+    def device_memory_used(device: Any = None) -> int:
+        return memory_reserved(device)
+
     sync_debug = {"mode": 0}
 
     def set_sync_debug_mode(debug_mode: int | str) -> None:
@@ -308,6 +334,7 @@ def install(rt: "Runtime") -> None:
         ("is_bf16_supported", is_bf16_supported), ("is_tf32_supported", is_tf32_supported),
         ("synchronize", synchronize), ("ipc_collect", ipc_collect),
         ("set_sync_debug_mode", set_sync_debug_mode), ("get_sync_debug_mode", get_sync_debug_mode),
+        ("utilization", utilization),
     ):
         on(cuda, name, fn)
 
@@ -465,6 +492,7 @@ def install(rt: "Runtime") -> None:
         ("reset_accumulated_memory_stats", reset_accumulated_memory_stats),
         ("mem_get_info", mem_get_info), ("memory_stats", memory_stats), ("memory_summary", memory_summary),
         ("empty_cache", empty_cache), ("set_per_process_memory_fraction", set_per_process_memory_fraction),
+        ("device_memory_used", device_memory_used),
     ):
         on(cuda, name, fn)
 

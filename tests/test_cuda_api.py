@@ -135,6 +135,21 @@ def test_streams_events_and_synchronize(rt4, clock: VirtualClock) -> None:
     assert torch.cuda.is_current_stream_capturing() is False
 
 
+def test_utilization_is_the_busy_share_of_the_last_second(rt4, clock: VirtualClock) -> None:
+    assert torch.cuda.utilization(0) == 0
+    stream = torch.cuda.current_stream(0)
+    stream.enqueue(0.25, "op", "a")
+    torch.cuda.Stream(0).enqueue(0.25, "op", "overlapping, other stream")  # overlaps: counts once
+    torch.cuda.synchronize(0)
+    clock.advance(0.5)
+    stream.enqueue(0.25, "op", "b")
+    torch.cuda.synchronize(0)
+    assert torch.cuda.utilization(0) == 50  # busy 0.25 + 0.25 s of the last 1 s
+    assert torch.cuda.utilization(1) == 0
+    clock.advance(2.0)
+    assert torch.cuda.utilization(0) == 0
+
+
 # ------------------------------------------------------------------ torch.accelerator
 def test_accelerator_surface(rt4, clock: VirtualClock) -> None:
     acc = torch.accelerator
