@@ -1281,6 +1281,20 @@ def _module_tensors(module: torch.nn.Module) -> Any:
     yield from module.buffers()
 
 
+_COMPILE_NOTE = ("torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
+                 "still comes from the profile database or the per-op estimate)")
+
+
+def _make_compile(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def compile(model: Any = None, **kwargs: Any) -> Any:
+        _S.say_once(_COMPILE_NOTE)
+        if model is None:  # used as a decorator factory: @torch.compile(mode=...)
+            return lambda fn: fn
+        return model
+    return compile
+
+
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
@@ -1315,8 +1329,13 @@ def install(rt: "Runtime") -> None:
         orig = getattr(torch, name, None)
         if orig is not None:
             p.replace(torch, name, _make_factory(orig, name))
+    # torch.compile cannot trace meta-backed wrapper tensors; emulated GPU time comes from
+    # profiles of eager runs anyway, so compiled models run eagerly (said once).
+    p.replace(torch, "compile", _make_compile(torch.compile))
     M = torch.nn.Module
     p.replace(M, "to", _make_module_to(M.to))
+    if hasattr(M, "compile"):
+        p.replace(M, "compile", lambda self, *a, **k: _S.say_once(_COMPILE_NOTE))
     p.replace(M, "cuda", _make_module_cuda(M.cuda))
     # Optimizers choose their foreach (multi-tensor) path only for listed tensor types.
     import torch.optim.optimizer as opt_mod

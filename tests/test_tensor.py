@@ -238,3 +238,16 @@ def test_common_training_script_calls(rt):
     assert isinstance(clone.weight, torch.nn.Parameter)
     with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
         x.pin_memory()
+
+
+def test_torch_compile_runs_eagerly(rt, capsys):
+    m = torch.nn.Linear(4, 4).cuda()
+    cm = torch.compile(m, mode="max-autotune")
+    assert cm(torch.randn(2, 4, device="cuda")).shape == (2, 4)
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return x * 2
+
+    assert f(torch.ones(3, device="cuda")).device.type == "cuda"
+    assert "torch.compile is not applied" in capsys.readouterr().err
