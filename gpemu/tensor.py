@@ -605,6 +605,13 @@ def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any
         _drop_written_shadows(out, emus)
         return
 
+    outs = tree_flatten(out)[0]
+    if not any(isinstance(o, EmuTensor) and o.numel() <= SHADOW_MAX_ELEMENTS for o in outs):
+        # Only large results (e.g. small.repeat(1000, 1000)): not worth computing on the host.
+        for o in outs:
+            if isinstance(o, EmuTensor):
+                o._shadow = None
+        return
     sargs = _shadow_conv(list(args))
     skw = {k: _shadow_conv(v) for k, v in kwargs.items()}
     try:
@@ -613,7 +620,6 @@ def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any
     except Exception:
         _drop_written_shadows(out, emus)
         return
-    outs, _ = tree_flatten(out)
     souts, _ = tree_flatten(sout)
     if len(outs) != len(souts):
         return
