@@ -30,6 +30,7 @@ forward (print, counters) after the first call.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,8 @@ _nn_module = torch.nn.modules.module
 class _ReplayState:
     def __init__(self) -> None:
         self.rt: Any = None
-        self.depth = 0
+        # Per thread: nn.DataParallel runs replicas in threads, each its own outermost call.
+        self.local = threading.local()
         self.enabled = True
         self.records: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self.unreplayable: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
@@ -98,16 +100,17 @@ class Recording:
 # ----------------------------------------------------------------------------------------------
 def _make_call(orig_call: Any) -> Any:
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _R.depth or _R.rt is None:
+        local = _R.local
+        if getattr(local, "depth", 0) or _R.rt is None:
             return orig_call(self, *args, **kwargs)
         dev = _emulated_device(self, args, kwargs)
         if dev is None:
             return orig_call(self, *args, **kwargs)
-        _R.depth += 1
+        local.depth = 1
         try:
             return _outer_call(orig_call, self, args, kwargs, dev)
         finally:
-            _R.depth -= 1
+            local.depth = 0
     return __call__
 
 
@@ -510,7 +513,7 @@ class _ReplayFunction(torch.autograd.Function):
 def install(rt: "Runtime") -> None:
     """Patch nn.Module.__call__ with the record/replay fast path."""
     _R.rt = rt
-    _R.depth = 0
+    _R.local = threading.local()
     _R.records = weakref.WeakKeyDictionary()
     _R.unreplayable = weakref.WeakKeyDictionary()
     _R.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
