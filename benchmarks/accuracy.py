@@ -112,6 +112,7 @@ def main() -> None:
     g.add_argument("--quick", action="store_true", help="real-clock pass on a stratified subset (default)")
     g.add_argument("--full", action="store_true", help="real-clock pass on all combinations")
     g.add_argument("--virtual-only", action="store_true")
+    p.add_argument("--real-only", action="store_true", help="skip the virtual-clock pass")
     p.add_argument("--iterations", type=int, default=3,
                    help="measured iterations per combination in the real-clock pass (the virtual pass "
                         "is deterministic and runs 1); a single wall-clock iteration carries the "
@@ -133,7 +134,7 @@ def main() -> None:
     print(f"  * stand-in module + configured model (architecture not in examples/tvmodels.py): "
           f"{', '.join(standins) or 'none'}")
 
-    passes = [("virtual clock, all combinations", True, None)]
+    passes = [] if a.real_only else [("virtual clock, all combinations", True, None)]
     if not a.virtual_only:
         if a.full:
             passes.append(("real clock, all combinations", False, None))
