@@ -23,6 +23,11 @@ Fallback (the normal op-by-op path, time still charged per module; said once per
 forward/backward hooks on any submodule (or global module hooks), outputs that are not
 tensors in tuples/lists/dicts, outputs that alias inputs or parameters, ``config.replay=False``.
 
+The replayed backward stores parameter gradients itself (``p.grad = g``) when the autograd engine
+would accumulate them in this backward and no parameter has hooks; otherwise (DDP's
+post-accumulate hooks, ``torch.autograd.grad(loss, params)``) it returns them to autograd. The
+outermost-call depth is per thread (``nn.DataParallel`` replicas run in threads).
+
 What replay does not reproduce: in-place updates of buffers inside forward (BatchNorm's running
 statistics keep their metadata, so nothing observable changes), and Python side effects of the
 forward (print, counters) after the first call.
@@ -73,7 +78,7 @@ class Recording:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
                  "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
-                 "dev", "n_inputs", "grad_specs", "profiled_peak", "__weakref__")
+                 "dev", "grad_specs", "profiled_peak", "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list = []
@@ -90,7 +95,6 @@ class Recording:
         self.batch = 1
         self.ident: Any = None
         self.dev = 0
-        self.n_inputs = 0
         self.grad_specs: list | None = None
         self.profiled_peak: int | None = None  # memory='profiled': the database's peak (bytes)
 
