@@ -369,6 +369,7 @@ def install(rt: "Runtime") -> None:
 
     original_pin = torch.Tensor.pin_memory
     recorder = rt.recorder
+    stats_lock = threading.Lock()
 
     def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -380,8 +381,9 @@ def install(rt: "Runtime") -> None:
         else:
             out = self.clone()  # a plain pageable copy: what an emulator without pinned memory does
         elapsed = time.perf_counter() - start
-        state["pins"] += 1
-        state["pin_seconds"] += elapsed
+        with stats_lock:  # the DataLoader pin thread and the main thread both pin
+            state["pins"] += 1
+            state["pin_seconds"] += elapsed
         recorder.add("pin_bytes", self.numel() * self.element_size())
         return out
 
