@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--host-work-ms", type=float, default=0.0,
                    help="host busy time per iteration between enqueue and sync (hidden if < GPU time)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sync-every", default="1,10",
+    p.add_argument("--sync-every", default="1,10,100",
                    help="comma-separated: sync (loss.item()) every N iterations; each value is one run")
     a = p.parse_args()
     if a.iterations < 1 or a.fwd_ms < 0 or a.bwd_ms < 0:
