@@ -207,6 +207,24 @@ def test_request_refused_when_peak_plus_others_persistent_exceeds_capacity():
     assert "out of memory" in reason and "16.00 GiB" in reason
 
 
+
+def test_requests_update_the_jobs_persistent_memory():
+    """Persistent memory can grow after registration (optimizer state at the first step): the
+    figure a request carries is what other jobs' requests are checked against from then on."""
+    h = Harness(capacity=16 * GiB)
+    h.register("a", persistent=1 * GiB)
+    h.register("b", persistent=1 * GiB)
+    h.send({"type": "request", "job_id": "a", "token": h.tokens["a"], "request_id": "grow", "device": "0",
+            "seconds": 1.0, "peak_bytes": 8 * GiB, "persistent_bytes": 7 * GiB}, reply_to="a")
+    assert h.core.jobs["a"].persistent_bytes == 7 * GiB
+    out = h.advance_to(1.0) + h.request("b", "b1", 1.0, peak=9 * GiB) + h.advance_to(2.0)
+    assert {r["request_id"]: r["type"] for r in out} == {"grow": "done", "b1": "done"}  # 7 + 9 = 16
+    out = h.request("b", "b2", 1.0, peak=9 * GiB + 1) + h.advance_to(3.0)
+    assert [r["type"] for r in out] == ["refused"]
+    with pytest.raises(P.ProtocolError, match="persistent_bytes"):
+        P.parse_message(P.encode({"type": "request", "job_id": "a", "token": "t", "request_id": "r", "device": "0",
+                                  "seconds": 1.0, "peak_bytes": 0, "persistent_bytes": -1}))
+
 def test_registration_refused_when_persistent_memory_cannot_fit():
     h = Harness(capacity=16 * GiB)
     assert h.register("a", persistent=10 * GiB)["type"] == "registered"

@@ -78,7 +78,9 @@ class _Heartbeat(threading.Thread):
         while not self.stop_event.is_set():
             try:
                 if conn is None or not conn.is_open:
-                    conn = pika.BlockingConnection(c._params())
+                    from .amqp import blocking_connection
+
+                    conn = blocking_connection(c._params())
                     ch = conn.channel()
                     queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
                     ch.basic_consume(queue, self._on_reply, auto_ack=True)
@@ -154,7 +156,9 @@ class SharingClient:
     def _connect(self) -> None:
         import pika
 
-        self._conn = pika.BlockingConnection(self._params())
+        from .amqp import blocking_connection
+
+        self._conn = blocking_connection(self._params())
         ch = self._conn.channel()
         ch.confirm_delivery()
         ch.queue_declare(P.REQUEST_QUEUE, durable=True)

@@ -440,6 +440,8 @@ class SharingManager:
     def serve_forever(self) -> None:
         import pika
 
+        from . import amqp
+
         log.info("sharing manager on %s: emuGPUs %s, policy %s, lease %.1f s", self.safe_url,
                  ", ".join(f"{d.spec.name}={d.spec.gpu} ({_gib(d.spec.capacity_bytes)})"
                            for d in self.core.devices.values()), self.core.policy_name, self.core.lease_s)
@@ -450,7 +452,7 @@ class SharingManager:
             params.socket_timeout = 2
             self._lost: str | None = None
             try:
-                self._conn = pika.SelectConnection(params, on_open_callback=self._on_open,
+                self._conn = amqp.SelectConnection(params, on_open_callback=self._on_open,
                                                    on_open_error_callback=self._on_open_error,
                                                    on_close_callback=self._on_closed)
                 self._conn.ioloop.start()  # returns when the connection is closed (or failed)
