@@ -19,10 +19,10 @@ Two passes:
    stratified subset (each GPU x 6 models spread over sizes, batch sizes rotating); ``--full``
    runs all 1080 (about 15 minutes of emulated GPU time).
 
-Models from ``examples/tvmodels.py`` (AlexNet, ResNet family, VGG family, MobileNetV2,
-SqueezeNet: 21 of 36) run as themselves and are identified by structure. The other 15
-architectures are not re-implemented here: a small stand-in module runs with
-``gpemu.patch(model=<name>)`` (configured), which the output marks with ``*``.
+Models from ``examples/tvmodels.py`` (33 of 36: AlexNet, ResNet/ResNeXt/WideResNet, VGG,
+DenseNet, ShuffleNetV2, MNASNet, MobileNetV2, SqueezeNet) run as themselves and are identified
+by structure. The other 3 (GoogLeNet, MobileNetV3 large/small) are not re-implemented here: a
+small stand-in module runs with ``gpemu.patch(model=<name>)`` (configured), marked ``*``.
 
     python benchmarks/accuracy.py                 # virtual all + real quick subset
     python benchmarks/accuracy.py --full          # real clock on all combinations
