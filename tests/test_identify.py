@@ -47,7 +47,8 @@ def test_tvmodels_match_torchvision_class_and_parameter_count():
         assert sum(b.numel() * b.element_size() for b in m.buffers()) == int(rows[name]["buffer_bytes"]), name
 
 
-@pytest.mark.parametrize("name", ["alexnet", "resnet18", "resnet50", "vgg16", "mobilenet_v2", "squeezenet1_1"])
+@pytest.mark.parametrize("name", ["alexnet", "resnet18", "resnet50", "vgg16", "mobilenet_v2", "squeezenet1_1",
+                                  "densenet121", "shufflenet_v2_x1_0", "mnasnet1_0"])
 def test_dataset_architectures_are_identified_by_structure(db, name):
     rt = make_rt(db)
     ident = identify(rt, meta_model(name))
