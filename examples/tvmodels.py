@@ -28,6 +28,7 @@ __all__ = [
     "DenseNet", "densenet121", "densenet161", "densenet169", "densenet201",
     "ShuffleNetV2", "shufflenet_v2_x0_5", "shufflenet_v2_x1_0", "shufflenet_v2_x1_5", "shufflenet_v2_x2_0",
     "MNASNet", "mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3",
+    "MobileNetV3", "mobilenet_v3_large", "mobilenet_v3_small",
     "MODELS",
 ]
 
@@ -579,10 +580,96 @@ def mnasnet1_3(num_classes: int = 1000) -> MNASNet:
     return MNASNet(1.3, num_classes)
 
 
+# ----------------------------------------------------------------------------- MobileNetV3
+class _ConvNormAct(nn.Sequential):
+    def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1,
+                 activation: type[nn.Module] | None = nn.ReLU) -> None:
+        layers: list[nn.Module] = [
+            nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
+            nn.BatchNorm2d(cout, eps=0.001, momentum=0.01),
+        ]
+        if activation is not None:
+            layers.append(activation(inplace=True))
+        super().__init__(*layers)
+
+
+class _SqueezeExcitation(nn.Module):
+    def __init__(self, channels: int, squeeze: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeeze, 1)
+        self.fc2 = nn.Conv2d(squeeze, channels, 1)
+        self.activation = nn.ReLU()
+        self.scale_activation = nn.Hardsigmoid()
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+class _InvertedResidualV3(nn.Module):
+    def __init__(self, cin: int, k: int, expanded: int, cout: int, use_se: bool, act: str, stride: int) -> None:
+        super().__init__()
+        activation = nn.Hardswish if act == "HS" else nn.ReLU
+        self.use_res_connect = stride == 1 and cin == cout
+        layers: list[nn.Module] = []
+        if expanded != cin:
+            layers.append(_ConvNormAct(cin, expanded, 1, activation=activation))
+        layers.append(_ConvNormAct(expanded, expanded, k, stride, groups=expanded, activation=activation))
+        if use_se:
+            layers.append(_SqueezeExcitation(expanded, _make_divisible(expanded // 4, 8)))
+        layers.append(_ConvNormAct(expanded, cout, 1, activation=None))
+        self.block = nn.Sequential(*layers)
+        self.out_channels = cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.block(x) if self.use_res_connect else self.block(x)
+
+
+_V3_LARGE = [(16, 3, 16, 16, False, "RE", 1), (16, 3, 64, 24, False, "RE", 2), (24, 3, 72, 24, False, "RE", 1),
+             (24, 5, 72, 40, True, "RE", 2), (40, 5, 120, 40, True, "RE", 1), (40, 5, 120, 40, True, "RE", 1),
+             (40, 3, 240, 80, False, "HS", 2), (80, 3, 200, 80, False, "HS", 1), (80, 3, 184, 80, False, "HS", 1),
+             (80, 3, 184, 80, False, "HS", 1), (80, 3, 480, 112, True, "HS", 1), (112, 3, 672, 112, True, "HS", 1),
+             (112, 5, 672, 160, True, "HS", 2), (160, 5, 960, 160, True, "HS", 1), (160, 5, 960, 160, True, "HS", 1)]
+_V3_SMALL = [(16, 3, 16, 16, True, "RE", 2), (16, 3, 72, 24, False, "RE", 2), (24, 3, 88, 24, False, "RE", 1),
+             (24, 5, 96, 40, True, "HS", 2), (40, 5, 240, 40, True, "HS", 1), (40, 5, 240, 40, True, "HS", 1),
+             (40, 5, 120, 48, True, "HS", 1), (48, 5, 144, 48, True, "HS", 1), (48, 5, 288, 96, True, "HS", 2),
+             (96, 5, 576, 96, True, "HS", 1), (96, 5, 576, 96, True, "HS", 1)]
+
+
+class MobileNetV3(nn.Module):
+    def __init__(self, setting: list[tuple], last_channel: int, num_classes: int = 1000, dropout: float = 0.2) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [_ConvNormAct(3, setting[0][0], 3, 2, activation=nn.Hardswish)]
+        layers += [_InvertedResidualV3(*cnf) for cnf in setting]
+        last_in = setting[-1][3]
+        layers.append(_ConvNormAct(last_in, 6 * last_in, 1, activation=nn.Hardswish))
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Linear(6 * last_in, last_channel), nn.Hardswish(inplace=True), nn.Dropout(p=dropout, inplace=True),
+            nn.Linear(last_channel, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def mobilenet_v3_large(num_classes: int = 1000) -> MobileNetV3:
+    return MobileNetV3(_V3_LARGE, 1280, num_classes)
+
+
+def mobilenet_v3_small(num_classes: int = 1000) -> MobileNetV3:
+    return MobileNetV3(_V3_SMALL, 1024, num_classes)
+
+
 # torchvision's names for the building blocks, so structural fingerprints can agree with it
 _ShuffleUnit.__name__ = _ShuffleUnit.__qualname__ = "InvertedResidual"
 _MnasResidual.__name__ = _MnasResidual.__qualname__ = "_InvertedResidual"
 _ConvBNReLU6.__name__ = _ConvBNReLU6.__qualname__ = "Conv2dNormActivation"
+_ConvNormAct.__name__ = _ConvNormAct.__qualname__ = "Conv2dNormActivation"
+_SqueezeExcitation.__name__ = _SqueezeExcitation.__qualname__ = "SqueezeExcitation"
+_InvertedResidualV3.__name__ = _InvertedResidualV3.__qualname__ = "InvertedResidual"
 
 # name -> builder, for tests and benchmarks that iterate over what exists here
 MODELS: dict[str, Callable[..., nn.Module]] = {
@@ -592,6 +679,6 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
         vgg19_bn, mobilenet_v2, squeezenet1_0, squeezenet1_1,
         densenet121, densenet161, densenet169, densenet201,
         shufflenet_v2_x0_5, shufflenet_v2_x1_0, shufflenet_v2_x1_5, shufflenet_v2_x2_0,
-        mnasnet0_5, mnasnet0_75, mnasnet1_0, mnasnet1_3,
+        mnasnet0_5, mnasnet0_75, mnasnet1_0, mnasnet1_3, mobilenet_v3_large, mobilenet_v3_small,
     )
 }
