@@ -402,7 +402,7 @@ class SharingManager:
 
     # The epoll timer fires up to ~1 ms late (millisecond resolution plus scheduling); this
     # much before a request's end the loop stops sleeping and spins to reply on time.
-    SPIN_S = 0.0015
+    SPIN_S = 0.001
 
     def __init__(self, url: str, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
                  lease_s: float = 10.0, status_interval_s: float = 1.0, reconnect_s: float = 0.5,
