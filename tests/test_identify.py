@@ -48,7 +48,8 @@ def test_tvmodels_match_torchvision_class_and_parameter_count():
 
 
 @pytest.mark.parametrize("name", ["alexnet", "resnet18", "resnet50", "vgg16", "mobilenet_v2", "squeezenet1_1",
-                                  "densenet121", "shufflenet_v2_x1_0", "mnasnet1_0"])
+                                  "densenet121", "shufflenet_v2_x1_0", "mnasnet1_0", "mobilenet_v3_large",
+                                  "googlenet"])
 def test_dataset_architectures_are_identified_by_structure(db, name):
     rt = make_rt(db)
     ident = identify(rt, meta_model(name))
