@@ -10,9 +10,14 @@ iteration of GPU time (forward + backward of ResNet-50 at the batch size on a P1
 profile database) and blocks until served. The figure shows each job's throughput over time:
 alone a job gets the whole GPU, with N jobs each gets 1/N (round-robin policy).
 
-Jobs are driven through ``SharingClient`` directly, so this needs only the profile database
-(no emulated PyTorch). Without ``--amqp`` a private RabbitMQ broker is started (needs
-``rabbitmq-server`` installed).
+By default jobs are driven through ``SharingClient`` directly, so this needs only the profile
+database (no emulated PyTorch). ``--full`` runs every job as its own Python process training a
+PyTorch model on an emulated P100 instead (``gpemu.patch(gpu="P100", sharing=URL,
+model="resnet50")``, the model timed as ResNet-50), so the figure comes out of the whole emulator:
+requests, memory and waits as a real training script makes them. Without ``--amqp`` a private
+RabbitMQ broker is started (needs ``rabbitmq-server`` installed).
+
+    python examples/sharing_three_jobs.py --full --spacing 10 --durations 30,15,5 --out full.png
 """
 
 from __future__ import annotations
@@ -38,6 +43,61 @@ def iteration_cost(batch_size: int) -> tuple[float, int, int]:
     return seconds, peak, persistent
 
 
+# One emulated training job (--full): an ordinary PyTorch loop; gpemu makes it run on an emulated
+# P100 whose GPU time goes through the sharing manager. Prints the time of every finished iteration.
+FULL_JOB = r"""
+import sys, time
+import torch
+import gpemu
+
+url, job_id, iterations, start_at, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+gpemu.patch(gpu="P100", sharing=url, model="resnet50", job_id=job_id, summary=False)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                            torch.nn.Flatten(), torch.nn.Linear(16, 1000)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+while time.monotonic() < start_at:
+    time.sleep(0.01)
+images, labels = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))  # synthetic data
+for _ in range(iterations):
+    x, y = images.cuda(non_blocking=True), labels.cuda(non_blocking=True)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    loss.item()  # wait for the iteration's GPU work, like a script logging its loss
+    print("it", time.monotonic(), flush=True)
+gpemu.unpatch()
+"""
+
+
+def run_full_jobs(url: str, counts: list[int], spacing: float, batch_size: int, t0: float,
+                  marks: dict[str, list[float]]) -> None:
+    """--full: every job a process training under gpemu.patch(sharing=url); all start at once
+    (importing torch takes seconds) and begin training at their start time."""
+    import tempfile
+
+    script = Path(tempfile.mkdtemp(prefix="gpemu-sharing-example-")) / "job.py"
+    script.write_text(FULL_JOB)
+    procs = {}
+    for k, n in enumerate(counts):
+        name = f"job{k + 1}"
+        marks[name] = []
+        procs[name] = subprocess.Popen([sys.executable, str(script), url, name, str(n), str(t0 + k * spacing),
+                                        str(batch_size)], stdout=subprocess.PIPE, text=True)
+
+    def collect(name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            if line.startswith("it "):
+                marks[name].append(float(line.split()[1]) - t0)  # CLOCK_MONOTONIC is system-wide
+        print(f"{name} finished at {time.monotonic() - t0:.1f} s (exit {proc.wait()})", flush=True)
+
+    readers = [threading.Thread(target=collect, args=item) for item in procs.items()]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--amqp", help="broker URL (default: start a private broker)")
@@ -48,6 +108,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--policy", default="round-robin")
     ap.add_argument("--out", default="sharing_three_jobs.png", help="figure path (PNG/PDF)")
+    ap.add_argument("--full", action="store_true",
+                    help="run each job as a PyTorch training process under gpemu.patch(sharing=...)")
     args = ap.parse_args()
 
     from gpemu.integrations.sharing.client import SharingClient
@@ -72,7 +134,7 @@ def main() -> None:
     manager = subprocess.Popen([sys.executable, "-c", code, "share-manager", "--amqp", url, "--device", "0=P100",
                                 "--policy", args.policy, "--log-level", "warning"])
     marks: dict[str, list[float]] = {}
-    t0 = time.monotonic() + 2.0
+    t0 = time.monotonic() + (20.0 if args.full else 2.0)  # --full: time for the processes to start
 
     def job(k: int) -> None:
         name = f"job{k + 1}"
@@ -86,11 +148,14 @@ def main() -> None:
         print(f"{name} finished at {time.monotonic() - t0:.1f} s", flush=True)
 
     try:
-        threads = [threading.Thread(target=job, args=(k,)) for k in range(len(counts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if args.full:
+            run_full_jobs(url, counts, args.spacing, args.batch_size, t0, marks)
+        else:
+            threads = [threading.Thread(target=job, args=(k,)) for k in range(len(counts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     finally:
         manager.terminate()
         manager.wait(10)
@@ -104,6 +169,8 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     window = 2.0
+    if not all(marks.values()):
+        sys.exit(f"a job recorded no iterations: {', '.join(n for n, ts in marks.items() if not ts)}")
     end = max(ts[-1] for ts in marks.values())
     for name, ts in marks.items():
         xs, ys = [], []
@@ -117,7 +184,8 @@ def main() -> None:
     ax.axhline(args.batch_size / seconds, color="grey", ls=":", lw=1, label="alone")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("throughput (images/s)")
-    ax.set_title(f"3 ResNet-50 jobs sharing one emulated P100 ({args.policy})")
+    how = "emulated PyTorch jobs" if args.full else "ResNet-50 jobs"
+    ax.set_title(f"{len(marks)} {how} sharing one emulated P100 ({args.policy})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out, dpi=150)
