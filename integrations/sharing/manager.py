@@ -425,6 +425,7 @@ class SharingManager:
         self._timer_at: float | None = None
         self._status_timer: Any = None
         self._props: Any = None
+        self._lost: str | None = None
         self.connected = threading.Event()
 
     def stop(self) -> None:
@@ -450,7 +451,7 @@ class SharingManager:
             params = pika.URLParameters(self.url)
             params.connection_attempts = 1
             params.socket_timeout = 2
-            self._lost: str | None = None
+            self._lost = None
             try:
                 self._conn = amqp.SelectConnection(params, on_open_callback=self._on_open,
                                                    on_open_error_callback=self._on_open_error,
@@ -459,7 +460,13 @@ class SharingManager:
             except Exception as exc:  # a bug in a callback must not end the daemon silently
                 log.exception("sharing manager loop failed: %r", exc)
                 self._lost = type(exc).__name__
-                self._close()
+                conn = self._conn
+                if conn is not None and conn.is_open:
+                    try:  # close cleanly (the loop runs until the broker confirms or the socket fails)
+                        conn.close()
+                        conn.ioloop.start()
+                    except Exception:
+                        pass
             self.connected.clear()
             self.core.forget_delivery_tags()
             self._conn = self._ch = self._timer = self._status_timer = None
