@@ -627,6 +627,10 @@ def install(rt: "Runtime") -> None:
     cudnn = getattr(torch.backends.cudnn, "m", torch.backends.cudnn)
     on(cudnn, "is_available", lambda: True)
     on(cudnn, "version", lambda: _CUDNN_VERSION)
+    # nn.RNN/LSTM/GRU ask is_acceptable() before flattening weights for cuDNN; the real check
+    # loads libcudnn and warns "library not found". Saying "not acceptable" takes the plain
+    # path silently (weights stay as they are; there is no data to flatten anyway).
+    on(cudnn, "is_acceptable", lambda tensor: False)
     on(torch.backends.cuda, "is_built", lambda: True)
 
     # ------------------------------------------------------------ GradScaler

@@ -340,3 +340,20 @@ def test_adam_and_adamw_take_the_accelerator_path(rt4) -> None:
         opt.step()
         opt.zero_grad()
     assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+def test_recurrent_layers_run_without_cudnn_warnings():
+    import warnings
+
+    import torch
+
+    import gpemu
+
+    gpemu.patch(gpu="V100", summary=False)
+    lstm = torch.nn.LSTM(10, 20).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = lstm(torch.randn(5, 3, 10).cuda())
+        out.sum().backward()
+    assert out.shape == (5, 3, 20) and out.is_cuda
+    assert not [w for w in caught if "cuDNN" in str(w.message)]
