@@ -140,6 +140,7 @@ c.run(60.0, 12 << 30)
 
         c = client(broker.url, "survivor", persistent_bytes=10 * GiB)  # fits only once victim is gone
         refusals = 0
+        first_try = time.monotonic()
         while True:
             try:
                 c.register()
@@ -150,7 +151,10 @@ c.run(60.0, 12 << 30)
         c.run(0.05, 10 * GiB)  # and the GPU is free: not stuck behind the 60 s request
         took = time.monotonic() - killed_at
         c.close()
-        assert refusals >= 1  # the victim's memory was held until its lease ran out
+        # The victim's memory was held until its lease ran out (its last heartbeat was at most a
+        # third of a lease before the kill): a first try well inside the lease must be refused.
+        # On a loaded machine the first try can come later than that, and then proves nothing.
+        assert refusals >= 1 or first_try - killed_at > LEASE / 2
         assert took < 2 * LEASE + 1.5, f"GPU freed {took:.2f} s after kill -9 (lease {LEASE} s)"
         assert "victim" not in mgr.m.core.jobs and mgr.m.core.expired >= 1
     finally:
