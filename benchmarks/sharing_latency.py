@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 
 def job(url: str, name: str, requests: int, seconds: float, start_at: float, out: "mp.Queue | queue.Queue") -> None:
@@ -66,8 +65,7 @@ def main() -> None:
     broker = None
     url = args.amqp
     if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from rabbitmq_broker import RabbitBroker
+        from gpemu.integrations.sharing.broker import RabbitBroker
 
         broker = RabbitBroker.start()
         url = broker.url

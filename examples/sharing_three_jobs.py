@@ -125,8 +125,7 @@ def main() -> None:
     broker = None
     url = args.amqp
     if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from rabbitmq_broker import RabbitBroker
+        from gpemu.integrations.sharing.broker import RabbitBroker
 
         broker = RabbitBroker.start()
         url = broker.url

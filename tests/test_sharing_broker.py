@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rabbitmq_broker import RabbitBroker  # noqa: E402
+from gpemu.integrations.sharing.broker import RabbitBroker  # noqa: E402
 
 from gpemu.integrations.sharing import protocol as P  # noqa: E402
 from gpemu.integrations.sharing.client import SharingClient  # noqa: E402
