@@ -341,10 +341,7 @@ def install(rt: "Runtime") -> None:
     # ------------------------------------------------------------ streams and events
     from . import engine as engine_module
 
-    stream_cls = engine_module.Stream
-    if not hasattr(stream_cls, "is_capturing"):
-        # Adam/AdamW ask torch.accelerator.current_stream().is_capturing(); no CUDA graphs here.
-        rt.patcher.replace(stream_cls, "is_capturing", lambda self: False)
+    stream_cls = engine_module.Stream  # has is_capturing() (False): Adam/AdamW ask for it
 
     def current_stream(device: Any = None):
         lazy_init()

@@ -632,15 +632,17 @@ def _emulated_subclass(cls: type) -> type:
     return sub
 
 
-_SHADOW_MAX_ELEMENTS = 64  # gpemu.placeholders.SHADOW_MAX_ELEMENTS (small tensors keep host values)
+from .placeholders import SHADOW_MAX_ELEMENTS as _SHADOW_MAX_ELEMENTS  # noqa: E402
 
 
 def _host_value(tensor: torch.Tensor) -> torch.Tensor | None:
     """The host-side shadow value of an emulated tensor, when the device layer keeps one."""
-    value = getattr(tensor, "_shadow", None)
-    return value if isinstance(value, torch.Tensor) else None
+    from .tensor import host_shadow
+
+    return host_shadow(tensor)
 
 
 def _set_host_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    if hasattr(tensor, "_shadow") and value.numel() == tensor.numel() <= _SHADOW_MAX_ELEMENTS:
-        tensor._shadow = value.to(tensor.dtype).reshape(tensor.shape).clone()
+    from .tensor import set_host_shadow
+
+    set_host_shadow(tensor, value)

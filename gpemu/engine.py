@@ -73,6 +73,9 @@ class TimeEngine:
         self._workers: dict[int, _BackendWorker] = {}
         self._pending: list[list[tuple]] = [[] for _ in range(num_devices)]
         self._backward_since_mark = [False] * num_devices
+        # The run's state (set by install): the memory trackers give a backend the device's
+        # real peak bytes. None when the engine is used on its own.
+        self.run_state: dict | None = None
 
     # ------------------------------------------------------------------ streams
     def check_device(self, device: int) -> int:
@@ -176,16 +179,18 @@ class TimeEngine:
 
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
-                 peak_bytes: int) -> float:
+                 peak_bytes: int, at: float | None = None) -> float:
         # Read the host's time first: the emulator's own checks below are not the program's.
         now = self.clock.now() - getattr(self._local, "late", 0.0)
+        if at is not None and at < now:
+            now = at
         if seconds < 0 or seconds != seconds:
             raise ValueError(f"GPU work must take a non-negative time, got {seconds!r} s for {kind} {name!r}")
         device = stream.device_index
         if kind == "backward":
             self._backward_since_mark[device] = True
         if self._backend is not None:
-            return self._enqueue_backend(stream, seconds, kind, name, peak_bytes)
+            return self._enqueue_backend(stream, seconds, kind, name, peak_bytes, now)
         with self._lock:
             start = stream.busy_until if stream.busy_until > now else now
             end = start + seconds
@@ -249,9 +254,8 @@ class TimeEngine:
             w.stop()
 
     def _enqueue_backend(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
-                         peak_bytes: int) -> float:
+                         peak_bytes: int, now: float) -> float:
         device = stream.device_index
-        now = self.clock.now()
         self._pending[device].append((stream.stream_id, seconds, kind, name, now, peak_bytes))
         if self.granularity == "forward-backward" and kind == "backward":
             self._flush(device)
@@ -268,7 +272,14 @@ class TimeEngine:
         if not items:
             return worker.last_ticket
         label = items[0][2] if all(it[2] == items[0][2] for it in items) else self.granularity
-        return worker.submit(items, label)
+        return worker.submit(items, label, self._peak_bytes(device))
+
+    def _peak_bytes(self, device: int) -> int:
+        """The device's tracked peak allocation (0 without memory trackers)."""
+        trackers = self.run_state.get("memory") if self.run_state is not None else None
+        if trackers and device < len(trackers):
+            return int(trackers[device].peak_allocated)
+        return 0
 
     def _backend_done(self, device: int, end: float) -> None:
         with self._lock:
@@ -295,11 +306,11 @@ class _BackendWorker:
         self.thread = threading.Thread(target=self._loop, name=f"gpemu-gpu{device}-backend", daemon=True)
         self.thread.start()
 
-    def submit(self, items: list[tuple], label: str) -> int:
+    def submit(self, items: list[tuple], label: str, device_peak: int = 0) -> int:
         with self.cond:
             self.last_ticket += 1
             ticket = self.last_ticket
-        self.queue.put((ticket, items, label))
+        self.queue.put((ticket, items, label, device_peak))
         return ticket
 
     def _loop(self) -> None:
@@ -308,9 +319,9 @@ class _BackendWorker:
             job = self.queue.get()
             if job is None:
                 return
-            ticket, items, label = job
+            ticket, items, label, device_peak = job
             seconds = sum(it[1] for it in items)
-            peak = max((it[5] for it in items), default=0)
+            peak = max(max((it[5] for it in items), default=0), device_peak)
             t0 = clock.now()
             try:
                 self.backend.run(self.device, seconds, peak, label)
@@ -339,6 +350,9 @@ class _BackendWorker:
                 self.cond.wait(0.5)
         if self.error is not None:
             err, self.error = self.error, None
+            if isinstance(err, torch.cuda.OutOfMemoryError):
+                # A sharing manager's memory refusal reaches user code as a real CUDA OOM.
+                raise err
             raise RuntimeError(f"gpemu: the GPU time backend failed: {err!r}") from err
         return self.done_at.get(ticket, self.engine.clock.now())
 
@@ -417,9 +431,13 @@ class VirtualStream:
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)
 
-    def enqueue(self, seconds: float, kind: str, name: str, peak_bytes: int = 0) -> float:
-        """Append GPU work taking ``seconds``; returns the (emulated) GPU time it ends. Never blocks."""
-        return self._engine._enqueue(self, seconds, kind, name, peak_bytes)
+    def enqueue(self, seconds: float, kind: str, name: str, peak_bytes: int = 0, at: float | None = None) -> float:
+        """Append GPU work taking ``seconds``; returns the (emulated) GPU time it ends. Never blocks.
+
+        ``at``: the host time (``engine.now()``) the work was really issued, when that was
+        earlier than now: e.g. a module call's first kernel is issued microseconds into the call,
+        before the emulator's own book-keeping for it (later values count as now)."""
+        return self._engine._enqueue(self, seconds, kind, name, peak_bytes, at)
 
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
@@ -480,6 +498,10 @@ class VirtualStream:
 
     def __exit__(self, *exc: Any) -> None:
         self._engine.set_stream(self._engine._local.enter_stack.pop())
+
+    def is_capturing(self) -> bool:
+        """No CUDA graph capture in emulation (Adam/AdamW ask the current stream)."""
+        return False
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, VirtualStream) and other._engine is self._engine
@@ -620,6 +642,7 @@ def install(rt: "Runtime") -> None:
     clock = rt.config.extra.get("clock") if rt.config.extra else None
     engine = TimeEngine(rt.num_devices, rt.recorder, clock=clock, granularity=rt.config.sharing_granularity)
     rt.state["engine"] = engine
+    engine.run_state = rt.state
     rt.patcher.on_restore(engine.close)
 
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -643,6 +666,10 @@ def install(rt: "Runtime") -> None:
     post = register_optimizer_step_post_hook(after_step)
     rt.patcher.on_restore(pre.remove)
     rt.patcher.on_restore(post.remove)
+    # Steps with complete state are not re-executed (no arithmetic on an emulated GPU).
+    from . import optimizer_fastpath
+
+    optimizer_fastpath.install(rt)
 
 
 def _optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:

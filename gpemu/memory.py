@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["MemoryTracker", "Block", "install", "trackers", "format_bytes", "MIN_BLOCK", "SEGMENT"]
+__all__ = ["MemoryTracker", "Block", "SubBlock", "install", "trackers", "format_bytes", "MIN_BLOCK", "SEGMENT"]
 
 MIN_BLOCK = 512
 SEGMENT = 2 * 1024 * 1024
@@ -81,6 +81,32 @@ class Block:
         raise TypeError("an emulated GPU memory block cannot be pickled")
 
 
+class SubBlock:
+    """One tensor's share of a group allocation (:meth:`MemoryTracker.allocate_group`): it keeps
+    the group's :class:`Block` alive; the memory returns when every share has died."""
+
+    __slots__ = ("parent", "offset", "size", "__weakref__")
+
+    def __init__(self, parent: Block, offset: int, size: int) -> None:
+        self.parent = parent
+        self.offset = offset
+        self.size = size
+
+    @property
+    def address(self) -> int:
+        return self.parent.address + self.offset
+
+    @property
+    def tracker(self) -> "MemoryTracker":
+        return self.parent.tracker
+
+    def __deepcopy__(self, memo: dict) -> Block:
+        return self.parent.tracker.allocate(self.size)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an emulated GPU memory block cannot be pickled")
+
+
 class MemoryTracker:
     """Allocated/reserved/peak bytes of one emulated GPU; raises CUDA's OOM at its capacity."""
 
@@ -114,6 +140,22 @@ class MemoryTracker:
         self.num_allocs += 1
         self.num_alloc_calls += 1
         return Block(self, size)
+
+    def allocate_group(self, sizes: list[int]) -> list[SubBlock | None]:
+        """Account several allocations made together (the parameter gradients of one backward) in
+        ONE tracker call: same bytes as separate requests, but one block shared by all, freed
+        when the last of them dies. ``None`` for a zero-byte request."""
+        rounded = [round_size(n) for n in sizes]
+        total = sum(rounded)
+        if not total:
+            return [None] * len(sizes)
+        parent = self.allocate(total)
+        out: list[SubBlock | None] = []
+        offset = 0
+        for size in rounded:
+            out.append(SubBlock(parent, offset, size) if size else None)
+            offset += size
+        return out
 
     def _grow(self, new_alloc: int, size: int) -> None:
         reserved = _round_segment(new_alloc)

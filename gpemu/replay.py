@@ -63,6 +63,12 @@ class _ReplayState:
         self.records: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self.unreplayable: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
         self.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
+        # Module trees seen as outermost modules (see _walk); valid while structure_gen holds.
+        self.trees: "weakref.WeakKeyDictionary[torch.nn.Module, _Tree]" = weakref.WeakKeyDictionary()
+        # Bumped by every Module attribute set/delete, parameter/submodule registration and
+        # _apply (model.to/.cuda/.half): whatever may change a module tree's parameters, submodules
+        # or training flags.
+        self.structure_gen = 0
 
 
 _R = _ReplayState()
@@ -78,7 +84,7 @@ class Recording:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
                  "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
-                 "dev", "grad_specs", "profiled_peak", "__weakref__")
+                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list = []
@@ -97,6 +103,8 @@ class Recording:
         self.dev = 0
         self.grad_specs: list | None = None
         self.profiled_peak: int | None = None  # memory='profiled': the database's peak (bytes)
+        self.grad_param_list: list = []  # the parameters that receive gradients
+        self.hook_gen = -1  # _S.hook_generation when grad_param_list was found to have no hooks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,9 +118,13 @@ def _make_call(orig_call: Any) -> Any:
         dev = _emulated_device(self, args, kwargs)
         if dev is None:
             return orig_call(self, *args, **kwargs)
+        # On a real GPU the forward's first kernel is issued microseconds into the call: the
+        # forward's GPU time starts here, before the emulator's own book-keeping for the call.
+        engine = _tensor._S.engine
+        t0 = engine.now() if engine is not None else None
         local.depth = 1
         try:
-            return _outer_call(orig_call, self, args, kwargs, dev)
+            return _outer_call(orig_call, self, args, kwargs, dev, t0)
         finally:
             local.depth = 0
     return __call__
@@ -137,8 +149,37 @@ def _emulated_device(module: torch.nn.Module, args: tuple, kwargs: dict) -> int 
     return None
 
 
+class _Tree:
+    """A module tree's parameters and training flags, cached between calls. Valid while no
+    Module attribute was set anywhere (``_R.structure_gen``) and its ``_parameters``/``_modules``
+    dicts kept their sizes; hooks are re-checked on every call (one C-level ``any``)."""
+
+    __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens")
+
+
 def _walk(module: torch.nn.Module) -> tuple[list, tuple, bool]:
-    """(parameters, training flags, any hooks) in one pass over the module tree."""
+    """(parameters, training flags, any hooks) of a module tree (cached, see :class:`_Tree`)."""
+    tree = _R.trees.get(module)
+    if tree is not None and tree.gen == _R.structure_gen and list(map(len, tree.dicts)) == tree.lens:
+        return tree.params, tree.flags, any(tree.hook_dicts)
+    gen = _R.structure_gen
+    params, flags, hooks, mods = _walk_tree(module)
+    tree = _Tree()
+    tree.gen, tree.params, tree.flags = gen, params, flags
+    tree.hook_dicts = [d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                                 m._backward_pre_hooks)]
+    tree.dicts = [m._parameters for m in mods] + [m._modules for m in mods]
+    tree.lens = list(map(len, tree.dicts))
+    try:
+        _R.trees[module] = tree
+    except TypeError:  # not weak-referenceable: no caching
+        pass
+    return params, flags, hooks
+
+
+def _walk_tree(module: torch.nn.Module) -> tuple[list, tuple, bool, list]:
+    """(parameters, training flags, any hooks, modules) in one pass over the module tree."""
+    mods: list = []
     params: list = []
     seen: set[int] = set()
     flags: list[bool] = []
@@ -146,6 +187,7 @@ def _walk(module: torch.nn.Module) -> tuple[list, tuple, bool]:
     stack = [module]
     while stack:
         m = stack.pop()
+        mods.append(m)
         flags.append(m.training)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             hooks = True
@@ -156,7 +198,7 @@ def _walk(module: torch.nn.Module) -> tuple[list, tuple, bool]:
         for c in m._modules.values():
             if c is not None:
                 stack.append(c)
-    return params, tuple(flags), hooks
+    return params, tuple(flags), hooks, mods
 
 
 def _global_hooks() -> bool:
@@ -164,7 +206,8 @@ def _global_hooks() -> bool:
                 or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
 
 
-def _outer_call(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int) -> Any:
+def _outer_call(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int,
+                t0: float | None = None) -> Any:
     rt = _R.rt
     params, flags, hooks = _walk(module)
     reason = None
@@ -175,7 +218,7 @@ def _outer_call(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: di
     else:
         reason = _R.unreplayable.get(module)
     if reason is not None:
-        return _run_charged(orig_call, module, args, kwargs, dev, params, None, reason)
+        return _run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0)
     emus: list = []
     try:
         in_sig = (_sig(args, emus, True), _sig(tuple(kwargs.items()), emus, True) if kwargs else None)
@@ -185,15 +228,15 @@ def _outer_call(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: di
         hash(key)
     except TypeError:
         return _run_charged(orig_call, module, args, kwargs, dev, params, None,
-                            "a module argument is not hashable")
+                            "a module argument is not hashable", t0)
     table = _R.records.get(module)
     if table is None:
         table = _R.records[module] = {}
     rec = table.get(key)
     if rec is not None and len(rec.params) == len(params) and all(a is b for a, b in zip(rec.params, params)):
-        return _replay(rec, emus, params)
+        return _replay(rec, emus, params, t0)
     rec = Recording()
-    out = _run_charged(orig_call, module, args, kwargs, dev, params, rec, None)
+    out = _run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
     if rec.out_specs is not None and rec.treespec is not None:
         table[key] = rec
     return out
@@ -247,7 +290,7 @@ def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | Non
 
 
 def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int, params: list,
-                 rec: Recording | None, fallback_reason: str | None) -> Any:
+                 rec: Recording | None, fallback_reason: str | None, t0: float | None = None) -> Any:
     rt = _R.rt
     if fallback_reason is not None:
         _R.stats["fallback"] += 1
@@ -259,6 +302,9 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
     batch = _batch_size(args, kwargs)
     fwd_s, bwd_s = _model_times(rt, module, ident, args, kwargs, batch, dev)
     label = ident.label if ident is not None else type(module).__name__
+    if engine is not None and fwd_s > 0:
+        # Issued when the call started (t0), not after the op-by-op forward's host time.
+        engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
     before = mem.allocated
     outer_peak = mem.peak_allocated
     mem.peak_allocated = before
@@ -271,8 +317,6 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
     finally:
         fwd_peak = mem.peak_allocated
         mem.peak_allocated = max(outer_peak, fwd_peak)
-    if engine is not None and fwd_s > 0:
-        engine.stream(dev).enqueue(fwd_s, "forward", label)
     peak = _profiled_peak(rt, ident, batch, dev)
     if peak is not None:
         mem.touch(peak - mem.allocated)
@@ -309,6 +353,7 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
         rec.profiled_peak = peak
         reached = _params_reached(leaves)
         rec.grad_params = [id(p) in reached for p in params]
+        rec.grad_param_list = [p for p, g in zip(params, rec.grad_params) if g]
         for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
             x._shadow = None
     elif rec is not None:
@@ -401,27 +446,38 @@ def _new_outputs(rec: Recording, dev: int) -> list:
     return outs
 
 
-def _replay(rec: Recording, emus: list, params: list) -> Any:
+def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -> Any:
     _R.stats["replayed"] += 1
     dev = rec.dev
     mem = _S.memory[dev]
     if not torch.is_grad_enabled():
+        _charge(rec.fwd_seconds, "forward", rec, t0)
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, dev)
         if rec.profiled_peak is not None:
             mem.touch(rec.profiled_peak - mem.allocated)
-        _charge(rec.fwd_seconds, "forward", rec)
         mem.sample()
         return tree_unflatten(outs, rec.treespec)
-    inputs = [e for e in emus]
-    grad_params = [p for p, g in zip(params, rec.grad_params) if g]
+    grad_params = rec.grad_param_list
     direct = None
-    if grad_params and not any(p._post_accumulate_grad_hooks is not None or p._backward_hooks
-                               for p in grad_params):
-        # No hooks on the parameters: backward may set .grad itself (see _ReplayFunction).
-        direct = _Direct(len(inputs), grad_params)
-    outs = _ReplayFunction.apply(rec, direct, *inputs, *grad_params)
+    if grad_params:
+        if rec.hook_gen != _S.hook_generation:
+            # Re-checked only after some tensor got a hook (Tensor.register_hook & co. bump it).
+            hooked = any(p._post_accumulate_grad_hooks is not None or p._backward_hooks for p in grad_params)
+            rec.hook_gen = -1 if hooked else _S.hook_generation
+        if rec.hook_gen == _S.hook_generation:
+            # No hooks on the parameters: backward may set .grad itself (see _ReplayFunction).
+            direct = _Direct(len(emus), grad_params)
+    if _functorch_active():
+        outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
+    else:
+        # autograd.Function.apply without its per-argument Python pass (functorch's dead-wrapper
+        # unwrapping, only needed under functorch transforms): ~160 arguments per call.
+        outs = _apply_replay(rec, direct, t0, *emus, *grad_params)
     return tree_unflatten(list(outs), rec.treespec)
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 class _Direct:
@@ -440,10 +496,10 @@ class _Direct:
         self.node = get_gradient_edge(params[0]).node
 
 
-def _charge(seconds: float, kind: str, rec: Recording) -> None:
+def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
     engine = _S.engine
     if engine is not None and seconds > 0:
-        engine.stream(rec.dev).enqueue(seconds, kind, rec.label)
+        engine.stream(rec.dev).enqueue(seconds, kind, rec.label, 0, at)
 
 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
@@ -454,14 +510,15 @@ def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
 
 class _ReplayFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rec: Recording, direct: "_Direct | None", *tensors: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, rec: Recording, direct: "_Direct | None", t0: float | None,  # type: ignore[override]
+                *tensors: torch.Tensor) -> tuple:
+        _charge(rec.fwd_seconds, "forward", rec, t0)
         mem = _S.memory[rec.dev]
         saved = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, rec.dev)
         if rec.profiled_peak is not None:
             mem.touch(rec.profiled_peak - mem.allocated)
-        _charge(rec.fwd_seconds, "forward", rec)
         mem.sample()
         ctx.rec = rec
         ctx.direct = direct
@@ -480,9 +537,11 @@ class _ReplayFunction(torch.autograd.Function):
         rec: Recording = ctx.rec
         mem = _S.memory[rec.dev]
         _charge(rec.bwd_seconds, "backward", rec)
-        result: list[Any] = [None, None]
+        result: list[Any] = [None, None, None]
+        needs = ctx.needs_input_grad[3:]
+        specs = ctx.specs
         new_bytes = 0
-        for spec, needed in zip(ctx.specs, ctx.needs_input_grad[2:]):
+        for spec, needed in zip(specs, needs):
             if needed:
                 new_bytes += spec[4]
         mem.touch(rec.bwd_extra - new_bytes)
@@ -494,26 +553,59 @@ class _ReplayFunction(torch.autograd.Function):
                 runs = False
             if not runs:
                 direct = None  # e.g. torch.autograd.grad(loss, params): return the gradients
-        first_param = direct.n_inputs if direct is not None else len(ctx.specs)
-        for i, ((shape, stride, dtype, dev, nbytes), needed) in enumerate(zip(ctx.specs, ctx.needs_input_grad[2:])):
-            if not needed:
-                result.append(None)
-            elif i >= first_param:
-                p = direct.params[i - first_param]  # type: ignore[union-attr]
-                if p.grad is None:
-                    p.grad = _wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None)
-                # else: accumulated in place (metadata unchanged; its transient is in the touch above)
-                result.append(None)
-            else:
+        first_param = direct.n_inputs if direct is not None else len(specs)
+        for i in range(first_param):
+            if needs[i]:
+                shape, stride, dtype, dev, nbytes = specs[i]
                 result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
+            else:
+                result.append(None)
+        if direct is not None:
+            # Parameter gradients stored directly; new ones share ONE tracker allocation (see
+            # MemoryTracker.allocate_group): one call instead of one per parameter.
+            todo = [(p, specs[i]) for i, p in enumerate(direct.params, first_param)
+                    if needs[i] and p.grad is None]
+            # (a parameter that has a gradient is accumulated in place: metadata unchanged, its
+            # transient is in the touch above)
+            by_dev: dict[int, list] = {}
+            for item in todo:
+                by_dev.setdefault(item[1][3], []).append(item)
+            for dev, items in by_dev.items():
+                blocks = _S.memory[dev].allocate_group([spec[4] for _, spec in items])
+                for (p, (shape, stride, dtype, _, _)), block in zip(items, blocks):
+                    p.grad = _wrap(shape, stride, 0, dtype, dev, block)
+            result.extend([None] * (len(specs) - first_param))
         ctx.saved_block = None  # saved activations are freed once backward has used them
         mem.sample()
         return tuple(result)
 
 
+# torch._C._FunctionBase.apply bound to _ReplayFunction (see _replay).
+_apply_replay = super(torch.autograd.Function, _ReplayFunction).apply
+
+
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
+def _bump_structure(orig: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _R.structure_gen += 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _R.structure_gen += 1  # after too: _apply swaps parameters while it runs
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _bump_hooks(orig: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _S.hook_generation += 1
+        return orig(*args, **kwargs)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
 def install(rt: "Runtime") -> None:
     """Patch nn.Module.__call__ with the record/replay fast path."""
     _R.rt = rt
@@ -521,12 +613,24 @@ def install(rt: "Runtime") -> None:
     _R.records = weakref.WeakKeyDictionary()
     _R.unreplayable = weakref.WeakKeyDictionary()
     _R.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
+    _R.trees = weakref.WeakKeyDictionary()
 
     def reset() -> None:
         _R.rt = None
         _R.records = weakref.WeakKeyDictionary()
         _R.unreplayable = weakref.WeakKeyDictionary()
+        _R.trees = weakref.WeakKeyDictionary()
 
     rt.patcher.on_restore(reset)
     M = torch.nn.Module
     rt.patcher.replace(M, "__call__", _make_call(M.__call__))
+    # What can change a module tree's parameters, submodules or training flags invalidates the
+    # cached walk (_Tree): attribute sets/deletes (also `m.training = False`, `m.fc = Linear()`),
+    # registrations that write the dicts directly, and _apply (it may swap parameters in place).
+    for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
+        rt.patcher.replace(M, name, _bump_structure(getattr(M, name)))
+    # Parameter hooks decide whether the replayed backward may store .grad itself.
+    T = torch.Tensor
+    for name in ("register_hook", "register_post_accumulate_grad_hook"):
+        if hasattr(T, name):
+            rt.patcher.replace(T, name, _bump_hooks(getattr(T, name)))

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "EmuTensor", "to_emulated", "to_host", "empty_emulated", "is_emulated", "device_index",
-    "install", "cache_info",
+    "install", "cache_info", "host_shadow", "set_host_shadow",
 ]
 
 aten = torch.ops.aten
@@ -72,6 +72,7 @@ class _State:
         self.local = threading.local()  # .moving_model: per-tensor copies are not charged
         self.warned: set[str] = set()
         self.param_generation = 0  # bumped when a parameter's dtype/device/requires_grad changes
+        self.hook_generation = 0   # bumped when any tensor gets a (post-accumulate) grad hook
 
     def say_once(self, message: str) -> None:
         if self.rt is not None:
@@ -269,6 +270,29 @@ class EmuTensor(torch.Tensor):
 
 def is_emulated(t: Any) -> bool:
     return isinstance(t, EmuTensor)
+
+
+def host_shadow(t: Any) -> torch.Tensor | None:
+    """The known host value of a small emulated tensor (see :mod:`gpemu.placeholders`), or None
+    when its value is unknown or ``t`` is not emulated."""
+    if isinstance(t, EmuTensor):
+        value = t._shadow
+        return value if isinstance(value, torch.Tensor) else None
+    return None
+
+
+def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
+    """Make ``value`` the known host value of emulated tensor ``t`` (None: unknown). A value that
+    does not fit (other element count, or more than SHADOW_MAX_ELEMENTS elements) makes it
+    unknown instead. Returns whether a value is now known."""
+    if not isinstance(t, EmuTensor):
+        return False
+    if value is None or not isinstance(value, torch.Tensor) or value.numel() != t.numel() \
+            or t.numel() > SHADOW_MAX_ELEMENTS:
+        t._shadow = None
+        return False
+    t._shadow = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

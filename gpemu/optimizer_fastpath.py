@@ -1,0 +1,246 @@
+"""Optimizer fast path: an emulated ``optimizer.step()`` has no arithmetic to do.
+
+On an emulated GPU the step's foreach kernels only re-derive metadata that cannot change
+(every update is in place), yet running them costs the host ~1-3 ms per step for a ResNet-50
+(the optimizer's per-parameter Python plus foreach argument handling over ~160 tensors). Once
+the optimizer's state exists, gpemu therefore *skips executing* ``step()`` for the optimizers it
+knows (exactly ``torch.optim.SGD``, ``Adam``, ``AdamW``): it keeps what the host can observe
+right, and the step's GPU time is charged as before by the global step hooks
+(:func:`gpemu.engine.install`), which still run.
+
+What a skipped step keeps right:
+
+* Adam/AdamW per-parameter ``state['step']`` counters (CPU tensors) advance by one for every
+  parameter that has a gradient, as the real step does;
+* host shadows of parameters (known small values, :mod:`gpemu.placeholders`) are dropped, as
+  the real step would (the gradients' values are unknown);
+* the step's transient memory (foreach temporaries, e.g. weight decay) is measured on the last
+  real step and touched again, so peak memory and OOM behave the same.
+
+Policy (when the real ``step()`` runs instead, silently, every time the condition holds):
+
+* the optimizer is a subclass or another class, a ``closure`` or extra arguments are passed, or
+  ``config.replay`` is off;
+* any group is ``fused``, ``capturable`` or ``differentiable``, has a tensor ``lr``, or
+  ``grad_scale``/``found_inf`` are set on the optimizer (a GradScaler with a fused optimizer);
+* a parameter with a gradient has no (complete) state yet, or the state holds shadowed values;
+  parameters are not all emulated tensors of one device; a gradient has a host shadow or is sparse;
+* since the last real step: ``optimizer.state`` was replaced or changed size (``load_state_dict``,
+  manual edits), ``param_groups`` changed (``add_param_group``, edited ``params`` lists, changed
+  momentum/amsgrad/foreach/fused/capturable/differentiable), or a different set of parameters
+  has gradients. The next real step measures again and re-enables the fast path.
+
+Not reproduced: replacing individual state tensors in place of the optimizer's own
+(``opt.state[p]['step'] = t`` without changing ``len(opt.state)``) is not noticed.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["install", "fast_path_info"]
+
+_PLANS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
+_STATS = {"fast": 0, "real": 0}
+_ON = {"enabled": False}
+
+
+def fast_path_info() -> dict[str, int]:
+    """How many optimizer steps were skipped (``fast``) or executed (``real``) this run."""
+    return dict(_STATS)
+
+
+def _fast_types() -> dict[type, str]:
+    from torch.optim import SGD, Adam, AdamW
+
+    return {SGD: "sgd", Adam: "adam", AdamW: "adam"}
+
+
+def _group_signature(opt: torch.optim.Optimizer, kind: str) -> tuple | None:
+    """What the fast path depends on in the param groups; None when a group is not eligible."""
+    sig = []
+    for g in opt.param_groups:
+        if g.get("fused") or g.get("capturable") or g.get("differentiable") or torch.is_tensor(g.get("lr")):
+            return None
+        params = g["params"]
+        extra = (g.get("momentum", 0) != 0) if kind == "sgd" else bool(g.get("amsgrad"))
+        sig.append((id(params), len(params), extra, g.get("foreach")))
+    return tuple(sig)
+
+
+def _state_keys(kind: str, extra: bool) -> tuple[str, ...]:
+    if kind == "sgd":
+        return ("momentum_buffer",) if extra else ()
+    return ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if extra else ("step", "exp_avg", "exp_avg_sq")
+
+
+class _Plan:
+    """What one optimizer's skipped step does, built after a real step with complete state."""
+
+    __slots__ = ("state", "n_state", "groups", "group_sig", "params", "has_grad", "steps", "transient", "memory")
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.n_state = 0
+        self.groups: Any = None
+        self.group_sig: tuple = ()
+        self.params: list = []
+        self.has_grad: list[bool] = []
+        self.steps: list[torch.Tensor] = []  # CPU step counters of parameters with gradients
+        self.transient = 0
+        self.memory: Any = None
+
+
+def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[list, list, list, int] | None:
+    """(params, has_grad, steps, device) when every parameter with a gradient has complete,
+    eligible state; else None."""
+    from .tensor import EmuTensor
+
+    params: list = []
+    has_grad: list[bool] = []
+    steps: list = []
+    state = opt.state
+    dev = None
+    for g, (_, _, extra, _) in zip(opt.param_groups, group_sig):
+        keys = _state_keys(kind, extra)
+        for p in g["params"]:
+            if type(p) is not EmuTensor and not isinstance(p, EmuTensor):
+                return None
+            if dev is None:
+                dev = p._dev
+            elif p._dev != dev:
+                return None
+            params.append(p)
+            grad = p.grad
+            has_grad.append(grad is not None)
+            if grad is None:
+                continue
+            if not isinstance(grad, EmuTensor) or grad._shadow is not None or grad.is_sparse:
+                return None
+            st = state.get(p)
+            if not st:
+                return None
+            for k in keys:
+                v = st.get(k)
+                if v is None:
+                    return None
+                if k == "step":
+                    if isinstance(v, EmuTensor) or not isinstance(v, torch.Tensor):
+                        return None  # capturable-style counters on the device: real step
+                    steps.append(v)
+                elif not isinstance(v, EmuTensor) or v._shadow is not None:
+                    return None
+    if dev is None:
+        return None
+    return params, has_grad, steps, dev
+
+
+def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str) -> bool:
+    if opt.state is not plan.state or len(opt.state) != plan.n_state or opt.param_groups is not plan.groups:
+        return False
+    if _group_signature(opt, kind) != plan.group_sig:
+        return False
+    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        return False
+    params = plan.params
+    has_grad = plan.has_grad
+    from .tensor import EmuTensor
+
+    for p, want in zip(params, has_grad):
+        grad = p.grad
+        if (grad is not None) is not want:
+            return False
+        if grad is not None and (grad.__class__ is not EmuTensor or grad._shadow is not None):
+            return False
+    # Accepted: do what the real step would leave observable.
+    for p in params:
+        if p._shadow is not None:
+            p._shadow = None
+    if plan.steps:
+        torch._foreach_add_(plan.steps, 1.0)
+    if plan.transient:
+        plan.memory.touch(plan.transient)
+    return True
+
+
+def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
+    @functools.wraps(inner)
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        kind = kinds.get(type(self))
+        if kind is None or args or kwargs or not _ON["enabled"]:
+            return inner(self, *args, **kwargs)
+        plan = _PLANS.get(self)
+        if plan is not None:
+            if _try_fast(self, plan, kind):
+                _STATS["fast"] += 1
+                return None
+            del _PLANS[self]
+        _STATS["real"] += 1
+        group_sig = _group_signature(self, kind)
+        found = None
+        if group_sig is not None and getattr(self, "grad_scale", None) is None \
+                and getattr(self, "found_inf", None) is None:
+            found = _check(self, kind, group_sig)
+        if found is None:
+            return inner(self, *args, **kwargs)
+        # State is complete: this real step is measured (transient memory), then later ones skip.
+        from .tensor import _S
+
+        params, has_grad, steps, dev = found
+        mem = _S.memory[dev]
+        before = mem.allocated
+        outer_peak = mem.peak_allocated
+        mem.peak_allocated = before
+        n_state = len(self.state)
+        try:
+            out = inner(self, *args, **kwargs)
+        finally:
+            step_peak = mem.peak_allocated
+            mem.peak_allocated = max(outer_peak, step_peak)
+        if mem.allocated == before and len(self.state) == n_state:
+            plan = _Plan()
+            plan.state, plan.n_state, plan.groups = self.state, n_state, self.param_groups
+            plan.group_sig, plan.params, plan.has_grad, plan.steps = group_sig, params, has_grad, steps
+            plan.transient = max(0, step_peak - before)
+            plan.memory = mem
+            _PLANS[self] = plan
+        return out
+
+    step._gpemu_fast = True  # type: ignore[attr-defined]
+    return step
+
+
+def install(rt: "Runtime") -> None:
+    """Put the fast path under the ``step`` of SGD/Adam/AdamW (inside torch's hook wrapper, so
+    step hooks, including gpemu's time charge, still run). Called by :func:`gpemu.engine.install`."""
+    global _PLANS
+    _PLANS = weakref.WeakKeyDictionary()
+    _STATS["fast"] = _STATS["real"] = 0
+    _ON["enabled"] = bool(rt.config.replay)
+    kinds = _fast_types()
+    from torch.optim.optimizer import Optimizer
+
+    for cls in kinds:
+        current = cls.__dict__.get("step")
+        if current is None or getattr(getattr(current, "__wrapped__", None), "_gpemu_fast", False):
+            continue  # inherited (AdamW from Adam), or already ours
+        hooked = bool(getattr(current, "hooked", False))
+        inner = current.__wrapped__ if hooked else current
+        new = _make_step(inner, kinds)
+        if hooked:
+            new = Optimizer.profile_hook_step(new)
+            new.hooked = True  # type: ignore[attr-defined]
+        rt.patcher.replace(cls, "step", new)
+
+    def reset() -> None:
+        _ON["enabled"] = False
+        _PLANS.clear()
+
+    rt.patcher.on_restore(reset)
