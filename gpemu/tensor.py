@@ -682,7 +682,16 @@ def _local_scalar_dense(func: Any, args: tuple, kwargs: dict) -> Any:
     _sync(t._dev, "item")
     if t.numel() != 1:
         raise RuntimeError(f"a Tensor with {t.numel()} elements cannot be converted to Scalar")
-    return placeholders.scalar_value(t.dtype, t._shadow)
+    value = placeholders.scalar_value(t.dtype, t._shadow)
+    _settle()
+    return value
+
+
+def _settle() -> None:
+    # The host time between the sync's wait and returning to the program was the emulator's.
+    engine = _S.engine
+    if engine is not None:
+        engine.settle()
 
 
 def to_host(t: EmuTensor, reason: str = "cpu") -> torch.Tensor:
@@ -697,7 +706,10 @@ def to_host(t: EmuTensor, reason: str = "cpu") -> torch.Tensor:
             copy_to_host = None
         if copy_to_host is not None:
             copy_to_host(rt, t, t._dev)
-    return placeholders.host_values(t.shape, t.dtype, t._shadow)
+            return placeholders.host_values(t.shape, t.dtype, t._shadow)
+    values = placeholders.host_values(t.shape, t.dtype, t._shadow)
+    _settle()
+    return values
 
 
 def _to_copy(func: Any, args: tuple, kwargs: dict) -> Any:

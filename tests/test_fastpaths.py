@@ -1,0 +1,217 @@
+"""Host-side fast paths: skipped optimizer steps, cached module walks, grouped gradient memory,
+forward time from the call's start, settle() after sync waits. Each must fall back correctly."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import gpemu
+from gpemu import optimizer_fastpath as ofp
+from gpemu import replay
+from gpemu.clock import VirtualClock
+
+
+@pytest.fixture
+def rt():
+    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    yield r
+    gpemu.unpatch()
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    x = torch.zeros(16, 32, device="cuda")
+    for _ in range(n):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_sgd_momentum_steps_skipped_after_state_exists(rt) -> None:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 5)
+    info = ofp.fast_path_info()
+    # step 1 creates the momentum buffers, step 2 is measured, steps 3-5 are skipped
+    assert info == {"real": 2, "fast": 3}
+    spans = [s for s in rt.recorder.spans if s.kind == "optimizer"]
+    assert len(spans) == 5 and len({round(s.end - s.start, 12) for s in spans}) == 1
+    assert len(rt.recorder.iterations) == 5
+
+
+def test_adam_step_counters_advance_on_skipped_steps(rt) -> None:
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, 6)
+    assert ofp.fast_path_info()["fast"] == 4
+    steps = {float(opt.state[p]["step"]) for p in model.parameters()}
+    assert steps == {6.0}
+    # a parameter without a gradient keeps its counter, as the real step does
+    model[0].weight.requires_grad_(False)
+    _train(model, opt, 2)
+    assert float(opt.state[model[0].bias]["step"]) == 8.0
+    assert float(opt.state[model[0].weight]["step"]) == 6.0
+
+
+def test_fallbacks_closure_subclass_capturable_and_changed_groups(rt) -> None:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 3)
+    fast = ofp.fast_path_info()["fast"]
+    x = torch.zeros(16, 32, device="cuda")
+
+    def closure():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)  # closures always run for real
+    assert ofp.fast_path_info()["fast"] == fast
+    opt.zero_grad()
+    # a new param group: the next step runs for real (and creates its state)
+    extra = nn.Linear(4, 4).cuda()
+    opt.add_param_group({"params": list(extra.parameters())})
+    real = ofp.fast_path_info()["real"]
+    _train(model, opt, 1)
+    assert ofp.fast_path_info()["real"] == real + 1
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    opt2 = MySGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = dict(ofp.fast_path_info())
+    _train(model, opt2, 4)
+    assert ofp.fast_path_info() == before  # subclasses never take the fast path
+
+    opt3 = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    _train(model, opt3, 4)
+    assert ofp.fast_path_info()["fast"] == before["fast"]  # capturable: real steps
+
+
+def test_load_state_dict_invalidates_the_plan(rt) -> None:
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, 3)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    real = ofp.fast_path_info()["real"]
+    _train(model, opt, 2)
+    assert ofp.fast_path_info()["real"] == real + 1  # re-measured once, then skipped again
+    assert {float(opt.state[p]["step"]) for p in model.parameters()} == {5.0}
+
+
+def test_replay_off_means_real_steps() -> None:
+    gpemu.patch(gpu="V100", summary=False, replay=False, extra={"clock": VirtualClock()})
+    try:
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _train(model, opt, 4)
+        assert ofp.fast_path_info() == {"fast": 0, "real": 0}
+    finally:
+        gpemu.unpatch()
+
+
+def test_skipped_step_keeps_transient_memory_peak(rt) -> None:
+    model = _net()
+    # weight decay makes the foreach step allocate temporaries
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    mem = rt.state["memory"][0]
+    _train(model, opt, 2)
+    x = torch.zeros(16, 32, device="cuda")
+    peaks = []
+    for _ in range(2):
+        model(x).sum().backward()
+        mem.reset_peak()
+        opt.step()
+        peaks.append(mem.peak_allocated - mem.allocated)
+        opt.zero_grad()
+    assert ofp.fast_path_info()["fast"] >= 1
+    assert peaks[0] > 0 and peaks[0] == peaks[1]
+
+
+def test_walk_cache_sees_new_submodules_training_flags_and_hooks(rt) -> None:
+    model = _net()
+    x = torch.zeros(4, 32, device="cuda")
+    model(x)
+    model(x)
+    replayed = replay.replay_info()["replayed"]
+    model.eval()
+    model(x)  # new situation: recorded, not replayed
+    assert replay.replay_info()["replayed"] == replayed
+    model.append(nn.Linear(10, 3).cuda())
+    assert model(x).shape == (4, 3)
+    calls = []
+    model[0].register_forward_hook(lambda *a: calls.append(1))
+    model(x)
+    assert calls == [1]  # hooks force the op-by-op path
+
+
+def test_grouped_gradient_memory_freed_with_the_gradients(rt) -> None:
+    model = _net()
+    mem = rt.state["memory"][0]
+    x = torch.zeros(16, 32, device="cuda")
+    for _ in range(3):
+        model(x).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert len({g.data_ptr() for g in grads}) == len(grads)  # distinct addresses
+        with_grads = mem.allocated
+        for p in model.parameters():
+            p.grad = None
+        del grads
+        gc.collect()
+        param_bytes = sum((p.numel() * 4 + 511) // 512 * 512 for p in model.parameters())
+        assert with_grads - mem.allocated == param_bytes
+
+
+def test_forward_time_starts_when_the_call_starts() -> None:
+    clock = VirtualClock()
+    gpemu.patch(gpu="V100", summary=False, extra={"clock": clock})
+    try:
+        model = _net()
+        x = torch.zeros(16, 32, device="cuda")
+        torch.cuda.synchronize()
+        orig = replay._outer_call
+
+        def slow(*args, **kwargs):
+            clock.advance(0.5)  # the emulator's host work inside the call
+            return orig(*args, **kwargs)
+
+        replay._outer_call = slow
+        try:
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = clock.now()
+                model(x)
+                rt = gpemu.runtime.current()
+                fwd = [s for s in rt.recorder.spans if s.kind == "forward"][-1]
+                assert fwd.start == pytest.approx(t0)
+        finally:
+            replay._outer_call = orig
+    finally:
+        gpemu.unpatch()
+
+
+def test_settle_forgives_only_time_right_after_a_wait() -> None:
+    from gpemu.engine import TimeEngine
+    from gpemu.recorder import Recorder
+
+    clock = VirtualClock()
+    eng = TimeEngine(1, Recorder(), clock=clock)
+    s = eng.default_stream(0)
+    s.enqueue(1.0, "forward", "m")
+    eng.synchronize(0)
+    clock.advance(0.001)  # the emulator computes a placeholder value
+    eng.settle()
+    assert eng.now() == pytest.approx(clock.now() - 0.001)
+    s.enqueue(1.0, "forward", "m")
+    clock.advance(2.0)  # the program's own host work: the GPU finished meanwhile
+    eng.synchronize(0)  # no wait: nothing to forgive
+    eng.settle()
+    assert eng.now() == pytest.approx(clock.now() - 0.001)  # only the earlier lateness stays
