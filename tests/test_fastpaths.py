@@ -215,3 +215,38 @@ def test_settle_forgives_only_time_right_after_a_wait() -> None:
     eng.synchronize(0)  # no wait: nothing to forgive
     eng.settle()
     assert eng.now() == pytest.approx(clock.now() - 0.001)  # only the earlier lateness stays
+
+
+def test_backend_oom_reaches_the_program_unchanged_and_sees_the_device_peak(rt) -> None:
+    seen = []
+
+    class Refusing:
+        def run(self, device, seconds, peak_bytes, kind):
+            seen.append(peak_bytes)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (sharing manager refused)")
+
+    eng = rt.state["engine"]
+    x = torch.zeros(1024, 1024, device="cuda")  # 4 MiB tracked on device 0
+    eng.set_backend(Refusing())
+    try:
+        eng.stream(0).enqueue(0.01, "op", "k")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="refused"):
+            eng.synchronize(0)
+        assert seen and seen[0] >= 4 * 1024 * 1024
+    finally:
+        eng.close()
+        eng._backend = None
+    del x
+
+
+def test_stream_is_capturing_and_host_shadow_api(rt) -> None:
+    from gpemu.tensor import host_shadow, set_host_shadow
+
+    assert torch.cuda.current_stream().is_capturing() is False
+    t = torch.tensor([1.0, 2.0], device="cuda")
+    assert host_shadow(t).tolist() == [1.0, 2.0]
+    assert set_host_shadow(t, torch.tensor([3, 4]))
+    assert t.tolist() == [3.0, 4.0]
+    assert not set_host_shadow(t, torch.zeros(3))  # wrong size: value becomes unknown
+    assert host_shadow(t) is None and t.tolist() == [0.0, 0.0]
+    assert host_shadow(torch.ones(2)) is None
