@@ -48,12 +48,13 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["install", "fast_path_info"]
 
 _PLANS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
-_STATS = {"fast": 0, "real": 0}
+_STATS = {"fast": 0, "real": 0, "zero_grad_fast": 0}
 _ON = {"enabled": False}
 
 
 def fast_path_info() -> dict[str, int]:
-    """How many optimizer steps were skipped (``fast``) or executed (``real``) this run."""
+    """How many optimizer steps were skipped (``fast``) or executed (``real``) this run, and how
+    many ``zero_grad`` calls took the fast path (``zero_grad_fast``)."""
     return dict(_STATS)
 
 
@@ -217,12 +218,37 @@ def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
     return step
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
+
+
+def _make_zero_grad(inner: Callable) -> Callable:
+    """``Optimizer.zero_grad`` with a fast ``set_to_none=True``: the same loop without torch's
+    profiler range and foreach bookkeeping, and each dropped emulated gradient that nothing else
+    references is kept by :func:`gpemu.replay.drop_gradients`, so the next replayed backward
+    reuses its wrapper instead of creating a new tensor object per parameter. Torch's own
+    ``zero_grad`` runs for ``set_to_none=False``, while the torch profiler records, with
+    ``config.replay`` off, and before the optimizer set up its profile name."""
+    from .replay import drop_gradients
+
+    @functools.wraps(inner)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if (not set_to_none or not _ON["enabled"] or _profiler_enabled()
+                or not hasattr(self, "_zero_grad_profile_name")):
+            return inner(self, set_to_none)
+        _STATS["zero_grad_fast"] += 1
+        drop_gradients(self.param_groups)
+        return None
+
+    zero_grad._gpemu_fast = True  # type: ignore[attr-defined]
+    return zero_grad
+
+
 def install(rt: "Runtime") -> None:
     """Put the fast path under the ``step`` of SGD/Adam/AdamW (inside torch's hook wrapper, so
     step hooks, including gpemu's time charge, still run). Called by :func:`gpemu.engine.install`."""
     global _PLANS
     _PLANS = weakref.WeakKeyDictionary()
-    _STATS["fast"] = _STATS["real"] = 0
+    _STATS["fast"] = _STATS["real"] = _STATS["zero_grad_fast"] = 0
     _ON["enabled"] = bool(rt.config.replay)
     kinds = _fast_types()
     from torch.optim.optimizer import Optimizer
@@ -238,6 +264,8 @@ def install(rt: "Runtime") -> None:
             new = Optimizer.profile_hook_step(new)
             new.hooked = True  # type: ignore[attr-defined]
         rt.patcher.replace(cls, "step", new)
+
+    rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(Optimizer.zero_grad))
 
     def reset() -> None:
         _ON["enabled"] = False

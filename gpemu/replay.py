@@ -35,6 +35,7 @@ forward (print, counters) after the first call.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ from .tensor import EmuTensor, _S, _sig, _wrap
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "Recording", "replay_info"]
+__all__ = ["install", "Recording", "replay_info", "drop_gradients"]
 
 _nn_module = torch.nn.modules.module
 
@@ -69,9 +70,48 @@ class _ReplayState:
         # _apply (model.to/.cuda/.half): whatever may change a module tree's parameters, submodules
         # or training flags.
         self.structure_gen = 0
+        # Gradient wrappers handed back by the fast zero_grad (see spare_gradient): pooled by
+        # their metadata key and handed out again as the next replayed backward's gradients.
+        self.spare: dict[tuple, list] = {}
+        self.spare_count = 0
 
 
 _R = _ReplayState()
+_SPARE_LIMIT = 100_000
+_getrefcount = sys.getrefcount
+_REQUIRES_GRAD = _tensor._REQUIRES_GRAD.__get__
+
+
+def drop_gradients(param_groups: list) -> None:
+    """``p.grad = None`` for every parameter of the optimizer's groups (``zero_grad(set_to_none=True)``,
+    called by :mod:`gpemu.optimizer_fastpath`), keeping each dropped emulated gradient that
+    nothing else references as a spare: the next replayed backward hands the same wrapper out
+    again (creating a tensor wrapper costs ~3 µs per parameter and feeds the garbage collector).
+
+    "Nothing else references it" is ``sys.getrefcount(g) == 2`` (the loop variable and the
+    call's argument): on this torch a C++ holder of the tensor (a view's base, an autograd graph,
+    another ``.grad``) also holds a Python reference, so the count sees it too. Gradients that
+    require grad, carry extra attributes, or are not plain ``EmuTensor`` are dropped as usual.
+    A spare's memory is released now, exactly when the dropped gradient's would be."""
+    spare = _R.spare
+    pooling = _R.rt is not None
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            p.grad = None
+            if (pooling and type(g) is EmuTensor and _getrefcount(g) == 2 and not _REQUIRES_GRAD(g)
+                    and len(g.__dict__) == 5 and _R.spare_count < _SPARE_LIMIT):
+                g._block = None  # frees its memory (the group's block goes when its last share does)
+                g._shadow = None
+                g._meta = None
+                lst = spare.get(g._key)
+                if lst is None:
+                    spare[g._key] = [g]
+                else:
+                    lst.append(g)
+                _R.spare_count += 1
 
 
 def replay_info() -> dict[str, int]:
@@ -84,7 +124,7 @@ class Recording:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
                  "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
-                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "__weakref__")
+                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "direct", "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list = []
@@ -105,6 +145,9 @@ class Recording:
         self.profiled_peak: int | None = None  # memory='profiled': the database's peak (bytes)
         self.grad_param_list: list = []  # the parameters that receive gradients
         self.hook_gen = -1  # _S.hook_generation when grad_param_list was found to have no hooks
+        # Reused between calls: its AccumulateGrad node reference keeps the parameter's
+        # accumulator alive, so get_gradient_edge (~3 µs of Python) runs once per recording.
+        self.direct: "_Direct | None" = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,7 +510,9 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
             rec.hook_gen = -1 if hooked else _S.hook_generation
         if rec.hook_gen == _S.hook_generation:
             # No hooks on the parameters: backward may set .grad itself (see _ReplayFunction).
-            direct = _Direct(len(emus), grad_params)
+            direct = rec.direct
+            if direct is None or direct.n_inputs != len(emus):
+                direct = rec.direct = _Direct(len(emus), grad_params)
     if _functorch_active():
         outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
     else:
@@ -484,16 +529,21 @@ class _Direct:
     """Lets the replayed backward store parameter gradients directly (``p.grad = g``) instead
     of returning them to autograd, which would run one AccumulateGrad node (and a Python-dispatched
     ``detach``) per parameter: the biggest host cost of an emulated backward. Used only when the
-    engine will run the parameters' AccumulateGrad nodes in this backward (``loss.backward()``,
-    not ``torch.autograd.grad(..., params)``) and no parameter has hooks."""
+    engine will run ALL the parameters' AccumulateGrad nodes in this backward (``loss.backward()``;
+    not ``torch.autograd.grad(..., params)`` nor ``backward(inputs=[some parameters])``) and no
+    parameter has hooks. Kept on the :class:`Recording` between calls."""
 
-    __slots__ = ("n_inputs", "params", "node")
+    __slots__ = ("n_inputs", "params", "node", "nodes")
 
     def __init__(self, n_inputs: int, params: list) -> None:
         self.n_inputs = n_inputs
         self.params = params
-        # The accumulator node the graph will use (kept alive by this reference).
-        self.node = get_gradient_edge(params[0]).node
+        # The accumulator nodes the graph will use (kept alive by these references).
+        self.nodes = [get_gradient_edge(p).node for p in params]
+        self.node = self.nodes[0]
+
+
+_will_execute = torch._C._will_engine_execute_node
 
 
 def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
@@ -503,9 +553,11 @@ def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) 
 
 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
-    """(shape, contiguous strides, dtype, device, bytes) of the gradient of ``t``."""
+    """(shape, contiguous strides, dtype, device, bytes, wrapper key) of the gradient of ``t``."""
     stride = torch.empty(t.shape, device="meta").stride() if t.dim() else ()
-    return (t.shape, stride, t.dtype, t._dev if isinstance(t, EmuTensor) else dev, t.numel() * t.element_size())
+    gdev = t._dev if isinstance(t, EmuTensor) else dev
+    return (t.shape, stride, t.dtype, gdev, t.numel() * t.element_size(),
+            (tuple(t.shape), tuple(stride), 0, t.dtype, gdev))
 
 
 class _ReplayFunction(torch.autograd.Function):
@@ -548,7 +600,8 @@ class _ReplayFunction(torch.autograd.Function):
         direct: _Direct | None = ctx.direct
         if direct is not None:
             try:
-                runs = torch._C._will_engine_execute_node(direct.node)
+                # every accumulator, not just one: backward(inputs=[...]) may name only some
+                runs = _will_execute(direct.node) and all(map(_will_execute, direct.nodes))
             except RuntimeError:  # raised for leaves while torch.autograd.grad() runs
                 runs = False
             if not runs:
@@ -556,7 +609,7 @@ class _ReplayFunction(torch.autograd.Function):
         first_param = direct.n_inputs if direct is not None else len(specs)
         for i in range(first_param):
             if needs[i]:
-                shape, stride, dtype, dev, nbytes = specs[i]
+                shape, stride, dtype, dev, nbytes, _ = specs[i]
                 result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
             else:
                 result.append(None)
@@ -570,10 +623,19 @@ class _ReplayFunction(torch.autograd.Function):
             by_dev: dict[int, list] = {}
             for item in todo:
                 by_dev.setdefault(item[1][3], []).append(item)
+            spare = _R.spare
             for dev, items in by_dev.items():
                 blocks = _S.memory[dev].allocate_group([spec[4] for _, spec in items])
-                for (p, (shape, stride, dtype, _, _)), block in zip(items, blocks):
-                    p.grad = _wrap(shape, stride, 0, dtype, dev, block)
+                for (p, (shape, stride, dtype, _, _, key)), block in zip(items, blocks):
+                    lst = spare.get(key) if spare else None
+                    if lst:
+                        # A wrapper zero_grad dropped and nobody else holds (spare_gradient).
+                        g = lst.pop()
+                        _R.spare_count -= 1
+                        g._block = block
+                        p.grad = g
+                    else:
+                        p.grad = _wrap(shape, stride, 0, dtype, dev, block)
             result.extend([None] * (len(specs) - first_param))
         ctx.saved_block = None  # saved activations are freed once backward has used them
         mem.sample()
@@ -614,9 +676,13 @@ def install(rt: "Runtime") -> None:
     _R.unreplayable = weakref.WeakKeyDictionary()
     _R.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
     _R.trees = weakref.WeakKeyDictionary()
+    _R.spare = {}
+    _R.spare_count = 0
 
     def reset() -> None:
         _R.rt = None
+        _R.spare = {}
+        _R.spare_count = 0
         _R.records = weakref.WeakKeyDictionary()
         _R.unreplayable = weakref.WeakKeyDictionary()
         _R.trees = weakref.WeakKeyDictionary()
