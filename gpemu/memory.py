@@ -141,11 +141,12 @@ class MemoryTracker:
         self.num_alloc_calls += 1
         return Block(self, size)
 
-    def allocate_group(self, sizes: list[int]) -> list[SubBlock | None]:
+    def allocate_group(self, sizes: list[int], rounded: bool = False) -> list[SubBlock | None]:
         """Account several allocations made together (the parameter gradients of one backward) in
         ONE tracker call: same bytes as separate requests, but one block shared by all, freed
-        when the last of them dies. ``None`` for a zero-byte request."""
-        rounded = [round_size(n) for n in sizes]
+        when the last of them dies. ``None`` for a zero-byte request. ``rounded=True``: the sizes
+        are already :func:`round_size` results (the replayed backward caches them)."""
+        rounded = sizes if rounded else [round_size(n) for n in sizes]
         total = sum(rounded)
         if not total:
             return [None] * len(sizes)

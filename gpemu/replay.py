@@ -45,6 +45,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import tensor as _tensor
+from .memory import round_size
 from .tensor import EmuTensor, _S, _sig, _wrap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -553,11 +554,13 @@ def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) 
 
 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
-    """(shape, contiguous strides, dtype, device, bytes, wrapper key) of the gradient of ``t``."""
+    """(shape, contiguous strides, dtype, device, bytes, wrapper key, allocator-rounded bytes) of
+    the gradient of ``t``."""
     stride = torch.empty(t.shape, device="meta").stride() if t.dim() else ()
     gdev = t._dev if isinstance(t, EmuTensor) else dev
-    return (t.shape, stride, t.dtype, gdev, t.numel() * t.element_size(),
-            (tuple(t.shape), tuple(stride), 0, t.dtype, gdev))
+    nbytes = t.numel() * t.element_size()
+    return (t.shape, stride, t.dtype, gdev, nbytes, (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
+            round_size(nbytes) if nbytes else 0)
 
 
 class _ReplayFunction(torch.autograd.Function):
@@ -609,7 +612,7 @@ class _ReplayFunction(torch.autograd.Function):
         first_param = direct.n_inputs if direct is not None else len(specs)
         for i in range(first_param):
             if needs[i]:
-                shape, stride, dtype, dev, nbytes, _ = specs[i]
+                shape, stride, dtype, dev, nbytes, _, _ = specs[i]
                 result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
             else:
                 result.append(None)
@@ -625,11 +628,11 @@ class _ReplayFunction(torch.autograd.Function):
                 by_dev.setdefault(item[1][3], []).append(item)
             spare = _R.spare
             for dev, items in by_dev.items():
-                blocks = _S.memory[dev].allocate_group([spec[4] for _, spec in items])
-                for (p, (shape, stride, dtype, _, _, key)), block in zip(items, blocks):
+                blocks = _S.memory[dev].allocate_group([spec[6] for _, spec in items], rounded=True)
+                for (p, (shape, stride, dtype, _, _, key, _)), block in zip(items, blocks):
                     lst = spare.get(key) if spare else None
                     if lst:
-                        # A wrapper zero_grad dropped and nobody else holds (spare_gradient).
+                        # A wrapper zero_grad dropped and nobody else holds (drop_gradients).
                         g = lst.pop()
                         _R.spare_count -= 1
                         g._block = block
