@@ -10,11 +10,14 @@ emulated step for batch >= 32; ResNet-50 / V100 / batch 128 <= 4 ms.
 
     python benchmarks/overhead.py                          # tvmodels x {32,128} on V100 and A100
     python benchmarks/overhead.py --gpus V100 --batches 128 --models resnet50 --iterations 50
+    python benchmarks/overhead.py --no-grad-reuse          # without gradient wrapper reuse
+    python benchmarks/overhead.py --compare-grad-reuse --iterations 60   # interleaved, both medians
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 import statistics
 import sys
 import time
@@ -31,8 +34,11 @@ from gpemu.clock import VirtualClock  # noqa: E402
 DEFAULT_MODELS = ("alexnet", "resnet18", "resnet50", "resnet152", "vgg16", "mobilenet_v2", "squeezenet1_1")
 
 
-def measure(gpu: str, name: str, bs: int, iterations: int) -> tuple[float, float, float, dict]:
-    """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats)."""
+def measure(gpu: str, name: str, bs: int, iterations: int,
+            toggle: "Callable[[int], None] | None" = None) -> tuple[float, float, float, dict]:
+    """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats). ``toggle(i)`` is
+    called before iteration i (for interleaved comparisons, see ``--compare-grad-reuse``); the
+    stats then hold ``host_by_mode`` (the host times for each mode it returned)."""
     with torch.device("meta"):
         module = tvmodels.MODELS[name]()
     module = module.to_empty(device="cpu")
@@ -42,7 +48,9 @@ def measure(gpu: str, name: str, bs: int, iterations: int) -> tuple[float, float
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x, y = torch.empty(bs, 3, 224, 224), torch.zeros(bs, dtype=torch.long)
         host, gpu_times = [], []
+        by_mode: dict = {}
         for i in range(iterations + 2):  # two warm-ups: recording, then optimizer state creation
+            mode = toggle(i) if toggle is not None else None
             h0, g0 = time.perf_counter(), engine.now()
             out = model(x.cuda())
             loss = torch.nn.functional.cross_entropy(out, y.cuda())
@@ -53,8 +61,10 @@ def measure(gpu: str, name: str, bs: int, iterations: int) -> tuple[float, float
             if i >= 2:
                 host.append(time.perf_counter() - h0)
                 gpu_times.append(engine.now() - g0)
+                by_mode.setdefault(mode, []).append(host[-1])
         replay = getattr(sys.modules.get("gpemu.replay"), "_R", None)
         stats = dict(replay.stats) if replay is not None else {}
+        stats["host_by_mode"] = by_mode
     host.sort()
     return statistics.median(host), host[int(0.9 * (len(host) - 1))], statistics.median(gpu_times), stats
 
@@ -64,8 +74,33 @@ def main() -> None:
     p.add_argument("--gpus", default="V100,A100")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
     p.add_argument("--batches", default="32,128")
-    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--no-grad-reuse", action="store_true",
+                   help="create new gradient wrappers every backward (for before/after comparisons)")
+    p.add_argument("--compare-grad-reuse", action="store_true",
+                   help="alternate blocks of 5 iterations with and without gradient wrapper reuse in one "
+                        "process (robust to machine load drifting) and print both medians")
     a = p.parse_args()
+    from gpemu import replay
+    if a.no_grad_reuse:
+        replay._SPARE_LIMIT = 0  # drop_gradients keeps no spares: every backward wraps new gradients
+    if a.compare_grad_reuse:
+        print(f"{'gpu':6} {'model':14} {'bs':>4} {'reuse ms':>9} {'no reuse ms':>12} {'saved':>7}")
+
+        def toggle(i: int) -> bool:
+            reuse = (i // 5) % 2 == 0
+            replay._SPARE_LIMIT = 100_000 if reuse else 0
+            return reuse
+
+        for gpu in a.gpus.split(","):
+            for name in a.models.split(","):
+                for bs in (int(b) for b in a.batches.split(",")):
+                    *_, stats = measure(gpu, name, bs, a.iterations, toggle)
+                    on = statistics.median(stats["host_by_mode"][True])
+                    off = statistics.median(stats["host_by_mode"][False])
+                    print(f"{gpu:6} {name:14} {bs:4d} {1e3 * on:9.2f} {1e3 * off:12.2f} {100 * (off - on) / off:6.0f}%",
+                          flush=True)
+        return
     print(f"{'gpu':6} {'model':14} {'bs':>4} {'host ms/iter':>13} {'p90':>8} {'emulated ms':>12} {'share':>8}")
     worst_share = 0.0
     for gpu in a.gpus.split(","):
