@@ -27,7 +27,14 @@ def main() -> None:
     ap.add_argument("--gpu", default="V100")
     ap.add_argument("--no-replay", action="store_true")
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    ap.add_argument("--autograd-edges", type=int, default=0, metavar="N",
+                    help="instead: plain torch (no gpemu), the autograd engine's cost of a Function with N "
+                         "leaf inputs whose backward returns None for them (what a replayed backward pays "
+                         "per parameter)")
     args = ap.parse_args()
+    if args.autograd_edges:
+        autograd_edges(args.autograd_edges)
+        return
 
     import gpemu
     import tvmodels
@@ -72,6 +79,33 @@ def main() -> None:
     print(f"replay: {replay.replay_info()}, op-metadata cache entries: {tensor.cache_info()['entries']}")
     print(f"tracked memory: allocated {mem.allocated / 2**20:.0f} MiB, peak {mem.peak_allocated / 2**20:.0f} MiB")
     gpemu.unpatch()
+
+
+def autograd_edges(n: int) -> None:
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *leaves):  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            return (g,) + (None,) * n
+
+    def timed(requires_grad: bool) -> float:
+        leaves = [torch.zeros(3, requires_grad=requires_grad) for _ in range(n)]
+        x = torch.zeros(3, requires_grad=True)
+        times = []
+        for _ in range(300):
+            s = Fn.apply(x, *leaves).sum()
+            t0 = time.perf_counter()
+            s.backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with_edges, without = timed(True), timed(False)
+    print(f"backward over a Function with {n} leaf inputs returning None: {with_edges * 1e6:.0f} us "
+          f"(inputs not requiring grad: {without * 1e6:.0f} us) = "
+          f"{(with_edges - without) / n * 1e6:.2f} us per parameter edge")
 
 
 if __name__ == "__main__":
