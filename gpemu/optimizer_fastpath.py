@@ -30,6 +30,11 @@ Policy (when the real ``step()`` runs instead, silently, every time the conditio
   momentum/amsgrad/foreach/fused/capturable/differentiable), or a different set of parameters
   has gradients. The next real step measures again and re-enables the fast path.
 
+``Optimizer.zero_grad`` is patched too: ``set_to_none=True`` runs a plain loop that keeps each
+dropped, otherwise unreferenced emulated gradient as a spare wrapper for the next replayed
+backward (:func:`gpemu.replay.drop_gradients`); ``set_to_none=False``, the torch profiler and
+``config.replay=False`` run torch's own.
+
 Not reproduced: replacing individual state tensors in place of the optimizer's own
 (``opt.state[p]['step'] = t`` without changing ``len(opt.state)``) is not noticed.
 """

@@ -25,7 +25,9 @@ tensors in tuples/lists/dicts, outputs that alias inputs or parameters, ``config
 
 The replayed backward stores parameter gradients itself (``p.grad = g``) when the autograd engine
 would accumulate them in this backward and no parameter has hooks; otherwise (DDP's
-post-accumulate hooks, ``torch.autograd.grad(loss, params)``) it returns them to autograd. The
+post-accumulate hooks, ``torch.autograd.grad(loss, params)``, ``backward(inputs=[some params])``)
+it returns them to autograd. Gradient wrappers that ``zero_grad()`` dropped and nothing else
+references are handed out again as the next replayed backward's gradients (:func:`drop_gradients`). The
 outermost-call depth is per thread (``nn.DataParallel`` replicas run in threads).
 
 What replay does not reproduce: in-place updates of buffers inside forward (BatchNorm's running
