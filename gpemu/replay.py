@@ -77,10 +77,14 @@ class _ReplayState:
         # their metadata key and handed out again as the next replayed backward's gradients.
         self.spare: dict[tuple, list] = {}
         self.spare_count = 0
+        self.hub_used = False  # some replay ran in hub mode (see _Direct)
+        self.no_hub = False    # targeted gradients met a hub graph: no hub mode for this run
 
 
 _R = _ReplayState()
 _SPARE_LIMIT = 100_000
+_HUB_AFTER = 2        # plain backwards of a recording before its replays use hub mode
+_NEVER = -(1 << 60)
 _getrefcount = sys.getrefcount
 _REQUIRES_GRAD = _tensor._REQUIRES_GRAD.__get__
 
@@ -127,7 +131,7 @@ class Recording:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
                  "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
-                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "direct", "__weakref__")
+                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "direct", "plain", "hub_direct", "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list = []
@@ -151,6 +155,10 @@ class Recording:
         # Reused between calls: its AccumulateGrad node reference keeps the parameter's
         # accumulator alive, so get_gradient_edge (~3 µs of Python) runs once per recording.
         self.direct: "_Direct | None" = None
+        # Consecutive replayed backwards that were plain ``loss.backward()`` calls (every
+        # parameter accumulator ran); _NEVER once a targeted one (autograd.grad, inputs=) was seen.
+        self.plain = 0
+        self.hub_direct: "_Direct | None" = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -513,9 +521,18 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
             rec.hook_gen = -1 if hooked else _S.hook_generation
         if rec.hook_gen == _S.hook_generation:
             # No hooks on the parameters: backward may set .grad itself (see _ReplayFunction).
+            if rec.plain >= _HUB_AFTER and not _R.no_hub and _HUB_AFTER >= 0 and not _functorch_active():
+                direct = rec.hub_direct
+                if direct is None or direct.n_inputs != len(emus):
+                    hub = _wrap((0,), (1,), 0, torch.float32, rec.dev, None, requires_grad=True)
+                    direct = rec.hub_direct = _Direct(len(emus), grad_params, rec.dev, hub)
+                _R.hub_used = True
+                _R.stats["hub"] = _R.stats.get("hub", 0) + 1
+                outs = _apply_replay(rec, direct, t0, *emus, direct.hub)
+                return tree_unflatten(list(outs), rec.treespec)
             direct = rec.direct
             if direct is None or direct.n_inputs != len(emus):
-                direct = rec.direct = _Direct(len(emus), grad_params)
+                direct = rec.direct = _Direct(len(emus), grad_params, rec.dev)
     if _functorch_active():
         outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
     else:
@@ -534,16 +551,27 @@ class _Direct:
     ``detach``) per parameter: the biggest host cost of an emulated backward. Used only when the
     engine will run ALL the parameters' AccumulateGrad nodes in this backward (``loss.backward()``;
     not ``torch.autograd.grad(..., params)`` nor ``backward(inputs=[some parameters])``) and no
-    parameter has hooks. Kept on the :class:`Recording` between calls."""
+    parameter has hooks. Kept on the :class:`Recording` between calls.
 
-    __slots__ = ("n_inputs", "params", "node", "nodes")
+    **Hub mode** (``hub`` set): after :data:`_HUB_AFTER` plain backwards of a recording, its
+    replays pass ONE zero-size leaf (the hub) to autograd instead of every parameter: the engine
+    then visits one accumulator instead of one per parameter (~1.8 µs each) and ``apply`` builds
+    one edge instead of one per parameter (~1 µs each). The backward stores every parameter's
+    ``.grad`` when the hub's accumulator runs (a plain backward). Targeted gradients that name
+    parameters of such a graph (``torch.autograd.grad``, ``backward(inputs=...)``) are answered
+    by the patched functions (:func:`_grad`, :func:`_backward`), and hub mode ends for the run."""
 
-    def __init__(self, n_inputs: int, params: list) -> None:
+    __slots__ = ("n_inputs", "params", "node", "nodes", "hub", "pspecs", "param_bytes")
+
+    def __init__(self, n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
         self.n_inputs = n_inputs
         self.params = params
+        self.hub = hub
         # The accumulator nodes the graph will use (kept alive by these references).
-        self.nodes = [get_gradient_edge(p).node for p in params]
+        self.nodes = [get_gradient_edge(t).node for t in ([hub] if hub is not None else params)]
         self.node = self.nodes[0]
+        self.pspecs = [_grad_spec(p, dev) for p in params]
+        self.param_bytes = sum(spec[4] for spec in self.pspecs)
 
 
 _will_execute = torch._C._will_engine_execute_node
@@ -597,11 +625,6 @@ class _ReplayFunction(torch.autograd.Function):
         result: list[Any] = [None, None, None]
         needs = ctx.needs_input_grad[3:]
         specs = ctx.specs
-        new_bytes = 0
-        for spec, needed in zip(specs, needs):
-            if needed:
-                new_bytes += spec[4]
-        mem.touch(rec.bwd_extra - new_bytes)
         direct: _Direct | None = ctx.direct
         if direct is not None:
             try:
@@ -610,7 +633,19 @@ class _ReplayFunction(torch.autograd.Function):
             except RuntimeError:  # raised for leaves while torch.autograd.grad() runs
                 runs = False
             if not runs:
-                direct = None  # e.g. torch.autograd.grad(loss, params): return the gradients
+                # e.g. torch.autograd.grad(loss, params): return the gradients, and keep every
+                # parameter an autograd input from now on (no hub mode for this recording)
+                rec.plain = _NEVER
+                direct = None
+            elif direct.hub is None:
+                rec.plain += 1
+        new_bytes = 0
+        for spec, needed in zip(specs, needs):
+            if needed:
+                new_bytes += spec[4]
+        if direct is not None and direct.hub is not None:
+            new_bytes += direct.param_bytes  # not among the autograd inputs in hub mode
+        mem.touch(rec.bwd_extra - new_bytes)
         first_param = direct.n_inputs if direct is not None else len(specs)
         for i in range(first_param):
             if needs[i]:
@@ -621,8 +656,11 @@ class _ReplayFunction(torch.autograd.Function):
         if direct is not None:
             # Parameter gradients stored directly; new ones share ONE tracker allocation (see
             # MemoryTracker.allocate_group): one call instead of one per parameter.
-            todo = [(p, specs[i]) for i, p in enumerate(direct.params, first_param)
-                    if needs[i] and p.grad is None]
+            if direct.hub is not None:
+                todo = [(p, spec) for p, spec in zip(direct.params, direct.pspecs) if p.grad is None]
+            else:
+                todo = [(p, spec) for p, spec, needed in zip(direct.params, direct.pspecs, needs[first_param:])
+                        if needed and p.grad is None]
             # (a parameter that has a gradient is accumulated in place: metadata unchanged, its
             # transient is in the touch above)
             by_dev: dict[int, list] = {}
@@ -649,6 +687,93 @@ class _ReplayFunction(torch.autograd.Function):
 
 # torch._C._FunctionBase.apply bound to _ReplayFunction (see _replay).
 _apply_replay = super(torch.autograd.Function, _ReplayFunction).apply
+
+
+# ----------------------------------------------------------------------------------------------
+# targeted gradients through a hub-mode graph (see _Direct)
+# ----------------------------------------------------------------------------------------------
+def _hub_nodes(roots: Any) -> list:
+    """The hub-mode replay nodes in the autograd graph of ``roots`` (tensor or sequence)."""
+    tensors = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    found = []
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        direct = getattr(fn, "direct", None)
+        if isinstance(direct, _Direct) and direct.hub is not None:
+            found.append(fn)
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return found
+
+
+def _placeholder_grad(t: torch.Tensor) -> EmuTensor:
+    shape, stride, dtype, dev, nbytes, _, _ = _grad_spec(t, t._dev)
+    return _wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None)
+
+
+def _targeted(roots: Any, inputs: Any) -> tuple[list, set[int], list] | None:
+    """(inputs as a list, ids of those a hub-mode graph holds, its nodes), or None when the call
+    can go to torch unchanged. Ends hub mode for the run once such a graph is met."""
+    if not _R.hub_used or inputs is None:
+        return None
+    nodes = _hub_nodes(roots)
+    if not nodes:
+        return None
+    _R.no_hub = True  # the program asks for targeted gradients: keep every parameter an input
+    ins = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    covered = {id(p) for fn in nodes for p in fn.direct.params}
+    if not any(id(t) in covered for t in ins):
+        return None
+    return ins, covered, nodes
+
+
+def _charge_skipped(nodes: list) -> None:
+    """Backward time of hub-mode replays whose backward autograd will not run."""
+    for fn in nodes:
+        _charge(fn.rec.bwd_seconds, "backward", fn.rec)
+
+
+def _make_grad(orig: Any) -> Any:
+    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        found = _targeted(outputs, inputs)
+        if found is None:
+            return orig(outputs, inputs, *args, **kwargs)
+        ins, covered, nodes = found
+        others = [t for t in ins if id(t) not in covered]
+        if others:
+            got = iter(orig(outputs, others, *args, **kwargs))
+        else:
+            got = iter(())
+            _charge_skipped(nodes)
+        # the parameters a hub graph holds get placeholder gradients (shape/dtype/device and
+        # memory are all an emulated gradient has)
+        return tuple(_placeholder_grad(t) if id(t) in covered else next(got) for t in ins)
+    grad.__wrapped__ = orig  # type: ignore[attr-defined]
+    return grad
+
+
+def _make_backward(orig: Any) -> Any:
+    def backward(tensors: Any, *args: Any, inputs: Any = None, **kwargs: Any) -> Any:
+        found = _targeted(tensors, inputs)
+        if found is None:
+            return orig(tensors, *args, inputs=inputs, **kwargs)
+        ins, covered, nodes = found
+        for t in ins:
+            if id(t) in covered and t.grad is None:
+                t.grad = _placeholder_grad(t)  # an existing gradient accumulates in place
+        others = [t for t in ins if id(t) not in covered]
+        if others:
+            return orig(tensors, *args, inputs=others, **kwargs)
+        _charge_skipped(nodes)
+        return None
+    backward.__wrapped__ = orig  # type: ignore[attr-defined]
+    return backward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,11 +808,15 @@ def install(rt: "Runtime") -> None:
     _R.trees = weakref.WeakKeyDictionary()
     _R.spare = {}
     _R.spare_count = 0
+    _R.hub_used = False
+    _R.no_hub = False
 
     def reset() -> None:
         _R.rt = None
         _R.spare = {}
         _R.spare_count = 0
+        _R.hub_used = False
+        _R.no_hub = False
         _R.records = weakref.WeakKeyDictionary()
         _R.unreplayable = weakref.WeakKeyDictionary()
         _R.trees = weakref.WeakKeyDictionary()
@@ -700,6 +829,9 @@ def install(rt: "Runtime") -> None:
     # registrations that write the dicts directly, and _apply (it may swap parameters in place).
     for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
         rt.patcher.replace(M, name, _bump_structure(getattr(M, name)))
+    # Targeted gradients through a hub-mode replay are answered here (see _Direct).
+    rt.patcher.replace(torch.autograd, "grad", _make_grad(torch.autograd.grad))
+    rt.patcher.replace(torch.autograd, "backward", _make_backward(torch.autograd.backward))
     # Parameter hooks decide whether the replayed backward may store .grad itself.
     T = torch.Tensor
     for name in ("register_hook", "register_post_accumulate_grad_hook"):

@@ -372,3 +372,89 @@ def test_backward_inputs_subset_sets_only_those_gradients(rt) -> None:
     model(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert replay.replay_info()["replayed"] >= 3
+
+
+# ----------------------------------------------------------------------------------------------
+# hub mode: replays pass one leaf to autograd instead of every parameter (gpemu.replay._Direct)
+# ----------------------------------------------------------------------------------------------
+def _plain_iterations(model: nn.Module, x: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        model(x).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+
+def test_hub_mode_after_plain_backwards_same_gradients_memory_and_time(rt) -> None:
+    model = _conv_net()
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    mem = rt.state["memory"][0]
+    _plain_iterations(model, x, 2)  # recorded, then one plain replay
+    assert replay.replay_info().get("hub", 0) == 0
+
+    def one() -> tuple:
+        mem.reset_peak()
+        base = mem.allocated
+        out = model(x)
+        n_inputs = len(out.grad_fn.next_functions)
+        out.sum().backward()
+        grads = [(tuple(p.grad.shape), p.grad.dtype, p.grad.device) for p in model.parameters()]
+        result = (mem.allocated - base, mem.peak_allocated - base, grads)
+        for p in model.parameters():
+            p.grad = None
+        spans = [sp for sp in rt.recorder.spans if sp.kind in ("forward", "backward")][-2:]
+        return result, n_inputs, [(sp.kind, round(sp.end - sp.start, 12)) for sp in spans]
+
+    before, n_full, times_full = one()  # the second plain replay: still every parameter an input
+    after, n_hub, times_hub = one()
+    assert replay.replay_info()["hub"] == 1
+    assert times_hub == times_full and [k for k, _ in times_hub] == ["forward", "backward"]
+    assert n_full == 1 + len(list(model.parameters())) and n_hub == 2  # input x + the hub
+    assert after == before  # same gradients, same memory and peak
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_targeted_gradients_through_a_hub_graph(rt) -> None:
+    model = _conv_net()
+    x = torch.zeros(4, 3, 8, 8, device="cuda", requires_grad=True)
+    _plain_iterations(model, x, 4)
+    hub_before = replay.replay_info().get("hub", 0)
+    assert hub_before >= 1
+    w, fc = model[0].weight, model[3].weight
+    # torch.autograd.grad naming parameters: placeholders of their metadata; .grad untouched
+    loss = model(x).sum()
+    assert replay.replay_info()["hub"] == hub_before + 1
+    gw, gx = torch.autograd.grad(loss, [w, x])
+    assert gw.shape == w.shape and gw.device == w.device and gx.shape == x.shape
+    assert all(p.grad is None for p in model.parameters())
+    # after that, hub mode is off for the run: every parameter is an autograd input again
+    loss = model(x).sum()
+    assert replay.replay_info()["hub"] == hub_before + 1
+    (gfc,) = torch.autograd.grad(loss, fc)
+    assert gfc.shape == fc.shape
+
+
+def test_backward_inputs_through_a_hub_graph_sets_only_those(rt) -> None:
+    model = _conv_net()
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    _plain_iterations(model, x, 4)
+    assert replay.replay_info().get("hub", 0) >= 1
+    loss = model(x).sum()
+    loss.backward(inputs=[model[3].weight])
+    assert [p.grad is not None for p in model.parameters()] == [False, False, False, False, True, False]
+    assert model[3].weight.grad.shape == model[3].weight.shape
+
+
+def test_input_gradient_through_a_hub_graph_leaves_parameters_alone(rt) -> None:
+    model = _conv_net()
+    x = torch.zeros(4, 3, 8, 8, device="cuda", requires_grad=True)
+    _plain_iterations(model, x, 4)
+    hub = replay.replay_info()["hub"]
+    x.grad = None
+    loss = model(x).sum()
+    assert replay.replay_info()["hub"] == hub + 1
+    (gx,) = torch.autograd.grad(loss, x)  # a gradient penalty's call: x only
+    assert gx.shape == x.shape
+    assert all(p.grad is None for p in model.parameters())
+    # the recording leaves hub mode; plain backward still sets every gradient
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
