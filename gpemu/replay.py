@@ -43,7 +43,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import tensor as _tensor
@@ -694,8 +694,9 @@ _apply_replay = super(torch.autograd.Function, _ReplayFunction).apply
 # ----------------------------------------------------------------------------------------------
 def _hub_nodes(roots: Any) -> list:
     """The hub-mode replay nodes in the autograd graph of ``roots`` (tensor or sequence)."""
-    tensors = [roots] if isinstance(roots, torch.Tensor) else list(roots)
-    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    items = [roots] if isinstance(roots, (torch.Tensor, GradientEdge)) else list(roots)
+    # tensors and GradientEdges (torch.autograd.graph.get_gradient_edge) as roots
+    stack = [t.grad_fn if isinstance(t, torch.Tensor) else getattr(t, "node", None) for t in items]
     seen: set[int] = set()
     found = []
     while stack:
@@ -726,7 +727,9 @@ def _targeted(roots: Any, inputs: Any) -> tuple[list, set[int], list] | None:
     if not nodes:
         return None
     _R.no_hub = True  # the program asks for targeted gradients: keep every parameter an input
-    ins = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    if isinstance(inputs, dict):
+        inputs = list(inputs.values())
+    ins = [inputs] if isinstance(inputs, (torch.Tensor, GradientEdge)) else list(inputs)
     covered = {id(p) for fn in nodes for p in fn.direct.params}
     if not any(id(t) in covered for t in ins):
         return None
@@ -741,6 +744,9 @@ def _charge_skipped(nodes: list) -> None:
 
 def _make_grad(orig: Any) -> Any:
     def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(inputs, dict) and _R.hub_used:  # named inputs: the same, as a dict
+            values = grad(outputs, list(inputs.values()), *args, **kwargs)
+            return dict(zip(inputs.keys(), values))
         found = _targeted(outputs, inputs)
         if found is None:
             return orig(outputs, inputs, *args, **kwargs)
@@ -759,17 +765,23 @@ def _make_grad(orig: Any) -> Any:
 
 
 def _make_backward(orig: Any) -> Any:
-    def backward(tensors: Any, *args: Any, inputs: Any = None, **kwargs: Any) -> Any:
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        # inputs: keyword (Tensor.backward passes it so) or the sixth positional argument
+        inputs = kwargs.get("inputs", args[4] if len(args) > 4 else None)
         found = _targeted(tensors, inputs)
         if found is None:
-            return orig(tensors, *args, inputs=inputs, **kwargs)
+            return orig(tensors, *args, **kwargs)
         ins, covered, nodes = found
         for t in ins:
             if id(t) in covered and t.grad is None:
                 t.grad = _placeholder_grad(t)  # an existing gradient accumulates in place
         others = [t for t in ins if id(t) not in covered]
         if others:
-            return orig(tensors, *args, inputs=others, **kwargs)
+            if len(args) > 4:
+                args = args[:4] + (others,) + args[5:]
+            else:
+                kwargs["inputs"] = others
+            return orig(tensors, *args, **kwargs)
         _charge_skipped(nodes)
         return None
     backward.__wrapped__ = orig  # type: ignore[attr-defined]

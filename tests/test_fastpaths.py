@@ -458,3 +458,24 @@ def test_input_gradient_through_a_hub_graph_leaves_parameters_alone(rt) -> None:
     # the recording leaves hub mode; plain backward still sets every gradient
     model(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_targeted_forms_through_a_hub_graph(rt) -> None:
+    """Named (dict) inputs, GradientEdge roots and positional ``inputs`` reach the same answer."""
+    from torch.autograd.graph import get_gradient_edge
+
+    model = _conv_net()
+    x = torch.zeros(4, 3, 8, 8, device="cuda", requires_grad=True)
+    w = model[0].weight
+    _plain_iterations(model, x, 4)
+    out = model(x).sum()
+    named = torch.autograd.grad(out, {"w": w, "x": x})
+    assert set(named) == {"w", "x"} and named["w"].shape == w.shape and named["x"].shape == x.shape
+    gpemu.unpatch()
+    gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    model = _conv_net()
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    _plain_iterations(model, x, 4)
+    out = model(x).sum()
+    torch.autograd.backward(get_gradient_edge(out), torch.ones(()), None, False, None, [model[3].weight])
+    assert [p.grad is not None for p in model.parameters()] == [False, False, False, False, True, False]
