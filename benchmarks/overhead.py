@@ -12,6 +12,7 @@ emulated step for batch >= 32; ResNet-50 / V100 / batch 128 <= 4 ms.
     python benchmarks/overhead.py --gpus V100 --batches 128 --models resnet50 --iterations 50
     python benchmarks/overhead.py --no-grad-reuse          # without gradient wrapper reuse
     python benchmarks/overhead.py --compare-grad-reuse --iterations 60   # interleaved, both medians
+    python benchmarks/overhead.py --compare-hub --iterations 60          # same for hub mode
 """
 
 from __future__ import annotations
@@ -80,17 +81,23 @@ def main() -> None:
     p.add_argument("--compare-grad-reuse", action="store_true",
                    help="alternate blocks of 5 iterations with and without gradient wrapper reuse in one "
                         "process (robust to machine load drifting) and print both medians")
+    p.add_argument("--compare-hub", action="store_true",
+                   help="the same interleaving for hub mode (one autograd input instead of every parameter)")
     a = p.parse_args()
     from gpemu import replay
     if a.no_grad_reuse:
         replay._SPARE_LIMIT = 0  # drop_gradients keeps no spares: every backward wraps new gradients
-    if a.compare_grad_reuse:
-        print(f"{'gpu':6} {'model':14} {'bs':>4} {'reuse ms':>9} {'no reuse ms':>12} {'saved':>7}")
+    if a.compare_grad_reuse or a.compare_hub:
+        what = "reuse" if a.compare_grad_reuse else "hub"
+        print(f"{'gpu':6} {'model':14} {'bs':>4} {what + ' ms':>9} {'no ' + what + ' ms':>12} {'saved':>7}")
 
         def toggle(i: int) -> bool:
-            reuse = (i // 5) % 2 == 0
-            replay._SPARE_LIMIT = 100_000 if reuse else 0
-            return reuse
+            on = (i // 5) % 2 == 0
+            if a.compare_grad_reuse:
+                replay._SPARE_LIMIT = 100_000 if on else 0
+            else:
+                replay._HUB_AFTER = 2 if on else -1
+            return on
 
         for gpu in a.gpus.split(","):
             for name in a.models.split(","):
