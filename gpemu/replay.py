@@ -27,7 +27,10 @@ The replayed backward stores parameter gradients itself (``p.grad = g``) when th
 would accumulate them in this backward and no parameter has hooks; otherwise (DDP's
 post-accumulate hooks, ``torch.autograd.grad(loss, params)``, ``backward(inputs=[some params])``)
 it returns them to autograd. Gradient wrappers that ``zero_grad()`` dropped and nothing else
-references are handed out again as the next replayed backward's gradients (:func:`drop_gradients`). The
+references are handed out again as the next replayed backward's gradients (:func:`drop_gradients`).
+After two plain backwards, a recording's replays pass one "hub" leaf to autograd instead of every
+parameter (see :class:`_Direct`); ``torch.autograd.grad``/``backward(inputs=...)`` are patched to
+answer for parameters of such a graph. The
 outermost-call depth is per thread (``nn.DataParallel`` replicas run in threads).
 
 What replay does not reproduce: in-place updates of buffers inside forward (BatchNorm's running
