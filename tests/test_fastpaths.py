@@ -479,3 +479,24 @@ def test_targeted_forms_through_a_hub_graph(rt) -> None:
     out = model(x).sum()
     torch.autograd.backward(get_gradient_edge(out), torch.ones(()), None, False, None, [model[3].weight])
     assert [p.grad is not None for p in model.parameters()] == [False, False, False, False, True, False]
+
+
+def test_hub_mode_gradient_accumulation_and_reuse_together(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    mem = rt.state["memory"][0]
+    for _ in range(4):
+        _step(model, opt)  # zero_grad(set_to_none=True) each time: spares + hub mode
+    hub = replay.replay_info()["hub"]
+    assert hub >= 1
+    model(x).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    after_first = mem.allocated
+    model(x).sum().backward()  # accumulation: same gradient tensors, no new memory
+    assert replay.replay_info()["hub"] == hub + 2
+    assert all(g is p.grad for g, p in zip(grads, model.parameters()))
+    assert mem.allocated == after_first
+    del grads
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
