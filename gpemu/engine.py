@@ -171,6 +171,10 @@ class TimeEngine:
         if late > local.late:
             local.late = late
 
+    def forget_wait(self) -> None:
+        """Start a new settle() scope: only a wait after this call may be forgiven."""
+        self._local.wait_deadline = None
+
     def device_busy_until(self, device: int) -> float:
         return self._device_busy[device]
 
@@ -464,7 +468,10 @@ class VirtualStream:
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
         # (with a backend the device's worker decides when the work ends; the deadline is unused)
-        self._engine._wait_device(self.device_index, self.busy_until, reason)
+        eng = self._engine
+        eng.forget_wait()
+        eng._wait_device(self.device_index, self.busy_until, reason)
+        eng.settle()
 
     def query(self) -> bool:
         """True when all work enqueued on this stream has completed."""

@@ -706,7 +706,9 @@ def to_host(t: EmuTensor, reason: str = "cpu") -> torch.Tensor:
             copy_to_host = None
         if copy_to_host is not None:
             copy_to_host(rt, t, t._dev)
-            return placeholders.host_values(t.shape, t.dtype, t._shadow)
+            values = placeholders.host_values(t.shape, t.dtype, t._shadow)
+            _settle()
+            return values
     values = placeholders.host_values(t.shape, t.dtype, t._shadow)
     _settle()
     return values
@@ -991,7 +993,7 @@ def device_index(device: Any) -> int | None:
     return None
 
 
-def _charge_h2d(t: torch.Tensor, dev: int, non_blocking: bool) -> None:
+def _charge_h2d(t: torch.Tensor, dev: int, non_blocking: bool, issued_at: float | None = None) -> None:
     rt = _S.rt
     if rt is None or getattr(_S.local, "moving_model", False):
         return
@@ -999,7 +1001,7 @@ def _charge_h2d(t: torch.Tensor, dev: int, non_blocking: bool) -> None:
         from .transfers import copy_to_device
     except ImportError:
         return
-    copy_to_device(rt, t, dev, non_blocking)
+    copy_to_device(rt, t, dev, non_blocking, issued_at)
 
 
 def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
@@ -1007,14 +1009,22 @@ def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
         stride = t.stride()
     else:
         stride = torch.empty(t.shape, device=_META).stride()
+    engine = _S.engine
+    # The copy is issued when the program asked for it, not after the emulator's book-keeping.
+    issued_at = engine.now() if engine is not None else None
     nbytes = t.numel() * t.element_size()
     block = _S.memory[dev].allocate(nbytes) if nbytes else None
-    _charge_h2d(t, dev, non_blocking)
+    if engine is not None:
+        engine.forget_wait()  # only a wait for THIS copy may be forgiven below
+    _charge_h2d(t, dev, non_blocking, issued_at)
     e = _wrap(t.shape, stride, 0, t.dtype, dev, block)
     if not getattr(_S.local, "moving_model", False):
         # Model parameters/buffers get no shadows: their values are not what host code reads
         # back, and a shadow would add a host op to every step of the optimizer.
         e._shadow = _small_shadow(t)
+    # A pageable copy returns when the copy ends; building the wrapper after that wait is the
+    # emulator's time, not the program's (as for .item()).
+    _settle()
     return e
 
 

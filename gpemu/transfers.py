@@ -149,9 +149,11 @@ def device_to_host_seconds(rt: "Runtime", tensor: torch.Tensor, device: int, pin
     return _bandwidth_seconds(rt, _nbytes(tensor), device, pinned), "estimated"
 
 
-def copy_to_device(rt: "Runtime", tensor: torch.Tensor, device: int, non_blocking: bool) -> None:
+def copy_to_device(rt: "Runtime", tensor: torch.Tensor, device: int, non_blocking: bool,
+                   issued_at: float | None = None) -> None:
     """Charge one host->device copy of CPU ``tensor``: queue it on the device's current stream;
-    the host waits for it unless it is a pinned ``non_blocking`` copy."""
+    the host waits for it unless it is a pinned ``non_blocking`` copy. ``issued_at``: the host
+    time (``engine.now()``) the program asked for the copy, before the emulator's own work."""
     st = _state(rt)
     nbytes = _nbytes(tensor)
     if st.moving_model:
@@ -159,7 +161,7 @@ def copy_to_device(rt: "Runtime", tensor: torch.Tensor, device: int, non_blockin
     pinned = _is_pinned(tensor)
     seconds, _ = host_to_device_seconds(rt, tensor, device, pinned)
     stream = rt.state["engine"].stream(device)
-    stream.enqueue(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable")
+    stream.enqueue(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", at=issued_at)
     rec = rt.recorder
     rec.add("h2d_bytes", nbytes)
     rec.add("h2d_copies", 1)

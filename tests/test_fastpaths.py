@@ -199,6 +199,41 @@ def test_forward_time_starts_when_the_call_starts() -> None:
         gpemu.unpatch()
 
 
+def test_pageable_copy_is_issued_at_the_call_and_its_return_path_is_forgiven() -> None:
+    """x.cuda() of pageable memory: the copy starts when the program asked for it, and the
+    emulator's work after the copy's wait does not delay the program's next GPU work."""
+    from gpemu import tensor as emu_tensor
+
+    clock = VirtualClock()
+    gpemu.patch(gpu="V100", summary=False, extra={"clock": clock})
+    try:
+        rt = gpemu.runtime.current()
+        engine = rt.state["engine"]
+        orig_charge, orig_wrap = emu_tensor._charge_h2d, emu_tensor._wrap
+
+        def slow_charge(*args, **kwargs):
+            clock.advance(0.004)  # emulator book-keeping before the copy is queued (< the copy)
+            return orig_charge(*args, **kwargs)
+
+        def slow_wrap(*args, **kwargs):
+            clock.advance(0.02)  # emulator work after the copy's wait, before returning
+            return orig_wrap(*args, **kwargs)
+
+        emu_tensor._charge_h2d, emu_tensor._wrap = slow_charge, slow_wrap
+        try:
+            torch.cuda.synchronize()
+            t0 = engine.now()
+            torch.zeros(64, 3, 224, 224).cuda()
+        finally:
+            emu_tensor._charge_h2d, emu_tensor._wrap = orig_charge, orig_wrap
+        copy = [s for s in rt.recorder.spans if s.kind == "transfer"][-1]
+        assert copy.start == pytest.approx(t0, abs=1e-9)
+        # back in the program at the copy's end on the emulated timeline, not 20 ms later
+        assert engine.now() == pytest.approx(copy.end, abs=1e-9)
+    finally:
+        gpemu.unpatch()
+
+
 def test_settle_forgives_only_time_right_after_a_wait() -> None:
     from gpemu.engine import TimeEngine
     from gpemu.recorder import Recorder
