@@ -128,9 +128,7 @@ def patch(config: EmuConfig | None = None, **settings: Any) -> Runtime:
         _runtime = rt
         try:
             for name in COMPONENTS:
-                module = _import_component(name)
-                if module is not None:
-                    module.install(rt)
+                importlib.import_module(name).install(rt)
         except BaseException:
             _runtime = None
             rt.patcher.restore_all()
@@ -159,14 +157,3 @@ def emulate(config: EmuConfig | None = None, **settings: Any) -> Iterator[Runtim
         yield rt
     finally:
         unpatch()
-
-
-def _import_component(name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        # While the project is being assembled a component may not exist yet; a missing
-        # dependency *inside* an existing component is a real error.
-        if exc.name == name:
-            return None
-        raise
