@@ -52,7 +52,19 @@ class RunResult:
     request_id: str
     seconds: float  # GPU time asked for
     waited_s: float  # time the manager kept the request queued behind other jobs
-    elapsed_s: float  # wall time from sending the request to its reply
+    elapsed_s: float  # wall time from sending the request to returning
+    # Deadline scheduling (a ``granted`` reply); all on this process's time.monotonic():
+    scheduled_end: float | None = None  # where the work ends on the emuGPU's timeline
+    resumed_at: float | None = None  # when run() stopped waiting (>= scheduled_end)
+    idle_s: float = 0.0  # emuGPU idle because this request was still travelling to the manager
+    exact: bool = False  # scheduled_end is the manager's own (shared clock), not reply + remaining
+
+    @property
+    def added_s(self) -> float | None:
+        """Time lost to the manager against one with no latency following the same schedule."""
+        if self.scheduled_end is None or self.resumed_at is None:
+            return None
+        return max(0.0, self.resumed_at - self.scheduled_end) + self.idle_s
 
 
 def _redact(url: str) -> str:
@@ -115,9 +127,12 @@ class _Heartbeat(threading.Thread):
 class SharingClient:
     """One job's connection to a sharing manager. Thread-safe ``run`` (one request at a time)."""
 
+    # While waiting for a granted slot, serve the connection until this long before its end.
+    SERVICE_MARGIN_S = 0.02
+
     def __init__(self, url: str, job_id: str | None = None, device: str = "0", persistent_bytes: int = 0,
                  weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
-                 resend_s: float | None = None, heartbeat: bool = True) -> None:
+                 resend_s: float | None = None, heartbeat: bool = True, deadlines: bool = True) -> None:
         if not url.startswith(("amqp://", "amqps://")):
             raise ValueError(f"sharing URL must be amqp:// or amqps://, got {_redact(url)!r}")
         if not lease_s > 0 or not manager_timeout_s > 0:
@@ -132,11 +147,19 @@ class SharingClient:
         self.manager_timeout_s = float(manager_timeout_s)
         self.resend_s = float(resend_s) if resend_s else max(0.5, self.lease_s)
         self.token: str | None = None
+        self.same_host = False  # the manager shares our CLOCK_MONOTONIC (told at registration)
+        self.host = P.host_identity()
         self.needs_register = True
         self.last_manager_contact = time.monotonic()
         self.reply_queue = f"gpemu.sharing.reply.{self.job_id}.{uuid.uuid4().hex[:8]}"
         self.resends = 0
         self.reconnects = 0
+        # Ask for grants (deadline scheduling; the wait for the end happens here, overlapping
+        # the messages with GPU time) instead of a "done" reply when the work has ended.
+        self.deadlines = bool(deadlines)
+        from gpemu.clock import RealClock
+
+        self._clock = RealClock()
         self._lock = threading.RLock()
         self._conn = None
         self._ch = None
@@ -200,6 +223,8 @@ class SharingClient:
     def _publish(self, payload: dict[str, Any]) -> None:
         import pika
 
+        if payload.get("type") == "request":  # every (re)send says when it left: see backdate_s
+            payload["sent_at"] = time.monotonic()
         self._ch.basic_publish("", P.REQUEST_QUEUE, P.encode(payload),
                                pika.BasicProperties(delivery_mode=1, reply_to=self.reply_queue,
                                                     content_type="application/json"),
@@ -245,13 +270,16 @@ class SharingClient:
     def register(self) -> str:
         """Register (again): returns the secret token the manager issued."""
         with self._lock:
-            reply = self._call({"type": "register", "job_id": self.job_id, "request_id": uuid.uuid4().hex,
-                                "device": self.device, "persistent_bytes": self.persistent_bytes,
-                                "weight": self.weight})
+            payload = {"type": "register", "job_id": self.job_id, "request_id": uuid.uuid4().hex,
+                       "device": self.device, "persistent_bytes": self.persistent_bytes, "weight": self.weight}
+            if self.host:
+                payload["host"] = self.host
+            reply = self._call(payload)
             if reply.get("type") != "registered":
                 raise SharingRefusedError(f"the sharing manager refused job {self.job_id!r}: "
                                           f"{reply.get('reason', reply)}")
             self.token = reply["token"]
+            self.same_host = reply.get("same_host") is True
             self.needs_register = False
             lease = reply.get("lease_s")
             if isinstance(lease, (int, float)) and 0 < lease < self.lease_s:
@@ -263,6 +291,11 @@ class SharingClient:
     def run(self, seconds: float, peak_bytes: int = 0, kind: str = "iteration",
             persistent_bytes: int | None = None) -> RunResult:
         """Block until the manager has run ``seconds`` of GPU work for this job.
+
+        With ``deadlines`` (default) the manager answers when it schedules the work, with its
+        end on the emuGPU's timeline, and this waits locally until then (absolute deadline on
+        the shared CLOCK_MONOTONIC when job and manager share a host, else the remaining time
+        counted from the reply).
 
         ``peak_bytes``: the job's whole GPU memory at this work's peak; ``persistent_bytes``
         (optional): what the job holds between iterations now, when it changed since it
@@ -280,11 +313,13 @@ class SharingClient:
                     self.register()
                 payload = {"type": "request", "job_id": self.job_id, "token": self.token, "request_id": rid,
                            "device": self.device, "seconds": float(seconds), "peak_bytes": int(peak_bytes),
-                           "kind": kind}
+                           "kind": kind, "grant": self.deadlines}
                 if persistent_bytes is not None:
                     payload["persistent_bytes"] = self.persistent_bytes
                 reply = self._call(payload)
                 kind_ = reply.get("type")
+                if kind_ == "granted":
+                    return self._wait_for_grant(rid, float(seconds), reply, start)
                 if kind_ == "done":
                     return RunResult(rid, float(seconds), float(reply.get("waited_s", 0.0)),
                                      time.monotonic() - start)
@@ -297,6 +332,44 @@ class SharingClient:
                     continue
                 raise ValueError(f"the sharing manager rejected the request: {reply.get('reason', reply)}")
             raise SharingUnavailableError(f"job {self.job_id!r} could not stay registered with the sharing manager")
+
+    def _wait_for_grant(self, rid: str, seconds: float, reply: dict[str, Any], start: float) -> RunResult:
+        """The manager scheduled the work: wait here until it ends on the emuGPU's timeline."""
+        received = time.monotonic()
+        end, remaining = reply.get("end"), reply.get("remaining_s")
+        exact = self.same_host and isinstance(end, (int, float))
+        if exact:
+            deadline = float(end)
+        elif isinstance(remaining, (int, float)):
+            # Another host's clock: count from the reply (late by the reply's travel time).
+            deadline = received + max(0.0, float(remaining))
+        else:
+            deadline = received + seconds
+        self._wait_until(deadline)
+        resumed = time.monotonic()
+        idle = reply.get("idle_s")
+        return RunResult(rid, seconds, float(reply.get("waited_s") or 0.0), resumed - start, deadline, resumed,
+                         float(idle) if isinstance(idle, (int, float)) else 0.0, exact)
+
+    def _wait_until(self, deadline: float) -> None:
+        """Block until ``deadline`` (time.monotonic) with gpemu.clock's sleep-then-spin, serving
+        the connection meanwhile so the broker does not drop it during long work."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= self.SERVICE_MARGIN_S:
+                break
+            chunk = min(remaining - self.SERVICE_MARGIN_S, 1.0)
+            conn = self._conn
+            try:
+                if conn is None or not conn.is_open:
+                    raise OSError("not connected")
+                conn.process_data_events(time_limit=chunk)
+            except Exception:  # the broker went away: the grant stands; reconnect on the next call
+                self._conn = None
+                time.sleep(chunk)
+        # perf_counter and monotonic are both CLOCK_MONOTONIC on Linux; the offset is ~0 there
+        # and keeps this right where they differ.
+        self._clock.wait_until(deadline + (time.perf_counter() - time.monotonic()))
 
     def close(self) -> None:
         """Deregister (frees this job's memory on the emuGPU at once) and disconnect."""
@@ -341,8 +414,9 @@ class SharingBackend:
     other jobs. Counters on the run's recorder: ``sharing_requests``, ``sharing_gpu_s`` (GPU
     time the manager ran for this job), ``sharing_queued_s`` (time the manager kept requests
     queued behind other jobs) and ``sharing_wait_s`` (time ``run`` blocked beyond the GPU time:
-    queueing plus messaging). Host waits with reason ``"sharing"`` are recorded by the engine
-    at sync points.
+    queueing plus messaging) and ``sharing_added_s`` (time lost to the manager's messages against a
+    manager with no latency: resuming after the scheduled end, emuGPU idle while the request
+    travelled). Host waits with reason ``"sharing"`` are recorded by the engine at sync points.
 
     Memory comes from the device's memory tracker when there is one (``memory``): the job
     registers at its first request (so the model, gradients and optimizer state exist by then)
@@ -375,6 +449,8 @@ class SharingBackend:
             self.recorder.add("sharing_queued_s", result.waited_s)
             self.recorder.add("sharing_requests", 1)
             self.recorder.add("sharing_gpu_s", seconds)
+            if result.added_s is not None:  # deadline scheduling: what the manager's messages cost
+                self.recorder.add("sharing_added_s", result.added_s)
 
     def close(self) -> None:
         for client in self.clients.values():

@@ -31,10 +31,13 @@ from typing import Any, Callable, Iterable
 from . import protocol as P
 from .policies import JobView, PendingView, Policy, load_policy
 
-__all__ = ["SharingCore", "SharingManager", "Outgoing", "DeviceSpec", "parse_device"]
+__all__ = ["SharingCore", "SharingManager", "Outgoing", "DeviceSpec", "parse_device", "DEFAULT_LOOKAHEAD_S",
+           "DEFAULT_BACKDATE_S"]
 
 log = logging.getLogger("gpemu.sharing.manager")
 
+DEFAULT_LOOKAHEAD_S = 0.002  # grant the next request this long before the emuGPU frees up
+DEFAULT_BACKDATE_S = 0.05  # a request to an idle emuGPU may start up to this long before it arrived
 _DONE_MEMORY = 512  # answered request ids remembered per job (dedup of late duplicates)
 _SHARE_WINDOW_S = 5.0  # "recent share" in the status covers this many seconds
 
@@ -101,6 +104,9 @@ class _Request:
     kind: str = ""
     started: float | None = None
     deadline: float | None = None
+    grant: bool = False  # answered with a grant when scheduled, not with "done" at its end
+    origin: float = 0.0  # when the job sent it (same host), else when it arrived
+    sent_at: float | None = None  # the job's send time on our clock (same host only)
 
 
 @dataclass
@@ -113,6 +119,7 @@ class _Job:
     view: JobView
     last_seen: float
     reply_to: str | None
+    same_host: bool = False  # its time.monotonic() is ours: absolute deadlines, send times
     served_count: int = 0
     done: "OrderedDict[str, dict[str, Any]]" = field(default_factory=OrderedDict)
     active: dict[str, _Request] = field(default_factory=dict)
@@ -125,6 +132,8 @@ class _Device:
     jobs: dict[str, JobView] = field(default_factory=dict)
     pending: list[_Request] = field(default_factory=list)
     running: _Request | None = None
+    # Scheduled after ``running`` (granted ahead by the lookahead), back to back, in order.
+    reserved: deque = field(default_factory=deque)
     free_at: float = 0.0  # when the last request ended (chains back-to-back work exactly)
     busy_s: float = 0.0
     served: int = 0
@@ -135,7 +144,8 @@ class SharingCore:
     """Scheduler state of every emuGPU. Not thread-safe: one caller (the daemon loop)."""
 
     def __init__(self, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
-                 lease_s: float = 10.0) -> None:
+                 lease_s: float = 10.0, host: str = "", lookahead_s: float = 0.0,
+                 backdate_s: float = 0.05) -> None:
         policy_cls = load_policy(policy) if isinstance(policy, str) else policy
         self.policy_name = getattr(policy_cls, "name", policy_cls.__name__)
         self.devices: dict[str, _Device] = {d.name: _Device(d, policy_cls()) for d in devices}
@@ -144,6 +154,18 @@ class SharingCore:
         if not lease_s > 0:
             raise ValueError(f"lease must be a positive number of seconds, got {lease_s!r}")
         self.lease_s = float(lease_s)
+        if not 0 <= lookahead_s <= 1.0 or not 0 <= backdate_s <= 1.0:
+            raise ValueError(f"lookahead and backdate must be from 0 to 1 s, got {lookahead_s!r}, {backdate_s!r}")
+        # host_identity() of the manager: jobs that register with the same one share its clock.
+        self.host = host
+        # Decide (and grant) the next request this long before the GPU frees up, so the grant
+        # is at the job before its slot starts; the policy then chooses among the requests
+        # that arrived up to this much before the slot boundary.
+        self.lookahead_s = float(lookahead_s)
+        # A same-host request that finds the emuGPU idle starts when the job sent it (at most
+        # this long ago), as under a manager with no message latency; never before the end of
+        # work already scheduled, so nothing overlaps.
+        self.backdate_s = float(backdate_s)
         self.jobs: dict[str, _Job] = {}
         self._seq = 0
         self.rejected = 0
@@ -200,7 +222,7 @@ class SharingCore:
             return [Outgoing(reply_to, {"type": "refused", "request_id": msg.request_id, "reason": reason}, [tag])]
         view = JobView(msg.job_id, msg.weight)
         job = _Job(msg.job_id, msg.device, secrets.token_hex(16), msg.persistent_bytes, msg.request_id, view,
-                   now, reply_to)
+                   now, reply_to, same_host=bool(self.host) and msg.host == self.host)
         self.jobs[msg.job_id] = job
         dev.jobs[msg.job_id] = view
         dev.policy.registered(view, dev.jobs)
@@ -210,7 +232,7 @@ class SharingCore:
 
     def _registered(self, job: _Job) -> dict[str, Any]:
         return {"type": "registered", "request_id": job.register_rid, "job_id": job.job_id, "token": job.token,
-                "lease_s": self.lease_s}
+                "lease_s": self.lease_s, "same_host": job.same_host}
 
     def _on_request(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
         job = self._authorised(msg)
@@ -222,7 +244,10 @@ class SharingCore:
             return [self._reject(f"job {msg.job_id!r} is registered on emuGPU {job.device!r}, not {msg.device!r}",
                                  msg.request_id, reply_to, tag, msg.job_id, P.ERR_UNKNOWN_DEVICE)]
         if msg.request_id in job.done:  # answered before: answer again, never serve again
-            return [Outgoing(reply_to, job.done[msg.request_id], [tag])]
+            payload = job.done[msg.request_id]
+            if payload.get("type") == "granted":  # a job on another host counts from the reply
+                payload = {**payload, "remaining_s": max(0.0, payload["end"] - now)}
+            return [Outgoing(reply_to, payload, [tag])]
         if msg.persistent_bytes is not None:
             # What the job holds between iterations now; checked against others' requests from now on.
             job.persistent_bytes = msg.persistent_bytes
@@ -233,7 +258,11 @@ class SharingCore:
             return []
         self._seq += 1
         req = _Request(msg.request_id, job.job_id, msg.seconds, msg.peak_bytes, self._seq, now, reply_to, [tag],
-                       msg.kind)
+                       msg.kind, grant=msg.grant, origin=now)
+        if job.same_host and msg.sent_at is not None:
+            # Never later than now (a clock cannot run ahead) nor more than backdate_s ago.
+            req.sent_at = min(msg.sent_at, now)
+            req.origin = max(req.sent_at, now - self.backdate_s)
         job.active[req.rid] = req
         self.devices[job.device].pending.append(req)
         return []
@@ -273,16 +302,17 @@ class SharingCore:
         for dev in self.devices.values():
             while True:
                 run = dev.running
-                if run is not None:
-                    if run.deadline > now:
-                        break
+                if run is not None and run.deadline <= now:
                     out.append(self._finish(dev, run, run.deadline))
-                if not dev.pending:
+                    dev.running = dev.reserved.popleft() if dev.reserved else None
+                    continue
+                tail = dev.reserved[-1] if dev.reserved else run
+                if not dev.pending or (tail is not None and tail.deadline - self.lookahead_s > now):
                     break
-                out += self._start_next(dev, now)
+                out += self._start_next(dev, now, tail)
         return out
 
-    def _start_next(self, dev: _Device, now: float) -> list[Outgoing]:
+    def _start_next(self, dev: _Device, now: float, tail: _Request | None) -> list[Outgoing]:
         pending = [PendingView(r.job_id, r.seq, r.seconds) for r in dev.pending]
         chosen = dev.policy.pick(pending, dev.jobs)
         req = next(r for r in dev.pending if r.seq == chosen.seq)
@@ -297,25 +327,40 @@ class SharingCore:
                       f"{_gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it")
             payload = {"type": "refused", "request_id": req.rid, "reason": reason}
             return [self._answer(job, req, payload)]
-        # Back-to-back work starts when the previous request ended, not when the loop noticed.
-        req.started = max(req.arrived, min(now, dev.free_at)) if dev.free_at else now
+        # Back-to-back work starts when the previous request ends, not when the loop noticed;
+        # on an idle emuGPU it starts when the job sent it (same host, see backdate_s).
+        free = tail.deadline if tail is not None else min(now, dev.free_at)
+        req.started = max(req.origin, free)
         req.deadline = req.started + req.seconds
-        dev.running = req
-        return []
+        if tail is None:
+            dev.running = req
+        else:
+            dev.reserved.append(req)
+        # The policy is charged when it decides, so a lookahead decision sees the slots it
+        # already gave (a job is not picked again for time it has not been charged yet).
+        job.view.served_s += req.seconds
+        dev.policy.served(job.view, req.seconds)
+        if not req.grant:
+            return []
+        # GPU time lost while the request travelled to us: idle emuGPU, request already sent.
+        idle = max(0.0, req.started - max(req.sent_at, free)) if req.sent_at is not None else None
+        payload = {"type": "granted", "request_id": req.rid, "start": req.started, "end": req.deadline,
+                   "remaining_s": max(0.0, req.deadline - now), "seconds": req.seconds,
+                   "waited_s": max(0.0, req.started - req.origin), "idle_s": idle}
+        return [self._answer(job, req, payload)]
 
     def _finish(self, dev: _Device, req: _Request, end: float) -> Outgoing:
         job = self.jobs[req.job_id]
-        dev.running = None
         dev.free_at = end
         served = max(0.0, end - req.started)
         dev.busy_s += served
         dev.served += 1
         job.served_count += 1
-        job.view.served_s += served
-        dev.policy.served(job.view, served)
         dev.recent.append((end, job.job_id, served))
+        if req.grant:  # answered (and acknowledged) when it was granted
+            return Outgoing(None, None, [])
         payload = {"type": "done", "request_id": req.rid, "served_s": served,
-                   "waited_s": max(0.0, req.started - req.arrived)}
+                   "waited_s": max(0.0, req.started - req.origin)}
         return self._answer(job, req, payload)
 
     def _answer(self, job: _Job, req: _Request, payload: dict[str, Any]) -> Outgoing:
@@ -328,13 +373,18 @@ class SharingCore:
     def _drop_job(self, job: _Job, now: float, why: str) -> list[Outgoing]:
         dev = self.devices[job.device]
         out: list[Outgoing] = []
+        # Slots granted ahead to other jobs keep their times (their grants are out); the
+        # dropped job's own future slots are freed.
+        for req in [r for r in dev.reserved if r.job_id == job.job_id]:
+            dev.reserved.remove(req)
+            out.append(Outgoing(None, None, [] if req.grant else req.tags))
         if dev.running is not None and dev.running.job_id == job.job_id:
             run = dev.running
-            dev.running = None
-            dev.free_at = now
-            served = max(0.0, now - run.started)
+            dev.free_at = min(now, run.deadline)
+            served = max(0.0, dev.free_at - run.started)
             dev.busy_s += served
-            out.append(Outgoing(None, None, run.tags))
+            dev.running = dev.reserved.popleft() if dev.reserved else None
+            out.append(Outgoing(None, None, [] if run.grant else run.tags))
         for req in [r for r in dev.pending if r.job_id == job.job_id]:
             dev.pending.remove(req)
             out.append(Outgoing(None, None, req.tags))
@@ -351,7 +401,12 @@ class SharingCore:
 
     # ------------------------------------------------------------------ queries
     def next_deadline(self) -> float | None:
-        ends = [d.running.deadline for d in self.devices.values() if d.running is not None]
+        ends = []
+        for d in self.devices.values():
+            if d.running is not None:
+                ends.append(d.running.deadline)
+                if d.pending:  # the next decision, a lookahead before the tail of the timeline ends
+                    ends.append((d.reserved[-1] if d.reserved else d.running).deadline - self.lookahead_s)
         if self.jobs:
             ends.append(min(j.last_seen for j in self.jobs.values()) + self.lease_s + 1e-3)
         return min(ends) if ends else None
@@ -406,12 +461,16 @@ class SharingManager:
 
     def __init__(self, url: str, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
                  lease_s: float = 10.0, status_interval_s: float = 1.0, reconnect_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, prefetch: int = 2000) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefetch: int = 2000,
+                 lookahead_s: float = DEFAULT_LOOKAHEAD_S, backdate_s: float = DEFAULT_BACKDATE_S) -> None:
         from gpemu.config import _redact
 
         self.url = url
         self.safe_url = _redact(url)
-        self.core = SharingCore(devices, policy, lease_s)
+        # Grants carry absolute times on our clock; only time.monotonic is shared with jobs.
+        host = P.host_identity() if clock is time.monotonic else ""
+        self.core = SharingCore(devices, policy, lease_s, host=host, lookahead_s=lookahead_s,
+                                backdate_s=backdate_s)
         self.status_interval_s = status_interval_s
         self.reconnect_s = reconnect_s
         self.clock = clock

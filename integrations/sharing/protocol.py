@@ -11,15 +11,21 @@ Topology (all names under ``gpemu.sharing``):
 
 Messages from jobs (``type``):
 
-``register``   job_id, request_id, device, persistent_bytes, weight
-``request``    job_id, token, request_id, device, seconds, peak_bytes (optional: kind, and
+``register``   job_id, request_id, device, persistent_bytes, weight (optional: host — see
+               :func:`host_identity`; equal on both sides means a shared CLOCK_MONOTONIC)
+``request``    job_id, token, request_id, device, seconds, peak_bytes (optional: kind,
                persistent_bytes — the job's persistent memory now, which may have grown since
-               it registered, e.g. optimizer state created at the first step)
+               it registered, e.g. optimizer state created at the first step —, grant: true to
+               get a ``granted`` reply when the request is scheduled instead of ``done`` when it
+               ends, sent_at: the job's ``time.monotonic()`` when it published the request)
 ``heartbeat``  job_id, token
 ``deregister`` job_id, token, request_id
 ``status``     (no other field; answered on reply_to)
 
-Replies from the manager (``type``): ``registered`` (token), ``done`` (waited_s, served_s),
+Replies from the manager (``type``): ``registered`` (token, same_host), ``done`` (waited_s, served_s),
+``granted`` (start, end: the manager's ``time.monotonic()`` when the work starts and ends on the
+emuGPU's timeline; remaining_s: end minus the manager's clock when the grant was written;
+waited_s, idle_s — sent before the work starts, so the job waits locally until ``end``),
 ``refused`` (reason: out of memory), ``error`` (code, reason), ``heartbeat-ack``,
 ``deregistered``, ``status`` (snapshot). Every reply repeats the ``request_id`` it answers.
 
@@ -39,6 +45,7 @@ __all__ = [
     "PROTOCOL_VERSION", "REQUEST_QUEUE", "STATUS_EXCHANGE", "ProtocolError", "Message",
     "parse_message", "encode", "MAX_SECONDS", "MAX_BYTES",
     "ERR_UNKNOWN_JOB", "ERR_BAD_TOKEN", "ERR_BAD_MESSAGE", "ERR_JOB_EXISTS", "ERR_UNKNOWN_DEVICE",
+    "host_identity",
 ]
 
 PROTOCOL_VERSION = 1
@@ -49,6 +56,7 @@ MAX_SECONDS = 3600.0  # one request longer than an hour of GPU time is a bug in 
 MAX_BYTES = 1 << 50
 MAX_BODY = 64 * 1024
 MAX_ID_LEN = 200
+MAX_CLOCK = 1e12  # a time.monotonic() reading (seconds since boot) is far below this
 
 # Error codes in ``error`` replies; clients react to the first two by re-registering.
 ERR_UNKNOWN_JOB = "unknown-job"
@@ -65,8 +73,8 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "status": (),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
-    "register": ("weight",),
-    "request": ("kind", "persistent_bytes"),
+    "register": ("weight", "host"),
+    "request": ("kind", "persistent_bytes", "grant", "sent_at"),
     "heartbeat": (),
     "deregister": (),
     "status": ("request_id",),
@@ -94,6 +102,26 @@ class Message:
     persistent_bytes: int | None = None  # always set on register; on request only when sent
     weight: float = 1.0
     kind: str = ""
+    host: str = ""  # register: the job's host_identity() (empty: unknown, never "same host")
+    grant: bool = False  # request: answer with a grant at the start (deadline scheduling)
+    sent_at: float | None = None  # request: the job's CLOCK_MONOTONIC when it sent it
+
+
+def host_identity() -> str:
+    """``hostname/boot_id``: two processes with the same value read the same CLOCK_MONOTONIC.
+
+    The boot id changes at every boot of the kernel, so equal ids mean one running kernel,
+    whose monotonic clock ``time.monotonic()`` reads in every process (outside Linux time
+    namespaces, which come with their own hostname in practice). Empty when it cannot be read.
+    """
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}/{boot}" if boot else ""
 
 
 def encode(payload: Mapping[str, Any]) -> bytes:
@@ -157,7 +185,15 @@ def parse_message(body: bytes) -> Message:
             out["kind"] = _text("kind", data["kind"], rid)
         if "persistent_bytes" in data:
             out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
+        if "grant" in data:
+            if not isinstance(data["grant"], bool):
+                raise ProtocolError(f"grant must be true or false, got {data['grant']!r}", rid)
+            out["grant"] = data["grant"]
+        if "sent_at" in data:
+            out["sent_at"] = float(_number("sent_at", data["sent_at"], 0.0, MAX_CLOCK, rid))
     if kind == "register":
+        if "host" in data:
+            out["host"] = _text("host", data["host"], rid)
         out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
         if "weight" in data:
             out["weight"] = float(_number("weight", data["weight"], 1e-3, 1e6, rid))
