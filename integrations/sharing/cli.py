@@ -34,21 +34,31 @@ def _gpu_memory_lookup() -> Any:
               help="Seconds without a heartbeat after which a job is dropped and its GPU time/memory freed.")
 @click.option("--status-interval", default=1.0, show_default=True, type=float,
               help="Seconds between status snapshots published for `gpemu share-status`.")
+@click.option("--lookahead", "lookahead_s", default=None, type=float, metavar="SECONDS",
+              help="Choose and grant the next request this long before the emuGPU frees up, so the grant "
+                   "reaches the job before its slot starts [default: 0.002].")
+@click.option("--backdate", "backdate_s", default=None, type=float, metavar="SECONDS",
+              help="A job on this host whose request finds the emuGPU idle starts when it sent the request, "
+                   "up to this long before it arrived (0: when it arrives) [default: 0.05].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def share_manager(url: str, devices: tuple[str, ...], policy: str, lease_s: float, status_interval: float,
-                  log_level: str) -> None:
+                  lookahead_s: float | None, backdate_s: float | None, log_level: str) -> None:
     """Run the sharing manager: time-slices emuGPUs among registered jobs, one request at a time,
     refusing work whose memory would not fit."""
     from gpemu.cli import UserError
 
-    from .manager import SharingManager, parse_device
+    from .manager import DEFAULT_BACKDATE_S, DEFAULT_LOOKAHEAD_S, SharingManager, parse_device
     from .policies import load_policy
 
     if not url.startswith(("amqp://", "amqps://")):
         raise UserError("--amqp must be an amqp:// or amqps:// URL")
     if lease_s <= 0 or status_interval <= 0:
         raise UserError("--lease and --status-interval must be positive seconds")
+    lookahead_s = DEFAULT_LOOKAHEAD_S if lookahead_s is None else lookahead_s
+    backdate_s = DEFAULT_BACKDATE_S if backdate_s is None else backdate_s
+    if not 0 <= lookahead_s <= 1 or not 0 <= backdate_s <= 1:
+        raise UserError("--lookahead and --backdate must be from 0 to 1 second")
     lookup = None
     if any(":" not in d.partition("=")[2] for d in devices):
         lookup = _gpu_memory_lookup()
@@ -61,7 +71,8 @@ def share_manager(url: str, devices: tuple[str, ...], policy: str, lease_s: floa
     if len(set(names)) != len(names):
         raise UserError(f"each --device needs its own ID; got {', '.join(names)}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    manager = SharingManager(url, specs, policy_cls, lease_s=lease_s, status_interval_s=status_interval)
+    manager = SharingManager(url, specs, policy_cls, lease_s=lease_s, status_interval_s=status_interval,
+                             lookahead_s=lookahead_s, backdate_s=backdate_s)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: manager.stop())
     manager.serve_forever()

@@ -129,6 +129,8 @@ class SharingClient:
 
     # While waiting for a granted slot, serve the connection until this long before its end.
     SERVICE_MARGIN_S = 0.02
+    # gpemu.clock spins this long before a slot's end after sleeping (see gpemu.clock).
+    SPIN_MARGIN_S = 1e-3
 
     def __init__(self, url: str, job_id: str | None = None, device: str = "0", persistent_bytes: int = 0,
                  weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
@@ -159,7 +161,7 @@ class SharingClient:
         self.deadlines = bool(deadlines)
         from gpemu.clock import RealClock
 
-        self._clock = RealClock()
+        self._clock = RealClock(self.SPIN_MARGIN_S)
         self._lock = threading.RLock()
         self._conn = None
         self._ch = None

@@ -336,10 +336,15 @@ class SharingCore:
             dev.running = req
         else:
             dev.reserved.append(req)
-        # The policy is charged when it decides, so a lookahead decision sees the slots it
-        # already gave (a job is not picked again for time it has not been charged yet).
+        # Charged when scheduled: a lookahead decision then sees the slots already given (a job
+        # is not picked again for time it has not been charged yet), and the figures are in
+        # place before the grant reaches the job. A dropped job's unused time is taken back.
         job.view.served_s += req.seconds
         dev.policy.served(job.view, req.seconds)
+        dev.busy_s += req.seconds
+        dev.served += 1
+        job.served_count += 1
+        dev.recent.append((req.deadline, job.job_id, req.seconds))
         if not req.grant:
             return []
         # GPU time lost while the request travelled to us: idle emuGPU, request already sent.
@@ -352,14 +357,9 @@ class SharingCore:
     def _finish(self, dev: _Device, req: _Request, end: float) -> Outgoing:
         job = self.jobs[req.job_id]
         dev.free_at = end
-        served = max(0.0, end - req.started)
-        dev.busy_s += served
-        dev.served += 1
-        job.served_count += 1
-        dev.recent.append((end, job.job_id, served))
         if req.grant:  # answered (and acknowledged) when it was granted
             return Outgoing(None, None, [])
-        payload = {"type": "done", "request_id": req.rid, "served_s": served,
+        payload = {"type": "done", "request_id": req.rid, "served_s": max(0.0, end - req.started),
                    "waited_s": max(0.0, req.started - req.origin)}
         return self._answer(job, req, payload)
 
@@ -377,12 +377,13 @@ class SharingCore:
         # dropped job's own future slots are freed.
         for req in [r for r in dev.reserved if r.job_id == job.job_id]:
             dev.reserved.remove(req)
+            dev.busy_s -= req.seconds
+            dev.served -= 1
             out.append(Outgoing(None, None, [] if req.grant else req.tags))
         if dev.running is not None and dev.running.job_id == job.job_id:
             run = dev.running
-            dev.free_at = min(now, run.deadline)
-            served = max(0.0, dev.free_at - run.started)
-            dev.busy_s += served
+            dev.free_at = max(run.started, min(now, run.deadline))
+            dev.busy_s -= run.deadline - dev.free_at  # the slot's unused rest is free again
             dev.running = dev.reserved.popleft() if dev.reserved else None
             out.append(Outgoing(None, None, [] if run.grant else run.tags))
         for req in [r for r in dev.pending if r.job_id == job.job_id]:
@@ -409,6 +410,15 @@ class SharingCore:
                     ends.append((d.reserved[-1] if d.reserved else d.running).deadline - self.lookahead_s)
         if self.jobs:
             ends.append(min(j.last_seen for j in self.jobs.values()) + self.lease_s + 1e-3)
+        return min(ends) if ends else None
+
+    def precise_deadline(self) -> float | None:
+        """The earliest end that is answered with a "done" reply at that moment (legacy clients).
+
+        Only those need the loop on time to the microsecond; a granted request's end only
+        frees the emuGPU on the timeline, which was fixed when it was granted.
+        """
+        ends = [d.running.deadline for d in self.devices.values() if d.running is not None and not d.running.grant]
         return min(ends) if ends else None
 
     def status(self, now: float) -> dict[str, Any]:
@@ -456,7 +466,9 @@ class SharingManager:
     """
 
     # The epoll timer fires up to ~1 ms late (millisecond resolution plus scheduling); this
-    # much before a request's end the loop stops sleeping and spins to reply on time.
+    # much before the end of a request answered with "done" the loop stops sleeping and spins
+    # to reply on time. Granted requests need no spin: their times were fixed when granted, and
+    # the lookahead covers a late timer (spinning took a CPU from the broker and the jobs).
     SPIN_S = 0.001
 
     def __init__(self, url: str, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
@@ -612,8 +624,8 @@ class SharingManager:
         self._timer = self._timer_at = None
         if self._ch is None or not self._ch.is_open:
             return
-        deadline = self.core.next_deadline()
-        if deadline is not None:
+        deadline = self.core.precise_deadline()
+        if deadline is not None and deadline <= self.core.next_deadline() + self.SPIN_S:
             while 0 < deadline - self.clock() <= self.SPIN_S:
                 pass  # the reply goes out on time instead of one timer granule late
         self._send(self.core.advance(self.clock()))
@@ -624,7 +636,8 @@ class SharingManager:
         deadline = self.core.next_deadline()
         if deadline is None:
             return
-        wake = deadline - self.SPIN_S
+        precise = self.core.precise_deadline()
+        wake = deadline - self.SPIN_S if precise is not None and precise <= deadline else deadline
         if self._timer is not None:
             if self._timer_at is not None and self._timer_at <= wake:
                 return
