@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
@@ -33,12 +34,30 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "TimeEngine", "VirtualStream", "Stream", "EmuEvent", "Event", "GpuTimeBackend", "install",
-    "get_engine",
+    "get_engine", "calibrate_return_allowance",
 ]
 
 _GRANULARITIES = ("iteration", "sync", "forward-backward")
 # A wake-up later than this is not forgiven (something other than scheduling noise held us).
 _MAX_FORGIVEN_LATENESS = 0.05
+# The return allowance (see calibrate_return_allowance). On a shared VM the first microseconds
+# after a wait of a millisecond or more run with cold caches (here: a return + call path of
+# 0.3 us warm takes 2-4 us), so it is calibrated for short and for long waits separately.
+_LONG_WAIT_S = 1e-3           # a wait at least this long gets the long-wait allowance
+_CAL_SHORT = (200, 5e-6)      # calibration rounds and wait length, short waits (~2 ms in all)
+_CAL_LONG = (25, 2e-3)        # the same for long waits (~50 ms in all, once per process)
+_MAX_ALLOWANCE = 20e-6        # a sane bound when the machine is too loaded to measure
+_calibrated: tuple[float, float] | None = None
+
+
+class _HostState(threading.local):
+    """Per-thread host state; class attributes are each new thread's defaults."""
+
+    late = 0.0                  # forgiven host time: engine.now() = clock - late
+    floor = float("-inf")       # engine.now() never reads below the last waited deadline
+    wait_deadline: float | None = None  # the wait settle() may still forgive (None: none)
+    allowance = 0.0             # return allowance of that wait
+    scope = 0                   # charged_scope depth
 
 
 class GpuTimeBackend(Protocol):
@@ -48,23 +67,87 @@ class GpuTimeBackend(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------
+# the return allowance
+# ---------------------------------------------------------------------------------------------
+def _measure_return_path(rounds: int, wait: float) -> float:
+    """Median host time of the engine's own return path after a real wait of ``wait`` seconds
+    plus its enqueue entry path (the loop's own Python between the two is left out)."""
+    eng = TimeEngine(1, Recorder(), clock=RealClock(), return_allowance=0.0)
+    enqueue, synchronize, local = eng.default_stream(0).enqueue, eng.synchronize, eng._local
+    spans = eng.recorder.spans
+    perf = time.perf_counter
+    paths = []
+    for _ in range(rounds):
+        deadline = enqueue(wait, "op", "calibration")
+        synchronize(0, "calibration")
+        back = perf()           # the program has control again
+        call = perf()           # the program calls enqueue
+        enqueue(1e-9, "op", "calibration")
+        if local.wait_deadline != deadline or local.late >= _MAX_FORGIVEN_LATENESS:
+            continue  # it did not wait, or it was held too long to tell
+        # Without an allowance, late = settle's reading - deadline and the span's enqueue time is
+        # the enqueue's reading - late: both readings are recovered exactly.
+        settled = deadline + local.late
+        read = spans[-1].enqueued_at + local.late
+        paths.append((back - settled) + (read - call))
+    paths.sort()
+    value = paths[len(paths) // 2] if paths else 0.0
+    return min(max(value, 0.0), _MAX_ALLOWANCE)
+
+
+def calibrate_return_allowance(refresh: bool = False) -> tuple[float, float]:
+    """``(after a short wait, after a long wait)``: the emulator's own host time per sync wait
+    that a real GPU would not show as idle, measured once per process on the real clock.
+
+    A scratch engine (no allowance) enqueues work, synchronizes (a real wait) and enqueues again,
+    ``_CAL_SHORT`` rounds with waits of microseconds and ``_CAL_LONG`` rounds with waits of 2 ms.
+    Each round measures the sync's return path (its last clock reading -> back in the caller)
+    and the next enqueue's entry path (called -> its clock reading), with ``perf_counter`` marks
+    in between so the caller's own time is not in it (the marks' own call and return, ~0.05 us
+    warm, are). The medians are the allowances: the time a minimal program spends in emulator
+    code after a sync, on this machine."""
+    global _calibrated
+    if _calibrated is None or refresh:
+        _calibrated = (_measure_return_path(*_CAL_SHORT), _measure_return_path(*_CAL_LONG))
+    return _calibrated
+
+
+# ---------------------------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------------------------
 class TimeEngine:
     """All streams of all emulated devices of one run, and the host's sync points."""
 
     def __init__(self, num_devices: int, recorder: Recorder | None = None, clock: Clock | None = None,
-                 granularity: str = "iteration") -> None:
+                 granularity: str = "iteration",
+                 return_allowance: float | tuple[float, float] | None = None) -> None:
+        """``return_allowance``: host seconds after each sync wait that are the emulator's own
+        return path (from its last clock reading back to the program) plus its entry path (from
+        the program's next enqueue call to the clock reading there); see :meth:`_waited`. One
+        value, or ``(after a wait shorter than 1 ms, after a longer one)``. None: calibrated
+        once per process on a real clock (:func:`calibrate_return_allowance`), 0 on any other
+        clock (virtual clocks are exact)."""
         if not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
         if granularity not in _GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(_GRANULARITIES)}, got {granularity!r}")
+        if return_allowance is not None:
+            pair = return_allowance if isinstance(return_allowance, tuple) else (return_allowance,) * 2
+            if len(pair) != 2 or not all(isinstance(v, (int, float)) and 0 <= v <= _MAX_ALLOWANCE for v in pair):
+                raise ValueError(f"return_allowance must be seconds in [0, {_MAX_ALLOWANCE}] or a pair of "
+                                 f"them (short wait, long wait), got {return_allowance!r}")
         self.num_devices = num_devices
         self.recorder = recorder if recorder is not None else Recorder()
         self.clock: Clock = clock if clock is not None else RealClock()
+        # The hot paths read the clock through this: perf_counter itself for a RealClock (one
+        # call less on the paths whose length is the emulator's overhead).
+        self._clock_now = time.perf_counter if type(self.clock) is RealClock else self.clock.now
+        if return_allowance is None:
+            pair = calibrate_return_allowance() if type(self.clock) is RealClock else (0.0, 0.0)
+        self.return_allowance: tuple[float, float] = (float(pair[0]), float(pair[1]))
         self.granularity = granularity
         self._lock = threading.Lock()
-        self._local = threading.local()  # .current: dict device -> stream; .scope: int
+        self._local = _HostState()  # also .current: dict device -> stream, .enter_stack
         # Latest end of any work on each device (all streams): a device sync waits for this.
         self._device_busy = [0.0] * num_devices
         self._next_stream_id = [1] * num_devices
@@ -130,9 +213,11 @@ class TimeEngine:
 
     # ------------------------------------------------------------------ sync points
     def now(self) -> float:
-        """The host's time on the emulated timeline: the clock minus how late this thread woke
-        from its last sync wait (see :meth:`_waited`)."""
-        return self.clock.now() - getattr(self._local, "late", 0.0)
+        """The host's time on the emulated timeline: the clock minus the host time forgiven at
+        this thread's last sync wait (see :meth:`_waited`), never before that wait's deadline."""
+        local = self._local
+        t = self._clock_now() - local.late
+        return t if t > local.floor else local.floor
 
     def _waited(self, deadline: float, start: float, device: int, reason: str) -> None:
         """Book-keeping after the host waited until ``deadline``.
@@ -140,34 +225,45 @@ class TimeEngine:
         The OS wakes us after the deadline (a sleep overshoots; on a loaded machine the spin is
         preempted). A real CUDA sync returns within microseconds, so that lateness is the
         emulator's, not the program's: the host's emulated time stays on the deadline and the
-        lateness never delays later GPU work. Host time after the wake counts normally."""
-        woke = self.clock.now()
+        lateness never delays later GPU work. So is the emulator's own path back to the program
+        after its last clock reading and, at the program's next enqueue, its path to the clock
+        reading there: ``return_allowance`` more is forgiven, and the host's emulated time stands
+        on the deadline (``floor``) until that allowance is used up, so a query/event/enqueue
+        right after the sync still sees the waited-for work complete and nothing starts before
+        it. Host time beyond that counts normally (the program's own time)."""
+        clock_now = self._clock_now
+        woke = clock_now()
         self.recorder.host_wait(device, reason, start, woke)
         local = self._local
         local.wait_deadline = deadline
-        late = self.clock.now() - deadline
+        local.floor = deadline
+        late = woke - deadline
         if late > 0:
             self.recorder.add("wake_late_s", late)
+        allowance = local.allowance = self.return_allowance[deadline - start >= _LONG_WAIT_S]
         # Measured after our own book-keeping, so that is forgiven too: the program's next
         # action happens at the deadline on the emulated timeline. (The first statements after
         # a wait run with cold caches on a shared machine, ~5-10 us each: the book-keeping
-        # above and the write below are done before the final reading, so they cost nothing.)
-        local.late = 0.0
-        late = self.clock.now() - deadline
-        local.late = late if 0 < late < _MAX_FORGIVEN_LATENESS else (_MAX_FORGIVEN_LATENESS if late > 0 else 0.0)
+        # above is done before the final reading, so it costs nothing.)
+        late = clock_now() - deadline
+        if late > _MAX_FORGIVEN_LATENESS:
+            late = _MAX_FORGIVEN_LATENESS
+        local.late = (late if late > 0 else 0.0) + allowance
 
     def settle(self) -> None:
         """Called by emulator code on its way back to the program right after a sync wait (e.g.
         ``.item()`` after computing the placeholder value): the host time since the wait ended
         was the emulator's, so the program's next action still happens at the deadline on the
-        emulated timeline. A no-op unless this thread's last :meth:`synchronize` waited."""
+        emulated timeline (plus ``return_allowance`` for the rest of the way back). A no-op
+        unless this thread's last :meth:`synchronize` waited."""
         local = self._local
-        deadline = getattr(local, "wait_deadline", None)
+        deadline = local.wait_deadline
         if deadline is None:
             return
-        late = self.clock.now() - deadline
+        late = self._clock_now() - deadline
         if late > _MAX_FORGIVEN_LATENESS:
             late = _MAX_FORGIVEN_LATENESS
+        late += local.allowance
         if late > local.late:
             local.late = late
 
@@ -205,9 +301,13 @@ class TimeEngine:
 
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
-                 peak_bytes: int, at: float | None = None) -> float:
-        # Read the host's time first: the emulator's own checks below are not the program's.
-        now = self.clock.now() - getattr(self._local, "late", 0.0)
+                 peak_bytes: int, at: float | None = None, now: float | None = None) -> float:
+        if now is None:
+            # Read the host's time first: the emulator's own checks below are not the program's.
+            local = self._local
+            now = self._clock_now() - local.late
+            if now < local.floor:
+                now = local.floor
         if at is not None and at < now:
             now = at
         if seconds < 0 or seconds != seconds:
@@ -232,7 +332,7 @@ class TimeEngine:
     def charged_scope(self) -> Iterator[None]:
         """Inside, per-op time is already covered by a whole-module or optimizer charge, so
         :func:`gpemu.costs.op_seconds` returns 0 (no double counting)."""
-        self._local.scope = getattr(self._local, "scope", 0) + 1
+        self._local.scope += 1
         try:
             yield
         finally:
@@ -240,7 +340,7 @@ class TimeEngine:
 
     @property
     def in_charged_scope(self) -> bool:
-        return getattr(self._local, "scope", 0) > 0
+        return self._local.scope > 0
 
     def _set_scope(self, depth: int) -> None:
         self._local.scope = depth
@@ -463,7 +563,13 @@ class VirtualStream:
         ``at``: the host time (``engine.now()``) the work was really issued, when that was
         earlier than now: e.g. a module call's first kernel is issued microseconds into the call,
         before the emulator's own book-keeping for it (later values count as now)."""
-        return self._engine._enqueue(self, seconds, kind, name, peak_bytes, at)
+        # The host's time is read here, first: the rest of the entry path is the emulator's.
+        eng = self._engine
+        local = eng._local
+        now = eng._clock_now() - local.late
+        if now < local.floor:
+            now = local.floor
+        return eng._enqueue(self, seconds, kind, name, peak_bytes, at, now)
 
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
@@ -497,6 +603,10 @@ class VirtualStream:
         with eng._lock:
             if event._time > self.busy_until:
                 self.busy_until = event._time
+                # The wait is work of this device too: a device sync waits for it (an event of
+                # another device can lie beyond everything enqueued here).
+                if event._time > eng._device_busy[self.device_index]:
+                    eng._device_busy[self.device_index] = event._time
 
     def wait_stream(self, stream: "VirtualStream") -> None:
         """Later work on this stream waits for all work already enqueued on ``stream``."""
@@ -666,10 +776,13 @@ Event = EmuEvent
 def install(rt: "Runtime") -> None:
     """Create the run's engine (``rt.state['engine']``) and the global optimizer-step hooks.
 
-    ``rt.config.extra['clock']`` may supply a clock (tests use :class:`gpemu.clock.VirtualClock`).
+    ``rt.config.extra['clock']`` may supply a clock (tests use :class:`gpemu.clock.VirtualClock`),
+    ``rt.config.extra['return_allowance']`` the engine's return allowance (default: calibrated).
     """
-    clock = rt.config.extra.get("clock") if rt.config.extra else None
-    engine = TimeEngine(rt.num_devices, rt.recorder, clock=clock, granularity=rt.config.sharing_granularity)
+    extra = rt.config.extra or {}
+    engine = TimeEngine(rt.num_devices, rt.recorder, clock=extra.get("clock"),
+                        granularity=rt.config.sharing_granularity,
+                        return_allowance=extra.get("return_allowance"))
     rt.state["engine"] = engine
     engine.run_state = rt.state
     rt.patcher.on_restore(engine.close)

@@ -311,3 +311,215 @@ def test_backend_granularity_decides_what_one_request_covers(granularity, expect
     eng.synchronize(0, "item")
     assert backend.calls == expected
     eng.close()
+
+
+# ------------------------------------------------------------------ return allowance
+# The emulator's own return path after a sync (after its last clock reading) and the entry path
+# of the next enqueue (before its clock reading) are forgiven up to ``return_allowance``; on a
+# virtual clock the host time they take is modelled with clock.advance() after the sync returns.
+def _allowance_engine(allowance=5e-6, devices=2):
+    return TimeEngine(devices, Recorder(), clock=VirtualClock(start=100.0), return_allowance=allowance)
+
+
+def test_right_after_a_sync_the_waited_work_is_complete_and_nothing_starts_before_it():
+    eng = _allowance_engine()
+    main, side = eng.default_stream(0), eng.new_stream(0)
+    before = EmuEvent(enable_timing=True)
+    before.record(main)
+    deadline = main.enqueue(0.010, "forward", "m")
+    eng.synchronize(0, "item")
+    # Emulated host time stands on the deadline (never before it) while the allowance lasts.
+    assert eng.now() == deadline and eng.clock.now() == deadline
+    assert main.query() and side.query()
+    after = EmuEvent(enable_timing=True)
+    after.record(main)
+    assert after.query() and after._time == deadline
+    assert before.elapsed_time(after) == pytest.approx(10.0)
+    eng.clock.advance(3e-6)                                   # the emulator's return + entry path
+    assert side.enqueue(0.001, "op", "x") == pytest.approx(deadline + 0.001)   # starts AT the deadline
+    assert eng.recorder.spans[-1].start == deadline
+    other = eng.default_stream(1)                             # another device, idle all along:
+    assert eng.recorder.spans[-1].start >= deadline           # host-issued work after the sync
+    assert other.enqueue(0.001, "op", "y") - 0.001 >= deadline
+
+
+def test_program_time_beyond_the_allowance_still_counts():
+    eng = _allowance_engine(allowance=5e-6)
+    s = eng.default_stream(0)
+    deadline = s.enqueue(0.010, "forward", "m")
+    eng.synchronize(0, "item")
+    eng.clock.advance(0.002)                                  # the program's own 2 ms of host work
+    start = s.enqueue(0.010, "forward", "m") - 0.010
+    assert start == pytest.approx(deadline + 0.002 - 5e-6, abs=1e-12)
+    assert eng.now() == pytest.approx(eng.clock.now() - 5e-6, abs=1e-12)
+
+
+def test_event_synchronize_and_stream_synchronize_get_the_allowance_too():
+    eng = _allowance_engine(allowance=4e-6)
+    s = eng.default_stream(0)
+    s.enqueue(0.005, "forward", "m")
+    ev = EmuEvent(enable_timing=True)
+    ev.record(s)
+    ev.synchronize()
+    eng.clock.advance(4e-6)
+    assert ev.query() and s.query()
+    assert s.enqueue(0.001, "op", "a") == pytest.approx(ev._time + 0.001, abs=1e-12)
+    s.synchronize()
+    d2 = s.busy_until
+    eng.clock.advance(4e-6)
+    assert s.enqueue(0.001, "op", "b") == pytest.approx(d2 + 0.001, abs=1e-12)
+
+
+def test_allowance_for_short_and_long_waits():
+    eng = _allowance_engine(allowance=(1e-6, 4e-6))
+    s = eng.default_stream(0)
+    short = s.enqueue(0.0005, "op", "short")                  # a 0.5 ms wait: short-wait allowance
+    eng.synchronize(0, "item")
+    eng.clock.advance(10e-6)
+    assert s.enqueue(0.001, "op", "x") - 0.001 == pytest.approx(short + 9e-6, abs=1e-12)
+    long_ = eng.device_busy_until(0) + 0.009                  # the host waits ~10 ms: long-wait
+    s.enqueue(0.009, "op", "long")
+    eng.synchronize(0, "item")
+    eng.clock.advance(10e-6)
+    assert s.enqueue(0.001, "op", "y") - 0.001 == pytest.approx(long_ + 6e-6, abs=1e-12)
+
+
+def test_a_settle_after_emulator_work_keeps_the_allowance_on_top():
+    eng = _allowance_engine(allowance=2e-6)
+    s = eng.default_stream(0)
+    deadline = s.enqueue(0.010, "forward", "m")
+    eng.synchronize(0, "item")
+    eng.clock.advance(30e-6)                                  # e.g. .item() computing its value
+    eng.settle()
+    eng.settle()                                              # twice: no double forgiveness
+    eng.clock.advance(2e-6)                                   # return + entry
+    assert eng.now() == deadline
+    assert s.enqueue(0.001, "op", "x") == pytest.approx(deadline + 0.001, abs=1e-12)
+    eng.clock.advance(1e-3)
+    assert eng.now() == pytest.approx(deadline + 1e-3, abs=1e-12)
+
+
+@pytest.mark.parametrize("path, expected_extra_per_iter", [(3e-6, 0.0), (8e-6, 3e-6)])
+def test_ten_thousand_synced_iterations_end_at_the_sum_of_targets(path, expected_extra_per_iter):
+    import random
+
+    # Each wait wakes 40 us late (OS), then the emulator's way back + the next enqueue's entry take
+    # `path` of host time. Within a 5 us allowance the total is exactly the sum of the targets;
+    # beyond it only the excess (not the lateness) is added.
+    eng = TimeEngine(1, Recorder(), clock=_LateClock(overshoot=40e-6), return_allowance=5e-6)
+    s = eng.default_stream(0)
+    rng = random.Random(1)
+    targets = [(rng.uniform(0.5e-3, 1.1e-3), rng.uniform(1.2e-3, 2.2e-3)) for _ in range(10_000)]
+    prev_end = None
+    for f, b in targets:
+        s.enqueue(f, "forward", "m")
+        s.enqueue(b, "backward", "m")
+        eng.synchronize(0, "item")
+        eng.clock.advance(path)
+    spans = eng.recorder.spans
+    assert all(b.start >= a.end for a, b in zip(spans, spans[1:]))   # never before previous work
+    total = eng.device_busy_until(0) - spans[0].start
+    expected = sum(f + b for f, b in targets) + expected_extra_per_iter * (len(targets) - 1)
+    assert total == pytest.approx(expected, rel=1e-12, abs=1e-9)
+    if path <= 5e-6:
+        gaps = [b.start - a.end for a, b in zip(spans, spans[1:])]
+        assert max(gaps) == 0.0
+
+
+def test_random_programs_keep_cuda_ordering_with_an_allowance():
+    import random
+
+    rng = random.Random(7)
+    eng = _allowance_engine(allowance=6e-6)
+    streams = [eng.default_stream(0), eng.new_stream(0), eng.default_stream(1)]
+    last_end = {id(s): 0.0 for s in streams}
+    last_sync_deadline = float("-inf")
+    for _ in range(3000):
+        op = rng.random()
+        s = rng.choice(streams)
+        if op < 0.55:
+            end = s.enqueue(rng.uniform(0, 2e-4), "op", "w")
+            span = eng.recorder.spans[-1] if eng.recorder.spans and eng.recorder.spans[-1].end == end else None
+            if span is not None:
+                assert span.start >= last_end[id(s)]           # in order on its stream
+                assert span.start >= last_sync_deadline        # host-issued after the last sync
+            last_end[id(s)] = max(last_end[id(s)], end)
+        elif op < 0.7:
+            ev = EmuEvent()
+            ev.record(s)
+            ev.synchronize()
+            last_sync_deadline = max(last_sync_deadline, ev._time)
+            assert ev.query() and eng.now() >= ev._time
+        elif op < 0.8:
+            eng.synchronize(s.device_index, "sync")
+            last_sync_deadline = max(last_sync_deadline, eng.device_busy_until(s.device_index))
+            assert all(x.query() for x in streams if x.device_index == s.device_index)
+        elif op < 0.9:
+            other = rng.choice(streams)
+            ev = other.record_event()
+            s.wait_event(ev)
+            last_end[id(s)] = max(last_end[id(s)], ev._time)
+        assert eng.now() >= last_sync_deadline                # host time never before a waited deadline
+        eng.clock.advance(rng.choice((0.0, 1e-6, 4e-6, 2e-5)))
+
+
+def test_return_allowance_is_validated_and_virtual_clocks_get_none():
+    with pytest.raises(ValueError, match="return_allowance"):
+        TimeEngine(1, clock=VirtualClock(), return_allowance=-1e-6)
+    with pytest.raises(ValueError, match="return_allowance"):
+        TimeEngine(1, clock=VirtualClock(), return_allowance=(1e-6, 2e-6, 3e-6))
+    with pytest.raises(ValueError, match="return_allowance"):
+        TimeEngine(1, clock=VirtualClock(), return_allowance=1.0)
+    assert TimeEngine(1, clock=VirtualClock()).return_allowance == (0.0, 0.0)
+    assert TimeEngine(1, clock=VirtualClock(), return_allowance=3e-6).return_allowance == (3e-6, 3e-6)
+
+
+def test_calibrated_allowance_on_the_real_clock_is_a_measured_microsecond_scale_cost():
+    from gpemu.clock import RealClock
+    from gpemu.engine import calibrate_return_allowance
+
+    short, long_ = calibrate_return_allowance()
+    # The engine's own return + entry path is a few hundred ns warm, some us after a long wait on a
+    # shared VM; generous bounds (the machine is shared): positive, and far below a millisecond.
+    assert 0.0 < short <= 20e-6 and 0.0 < long_ <= 20e-6
+    eng = TimeEngine(1, Recorder(), clock=RealClock())
+    assert eng.return_allowance == (short, long_)              # once per process, reused
+
+
+def test_patched_item_then_query_event_and_next_step_with_an_allowance():
+    import torch
+
+    import gpemu
+    from gpemu.clock import VirtualClock
+
+    with gpemu.emulate(gpu="V100", model="resnet50", summary=False,
+                       extra={"clock": VirtualClock(), "return_allowance": 5e-6}) as rt:
+        eng = rt.state["engine"]
+        assert eng.return_allowance == (5e-6, 5e-6)
+        model, opt = _tiny_training_run(rt)
+        x = torch.empty(32, 64)
+        ends = []
+        for _ in range(3):
+            loss = model(x.cuda()).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            deadline = eng.device_busy_until(0)
+            loss.item()
+            ends.append(deadline)
+            assert torch.cuda.current_stream().query()
+            ev = torch.cuda.Event()
+            ev.record()
+            assert ev.query() and eng.now() == deadline
+            eng.clock.advance(4e-6)                               # within the allowance
+        fwd = [s for s in rt.recorder.spans if s.kind == "forward"]
+        assert fwd[-1].start >= ends[-2] and fwd[-2].start >= ends[-3]
+
+
+def test_a_device_sync_waits_for_a_cross_device_event_wait(eng):
+    a, b = eng.default_stream(0), eng.default_stream(1)
+    b.enqueue(0.050, "op", "long on device 1")
+    a.wait_event(b.record_event())          # device 0's stream now waits until 100.050
+    assert not a.query()
+    eng.synchronize(0, "synchronize")       # as cudaDeviceSynchronize: waits for that wait too
+    assert eng.clock.now() == pytest.approx(100.050) and a.query()
