@@ -356,3 +356,146 @@ def test_parse_device_specs():
     for bad in ("V100", "0=", "0=V100:lots", "0=V100:-1GiB"):
         with pytest.raises(ValueError, match="ID=GPU|memory size"):
             parse_device(bad, lambda name: GiB)
+
+
+# ---------------------------------------------------------------------- deadline scheduling (grants)
+HOST = "testhost/boot-1"
+
+
+class GrantHarness(Harness):
+    """A core whose jobs ask for grants; ``host`` decides whether they share its clock."""
+
+    def __init__(self, policy: str | type = "fifo", lookahead_s: float = 0.0, backdate_s: float = 0.05,
+                 lease_s: float = 100.0, capacity: int = 16 * GiB) -> None:
+        self.core = SharingCore([DeviceSpec("0", "P100", capacity)], policy, lease_s, host=HOST,
+                                lookahead_s=lookahead_s, backdate_s=backdate_s)
+        self.now = 0.0
+        self.tokens, self.inbox, self.acked, self._tag = {}, {}, [], 0
+
+    def register(self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0",
+                 host: str = HOST) -> dict:
+        reply = self.send({"type": "register", "job_id": job, "request_id": f"reg-{job}", "device": device,
+                           "persistent_bytes": persistent, "weight": weight, "host": host}, reply_to=job)[0]
+        self.tokens[job] = reply["token"]
+        return reply
+
+    def grant(self, job: str, rid: str, seconds: float, sent_at: float | None = None, peak: int = 2 * GiB) -> list:
+        payload = {"type": "request", "job_id": job, "token": self.tokens[job], "request_id": rid, "device": "0",
+                   "seconds": seconds, "peak_bytes": peak, "grant": True}
+        if sent_at is not None:
+            payload["sent_at"] = sent_at
+        return self.send(payload, reply_to=job)
+
+
+def test_grant_is_sent_when_scheduled_and_the_timeline_is_back_to_back():
+    h = GrantHarness("fifo", backdate_s=0.0)
+    assert h.register("a")["same_host"] is True
+    h.register("b")
+    h.now = 10.0
+    ga = h.grant("a", "a1", 1.0)
+    assert [r["type"] for r in ga] == ["granted"]  # at once, not when the work has ended
+    assert (ga[0]["start"], ga[0]["end"], ga[0]["remaining_s"]) == (10.0, 11.0, 1.0)
+    assert h.acked == [1, 2, 3]  # the request left the queue with its grant
+    h.now = 10.2
+    assert h.grant("b", "b1", 0.5) == []  # queued behind a
+    # The loop wakes late (a busy machine): b still starts exactly where a ends.
+    gb = h.advance_to(11.004)
+    assert [(r["request_id"], r["start"], r["end"]) for r in gb] == [("b1", 11.0, 11.5)]
+    assert gb[0]["remaining_s"] == pytest.approx(0.496) and gb[0]["waited_s"] == pytest.approx(0.8)
+    assert h.advance_to(11.5) == []  # a granted request's end sends nothing more
+    dev = h.core.devices["0"]
+    assert dev.running is None and dev.busy_s == pytest.approx(1.5) and dev.served == 2
+
+
+def test_lookahead_grants_the_next_slot_before_the_gpu_frees_up():
+    h = GrantHarness("round-robin", lookahead_s=0.1)
+    for j in "abc":
+        h.register(j)
+    h.grant("a", "a1", 1.0)
+    h.grant("b", "b1", 1.0)
+    h.grant("a", "a2", 1.0)  # a second request of a: round-robin must still serve b first
+    assert h.core.next_deadline() == pytest.approx(0.9)
+    assert h.advance_to(0.89) == []
+    early = h.advance_to(0.9)
+    assert [(r["request_id"], r["start"], r["end"]) for r in early] == [("b1", 1.0, 2.0)]
+    h.now = 0.95
+    h.grant("c", "c1", 1.0)  # arrives before the boundary but after b's slot was decided
+    nxt = h.advance_to(1.9)
+    assert [(r["request_id"], r["start"]) for r in nxt] == [("c1", 2.0)]  # c has had less time than a
+    assert [r["request_id"] for r in h.advance_to(2.9)] == ["a2"]
+    ends = [(r["start"], r["end"]) for box in h.inbox.values() for r in box if r["type"] == "granted"]
+    ends.sort()
+    assert all(s2 >= e1 for (_, e1), (s2, _) in zip(ends, ends[1:]))  # never overlapping
+
+
+def test_same_host_request_to_an_idle_gpu_starts_when_it_was_sent():
+    h = GrantHarness("fifo", backdate_s=0.05)
+    h.register("near")
+    h.register("far", host="otherhost/boot-2")
+    h.now = 5.0
+    g = h.grant("near", "n1", 0.01, sent_at=4.9995)  # 0.5 ms in flight
+    assert g[0]["start"] == 4.9995 and g[0]["idle_s"] == 0.0
+    h.now = 5.1
+    g = h.grant("near", "n2", 0.01, sent_at=5.0)  # in flight for 100 ms: backdated 50 ms only
+    # idle since n1 ended (5.0095; the request was sent before): idle until its backdated start
+    assert g[0]["start"] == pytest.approx(5.05) and g[0]["idle_s"] == pytest.approx(5.05 - 5.0095)
+    h.now = 5.2
+    assert h.grant("near", "n3", 0.01, sent_at=7.0)[0]["start"] == 5.2  # a clock ahead of ours: now
+    h.now = 5.3
+    g = h.grant("far", "f1", 0.01, sent_at=5.2999)  # another host's clock means nothing here
+    assert g[0]["start"] == 5.3 and g[0]["idle_s"] is None
+    # Never before work already scheduled: the next one starts where n4 ends.
+    h.now = 6.0
+    h.grant("near", "n4", 0.01, sent_at=6.0)
+    h.now = 6.011
+    h.advance_to(6.011)
+    assert h.grant("near", "n5", 0.01, sent_at=6.005)[0]["start"] == pytest.approx(6.01)
+    # Without backdating the trip to the manager on an idle GPU is reported as idle time.
+    nb = GrantHarness("fifo", backdate_s=0.0)
+    nb.register("near")
+    nb.now = 3.0
+    g = nb.grant("near", "x", 0.01, sent_at=2.9994)
+    assert g[0]["start"] == 3.0 and g[0]["idle_s"] == pytest.approx(0.0006)
+
+
+def test_duplicate_of_a_granted_request_gets_the_same_grant_and_no_more_time():
+    h = GrantHarness()
+    h.register("a")
+    first = h.grant("a", "r1", 2.0)[0]
+    h.now = 0.5
+    again = h.grant("a", "r1", 2.0)[0]  # resent (lost reply): same slot, remaining counted from now
+    assert (again["type"], again["start"], again["end"]) == ("granted", first["start"], first["end"])
+    assert again["remaining_s"] == pytest.approx(1.5)
+    h.advance_to(2.0)
+    h.now = 2.5
+    late = h.grant("a", "r1", 2.0)[0]
+    assert late["end"] == first["end"] and late["remaining_s"] == 0.0
+    assert h.core.jobs["a"].served_count == 1 and h.core.devices["0"].busy_s == pytest.approx(2.0)
+
+
+def test_killed_job_granted_slot_is_released_after_its_lease():
+    h = GrantHarness("fifo", lease_s=1.0, lookahead_s=0.5)
+    h.register("dead", persistent=10 * GiB)
+    h.register("alive")
+    assert h.grant("dead", "long", 100.0)[0]["end"] == 100.0
+    assert h.grant("alive", "short", 0.5) == []  # queued behind the granted 100 s slot
+    t = 0.0
+    got = []
+    while not got and t < 5.0:
+        t += 0.25
+        got = [r for r in h.advance_to(t) if r.get("request_id") == "short"]
+        h.send({"type": "heartbeat", "job_id": "alive", "token": h.tokens["alive"]}, "alive-hb")
+    assert "dead" not in h.core.jobs
+    assert got and got[0]["start"] <= 2 * 1.0 + 0.25  # within two leases, not at 100 s
+    dev = h.core.devices["0"]
+    assert dev.busy_s == pytest.approx(got[0]["start"] + 0.5)  # the dead slot's unused rest is not counted
+    assert h.register("big", persistent=14 * GiB)["type"] == "registered"
+
+
+@pytest.mark.parametrize("field,value,fragment", [("grant", 1, "grant"), ("sent_at", -1.0, "sent_at"),
+                                                  ("sent_at", "now", "sent_at")])
+def test_grant_fields_are_validated(field, value, fragment):
+    body = {"type": "request", "job_id": "a", "token": "t", "request_id": "r", "device": "0", "seconds": 1.0,
+            "peak_bytes": 0, field: value}
+    with pytest.raises(P.ProtocolError, match=fragment):
+        P.parse_message(P.encode(body))

@@ -424,3 +424,105 @@ def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, p
             if p.poll() is None:
                 p.kill()
         mgr.stop()
+
+
+# ---------------------------------------------------------------------------- deadline scheduling
+def test_granted_jobs_resume_at_their_scheduled_end_on_a_back_to_back_timeline(broker, purge):
+    """Two jobs through the real broker: each run() waits locally for a grant's end (never
+    earlier), and their slots lie back to back on the manager's timeline without overlapping."""
+    mgr = ThreadManager(broker.url, policy="round-robin")
+    results: dict[str, list] = {}
+    try:
+        def job(name: str) -> None:
+            with client(broker.url, name) as c:
+                assert c.same_host  # the manager runs in this process: one clock
+                results[name] = [c.run(0.03, GiB) for _ in range(12)]
+
+        threads = [threading.Thread(target=job, args=(f"g{i}",)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        runs = [r for rs in results.values() for r in rs]
+        assert len(runs) == 24
+        for r in runs:
+            assert r.exact and r.scheduled_end is not None and r.scheduled_start is not None
+            assert r.scheduled_end == pytest.approx(r.scheduled_start + 0.03, abs=1e-9)
+            assert r.resumed_at >= r.scheduled_end  # never before the work ends on the emuGPU
+            assert r.elapsed_s >= 0.03 - 1e-6
+        slots = sorted((r.scheduled_start, r.scheduled_end) for r in runs)
+        assert all(s2 >= e1 for (_, e1), (s2, _) in zip(slots, slots[1:]))  # no overlap
+        # Each job sends its next request as it resumes, while the other's slot runs: the next
+        # slot starts exactly where the previous one ends (the manager does not wait for jobs).
+        touching = sum(s2 == e1 for (_, e1), (s2, _) in zip(slots, slots[1:]))
+        assert touching >= len(slots) // 2, slots
+        # The manager served each request once; both jobs were time-sliced.
+        assert mgr.m.core.devices["0"].served == 24
+        assert all(sum(r.waited_s for r in rs) > 0 for rs in results.values())
+    finally:
+        mgr.stop()
+
+
+def test_job_on_another_host_counts_its_grant_from_the_reply(broker, purge):
+    mgr = ThreadManager(broker.url)
+    try:
+        c = client(broker.url, "remote")
+        c.host = "elsewhere/not-this-boot"  # as if it ran on another machine: clocks not shared
+        c.register()
+        assert not c.same_host
+        r = c.run(0.05, GiB)
+        assert not r.exact and r.scheduled_start is None and r.idle_s == 0.0
+        assert r.resumed_at >= r.scheduled_end and r.elapsed_s >= 0.05  # waited the remaining time
+        legacy = client(broker.url, "legacy", deadlines=False)  # "done" replies still work
+        legacy.register()
+        done = legacy.run(0.02, GiB)
+        assert done.scheduled_end is None and done.elapsed_s >= 0.02
+        legacy.close()
+        c.close()
+        assert mgr.m.core.devices["0"].served == 2
+    finally:
+        mgr.stop()
+
+
+def test_killed_job_granted_slot_is_released_for_a_waiting_job(broker, purge):
+    """A job killed (-9) while it waits out a granted 60 s slot: the job queued behind it gets
+    the GPU within two lease periods, not after 60 s."""
+    mgr = ThreadManager(broker.url, capacity=16 * GiB)
+    code = f"""
+from gpemu.integrations.sharing.client import SharingClient
+c = SharingClient({broker.url!r}, job_id="granted-victim", persistent_bytes=1 << 30, lease_s={LEASE})
+c.register()
+print("registered", flush=True)
+c.run(60.0, 1 << 30)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "registered"
+        deadline = time.monotonic() + 10
+        core = mgr.m.core
+        while time.monotonic() < deadline:
+            job = core.jobs.get("granted-victim")
+            if job is not None and any(p.get("type") == "granted" for p in list(job.done.values())):
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the victim's request was never granted")
+        waiter = client(broker.url, "waiter")
+        waiter.register()
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(waiter.run(0.05, GiB)))
+        t.start()
+        time.sleep(0.2)  # the waiter's request is queued behind the granted 60 s slot
+        assert not box and core.devices["0"].pending
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        killed_at = time.monotonic()
+        t.join(2 * LEASE + 5)
+        assert box, "the waiter never got the GPU"
+        r = box[0]
+        assert r.scheduled_start <= killed_at + 2 * LEASE + 0.5  # the victim's slot was cut short
+        assert "granted-victim" not in core.jobs and core.expired >= 1
+        assert core.devices["0"].busy_s < 60.0
+        waiter.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        mgr.stop()

@@ -58,6 +58,7 @@ class RunResult:
     resumed_at: float | None = None  # when run() stopped waiting (>= scheduled_end)
     idle_s: float = 0.0  # emuGPU idle because this request was still travelling to the manager
     exact: bool = False  # scheduled_end is the manager's own (shared clock), not reply + remaining
+    scheduled_start: float | None = None  # the manager's start of the work (exact only)
 
     @property
     def added_s(self) -> float | None:
@@ -350,8 +351,10 @@ class SharingClient:
         self._wait_until(deadline)
         resumed = time.monotonic()
         idle = reply.get("idle_s")
+        begin = reply.get("start")
         return RunResult(rid, seconds, float(reply.get("waited_s") or 0.0), resumed - start, deadline, resumed,
-                         float(idle) if isinstance(idle, (int, float)) else 0.0, exact)
+                         float(idle) if isinstance(idle, (int, float)) else 0.0, exact,
+                         float(begin) if exact and isinstance(begin, (int, float)) else None)
 
     def _wait_until(self, deadline: float) -> None:
         """Block until ``deadline`` (time.monotonic) with gpemu.clock's sleep-then-spin, serving
