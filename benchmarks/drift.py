@@ -93,6 +93,7 @@ def run_headline(plan: list[tuple[float, float, bool]], host_work_ms: float,
     gaps = _gaps(engine)
     spans = engine.recorder.spans
     return {"target_s": target, "elapsed_s": elapsed, "gaps_s": sum(gaps),
+            "big_gaps_s": sum(g for g in gaps if g > 1e-3),
             "gap_median_us": 1e6 * gaps[len(gaps) // 2] if gaps else 0.0,
             "gap_max_ms": 1e3 * gaps[-1] if gaps else 0.0, "gaps_over_1ms": sum(1 for g in gaps if g > 1e-3),
             "first_start_s": spans[0].start - start if spans else 0.0,
@@ -156,6 +157,7 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
     return {"target_s": target, "elapsed_s": elapsed, "error_pct": 100 * (elapsed - target) / target,
             "late_per_iter_us": 1e6 * (elapsed - target) / len(plan), "syncs": len(marks),
             "gaps_s": sum(gaps), "gaps_after_sync_s": gap_after_sync,
+            "big_gaps_s": sum(g for g in gaps if g > 1e-3), "big_gaps": sum(1 for g in gaps if g > 1e-3),
             "return_s": sum(ret_s), "loop_s": sum(loop_s), "entry_s": sum(entry_s),
             "return_med_us": med(ret_s), "loop_med_us": med(loop_s), "entry_med_us": med(entry_s),
             "path_med_us": med([r + e for r, e in zip(ret_s, entry_s)]),
@@ -196,12 +198,19 @@ def main() -> None:
               f"{1e3 * r['final_late_s']:.3f} ms + first enqueue {1e3 * r['first_start_s']:.3f} ms; "
               f"allowance {1e6 * r['allowance_s'][1]:.2f} us per long wait ({1e6 * r['allowance_s'][0]:.2f} short), wake-up lateness forgiven "
               f"{1e3 * r['forgiven_s']:.1f} ms", flush=True)
+        # Diagnostic only (not the figure): a gap over 1 ms is the whole process preempted by
+        # another one on this shared machine, which would idle a real GPU too.
+        print(f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (preemption by other processes) "
+              f"the error would be {100 * (r['elapsed_s'] - r['target_s'] - r['big_gaps_s']) / r['target_s']:+.4f}%",
+              flush=True)
         if a.no_instrumented:
             continue
         m = run_instrumented(plan, a.host_work_ms, allowance)
         print(f"      instrumented pass (marks in the loop; old definition): error {m['error_pct']:+.4f}% "
               f"({m['late_per_iter_us']:+.2f} us/iteration), GPU idle gaps {1e3 * m['gaps_s']:.2f} ms "
-              f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited)", flush=True)
+              f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited; without its "
+              f"{m['big_gaps']} gap(s) over 1 ms: "
+              f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%)", flush=True)
         print(f"      raw host time after those syncs: emulator return path {1e3 * m['return_s']:.2f} ms "
               f"(median {m['return_med_us']:.2f} us), loop's own Python {1e3 * m['loop_s']:.2f} ms "
               f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
