@@ -52,8 +52,11 @@ import time
 
 
 def job(url: str, name: str, requests: int, seconds: float, start_at: float, legacy: bool,
-        out: "mp.Queue | queue.Queue") -> None:
+        spin: float | None, out: "mp.Queue | queue.Queue") -> None:
     from gpemu.integrations.sharing.client import SharingClient
+
+    if spin is not None:
+        SharingClient.SPIN_MARGIN_S = spin
 
     with SharingClient(url, job_id=name, lease_s=10.0, deadlines=not legacy) as c:
         c.run(seconds)  # warm-up (connection, first-use costs)
@@ -65,7 +68,13 @@ def job(url: str, name: str, requests: int, seconds: float, start_at: float, leg
             r = c.run(seconds)
             if not legacy:
                 assert r.exact, "job and manager share this host: the grant's end must be exact"
-            rows.append((r.added_s, r.elapsed_s - r.seconds - r.waited_s))
+            parts = None
+            if r.granted_at is not None:
+                # Where added time comes from: the grant reached the job after the slot ended;
+                # the job woke up late from its local wait; the emuGPU idled while it travelled.
+                parts = (max(0.0, r.granted_at - r.scheduled_end),
+                         max(0.0, r.resumed_at - max(r.scheduled_end, r.granted_at)), r.idle_s)
+            rows.append((r.added_s, r.elapsed_s - r.seconds - r.waited_s, parts))
         t1 = time.monotonic()
     out.put((rows, t0, t1))
 
@@ -91,6 +100,8 @@ def main() -> None:
                     help="clients ask for a 'done' reply when the work has ended (no grants, no local wait)")
     ap.add_argument("--lookahead", type=float, default=None, help="manager --lookahead (seconds)")
     ap.add_argument("--backdate", type=float, default=None, help="manager --backdate (seconds)")
+    ap.add_argument("--client-spin", type=float, default=None,
+                    help="jobs spin this long before a slot's end after sleeping (SharingClient.SPIN_MARGIN_S)")
     args = ap.parse_args()
 
     broker = None
@@ -114,12 +125,14 @@ def main() -> None:
         print(f"# {os.cpu_count()} CPUs, load average {load()} (1/5/15 min) at start; {args.requests} requests/job "
               f"of {args.seconds * 1e3:g} ms GPU time, one shared emuGPU, loopback broker; "
               f"jobs as {'one process each' if args.mode == 'processes' else 'connections of one process'}; "
-              f"{'legacy done replies' if args.legacy else 'deadline grants'}; manager options {extra or 'default'}")
+              f"{'legacy done replies' if args.legacy else 'deadline grants'}; manager options {extra or 'default'}"
+              + (f"; client spin {args.client_spin * 1e3:g} ms" if args.client_spin is not None else ""))
         print(f"{'jobs':>5} {'mode':>10} {'requests':>9} {'added p50':>10} {'added p99':>10} {'mean':>7} "
-              f"{'old p50':>8} {'old p99':>8} {'old mean':>9} {'gpu busy':>9}   (ms)")
+              f"{'old p50':>8} {'old p99':>8} {'old mean':>9} {'gpu busy':>9}   (ms)   "
+              f"p99 of: grant late / wake late / idle (ms), % grants late")
         for n in [int(x) for x in args.jobs.split(",")]:
             start_at = time.time() + 3.0 + 0.3 * n
-            jobs_args = [(url, f"bench-{n}-{i}", args.requests, args.seconds, start_at, args.legacy)
+            jobs_args = [(url, f"bench-{n}-{i}", args.requests, args.seconds, start_at, args.legacy, args.client_spin)
                          for i in range(n)]
             if args.mode == "processes":
                 out: "mp.Queue | queue.Queue" = ctx.Queue()
@@ -133,8 +146,9 @@ def main() -> None:
             for w in workers:
                 w.join()
             rows = [row for rs, _, _ in results for row in rs]
-            old = [o for _, o in rows]
-            added = [a for a, _ in rows if a is not None]
+            old = [o for _, o, _ in rows]
+            added = [a for a, _, _ in rows if a is not None]
+            parts = [p for _, _, p in rows if p is not None]
             # Jobs start their measured requests together (start_at); from the first start to the
             # last finish the emuGPU served len(rows) * seconds.
             span = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)
@@ -146,8 +160,10 @@ def main() -> None:
                 return f"{(percentile(xs, q) if q is not None else sum(xs) / len(xs)) * 1e3:.3f}"
 
             print(f"{n:>5} {args.mode:>10} {len(rows):>9} {ms(added, 0.5):>10} {ms(added, 0.99):>10} "
-                  f"{ms(added, None):>7} {ms(old, 0.5):>8} {ms(old, 0.99):>8} {ms(old, None):>9} {busy:>9}",
-                  flush=True)
+                  f"{ms(added, None):>7} {ms(old, 0.5):>8} {ms(old, 0.99):>8} {ms(old, None):>9} {busy:>9}"
+                  + (f"        {ms([p[0] for p in parts], 0.99)} / {ms([p[1] for p in parts], 0.99)} / "
+                     f"{ms([p[2] for p in parts], 0.99)}, {100 * sum(p[0] > 0 for p in parts) / len(parts):.1f}%"
+                     if parts else ""), flush=True)
         print(f"# load average {load()} at the end")
     finally:
         manager.terminate()

@@ -36,7 +36,7 @@ def _gpu_memory_lookup() -> Any:
               help="Seconds between status snapshots published for `gpemu share-status`.")
 @click.option("--lookahead", "lookahead_s", default=None, type=float, metavar="SECONDS",
               help="Choose and grant the next request this long before the emuGPU frees up, so the grant "
-                   "reaches the job before its slot starts [default: 0.002].")
+                   "reaches the job before its slot starts [default: 0.01].")
 @click.option("--backdate", "backdate_s", default=None, type=float, metavar="SECONDS",
               help="A job on this host whose request finds the emuGPU idle starts when it sent the request, "
                    "up to this long before it arrived (0: when it arrives) [default: 0.05].")

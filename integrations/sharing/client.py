@@ -59,6 +59,7 @@ class RunResult:
     idle_s: float = 0.0  # emuGPU idle because this request was still travelling to the manager
     exact: bool = False  # scheduled_end is the manager's own (shared clock), not reply + remaining
     scheduled_start: float | None = None  # the manager's start of the work (exact only)
+    granted_at: float | None = None  # when the grant reached this job
 
     @property
     def added_s(self) -> float | None:
@@ -354,7 +355,7 @@ class SharingClient:
         begin = reply.get("start")
         return RunResult(rid, seconds, float(reply.get("waited_s") or 0.0), resumed - start, deadline, resumed,
                          float(idle) if isinstance(idle, (int, float)) else 0.0, exact,
-                         float(begin) if exact and isinstance(begin, (int, float)) else None)
+                         float(begin) if exact and isinstance(begin, (int, float)) else None, received)
 
     def _wait_until(self, deadline: float) -> None:
         """Block until ``deadline`` (time.monotonic) with gpemu.clock's sleep-then-spin, serving

@@ -36,7 +36,7 @@ __all__ = ["SharingCore", "SharingManager", "Outgoing", "DeviceSpec", "parse_dev
 
 log = logging.getLogger("gpemu.sharing.manager")
 
-DEFAULT_LOOKAHEAD_S = 0.002  # grant the next request this long before the emuGPU frees up
+DEFAULT_LOOKAHEAD_S = 0.01  # grant the next request this long before the emuGPU frees up (covers a late timer + delivery on a busy host)
 DEFAULT_BACKDATE_S = 0.05  # a request to an idle emuGPU may start up to this long before it arrived
 _DONE_MEMORY = 512  # answered request ids remembered per job (dedup of late duplicates)
 _SHARE_WINDOW_S = 5.0  # "recent share" in the status covers this many seconds
