@@ -499,3 +499,17 @@ def test_grant_fields_are_validated(field, value, fragment):
             "peak_bytes": 0, field: value}
     with pytest.raises(P.ProtocolError, match=fragment):
         P.parse_message(P.encode(body))
+
+
+def test_registering_again_with_the_current_token_is_idempotent():
+    # A heartbeat error about an old token can make a registered job register again; with its
+    # current token that is answered like a duplicate, not refused as "already registered".
+    h = Harness()
+    first = h.register("a")
+    again = h.send({"type": "register", "job_id": "a", "request_id": "reg-a-2", "device": "0",
+                    "persistent_bytes": GiB, "token": first["token"]}, reply_to="a")[0]
+    assert (again["type"], again["token"], again["request_id"]) == ("registered", first["token"], "reg-a-2")
+    forged = h.send({"type": "register", "job_id": "a", "request_id": "reg-a-3", "device": "0",
+                     "persistent_bytes": GiB, "token": "0" * 32}, reply_to="x")[0]
+    assert forged["type"] == "error" and forged["code"] == P.ERR_JOB_EXISTS
+    assert len(h.core.jobs) == 1

@@ -278,6 +278,8 @@ class SharingClient:
                        "device": self.device, "persistent_bytes": self.persistent_bytes, "weight": self.weight}
             if self.host:
                 payload["host"] = self.host
+            if self.token:  # still registered as far as we know: the manager answers the same
+                payload["token"] = self.token
             reply = self._call(payload)
             if reply.get("type") != "registered":
                 raise SharingRefusedError(f"the sharing manager refused job {self.job_id!r}: "

@@ -207,9 +207,11 @@ class SharingCore:
                                  msg.request_id, reply_to, tag, msg.job_id, P.ERR_UNKNOWN_DEVICE)]
         job = self.jobs.get(msg.job_id)
         if job is not None:
-            if job.register_rid == msg.request_id:  # a duplicate delivery: answer the same again
+            # A duplicate delivery, or the same job registering again with its token (it took a
+            # stale heartbeat error for a lost registration): the same answer, nothing changes.
+            if job.register_rid == msg.request_id or (msg.token and secrets.compare_digest(job.token, msg.token)):
                 job.last_seen, job.reply_to = now, reply_to
-                return [Outgoing(reply_to, self._registered(job), [tag])]
+                return [Outgoing(reply_to, self._registered(job, msg.request_id), [tag])]
             return [self._reject(f"job id {msg.job_id!r} is already registered", msg.request_id, reply_to, tag,
                                  msg.job_id, P.ERR_JOB_EXISTS)]
         used = sum(self.jobs[j].persistent_bytes for j in dev.jobs)
@@ -230,8 +232,8 @@ class SharingCore:
                  _gib(msg.persistent_bytes), msg.weight)
         return [Outgoing(reply_to, self._registered(job), [tag])]
 
-    def _registered(self, job: _Job) -> dict[str, Any]:
-        return {"type": "registered", "request_id": job.register_rid, "job_id": job.job_id, "token": job.token,
+    def _registered(self, job: _Job, rid: str | None = None) -> dict[str, Any]:
+        return {"type": "registered", "request_id": rid or job.register_rid, "job_id": job.job_id, "token": job.token,
                 "lease_s": self.lease_s, "same_host": job.same_host}
 
     def _on_request(self, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:

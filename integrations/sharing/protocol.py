@@ -12,7 +12,8 @@ Topology (all names under ``gpemu.sharing``):
 Messages from jobs (``type``):
 
 ``register``   job_id, request_id, device, persistent_bytes, weight (optional: host — see
-               :func:`host_identity`; equal on both sides means a shared CLOCK_MONOTONIC)
+               :func:`host_identity`; equal on both sides means a shared CLOCK_MONOTONIC —,
+               token: the job's current token, which makes registering again idempotent)
 ``request``    job_id, token, request_id, device, seconds, peak_bytes (optional: kind,
                persistent_bytes — the job's persistent memory now, which may have grown since
                it registered, e.g. optimizer state created at the first step —, grant: true to
@@ -73,7 +74,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "status": (),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
-    "register": ("weight", "host"),
+    "register": ("weight", "host", "token"),
     "request": ("kind", "persistent_bytes", "grant", "sent_at"),
     "heartbeat": (),
     "deregister": (),
