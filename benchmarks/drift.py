@@ -26,6 +26,13 @@ entry path measured after real short and long waits, see
 ``gpemu.engine.calibrate_return_allowance``).
 ``--allowance-us 0`` runs the engine without the allowance (the old behaviour).
 
+Each pass starts after ``gc.collect()``. Without it, the process's first full garbage
+collection after importing torch (70-90 ms over ~190k objects, measured here) lands inside the
+first timed pass as one huge GPU idle gap (it was the single gap of 25-80 ms in nearly every
+earlier run, which looked like preemption). Later collections inside a pass, e.g. caused by
+the engine's own records, still count; the figures print how many full collections ran inside
+each pass and how long they took.
+
     python benchmarks/drift.py                      # 10,000 iterations of ~2.5 ms, sync every 1,10,100
     python benchmarks/drift.py --iterations 2000 --host-work-ms 0.5 --sync-every 1
 """
@@ -33,6 +40,7 @@ entry path measured after real short and long waits, see
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import time
@@ -68,6 +76,32 @@ def make_plan(iterations: int, fwd_ms: float, bwd_ms: float, jitter: float, seed
              i % sync_every == 0 or i == iterations) for i in range(1, iterations + 1)]
 
 
+class GcWatch:
+    """Counts full (generation 2) garbage collections and their time while active."""
+
+    def __init__(self) -> None:
+        self.full = 0
+        self.full_s = 0.0
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.full += 1
+            self.full_s += time.perf_counter() - self._t0
+
+    def __enter__(self) -> "GcWatch":
+        gc.collect()  # start from a collected heap (see the module docstring)
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
+
+
 def _gaps(engine: TimeEngine) -> list[float]:
     spans = engine.recorder.spans
     return sorted(b.start - a.end for a, b in zip(spans, spans[1:]) if b.start > a.end)
@@ -80,15 +114,16 @@ def run_headline(plan: list[tuple[float, float, bool]], host_work_ms: float,
     synchronize = engine.synchronize
     host = host_work_ms / 1e3
     perf = time.perf_counter
-    start = perf()
-    for f, b, sync in plan:
-        enqueue(f, "forward", "drift")
-        enqueue(b, "backward", "drift")
-        if host:
-            busy(host)  # e.g. the next batch's preparation, overlapping the GPU
-        if sync:
-            synchronize(0, "item")
-    elapsed = perf() - start
+    with GcWatch() as gcw:
+        start = perf()
+        for f, b, sync in plan:
+            enqueue(f, "forward", "drift")
+            enqueue(b, "backward", "drift")
+            if host:
+                busy(host)  # e.g. the next batch's preparation, overlapping the GPU
+            if sync:
+                synchronize(0, "item")
+        elapsed = perf() - start
     target = sum(f + b for f, b, _ in plan)
     gaps = _gaps(engine)
     spans = engine.recorder.spans
@@ -99,7 +134,7 @@ def run_headline(plan: list[tuple[float, float, bool]], host_work_ms: float,
             "first_start_s": spans[0].start - start if spans else 0.0,
             "final_late_s": elapsed - (engine.device_busy_until(0) - start),
             "forgiven_s": engine.recorder.counters.get("wake_late_s", 0.0),
-            "allowance_s": engine.return_allowance,
+            "allowance_s": engine.return_allowance, "gc_full": gcw.full, "gc_full_s": gcw.full_s,
             "error_pct": 100 * (elapsed - target) / target,
             "late_per_iter_us": 1e6 * (elapsed - target) / len(plan)}
 
@@ -118,6 +153,7 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
     # the loop calls the next enqueue, the enqueue read the clock).
     marks: list[tuple[float, float, float, float, float]] = []
     pending: tuple[float, float, float] | None = None
+    gcw = GcWatch().__enter__()
     start = perf()
     for f, b, sync in plan:
         if pending is not None:
@@ -138,6 +174,7 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
             if local.wait_deadline == deadline:  # it waited: its last reading was settle()'s
                 pending = (deadline, log[-1], ret)
     elapsed = perf() - start
+    gcw.__exit__()
     target = sum(f + b for f, b, _ in plan)
     spans = engine.recorder.spans
     by_end = {a.end: b.start for a, b in zip(spans, spans[1:])}
@@ -161,6 +198,7 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
             "return_s": sum(ret_s), "loop_s": sum(loop_s), "entry_s": sum(entry_s),
             "return_med_us": med(ret_s), "loop_med_us": med(loop_s), "entry_med_us": med(entry_s),
             "path_med_us": med([r + e for r, e in zip(ret_s, entry_s)]),
+            "gc_full": gcw.full, "gc_full_s": gcw.full_s,
             "allowance_s": engine.return_allowance}
 
 
@@ -197,10 +235,12 @@ def main() -> None:
               f"us, {r['gaps_over_1ms']} over 1 ms, longest {r['gap_max_ms']:.1f} ms) + last wake-up late "
               f"{1e3 * r['final_late_s']:.3f} ms + first enqueue {1e3 * r['first_start_s']:.3f} ms; "
               f"allowance {1e6 * r['allowance_s'][1]:.2f} us per long wait ({1e6 * r['allowance_s'][0]:.2f} short), wake-up lateness forgiven "
-              f"{1e3 * r['forgiven_s']:.1f} ms", flush=True)
-        # Diagnostic only (not the figure): a gap over 1 ms is the whole process preempted by
-        # another one on this shared machine, which would idle a real GPU too.
-        print(f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (preemption by other processes) "
+              f"{1e3 * r['forgiven_s']:.1f} ms; full garbage collections in the loop: {r['gc_full']} "
+              f"({1e3 * r['gc_full_s']:.1f} ms)", flush=True)
+        # Diagnostic only (not the figure): a gap over 1 ms is the whole process held (preempted by
+        # another process on this shared machine, or a garbage collection), which would idle a
+        # real GPU too.
+        print(f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (process held: preemption, GC) "
               f"the error would be {100 * (r['elapsed_s'] - r['target_s'] - r['big_gaps_s']) / r['target_s']:+.4f}%",
               flush=True)
         if a.no_instrumented:
@@ -210,7 +250,8 @@ def main() -> None:
               f"({m['late_per_iter_us']:+.2f} us/iteration), GPU idle gaps {1e3 * m['gaps_s']:.2f} ms "
               f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited; without its "
               f"{m['big_gaps']} gap(s) over 1 ms: "
-              f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%)", flush=True)
+              f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%; full garbage "
+              f"collections in the loop: {m['gc_full']} ({1e3 * m['gc_full_s']:.1f} ms))", flush=True)
         print(f"      raw host time after those syncs: emulator return path {1e3 * m['return_s']:.2f} ms "
               f"(median {m['return_med_us']:.2f} us), loop's own Python {1e3 * m['loop_s']:.2f} ms "
               f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
