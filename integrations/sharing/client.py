@@ -131,8 +131,12 @@ class SharingClient:
 
     # While waiting for a granted slot, serve the connection until this long before its end.
     SERVICE_MARGIN_S = 0.02
-    # gpemu.clock spins this long before a slot's end after sleeping (see gpemu.clock).
-    SPIN_MARGIN_S = 1e-3
+    # gpemu.clock spins this long before a slot's end after sleeping (see gpemu.clock). Less
+    # than the engine's 1 ms: jobs sharing a GPU share a host, and every job spinning takes a
+    # CPU from the next job, the manager and the broker (16 jobs of 2 ms slots on 2 CPUs:
+    # added p99 0.09-0.81 ms at 0.3 ms against 0.95-1.34 ms at 1 ms, benchmarks/sharing_latency.py
+    # --client-spin, interleaved runs).
+    SPIN_MARGIN_S = 3e-4
 
     def __init__(self, url: str, job_id: str | None = None, device: str = "0", persistent_bytes: int = 0,
                  weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
