@@ -36,7 +36,9 @@ __all__ = ["SharingCore", "SharingManager", "Outgoing", "DeviceSpec", "parse_dev
 
 log = logging.getLogger("gpemu.sharing.manager")
 
-DEFAULT_LOOKAHEAD_S = 0.01  # grant the next request this long before the emuGPU frees up (covers a late timer + delivery on a busy host)
+# Grant the next request this long before the emuGPU frees up: covers a late timer and the
+# grant's delivery on a busy host (2 ms left 2-14 % of grants late with 16 jobs on 2 CPUs).
+DEFAULT_LOOKAHEAD_S = 0.01
 DEFAULT_BACKDATE_S = 0.05  # a request to an idle emuGPU may start up to this long before it arrived
 _DONE_MEMORY = 512  # answered request ids remembered per job (dedup of late duplicates)
 _SHARE_WINDOW_S = 5.0  # "recent share" in the status covers this many seconds
