@@ -69,6 +69,7 @@ def main() -> None:
         print(f"world {world}: {args.steps} steps in {time.perf_counter() - t0:.2f} s, "
               f"{int(totals.item())} samples, accuracy {correct.item() / totals.item():.3f}, on {torch.cuda.get_device_name(device)}", flush=True)
     print(f"rank {rank} on {device} (current device {torch.cuda.current_device()})", flush=True)
+    dist.barrier()  # leave together: tearing gloo down while a peer is still busy can abort it
     dist.destroy_process_group()
 
 

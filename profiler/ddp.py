@@ -130,5 +130,9 @@ def _worker(rank: int, job: dict[str, Any]) -> None:
                 )])
         if store is not None:
             store.close()
+        # Leave together: a rank tearing gloo down while rank 0 still writes the database was seen
+        # to abort ("terminate called without an active exception"). Not in the error path, where
+        # the other rank may be gone and a barrier would hang.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

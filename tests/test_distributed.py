@@ -170,6 +170,9 @@ def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
         "bucket_memory": bucket_memory,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Both ranks leave together: a rank tearing gloo down while the other still has a pair open
+    # was seen to abort ("terminate called without an active exception") under full-suite load.
+    dist.barrier()
     dist.destroy_process_group()
     gpemu.unpatch()
 
