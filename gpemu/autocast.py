@@ -62,7 +62,8 @@ def _funcs(names: tuple[str, ...]) -> set:
         for ns in _NAMESPACES:
             f = getattr(ns, name, None)
             if f is not None and callable(f):
-                out.add(f)
+                # (a function gpemu patched, e.g. F.cross_entropy, is listed as its original)
+                out.add(getattr(f, "__wrapped__", f))
     return out
 
 
@@ -107,10 +108,12 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         pol = self.policy
         try:
-            in_lower = func in pol.lower
-            in_fp32 = not in_lower and func in pol.fp32
-            in_promote = not in_lower and not in_fp32 and func in pol.promote
-            unsafe = func in pol.unsafe
+            # torch hands a mode the function its module holds now: gpemu's wrapper, if patched
+            base = getattr(func, "__wrapped__", func)
+            in_lower = base in pol.lower
+            in_fp32 = not in_lower and base in pol.fp32
+            in_promote = not in_lower and not in_fp32 and base in pol.promote
+            unsafe = base in pol.unsafe
         except TypeError:  # unhashable callable
             return func(*args, **kwargs)
         if not (in_lower or in_fp32 or in_promote or unsafe) or not (

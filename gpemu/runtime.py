@@ -33,6 +33,7 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.memory",            # per-device memory tracker, OOM                  (device)
     "gpemu.tensor",            # the emulated tensor type, dispatch, .cuda/.to   (device)
     "gpemu.replay",            # module forward/backward fast path + GPU time   (device/time)
+    "gpemu.loss_fastpath",     # cross-entropy as one op after a recorded call  (device/time)
     "gpemu.autocast",          # autocast('cuda') dtype behaviour                (device)
     "gpemu.serialization",     # torch.save/torch.load of emulated tensors       (device)
     "gpemu.cuda_api",          # torch.cuda / torch.accelerator / backends        (surface)

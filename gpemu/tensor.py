@@ -993,15 +993,18 @@ def device_index(device: Any) -> int | None:
     return None
 
 
+_copy_to_device: Callable | None = None  # gpemu.transfers.copy_to_device, imported on first use
+
+
 def _charge_h2d(t: torch.Tensor, dev: int, non_blocking: bool, issued_at: float | None = None) -> None:
+    global _copy_to_device
     rt = _S.rt
     if rt is None or getattr(_S.local, "moving_model", False):
         return
-    try:
+    if _copy_to_device is None:  # (transfers imports this module: no top-level import)
         from .transfers import copy_to_device
-    except ImportError:
-        return
-    copy_to_device(rt, t, dev, non_blocking, issued_at)
+        _copy_to_device = copy_to_device
+    _copy_to_device(rt, t, dev, non_blocking, issued_at)
 
 
 def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:

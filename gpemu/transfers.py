@@ -86,10 +86,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _is_pinned(tensor: torch.Tensor) -> bool:
-    from gpemu.integrations.pinned_memory import is_pinned
+_pinned_check: "Callable[[torch.Tensor], bool] | None" = None
 
-    return is_pinned(tensor)
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    global _pinned_check
+    if _pinned_check is None:  # imported on first use, once (this runs on every input copy)
+        from gpemu.integrations.pinned_memory import is_pinned
+        _pinned_check = is_pinned
+    return _pinned_check(tensor)
 
 
 def _bandwidth_seconds(rt: "Runtime", nbytes: int, device: int, pinned: bool, copies: int = 1) -> float:

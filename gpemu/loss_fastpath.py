@@ -1,0 +1,214 @@
+"""Cross-entropy as one emulated GPU op: the loss fast path.
+
+``F.cross_entropy`` (also what ``nn.CrossEntropyLoss`` calls) runs as ``_log_softmax`` +
+``nll_loss_forward`` and, in backward, ``nll_loss_backward`` + ``_log_softmax_backward_data``:
+four dispatches and two autograd nodes, about 65-90 µs of host time per training step here, the
+largest piece of the emulator's own time left after the model's forward/backward replay.
+
+On a new signature (input/target/weight metadata, the loss options, grad mode) the loss runs op
+by op once, inside an ``autograd.Function``, and that first call records what it did:
+the GPU time its ops charged, its output's metadata, the memory it kept for backward and used for
+a moment, and, when its backward runs, the same for backward. Later calls with that signature
+replay the record: one charge, one output, one autograd node. GPU time and memory are those of
+the op-by-op run, so the fast path changes only the host time.
+
+Falls back to the original function (op by op, exactly as before) when the fast path could change
+a result:
+- an argument is not an emulated tensor, or the input has a known host value (its shadow; the
+  loss value would then be computed, see :mod:`gpemu.placeholders`);
+- the target or weight requires grad (their gradients are not recorded);
+- autocast is on (its emulation decides the loss's dtype), a ``TorchFunctionMode`` is active
+  (user modes), or the call is inside a replayed module's charged scope (its time is already
+  covered);
+- legacy ``size_average``/``reduce`` arguments are given;
+- replay is off (``config.replay=False``).
+Double backward through a fast-path loss is not supported (as for replayed modules).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import tensor as _tensor
+from .tensor import EmuTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["install", "loss_info"]
+
+_len_tf_stack = torch._C._len_torch_function_stack
+_autocast_on = torch.is_autocast_enabled
+_STATS = {"recorded": 0, "replayed": 0}
+
+
+class _Record:
+    """What the op-by-op run of one loss signature did."""
+
+    __slots__ = ("out_spec", "fwd_seconds", "saved_bytes", "fwd_extra", "grad_spec", "bwd_seconds",
+                 "bwd_extra", "dev")
+
+    def __init__(self, dev: int) -> None:
+        self.dev = dev
+        self.out_spec: tuple | None = None   # (shape, stride, offset, dtype, nbytes)
+        self.fwd_seconds = 0.0
+        self.saved_bytes = 0                  # kept from forward until backward (log-probabilities)
+        self.fwd_extra = 0                    # used for a moment on top (peak above the end state)
+        self.grad_spec: tuple | None = None   # set when the recording's backward has run
+        self.bwd_seconds = 0.0
+        self.bwd_extra = 0
+
+
+def loss_info() -> dict[str, int]:
+    """How many loss signatures were recorded and how many calls were replayed."""
+    return dict(_STATS)
+
+
+class _Tap:
+    """Sums the GPU time of the ops charged while it is installed (recording only)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._orig = _tensor._charge
+
+    def __enter__(self) -> "_Tap":
+        orig = self._orig
+
+        def charge(entry: Any, dev: int) -> None:
+            self.seconds += entry.cost
+            orig(entry, dev)
+
+        _tensor._charge = charge
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _tensor._charge = self._orig
+
+
+def _measure_peak(mem: Any, run: Callable[[], Any]) -> tuple[Any, int]:
+    """(run(), peak bytes above what is allocated when it returns), keeping the run's peak stats."""
+    outer_peak = mem.peak_allocated
+    mem.peak_allocated = mem.allocated
+    try:
+        result = run()
+    finally:
+        inner_peak = mem.peak_allocated
+        mem.peak_allocated = max(outer_peak, inner_peak)
+    return result, max(0, inner_peak - mem.allocated)
+
+
+def _spec(t: EmuTensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t._block.size if t._block is not None else 0)
+
+
+def _new(spec: tuple, dev: int) -> EmuTensor:
+    shape, stride, offset, dtype, nbytes = spec
+    return _tensor._wrap(shape, stride, offset, dtype, dev, _tensor._S.memory[dev].allocate(nbytes) if nbytes else None)
+
+
+class _FusedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rec: _Record, orig: Callable, options: tuple, input: EmuTensor,  # type: ignore[override]
+                target: EmuTensor, weight: EmuTensor | None) -> EmuTensor:
+        ctx.rec = rec
+        dev = rec.dev
+        mem = _tensor._S.memory[dev]
+        if rec.grad_spec is not None:  # replay
+            _STATS["replayed"] += 1
+            out = _new(rec.out_spec, dev)  # type: ignore[arg-type]
+            ctx.saved_block = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
+            mem.touch(rec.fwd_extra)
+            engine = _tensor._S.engine
+            if engine is not None and rec.fwd_seconds > 0:
+                engine.stream(dev).enqueue(rec.fwd_seconds, "op", "cross_entropy")
+            ctx.inner = None
+            return out
+        # Record: run the ops one by one on a leaf of our own, keep its graph for backward.
+        before = mem.allocated
+        with torch.enable_grad():
+            leaf = input.detach().requires_grad_(input.requires_grad)
+            with _Tap() as tap:
+                inner, extra = _measure_peak(mem, lambda: orig(leaf, target, weight, None, options[0], None,
+                                                               options[1], options[2]))
+        rec.out_spec = _spec(inner)
+        rec.fwd_seconds = tap.seconds
+        rec.saved_bytes = max(0, mem.allocated - before - rec.out_spec[4])
+        rec.fwd_extra = extra
+        ctx.inner = (leaf, inner)
+        ctx.saved_block = None
+        # A new wrapper on the same memory (not a view of an intermediate: autograd treats views
+        # returned from a Function specially).
+        shape, stride, offset, dtype, _ = rec.out_spec
+        return _tensor._wrap(shape, stride, offset, dtype, dev, inner._block)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        rec: _Record = ctx.rec
+        dev = rec.dev
+        mem = _tensor._S.memory[dev]
+        if ctx.inner is None:  # replay
+            engine = _tensor._S.engine
+            if engine is not None and rec.bwd_seconds > 0:
+                engine.stream(dev).enqueue(rec.bwd_seconds, "op", "cross_entropy backward")
+            # The recording's peak is measured above its end state: the saved log-probabilities
+            # freed by autograd, the input's gradient made.
+            ctx.saved_block = None
+            out = _new(rec.grad_spec, dev)  # type: ignore[arg-type]
+            mem.touch(rec.bwd_extra)
+            return None, None, None, out, None, None
+        leaf, inner = ctx.inner
+        ctx.inner = None
+        with _Tap() as tap:
+            (gx,), extra = _measure_peak(mem, lambda: torch.autograd.grad(inner, leaf, grad))
+        del inner, leaf
+        if isinstance(gx, EmuTensor):
+            rec.grad_spec = _spec(gx)
+            rec.bwd_seconds = tap.seconds
+            rec.bwd_extra = extra
+            _STATS["recorded"] += 1
+        return None, None, None, gx, None, None
+
+
+def _make_cross_entropy(orig: Callable) -> Callable:
+    records: dict[tuple, _Record] = {}
+
+    def cross_entropy(input: Any, target: Any, weight: Any = None, size_average: Any = None,
+                      ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                      label_smoothing: float = 0.0) -> Any:
+        if (type(input) is not EmuTensor or type(target) is not EmuTensor or input._shadow is not None
+                or size_average is not None or reduce is not None or _len_tf_stack() or _autocast_on("cuda")
+                or target.requires_grad or (weight is not None and (type(weight) is not EmuTensor
+                                                                    or weight.requires_grad))):
+            return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        engine = _tensor._S.engine
+        if engine is not None and engine.in_charged_scope:
+            return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        grad = torch.is_grad_enabled() and input.requires_grad
+        try:
+            key = (input._key, target._key, weight._key if weight is not None else None, ignore_index,
+                   reduction, float(label_smoothing), grad, torch.is_inference_mode_enabled())
+            hash(key)
+        except TypeError:  # e.g. a tensor-valued option: not ours to cache
+            return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        if not grad:  # evaluation: nothing to save for backward; op by op is cheap enough
+            return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        rec = records.get(key)
+        if rec is None or rec.grad_spec is None:
+            # first call of this signature, or its recording never ran backward: (re)record
+            rec = records[key] = _Record(input._dev)
+        return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
+
+    cross_entropy.__wrapped__ = orig  # type: ignore[attr-defined]
+    cross_entropy.records = records  # type: ignore[attr-defined]
+    return cross_entropy
+
+
+def install(rt: "Runtime") -> None:
+    """Replace ``torch.nn.functional.cross_entropy`` (restored by unpatch)."""
+    _STATS["recorded"] = _STATS["replayed"] = 0
+    if not rt.config.replay:
+        return
+    F = torch.nn.functional
+    rt.patcher.replace(F, "cross_entropy", _make_cross_entropy(F.cross_entropy))
