@@ -126,9 +126,8 @@ def test_autocast_still_computes_the_loss_in_float32_across_runs() -> None:
             logits = torch.empty(4, 10, device="cuda", requires_grad=True)
             target = torch.zeros(4, dtype=torch.long, device="cuda")
             with torch.autocast("cuda"):
-                half = logits.half() * 1.0
                 for _ in range(2):
-                    loss = F.cross_entropy(half, target)
+                    loss = F.cross_entropy(logits.half() * 1.0, target)
                     assert loss.dtype == torch.float32
                     loss.backward()
         finally:
