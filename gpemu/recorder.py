@@ -85,6 +85,13 @@ class Recorder:
         with self._lock:
             self.counters[counter] = self.counters.get(counter, 0.0) + amount
 
+    def add_many(self, *pairs: tuple[str, float]) -> None:
+        """Several :meth:`add` at once, under one lock (hot paths such as every input copy)."""
+        counters = self.counters
+        with self._lock:
+            for counter, amount in pairs:
+                counters[counter] = counters.get(counter, 0.0) + amount
+
     def note(self, message: str) -> bool:
         """Record a message once; returns True the first time (so the caller may print it)."""
         with self._lock:

@@ -167,11 +167,8 @@ def copy_to_device(rt: "Runtime", tensor: torch.Tensor, device: int, non_blockin
     seconds, _ = host_to_device_seconds(rt, tensor, device, pinned)
     stream = rt.state["engine"].stream(device)
     stream.enqueue(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", at=issued_at)
-    rec = rt.recorder
-    rec.add("h2d_bytes", nbytes)
-    rec.add("h2d_copies", 1)
-    rec.add("h2d_seconds", seconds)
-    rec.add("h2d_pinned_bytes" if pinned else "h2d_pageable_bytes", nbytes)
+    rt.recorder.add_many(("h2d_bytes", nbytes), ("h2d_copies", 1), ("h2d_seconds", seconds),
+                         ("h2d_pinned_bytes" if pinned else "h2d_pageable_bytes", nbytes))
     if not (pinned and non_blocking):
         stream.synchronize("pageable-copy" if not pinned else "blocking-copy")
 

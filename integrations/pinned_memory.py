@@ -309,7 +309,15 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         ptr = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return False
-    return ptr != 0 and any(pool.owns(ptr) for pool in list(_all_pools))
+    if ptr == 0:
+        return False
+    # The WeakSet's own iteration costs ~2 us (guards, pending removals); this runs on every
+    # input copy, so walk a snapshot of its weak references instead.
+    for ref in tuple(_all_pools.data):
+        pool = ref()
+        if pool is not None and pool.owns(ptr):
+            return True
+    return False
 
 
 def pin(tensor: torch.Tensor, pool: PinnedHostPool | None = None) -> torch.Tensor:
