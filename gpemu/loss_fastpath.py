@@ -66,27 +66,6 @@ def loss_info() -> dict[str, int]:
     return dict(_STATS)
 
 
-class _Tap:
-    """Sums the GPU time of the ops charged while it is installed (recording only)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._orig = _tensor._charge
-
-    def __enter__(self) -> "_Tap":
-        orig = self._orig
-
-        def charge(entry: Any, dev: int) -> None:
-            self.seconds += entry.cost
-            orig(entry, dev)
-
-        _tensor._charge = charge
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _tensor._charge = self._orig
-
-
 def _measure_peak(mem: Any, run: Callable[[], Any]) -> tuple[Any, int]:
     """(run(), peak bytes above what is allocated when it returns), keeping the run's peak stats."""
     outer_peak = mem.peak_allocated
@@ -129,7 +108,7 @@ class _FusedLoss(torch.autograd.Function):
         before = mem.allocated
         with torch.enable_grad():
             leaf = input.detach().requires_grad_(input.requires_grad)
-            with _Tap() as tap:
+            with _tensor.OpCostTap() as tap:
                 inner, extra = _measure_peak(mem, lambda: orig(leaf, target, weight, None, options[0], None,
                                                                options[1], options[2]))
         rec.out_spec = _spec(inner)
@@ -160,7 +139,7 @@ class _FusedLoss(torch.autograd.Function):
             return None, None, None, out, None, None
         leaf, inner = ctx.inner
         ctx.inner = None
-        with _Tap() as tap:
+        with _tensor.OpCostTap() as tap:
             (gx,), extra = _measure_peak(mem, lambda: torch.autograd.grad(inner, leaf, grad))
         del inner, leaf
         if isinstance(gx, EmuTensor):

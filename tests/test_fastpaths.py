@@ -535,3 +535,26 @@ def test_hub_mode_gradient_accumulation_and_reuse_together(rt) -> None:
     del grads
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_implicit_loss_gradient_costs_what_ones_like_costs(rt) -> None:
+    engine = rt.state["engine"]
+    w = torch.empty(1000, device="cuda", requires_grad=True)
+
+    def step(explicit: bool) -> tuple[float, int]:
+        w.grad = None
+        torch.cuda.synchronize()
+        t0 = engine.now()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = (w * 2.0).sum()
+        loss.backward(torch.ones_like(loss) if explicit else None)
+        torch.cuda.synchronize()
+        return engine.now() - t0, torch.cuda.max_memory_allocated() - base
+
+    reference = step(True)
+    runs = [step(False) for _ in range(3)]
+    assert replay._IMPLICIT  # the shortcut learned the loss's implicit gradient
+    for seconds, peak in runs:
+        assert seconds == pytest.approx(reference[0], rel=1e-9) and peak == reference[1]
+    assert w.grad is not None and w.grad.shape == w.shape
