@@ -59,6 +59,8 @@ def measure(gpu: str, name: str, bs: int, iterations: int,
             mode = toggle(i) if toggle is not None else None
             h0, g0 = time.perf_counter(), engine.now()
             out = model(x.cuda())
+            if isinstance(out, tuple):  # GoogLeNet/Inception in training mode: (logits, aux...)
+                out = out[0]
             loss = torch.nn.functional.cross_entropy(out, y.cuda())
             loss.backward()
             opt.step()

@@ -460,6 +460,10 @@ class _BackwardStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, info: _BackwardInfo, *outs: torch.Tensor) -> tuple:  # type: ignore[override]
         ctx.info = info
+        # An output the loss does not use (GoogLeNet's auxiliary logits) gets no gradient, as in
+        # torch: autograd would otherwise make zeros from the wrapper's metadata, i.e. PLAIN meta
+        # tensors, and run that branch's backward on them (its parameters got meta gradients).
+        ctx.set_materialize_grads(False)
         # New wrappers over the same memory block, not autograd views: the user may modify the
         # outputs in place (``logits /= T``), which autograd forbids on views made in a Function.
         return tuple(_wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o._dev, o._block) for o in outs)
@@ -601,6 +605,7 @@ class _ReplayFunction(torch.autograd.Function):
     def forward(ctx: Any, rec: Recording, direct: "_Direct | None", t0: float | None,  # type: ignore[override]
                 *tensors: torch.Tensor) -> tuple:
         _charge(rec.fwd_seconds, "forward", rec, t0)
+        ctx.set_materialize_grads(False)  # the gradients' values are never read (see _BackwardStart)
         mem = _S.memory[rec.dev]
         saved = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
         mem.touch(rec.fwd_extra)

@@ -214,3 +214,36 @@ def test_outputs_can_be_modified_in_place(rt):
         torch.relu_(out)
         out.sum().backward()
         assert model.weight.grad.shape == (3, 4)
+
+
+class TwoHeads(nn.Module):
+    """Like GoogLeNet in training mode: an auxiliary head the loss may not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 10)
+        self.aux = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = torch.relu(self.body(x))
+        return self.head(h), self.aux(h)
+
+
+def test_unused_output_gets_no_plain_meta_gradients(rt) -> None:
+    model = TwoHeads().cuda()
+    x = torch.empty(4, 16, device="cuda")
+    out, _ = model(x)  # recorded op by op
+    out.sum().backward()
+    # as in torch: the unused head's parameters get no gradient at all (autograd used to make
+    # zeros from the wrapper's metadata, plain meta tensors, and run the aux branch on them)
+    assert model.aux.weight.grad is None and model.aux.bias.grad is None
+    assert type(model.head.weight.grad) is gpemu.tensor.EmuTensor
+    for _ in range(3):  # replayed
+        model.zero_grad(set_to_none=True)
+        out, _ = model(x)
+        out.sum().backward()
+        for p in model.parameters():
+            assert p.grad is None or type(p.grad) is gpemu.tensor.EmuTensor
+        assert type(model.head.weight.grad) is gpemu.tensor.EmuTensor
+    assert replay.replay_info()["replayed"] == 3
