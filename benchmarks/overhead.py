@@ -23,6 +23,7 @@ and ends with the worst cases.
 from __future__ import annotations
 
 import argparse
+import gc
 from typing import Callable
 import statistics
 import sys
@@ -45,6 +46,7 @@ def measure(gpu: str, name: str, bs: int, iterations: int,
     """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats). ``toggle(i)`` is
     called before iteration i (for interleaved comparisons, see ``--compare-grad-reuse``); the
     stats then hold ``host_by_mode`` (the host times for each mode it returned)."""
+    gc.collect()  # each case starts without the previous cases' garbage (one model per real run)
     with torch.device("meta"):
         module = tvmodels.MODELS[name]()
     module = module.to_empty(device="cpu")
