@@ -116,19 +116,27 @@ def test_request_that_does_not_fit_raises_cuda_oom(broker, purge):
         mgr.stop()
 
 
-def test_killed_job_frees_gpu_and_memory_within_two_leases(broker, purge, tmp_path):
-    mgr = ThreadManager(broker.url, capacity=16 * GiB)
+def _spawn_victim(url: str, job_id: str, nbytes: int) -> subprocess.Popen:
+    """A job process that registers ``nbytes`` and then asks for a 60 s request (to be killed)."""
     code = f"""
-import sys
 from gpemu.integrations.sharing.client import SharingClient
-c = SharingClient({broker.url!r}, job_id="victim", persistent_bytes=12 << 30, lease_s={LEASE})
+c = SharingClient({url!r}, job_id={job_id!r}, persistent_bytes={nbytes}, lease_s={LEASE})
 c.register()
 print("registered", flush=True)
-c.run(60.0, 12 << 30)
+c.run(60.0, {nbytes})
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if line != "registered":
+        proc.kill()
+        raise AssertionError(f"the victim job did not register: {line!r}")
+    return proc
+
+
+def test_killed_job_frees_gpu_and_memory_within_two_leases(broker, purge, tmp_path):
+    mgr = ThreadManager(broker.url, capacity=16 * GiB)
+    proc = _spawn_victim(broker.url, "victim", 12 << 30)
     try:
-        assert proc.stdout.readline().strip() == "registered"
         deadline = time.monotonic() + 10
         while mgr.m.core.devices["0"].running is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -486,16 +494,8 @@ def test_killed_job_granted_slot_is_released_for_a_waiting_job(broker, purge):
     """A job killed (-9) while it waits out a granted 60 s slot: the job queued behind it gets
     the GPU within two lease periods, not after 60 s."""
     mgr = ThreadManager(broker.url, capacity=16 * GiB)
-    code = f"""
-from gpemu.integrations.sharing.client import SharingClient
-c = SharingClient({broker.url!r}, job_id="granted-victim", persistent_bytes=1 << 30, lease_s={LEASE})
-c.register()
-print("registered", flush=True)
-c.run(60.0, 1 << 30)
-"""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = _spawn_victim(broker.url, "granted-victim", 1 << 30)
     try:
-        assert proc.stdout.readline().strip() == "registered"
         deadline = time.monotonic() + 10
         core = mgr.m.core
         while time.monotonic() < deadline:
