@@ -141,7 +141,6 @@ class _FusedLoss(torch.autograd.Function):
         ctx.inner = None
         with _tensor.OpCostTap() as tap:
             (gx,), extra = _measure_peak(mem, lambda: torch.autograd.grad(inner, leaf, grad))
-        del inner, leaf
         if isinstance(gx, EmuTensor):
             rec.grad_spec = _spec(gx)
             rec.bwd_seconds = tap.seconds
