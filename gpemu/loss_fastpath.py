@@ -52,7 +52,7 @@ class _Record:
 
     def __init__(self, dev: int) -> None:
         self.dev = dev
-        self.out_spec: tuple | None = None   # (shape, stride, offset, dtype, nbytes)
+        self.out_spec: tuple | None = None   # op-cache output spec (see _spec)
         self.fwd_seconds = 0.0
         self.saved_bytes = 0                  # kept from forward until backward (log-probabilities)
         self.fwd_extra = 0                    # used for a moment on top (peak above the end state)
@@ -66,25 +66,10 @@ def loss_info() -> dict[str, int]:
     return dict(_STATS)
 
 
-def _measure_peak(mem: Any, run: Callable[[], Any]) -> tuple[Any, int]:
-    """(run(), peak bytes above what is allocated when it returns), keeping the run's peak stats."""
-    outer_peak = mem.peak_allocated
-    mem.peak_allocated = mem.allocated
-    try:
-        result = run()
-    finally:
-        inner_peak = mem.peak_allocated
-        mem.peak_allocated = max(outer_peak, inner_peak)
-    return result, max(0, inner_peak - mem.allocated)
-
-
 def _spec(t: EmuTensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t._block.size if t._block is not None else 0)
-
-
-def _new(spec: tuple, dev: int) -> EmuTensor:
-    shape, stride, offset, dtype, nbytes = spec
-    return _tensor._wrap(shape, stride, offset, dtype, dev, _tensor._S.memory[dev].allocate(nbytes) if nbytes else None)
+    """``t``'s metadata as an op-cache output spec (:func:`gpemu.tensor._build_leaf` builds it)."""
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t._block.size if t._block is not None else 0,
+            None, False)
 
 
 class _FusedLoss(torch.autograd.Function):
@@ -96,30 +81,27 @@ class _FusedLoss(torch.autograd.Function):
         mem = _tensor._S.memory[dev]
         if rec.grad_spec is not None:  # replay
             _STATS["replayed"] += 1
-            out = _new(rec.out_spec, dev)  # type: ignore[arg-type]
+            out = _tensor._build_leaf(rec.out_spec, [], dev)
             ctx.saved_block = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
             mem.touch(rec.fwd_extra)
-            engine = _tensor._S.engine
-            if engine is not None and rec.fwd_seconds > 0:
-                engine.stream(dev).enqueue(rec.fwd_seconds, "op", "cross_entropy")
+            _tensor.charge_op(rec.fwd_seconds, dev, "cross_entropy")
             ctx.inner = None
             return out
         # Record: run the ops one by one on a leaf of our own, keep its graph for backward.
         before = mem.allocated
         with torch.enable_grad():
             leaf = input.detach().requires_grad_(input.requires_grad)
-            with _tensor.OpCostTap() as tap:
-                inner, extra = _measure_peak(mem, lambda: orig(leaf, target, weight, None, options[0], None,
-                                                               options[1], options[2]))
+            with _tensor.OpCostTap() as tap, mem.peak_scope() as scope:
+                inner = orig(leaf, target, weight, None, options[0], None, options[1], options[2])
         rec.out_spec = _spec(inner)
         rec.fwd_seconds = tap.seconds
         rec.saved_bytes = max(0, mem.allocated - before - rec.out_spec[4])
-        rec.fwd_extra = extra
+        rec.fwd_extra = max(0, scope.peak - mem.allocated)
         ctx.inner = (leaf, inner)
         ctx.saved_block = None
         # A new wrapper on the same memory (not a view of an intermediate: autograd treats views
         # returned from a Function specially).
-        shape, stride, offset, dtype, _ = rec.out_spec
+        shape, stride, offset, dtype = rec.out_spec[:4]
         return _tensor._wrap(shape, stride, offset, dtype, dev, inner._block)
 
     @staticmethod
@@ -128,23 +110,21 @@ class _FusedLoss(torch.autograd.Function):
         dev = rec.dev
         mem = _tensor._S.memory[dev]
         if ctx.inner is None:  # replay
-            engine = _tensor._S.engine
-            if engine is not None and rec.bwd_seconds > 0:
-                engine.stream(dev).enqueue(rec.bwd_seconds, "op", "cross_entropy backward")
+            _tensor.charge_op(rec.bwd_seconds, dev, "cross_entropy backward")
             # The recording's peak is measured above its end state: the saved log-probabilities
             # freed by autograd, the input's gradient made.
             ctx.saved_block = None
-            out = _new(rec.grad_spec, dev)  # type: ignore[arg-type]
+            out = _tensor._build_leaf(rec.grad_spec, [], dev)
             mem.touch(rec.bwd_extra)
             return None, None, None, out, None, None
         leaf, inner = ctx.inner
         ctx.inner = None
-        with _tensor.OpCostTap() as tap:
-            (gx,), extra = _measure_peak(mem, lambda: torch.autograd.grad(inner, leaf, grad))
+        with _tensor.OpCostTap() as tap, mem.peak_scope() as scope:
+            gx, = torch.autograd.grad(inner, leaf, grad)
         if isinstance(gx, EmuTensor):
             rec.grad_spec = _spec(gx)
             rec.bwd_seconds = tap.seconds
-            rec.bwd_extra = extra
+            rec.bwd_extra = max(0, scope.peak - mem.allocated)
             _STATS["recorded"] += 1
         return None, None, None, gx, None, None
 

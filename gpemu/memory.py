@@ -20,7 +20,8 @@ boundaries by the replay path (never per op).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -107,6 +108,15 @@ class SubBlock:
         raise TypeError("an emulated GPU memory block cannot be pickled")
 
 
+class PeakScope:
+    """What :meth:`MemoryTracker.peak_scope` measured: ``peak``, allocated bytes at the highest."""
+
+    __slots__ = ("peak",)
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+
 class MemoryTracker:
     """Allocated/reserved/peak bytes of one emulated GPU; raises CUDA's OOM at its capacity."""
 
@@ -183,6 +193,21 @@ class MemoryTracker:
             return
         block = self.allocate(extra)
         del block
+
+    @contextmanager
+    def peak_scope(self) -> Iterator["PeakScope"]:
+        """``with tracker.peak_scope() as scope:`` measures the peak of the work inside alone:
+        the peak restarts at what is allocated on entry; on exit ``scope.peak`` holds the inside's
+        peak and the tracker's peak is the larger of it and the peak before (fast paths record
+        what a call used for a moment this way)."""
+        scope = PeakScope()
+        outer = self.peak_allocated
+        self.peak_allocated = self.allocated
+        try:
+            yield scope
+        finally:
+            scope.peak = self.peak_allocated
+            self.peak_allocated = max(outer, scope.peak)
 
     def set_fraction(self, fraction: float) -> None:
         """Like torch.cuda.set_per_process_memory_fraction(): allocations beyond

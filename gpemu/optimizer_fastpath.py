@@ -202,14 +202,10 @@ def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
         params, has_grad, steps, dev = found
         mem = _S.memory[dev]
         before = mem.allocated
-        outer_peak = mem.peak_allocated
-        mem.peak_allocated = before
         n_state = len(self.state)
-        try:
+        with mem.peak_scope() as scope:
             out = inner(self, *args, **kwargs)
-        finally:
-            step_peak = mem.peak_allocated
-            mem.peak_allocated = max(outer_peak, step_peak)
+        step_peak = scope.peak
         if mem.allocated == before and len(self.state) == n_state:
             plan = _Plan()
             plan.state, plan.n_state, plan.groups = self.state, n_state, self.param_groups

@@ -363,17 +363,13 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
         # Issued when the call started (t0), not after the op-by-op forward's host time.
         engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
     before = mem.allocated
-    outer_peak = mem.peak_allocated
-    mem.peak_allocated = before
-    try:
+    with mem.peak_scope() as scope:
         if engine is not None:
             with engine.charged_scope():
                 out = orig_call(module, *args, **kwargs)
         else:
             out = orig_call(module, *args, **kwargs)
-    finally:
-        fwd_peak = mem.peak_allocated
-        mem.peak_allocated = max(outer_peak, fwd_peak)
+    fwd_peak = scope.peak
     peak = _profiled_peak(rt, ident, batch, dev)
     if peak is not None:
         mem.touch(peak - mem.allocated)
@@ -786,10 +782,7 @@ def _implicit_grad(t: EmuTensor) -> EmuTensor:
         _IMPLICIT[t._key] = tap.seconds
         return g
     dev = t._dev
-    if cost > 0:
-        engine = _S.engine
-        if engine is not None and not engine.in_charged_scope:
-            engine.stream(dev).enqueue(cost, "op", "ones_like.default")
+    _tensor.charge_op(cost, dev, "ones_like.default")
     nbytes = t.element_size()
     return _wrap((), (), 0, t.dtype, dev, _S.memory[dev].allocate(nbytes))
 

@@ -447,6 +447,16 @@ def _charge(entry: _Entry, dev: int) -> None:
             engine.stream(dev).enqueue(cost, "op", entry.name)
 
 
+def charge_op(seconds: float, dev: int, name: str) -> None:
+    """Charge ``seconds`` of GPU work named ``name`` on ``dev``'s current stream, unless a
+    whole-module or optimizer charge already covers it (fast paths that replay several ops as
+    one charge)."""
+    if seconds > 0:
+        engine = _S.engine
+        if engine is not None and not engine.in_charged_scope:
+            engine.stream(dev).enqueue(seconds, "op", name)
+
+
 class OpCostTap:
     """``with OpCostTap() as tap:`` sums in ``tap.seconds`` the GPU time of the ops charged
     inside (they are still charged). Fast paths use it while recording what a call costs op by op;

@@ -153,3 +153,21 @@ def test_profiled_mode_uses_the_databases_peak_for_identified_models():
             assert mem.peak_allocated < db_peak * 1.5
     finally:
         gpemu.unpatch()
+
+
+def test_peak_scope_measures_the_inside_alone_and_keeps_the_outer_peak() -> None:
+    m = MemoryTracker(0, 64 * 2**20)
+    big = m.allocate(8 * 2**20)
+    del big  # the tracker's peak is now 8 MiB, above anything below
+    kept = m.allocate(2**20)
+    with m.peak_scope() as scope:
+        tmp = m.allocate(3 * 2**20)
+        del tmp
+    assert scope.peak == 4 * 2**20  # 1 MiB kept + 3 MiB for a moment, not the old 8 MiB
+    assert m.peak_allocated == 8 * 2**20
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with m.peak_scope() as scope:
+            m.allocate(2**20)
+            m.allocate(128 * 2**20)
+    assert scope.peak >= 2**20 and m.peak_allocated == 8 * 2**20
+    del kept
