@@ -97,6 +97,9 @@ def main() -> None:
         a.models = ",".join(tvmodels.MODELS)
     if a.gpus == "all":
         a.gpus = "A100,V100,RTX6000,P100,M40,K80"
+    unknown = [m for m in a.models.split(",") if m not in tvmodels.MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; valid: all, {', '.join(tvmodels.MODELS)}")
     from gpemu import replay
     if a.no_grad_reuse:
         replay._SPARE_LIMIT = 0  # drop_gradients keeps no spares: every backward wraps new gradients
