@@ -10,12 +10,12 @@ gradient accumulation, and an all_reduce of the accuracy counters, like most DDP
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -69,7 +69,11 @@ def main() -> None:
         print(f"world {world}: {args.steps} steps in {time.perf_counter() - t0:.2f} s, "
               f"{int(totals.item())} samples, accuracy {correct.item() / totals.item():.3f}, on {torch.cuda.get_device_name(device)}", flush=True)
     print(f"rank {rank} on {device} (current device {torch.cuda.current_device()})", flush=True)
-    dist.barrier()  # leave together: tearing gloo down while a peer is still busy can abort it
+    # DDP sits in reference cycles; collect it before tearing the process group down, or gloo's
+    # threads may be stopped during interpreter shutdown and abort. Then leave together.
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

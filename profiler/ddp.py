@@ -9,6 +9,7 @@ iteration waits for). Rank 0 writes each (model, world size, batch size) in one 
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
 from typing import Any, Callable, Sequence
@@ -73,9 +74,6 @@ def profile_ddp(store: ProfileStore, opts: ProfileOptions, world_sizes: Sequence
 
 def _worker(rank: int, job: dict[str, Any]) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from .models import parse_dtype
 
     ws = job["world_size"]
     is_cuda = job["device_type"] == "cuda"
@@ -88,51 +86,65 @@ def _worker(rank: int, job: dict[str, Any]) -> None:
     dist.init_process_group("nccl" if is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
                             rank=rank, world_size=ws)
     try:
-        lm = load_model(job["spec"], job["input_shape"], parse_dtype(job["input_dtype"].removeprefix("torch.")),
-                        job["num_classes"])
-        module = lm.module.to(device).train()
-        model = DDP(module, device_ids=[rank] if is_cuda else None)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-               "adam": lambda: torch.optim.Adam(params, lr=1e-3),
-               "adamw": lambda: torch.optim.AdamW(params, lr=1e-3)}[job["optimizer"]]()
-        store = ProfileStore.open(job["db_url"]) if rank == 0 else None
-        for bs in job["batch_sizes"]:
-            inputs, targets = lm.make_batch(bs)
-            x = inputs.to(device)
-            y = targets.to(device) if targets is not None else None
-            per_iter: list[float] = []
-            for i in range(job["warmup"] + job["iterations"]):
-                dist.barrier()
-                if is_cuda:
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss = lm.loss(model(x), y)
-                loss.backward()
-                opt.step()
-                if is_cuda:
-                    torch.cuda.synchronize(device)
-                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                                       device=device if is_cuda else "cpu")
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                if i >= job["warmup"]:
-                    per_iter.append(float(elapsed.item()))
-            if store is not None:
-                s = summarize(per_iter)
-                store.write_unit([Measurement(
-                    gpu=job["gpu"], model=job["model"], kind="ddp_iteration", batch_size=bs, world_size=ws,
-                    value=s.mean, samples=s.count, std=s.std, p50=s.p50, p90=s.p90, p99=s.p99,
-                    source="gpemu profile", measured_at=now_iso(),
-                    metadata={**job["meta"], "world_size": ws, "per_gpu_batch_size": bs,
-                              "backend": "nccl" if is_cuda else "gloo", "min": s.min, "max": s.max,
-                              "what": "forward + backward (with all-reduce) + optimizer step, slowest rank"},
-                )])
-        if store is not None:
-            store.close()
-        # Leave together: a rank tearing gloo down while rank 0 still writes the database was seen
-        # to abort ("terminate called without an active exception"). Not in the error path, where
-        # the other rank may be gone and a barrier would hang.
+        _measure(rank, job, device, is_cuda)
+        # DDP sits in reference cycles, so its reducer (and through it gloo's process group) would
+        # otherwise die during interpreter shutdown, where gloo's threads were seen to abort the
+        # rank ("terminate called without an active exception"). Collect it while all is alive,
+        # then leave together; not in the error path, where a peer may be gone and a barrier hangs.
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _measure(rank: int, job: dict[str, Any], device: torch.device, is_cuda: bool) -> None:
+    """Time DDP iterations for each batch size; rank 0 writes them. Returns with nothing of DDP
+    referenced from here (the caller collects it)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .models import parse_dtype
+
+    ws = job["world_size"]
+    lm = load_model(job["spec"], job["input_shape"], parse_dtype(job["input_dtype"].removeprefix("torch.")),
+                    job["num_classes"])
+    module = lm.module.to(device).train()
+    model = DDP(module, device_ids=[rank] if is_cuda else None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+           "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+           "adamw": lambda: torch.optim.AdamW(params, lr=1e-3)}[job["optimizer"]]()
+    store = ProfileStore.open(job["db_url"]) if rank == 0 else None
+    for bs in job["batch_sizes"]:
+        inputs, targets = lm.make_batch(bs)
+        x = inputs.to(device)
+        y = targets.to(device) if targets is not None else None
+        per_iter: list[float] = []
+        for i in range(job["warmup"] + job["iterations"]):
+            dist.barrier()
+            if is_cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = lm.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            if is_cuda:
+                torch.cuda.synchronize(device)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                   device=device if is_cuda else "cpu")
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            if i >= job["warmup"]:
+                per_iter.append(float(elapsed.item()))
+        if store is not None:
+            s = summarize(per_iter)
+            store.write_unit([Measurement(
+                gpu=job["gpu"], model=job["model"], kind="ddp_iteration", batch_size=bs, world_size=ws,
+                value=s.mean, samples=s.count, std=s.std, p50=s.p50, p90=s.p90, p99=s.p99,
+                source="gpemu profile", measured_at=now_iso(),
+                metadata={**job["meta"], "world_size": ws, "per_gpu_batch_size": bs,
+                          "backend": "nccl" if is_cuda else "gloo", "min": s.min, "max": s.max,
+                          "what": "forward + backward (with all-reduce) + optimizer step, slowest rank"},
+            )])
+    if store is not None:
+        store.close()

@@ -6,6 +6,7 @@ real gloo process group.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -170,8 +171,11 @@ def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
         "bucket_memory": bucket_memory,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    # Both ranks leave together: a rank tearing gloo down while the other still has a pair open
-    # was seen to abort ("terminate called without an active exception") under full-suite load.
+    # DDP sits in reference cycles: left to interpreter shutdown, its reducer takes gloo's process
+    # group down there, which was seen to abort a rank ("terminate called without an active
+    # exception") under full-suite load. Collect it now, then leave together.
+    del ddp, opt, loss
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     gpemu.unpatch()
