@@ -28,7 +28,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["MemoryTracker", "Block", "SubBlock", "install", "trackers", "format_bytes", "MIN_BLOCK", "SEGMENT"]
+__all__ = ["MemoryTracker", "Block", "GroupBlock", "SubBlock", "install", "trackers", "format_bytes", "MIN_BLOCK", "SEGMENT"]
 
 MIN_BLOCK = 512
 SEGMENT = 2 * 1024 * 1024
@@ -80,6 +80,39 @@ class Block:
 
     def __reduce__(self) -> Any:
         raise TypeError("an emulated GPU memory block cannot be pickled")
+
+
+class GroupBlock(Block):
+    """The one allocation behind a group (:meth:`MemoryTracker.allocate_group`). Besides dying
+    with its last share like any block, it can be given back and taken again as a whole while
+    its shares live on: the replayed backward's gradient sets (``gpemu.replay``) drop a module's
+    gradients at ``zero_grad`` and hand the same wrappers out at the next backward, and this
+    keeps that to one tracker call each way instead of one object per parameter."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, tracker: "MemoryTracker", size: int) -> None:
+        super().__init__(tracker, size)
+        self.held = True
+
+    def release(self) -> None:
+        """Give the memory back now (as if every share had died); the shares stay usable."""
+        if self.held:
+            self.held = False
+            self.tracker._release(self.size)
+
+    def reacquire(self) -> None:
+        """Take the memory again, as a new allocation of the same size (OOM before any change)."""
+        if not self.held:
+            self.tracker._account(self.size)
+            self.held = True
+
+    def __del__(self) -> None:
+        if self.held:
+            try:
+                self.tracker._release(self.size)
+            except Exception:  # interpreter shutdown
+                pass
 
 
 class SubBlock:
@@ -141,6 +174,11 @@ class MemoryTracker:
     def allocate(self, nbytes: int) -> Block:
         """Account one allocation; return its :class:`Block` (freed when garbage)."""
         size = round_size(nbytes)
+        self._account(size)
+        return Block(self, size)
+
+    def _account(self, size: int) -> None:
+        """Count an allocation of ``size`` already-rounded bytes (no block object)."""
         new_alloc = self.allocated + size
         if new_alloc > self.reserved:
             self._grow(new_alloc, size)
@@ -149,7 +187,6 @@ class MemoryTracker:
             self.peak_allocated = new_alloc
         self.num_allocs += 1
         self.num_alloc_calls += 1
-        return Block(self, size)
 
     def allocate_group(self, sizes: list[int], rounded: bool = False) -> list[SubBlock | None]:
         """Account several allocations made together (the parameter gradients of one backward) in
@@ -160,7 +197,8 @@ class MemoryTracker:
         total = sum(rounded)
         if not total:
             return [None] * len(sizes)
-        parent = self.allocate(total)
+        self._account(total)
+        parent = GroupBlock(self, total)
         out: list[SubBlock | None] = []
         offset = 0
         for size in rounded:

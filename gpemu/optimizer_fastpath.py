@@ -222,6 +222,41 @@ def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
 _profiler_enabled = torch.autograd._profiler_enabled
 
 
+def _profile_hook_step(func: Callable) -> Callable:
+    """Torch's ``Optimizer.profile_hook_step`` (step pre/post hooks around ``func``) without its
+    ``record_function`` range while no profiler records: entering and leaving that range costs
+    ~6 µs of every step even when nobody listens (measured: ``benchmarks/step_parts.py``). While
+    a profiler records, torch's own wrapper runs, range included. The hook order and the
+    pre-hook result handling are torch's."""
+    from torch.optim.optimizer import Optimizer, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    with_range = Optimizer.profile_hook_step(func)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _profiler_enabled():
+            return with_range(*args, **kwargs)
+        self = args[0]
+        for hooks in (_global_optimizer_pre_hooks, self._optimizer_step_pre_hooks):
+            for pre_hook in list(hooks.values()) if hooks else ():
+                result = pre_hook(self, args, kwargs)
+                if result is not None:
+                    if isinstance(result, tuple) and len(result) == 2:
+                        args, kwargs = result
+                    else:
+                        raise RuntimeError(
+                            f"{func} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+        out = func(*args, **kwargs)
+        self._optimizer_step_code()
+        for hooks in (self._optimizer_step_post_hooks, _global_optimizer_post_hooks):
+            for post_hook in list(hooks.values()) if hooks else ():
+                post_hook(self, args, kwargs)
+        return out
+
+    wrapper._gpemu_fast = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _make_zero_grad(inner: Callable) -> Callable:
     """``Optimizer.zero_grad`` with a fast ``set_to_none=True``: the same loop without torch's
     profiler range and foreach bookkeeping, and each dropped emulated gradient that nothing else
@@ -237,7 +272,7 @@ def _make_zero_grad(inner: Callable) -> Callable:
                 or not hasattr(self, "_zero_grad_profile_name")):
             return inner(self, set_to_none)
         _STATS["zero_grad_fast"] += 1
-        drop_gradients(self.param_groups)
+        drop_gradients(self.param_groups, self)
         return None
 
     zero_grad._gpemu_fast = True  # type: ignore[attr-defined]
@@ -252,19 +287,19 @@ def install(rt: "Runtime") -> None:
     _STATS["fast"] = _STATS["real"] = _STATS["zero_grad_fast"] = 0
     _ON["enabled"] = bool(rt.config.replay)
     kinds = _fast_types()
-    from torch.optim.optimizer import Optimizer
-
     for cls in kinds:
         current = cls.__dict__.get("step")
-        if current is None or getattr(getattr(current, "__wrapped__", None), "_gpemu_fast", False):
+        if current is None or getattr(current, "_gpemu_fast", False):
             continue  # inherited (AdamW from Adam), or already ours
         hooked = bool(getattr(current, "hooked", False))
         inner = current.__wrapped__ if hooked else current
-        new = _make_step(inner, kinds)
-        if hooked:
-            new = Optimizer.profile_hook_step(new)
-            new.hooked = True  # type: ignore[attr-defined]
+        # Hooked now even if torch had not hooked it yet (no instance made): torch would wrap
+        # it at the first instance with its own wrapper, range and all.
+        new = _profile_hook_step(_make_step(inner, kinds))
+        new.hooked = True  # type: ignore[attr-defined]
         rt.patcher.replace(cls, "step", new)
+
+    from torch.optim.optimizer import Optimizer
 
     rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(Optimizer.zero_grad))
 

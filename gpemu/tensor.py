@@ -73,6 +73,7 @@ class _State:
         self.warned: set[str] = set()
         self.param_generation = 0  # bumped when a parameter's dtype/device/requires_grad changes
         self.hook_generation = 0   # bumped when any tensor gets a (post-accumulate) grad hook
+        self.flag_generation = 0   # bumped when any emulated tensor's requires_grad is set
 
     def say_once(self, message: str) -> None:
         if self.rt is not None:
@@ -156,11 +157,13 @@ class EmuTensor(torch.Tensor):
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         _REQUIRES_GRAD.__set__(self, value)
+        _S.flag_generation += 1
         if getattr(self, "_is_param", False):
             _S.param_generation += 1
 
     def requires_grad_(self, requires_grad: bool = True) -> "EmuTensor":  # type: ignore[override]
         _REQUIRES_GRAD.__set__(self, requires_grad)
+        _S.flag_generation += 1
         if self.__dict__.get("_is_param", False):
             _S.param_generation += 1
         return self

@@ -355,6 +355,141 @@ def test_referenced_gradients_are_not_reused(rt) -> None:
     del kept, view, detached
 
 
+def _armed_set(model: nn.Module) -> "replay._GradSet":
+    sets = [gs for gs in replay._R.gradsets if gs.alive]
+    assert len(sets) == 1 and {id(p) for p in sets[0].params} == {id(p) for p in model.parameters()}
+    return sets[0]
+
+
+def test_gradient_set_dropped_and_handed_out_whole(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mem = rt.state["memory"][0]
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    for _ in range(4):
+        _step(model, opt)
+    gs = _armed_set(model)
+    assert gs.spares is not None  # released by the last zero_grad, wrappers kept
+    base = mem.allocated
+    model(x).sum().backward()
+    grads = {p: weakref.ref(p.grad) for p in model.parameters()}
+    assert gs.spares is None and all(p.grad is not None for p in model.parameters())
+    grad_bytes = mem.allocated - base
+    assert grad_bytes >= sum(p.numel() * 4 for p in model.parameters())
+    # all gradients share one group block, taken again with one tracker call
+    parents = {p.grad._block.parent for p in model.parameters()}
+    assert len(parents) == 1
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert mem.allocated == base  # given back as soon as they were dropped
+    assert all(r() is not None for r in grads.values())  # ...but the wrappers are kept
+    model(x).sum().backward()
+    assert all(p.grad is grads[p]() for p in model.parameters())  # the very same wrappers again
+    assert mem.allocated - base == grad_bytes
+    assert {p.grad._block.parent for p in model.parameters()} == parents  # the same group, taken again
+
+
+def test_gradient_set_dropped_another_way_frees_memory_at_once(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mem = rt.state["memory"][0]
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    for _ in range(4):
+        _step(model, opt)
+    base = mem.allocated
+    model(x).sum().backward()
+    old = {p: weakref.ref(p.grad) for p in model.parameters()}
+    model.zero_grad()  # nn.Module's own zero_grad: not the optimizer's fast path
+    gc.collect()
+    assert mem.allocated == base and all(r() is None for r in old.values())
+    model(x).sum().backward()  # a new set is made
+    assert all(p.grad is not None for p in model.parameters())
+    for p in model.parameters():
+        p.grad = None  # a plain loop
+    assert mem.allocated == base
+    _step(model, opt)
+    assert mem.allocated == base and _armed_set(model).spares is not None
+
+
+def test_gradient_set_with_a_held_gradient_is_given_up(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mem = rt.state["memory"][0]
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    for _ in range(4):
+        _step(model, opt)
+    gs = _armed_set(model)
+    model(x).sum().backward()
+    w = model[0].weight
+    kept = w.grad
+    opt.zero_grad()
+    assert not gs.alive and all(p.grad is None for p in model.parameters())
+    # the kept gradient's memory stays allocated (it shares the group's block, as before sets)
+    assert mem.allocated >= kept.numel() * 4 and kept.shape == w.shape
+    model(x).sum().backward()
+    assert w.grad is not kept and all(p.grad is not None for p in model.parameters())
+    del kept
+
+
+def test_gradient_set_accumulates_in_place_and_refuses_marked_gradients(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mem = rt.state["memory"][0]
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    for _ in range(4):
+        _step(model, opt)
+    model(x).sum().backward()
+    first = {p: p.grad for p in model.parameters()}
+    after_one = mem.allocated
+    model(x).sum().backward()  # gradient accumulation: same tensors, no new gradient memory
+    assert all(p.grad is first[p] for p in model.parameters()) and mem.allocated == after_one
+    gs = _armed_set(model)
+    del first
+    model[3].weight.grad.note = "mine"  # an attribute on a gradient: never handed out again
+    opt.zero_grad()
+    assert gs.alive and gs.spares is None  # not released (checked before anything changed)...
+    assert all(p.grad is None for p in model.parameters())  # ...and dropped one by one instead
+    model(x).sum().backward()
+    assert not hasattr(model[3].weight.grad, "note")
+
+
+def test_gradient_set_out_of_memory_at_reuse_changes_nothing(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mem = rt.state["memory"][0]
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    for _ in range(4):
+        _step(model, opt)
+    gs = _armed_set(model)
+    loss = model(x).sum()
+    before = mem.allocated
+    hog = torch.empty(mem.capacity - mem.allocated - 1024, dtype=torch.uint8, device="cuda")  # fills the card
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert gs.alive and gs.spares is not None  # still released, wrappers kept for later
+    del hog, loss
+    assert mem.allocated <= before
+    _step(model, opt)  # and training goes on
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_one_gradient_set_per_parameter_across_batch_sizes(rt) -> None:
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mem = rt.state["memory"][0]
+    for _ in range(3):
+        _step(model, opt)  # momentum buffers exist from here on
+    base = mem.allocated
+    for bs in (2, 4, 2, 4, 4, 2):  # two recordings of the same module
+        model(torch.zeros(bs, 3, 8, 8, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert mem.allocated == base and all(p.grad is None for p in model.parameters())
+    _armed_set(model)
+
+
 def test_zero_grad_fallbacks_keep_torch_semantics(rt) -> None:
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
