@@ -341,10 +341,16 @@ def _make_call(orig_call: Any) -> Any:
 
 def _emulated_device(module: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:
     """Device of an emulated call of a module that has parameters, else None."""
-    first = None
-    for p in module.parameters():
-        first = p
-        break
+    tree = _R.trees.data.get(_weakref(module)) if _R.trees else None
+    if tree is not None and tree.gen == _R.structure_gen and tree.first is not None:
+        # The cached walk's first parameter (valid while no Module attribute changed anywhere):
+        # the generator behind module.parameters() costs ~5 µs per call.
+        first = tree.first
+    else:
+        first = None
+        for p in module.parameters():
+            first = p
+            break
     if first is None:
         return None  # parameterless modules (losses, activations) run op by op
     if isinstance(first, EmuTensor):
@@ -363,7 +369,7 @@ class _Tree:
     Module attribute was set anywhere (``_R.structure_gen``) and its ``_parameters``/``_modules``
     dicts kept their sizes; hooks are re-checked on every call (one C-level ``any``)."""
 
-    __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens")
+    __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
 
 
 def _walk(module: torch.nn.Module) -> tuple[list, tuple, bool]:
@@ -375,6 +381,7 @@ def _walk(module: torch.nn.Module) -> tuple[list, tuple, bool]:
     params, flags, hooks, mods = _walk_tree(module)
     tree = _Tree()
     tree.gen, tree.params, tree.flags = gen, params, flags
+    tree.first = next(module.parameters(), None)  # in parameters() order (see _emulated_device)
     tree.hook_dicts = [d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
                                                  m._backward_pre_hooks)]
     tree.dicts = [m._parameters for m in mods] + [m._modules for m in mods]
@@ -698,6 +705,7 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
+_weakref = weakref.ref
 
 
 class _Direct:
@@ -942,6 +950,10 @@ def _make_grad(orig: Any) -> Any:
     return grad
 
 
+# torch.autograd.backward's own engine entry (logging hooks, context for device threads).
+_run_engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
 # The implicit gradient of a scalar loss (what torch.autograd.backward would make with
 # ones_like), per loss metadata: (GPU time of making it, op by op). Built directly afterwards,
 # it skips a dispatch and torch's checks (~8 us of each training step's host time).
@@ -966,7 +978,16 @@ def _make_backward(orig: Any) -> Any:
         if (type(tensors) is EmuTensor and args and args[0] is None and not tensors._key[0]
                 and tensors._shadow is None and tensors.requires_grad and "grad_variables" not in kwargs):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
-            args = (_implicit_grad(tensors),) + args[1:]
+            grad = _implicit_grad(tensors)
+            if (len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
+                    and _run_engine is not None and not _functorch_active()):
+                # Tensor.backward()'s own call with its defaults: one tensor, its gradient made
+                # above, no inputs, no create_graph. torch.autograd.backward's argument handling
+                # (~8 µs) has nothing to decide here; its engine call is made as it would make it.
+                _run_engine((tensors,), (grad,), bool(args[1]), False, (),
+                            allow_unreachable=True, accumulate_grad=True)
+                return None
+            args = (grad,) + args[1:]
         # inputs: keyword (Tensor.backward passes it so) or the sixth positional argument
         inputs = kwargs.get("inputs", args[4] if len(args) > 4 else None)
         found = _targeted(tensors, inputs)
