@@ -575,6 +575,19 @@ class VirtualStream:
             now = local.floor
         return eng._enqueue(self, seconds, kind, name, peak_bytes, at, now)
 
+    def enqueue_and_wait(self, seconds: float, kind: str, name: str, at: float | None, reason: str) -> float:
+        """:meth:`enqueue`, then :meth:`synchronize` (a pageable copy), in one entry path."""
+        eng = self._engine
+        local = eng._local
+        now = eng._clock_now() - local.late
+        if now < local.floor:
+            now = local.floor
+        end = eng._enqueue(self, seconds, kind, name, 0, at, now)
+        local.wait_deadline = None
+        eng._wait_device(self.device_index, self.busy_until, reason)
+        eng.settle()
+        return end
+
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
         # (with a backend the device's worker decides when the work ends; the deadline is unused)
@@ -793,6 +806,8 @@ def install(rt: "Runtime") -> None:
 
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    from .costs import optimizer_step_seconds  # once per run, not per step (an import costs ~2 us)
+
     def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The step's own ops are covered by one optimizer charge (no per-op time inside).
         engine._set_scope(1)
@@ -802,8 +817,6 @@ def install(rt: "Runtime") -> None:
         device = _optimizer_device(optimizer)
         if device is None or device >= engine.num_devices:
             return  # a CPU optimizer: no GPU time
-        from .costs import optimizer_step_seconds
-
         seconds, _ = optimizer_step_seconds(rt, optimizer, device)
         engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
         engine.end_iteration(device)

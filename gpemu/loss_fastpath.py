@@ -129,6 +129,10 @@ class _FusedLoss(torch.autograd.Function):
         return None, None, None, gx, None, None
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_apply_fused = super(torch.autograd.Function, _FusedLoss).apply  # torch._C._FunctionBase.apply
+
+
 def _make_cross_entropy(orig: Callable) -> Callable:
     records: dict[tuple, _Record] = {}
 
@@ -156,7 +160,10 @@ def _make_cross_entropy(orig: Callable) -> Callable:
         if rec is None or rec.grad_spec is None:
             # first call of this signature, or its recording never ran backward: (re)record
             rec = records[key] = _Record(input._dev)
-        return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
+        if _functorch_active():
+            return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
+        # Function.apply without its per-argument functorch pass (as gpemu.replay does)
+        return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
 
     cross_entropy.__wrapped__ = orig  # type: ignore[attr-defined]
     cross_entropy.records = records  # type: ignore[attr-defined]

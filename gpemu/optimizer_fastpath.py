@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .tensor import EmuTensor, _S
+
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
@@ -107,8 +109,6 @@ class _Plan:
 def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[list, list, list, int] | None:
     """(params, has_grad, steps, device) when every parameter with a gradient has complete,
     eligible state; else None."""
-    from .tensor import EmuTensor
-
     params: list = []
     has_grad: list[bool] = []
     steps: list = []
@@ -157,8 +157,6 @@ def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str) -> bool:
         return False
     params = plan.params
     has_grad = plan.has_grad
-    from .tensor import EmuTensor
-
     for p, want in zip(params, has_grad):
         grad = p.grad
         if (grad is not None) is not want:
@@ -197,8 +195,6 @@ def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
         if found is None:
             return inner(self, *args, **kwargs)
         # State is complete: this real step is measured (transient memory), then later ones skip.
-        from .tensor import _S
-
         params, has_grad, steps, dev = found
         mem = _S.memory[dev]
         before = mem.allocated

@@ -1055,17 +1055,19 @@ def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
     issued_at = engine.now() if engine is not None else None
     nbytes = t.numel() * t.element_size()
     block = _S.memory[dev].allocate(nbytes) if nbytes else None
+    moving = getattr(_S.local, "moving_model", False)
     if engine is not None:
         engine.forget_wait()  # only a wait for THIS copy may be forgiven below
     _charge_h2d(t, dev, non_blocking, issued_at)
     e = _wrap(t.shape, stride, 0, t.dtype, dev, block)
-    if not getattr(_S.local, "moving_model", False):
+    if not moving and t.numel() <= SHADOW_MAX_ELEMENTS:
         # Model parameters/buffers get no shadows: their values are not what host code reads
         # back, and a shadow would add a host op to every step of the optimizer.
         e._shadow = _small_shadow(t)
     # A pageable copy returns when the copy ends; building the wrapper after that wait is the
     # emulator's time, not the program's (as for .item()).
-    _settle()
+    if engine is not None:
+        engine.settle()
     return e
 
 

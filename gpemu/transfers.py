@@ -62,6 +62,9 @@ class TransferState:
     def __init__(self) -> None:
         self.cache: dict[tuple, tuple[float, str]] = {}   # db lookups, keyed by what decides them
         self.models: dict[int, str | None] = {}            # dataset model moved onto each device
+        # seconds of one input copy by (shape, dtype, device, pinned); cleared when a model
+        # moves (the model decides which measured copy time applies)
+        self.h2d: dict[tuple, float] = {}
         self._local = threading.local()
 
     @property
@@ -160,17 +163,22 @@ def copy_to_device(rt: "Runtime", tensor: torch.Tensor, device: int, non_blockin
     the host waits for it unless it is a pinned ``non_blocking`` copy. ``issued_at``: the host
     time (``engine.now()``) the program asked for the copy, before the emulator's own work."""
     st = _state(rt)
-    nbytes = _nbytes(tensor)
     if st.moving_model:
         return  # charged once for the whole model by model_to_device
+    nbytes = _nbytes(tensor)
     pinned = _is_pinned(tensor)
-    seconds, _ = host_to_device_seconds(rt, tensor, device, pinned)
+    key = (tensor.shape, tensor.dtype, device, pinned)
+    seconds = st.h2d.get(key)
+    if seconds is None:
+        seconds = st.h2d[key] = host_to_device_seconds(rt, tensor, device, pinned)[0]
     stream = rt.state["engine"].stream(device)
-    stream.enqueue(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", at=issued_at)
     rt.recorder.add_many(("h2d_bytes", nbytes), ("h2d_copies", 1), ("h2d_seconds", seconds),
                          ("h2d_pinned_bytes" if pinned else "h2d_pageable_bytes", nbytes))
-    if not (pinned and non_blocking):
-        stream.synchronize("pageable-copy" if not pinned else "blocking-copy")
+    if pinned and non_blocking:
+        stream.enqueue(seconds, "transfer", "h2d pinned", at=issued_at)
+    else:
+        stream.enqueue_and_wait(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", issued_at,
+                                "pageable-copy" if not pinned else "blocking-copy")
 
 
 def copy_to_host(rt: "Runtime", tensor: torch.Tensor, device: int) -> None:
@@ -216,6 +224,7 @@ def model_to_device(rt: "Runtime", module: torch.nn.Module, device: int, nbytes:
     st = _state(rt)
     name = _identify(rt, module)
     st.models[device] = name
+    st.h2d.clear()
     found = _lookup(rt, device, name, 1, "model_transfer") if name is not None else None
     if found is not None:
         seconds, provenance = found

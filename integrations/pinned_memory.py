@@ -303,6 +303,8 @@ def locked_bytes() -> int:
 # ---------------------------------------------------------------------- tensor level
 def is_pinned(tensor: torch.Tensor) -> bool:
     """True exactly for CPU tensors whose storage lives in the pinned pool."""
+    if not _all_pools.data:  # no pool in this process (the common case without pin_memory)
+        return False
     if tensor.device.type != "cpu":
         return False
     try:
