@@ -3,11 +3,13 @@
 Runs the overhead benchmark's step (pageable input copy, forward, label copy, cross-entropy,
 backward, SGD-momentum step, zero_grad, synchronize) on a virtual clock and prints the median
 host time of each phase, so a change to one fast path shows where it lands. ``--compare-loss``
-interleaves blocks with the cross-entropy fast path on and off (op by op) in one process.
+interleaves blocks with the cross-entropy fast path on and off (op by op) in one process;
+``--compare-direct`` does the same for loss.backward() without the autograd engine.
 
     python benchmarks/step_parts.py                                  # AlexNet / A100 / batch 32
     python benchmarks/step_parts.py --model resnet50 --gpu V100 --batch-size 128
     python benchmarks/step_parts.py --compare-loss
+    python benchmarks/step_parts.py --compare-direct
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
+from gpemu import replay  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
 
 PHASES = ("input copy", "forward", "label copy", "loss", "backward", "optimizer step", "zero_grad", "synchronize")
@@ -39,6 +42,9 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=500)
     p.add_argument("--compare-loss", action="store_true",
                    help="alternate blocks of 10 iterations with the cross-entropy fast path on and off")
+    p.add_argument("--compare-direct", action="store_true",
+                   help="alternate blocks of 10 iterations with loss.backward() run with and without the "
+                        "autograd engine (gpemu.replay._direct_backward)")
     a = p.parse_args()
     if a.batch_size < 1 or a.iterations < 10:
         p.error("--batch-size must be >= 1 and --iterations >= 10")
@@ -55,8 +61,9 @@ def main() -> None:
         pc = time.perf_counter
         gc.collect()
         for i in range(a.iterations + 5):
-            fast = not (a.compare_loss and (i // 10) % 2)
-            loss_fn = fast_loss if fast else op_by_op_loss
+            fast = not ((a.compare_loss or a.compare_direct) and (i // 10) % 2)
+            loss_fn = fast_loss if fast or a.compare_direct else op_by_op_loss
+            replay._DIRECT = fast or a.compare_loss
             t0 = pc()
             xc = x.cuda()
             t1 = pc()
@@ -80,8 +87,10 @@ def main() -> None:
                 marks = (t0, t1, t2, t3, t4, t5, t6, t7, t8)
                 for k, (s, e) in zip(PHASES, zip(marks, marks[1:])):
                     times[fast][k].append(e - s)
-    modes = (True, False) if a.compare_loss else (True,)
-    header = f"{'phase':16}" + "".join(f"{'loss fast path' if m else 'loss op by op':>16}" for m in modes)
+    modes = (True, False) if a.compare_loss or a.compare_direct else (True,)
+    names = {True: "engine-free" if a.compare_direct else "loss fast path",
+             False: "engine" if a.compare_direct else "loss op by op"}
+    header = f"{'phase':16}" + "".join(f"{names[m]:>16}" for m in modes)
     print(f"{a.model} / {a.gpu} / batch {a.batch_size}: median host time per phase (us), "
           f"{a.iterations} iterations")
     print(header)

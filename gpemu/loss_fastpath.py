@@ -86,6 +86,7 @@ class _FusedLoss(torch.autograd.Function):
             mem.touch(rec.fwd_extra)
             _tensor.charge_op(rec.fwd_seconds, dev, "cross_entropy")
             ctx.inner = None
+            ctx.hook_gen = _tensor._S.hook_generation  # (see gpemu.replay._direct_backward)
             return out
         # Record: run the ops one by one on a leaf of our own, keep its graph for backward.
         before = mem.allocated
@@ -110,10 +111,7 @@ class _FusedLoss(torch.autograd.Function):
         dev = rec.dev
         mem = _tensor._S.memory[dev]
         if ctx.inner is None:  # replay
-            _tensor.charge_op(rec.bwd_seconds, dev, "cross_entropy backward")
-            # The recording's peak is measured above its end state: the saved log-probabilities
-            # freed by autograd, the input's gradient made.
-            ctx.saved_block = None
+            _replayed_backward(ctx)
             out = _tensor._build_leaf(rec.grad_spec, [], dev)
             mem.touch(rec.bwd_extra)
             return None, None, None, out, None, None
@@ -127,6 +125,30 @@ class _FusedLoss(torch.autograd.Function):
             rec.bwd_extra = max(0, scope.peak - mem.allocated)
             _STATS["recorded"] += 1
         return None, None, None, gx, None, None
+
+
+def _replayed_backward(ctx: Any) -> None:
+    rec: _Record = ctx.rec
+    _tensor.charge_op(rec.bwd_seconds, rec.dev, "cross_entropy backward")
+    # The recording's peak is measured above its end state: the saved log-probabilities freed
+    # by autograd, the input's gradient made (by the caller).
+    ctx.saved_block = None
+
+
+def _direct_ready(node: Any) -> bool:
+    """A replayed (not recording) loss node whose weight, if any, needs no gradient."""
+    return node.inner is None and node.rec.grad_spec is not None
+
+
+def _direct_run(node: Any) -> Any:
+    """The replayed loss backward for :func:`gpemu.replay._direct_backward`: its input gradient
+    as a memory block (the next node never reads its values)."""
+    _replayed_backward(node)
+    rec: _Record = node.rec
+    mem = _tensor._S.memory[rec.dev]
+    block = mem.allocate(rec.grad_spec[4]) if rec.grad_spec[4] else None
+    mem.touch(rec.bwd_extra)
+    return block
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -177,3 +199,7 @@ def install(rt: "Runtime") -> None:
         return
     F = torch.nn.functional
     rt.patcher.replace(F, "cross_entropy", _make_cross_entropy(F.cross_entropy))
+    from . import replay
+
+    replay.register_direct_head(_FusedLoss._backward_cls, _direct_ready, _direct_run)
+    rt.patcher.on_restore(lambda: replay._HEADS.pop(_FusedLoss._backward_cls, None))

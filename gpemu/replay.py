@@ -782,6 +782,7 @@ class _ReplayFunction(torch.autograd.Function):
         ctx.rec = rec
         ctx.direct = direct
         ctx.saved_block = saved
+        ctx.hook_gen = _S.hook_generation  # (see _direct_backward)
         specs = rec.grad_specs
         if specs is None or len(specs) != len(tensors):
             specs = rec.grad_specs = [_grad_spec(t, rec.dev) for t in tensors]
@@ -793,49 +794,61 @@ class _ReplayFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-        rec: Recording = ctx.rec
-        mem = _S.memory[rec.dev]
-        _charge(rec.bwd_seconds, "backward", rec)
-        result: list[Any] = [None, None, None]
-        needs = ctx.needs_input_grad[3:]
-        specs = ctx.specs
-        direct: _Direct | None = ctx.direct
-        if direct is not None:
+        # (the gradients' values are never read: only which inputs need one)
+        return _replay_backward(ctx, None)
+
+
+def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
+    """The replayed backward: charges the module's backward time, makes the inputs' and the
+    parameters' gradients (memory and metadata), frees the saved activations. ``plain``: the
+    caller knows every parameter accumulator runs (:func:`_direct_backward`); None: ask the
+    autograd engine."""
+    rec: Recording = ctx.rec
+    mem = _S.memory[rec.dev]
+    _charge(rec.bwd_seconds, "backward", rec)
+    result: list[Any] = [None, None, None]
+    needs = ctx.needs_input_grad[3:]
+    specs = ctx.specs
+    direct: _Direct | None = ctx.direct
+    if direct is not None:
+        if plain is not None:
+            runs = plain
+        else:
             try:
                 # every accumulator, not just one: backward(inputs=[...]) may name only some
                 runs = _will_execute(direct.node) and all(map(_will_execute, direct.nodes))
             except RuntimeError:  # raised for leaves while torch.autograd.grad() runs
                 runs = False
-            if not runs:
-                # e.g. torch.autograd.grad(loss, params): return the gradients, and keep every
-                # parameter an autograd input from now on (no hub mode for this recording)
-                rec.plain = _NEVER
-                direct = None
-            elif direct.hub is None:
-                rec.plain += 1
-        new_bytes = 0
-        for spec, needed in zip(specs, needs):
-            if needed:
-                new_bytes += spec[4]
-        if direct is not None and direct.hub is not None:
-            new_bytes += direct.param_bytes  # not among the autograd inputs in hub mode
-        mem.touch(rec.bwd_extra - new_bytes)
-        first_param = direct.n_inputs if direct is not None else len(specs)
-        for i in range(first_param):
-            if needs[i]:
-                shape, stride, dtype, dev, nbytes, _, _ = specs[i]
-                result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
-            else:
-                result.append(None)
-        if direct is not None:
-            every = direct.hub is not None or all(needs[first_param:])
-            gs = direct.gradset
-            if not (every and gs is not None and gs.spares is not None and _rearm(gs)):
-                _store_gradients(direct, every, needs[first_param:])
-            result.extend([None] * (len(specs) - first_param))
-        ctx.saved_block = None  # saved activations are freed once backward has used them
-        mem.sample()
-        return tuple(result)
+        if not runs:
+            # e.g. torch.autograd.grad(loss, params): return the gradients, and keep every
+            # parameter an autograd input from now on (no hub mode for this recording)
+            rec.plain = _NEVER
+            direct = None
+        elif direct.hub is None:
+            rec.plain += 1
+    new_bytes = 0
+    for spec, needed in zip(specs, needs):
+        if needed:
+            new_bytes += spec[4]
+    if direct is not None and direct.hub is not None:
+        new_bytes += direct.param_bytes  # not among the autograd inputs in hub mode
+    mem.touch(rec.bwd_extra - new_bytes)
+    first_param = direct.n_inputs if direct is not None else len(specs)
+    for i in range(first_param):
+        if needs[i]:
+            shape, stride, dtype, dev, nbytes, _, _ = specs[i]
+            result.append(_wrap(shape, stride, 0, dtype, dev, _S.memory[dev].allocate(nbytes) if nbytes else None))
+        else:
+            result.append(None)
+    if direct is not None:
+        every = direct.hub is not None or all(needs[first_param:])
+        gs = direct.gradset
+        if not (every and gs is not None and gs.spares is not None and _rearm(gs)):
+            _store_gradients(direct, every, needs[first_param:])
+        result.extend([None] * (len(specs) - first_param))
+    ctx.saved_block = None  # saved activations are freed once backward has used them
+    mem.sample()
+    return tuple(result)
 
 
 def _store_gradients(direct: _Direct, every: bool, needs: tuple) -> None:
@@ -959,6 +972,73 @@ def _make_grad(orig: Any) -> Any:
     return grad
 
 
+# ----------------------------------------------------------------------------------------------
+# loss.backward() without the autograd engine, for the graph every training step builds
+# ----------------------------------------------------------------------------------------------
+# Graph heads that can hand a replayed module its output's gradient without the engine:
+# node class -> (ready(node) -> bool, without side effects; run(node) -> the memory block of the
+# gradient it makes for its input), registered by gpemu.loss_fastpath for the replayed loss.
+_HEADS: dict[type, tuple[Any, Any]] = {}
+_DIRECT = True  # benchmarks/step_parts.py --compare-direct turns it off for A/B runs
+_ReplayBackward = _ReplayFunction._backward_cls
+_anomaly_on = torch.is_anomaly_enabled
+
+
+def register_direct_head(node_cls: type, ready: Any, run: Any) -> None:
+    """Let :func:`_direct_backward` start at nodes of ``node_cls``: ``ready(node)`` says whether
+    it can (no side effects), ``run(node)`` charges the node's backward and returns its input
+    gradient's memory block."""
+    _HEADS[node_cls] = (ready, run)
+
+
+def _direct_backward(loss: EmuTensor) -> bool:
+    """``loss.backward()`` for the graph of an ordinary training step, run without the autograd
+    engine: a replayed loss (a registered head) on an output of a hub-mode replayed module whose
+    other inputs need no gradient. The engine would call exactly the two nodes' backward
+    functions and an accumulator that receives nothing, so they are called here directly, with
+    the same charges, memory (the implicit gradient and the loss's input gradient are held while
+    the engine would hold them) and gradients; its C++ and per-node Python glue cost ~12 µs per
+    step. Any other graph, hooks registered anywhere since the graph was built, anomaly mode or
+    a functorch transform: False, and the engine runs as usual."""
+    lnode = loss.grad_fn
+    head = _HEADS.get(type(lnode))
+    if head is None or not _DIRECT or _anomaly_on() or _functorch_active() or not head[0](lnode):
+        return False
+    gen = _S.hook_generation
+    if getattr(lnode, "hook_gen", None) != gen:
+        return False
+    rnode = None
+    out_nr = 0
+    for fn, nr in lnode.next_functions:
+        if fn is None:
+            continue
+        if rnode is not None or type(fn) is not _ReplayBackward:
+            return False
+        rnode, out_nr = fn, nr
+    if rnode is None or rnode.hook_gen != gen:
+        return False
+    direct = rnode.direct
+    if direct is None or direct.hub is None or rnode.rec.hub_direct is not direct:
+        return False
+    edges = rnode.next_functions
+    if edges[-1][0] is not direct.node or any(fn is not None for fn, _ in edges[:-1]):
+        return False  # an input of the module needs a gradient: the engine's business
+    cost = _IMPLICIT.get(loss._key)
+    if cost is None:
+        return False  # the implicit gradient's cost is measured on the engine path first
+    dev = loss._dev
+    _tensor.charge_op(cost, dev, "ones_like.default")
+    # torch.autograd.backward holds the implicit gradient until the whole backward has run
+    implicit = _S.memory[dev].allocate(loss.element_size())
+    with torch.no_grad():  # as the engine runs backward without create_graph
+        grad_block = head[1](lnode)
+        _replay_backward(rnode, True)
+        del grad_block  # the engine frees the module's incoming gradient after its node ran
+    del implicit
+    _R.stats["direct_backward"] = _R.stats.get("direct_backward", 0) + 1
+    return True
+
+
 # torch.autograd.backward's own engine entry (logging hooks, context for device threads).
 _run_engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
@@ -987,6 +1067,9 @@ def _make_backward(orig: Any) -> Any:
         if (type(tensors) is EmuTensor and args and args[0] is None and not tensors._key[0]
                 and tensors._shadow is None and tensors.requires_grad and "grad_variables" not in kwargs):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
+            if (len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
+                    and _direct_backward(tensors)):
+                return None
             grad = _implicit_grad(tensors)
             if (len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
                     and _run_engine is not None and not _functorch_active()):
@@ -1085,3 +1168,8 @@ def install(rt: "Runtime") -> None:
     for name in ("register_hook", "register_post_accumulate_grad_hook"):
         if hasattr(T, name):
             rt.patcher.replace(T, name, _bump_hooks(getattr(T, name)))
+    # Hooks on custom-Function graph nodes (grad_fn.register_hook/prehook) end the direct
+    # backward for graphs built before them (see _direct_backward).
+    B = torch.autograd.function.BackwardCFunction
+    for name in ("register_hook", "register_prehook"):
+        rt.patcher.replace(B, name, _bump_hooks(getattr(B, name)))

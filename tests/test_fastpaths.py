@@ -693,3 +693,85 @@ def test_implicit_loss_gradient_costs_what_ones_like_costs(rt) -> None:
     for seconds, peak in runs:
         assert seconds == pytest.approx(reference[0], rel=1e-9) and peak == reference[1]
     assert w.grad is not None and w.grad.shape == w.shape
+
+
+# ----------------------------------------------------------------------------------------------
+# loss.backward() without the autograd engine (gpemu.replay._direct_backward)
+# ----------------------------------------------------------------------------------------------
+def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
+    """n training steps of a small classifier; GPU spans (kind, duration, start offset), memory
+    and gradient metadata of the last one."""
+    replay._DIRECT = direct
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.zeros(4, 3, 8, 8, device="cuda")
+        y = torch.zeros(4, dtype=torch.long, device="cuda")
+        mem = rt.state["memory"][0]
+        for _ in range(n):
+            torch.cuda.synchronize()
+            first = len(rt.recorder.spans)
+            mem.reset_peak()
+            base = mem.allocated
+            loss = nn.functional.cross_entropy(model(x), y)
+            if before_backward is not None:
+                before_backward(loss)
+            loss.backward()
+            after = mem.allocated - base
+            peak = mem.peak_allocated - base
+            grads = [(p.grad.shape, p.grad.dtype, p.grad.device) for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+        spans = rt.recorder.spans[first:]
+        t0 = spans[0].start
+        return {"spans": [(s.kind, s.name, round(s.end - s.start, 12), round(s.start - t0, 12)) for s in spans],
+                "after": after, "peak": peak, "grads": grads}
+    finally:
+        replay._DIRECT = True
+
+
+def test_direct_backward_charges_and_allocates_what_the_engine_path_does(rt) -> None:
+    reference = _classifier_steps(rt, 6, direct=False)
+    assert replay.replay_info().get("direct_backward", 0) == 0
+    got = _classifier_steps(rt, 6, direct=True)
+    assert replay.replay_info()["direct_backward"] >= 2  # the steps after recording and hub mode
+    assert got == reference
+    assert any(kind == "backward" for kind, *_ in got["spans"])
+
+
+def test_direct_backward_leaves_hooked_graphs_and_input_gradients_to_the_engine(rt) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    y = torch.zeros(4, dtype=torch.long, device="cuda")
+
+    def step(before_backward=None) -> int:
+        """One step; how many direct backwards it added."""
+        used = replay.replay_info().get("direct_backward", 0)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if before_backward is not None:
+            before_backward(loss)
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        return replay.replay_info().get("direct_backward", 0) - used
+
+    for _ in range(4):
+        step()  # recording, two plain backwards, then hub mode
+    assert step() == 1
+    seen: list[str] = []
+    # a hook on the replayed module's graph node, or on the loss tensor: the engine runs and calls it
+    assert step(lambda loss: loss.grad_fn.next_functions[0][0].register_hook(lambda *a: seen.append("node"))) == 0
+    assert step(lambda loss: loss.register_hook(lambda g: seen.append("tensor"))) == 0
+    assert seen == ["node", "tensor"]
+    with torch.autograd.detect_anomaly(check_nan=False):  # anomaly mode: the engine
+        assert step() == 0
+    assert step() == 1  # a graph built with no hook since takes the direct path again
+    # an input that needs a gradient (adversarial examples, saliency): the engine computes it
+    x.requires_grad_()
+    for _ in range(3):
+        x.grad = None
+        assert step() == 0
+        assert x.grad is not None and x.grad.shape == x.shape
