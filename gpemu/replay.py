@@ -286,12 +286,14 @@ class Recording:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "saved_bytes", "fwd_extra", "bwd_extra",
                  "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "batch", "ident",
-                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "direct", "plain", "hub_direct", "__weakref__")
+                 "dev", "grad_specs", "profiled_peak", "grad_param_list", "hook_gen", "direct", "plain", "hub_direct",
+                 "all_diff", "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list = []
         self.treespec: Any = None
         self.out_requires_grad: list[bool] = []
+        self.all_diff = True  # every output requires grad (none to mark non-differentiable)
         self.saved_bytes = 0
         self.fwd_extra = 0
         self.bwd_extra = 0
@@ -554,6 +556,7 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
         rec.out_specs = [(x.shape, x.stride(), x.storage_offset(), x.dtype, x._block.size if x._block else 0)
                          for x in leaves]
         rec.out_requires_grad = [x.requires_grad for x in leaves]
+        rec.all_diff = all(rec.out_requires_grad)
         rec.treespec = treespec
         rec.saved_bytes = max(0, mem.allocated - before - sum(out_blocks.values()))
         rec.fwd_extra = max(0, fwd_peak - mem.allocated)
@@ -787,9 +790,8 @@ class _ReplayFunction(torch.autograd.Function):
         if specs is None or len(specs) != len(tensors):
             specs = rec.grad_specs = [_grad_spec(t, rec.dev) for t in tensors]
         ctx.specs = specs
-        non_diff = [o for o, rg in zip(outs, rec.out_requires_grad) if not rg]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
+        if not rec.all_diff:
+            ctx.mark_non_differentiable(*[o for o, rg in zip(outs, rec.out_requires_grad) if not rg])
         return tuple(outs)
 
     @staticmethod
