@@ -188,6 +188,7 @@ class PinnedHostPool:
         self._blocks.append(block)
         bisect.insort(self._starts, address)
         self._by_start[address] = block
+        _has_blocks[0] = True
         return block
 
     def _warn_unlocked(self, err: int, size: int) -> None:
@@ -261,6 +262,9 @@ class PinnedHostPool:
 
 _pool: PinnedHostPool | None = None
 _all_pools: "weakref.WeakSet[PinnedHostPool]" = weakref.WeakSet()  # for is_pinned()
+# Whether any pool of this process ever mapped a block: until then no tensor can be pinned, and
+# is_pinned (asked on every input copy) answers at once.
+_has_blocks = [False]
 _pool_lock = threading.Lock()
 
 
@@ -303,7 +307,7 @@ def locked_bytes() -> int:
 # ---------------------------------------------------------------------- tensor level
 def is_pinned(tensor: torch.Tensor) -> bool:
     """True exactly for CPU tensors whose storage lives in the pinned pool."""
-    if not _all_pools.data:  # no pool in this process (the common case without pin_memory)
+    if not _has_blocks[0]:  # no pinned memory in this process (the common case without pin_memory)
         return False
     if tensor.device.type != "cpu":
         return False
