@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import functools
 import weakref
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["install", "fast_path_info"]
 
+_get_shadow = attrgetter("_shadow")
 _PLANS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
 _STATS = {"fast": 0, "real": 0, "zero_grad_fast": 0}
 _ON = {"enabled": False}
@@ -164,8 +167,8 @@ def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str) -> bool:
         if grad is not None and (grad.__class__ is not EmuTensor or grad._shadow is not None):
             return False
     # Accepted: do what the real step would leave observable.
-    for p in params:
-        if p._shadow is not None:
+    if not all(map(is_, map(_get_shadow, params), repeat(None))):  # (C-level pass: no shadows is usual)
+        for p in params:
             p._shadow = None
     if plan.steps:
         torch._foreach_add_(plan.steps, 1.0)
