@@ -355,6 +355,17 @@ def test_referenced_gradients_are_not_reused(rt) -> None:
     del kept, view, detached
 
 
+def _warm_conv_net(rt) -> tuple:
+    """A conv net, its SGD, the device's tracker and an input, after four steps (recording,
+    plain backwards, hub mode, a gradient set made and released)."""
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.zeros(4, 3, 8, 8, device="cuda")
+    for _ in range(4):
+        _step(model, opt)
+    return model, opt, rt.state["memory"][0], x
+
+
 def _armed_set(model: nn.Module) -> "replay._GradSet":
     sets = [gs for gs in replay._R.gradsets if gs.alive]
     assert len(sets) == 1 and {id(p) for p in sets[0].params} == {id(p) for p in model.parameters()}
@@ -362,12 +373,7 @@ def _armed_set(model: nn.Module) -> "replay._GradSet":
 
 
 def test_gradient_set_dropped_and_handed_out_whole(rt) -> None:
-    model = _conv_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
-    x = torch.zeros(4, 3, 8, 8, device="cuda")
-    for _ in range(4):
-        _step(model, opt)
+    model, opt, mem, x = _warm_conv_net(rt)
     gs = _armed_set(model)
     assert gs.spares is not None  # released by the last zero_grad, wrappers kept
     base = mem.allocated
@@ -391,12 +397,7 @@ def test_gradient_set_dropped_and_handed_out_whole(rt) -> None:
 
 
 def test_gradient_set_dropped_another_way_frees_memory_at_once(rt) -> None:
-    model = _conv_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
-    x = torch.zeros(4, 3, 8, 8, device="cuda")
-    for _ in range(4):
-        _step(model, opt)
+    model, opt, mem, x = _warm_conv_net(rt)
     base = mem.allocated
     model(x).sum().backward()
     old = {p: weakref.ref(p.grad) for p in model.parameters()}
@@ -413,12 +414,7 @@ def test_gradient_set_dropped_another_way_frees_memory_at_once(rt) -> None:
 
 
 def test_gradient_set_with_a_held_gradient_is_given_up(rt) -> None:
-    model = _conv_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
-    x = torch.zeros(4, 3, 8, 8, device="cuda")
-    for _ in range(4):
-        _step(model, opt)
+    model, opt, mem, x = _warm_conv_net(rt)
     gs = _armed_set(model)
     model(x).sum().backward()
     w = model[0].weight
@@ -433,12 +429,7 @@ def test_gradient_set_with_a_held_gradient_is_given_up(rt) -> None:
 
 
 def test_gradient_set_accumulates_in_place_and_refuses_marked_gradients(rt) -> None:
-    model = _conv_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
-    x = torch.zeros(4, 3, 8, 8, device="cuda")
-    for _ in range(4):
-        _step(model, opt)
+    model, opt, mem, x = _warm_conv_net(rt)
     model(x).sum().backward()
     first = {p: p.grad for p in model.parameters()}
     after_one = mem.allocated
@@ -455,12 +446,7 @@ def test_gradient_set_accumulates_in_place_and_refuses_marked_gradients(rt) -> N
 
 
 def test_gradient_set_out_of_memory_at_reuse_changes_nothing(rt) -> None:
-    model = _conv_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
-    x = torch.zeros(4, 3, 8, 8, device="cuda")
-    for _ in range(4):
-        _step(model, opt)
+    model, opt, mem, x = _warm_conv_net(rt)
     gs = _armed_set(model)
     loss = model(x).sum()
     before = mem.allocated
