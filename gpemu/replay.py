@@ -585,22 +585,28 @@ def _run_charged(orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: d
     return out
 
 
-def _params_reached(outputs: list) -> set[int]:
-    """ids of the leaf tensors (parameters) the outputs' autograd graph reaches."""
-    reached: set[int] = set()
+def _graph_nodes(roots: list) -> Any:
+    """Each autograd node reachable from ``roots`` (nodes or None), once."""
     seen: set[int] = set()
-    stack = [x.grad_fn for x in outputs if isinstance(x, torch.Tensor) and x.grad_fn is not None]
+    stack = list(roots)
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            reached.add(id(var))
+        yield fn
         for nxt, _ in fn.next_functions:
             if nxt is not None:
                 stack.append(nxt)
+
+
+def _params_reached(outputs: list) -> set[int]:
+    """ids of the leaf tensors (parameters) the outputs' autograd graph reaches."""
+    reached: set[int] = set()
+    for fn in _graph_nodes([x.grad_fn for x in outputs if isinstance(x, torch.Tensor)]):
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
     return reached
 
 
@@ -906,20 +912,11 @@ def _hub_nodes(roots: Any) -> list:
     """The hub-mode replay nodes in the autograd graph of ``roots`` (tensor or sequence)."""
     items = [roots] if isinstance(roots, (torch.Tensor, GradientEdge)) else list(roots)
     # tensors and GradientEdges (torch.autograd.graph.get_gradient_edge) as roots
-    stack = [t.grad_fn if isinstance(t, torch.Tensor) else getattr(t, "node", None) for t in items]
-    seen: set[int] = set()
     found = []
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
+    for fn in _graph_nodes([t.grad_fn if isinstance(t, torch.Tensor) else getattr(t, "node", None) for t in items]):
         direct = getattr(fn, "direct", None)
         if isinstance(direct, _Direct) and direct.hub is not None:
             found.append(fn)
-        for nxt, _ in fn.next_functions:
-            if nxt is not None:
-                stack.append(nxt)
     return found
 
 
