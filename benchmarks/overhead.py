@@ -100,9 +100,9 @@ def main() -> None:
     unknown = [m for m in a.models.split(",") if m not in tvmodels.MODELS]
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; valid: all, {', '.join(tvmodels.MODELS)}")
-    from gpemu import replay
+    from gpemu import gradients, replay
     if a.no_grad_reuse:
-        replay._SPARE_LIMIT = 0  # drop_gradients keeps no spares: every backward wraps new gradients
+        gradients.SPARE_LIMIT = 0  # no spares, no gradient sets: every backward wraps new gradients
     if a.compare_grad_reuse or a.compare_hub:
         what = "reuse" if a.compare_grad_reuse else "hub"
         print(f"{'gpu':6} {'model':14} {'bs':>4} {what + ' ms':>9} {'no ' + what + ' ms':>12} {'saved':>7}")
@@ -110,7 +110,7 @@ def main() -> None:
         def toggle(i: int) -> bool:
             on = (i // 5) % 2 == 0
             if a.compare_grad_reuse:
-                replay._SPARE_LIMIT = 100_000 if on else 0
+                gradients.SPARE_LIMIT = 100_000 if on else 0
             else:
                 replay._HUB_AFTER = 2 if on else -1
             return on

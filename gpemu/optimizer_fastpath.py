@@ -32,7 +32,7 @@ Policy (when the real ``step()`` runs instead, silently, every time the conditio
 
 ``Optimizer.zero_grad`` is patched too: ``set_to_none=True`` runs a plain loop that keeps each
 dropped, otherwise unreferenced emulated gradient as a spare wrapper for the next replayed
-backward (:func:`gpemu.replay.drop_gradients`); ``set_to_none=False``, the torch profiler and
+backward (:func:`gpemu.gradients.drop_gradients`); ``set_to_none=False``, the torch profiler and
 ``config.replay=False`` run torch's own.
 
 Not reproduced: replacing individual state tensors in place of the optimizer's own
@@ -259,11 +259,11 @@ def _profile_hook_step(func: Callable) -> Callable:
 def _make_zero_grad(inner: Callable) -> Callable:
     """``Optimizer.zero_grad`` with a fast ``set_to_none=True``: the same loop without torch's
     profiler range and foreach bookkeeping, and each dropped emulated gradient that nothing else
-    references is kept by :func:`gpemu.replay.drop_gradients`, so the next replayed backward
+    references is kept by :func:`gpemu.gradients.drop_gradients`, so the next replayed backward
     reuses its wrapper instead of creating a new tensor object per parameter. Torch's own
     ``zero_grad`` runs for ``set_to_none=False``, while the torch profiler records, with
     ``config.replay`` off, and before the optimizer set up its profile name."""
-    from .replay import drop_gradients
+    from .gradients import drop_gradients
 
     @functools.wraps(inner)
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:

@@ -27,7 +27,7 @@ The replayed backward stores parameter gradients itself (``p.grad = g``) when th
 would accumulate them in this backward and no parameter has hooks; otherwise (DDP's
 post-accumulate hooks, ``torch.autograd.grad(loss, params)``, ``backward(inputs=[some params])``)
 it returns them to autograd. Gradient wrappers that ``zero_grad()`` dropped and nothing else
-references are handed out again as the next replayed backward's gradients (:func:`drop_gradients`).
+references are handed out again as the next replayed backward's gradients (:mod:`gpemu.gradients`).
 After two plain backwards, a recording's replays pass one "hub" leaf to autograd instead of every
 parameter (see :class:`_Direct`); ``torch.autograd.grad``/``backward(inputs=...)`` are patched to
 answer for parameters of such a graph. The
@@ -40,18 +40,16 @@ forward (print, counters) after the first call.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
-from collections import deque
-from itertools import repeat
-from operator import attrgetter, eq, is_
+from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import gradients
 from . import tensor as _tensor
 from .memory import round_size
 from .tensor import EmuTensor, _S, _sig, _wrap
@@ -59,7 +57,7 @@ from .tensor import EmuTensor, _S, _sig, _wrap
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "Recording", "replay_info", "drop_gradients"]
+__all__ = ["install", "Recording", "replay_info", "register_direct_head"]
 
 _nn_module = torch.nn.modules.module
 
@@ -79,201 +77,13 @@ class _ReplayState:
         # _apply (model.to/.cuda/.half): whatever may change a module tree's parameters, submodules
         # or training flags.
         self.structure_gen = 0
-        # Gradient wrappers handed back by the fast zero_grad (see spare_gradient): pooled by
-        # their metadata key and handed out again as the next replayed backward's gradients.
-        self.spare: dict[tuple, list] = {}
-        self.spare_count = 0
         self.hub_used = False  # some replay ran in hub mode (see _Direct)
         self.no_hub = False    # targeted gradients met a hub graph: no hub mode for this run
-        # Live gradient sets (see _GradSet) and a counter bumped whenever one is made or given
-        # up, which invalidates the per-optimizer zero_grad plans (_zero_plan).
-        self.gradsets: "weakref.WeakSet[_GradSet]" = weakref.WeakSet()
-        self.set_generation = 0
-        self.zero_plans: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 _R = _ReplayState()
-_SPARE_LIMIT = 100_000
 _HUB_AFTER = 2        # plain backwards of a recording before its replays use hub mode
 _NEVER = -(1 << 60)
-_getrefcount = sys.getrefcount
-_REQUIRES_GRAD = _tensor._REQUIRES_GRAD.__get__
-
-
-_gget = torch._C.TensorBase.grad.__get__   # p.grad, callable from map() (C-level loops)
-_gset = torch._C.TensorBase.grad.__set__
-_get_block = attrgetter("_block")
-_get_parent = attrgetter("parent")
-_get_shadow = attrgetter("_shadow")
-_get_dict = attrgetter("__dict__")
-
-
-def drop_gradients(param_groups: list, owner: Any = None) -> None:
-    """``p.grad = None`` for every parameter of the optimizer's groups (``zero_grad(set_to_none=True)``,
-    called by :mod:`gpemu.optimizer_fastpath` with the optimizer as ``owner``), keeping the
-    dropped emulated gradients that nothing else references for the next replayed backward.
-
-    Two levels, both releasing each gradient's memory exactly when torch would:
-
-    * a replayed module's whole **gradient set** (:class:`_GradSet`) is dropped with a few
-      C-level passes over its parameters and ONE tracker call, its wrappers kept as they are;
-    * any other gradient goes through :func:`_drop_each`, one parameter at a time.
-    """
-    sets, others = _zero_plan(param_groups, owner)
-    for gs in sets:
-        if not _release_set(gs):
-            _drop_each(gs.params)
-    if others:
-        _drop_each(others)
-
-
-def _drop_each(params: list) -> None:
-    """``p.grad = None`` for each parameter; each dropped emulated gradient that nothing else
-    references becomes a spare (:func:`_keep_spare`)."""
-    for p in params:
-        g = p.grad
-        if g is not None:
-            p.grad = None
-            _keep_spare(g, 3)  # g here, the argument, getrefcount's
-
-
-def _keep_spare(g: Any, refs: int) -> None:
-    """Keep a dropped gradient wrapper for the next replayed backward (creating a tensor wrapper
-    costs ~1.5 µs per parameter and feeds the garbage collector) when nothing else references it.
-
-    "Nothing else references it" is ``sys.getrefcount(g) == refs``, the references the caller
-    knows of (its variables, this call's argument, getrefcount's own): on this torch a C++ holder of the tensor (a view's base,
-    an autograd graph, another ``.grad``) also holds a Python reference, so the count sees it too.
-    Gradients that require grad, carry extra attributes, or are not plain ``EmuTensor`` are left
-    alone. A spare's memory is released now, exactly when the dropped gradient's would be."""
-    if (_R.rt is not None and type(g) is EmuTensor and _getrefcount(g) == refs and not _REQUIRES_GRAD(g)
-            and len(g.__dict__) == 5 and _R.spare_count < _SPARE_LIMIT):
-        g._block = None  # frees its memory (the group's block goes when its last share does)
-        g._shadow = None
-        g._meta = None
-        lst = _R.spare.get(g._key)
-        if lst is None:
-            _R.spare[g._key] = [g]
-        else:
-            lst.append(g)
-        _R.spare_count += 1
-
-
-class _GradSet:
-    """The parameter gradients one replayed backward made together, reused as a whole.
-
-    A replayed backward that gives every parameter of a recording a new gradient allocates them
-    as one group (:meth:`gpemu.memory.MemoryTracker.allocate_group`). ``zero_grad`` then drops
-    the set in a few C-level passes (read every ``.grad``, check they are this set's, clear them,
-    check nothing else holds them) and gives the group's memory back in ONE tracker call
-    (:meth:`gpemu.memory.GroupBlock.release`), keeping the wrappers; the next backward takes the
-    memory again in one call and hands the same wrappers out. Per parameter that leaves only
-    the C-level ``.grad`` reads and writes (~0.5 µs instead of ~2 µs across backward and
-    ``zero_grad``; ``benchmarks/step_parts.py``).
-
-    *Armed* (``spares is None``): the parameters hold the wrappers; the set keeps only a weak
-    reference to the group, so gradients dropped any other way (``model.zero_grad()``, a loop of
-    ``p.grad = None``) die and free their memory as usual. *Released*: ``spares`` holds the
-    wrappers, their memory is given back. Anything else (a gradient held elsewhere, replaced,
-    partly missing) gives the set up (:func:`_give_up`) and the per-parameter path takes over."""
-
-    __slots__ = ("params", "parent_ref", "parent", "spares", "alive", "flag_gen", "__weakref__")
-
-    def __init__(self, params: list, parent: Any) -> None:
-        self.params = params
-        self.parent_ref = weakref.ref(parent)
-        self.parent: Any = None  # strong only while released
-        self.spares: list | None = None
-        self.alive = True
-        self.flag_gen = _S.flag_generation
-        # One live set per parameter: an older set over these parameters (another recording of
-        # the module, e.g. the last smaller batch, or the same recording before hub mode) is
-        # given up, so zero_grad never walks a parameter twice.
-        ids = set(map(id, params))
-        for other in list(_R.gradsets):
-            if other.params is params or any(id(p) in ids for p in other.params):
-                _give_up(other)
-        _R.gradsets.add(self)
-        _R.set_generation += 1
-
-
-def _give_up(gs: _GradSet) -> None:
-    gs.alive = False
-    gs.spares = None  # released wrappers die with their group; its memory was already given back
-    gs.parent = None
-    _R.gradsets.discard(gs)
-    _R.set_generation += 1
-
-
-def _release_set(gs: _GradSet) -> bool:
-    """Drop an armed set's gradients (zero_grad). False when nothing was changed because the
-    gradients are not (all) this set's; True once they were dropped."""
-    if not gs.alive or gs.spares is not None:
-        return False
-    parent = gs.parent_ref()
-    if parent is None:
-        return False
-    params = gs.params
-    grads = list(map(_gget, params))
-    try:
-        if not all(map(is_, map(_get_parent, map(_get_block, grads)), repeat(parent))):
-            return False
-    except AttributeError:  # a missing gradient, or one with a block of its own
-        return False
-    if gs.flag_gen != _S.flag_generation:  # some emulated tensor's requires_grad was set
-        if any(map(_REQUIRES_GRAD, grads)):
-            return False
-        gs.flag_gen = _S.flag_generation
-    if not all(map(eq, map(len, map(_get_dict, grads)), repeat(5))):  # extra attributes
-        return False
-    deque(map(_gset, params, repeat(None)), 0)
-    # 2: the list and getrefcount's argument; more means held elsewhere (see _keep_spare)
-    if not all(map(eq, map(_getrefcount, grads), repeat(2))):
-        _give_up(gs)
-        for g in grads:
-            _keep_spare(g, 4)  # the list, g here, the argument, getrefcount's
-        return True
-    if not all(map(is_, map(_get_shadow, grads), repeat(None))):
-        for g in grads:
-            g._shadow = None  # a reused gradient's values are unknown again
-    parent.release()
-    gs.parent = parent
-    gs.spares = grads
-    return True
-
-
-def _rearm(gs: _GradSet) -> bool:
-    """Hand a released set's wrappers out again (replayed backward). False when some parameter
-    has a gradient (then the per-parameter path decides)."""
-    params = gs.params
-    if not all(map(is_, map(_gget, params), repeat(None))):
-        return False
-    gs.parent.reacquire()  # may raise OOM, before anything changed
-    deque(map(_gset, params, gs.spares), 0)
-    gs.spares = None
-    gs.parent = None
-    return True
-
-
-def _zero_plan(param_groups: list, owner: Any) -> tuple[list, list]:
-    """(gradient sets whose parameters all belong to the groups, the groups' other parameters),
-    cached per optimizer until its groups or the live sets change."""
-    key = (_R.set_generation, tuple((id(g["params"]), len(g["params"])) for g in param_groups))
-    if owner is not None:
-        hit = _R.zero_plans.get(owner)
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-    params = [p for g in param_groups for p in g["params"]]
-    ids = set(map(id, params))
-    sets = [gs for gs in list(_R.gradsets) if gs.alive and all(id(p) in ids for p in gs.params)]
-    covered = {id(p) for gs in sets for p in gs.params}
-    others = [p for p in params if id(p) not in covered]
-    if owner is not None:
-        try:
-            _R.zero_plans[owner] = (key, sets, others)
-        except TypeError:  # not weak-referenceable
-            pass
-    return sets, others
 
 
 def replay_info() -> dict[str, int]:
@@ -753,7 +563,7 @@ class _Direct:
         self.node = self.nodes[0]
         self.pspecs = [_grad_spec(p, dev) for p in params]
         self.param_bytes = sum(spec[4] for spec in self.pspecs)
-        self.gradset: _GradSet | None = None
+        self.gradset: Any = None  # gpemu.gradients' set of these parameters' gradients
 
 
 _will_execute = torch._C._will_engine_execute_node
@@ -850,55 +660,13 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
             result.append(None)
     if direct is not None:
         every = direct.hub is not None or all(needs[first_param:])
-        gs = direct.gradset
-        if not (every and gs is not None and gs.spares is not None and _rearm(gs)):
-            _store_gradients(direct, every, needs[first_param:])
+        if not (every and gradients.hand_out(direct)):
+            gradients.store(direct, direct.params, direct.pspecs,
+                            None if direct.hub is not None else needs[first_param:], every)
         result.extend([None] * (len(specs) - first_param))
     ctx.saved_block = None  # saved activations are freed once backward has used them
     mem.sample()
     return tuple(result)
-
-
-def _store_gradients(direct: _Direct, every: bool, needs: tuple) -> None:
-    """Store the parameter gradients of a replayed backward one parameter at a time (the
-    per-parameter path behind :class:`_GradSet`). New gradients share ONE tracker allocation
-    (:meth:`gpemu.memory.MemoryTracker.allocate_group`); a parameter that has a gradient is
-    accumulated in place (metadata unchanged, its transient is in the backward's touch). When
-    every parameter got a new gradient on one device, they become the recording's gradient set."""
-    if direct.hub is not None:
-        todo = [(p, spec) for p, spec in zip(direct.params, direct.pspecs) if p.grad is None]
-    else:
-        todo = [(p, spec) for p, spec, needed in zip(direct.params, direct.pspecs, needs)
-                if needed and p.grad is None]
-    if not todo:
-        return  # accumulation in place: the set (if any) still holds
-    if direct.gradset is not None:
-        _give_up(direct.gradset)
-        direct.gradset = None
-    by_dev: dict[int, list] = {}
-    for item in todo:
-        by_dev.setdefault(item[1][3], []).append(item)
-    spare = _R.spare
-    made: list = []
-    parent = None
-    for dev, items in by_dev.items():
-        blocks = _S.memory[dev].allocate_group([spec[6] for _, spec in items], rounded=True)
-        for (p, (shape, stride, dtype, _, _, key, _)), block in zip(items, blocks):
-            lst = spare.get(key) if spare else None
-            if lst:
-                # A wrapper zero_grad dropped and nobody else holds (_keep_spare).
-                g = lst.pop()
-                _R.spare_count -= 1
-                g._block = block
-            else:
-                g = _wrap(shape, stride, 0, dtype, dev, block)
-            p.grad = g
-            made.append(g)
-            if block is not None:
-                parent = block.parent
-    if (every and len(todo) == len(direct.params) and len(by_dev) == 1 and parent is not None
-            and _SPARE_LIMIT > 0 and all(g._block is not None for g in made)):
-        direct.gradset = _GradSet(direct.params, parent)
 
 
 # torch._C._FunctionBase.apply bound to _ReplayFunction (see _replay).
@@ -1007,13 +775,12 @@ def _direct_backward(loss: EmuTensor) -> bool:
     if getattr(lnode, "hook_gen", None) != gen:
         return False
     rnode = None
-    out_nr = 0
-    for fn, nr in lnode.next_functions:
+    for fn, _ in lnode.next_functions:
         if fn is None:
             continue
         if rnode is not None or type(fn) is not _ReplayBackward:
             return False
-        rnode, out_nr = fn, nr
+        rnode = fn
     if rnode is None or rnode.hook_gen != gen:
         return False
     direct = rnode.direct
@@ -1131,22 +898,16 @@ def install(rt: "Runtime") -> None:
     _R.unreplayable = weakref.WeakKeyDictionary()
     _R.stats = {"recorded": 0, "replayed": 0, "fallback": 0}
     _R.trees = weakref.WeakKeyDictionary()
-    _R.spare = {}
-    _R.spare_count = 0
     _R.hub_used = False
     _R.no_hub = False
-    _R.gradsets = weakref.WeakSet()
-    _R.zero_plans = weakref.WeakKeyDictionary()
+    gradients.start()
+    rt.patcher.on_restore(gradients.stop)
 
     def reset() -> None:
         _IMPLICIT.clear()
         _R.rt = None
-        _R.spare = {}
-        _R.spare_count = 0
         _R.hub_used = False
         _R.no_hub = False
-        _R.gradsets = weakref.WeakSet()
-        _R.zero_plans = weakref.WeakKeyDictionary()
         _R.records = weakref.WeakKeyDictionary()
         _R.unreplayable = weakref.WeakKeyDictionary()
         _R.trees = weakref.WeakKeyDictionary()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gpemu
+from gpemu import gradients
 from gpemu import optimizer_fastpath as ofp
 from gpemu import replay
 from gpemu.clock import VirtualClock
@@ -289,7 +290,7 @@ def test_stream_is_capturing_and_host_shadow_api(rt) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# gradient wrapper reuse through the fast zero_grad (gpemu.replay.drop_gradients)
+# gradient wrapper reuse through the fast zero_grad (gpemu.gradients.drop_gradients)
 # ----------------------------------------------------------------------------------------------
 def _conv_net() -> nn.Module:
     # parameters of several shapes and one dtype each: the spares are matched by metadata
@@ -327,7 +328,7 @@ def test_zero_grad_hands_unreferenced_gradients_to_the_next_backward(rt) -> None
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype and p.grad.device == p.device
         assert p.grad.data_ptr() != 0 and not p.grad.requires_grad
     assert mem.allocated - base == grad_bytes
-    assert replay._R.spare_count == 0
+    assert gradients.info()["spares"] == 0
 
 
 def test_referenced_gradients_are_not_reused(rt) -> None:
@@ -366,8 +367,8 @@ def _warm_conv_net(rt) -> tuple:
     return model, opt, rt.state["memory"][0], x
 
 
-def _armed_set(model: nn.Module) -> "replay._GradSet":
-    sets = [gs for gs in replay._R.gradsets if gs.alive]
+def _armed_set(model: nn.Module) -> "gradients._GradSet":
+    sets = [gs for gs in gradients._G.sets if gs.alive]
     assert len(sets) == 1 and {id(p) for p in sets[0].params} == {id(p) for p in model.parameters()}
     return sets[0]
 
