@@ -749,6 +749,7 @@ _HEADS: dict[type, tuple[Any, Any]] = {}
 _DIRECT = True  # benchmarks/step_parts.py --compare-direct turns it off for A/B runs
 _ReplayBackward = _ReplayFunction._backward_cls
 _anomaly_on = torch.is_anomaly_enabled
+_profiler_on = torch.autograd._profiler_enabled  # a profiler records the engine's nodes: let it
 
 
 def register_direct_head(node_cls: type, ready: Any, run: Any) -> None:
@@ -765,11 +766,12 @@ def _direct_backward(loss: EmuTensor) -> bool:
     functions and an accumulator that receives nothing, so they are called here directly, with
     the same charges, memory (the implicit gradient and the loss's input gradient are held while
     the engine would hold them) and gradients; its C++ and per-node Python glue cost ~12 µs per
-    step. Any other graph, hooks registered anywhere since the graph was built, anomaly mode or
-    a functorch transform: False, and the engine runs as usual."""
+    step. Any other graph, hooks registered anywhere since the graph was built, anomaly mode, a
+    recording profiler or a functorch transform: False, and the engine runs as usual."""
     lnode = loss.grad_fn
     head = _HEADS.get(type(lnode))
-    if head is None or not _DIRECT or _anomaly_on() or _functorch_active() or not head[0](lnode):
+    if (head is None or not _DIRECT or _anomaly_on() or _functorch_active() or _profiler_on()
+            or not head[0](lnode)):
         return False
     gen = _S.hook_generation
     if getattr(lnode, "hook_gen", None) != gen:

@@ -755,6 +755,8 @@ def test_direct_backward_leaves_hooked_graphs_and_input_gradients_to_the_engine(
     assert seen == ["node", "tensor"]
     with torch.autograd.detect_anomaly(check_nan=False):  # anomaly mode: the engine
         assert step() == 0
+    with torch.autograd.profiler.profile():  # a recording profiler sees the engine's nodes
+        assert step() == 0
     assert step() == 1  # a graph built with no hook since takes the direct path again
     # an input that needs a gradient (adversarial examples, saliency): the engine computes it
     x.requires_grad_()
