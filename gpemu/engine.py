@@ -575,19 +575,6 @@ class VirtualStream:
             now = local.floor
         return eng._enqueue(self, seconds, kind, name, peak_bytes, at, now)
 
-    def enqueue_and_wait(self, seconds: float, kind: str, name: str, at: float | None, reason: str) -> float:
-        """:meth:`enqueue`, then :meth:`synchronize` (a pageable copy), in one entry path."""
-        eng = self._engine
-        local = eng._local
-        now = eng._clock_now() - local.late
-        if now < local.floor:
-            now = local.floor
-        end = eng._enqueue(self, seconds, kind, name, 0, at, now)
-        local.wait_deadline = None
-        eng._wait_device(self.device_index, self.busy_until, reason)
-        eng.settle()
-        return end
-
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
         # (with a backend the device's worker decides when the work ends; the deadline is unused)

@@ -123,8 +123,9 @@ def _keep_spare(g: Any, refs: int) -> None:
     costs ~1.5 µs per parameter and feeds the garbage collector) when nothing else references it.
 
     "Nothing else references it" is ``sys.getrefcount(g) == refs``, the references the caller
-    knows of (its variables, this call's argument, getrefcount's own): on this torch a C++ holder of the tensor (a view's base,
-    an autograd graph, another ``.grad``) also holds a Python reference, so the count sees it too.
+    knows of (its variables, this call's argument, getrefcount's own): on this torch a C++ holder
+    of the tensor (a view's base, an autograd graph, another ``.grad``) also holds a Python
+    reference, so the count sees it too.
     Gradients that require grad, carry extra attributes, or are not plain ``EmuTensor`` are left
     alone. A spare's memory is released now, exactly when the dropped gradient's would be."""
     if (_G.on and type(g) is EmuTensor and _getrefcount(g) == refs and not _REQUIRES_GRAD(g)

@@ -136,7 +136,8 @@ def _replayed_backward(ctx: Any) -> None:
 
 
 def _direct_ready(node: Any) -> bool:
-    """A replayed (not recording) loss node whose weight, if any, needs no gradient."""
+    """A replayed loss node (not the recording one, whose backward runs op by op) whose record
+    knows its backward."""
     return node.inner is None and node.rec.grad_spec is not None
 
 
@@ -201,5 +202,4 @@ def install(rt: "Runtime") -> None:
     rt.patcher.replace(F, "cross_entropy", _make_cross_entropy(F.cross_entropy))
     from . import replay
 
-    replay.register_direct_head(_FusedLoss._backward_cls, _direct_ready, _direct_run)
-    rt.patcher.on_restore(lambda: replay._HEADS.pop(_FusedLoss._backward_cls, None))
+    rt.patcher.on_restore(replay.register_direct_head(_FusedLoss._backward_cls, _direct_ready, _direct_run))

@@ -85,7 +85,7 @@ class Block:
 class GroupBlock(Block):
     """The one allocation behind a group (:meth:`MemoryTracker.allocate_group`). Besides dying
     with its last share like any block, it can be given back and taken again as a whole while
-    its shares live on: the replayed backward's gradient sets (``gpemu.replay``) drop a module's
+    its shares live on: the gradient sets of ``gpemu.gradients`` drop a module's
     gradients at ``zero_grad`` and hand the same wrappers out at the next backward, and this
     keeps that to one tracker call each way instead of one object per parameter."""
 
@@ -231,13 +231,8 @@ class MemoryTracker:
             return
         # allocate() and the block's immediate free, without making the block (hot path)
         size = round_size(extra)
-        new_alloc = self.allocated + size
-        if new_alloc > self.reserved:
-            self._grow(new_alloc, size)
-        if new_alloc > self.peak_allocated:
-            self.peak_allocated = new_alloc
-        self.num_alloc_calls += 1
-        self.num_frees += 1
+        self._account(size)
+        self._release(size)
 
     @contextmanager
     def peak_scope(self) -> Iterator["PeakScope"]:

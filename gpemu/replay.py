@@ -82,6 +82,7 @@ class _ReplayState:
 
 
 _R = _ReplayState()
+_weakref = weakref.ref
 _HUB_AFTER = 2        # plain backwards of a recording before its replays use hub mode
 _NEVER = -(1 << 60)
 
@@ -533,7 +534,6 @@ def _unflatten(outs: Any, treespec: Any) -> Any:
     if treespec.is_leaf():
         return outs[0]
     return tree_unflatten(list(outs), treespec)
-_weakref = weakref.ref
 
 
 class _Direct:
@@ -752,11 +752,12 @@ _anomaly_on = torch.is_anomaly_enabled
 _profiler_on = torch.autograd._profiler_enabled  # a profiler records the engine's nodes: let it
 
 
-def register_direct_head(node_cls: type, ready: Any, run: Any) -> None:
+def register_direct_head(node_cls: type, ready: Any, run: Any) -> Any:
     """Let :func:`_direct_backward` start at nodes of ``node_cls``: ``ready(node)`` says whether
     it can (no side effects), ``run(node)`` charges the node's backward and returns its input
-    gradient's memory block."""
+    gradient's memory block. Returns the function that undoes the registration."""
     _HEADS[node_cls] = (ready, run)
+    return lambda: _HEADS.pop(node_cls, None)
 
 
 def _direct_backward(loss: EmuTensor) -> bool:
@@ -835,12 +836,11 @@ def _make_backward(orig: Any) -> Any:
         if (type(tensors) is EmuTensor and args and args[0] is None and not tensors._key[0]
                 and tensors._shadow is None and tensors.requires_grad and "grad_variables" not in kwargs):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
-            if (len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
-                    and _direct_backward(tensors)):
+            defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
+            if defaults and _direct_backward(tensors):
                 return None
             grad = _implicit_grad(tensors)
-            if (len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
-                    and _run_engine is not None and not _functorch_active()):
+            if defaults and _run_engine is not None and not _functorch_active():
                 # Tensor.backward()'s own call with its defaults: one tensor, its gradient made
                 # above, no inputs, no create_graph. torch.autograd.backward's argument handling
                 # (~8 µs) has nothing to decide here; its engine call is made as it would make it.

@@ -1060,14 +1060,13 @@ def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
         engine.forget_wait()  # only a wait for THIS copy may be forgiven below
     _charge_h2d(t, dev, non_blocking, issued_at)
     e = _wrap(t.shape, stride, 0, t.dtype, dev, block)
-    if not moving and t.numel() <= SHADOW_MAX_ELEMENTS:
+    if not moving:
         # Model parameters/buffers get no shadows: their values are not what host code reads
         # back, and a shadow would add a host op to every step of the optimizer.
         e._shadow = _small_shadow(t)
     # A pageable copy returns when the copy ends; building the wrapper after that wait is the
     # emulator's time, not the program's (as for .item()).
-    if engine is not None:
-        engine.settle()
+    _settle()
     return e
 
 

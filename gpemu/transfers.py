@@ -174,11 +174,9 @@ def copy_to_device(rt: "Runtime", tensor: torch.Tensor, device: int, non_blockin
     stream = rt.state["engine"].stream(device)
     rt.recorder.add_many(("h2d_bytes", nbytes), ("h2d_copies", 1), ("h2d_seconds", seconds),
                          ("h2d_pinned_bytes" if pinned else "h2d_pageable_bytes", nbytes))
-    if pinned and non_blocking:
-        stream.enqueue(seconds, "transfer", "h2d pinned", at=issued_at)
-    else:
-        stream.enqueue_and_wait(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", issued_at,
-                                "pageable-copy" if not pinned else "blocking-copy")
+    stream.enqueue(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", at=issued_at)
+    if not (pinned and non_blocking):
+        stream.synchronize("pageable-copy" if not pinned else "blocking-copy")
 
 
 def copy_to_host(rt: "Runtime", tensor: torch.Tensor, device: int) -> None:
