@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gpemu
 from gpemu import gradients
@@ -764,3 +765,32 @@ def test_direct_backward_leaves_hooked_graphs_and_input_gradients_to_the_engine(
         x.grad = None
         assert step() == 0
         assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_optimizer_step_wrapper_runs_hooks_and_keeps_torchs_range_under_a_profiler(rt) -> None:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 3)  # the fast path is in use
+    calls: list[str] = []
+
+    def pre(o, args, kwargs):
+        calls.append("pre")
+        return args, kwargs  # a pre-hook may hand back new arguments
+
+    pre_handle = opt.register_step_pre_hook(pre)
+    post_handle = register_optimizer_step_post_hook(lambda o, a, k: calls.append("post"))
+    try:
+        spans = len([s for s in rt.recorder.spans if s.kind == "optimizer"])
+        _train(model, opt, 1)
+        assert calls == ["pre", "post"]
+        assert len([s for s in rt.recorder.spans if s.kind == "optimizer"]) == spans + 1  # gpemu's hook ran
+        with torch.autograd.profiler.profile() as prof:
+            _train(model, opt, 1)
+        assert any(e.name == "Optimizer.step#SGD.step" for e in prof.function_events)
+        assert calls == ["pre", "post", "pre", "post"]
+        opt.register_step_pre_hook(lambda o, a, k: "not a tuple")
+        with pytest.raises(RuntimeError, match="must return None or a tuple"):
+            _train(model, opt, 1)
+    finally:
+        pre_handle.remove()
+        post_handle.remove()

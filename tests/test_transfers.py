@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gpemu
+from examples import tvmodels
 from gpemu.clock import VirtualClock
 from gpemu.transfers import COPY_LATENCY_SECONDS, host_to_device_seconds
 
@@ -164,3 +165,20 @@ def test_unpatch_restores_module_moves() -> None:
     assert torch.nn.Module.cpu is not originals[1]
     gpemu.unpatch()
     assert (torch.nn.Module.to, torch.nn.Module.cpu, torch.nn.Module.cuda) == originals
+
+
+def test_input_copy_cost_follows_the_model_moved_after_earlier_copies() -> None:
+    # Copy costs are cached per input shape; moving a model decides which measured copy applies,
+    # so a copy made before the move (bandwidth estimate) must not stick after it.
+    rt, clock = _patch()
+    batch = torch.randn(8, 3, 224, 224)
+    before = clock.now()
+    batch.cuda()
+    estimated = clock.now() - before
+    assert estimated == pytest.approx(host_to_device_seconds(rt, batch, 0, pinned=False)[0])
+    tvmodels.MODELS["squeezenet1_1"]().cuda()  # identified by structure as the dataset model
+    measured = rt.db.lookup("P100", "squeezenet1_1", 8, "h2d_transfer").value
+    assert measured != pytest.approx(estimated)
+    before = clock.now()
+    batch.cuda()
+    assert clock.now() - before == pytest.approx(measured)
