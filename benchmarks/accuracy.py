@@ -12,7 +12,7 @@ device copy of that batch (the target). Targets: mean |error| <= 1%, p99 <= 3%.
 
 Two passes:
 
-1. **all combinations, virtual clock** (``extra={"clock": VirtualClock()}``): the engine's GPU
+1. **all combinations, virtual clock** (``clock=VirtualClock()``): the engine's GPU
    timeline, no real waiting — checks identification, costs and stream arithmetic on all 1080.
 2. **real clock**: the same step with real deadline waits, wall time measured with
    ``perf_counter`` — checks that the waits deliver that timeline. ``--quick`` (default) runs a
@@ -79,7 +79,7 @@ def run_combo(gpu: str, model_name: str, batches: list[int], virtual: bool, inpu
     extra = {"clock": VirtualClock()} if virtual else {}
     out = []
     with gpemu.emulate(gpu=gpu, model=model_name if standin else None, extra=extra, summary=False) as rt:
-        engine = rt.state["engine"]
+        engine = rt.engine
         spec = rt.gpus[0]
         model = module.cuda()
         for bs in batches:

@@ -38,7 +38,8 @@ def main() -> None:
 
     import gpemu
     import tvmodels
-    from gpemu import replay, tensor
+    from gpemu import tensor
+    from gpemu.fastpaths import replay
 
     rt = gpemu.patch(gpu=args.gpu, replay=not args.no_replay, summary=False)
     model = getattr(tvmodels, args.model)().cuda()
@@ -67,7 +68,7 @@ def main() -> None:
         host.append(t1 - t0 - waited)
     steady = host[3:] if len(host) > 5 else host
     steady_cpu = cpu[3:] if len(cpu) > 5 else cpu
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     print(f"model={args.model} batch={args.batch} gpu={args.gpu} replay={not args.no_replay} optimizer={args.optimizer}")
     print(f"first iteration (recording) host time: {host[0] * 1e3:.1f} ms")
     print(f"steady host time per iteration: median {statistics.median(steady) * 1e3:.2f} ms, "

@@ -37,12 +37,12 @@ def main() -> None:
     for case in args.cases.split(","):
         name, batch = case.split(":")
         batch = int(batch)
-        rt = gpemu.patch(gpu=args.gpu, summary=False, extra={"clock": VirtualClock()})
+        rt = gpemu.patch(gpu=args.gpu, summary=False, clock=VirtualClock())
         try:
             gpu = rt.gpus[0].name
             db_peak = rt.db.lookup(gpu, name, batch, "peak_memory")
             db_pers = rt.db.lookup(gpu, name, batch, "persistent_memory")
-            mem = rt.state["memory"][0]
+            mem = rt.memory[0]
             model = getattr(tvmodels, name)().cuda()
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             x = torch.empty(batch, 3, 224, 224).cuda()

@@ -42,23 +42,25 @@ DEFAULT_MODELS = ("alexnet", "resnet18", "resnet50", "resnet152", "vgg16", "mobi
 
 
 def measure(gpu: str, name: str, bs: int, iterations: int,
-            toggle: "Callable[[int], None] | None" = None) -> tuple[float, float, float, dict]:
-    """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats). ``toggle(i)`` is
-    called before iteration i (for interleaved comparisons, see ``--compare-grad-reuse``); the
-    stats then hold ``host_by_mode`` (the host times for each mode it returned)."""
+            toggle: "Callable[[gpemu.runtime.Runtime, int], bool] | None" = None,
+            tuning: dict | None = None) -> tuple[float, float, float, dict]:
+    """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats). ``toggle(rt, i)``
+    is called before iteration i (for interleaved comparisons, see ``--compare-grad-reuse``); the
+    stats then hold ``host_by_mode`` (the host times for each mode it returned). ``tuning``: the
+    run's ``config.tuning`` knobs."""
     gc.collect()  # each case starts without the previous cases' garbage (one model per real run)
     with torch.device("meta"):
         module = tvmodels.MODELS[name]()
     module = module.to_empty(device="cpu")
-    with gpemu.emulate(gpu=gpu, extra={"clock": VirtualClock()}, summary=False) as rt:
-        engine = rt.state["engine"]
+    with gpemu.emulate(gpu=gpu, clock=VirtualClock(), summary=False, tuning=tuning or {}) as rt:
+        engine = rt.engine
         model = module.cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x, y = torch.empty(bs, 3, 224, 224), torch.zeros(bs, dtype=torch.long)
         host, gpu_times = [], []
         by_mode: dict = {}
         for i in range(iterations + 2):  # two warm-ups: recording, then optimizer state creation
-            mode = toggle(i) if toggle is not None else None
+            mode = toggle(rt, i) if toggle is not None else None
             h0, g0 = time.perf_counter(), engine.now()
             out = model(x.cuda())
             if isinstance(out, tuple):  # GoogLeNet/Inception in training mode: (logits, aux...)
@@ -72,8 +74,7 @@ def measure(gpu: str, name: str, bs: int, iterations: int,
                 host.append(time.perf_counter() - h0)
                 gpu_times.append(engine.now() - g0)
                 by_mode.setdefault(mode, []).append(host[-1])
-        replay = getattr(sys.modules.get("gpemu.replay"), "_R", None)
-        stats = dict(replay.stats) if replay is not None else {}
+        stats = rt.replay.info() if rt.replay is not None else {}
         stats["host_by_mode"] = by_mode
     host.sort()
     return statistics.median(host), host[int(0.9 * (len(host) - 1))], statistics.median(gpu_times), stats
@@ -100,19 +101,18 @@ def main() -> None:
     unknown = [m for m in a.models.split(",") if m not in tvmodels.MODELS]
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; valid: all, {', '.join(tvmodels.MODELS)}")
-    from gpemu import gradients, replay
-    if a.no_grad_reuse:
-        gradients.SPARE_LIMIT = 0  # no spares, no gradient sets: every backward wraps new gradients
+    # no spares, no gradient sets: every backward wraps new gradients
+    tuning = {"spare_limit": 0} if a.no_grad_reuse else {}
     if a.compare_grad_reuse or a.compare_hub:
         what = "reuse" if a.compare_grad_reuse else "hub"
         print(f"{'gpu':6} {'model':14} {'bs':>4} {what + ' ms':>9} {'no ' + what + ' ms':>12} {'saved':>7}")
 
-        def toggle(i: int) -> bool:
+        def toggle(rt: "gpemu.runtime.Runtime", i: int) -> bool:
             on = (i // 5) % 2 == 0
             if a.compare_grad_reuse:
-                gradients.SPARE_LIMIT = 100_000 if on else 0
+                rt.replay.gradients.spare_limit = 100_000 if on else 0
             else:
-                replay._HUB_AFTER = 2 if on else -1
+                rt.replay.hub_after = 2 if on else -1
             return on
 
         for gpu in a.gpus.split(","):
@@ -131,7 +131,7 @@ def main() -> None:
         for name in a.models.split(","):
             for bs in (int(b) for b in a.batches.split(",")):
                 try:
-                    med, p90, emu, stats = measure(gpu, name, bs, a.iterations)
+                    med, p90, emu, stats = measure(gpu, name, bs, a.iterations, tuning=tuning)
                 except torch.cuda.OutOfMemoryError:
                     print(f"{gpu:6} {name:14} {bs:4d}  out of memory on the emulated GPU (as on the real one)",
                           flush=True)

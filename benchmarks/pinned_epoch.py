@@ -138,7 +138,7 @@ def run_one(setting: str, batches: int, workers: int, gpu_seconds: float | None)
         for w in rt.recorder.waits:
             waits[w.reason] = waits.get(w.reason, 0.0) + (w.end - w.start)
         out["host_waits_s"] = waits
-        pinned = rt.state.get("pinned", {})
+        pinned = rt.pinned
         out["pin_s"] = pinned.get("pin_seconds", 0.0)
         out["pool"] = pinned["pool"].stats().as_dict() if "pool" in pinned else None
     return out

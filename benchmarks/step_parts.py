@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
-from gpemu import replay  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
 
 PHASES = ("input copy", "forward", "label copy", "loss", "backward", "optimizer step", "zero_grad", "synchronize")
@@ -44,7 +43,7 @@ def main() -> None:
                    help="alternate blocks of 10 iterations with the cross-entropy fast path on and off")
     p.add_argument("--compare-direct", action="store_true",
                    help="alternate blocks of 10 iterations with loss.backward() run with and without the "
-                        "autograd engine (gpemu.replay._direct_backward)")
+                        "autograd engine (gpemu.fastpaths.replay._direct_backward)")
     a = p.parse_args()
     if a.batch_size < 1 or a.iterations < 10:
         p.error("--batch-size must be >= 1 and --iterations >= 10")
@@ -52,7 +51,7 @@ def main() -> None:
         module = tvmodels.MODELS[a.model]()
     module = module.to_empty(device="cpu")
     times: dict[bool, dict[str, list[float]]] = {True: {k: [] for k in PHASES}, False: {k: [] for k in PHASES}}
-    with gpemu.emulate(gpu=a.gpu, extra={"clock": VirtualClock()}, summary=False):
+    with gpemu.emulate(gpu=a.gpu, clock=VirtualClock(), summary=False) as rt:
         fast_loss = F.cross_entropy
         op_by_op_loss = getattr(fast_loss, "__wrapped__", fast_loss)
         model = module.cuda()
@@ -63,7 +62,7 @@ def main() -> None:
         for i in range(a.iterations + 5):
             fast = not ((a.compare_loss or a.compare_direct) and (i // 10) % 2)
             loss_fn = fast_loss if fast or a.compare_direct else op_by_op_loss
-            replay._DIRECT = fast or a.compare_loss
+            rt.replay.direct_enabled = fast or a.compare_loss
             t0 = pc()
             xc = x.cuda()
             t1 = pc()

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
     rt = gpemu.patch(gpu=args.gpu, model=args.model, summary=False)
-    engine = rt.state["engine"]
+    engine = rt.engine
     fwd = rt.db.lookup(args.gpu, args.model, args.batch, "forward").value
     bwd = rt.db.lookup(args.gpu, args.model, args.batch, "backward").value
     compute = fwd + bwd

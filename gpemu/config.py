@@ -16,9 +16,14 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-__all__ = ["EmuConfig", "ConfigError", "ENV_PREFIX"]
+from .units import redact_url
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .clock import Clock
+
+__all__ = ["EmuConfig", "Tuning", "ConfigError", "ENV_PREFIX", "GRANULARITIES"]
 
 ENV_PREFIX = "GPEMU_"
 
@@ -28,9 +33,82 @@ class ConfigError(ValueError):
 
 
 _MEMORY_MODES = ("tracked", "profiled")
-_GRANULARITIES = ("iteration", "sync", "forward-backward")
+# What one request to a sharing manager covers (the time engine hands work over at these points).
+GRANULARITIES = ("iteration", "sync", "forward-backward")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Knobs of the emulator's own machinery. Defaults are what runs use; benchmarks turn them
+    for A/B comparisons (``GPEMU_TUNING="hub_after=-1,spare_limit=0"``). None changes emulated
+    GPU time or memory, only the emulator's own host time (and, for ``spin_margin`` and
+    ``return_allowance``, how precisely the host meets GPU deadlines)."""
+
+    # Replayed loss.backward() may run without the autograd engine for an ordinary step's graph.
+    direct_backward: bool = True
+    # Plain backwards of a recording before its replays pass one "hub" leaf to autograd instead
+    # of every parameter; -1 never.
+    hub_after: int = 2
+    # Gradient wrappers pooled for reuse between steps at most; 0 turns reuse (and gradient
+    # sets) off.
+    spare_limit: int = 100_000
+    # Seconds before a deadline at which a host wait stops sleeping and spins.
+    spin_margin: float = 1e-3
+    # Host seconds after a sync wait forgiven as the emulator's own return path: one value or
+    # (after a short wait, after a long one); None calibrates it once per process.
+    return_allowance: float | tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hub_after, int) or isinstance(self.hub_after, bool) or self.hub_after < -1:
+            raise ConfigError(f"tuning hub_after must be an integer >= -1, got {self.hub_after!r}")
+        if not isinstance(self.spare_limit, int) or isinstance(self.spare_limit, bool) or self.spare_limit < 0:
+            raise ConfigError(f"tuning spare_limit must be an integer >= 0, got {self.spare_limit!r}")
+        if not isinstance(self.spin_margin, (int, float)) or not 0 <= self.spin_margin <= 0.1:
+            raise ConfigError(f"tuning spin_margin must be seconds in [0, 0.1], got {self.spin_margin!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Tuning":
+        """``"hub_after=-1, spare_limit=0"`` (the ``GPEMU_TUNING`` form) -> Tuning."""
+        values: dict[str, Any] = {}
+        known = {f.name: f for f in fields(cls)}
+        for item in (x.strip() for x in text.split(",")):
+            if not item:
+                continue
+            key, sep, raw = item.partition("=")
+            key = key.strip()
+            if not sep or key not in known:
+                raise ConfigError(f"tuning entries are name=value with names {', '.join(known)}; got {item!r}")
+            values[key] = _parse_tuning_value(key, raw.strip())
+        return cls(**values)
+
+    def to_text(self) -> str:
+        """The non-default knobs in :meth:`parse`'s form ("" when all are defaults)."""
+        default = Tuning()
+        items = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != getattr(default, f.name):
+                text = ";".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
+                items.append(f"{f.name}={text}")
+        return ",".join(items)
+
+
+def _parse_tuning_value(key: str, raw: str) -> Any:
+    try:
+        if key == "direct_backward":
+            return _coerce("replay", raw)  # the boolean spellings of every other setting
+        if key in ("hub_after", "spare_limit"):
+            return int(raw)
+        if key == "spin_margin":
+            return float(raw)
+        if raw.lower() in ("", "none", "auto"):
+            return None
+        parts = tuple(float(v) for v in raw.split(";"))
+        return parts[0] if len(parts) == 1 else parts
+    except ValueError:
+        raise ConfigError(f"tuning {key} has a value of the wrong type: {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -62,6 +140,14 @@ class EmuConfig:
     sharing: str | None = None
     # GPEMU_SHARING_GRANULARITY: what one request to the sharing manager covers.
     sharing_granularity: str = "iteration"
+    # GPEMU_SHARING_WEIGHT: this job's weight under the manager's weighted policies.
+    sharing_weight: float = 1.0
+    # GPEMU_SHARING_LEASE_S: seconds the manager keeps this job's emuGPU reservation without
+    # hearing from it (a killed job's memory is freed after this at the latest).
+    sharing_lease_s: float = 10.0
+    # GPEMU_SHARING_PERSISTENT_BYTES: GPU memory to register with the manager instead of what the
+    # job's tracker holds at its first request (None: the tracked amount).
+    sharing_persistent_bytes: int | None = None
     # GPEMU_JOB_ID: this job's id towards the sharing manager (default: host-pid).
     job_id: str | None = None
     # GPEMU_VISIBLE_DEVICES: emuGPU ids allocated to this process (set by the k8s plugin).
@@ -79,8 +165,11 @@ class EmuConfig:
     # GPEMU_ENABLE: set by `gpemu run`; the sitecustomize bootstrap patches every Python process
     # started with it (the script, DataLoader spawn workers, torchrun / mp.spawn children).
     enable: bool = False
-    # Anything else the user passed that a component may understand (kept, not validated here).
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    # GPEMU_TUNING: the emulator's own knobs (see Tuning), e.g. "hub_after=-1,spare_limit=0".
+    tuning: Tuning = field(default_factory=Tuning)
+    # The host clock of the run (default: the real one). Tests and overhead benchmarks pass a
+    # gpemu.clock.VirtualClock. Not an environment setting: child processes use the real clock.
+    clock: "Clock | None" = field(default=None, compare=False)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -93,7 +182,7 @@ class EmuConfig:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for f in fields(cls):
-            if f.name == "extra":
+            if f.name in _NOT_IN_ENV:
                 continue
             raw = env.get(_env_name(f.name))
             if raw is not None:
@@ -101,17 +190,16 @@ class EmuConfig:
         xdg = env.get("XDG_DATA_HOME")
         if "data_dir" not in values and xdg:
             values["data_dir"] = str(Path(xdg) / "gpemu")
-        extra = dict(overrides.pop("extra", None) or {})
         known = {f.name for f in fields(cls)}
         for key, value in overrides.items():
             if value is None:
                 continue
             if key not in known:
                 raise ConfigError(
-                    f"unknown setting {key!r}; valid settings: {', '.join(sorted(known - {'extra'}))}"
+                    f"unknown setting {key!r}; valid settings: {', '.join(sorted(known))}"
                 )
             values[key] = value
-        return cls(**{k: _coerce(k, v) for k, v in values.items()}, extra=extra)
+        return cls(**{k: _coerce(k, v) for k, v in values.items()})
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_gpus, int) or isinstance(self.num_gpus, bool) or not 1 <= self.num_gpus <= 64:
@@ -120,12 +208,25 @@ class EmuConfig:
             raise ConfigError("gpu must be a GPU name such as 'V100' (see `gpemu gpus`)")
         if self.memory not in _MEMORY_MODES:
             raise ConfigError(f"memory must be one of {', '.join(_MEMORY_MODES)}, got {self.memory!r}")
-        if self.sharing_granularity not in _GRANULARITIES:
+        if self.sharing_granularity not in GRANULARITIES:
             raise ConfigError(
-                f"sharing_granularity must be one of {', '.join(_GRANULARITIES)}, got {self.sharing_granularity!r}"
+                f"sharing_granularity must be one of {', '.join(GRANULARITIES)}, got {self.sharing_granularity!r}"
             )
         if self.sharing is not None and not self.sharing.startswith(("amqp://", "amqps://")):
-            raise ConfigError(f"sharing must be an amqp:// or amqps:// URL, got {_redact(self.sharing)!r}")
+            raise ConfigError(f"sharing must be an amqp:// or amqps:// URL, got {redact_url(self.sharing)!r}")
+        if not isinstance(self.sharing_weight, (int, float)) or isinstance(self.sharing_weight, bool) \
+                or not 0 < self.sharing_weight <= 1e6:
+            raise ConfigError(f"sharing_weight must be a number above 0 (at most 1e6), got {self.sharing_weight!r}")
+        if not isinstance(self.sharing_lease_s, (int, float)) or isinstance(self.sharing_lease_s, bool) \
+                or not 0.5 <= self.sharing_lease_s <= 3600:
+            raise ConfigError(f"sharing_lease_s must be seconds from 0.5 to 3600, got {self.sharing_lease_s!r}")
+        if self.sharing_persistent_bytes is not None and (
+                not isinstance(self.sharing_persistent_bytes, int) or isinstance(self.sharing_persistent_bytes, bool)
+                or self.sharing_persistent_bytes < 0):
+            raise ConfigError("sharing_persistent_bytes must be a byte count >= 0, got "
+                              f"{self.sharing_persistent_bytes!r}")
+        if not isinstance(self.tuning, Tuning):
+            raise ConfigError(f"tuning must be a gpemu.config.Tuning, got {type(self.tuning).__name__}")
         if self.device_gpus is not None and len(self.device_gpus) == 0:
             raise ConfigError("device_gpus, when given, must name at least one GPU")
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
@@ -151,12 +252,16 @@ class EmuConfig:
         """Environment that makes ``from_env`` rebuild this config in a child process."""
         out: dict[str, str] = {}
         for f in fields(self):
-            if f.name == "extra":
+            if f.name in _NOT_IN_ENV:
                 continue
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if isinstance(value, bool):
+            if isinstance(value, Tuning):
+                text = value.to_text()
+                if not text:
+                    continue
+            elif isinstance(value, bool):
                 text = "1" if value else "0"
             elif isinstance(value, tuple):
                 text = ",".join(value)
@@ -168,8 +273,12 @@ class EmuConfig:
     def describe(self) -> str:
         """A one-line, credential-free description for logs."""
         gpus = ",".join(self.gpus_per_device)
-        share = f" sharing={_redact(self.sharing)}" if self.sharing else ""
+        share = f" sharing={redact_url(self.sharing)}" if self.sharing else ""
         return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}"
+
+
+# Settings that cannot travel through the environment (objects, not text).
+_NOT_IN_ENV = frozenset(("clock",))
 
 
 def _env_name(field_name: str) -> str:
@@ -207,14 +316,23 @@ def _coerce(name: str, value: Any) -> Any:
         return None if value is None else str(value)
     if name in ("memory", "sharing_granularity") and isinstance(value, str):
         return value.strip().lower()
+    if name in ("sharing_weight", "sharing_lease_s") and isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if name == "sharing_persistent_bytes" and isinstance(value, str):
+        try:
+            return int(value.strip()) if value.strip() else None
+        except ValueError:
+            raise ConfigError(f"sharing_persistent_bytes must be a byte count, got {value!r}") from None
+    if name == "tuning":
+        if isinstance(value, str):
+            return Tuning.parse(value)
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in fields(Tuning)}
+            if unknown:
+                raise ConfigError(f"unknown tuning knob(s) {', '.join(sorted(unknown))}; valid: "
+                                  f"{', '.join(f.name for f in fields(Tuning))}")
+            return Tuning(**value)
     return value
-
-
-def _redact(url: str | None) -> str:
-    """Hide the password in a URL so credentials never reach logs."""
-    if not url or "@" not in url or "://" not in url:
-        return url or ""
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "forward_seconds", "backward_seconds", "optimizer_step_seconds", "op_seconds", "estimate_module",
+    "CostState", "forward_seconds", "backward_seconds", "optimizer_step_seconds", "op_seconds", "estimate_module",
     "roofline_seconds", "compute_efficiency", "PROVENANCE_ORDER",
     "LAUNCH_LATENCY", "BANDWIDTH_EFFICIENCY", "DEFAULT_COMPUTE_EFFICIENCY",
 ]
@@ -55,10 +56,20 @@ def _worst(a: str, b: str) -> str:
     return a if PROVENANCE_ORDER.index(a) >= PROVENANCE_ORDER.index(b) else b
 
 
-def _st(rt: "Runtime") -> dict[str, Any]:
-    st = rt.state.get("costs")
+@dataclass
+class CostState:
+    """What one run has worked out about costs (``rt.costs``, made on first use)."""
+
+    memo: dict = field(default_factory=dict)   # (identity, batch, device, kind) -> (seconds, provenance)
+    efficiency: dict = field(default_factory=dict)  # GPU name -> compute efficiency
+    # optimizer -> (its parameter lists' key, (seconds, provenance))
+    optimizers: "weakref.WeakKeyDictionary[Any, tuple]" = field(default_factory=weakref.WeakKeyDictionary)
+
+
+def _st(rt: "Runtime") -> CostState:
+    st = rt.costs
     if st is None:
-        st = rt.state["costs"] = {"memo": {}, "eff": {}, "optim": weakref.WeakKeyDictionary()}
+        st = rt.costs = CostState()
     return st
 
 
@@ -74,7 +85,7 @@ def backward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, de
 
 
 def _model_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int, kind: str) -> tuple[float, str]:
-    memo = _st(rt)["memo"]
+    memo = _st(rt).memo
     key = (identity, batch_size, device, kind)
     hit = memo.get(key)
     if hit is not None:
@@ -129,7 +140,7 @@ def _compute_model_seconds(rt: "Runtime", identity: ModelIdentity, batch: int, d
 def compute_efficiency(rt: "Runtime", spec: "GpuSpec") -> float:
     """Share of peak FP32 FLOP/s real models reach on this GPU (median over the database's
     measured models at batch 64, forward+backward); DEFAULT_COMPUTE_EFFICIENCY without data."""
-    eff = _st(rt)["eff"]
+    eff = _st(rt).efficiency
     hit = eff.get(spec.name)
     if hit is not None:
         return hit
@@ -176,7 +187,7 @@ def _tensor_bytes(x: Any, acc: list[int], half: list[bool]) -> None:
 
 def op_seconds(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:
     """Roofline GPU seconds of one aten op (0 inside a module/optimizer charge, or for views)."""
-    engine = rt.state.get("engine")
+    engine = rt.engine
     if engine is not None and engine.in_charged_scope:
         return 0.0
     return _op_roofline(rt, rt.gpus[device], func, args, kwargs or {}, out)
@@ -262,7 +273,7 @@ def estimate_module(rt: "Runtime", identity: ModelIdentity, module: torch.nn.Mod
     identity.estimates[key_f], identity.estimates[key_b] = result
     identity.estimates[("forward-launch", batch, device)] = fwd.ops * LAUNCH_LATENCY
     identity.estimates[("backward-launch", batch, device)] = bwd.ops * LAUNCH_LATENCY
-    memo = _st(rt)["memo"]
+    memo = _st(rt).memo
     memo.pop((identity, batch, device, "forward"), None)
     memo.pop((identity, batch, device, "backward"), None)
     return result
@@ -293,7 +304,7 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
 
 def optimizer_step_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, device: int) -> tuple[float, str]:
     """GPU seconds of one ``optimizer.step()`` over its parameters on ``device``."""
-    cache = _st(rt)["optim"]
+    cache = _st(rt).optimizers
     # Keyed on the groups' parameter lists (identity and length), not on every parameter: this
     # runs at every step, and walking ~500 parameters would cost ~15 µs of host time each time.
     key = (device, tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups))
@@ -336,7 +347,7 @@ def _optimizer_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, params: 
 
 
 def _identities_seen(rt: "Runtime") -> list[ModelIdentity]:
-    st = rt.state.get("identify")
-    if not st:
+    st = rt.identities
+    if st is None:
         return []
-    return list(st["cache"].values())
+    return list(st.cache.values())

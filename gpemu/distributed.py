@@ -30,6 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from .hostvalues import SHADOW_MAX_ELEMENTS
+from .runtime import current
+from .tensor import host_shadow, set_host_shadow
+
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
@@ -90,8 +94,6 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 class EmulatedDDP(_TorchDDP):
     """What ``DistributedDataParallel(module, ...)`` builds while gpemu is patched."""
 
-    _gpemu_rt: "Runtime | None" = None  # set at install
-
     def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group: Any = None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
@@ -100,9 +102,10 @@ class EmulatedDDP(_TorchDDP):
                  param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
                  device_mesh: Any = None, skip_all_reduce_unused_params: bool = False) -> None:
         nn.Module.__init__(self)
-        rt = type(self)._gpemu_rt
+        rt = current()
         if rt is None:
             raise RuntimeError("gpemu is not patched: EmulatedDDP needs an emulated run")
+        self._gpemu_rt = rt
         if not dist.is_initialized():
             raise ValueError("Default process group has not been initialized, please make sure to call "
                              "init_process_group.")
@@ -139,8 +142,8 @@ class EmulatedDDP(_TorchDDP):
         # The reducer's flat bucket buffers are a second copy of the gradients on the GPU
         # (unless gradient_as_bucket_view makes the gradients views into them).
         self._gpemu_buckets_memory = None
-        trackers = rt.state.get("memory")
-        if trackers is not None and self._gpemu_device is not None and not gradient_as_bucket_view:
+        trackers = rt.memory
+        if trackers and self._gpemu_device is not None and not gradient_as_bucket_view:
             self._gpemu_buckets_memory = trackers[self._gpemu_device].allocate(self._gpemu_grad_bytes)
         if init_sync:
             # DDP broadcasts rank 0's parameters and buffers at construction.
@@ -181,7 +184,7 @@ class EmulatedDDP(_TorchDDP):
         yield
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        rt = type(self)._gpemu_rt
+        rt = self._gpemu_rt
         if rt is not None:
             rt.say_once("DDP communication hooks are accepted but not run (the all-reduce is emulated)")
 
@@ -202,6 +205,7 @@ class EmulatedDDP(_TorchDDP):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
+        state.pop("_gpemu_rt", None)
         state.pop("process_group", None)
         state.pop("_gpemu_hooks", None)
         state.pop("_gpemu_lock", None)
@@ -210,6 +214,7 @@ class EmulatedDDP(_TorchDDP):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._gpemu_rt = current()
         self.process_group = dist.group.WORLD
         self._gpemu_lock = threading.Lock()
         self._gpemu_hooks = []
@@ -217,14 +222,14 @@ class EmulatedDDP(_TorchDDP):
 
     # ---------------------------------------------------------------- emulation
     def _gpemu_bandwidth(self) -> float:
-        rt = type(self)._gpemu_rt
+        rt = self._gpemu_rt
         if rt is None or self._gpemu_device is None:
             return 12e9
         return interconnect_bandwidth(rt.gpus[self._gpemu_device])
 
     def _gpemu_stream(self):
-        rt = type(self)._gpemu_rt
-        engine = rt.state.get("engine") if rt is not None else None
+        rt = self._gpemu_rt
+        engine = rt.engine if rt is not None else None
         if engine is None or self._gpemu_device is None:
             return None
         return engine.stream(self._gpemu_device)
@@ -251,15 +256,15 @@ class EmulatedDDP(_TorchDDP):
         with self._gpemu_lock:
             self._gpemu_queued = False
             self._gpemu_sync_this_backward = False
-        rt = type(self)._gpemu_rt
-        if rt is None:  # gpemu was unpatched while this wrapper lived on
+        rt = self._gpemu_rt
+        if rt is None or current() is not rt:  # gpemu was unpatched while this wrapper lived on
             return
         rt.recorder.add("ddp_gradient_syncs", 1.0)
         stream = self._gpemu_stream()
         if stream is None:
             _lockstep(self.process_group, 0.0)
             return
-        engine = rt.state["engine"]
+        engine = rt.engine
         backward_end = max(stream.busy_until, engine.now())
         backward_start = self._gpemu_backward_start if self._gpemu_backward_start is not None else backward_end
         backward_start = min(backward_start, backward_end)
@@ -286,7 +291,7 @@ class EmulatedDDP(_TorchDDP):
         if batch in self._gpemu_measured:
             return self._gpemu_measured[batch]
         value = None
-        rt = type(self)._gpemu_rt
+        rt = self._gpemu_rt
         try:
             from .costs import backward_seconds, forward_seconds
             from .identify import identify
@@ -339,11 +344,8 @@ def _overlapped_finish(start: float, end: float, buckets: list[int], world: int,
 def _lockstep(group: Any, value: float) -> float:
     """One real gloo all-reduce (MAX of an 8-byte float) among the group's ranks."""
     t = torch.tensor([value], dtype=torch.float64)
-    _ORIGINALS["all_reduce"](t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # a host tensor: gloo's own all-reduce
     return float(t.item())
-
-
-_ORIGINALS: dict[str, Callable] = {"all_reduce": dist.all_reduce}
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,9 +354,9 @@ _ORIGINALS: dict[str, Callable] = {"all_reduce": dist.all_reduce}
 def install(rt: "Runtime") -> None:
     from torch.distributed import distributed_c10d as c10d
 
-    _ORIGINALS.update({name: getattr(c10d, name) for name in
-                       ("init_process_group", "new_group", "all_reduce", "broadcast", "reduce", "all_gather",
-                        "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")})
+    _ORIGINALS = {name: getattr(c10d, name) for name in
+                  ("init_process_group", "new_group", "all_reduce", "broadcast", "reduce", "all_gather",
+                   "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")}
     original_init = _ORIGINALS["init_process_group"]
     original_new_group = _ORIGINALS["new_group"]
 
@@ -381,7 +383,7 @@ def install(rt: "Runtime") -> None:
         return True
 
     def charge(tensor: torch.Tensor, seconds: float, name: str) -> None:
-        engine = rt.state.get("engine")
+        engine = rt.engine
         if engine is not None and seconds > 0:
             engine.stream(tensor.device.index or 0).enqueue(seconds, "comm", name)
 
@@ -397,9 +399,9 @@ def install(rt: "Runtime") -> None:
         Its size depends only on the tensor's shape, so every rank sends the same message even
         when only some ranks know the values (mismatched gloo messages abort a rank).
         """
-        if tensor.numel() > _SHADOW_MAX_ELEMENTS:
+        if tensor.numel() > SHADOW_MAX_ELEMENTS:
             return torch.zeros(1, dtype=torch.float64)
-        host = _host_value(tensor)
+        host = host_shadow(tensor)
         if host is not None:
             return host.detach().to(torch.float64).reshape(-1).clone()
         return torch.zeros(tensor.numel(), dtype=torch.float64)
@@ -409,7 +411,7 @@ def install(rt: "Runtime") -> None:
             work = None
         if work is not None:
             work.wait()
-        _set_host_value(tensor, proxy)
+        set_host_shadow(tensor, proxy)
         return work
 
     def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
@@ -449,7 +451,7 @@ def install(rt: "Runtime") -> None:
             work.wait()
         for dst, value in zip(tensor_list, outs):
             if _is_emulated(dst):
-                _set_host_value(dst, value)
+                set_host_shadow(dst, value)
             elif isinstance(dst, torch.Tensor) and dst.numel() == value.numel():
                 dst.copy_(value.reshape(dst.shape))
         return work
@@ -480,18 +482,14 @@ def install(rt: "Runtime") -> None:
         "all_gather_into_tensor": all_gather_into_tensor, "reduce_scatter_tensor": reduce_scatter_tensor,
         "barrier": barrier,
     }
-    from .cuda_api import _replace_copies
-
     # One pass over torch's modules replaces every by-name copy (torch.distributed re-exports
     # c10d's functions; other modules import them by name).
-    _replace_copies(rt, {id(getattr(c10d, name)): (getattr(c10d, name), new) for name, new in replacements.items()})
+    rt.patcher.replace_everywhere_many([(getattr(c10d, name), new) for name, new in replacements.items()])
     for name, new in replacements.items():
         if getattr(dist, name, None) is not new:
             rt.patcher.replace(dist, name, new)
 
     # DistributedDataParallel(...) builds an EmulatedDDP, also for names imported before patch().
-    rt.patcher.replace(EmulatedDDP, "_gpemu_rt", rt)
-
     def ddp_new(cls: type, *args: Any, **kwargs: Any) -> Any:
         module = args[0] if args else kwargs.get("module")
         on_gpu = isinstance(module, nn.Module) and any(_is_emulated(p) for p in module.parameters())
@@ -528,13 +526,13 @@ def _install_data_parallel(rt: "Runtime") -> None:
     # (the package re-exports the function under the module's name)
     parallel_apply_module = importlib.import_module("torch.nn.parallel.parallel_apply")
 
-    from .cuda_api import _replace_copies, device_index
+    device_index = rt.cuda.device_index
 
     def cuda(index: int) -> torch.device:
         return torch.device("cuda", index)
 
     def indices(devices: Any) -> list[int]:
-        return [device_index(rt, d) for d in devices]
+        return [device_index(d) for d in devices]
 
     def broadcast_coalesced(tensors: Any, devices: Any, buffer_size: int = 10485760) -> list:
         out = []
@@ -560,11 +558,11 @@ def _install_data_parallel(rt: "Runtime") -> None:
         if destination == -1 or destination == "cpu":
             target = torch.device("cpu")
         else:
-            target = cuda(device_index(rt, destination))
+            target = cuda(device_index(destination))
         return torch.cat([t.to(target, non_blocking=True) for t in tensors], dim)
 
     def reduce_add_coalesced(inputs: Any, destination: Any = None, buffer_size: int = 10485760) -> tuple:
-        target = cuda(device_index(rt, destination))
+        target = cuda(device_index(destination))
         result = []
         for group in zip(*inputs):
             total = None
@@ -586,17 +584,15 @@ def _install_data_parallel(rt: "Runtime") -> None:
                 device = first.device if first is not None else rt.current_device
             if not isinstance(args, (list, tuple)):
                 args = (args,)
-            with torch.cuda.device(device_index(rt, device)):
+            with torch.cuda.device(device_index(device)):
                 outputs.append(module(*args, **kwargs))
         return outputs
 
-    replacements = {}
-    for module, name, new in ((comm, "broadcast_coalesced", broadcast_coalesced), (comm, "scatter", scatter),
-                              (comm, "gather", gather), (comm, "reduce_add_coalesced", reduce_add_coalesced),
-                              (parallel_apply_module, "parallel_apply", parallel_apply)):
-        original = getattr(module, name)
-        replacements[id(original)] = (original, new)
-    _replace_copies(rt, replacements)
+    rt.patcher.replace_everywhere_many(
+        (getattr(module, name), new)
+        for module, name, new in ((comm, "broadcast_coalesced", broadcast_coalesced), (comm, "scatter", scatter),
+                                  (comm, "gather", gather), (comm, "reduce_add_coalesced", reduce_add_coalesced),
+                                  (parallel_apply_module, "parallel_apply", parallel_apply)))
     # Background copy streams of the CUDA build: copies go on the devices' current streams.
     rt.patcher.replace(_functions, "_get_stream", lambda device: None)
 
@@ -632,17 +628,4 @@ def _emulated_subclass(cls: type) -> type:
     return sub
 
 
-from .placeholders import SHADOW_MAX_ELEMENTS as _SHADOW_MAX_ELEMENTS  # noqa: E402
 
-
-def _host_value(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The host-side shadow value of an emulated tensor, when the device layer keeps one."""
-    from .tensor import host_shadow
-
-    return host_shadow(tensor)
-
-
-def _set_host_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    from .tensor import set_host_shadow
-
-    set_host_shadow(tensor, value)

@@ -12,8 +12,10 @@ collected per device and handed, at the configured granularity, to a per-device 
 that calls ``backend.run(device, seconds, peak_bytes, kind)`` (which blocks while the sharing
 manager runs other jobs). The host still runs ahead; sync points wait for the worker.
 
-``Stream`` and ``Event`` are shaped like ``torch.cuda.Stream`` / ``torch.cuda.Event`` so the
-torch.cuda surface can hand them out directly.
+``VirtualStream`` and ``EmuEvent`` are shaped like ``torch.cuda.Stream`` / ``torch.cuda.Event``;
+the torch.cuda surface (:mod:`gpemu.cuda_api`) hands them out, and reads user device arguments.
+This module knows nothing of the rest of gpemu: it is given its clock, recorder, memory
+trackers and a way to read the host thread's current device.
 """
 
 from __future__ import annotations
@@ -22,22 +24,21 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from .clock import Clock, RealClock
+from .config import GRANULARITIES
+from .devices import check_ordinal
 from .recorder import Recorder
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "TimeEngine", "VirtualStream", "Stream", "EmuEvent", "Event", "GpuTimeBackend", "install",
-    "get_engine", "calibrate_return_allowance",
+    "TimeEngine", "VirtualStream", "EmuEvent", "GpuTimeBackend", "install", "calibrate_return_allowance",
 ]
-
-_GRANULARITIES = ("iteration", "sync", "forward-backward")
 # A wake-up later than this is not forgiven (something other than scheduling noise held us).
 _MAX_FORGIVEN_LATENESS = 0.05
 # The return allowance (see calibrate_return_allowance). On a shared VM the first microseconds
@@ -124,17 +125,21 @@ class TimeEngine:
 
     def __init__(self, num_devices: int, recorder: Recorder | None = None, clock: Clock | None = None,
                  granularity: str = "iteration",
-                 return_allowance: float | tuple[float, float] | None = None) -> None:
+                 return_allowance: float | tuple[float, float] | None = None,
+                 memory: Sequence[Any] | None = None,
+                 current_device: Callable[[], int] | None = None) -> None:
         """``return_allowance``: host seconds after each sync wait that are the emulator's own
         return path (from its last clock reading back to the program) plus its entry path (from
         the program's next enqueue call to the clock reading there); see :meth:`_waited`. One
         value, or ``(after a wait shorter than 1 ms, after a longer one)``. None: calibrated
         once per process on a real clock (:func:`calibrate_return_allowance`), 0 on any other
-        clock (virtual clocks are exact)."""
+        clock (virtual clocks are exact). ``memory``: the devices' memory trackers (a backend is
+        told each device's peak bytes). ``current_device``: the calling thread's current device
+        (streams and events used without a device), device 0 when not given."""
         if not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
-        if granularity not in _GRANULARITIES:
-            raise ValueError(f"granularity must be one of {', '.join(_GRANULARITIES)}, got {granularity!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
         if return_allowance is not None:
             pair = return_allowance if isinstance(return_allowance, tuple) else (return_allowance,) * 2
             if len(pair) != 2 or not all(isinstance(v, (int, float)) and 0 <= v <= _MAX_ALLOWANCE for v in pair):
@@ -155,33 +160,42 @@ class TimeEngine:
         # Latest end of any work on each device (all streams): a device sync waits for this.
         self._device_busy = [0.0] * num_devices
         self._next_stream_id = [1] * num_devices
-        self._default = [VirtualStream._make(self, d, 0, 0) for d in range(num_devices)]
+        self._stream_type: type[VirtualStream] = VirtualStream
+        self._default = [VirtualStream(self, d, 0, 0) for d in range(num_devices)]
         self._backend: GpuTimeBackend | None = None
         self._workers: dict[int, _BackendWorker] = {}
         self._pending: list[list[tuple]] = [[] for _ in range(num_devices)]
         self._backward_since_mark = [False] * num_devices
-        # The run's state (set by install): the memory trackers give a backend the device's
-        # real peak bytes. None when the engine is used on its own.
-        self.run_state: dict | None = None
+        self._memory = memory
+        self.current_device: Callable[[], int] = current_device if current_device is not None else (lambda: 0)
 
     # ------------------------------------------------------------------ streams
     def check_device(self, device: int) -> int:
-        if not isinstance(device, int) or isinstance(device, bool) or not 0 <= device < self.num_devices:
-            raise RuntimeError(
-                f"CUDA error: invalid device ordinal (gpemu: device {device!r} requested, "
-                f"{self.num_devices} emulated GPU(s) available: 0..{self.num_devices - 1})"
-            )
-        return device
+        return check_ordinal(device, self.num_devices)
+
+    def set_stream_type(self, stream_type: "type[VirtualStream]") -> None:
+        """Make every stream of this engine (the default streams too) an instance of
+        ``stream_type``, a :class:`VirtualStream` subclass (the torch.cuda surface's
+        ``torch.cuda.Stream``, so ``isinstance(torch.cuda.current_stream(), torch.cuda.Stream)``
+        holds). Only before any work is enqueued."""
+        if any(s.busy_until for s in self._default):
+            raise RuntimeError("gpemu: stream type changed after GPU work was enqueued")
+        self._stream_type = stream_type
+        self._default = [VirtualStream.make(stream_type, self, d, 0, 0) for d in range(self.num_devices)]
 
     def default_stream(self, device: int) -> "VirtualStream":
         return self._default[self.check_device(device)]
 
-    def new_stream(self, device: int, priority: int = 0) -> "VirtualStream":
+    def next_stream_id(self, device: int) -> int:
+        """A new stream id on ``device`` (0 is the default stream)."""
         self.check_device(device)
         with self._lock:
             sid = self._next_stream_id[device]
             self._next_stream_id[device] = sid + 1
-        return VirtualStream._make(self, device, priority, sid)
+        return sid
+
+    def new_stream(self, device: int, priority: int = 0) -> "VirtualStream":
+        return VirtualStream.make(self._stream_type, self, device, priority, self.next_stream_id(device))
 
     def stream(self, device: int) -> "VirtualStream":
         """The calling thread's current stream on ``device`` (default stream unless set)."""
@@ -346,8 +360,32 @@ class TimeEngine:
     def in_charged_scope(self) -> bool:
         return self._local.scope > 0
 
-    def _set_scope(self, depth: int) -> None:
-        self._local.scope = depth
+    @contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """Inside, a charged scope of this thread is suspended (the op cache prices an op's own
+        cost while a module charge covers it)."""
+        local = self._local
+        depth, local.scope = local.scope, 0
+        try:
+            yield
+        finally:
+            local.scope = depth
+
+    def enter_charged(self) -> None:
+        """Open a charged scope that is closed by :meth:`exit_charged` (for callbacks that cannot
+        use the ``with`` form, e.g. around an autograd backward pass)."""
+        self._local.scope += 1
+
+    def exit_charged(self) -> None:
+        local = self._local
+        if local.scope > 0:
+            local.scope -= 1
+
+    def set_charged(self, on: bool) -> None:
+        """This thread is (or is no longer) inside one charge, regardless of what was open before:
+        for hook pairs that an exception between them could leave unbalanced (an optimizer step
+        that raised must not leave every later op uncharged)."""
+        self._local.scope = 1 if on else 0
 
     # ------------------------------------------------------------------ iterations
     def end_iteration(self, device: int) -> None:
@@ -406,7 +444,7 @@ class TimeEngine:
 
     def _peak_bytes(self, device: int) -> int:
         """The device's tracked peak allocation (0 without memory trackers)."""
-        trackers = self.run_state.get("memory") if self.run_state is not None else None
+        trackers = self._memory
         if trackers and device < len(trackers):
             return int(trackers[device].peak_allocated)
         return 0
@@ -497,54 +535,22 @@ class _BackendWorker:
 # ---------------------------------------------------------------------------------------------
 # streams and events, shaped like torch.cuda.Stream / torch.cuda.Event
 # ---------------------------------------------------------------------------------------------
-def get_engine() -> TimeEngine:
-    """The active run's engine; a clear error when gpemu is not patched."""
-    from .runtime import current
-
-    rt = current()
-    if rt is None or "engine" not in rt.state:
-        raise RuntimeError("gpemu is not patched: call gpemu.patch() before using emulated CUDA streams/events")
-    return rt.state["engine"]
-
-
-def _device_index(device: Any, engine: TimeEngine) -> int:
-    """torch.cuda-style device argument (None, int, 'cuda:1', torch.device) -> index."""
-    if device is None:
-        from .runtime import current
-
-        rt = current()
-        return rt.current_device if rt is not None else 0
-    if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
-        if device.type != "cuda":
-            raise ValueError(f"expected a cuda device, got {device}")
-        return _device_index(device.index, engine)
-    if isinstance(device, int) and not isinstance(device, bool):
-        return engine.check_device(device)
-    raise TypeError(f"device must be None, an int, a 'cuda:N' string or a torch.device, got {device!r}")
-
-
 class VirtualStream:
     """One emulated CUDA stream: in-order GPU work with a ``busy_until`` deadline.
 
-    Constructed like ``torch.cuda.Stream(device=None, priority=0)`` by user code; the engine
-    builds its default streams internally.
+    Made by the engine (:meth:`TimeEngine.new_stream`); user code constructs them as
+    ``torch.cuda.Stream(device=None, priority=0)``, a subclass the torch.cuda surface defines.
     """
 
     __slots__ = ("_engine", "device_index", "priority", "stream_id", "busy_until", "__weakref__")
 
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        if kwargs:
-            raise TypeError(f"gpemu streams do not support {', '.join(sorted(kwargs))} "
-                            "(external/foreign CUDA streams cannot exist in emulation)")
-        engine = get_engine()
-        index = _device_index(device, engine)
-        new = engine.new_stream(index, priority)
-        self._init(engine, index, priority, new.stream_id)
+    def __init__(self, engine: TimeEngine, device: int, priority: int, stream_id: int) -> None:
+        self._init(engine, device, priority, stream_id)
 
-    @classmethod
-    def _make(cls, engine: TimeEngine, device: int, priority: int, stream_id: int) -> "VirtualStream":
+    @staticmethod
+    def make(cls: "type[VirtualStream]", engine: TimeEngine, device: int, priority: int,
+             stream_id: int) -> "VirtualStream":
+        """A stream of class ``cls`` (a subclass with its own constructor) without calling it."""
         s = cls.__new__(cls)
         s._init(engine, device, priority, stream_id)
         return s
@@ -617,7 +623,7 @@ class VirtualStream:
         self.wait_event(stream.record_event())
 
     def record_event(self, event: "EmuEvent | None" = None) -> "EmuEvent":
-        event = EmuEvent() if event is None else event
+        event = EmuEvent(self._engine) if event is None else event
         event.record(self)
         return event
 
@@ -661,16 +667,19 @@ class EmuEvent:
     """An emulated ``torch.cuda.Event``: marks a point in a stream's GPU time.
 
     ``elapsed_time`` is in milliseconds of *emulated GPU time* between two recorded events.
+    ``home``: the engine whose current stream ``record()``/``wait()`` without a stream use (user
+    code constructs ``torch.cuda.Event(...)``, a subclass the torch.cuda surface binds to its run).
     """
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                 external: bool = False) -> None:
+    def __init__(self, home: TimeEngine, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, external: bool = False) -> None:
         if interprocess:
             raise ValueError("gpemu: interprocess CUDA events cannot be shared between emulated "
                              "processes; use enable_timing/blocking only")
         self.enable_timing = bool(enable_timing)
         self.blocking = bool(blocking)
         self.interprocess = False
+        self._home = home
         self._engine: TimeEngine | None = None
         self._device: int | None = None
         self._time: float | None = None   # GPU time the event completes (local mode)
@@ -679,11 +688,8 @@ class EmuEvent:
     def record(self, stream: VirtualStream | None = None) -> None:
         """Mark the point after all work currently enqueued on ``stream`` (current stream if None)."""
         if stream is None:
-            eng = get_engine()
-            from .runtime import current
-
-            rt = current()
-            stream = eng.stream(rt.current_device if rt is not None else 0)
+            home = self._home
+            stream = home.stream(home.current_device())
         if not isinstance(stream, VirtualStream):
             raise TypeError(f"Event.record expects a torch.cuda.Stream, got {type(stream).__name__}")
         eng = stream._engine
@@ -730,11 +736,8 @@ class EmuEvent:
     def wait(self, stream: VirtualStream | None = None) -> None:
         """Make ``stream`` (current stream if None) wait for this event on the GPU side."""
         if stream is None:
-            eng = self._engine or get_engine()
-            from .runtime import current
-
-            rt = current()
-            stream = eng.stream(rt.current_device if rt is not None else 0)
+            home = self._home
+            stream = home.stream(home.current_device())
         stream.wait_event(self)
 
     def elapsed_time(self, end_event: "EmuEvent") -> float:
@@ -769,60 +772,17 @@ class EmuEvent:
         return f"<torch.cuda.Event {state}>"
 
 
-# torch-shaped names for the torch.cuda surface (torch.cuda.Stream = gpemu.engine.Stream)
-Stream = VirtualStream
-Event = EmuEvent
-
-
 # ---------------------------------------------------------------------------------------------
 # component install
 # ---------------------------------------------------------------------------------------------
 def install(rt: "Runtime") -> None:
-    """Create the run's engine (``rt.state['engine']``) and the global optimizer-step hooks.
-
-    ``rt.config.extra['clock']`` may supply a clock (tests use :class:`gpemu.clock.VirtualClock`),
-    ``rt.config.extra['return_allowance']`` the engine's return allowance (default: calibrated).
-    """
-    extra = rt.config.extra or {}
-    engine = TimeEngine(rt.num_devices, rt.recorder, clock=extra.get("clock"),
-                        granularity=rt.config.sharing_granularity,
-                        return_allowance=extra.get("return_allowance"))
-    rt.state["engine"] = engine
-    engine.run_state = rt.state
+    """Create the run's engine (``rt.engine``) on the configured clock (``config.clock``: tests
+    use :class:`gpemu.clock.VirtualClock`) with the configured return allowance and spin margin
+    (``config.tuning``)."""
+    tuning = rt.config.tuning
+    clock = rt.config.clock if rt.config.clock is not None else RealClock(tuning.spin_margin)
+    engine = TimeEngine(rt.num_devices, rt.recorder, clock=clock, granularity=rt.config.sharing_granularity,
+                        return_allowance=tuning.return_allowance, memory=rt.memory,
+                        current_device=lambda: rt.current_device)
+    rt.engine = engine
     rt.patcher.on_restore(engine.close)
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-    from .costs import optimizer_step_seconds  # once per run, not per step (an import costs ~2 us)
-
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # The step's own ops are covered by one optimizer charge (no per-op time inside).
-        engine._set_scope(1)
-
-    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        engine._set_scope(0)
-        device = _optimizer_device(optimizer)
-        if device is None or device >= engine.num_devices:
-            return  # a CPU optimizer: no GPU time
-        seconds, _ = optimizer_step_seconds(rt, optimizer, device)
-        engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
-        engine.end_iteration(device)
-
-    pre = register_optimizer_step_pre_hook(before_step)
-    post = register_optimizer_step_post_hook(after_step)
-    rt.patcher.on_restore(pre.remove)
-    rt.patcher.on_restore(post.remove)
-    # Steps with complete state are not re-executed (no arithmetic on an emulated GPU).
-    from . import optimizer_fastpath
-
-    optimizer_fastpath.install(rt)
-
-
-def _optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            dev = p.device
-            if dev.type == "cuda":
-                return dev.index or 0
-            return None
-    return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .runtime import Runtime
 
-__all__ = ["ModelIdentity", "identify", "structural_fingerprint", "SOURCES"]
+__all__ = ["ModelIdentity", "IdentifyState", "identify", "structural_fingerprint", "SOURCES"]
 
 SOURCES = ("configured", "fingerprint", "estimated")
 _DATASET_CLASSES = 1000  # the profiled torchvision models are ImageNet classifiers
@@ -72,17 +72,25 @@ def structural_fingerprint(module: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _state(rt: "Runtime") -> dict[str, Any]:
-    st = rt.state.get("identify")
+@dataclass
+class IdentifyState:
+    """Identities found in one run (``rt.identities``, made on first use)."""
+
+    cache: "weakref.WeakKeyDictionary[nn.Module, ModelIdentity]" = field(default_factory=weakref.WeakKeyDictionary)
+    configured_taken: bool = False  # the configured model was given to a module
+
+
+def _state(rt: "Runtime") -> IdentifyState:
+    st = rt.identities
     if st is None:
-        st = rt.state["identify"] = {"cache": weakref.WeakKeyDictionary(), "configured_taken": False}
+        st = rt.identities = IdentifyState()
     return st
 
 
 def identify(rt: "Runtime", module: nn.Module) -> ModelIdentity:
     """The identity of ``module`` (cached per module object for the run)."""
     st = _state(rt)
-    cache = st["cache"]
+    cache = st.cache
     try:
         return cache[module]
     except KeyError:
@@ -102,7 +110,7 @@ def _counts(module: nn.Module) -> tuple[int, int]:
     return n, b
 
 
-def _identify(rt: "Runtime", module: nn.Module, st: dict[str, Any]) -> ModelIdentity:
+def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState) -> ModelIdentity:
     count, nbytes = _counts(module)
     cls = type(module).__name__
     fp = structural_fingerprint(module)
@@ -110,8 +118,8 @@ def _identify(rt: "Runtime", module: nn.Module, st: dict[str, Any]) -> ModelIden
     match = _match_structure(rt, module, cls, count, fp)
     if configured:
         info = rt.db.model(configured)  # UnknownNameError lists valid names
-        if match is not None and match.name == info.name or (count > 0 and not st["configured_taken"]):
-            st["configured_taken"] = True
+        if match is not None and match.name == info.name or (count > 0 and not st.configured_taken):
+            st.configured_taken = True
             rt.say_once(f"model {cls} ({count:,} parameters): GPU time of dataset model "
                         f"{info.name!r} (configured)")
             return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes)
@@ -169,7 +177,7 @@ def _count_with_dataset_head(module: nn.Module, count: int) -> int | None:
     return count - out * (fan_in + bias) + _DATASET_CLASSES * (fan_in + bias)
 
 
-def _identified_children(rt: "Runtime", module: nn.Module, st: dict[str, Any]) -> list[ModelIdentity]:
+def _identified_children(rt: "Runtime", module: nn.Module, st: IdentifyState) -> list[ModelIdentity]:
     """Outermost submodules that match a dataset model (depth-first, not below a match)."""
     found: list[ModelIdentity] = []
 
@@ -184,7 +192,7 @@ def _identified_children(rt: "Runtime", module: nn.Module, st: dict[str, Any]) -
             if info is not None:
                 ident = ModelIdentity(info.name, "fingerprint", cls, count, fp, info, param_bytes=nbytes)
                 try:
-                    st["cache"][child] = ident
+                    st.cache[child] = ident
                 except TypeError:
                     pass
                 found.append(ident)

@@ -28,11 +28,13 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["MemoryTracker", "Block", "GroupBlock", "SubBlock", "install", "trackers", "format_bytes", "MIN_BLOCK", "SEGMENT"]
+from .units import format_bytes
+
+__all__ = ["MemoryTracker", "Block", "GroupBlock", "SubBlock", "PeakScope", "install", "round_size", "MIN_BLOCK",
+           "SEGMENT"]
 
 MIN_BLOCK = 512
 SEGMENT = 2 * 1024 * 1024
-_MiB = 1024 * 1024
 
 
 def round_size(nbytes: int) -> int:
@@ -44,14 +46,6 @@ def round_size(nbytes: int) -> int:
 
 def _round_segment(nbytes: int) -> int:
     return (nbytes + SEGMENT - 1) // SEGMENT * SEGMENT
-
-
-def format_bytes(nbytes: float) -> str:
-    """PyTorch's OOM-message style: '20.00 MiB', '31.74 GiB'."""
-    for unit, size in (("GiB", 1024 ** 3), ("MiB", _MiB), ("KiB", 1024)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} bytes"
 
 
 class Block:
@@ -266,6 +260,14 @@ class MemoryTracker:
         self.peak_allocated = self.allocated
         self.peak_reserved = self.reserved
 
+    def reset_accumulated(self) -> None:
+        """Like torch.cuda.reset_accumulated_memory_stats(): the historical counters (allocations
+        and frees made, allocation retries, OOMs) restart from zero; current use and peaks stay."""
+        self.num_alloc_calls = 0
+        self.num_frees = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+
     def empty_cache(self) -> None:
         """Like torch.cuda.empty_cache(): give unused cached segments back."""
         self.reserved = _round_segment(self.allocated)
@@ -318,11 +320,7 @@ class MemoryTracker:
                 f"capacity={format_bytes(self.capacity)})")
 
 
-def trackers(rt: "Runtime") -> list[MemoryTracker]:
-    """The per-device trackers of a run (``rt.state['memory']``)."""
-    return rt.state["memory"]
-
-
 def install(rt: "Runtime") -> None:
-    """One tracker per emulated device, sized from the GPU spec (``rt.gpus[i].memory_bytes``)."""
-    rt.state["memory"] = [MemoryTracker(i, int(spec.memory_bytes), rt.recorder) for i, spec in enumerate(rt.gpus)]
+    """One tracker per emulated device (``rt.memory``), sized from the GPU spec
+    (``rt.gpus[i].memory_bytes``)."""
+    rt.memory = [MemoryTracker(i, int(spec.memory_bytes), rt.recorder) for i, spec in enumerate(rt.gpus)]

@@ -5,7 +5,8 @@ run's :class:`~gpemu.recorder.Recorder` into a per-GPU summary: iterations, wall
 GPU busy time and utilisation, data stall, host waits, transfers, peak and persistent memory, and
 the accelerator utilisation of DLIO / MLPerf Storage, ``AU = busy / wall``. It prints the summary
 (``config.summary``), writes it as JSON (``config.metrics_path``) and writes a Chrome trace
-(``config.trace_path``, see :mod:`gpemu.trace`).
+(``config.trace_path``, see :mod:`gpemu.trace`): that end-of-run output is
+:mod:`gpemu.run_outputs`.
 
 Accounting, per emulated GPU (one timeline over all its streams):
 
@@ -26,25 +27,22 @@ batch). Iterations are marked at each optimizer step.
 
 from __future__ import annotations
 
-import atexit
 import bisect
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
+from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "RunRecords", "Timeline", "install", "summary", "print_summary", "format_summary", "compute_summary",
-    "records_from_runtime", "write_metrics", "per_rank_path", "CATEGORIES",
+    "RunRecords", "Timeline", "summary", "print_summary", "format_summary", "compute_summary",
+    "records_from_runtime", "json_safe", "CATEGORIES",
 ]
 
 # Categories of a device timeline, in display order.
@@ -82,13 +80,13 @@ def records_from_runtime(rt: "Runtime") -> RunRecords:
     """Snapshot of a live run (copies of the recorder's lists; appends may go on meanwhile)."""
     rec = rt.recorder
     stats: list[dict[str, int]] = []
-    for tracker in rt.state.get("memory") or []:
+    for tracker in rt.memory:
         stats.append({
             "capacity": int(tracker.capacity), "peak_allocated": int(tracker.peak_allocated),
             "peak_reserved": int(tracker.peak_reserved), "allocated": int(tracker.allocated),
             "reserved": int(tracker.reserved), "ooms": int(getattr(tracker, "num_ooms", 0)),
         })
-    engine = rt.state.get("engine")
+    engine = rt.engine
     now = engine.clock.now() if engine is not None else time.perf_counter()
     return RunRecords(
         gpus=[g.name for g in rt.gpus], spans=list(rec.spans), waits=list(rec.waits),
@@ -312,12 +310,7 @@ def _memory(records: RunRecords, d: int, samples: Sequence[MemorySample], marks:
 # text
 # ---------------------------------------------------------------------------------------------
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    return "-" if n is None else format_bytes(n)
 
 
 def _secs(s: float) -> str:
@@ -415,100 +408,12 @@ def print_summary(rt: "Runtime | None" = None, file: Any = None) -> dict[str, An
     return s
 
 
-def per_rank_path(path: str | os.PathLike[str], rank: int | None) -> Path:
-    """``metrics.json`` for rank 0 (or no rank), ``metrics.rank3.json`` for rank 3, so ranks of a
-    multi-process job do not overwrite each other's files."""
-    p = Path(path)
-    if not rank:
-        return p
-    return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
-
-
-def write_metrics(s: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write a summary as JSON, atomically (a reader never sees half a file)."""
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_finite(s), indent=2) + "\n")
-    os.replace(tmp, p)
-    return p
-
-
-def _finite(x: Any) -> Any:
-    """JSON has no inf/nan: write them as null."""
+def json_safe(x: Any) -> Any:
+    """A summary with inf/nan written as None (JSON has neither)."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
-
-
-def _rank() -> int | None:
-    """This process's rank in a multi-process job, when it has one."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-        if dist.is_available():
-            return int(dist.get_node_local_rank())  # torchrun's LOCAL_RANK; raises when unset
-    except Exception:
-        return None
-    return None
-
-
-def _is_worker_process() -> bool:
-    """A multiprocessing child (e.g. a spawned DataLoader worker) that only inherited gpemu."""
-    import multiprocessing
-
-    return multiprocessing.parent_process() is not None
-
-
-def finish(rt: "Runtime") -> dict[str, Any] | None:
-    """End-of-run output: print the summary, write metrics JSON and trace as configured.
-
-    A process that did no GPU work (a DataLoader worker, a helper Python started under
-    ``gpemu run``) writes nothing, so it cannot overwrite the real run's files."""
-    records = records_from_runtime(rt)
-    if not records.spans and not records.iterations:
-        if rt.config.summary and not _is_worker_process():
-            print("[gpemu] no emulated GPU work was recorded in this process", file=sys.stderr, flush=True)
-        return None
-    s = compute_summary(records)
-    rank = _rank()
-    if rank is not None:
-        s["rank"] = rank
-    if rt.config.summary:
-        text = format_summary(s)
-        if rank:
-            text = f"[rank {rank}] " + text
-        print(text, file=sys.stderr, flush=True)
-    if rt.config.metrics_path:
-        path = write_metrics(s, per_rank_path(rt.config.metrics_path, rank))
-        print(f"[gpemu] metrics written to {path}", file=sys.stderr, flush=True)
-    if rt.config.trace_path:
-        from .trace import write_trace
-
-        path = write_trace(records, per_rank_path(rt.config.trace_path, rank), summary=s)
-        print(f"[gpemu] trace written to {path} (open in https://ui.perfetto.dev or chrome://tracing; "
-              f"`gpemu report {path}`)", file=sys.stderr, flush=True)
-    return s
-
-
-def install(rt: "Runtime") -> None:
-    """Register the end-of-run output for this run (unregistered again by ``gpemu.unpatch()``)."""
-
-    def at_exit() -> None:
-        try:
-            finish(rt)
-        except Exception as exc:  # never turn a finished training run into a crash at exit
-            print(f"[gpemu] could not write the run summary: {type(exc).__name__}: {exc}", file=sys.stderr)
-            if rt.config.debug:
-                raise
-
-    atexit.register(at_exit)
-    rt.patcher.on_restore(lambda: atexit.unregister(at_exit))
-    rt.state["observe"] = at_exit

@@ -5,8 +5,15 @@
 :class:`~gpemu.patching.Patcher`. ``gpemu.unpatch()`` restores every original in reverse.
 
 Components (each a module with ``install(rt: Runtime) -> None``) are listed in
-``COMPONENTS`` in install order; each keeps its per-run state on the runtime (``rt.state``)
-so that unpatching and patching again starts clean.
+``COMPONENTS`` in install order; each keeps its per-run state in its own typed field of the
+runtime (``rt.engine``, ``rt.memory``, ``rt.tensors``, ...), so that unpatching and patching
+again starts clean and nothing of a run outlives it in a module.
+
+The one piece of process-wide state is which runtime is active (:func:`current`): torch itself
+is process-wide, so at most one run patches it at a time. Code that torch calls without a way
+to pass context (a tensor type's dispatch, a patched torch function) reaches its run through the
+closures and objects its component made at install, or through :func:`current` at public entry
+points.
 """
 
 from __future__ import annotations
@@ -18,34 +25,57 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .config import EmuConfig
+from .devices import check_ordinal
 from .patching import Patcher
 from .recorder import Recorder
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.db import GpuSpec, ProfileDB
+    from gpemu.integrations.pinned_memory import PinnedState
+    from gpemu.integrations.sharing.client import SharingBackend
+
+    from .costs import CostState
+    from .cuda_api import CudaSurface
+    from .engine import TimeEngine
+    from .fastpaths.gradients import GradientState
+    from .fastpaths.loss import LossState
+    from .fastpaths.optimizer import OptimizerFastPath
+    from .fastpaths.replay import ReplayState
+    from .identify import IdentifyState
+    from .memory import MemoryTracker
+    from .model_time import ModelTime
+    from .tensor import TensorState
+    from .transfers import TransferState
 
 __all__ = ["Runtime", "patch", "unpatch", "emulate", "current", "is_patched", "COMPONENTS"]
 
-# Install order matters: the time engine and memory trackers exist before the tensor type that
-# uses them; the torch.cuda surface comes after the tensor type it hands out.
+# Install order matters: the memory trackers and the time engine exist before the tensor type
+# that uses them; the torch.cuda surface comes after the tensor type it hands out; the fast paths
+# (gpemu.fastpaths: optional accelerators, off with config.replay=False) come after what they
+# accelerate.
 COMPONENTS: tuple[str, ...] = (
-    "gpemu.engine",            # virtual streams, events, deadline waits       (time)
     "gpemu.memory",            # per-device memory tracker, OOM                  (device)
-    "gpemu.tensor",            # the emulated tensor type, dispatch, .cuda/.to   (device)
-    "gpemu.replay",            # module forward/backward fast path + GPU time   (device/time)
-    "gpemu.loss_fastpath",     # cross-entropy as one op after a recorded call  (device/time)
+    "gpemu.engine",            # virtual streams, events, deadline waits       (time)
+    "gpemu.tensor",            # the emulated tensor type and its dispatch       (device)
+    "gpemu.transfers",         # host<->GPU copy time                            (host side)
+    "gpemu.ways_in",           # .cuda()/.to()/factories/Module.to               (device)
+    "gpemu.optimizer_hooks",   # optimizer step time, iteration marks           (time)
+    "gpemu.model_time",        # outermost module's forward/backward time        (time)
+    "gpemu.fastpaths.replay",  # module forward/backward record/replay           (fast path)
+    "gpemu.fastpaths.loss",    # cross-entropy as one op after a recorded call   (fast path)
+    "gpemu.fastpaths.optimizer",  # skipped optimizer steps, fast zero_grad      (fast path)
     "gpemu.autocast",          # autocast('cuda') dtype behaviour                (device)
     "gpemu.serialization",     # torch.save/torch.load of emulated tensors       (device)
     "gpemu.cuda_api",          # torch.cuda / torch.accelerator / backends        (surface)
+    "gpemu.grad_scaler",       # GradScaler enabled on emulated GPUs            (surface)
     "gpemu.distributed",       # nccl->gloo, emulated DDP                        (surface)
-    "gpemu.transfers",         # host<->GPU copy time                            (host side)
     "gpemu.integrations.pinned_memory",  # mlock-backed pin_memory()          (host side)
     "gpemu.integrations.sharing.client",  # GPU time through a sharing manager  (sharing)
-    "gpemu.observe",           # end-of-run summary, metrics JSON, Chrome trace  (observability)
+    "gpemu.run_outputs",       # end-of-run summary, metrics JSON, Chrome trace  (observability)
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class Runtime:
     """Everything an emulated run knows. One exists while gpemu is patched."""
 
@@ -54,8 +84,23 @@ class Runtime:
     gpus: list["GpuSpec"]  # spec of each emulated device, index order
     patcher: Patcher = field(default_factory=Patcher)
     recorder: Recorder = field(default_factory=Recorder)
-    # Per-component state, keyed by component name (e.g. "engine", "memory", "pinned").
-    state: dict[str, Any] = field(default_factory=dict)
+    # Component state: each field is filled by the component named beside it (None while that
+    # component is not installed, e.g. the fast paths with config.replay=False).
+    engine: "TimeEngine | None" = None                 # gpemu.engine
+    memory: "list[MemoryTracker]" = field(default_factory=list)  # gpemu.memory, one per device
+    tensors: "TensorState | None" = None               # gpemu.tensor
+    transfers: "TransferState | None" = None           # gpemu.transfers
+    costs: "CostState | None" = None                   # gpemu.costs (made on first use)
+    identities: "IdentifyState | None" = None          # gpemu.identify (made on first use)
+    model_time: "ModelTime | None" = None              # gpemu.model_time
+    replay: "ReplayState | None" = None                # gpemu.fastpaths.replay
+    gradients: "GradientState | None" = None           # gpemu.fastpaths.replay (its gradients)
+    loss: "LossState | None" = None                    # gpemu.fastpaths.loss
+    optimizer_fastpath: "OptimizerFastPath | None" = None  # gpemu.fastpaths.optimizer
+    cuda: "CudaSurface | None" = None                  # gpemu.cuda_api
+    pinned: "PinnedState | None" = None                # gpemu.integrations.pinned_memory
+    sharing: "SharingBackend | None" = None            # gpemu.integrations.sharing.client
+    at_exit: Any = None                                # gpemu.run_outputs: the end-of-run output
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     # torch.cuda's current device is per thread, like CUDA's.
@@ -74,12 +119,7 @@ class Runtime:
 
     def check_device(self, index: int) -> int:
         """Validate a device index, raising like CUDA does for a bad ordinal."""
-        if not isinstance(index, int) or not 0 <= index < len(self.gpus):
-            raise RuntimeError(
-                f"CUDA error: invalid device ordinal (gpemu: device {index!r} requested, "
-                f"{len(self.gpus)} emulated GPU(s) available: 0..{len(self.gpus) - 1})"
-            )
-        return index
+        return check_ordinal(index, len(self.gpus))
 
     def say_once(self, message: str) -> None:
         """Tell the user something once per run (provenance, fallbacks), on stderr."""

@@ -1,7 +1,7 @@
 """``torch.save`` / ``torch.load`` with emulated tensors.
 
 Saving: an emulated tensor is pickled as a plain CPU tensor of the right shape and dtype holding
-its placeholder values (see :mod:`gpemu.placeholders`), carrying one extra attribute,
+its placeholder values (see :mod:`gpemu.hostvalues`), carrying one extra attribute,
 ``_gpemu_device = "cuda:N"``. The file is an ordinary PyTorch checkpoint: it loads without
 gpemu (also with ``weights_only=True``), giving CPU tensors; with gpemu, tensors come back
 on the emulated device they were saved from (as a real CUDA checkpoint would).
@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import tensor as _tensor
-from .tensor import EmuTensor
+from .tensor import EmuTensor, device_index, to_emulated, to_host
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -44,7 +43,7 @@ _HOST = "host"  # a map_location callable chose to keep this storage on the host
 
 def reduce_emulated(t: EmuTensor, protocol: int) -> Any:
     """Pickle an emulated tensor as a CPU placeholder tensor with a device marker."""
-    values = _tensor.to_host(t, reason="save")
+    values = to_host(t, reason="save")
     if getattr(t, "_is_param", False):
         host: torch.Tensor = torch.nn.Parameter(values, requires_grad=t.requires_grad)
     else:
@@ -119,7 +118,7 @@ def _tensor_target(t: torch.Tensor, saved: dict[int, str], map_location: Any) ->
     if marker is not None and location == "cpu":
         location = marker
     target = _target_for(location, map_location)
-    return _tensor.device_index(target)
+    return device_index(target)
 
 
 def _place(obj: Any, saved: dict[int, str], map_location: Any, memo: dict[int, Any]) -> Any:
@@ -135,7 +134,7 @@ def _place(obj: Any, saved: dict[int, str], map_location: Any, memo: dict[int, A
             out: Any = obj
         else:
             with torch.no_grad():
-                out = _tensor.to_emulated(obj.detach(), idx)
+                out = to_emulated(obj.detach(), idx)
             if isinstance(obj, torch.nn.Parameter):
                 out = torch.nn.Parameter(out, requires_grad=obj.requires_grad)
             elif obj.requires_grad:
@@ -178,9 +177,11 @@ def _place(obj: Any, saved: dict[int, str], map_location: Any, memo: dict[int, A
 
 
 def install(rt: "Runtime") -> None:
-    """Wrap torch.load (every module-level reference, e.g. torch.serialization.load too)."""
+    """Pickle emulated tensors as placeholders (``EmuTensor.__reduce_ex__``) and wrap torch.load
+    (every module-level reference, e.g. torch.serialization.load too)."""
     import torch.serialization as ser
 
+    rt.patcher.replace(EmuTensor, "__reduce_ex__", reduce_emulated)
     orig = ser.load
     new = _make_load(orig)
     rt.patcher.replace_everywhere(orig, new)

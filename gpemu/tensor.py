@@ -6,6 +6,10 @@ wrapper whose real device is ``cuda`` aborts inside autograd on the CPU build); 
 ``__torch_dispatch__``, which works out the outputs' shapes/strides/dtypes on the meta device
 and re-wraps them. No arithmetic happens.
 
+Per-run state lives in one :class:`TensorState` (``rt.tensors``); every emulated tensor points to
+the state of the run that made it (as a fake tensor points to its mode), so dispatch finds its
+run from its inputs without any module-level state.
+
 Speed: meta kernels are slow (many are Python). The output metadata of an op depends only on
 the op, its inputs' shapes/strides/dtypes/devices and its non-tensor arguments, so the first
 call of each such signature runs the meta kernel and stores an :class:`_Entry` (output specs,
@@ -17,29 +21,37 @@ shape (``arange``, ``linspace``, interpolation scales).
 Memory: each storage holds one :class:`gpemu.memory.Block`; views and in-place results share
 their input's block (found on the meta device: an output whose storage is an input's storage).
 
-Ways in: ``Tensor.cuda``/``Tensor.to``/``Tensor.type``, factories with ``device='cuda'``,
-``torch.set_default_device('cuda')`` and ``with torch.device('cuda')``, ``Module.cuda/.to``.
-Ways back and data-dependent shapes follow :mod:`gpemu.placeholders`.
+Values: what host code reads back follows :mod:`gpemu.hostvalues` (small known values are kept
+as host *shadows* and propagated here; the rest reads as zeros). The ways in (``.cuda()``,
+factories, ``Module.to``) are :mod:`gpemu.ways_in`.
+
+The fast paths (:mod:`gpemu.fastpaths`) build and charge emulated tensors without dispatch
+through :class:`TensorState`'s methods (``wrap``, ``signature``, ``build``, ``charge``,
+``cost_tap``): that class is their whole interface to this module.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import placeholders
-from .placeholders import SHADOW_MAX_ELEMENTS
+from . import hostvalues
+from .devices import cuda_index
+from .hostvalues import SHADOW_MAX_ELEMENTS
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .engine import TimeEngine
+    from .memory import MemoryTracker
     from .runtime import Runtime
 
 __all__ = [
-    "EmuTensor", "to_emulated", "to_host", "empty_emulated", "is_emulated", "device_index",
-    "install", "cache_info", "host_shadow", "set_host_shadow",
+    "EmuTensor", "TensorState", "CostTap", "to_emulated", "to_host", "empty_emulated", "is_emulated",
+    "device_index", "install", "cache_info", "host_shadow", "set_host_shadow", "peer_copy",
+    "PeerCopy", "DTYPE_NAMES", "TYPE_NAMES",
 ]
 
 aten = torch.ops.aten
@@ -47,6 +59,11 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _DEVICES = [torch.device("cuda", i) for i in range(64)]
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+_CACHE_LIMIT = 200_000
+# Attributes every emulated tensor carries (see TensorState.wrap); a gradient with more was
+# marked by the program and is never reused by the fast paths.
+WRAPPER_ATTRIBUTES = 6
 
 
 class _Float:
@@ -61,33 +78,150 @@ class _Float:
 _FLOAT = _Float()
 
 
-class _State:
-    """Per-run state the hot path reads (one runtime at a time)."""
+# ----------------------------------------------------------------------------------------------
+# per-run state, and the interface the fast paths use
+# ----------------------------------------------------------------------------------------------
+class CostTap:
+    """What :meth:`TensorState.cost_tap` yields: ``seconds``, the GPU time of the ops charged
+    inside (they are still charged)."""
+
+    __slots__ = ("seconds",)
 
     def __init__(self) -> None:
-        self.rt: Runtime | None = None
-        self.engine: Any = None
-        self.memory: list = []
-        self.cache: dict = {}
-        self.local = threading.local()  # .moving_model: per-tensor copies are not charged
+        self.seconds = 0.0
+
+
+class TensorState:
+    """The emulated tensor type's per-run state (``rt.tensors``), and the fast paths' interface
+    to it: :meth:`wrap`, :meth:`signature`, :meth:`build`, :meth:`charge`, :meth:`cost_tap`, the
+    run's ``memory`` trackers and ``engine``, and the generation counters below."""
+
+    def __init__(self, rt: "Runtime") -> None:
+        self.rt = rt
+        self.engine: "TimeEngine | None" = rt.engine
+        self.memory: "list[MemoryTracker]" = rt.memory
+        self.cache: dict = {}      # op signature -> _Entry
         self.warned: set[str] = set()
-        self.param_generation = 0  # bumped when a parameter's dtype/device/requires_grad changes
-        self.hook_generation = 0   # bumped when any tensor gets a (post-accumulate) grad hook
-        self.flag_generation = 0   # bumped when any emulated tensor's requires_grad is set
+        # Bumped when a parameter's dtype/device/requires_grad changes (gpemu.fastpaths.replay
+        # keys recordings on it instead of reading every parameter on every call).
+        self.param_generation = 0
+        # Bumped when any emulated tensor's requires_grad is set (gradient sets re-check then).
+        self.flag_generation = 0
+        self._taps: list[CostTap] = []  # open cost taps, innermost last (see cost_tap)
+        self._tap_owner: int | None = None
 
+    # -------------------------------------------------------------- building
+    def wrap(self, shape: Any, stride: Any, offset: int, dtype: torch.dtype, dev: int, block: Any,
+             requires_grad: bool = False) -> "EmuTensor":
+        """A new emulated tensor with this metadata over memory ``block`` (None: no storage)."""
+        t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META,
+                          requires_grad=requires_grad)
+        t._dev = dev
+        t._block = block
+        t._meta = None
+        t._shadow = None
+        # The op-cache signature of this tensor, fixed at creation (wrapper metadata never
+        # changes; ``.data = x`` refreshes it): one attribute lookup instead of three C calls.
+        t._key = (tuple(shape), tuple(stride), offset, dtype, dev)
+        t._ts = self
+        return t
+
+    def build(self, spec: tuple, emus: list, dev: int) -> Any:
+        """An op output from its cached spec ``(shape, stride, offset, dtype, nbytes, alias,
+        write)``: a new allocation, a view of input ``emus[alias]``, or that input itself (in
+        place). A non-tensor output is stored as is in ``shape`` (dtype None)."""
+        shape, stride, offset, dtype, nbytes, alias, write = spec
+        if alias is None:
+            if dtype is None:
+                return shape
+            block = self.memory[dev].allocate(nbytes) if nbytes else None
+            return self.wrap(shape, stride, offset, dtype, dev, block)
+        src = emus[alias]
+        if write:
+            return src
+        return self.wrap(shape, stride, offset, dtype, src._dev, src._block)
+
+    @staticmethod
+    def spec_of(t: "EmuTensor") -> tuple:
+        """``t``'s metadata as an output spec for :meth:`build` (a new allocation of its size)."""
+        return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+                t._block.size if t._block is not None else 0, None, False)
+
+    @staticmethod
+    def signature(args: Any, emus: list, exact: bool) -> tuple:
+        """The op-cache signature of ``args`` (a tuple); appends each emulated tensor met to
+        ``emus``; ``exact``: floats by value, not by type. Raises TypeError for arguments that
+        cannot be part of a key."""
+        return _sig(args, emus, exact)
+
+    # -------------------------------------------------------------- charging
+    def charge(self, seconds: float, dev: int, name: str) -> None:
+        """Charge ``seconds`` of GPU work named ``name`` on ``dev``'s current stream, unless a
+        whole-module or optimizer charge already covers it (fast paths that replay several ops as
+        one charge)."""
+        if seconds > 0:
+            engine = self.engine
+            if engine is not None and not engine.in_charged_scope:
+                engine.stream(dev).enqueue(seconds, "op", name)
+
+    def _charge_entry(self, entry: "_Entry", dev: int) -> None:
+        cost = entry.cost
+        if cost:
+            if self._taps:
+                self._tap(cost)
+            engine = self.engine
+            if engine is not None and not engine.in_charged_scope:
+                engine.stream(dev).enqueue(cost, "op", entry.name)
+
+    def _tap(self, cost: float) -> None:
+        if self._tap_owner == threading.get_ident():
+            for tap in self._taps:
+                tap.seconds += cost
+
+    @contextmanager
+    def cost_tap(self) -> Iterator[CostTap]:
+        """``with rt.tensors.cost_tap() as tap:`` sums in ``tap.seconds`` the GPU time of the ops
+        dispatched inside by this thread (they are still charged): how fast paths measure what a
+        call costs op by op while recording it. Nests."""
+        tap = CostTap()
+        me = threading.get_ident()
+        if self._taps and self._tap_owner != me:
+            raise RuntimeError("gpemu: cost taps of two threads at once (a fast path recorded in a thread "
+                               "while another was recording)")
+        self._tap_owner = me
+        self._taps.append(tap)
+        try:
+            yield tap
+        finally:
+            self._taps.remove(tap)
+            if not self._taps:
+                self._tap_owner = None
+
+    # -------------------------------------------------------------- misc
     def say_once(self, message: str) -> None:
-        if self.rt is not None:
-            self.rt.say_once(message)
+        self.rt.say_once(message)
+
+    def check(self, idx: int) -> int:
+        return self.rt.check_device(idx)
+
+    def device_index(self, device: Any) -> int | None:
+        """CUDA index of a device argument (current device for ``'cuda'``), None if not CUDA."""
+        return cuda_index(device, self.rt.current_device)
 
 
-_S = _State()
-_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
-_CACHE_LIMIT = 200_000
+def _state() -> TensorState:
+    """The active run's tensor state (public entry points that get no emulated tensor)."""
+    from .runtime import current
+
+    rt = current()
+    if rt is None or rt.tensors is None:
+        raise RuntimeError("gpemu is not patched: call gpemu.patch() before using emulated GPUs")
+    return rt.tensors
 
 
 def cache_info() -> dict[str, int]:
-    """How many op signatures the metadata cache holds (for benchmarks)."""
-    return {"entries": len(_S.cache)}
+    """How many op signatures the active run's metadata cache holds (for benchmarks)."""
+    return {"entries": len(_state().cache)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,6 +234,7 @@ class EmuTensor(torch.Tensor):
     _block: Any
     _meta: torch.Tensor | None
     _shadow: torch.Tensor | None
+    _ts: TensorState
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -108,7 +243,7 @@ class EmuTensor(torch.Tensor):
         """Wrap a meta tensor as a new allocation on emulated device ``device``."""
         if meta.device.type != "meta":
             raise ValueError(f"EmuTensor wraps a meta tensor, got one on {meta.device}; use to_emulated() for data")
-        return _from_meta(meta, device, requires_grad=requires_grad)
+        return _from_meta(_state(), meta, device, requires_grad=requires_grad)
 
     # -- where it lives ----------------------------------------------------------------------
     @property
@@ -140,7 +275,7 @@ class EmuTensor(torch.Tensor):
         # ``param.data = x`` swaps the TensorImpl's metadata in C++; the Python-side state
         # (device index, memory block, shadow) must follow or the accounting goes wrong.
         torch._C.TensorBase.data.__set__(self, new)
-        _S.param_generation += 1
+        self._ts.param_generation += 1
         if isinstance(new, EmuTensor):
             self._dev = new._dev
             self._block = new._block
@@ -148,8 +283,8 @@ class EmuTensor(torch.Tensor):
             self._shadow = new._shadow
             self._key = new._key
 
-    # requires_grad changes of parameters invalidate replay recordings (gpemu.replay keys on a
-    # generation counter instead of reading every parameter's flag on every call).
+    # requires_grad changes of parameters invalidate replay recordings (gpemu.fastpaths.replay
+    # keys on a generation counter instead of reading every parameter's flag on every call).
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]
         return _REQUIRES_GRAD.__get__(self)
@@ -157,15 +292,17 @@ class EmuTensor(torch.Tensor):
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         _REQUIRES_GRAD.__set__(self, value)
-        _S.flag_generation += 1
+        ts = self._ts
+        ts.flag_generation += 1
         if getattr(self, "_is_param", False):
-            _S.param_generation += 1
+            ts.param_generation += 1
 
     def requires_grad_(self, requires_grad: bool = True) -> "EmuTensor":  # type: ignore[override]
         _REQUIRES_GRAD.__set__(self, requires_grad)
-        _S.flag_generation += 1
+        ts = self._ts
+        ts.flag_generation += 1
         if self.__dict__.get("_is_param", False):
-            _S.param_generation += 1
+            ts.param_generation += 1
         return self
 
     def record_stream(self, stream: Any) -> None:  # type: ignore[override]
@@ -174,7 +311,7 @@ class EmuTensor(torch.Tensor):
 
     def new_tensor(self, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
                    **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
-        idx = self._dev if device is None else device_index(device)
+        idx = self._dev if device is None else self._ts.device_index(device)
         host = torch.as_tensor(data.cpu() if isinstance(data, torch.Tensor) else data,
                                dtype=dtype or self.dtype).clone()
         out = host if idx is None else to_emulated(host, idx)
@@ -229,9 +366,10 @@ class EmuTensor(torch.Tensor):
             return f"{prefix}tensor({contents}{extra})"
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        from .serialization import reduce_emulated
-
-        return reduce_emulated(self, protocol)
+        # gpemu.serialization installs the real reduction for its run (torch.save of emulated
+        # tensors); without it an emulated tensor has nothing to pickle.
+        raise TypeError("an emulated GPU tensor can only be pickled while gpemu is patched "
+                        "(torch.save writes its placeholder values)")
 
     def __deepcopy__(self, memo: dict) -> "EmuTensor":
         if id(self) in memo:
@@ -257,45 +395,29 @@ class EmuTensor(torch.Tensor):
         if special is not None:
             return special(func, args, kwargs or {})
         emus: list[EmuTensor] = []
+        exact = fid in _FLOAT_SENSITIVE
+        key = (fid, _sig(args, emus, exact), _sig_kw(kwargs, emus, exact) if kwargs else None)
+        ts = emus[0]._ts if emus else _state()
         try:
-            if fid in _FLOAT_SENSITIVE:
-                key = (fid, _sig(args, emus, True), _sig_kw(kwargs, emus, True) if kwargs else None)
-            else:
-                key = (fid, _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
-            entry = _S.cache.get(key)
+            entry = ts.cache.get(key)
         except TypeError:  # an unhashable argument: no caching for this call
-            key = None
-            entry = None
+            key = entry = None
         if entry is None:
-            return _slow_path(func, args, kwargs or {}, key)
-        return _fast_path(entry, func, args, kwargs, emus)
+            return _slow_path(ts, func, args, kwargs or {}, key)
+        return _fast_path(ts, entry, func, args, kwargs, emus)
 
 
 def is_emulated(t: Any) -> bool:
     return isinstance(t, EmuTensor)
 
 
-def host_shadow(t: Any) -> torch.Tensor | None:
-    """The known host value of a small emulated tensor (see :mod:`gpemu.placeholders`), or None
-    when its value is unknown or ``t`` is not emulated."""
-    if isinstance(t, EmuTensor):
-        value = t._shadow
-        return value if isinstance(value, torch.Tensor) else None
-    return None
+def device_index(device: Any) -> int | None:
+    """Emulated device index for a CUDA device given as int/str/torch.device (the active run's
+    current device for ``'cuda'``); None if it names no CUDA device."""
+    from .runtime import current
 
-
-def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
-    """Make ``value`` the known host value of emulated tensor ``t`` (None: unknown). A value that
-    does not fit (other element count, or more than SHADOW_MAX_ELEMENTS elements) makes it
-    unknown instead. Returns whether a value is now known."""
-    if not isinstance(t, EmuTensor):
-        return False
-    if value is None or not isinstance(value, torch.Tensor) or value.numel() != t.numel() \
-            or t.numel() > SHADOW_MAX_ELEMENTS:
-        t._shadow = None
-        return False
-    t._shadow = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
-    return True
+    rt = current()
+    return cuda_index(device, rt.current_device if rt is not None else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,25 +430,12 @@ def _storage_nbytes(shape: tuple, stride: tuple, offset: int, itemsize: int) -> 
     return (offset + extent) * itemsize
 
 
-def _wrap(shape: Any, stride: Any, offset: int, dtype: torch.dtype, dev: int, block: Any,
-          requires_grad: bool = False) -> EmuTensor:
-    t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META,
-                      requires_grad=requires_grad)
-    t._dev = dev
-    t._block = block
-    t._meta = None
-    t._shadow = None
-    # The op-cache signature of this tensor, fixed at creation (wrapper metadata never changes;
-    # ``.data = x`` refreshes it): reading it is one attribute lookup instead of three C calls.
-    t._key = (tuple(shape), tuple(stride), offset, dtype, dev)
-    return t
-
-
-def _from_meta(meta: torch.Tensor, dev: int, block: Any = None, requires_grad: bool = False) -> EmuTensor:
+def _from_meta(ts: TensorState, meta: torch.Tensor, dev: int, block: Any = None,
+               requires_grad: bool = False) -> EmuTensor:
     if block is None:
         nbytes = meta.untyped_storage().nbytes()
-        block = _S.memory[dev].allocate(nbytes) if nbytes else None
-    t = _wrap(meta.shape, meta.stride(), meta.storage_offset(), meta.dtype, dev, block, requires_grad)
+        block = ts.memory[dev].allocate(nbytes) if nbytes else None
+    t = ts.wrap(meta.shape, meta.stride(), meta.storage_offset(), meta.dtype, dev, block, requires_grad)
     t._meta = meta
     return t
 
@@ -344,8 +453,15 @@ def _meta_of(t: EmuTensor) -> torch.Tensor:
 
 
 def empty_emulated(shape: Any, dtype: torch.dtype, device: int, requires_grad: bool = False) -> EmuTensor:
-    """A new, contiguous emulated tensor (counts its memory)."""
-    return _from_meta(torch.empty(shape, dtype=dtype, device=_META), device, requires_grad=requires_grad)
+    """A new, contiguous emulated tensor on the active run's ``device`` (counts its memory)."""
+    ts = _state()
+    return _from_meta(ts, torch.empty(shape, dtype=dtype, device=_META), ts.check(device),
+                      requires_grad=requires_grad)
+
+
+def from_meta(ts: TensorState, meta: torch.Tensor, dev: int) -> EmuTensor:
+    """A new emulated allocation with ``meta``'s metadata (ways in: emulated factories)."""
+    return _from_meta(ts, meta, dev)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,7 +508,7 @@ def _float_sensitive() -> set:
     return ops
 
 
-_FLOAT_SENSITIVE = _float_sensitive()
+_FLOAT_SENSITIVE = _float_sensitive()  # a per-process constant: ids of torch's op singletons
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,78 +527,22 @@ class _Entry:
         self.random = False
 
 
-def _build_leaf(spec: tuple, emus: list, dev: int) -> Any:
-    shape, stride, offset, dtype, nbytes, alias, write = spec
-    if alias is None:
-        if dtype is None:  # a non-tensor leaf (e.g. an int), stored as is in `shape`
-            return shape
-        block = _S.memory[dev].allocate(nbytes) if nbytes else None
-        return _wrap(shape, stride, offset, dtype, dev, block)
-    src = emus[alias]
-    if write:
-        return src
-    return _wrap(shape, stride, offset, dtype, src._dev, src._block)
-
-
-def _fast_path(entry: _Entry, func: Any, args: tuple, kwargs: dict | None, emus: list) -> Any:
+def _fast_path(ts: TensorState, entry: _Entry, func: Any, args: tuple, kwargs: dict | None, emus: list) -> Any:
     dev = entry.out_dev if entry.out_dev is not None else emus[0]._dev
     kind = entry.kind
     if kind == 0:
-        out = _build_leaf(entry.specs[0], emus, dev)
+        out = ts.build(entry.specs[0], emus, dev)
     elif kind == 2:
         out = None
     else:
-        leaves = [_build_leaf(s, emus, dev) for s in entry.specs]
+        leaves = [ts.build(s, emus, dev) for s in entry.specs]
         out = tree_unflatten(leaves, entry.treespec) if kind == 3 else entry.treespec(leaves)
-    _charge(entry, dev)
+    ts._charge_entry(entry, dev)
     for e in emus:
         if e._shadow is not None:
             _propagate_shadow(func, args, kwargs or {}, emus, out, entry.random)
             break
     return out
-
-
-def _charge(entry: _Entry, dev: int) -> None:
-    cost = entry.cost
-    if cost:
-        engine = _S.engine
-        if engine is not None and not engine.in_charged_scope:
-            engine.stream(dev).enqueue(cost, "op", entry.name)
-
-
-def charge_op(seconds: float, dev: int, name: str) -> None:
-    """Charge ``seconds`` of GPU work named ``name`` on ``dev``'s current stream, unless a
-    whole-module or optimizer charge already covers it (fast paths that replay several ops as
-    one charge)."""
-    if seconds > 0:
-        engine = _S.engine
-        if engine is not None and not engine.in_charged_scope:
-            engine.stream(dev).enqueue(seconds, "op", name)
-
-
-class OpCostTap:
-    """``with OpCostTap() as tap:`` sums in ``tap.seconds`` the GPU time of the ops charged
-    inside (they are still charged). Fast paths use it while recording what a call costs op by op;
-    it replaces the module's ``_charge``, so it is for short, rare recordings."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._orig: Callable | None = None
-
-    def __enter__(self) -> "OpCostTap":
-        global _charge
-        orig = self._orig = _charge
-
-        def charge(entry: _Entry, dev: int) -> None:
-            self.seconds += entry.cost
-            orig(entry, dev)
-
-        _charge = charge
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        global _charge
-        _charge = self._orig
 
 
 def _same_device_error(a: str, b: str) -> RuntimeError:
@@ -521,7 +581,7 @@ def _meta_conv(a: Any, func: Any, emus: list, dev_holder: list) -> Any:
     return a
 
 
-def _to_meta_args(func: Any, args: Any, kwargs: dict) -> tuple[Any, Any, list, int | None]:
+def _to_meta_args(ts: TensorState, func: Any, args: Any, kwargs: dict) -> tuple[Any, Any, list, int | None]:
     """Replace emulated tensors by their meta tensors; check devices like CUDA does."""
     emus: list[EmuTensor] = []
     dev_holder: list[int] = []
@@ -530,14 +590,14 @@ def _to_meta_args(func: Any, args: Any, kwargs: dict) -> tuple[Any, Any, list, i
     out_dev = None
     d = kwargs.get("device")
     if d is not None:
-        idx = device_index(d)
+        idx = ts.device_index(d)
         if idx is not None:
             out_dev = idx
     return margs, mkw, emus, out_dev
 
 
-def _slow_path(func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
-    margs, mkw, emus, out_dev = _to_meta_args(func, args, kwargs)
+def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
+    margs, mkw, emus, out_dev = _to_meta_args(ts, func, args, kwargs)
     if not emus and out_dev is None:
         return func(*args, **kwargs)
     dev = out_dev if out_dev is not None else emus[0]._dev
@@ -546,14 +606,7 @@ def _slow_path(func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
     try:
         mout = func(*margs, **mkw)
     except (NotImplementedError, RuntimeError) as exc:
-        policy = _DATA_DEPENDENT.get(func.overloadpacket)
-        if policy is None:
-            if "data-dependent" in str(exc) or "DataDependentOutputException" in type(exc).__name__:
-                raise NotImplementedError(
-                    f"gpemu: {func} has a data-dependent output shape and no emulation policy "
-                    f"({placeholders.POLICY})") from exc
-            raise
-        return policy(func, args, kwargs, emus, dev)
+        return _data_dependent(ts, func, args, kwargs, margs, mkw, emus, dev, exc)
 
     # Map outputs back: same object as an input meta -> in-place (return the input itself);
     # same storage as an input -> a view sharing its block; otherwise a new allocation.
@@ -594,12 +647,12 @@ def _slow_path(func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
             spec = (leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype, nbytes, alias, write)
             entry.specs.append(spec)
             if alias is None:
-                t = _from_meta(leaf, dev)
+                t = _from_meta(ts, leaf, dev)
             elif write:
                 t = emus[alias]
             else:
-                t = _wrap(leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype, emus[alias]._dev,
-                          emus[alias]._block)
+                t = ts.wrap(leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype, emus[alias]._dev,
+                            emus[alias]._block)
                 t._meta = leaf
             out_leaves.append(t)
         else:
@@ -623,44 +676,93 @@ def _slow_path(func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
         entry.kind = 3
         entry.treespec = treespec
         out = tree_unflatten(out_leaves, treespec)
-    entry.cost = _op_cost(func, margs, mkw, mout, dev)
+    entry.cost = _op_cost(ts, func, margs, mkw, mout, dev)
     if cacheable:
-        if len(_S.cache) >= _CACHE_LIMIT:
-            _S.cache.clear()
-        _S.cache[key] = entry
-    _charge(entry, dev)
+        if len(ts.cache) >= _CACHE_LIMIT:
+            ts.cache.clear()
+        ts.cache[key] = entry
+    ts._charge_entry(entry, dev)
     if any(e._shadow is not None for e in emus):
         _propagate_shadow(func, args, kwargs, emus, out, entry.random)
     return out
 
 
-def _op_cost(func: Any, margs: Any, mkw: dict, mout: Any, dev: int) -> float:
+def _op_cost(ts: TensorState, func: Any, margs: Any, mkw: dict, mout: Any, dev: int) -> float:
     """Estimated GPU seconds of one op (computed once per signature, then cached)."""
-    rt = _S.rt
-    if rt is None:
-        return 0.0
+    from .costs import op_seconds
+
+    engine = ts.engine
     try:
-        from .costs import op_seconds
-    except ImportError:
-        return 0.0
-    engine = _S.engine
-    # op_seconds answers 0 inside a charged scope; the cache needs the op's own cost.
-    scope = getattr(engine._local, "scope", 0) if engine is not None else 0
-    try:
-        if scope and engine is not None:
-            engine._set_scope(0)
-        return float(op_seconds(rt, func, margs, mkw, mout, dev))
+        # The cache needs the op's own cost, also inside a charged scope (where nothing is charged).
+        with engine.uncharged() if engine is not None else _nothing():
+            return float(op_seconds(ts.rt, func, margs, mkw, mout, dev))
     except Exception as exc:  # a cost model gap must not break the user's op
-        _S.say_once(f"no GPU-time estimate for {func} ({exc!r}); counted as 0")
+        ts.say_once(f"no GPU-time estimate for {func} ({exc!r}); counted as 0")
         return 0.0
-    finally:
-        if scope and engine is not None:
-            engine._set_scope(scope)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _data_dependent(ts: TensorState, func: Any, args: tuple, kwargs: dict, margs: list, mkw: dict,
+                    emus: list, dev: int, exc: BaseException) -> Any:
+    """An op whose meta kernel refused (a data-dependent output shape): the host-values policy
+    decides (:func:`gpemu.hostvalues.data_dependent_shape`); the result is wrapped here."""
+    known = bool(emus) and all(e._shadow is not None for e in emus)
+    host_args = _shadow_conv(list(args)) if known else None
+    host_kw = {k: _shadow_conv(v) for k, v in kwargs.items()} if known else None
+    decided = hostvalues.data_dependent_shape(func, margs, mkw, host_args, host_kw)
+    if decided is None:
+        if "data-dependent" in str(exc) or "DataDependentOutputException" in type(exc).__name__:
+            raise NotImplementedError(
+                f"gpemu: {func} has a data-dependent output shape and no emulation policy "
+                f"({hostvalues.POLICY})") from exc
+        raise exc
+    how, result = decided
+    if how == "host":
+        leaves, spec = tree_flatten(result)
+        return tree_unflatten([_host_to_emu(ts, x, dev) for x in leaves], spec)
+    name = how.split(":", 1)[1]
+    if name not in ts.warned:
+        ts.warned.add(name)
+        ts.say_once(f"{name} has a data-dependent output shape; emulated as if every element is selected "
+                    "(see docs/device.md, 'Ways back')")
+    if name == "boolean-mask assignment":
+        emus[0]._shadow = None  # some of its values were overwritten by unknown ones
+        if result is margs[0]:
+            return emus[0]  # in place
+    leaves, spec = tree_flatten(result)
+    return tree_unflatten([_from_meta(ts, m, dev) if isinstance(m, torch.Tensor) else m for m in leaves], spec)
 
 
 # ----------------------------------------------------------------------------------------------
-# host shadows (known small values)
+# host shadows (known small values): the mechanics behind gpemu.hostvalues' policy
 # ----------------------------------------------------------------------------------------------
+def host_shadow(t: Any) -> torch.Tensor | None:
+    """The known host value of a small emulated tensor (see :mod:`gpemu.hostvalues`), or None
+    when its value is unknown or ``t`` is not emulated."""
+    if isinstance(t, EmuTensor):
+        value = t._shadow
+        return value if isinstance(value, torch.Tensor) else None
+    return None
+
+
+def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
+    """Make ``value`` the known host value of emulated tensor ``t`` (None: unknown). A value that
+    does not fit (other element count, or more than SHADOW_MAX_ELEMENTS elements) makes it
+    unknown instead. Returns whether a value is now known."""
+    if not isinstance(t, EmuTensor):
+        return False
+    if value is None or not isinstance(value, torch.Tensor) or value.numel() != t.numel() \
+            or t.numel() > SHADOW_MAX_ELEMENTS:
+        t._shadow = None
+        return False
+    t._shadow = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
+    return True
+
+
 def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any, random: bool) -> None:
     if random or any(e._shadow is None for e in emus):
         # Unknown inputs: any tensor written in place loses its known value.
@@ -706,49 +808,69 @@ def _small_shadow(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _host_to_emu(ts: TensorState, x: Any, dev: int) -> Any:
+    """An emulated tensor (with its shadow) from a real CPU result computed on shadows."""
+    if isinstance(x, torch.Tensor):
+        e = _from_meta(ts, torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META), dev)
+        e._shadow = _small_shadow(x)
+        return e
+    return x
+
+
+def _shadow_conv(a: Any) -> Any:
+    if isinstance(a, EmuTensor):
+        return a._shadow
+    if isinstance(a, (list, tuple)):
+        return type(a)(_shadow_conv(x) for x in a)
+    if isinstance(a, torch.device) and a.type in ("cuda", "meta"):
+        return _CPU
+    return a
+
+
+def host_args(args: tuple) -> tuple:
+    """``args`` with each emulated tensor replaced by its known values, or zeros when unknown
+    (what a factory computing on emulated inputs sees on the host)."""
+    return tuple(hostvalues.host_values(a.shape, a.dtype, a._shadow) if isinstance(a, EmuTensor) else a
+                 for a in args)
+
+
 # ----------------------------------------------------------------------------------------------
-# special ops: item, device changes, copies, data-dependent shapes
+# special ops: item, device changes, copies
 # ----------------------------------------------------------------------------------------------
-def _sync(dev: int, reason: str) -> None:
-    engine = _S.engine
+def _sync(ts: TensorState, dev: int, reason: str) -> None:
+    engine = ts.engine
     if engine is not None:
         engine.synchronize(dev, reason)
 
 
-def _local_scalar_dense(func: Any, args: tuple, kwargs: dict) -> Any:
-    t = args[0]
-    _sync(t._dev, "item")
-    if t.numel() != 1:
-        raise RuntimeError(f"a Tensor with {t.numel()} elements cannot be converted to Scalar")
-    value = placeholders.scalar_value(t.dtype, t._shadow)
-    _settle()
-    return value
-
-
-def _settle() -> None:
+def _settle(ts: TensorState) -> None:
     # The host time between the sync's wait and returning to the program was the emulator's.
-    engine = _S.engine
+    engine = ts.engine
     if engine is not None:
         engine.settle()
 
 
+def _local_scalar_dense(func: Any, args: tuple, kwargs: dict) -> Any:
+    t = args[0]
+    ts = t._ts
+    _sync(ts, t._dev, "item")
+    if t.numel() != 1:
+        raise RuntimeError(f"a Tensor with {t.numel()} elements cannot be converted to Scalar")
+    value = hostvalues.scalar_value(t.dtype, t._shadow)
+    _settle(ts)
+    return value
+
+
 def to_host(t: EmuTensor, reason: str = "cpu") -> torch.Tensor:
     """Bring an emulated tensor back: wait for its device, charge the copy, give placeholder
-    values (its shadow when known, else zeros; see :mod:`gpemu.placeholders`)."""
-    _sync(t._dev, reason)
-    rt = _S.rt
-    if rt is not None and reason == "cpu":
-        try:
-            from .transfers import copy_to_host
-        except ImportError:
-            copy_to_host = None
-        if copy_to_host is not None:
-            copy_to_host(rt, t, t._dev)
-            values = placeholders.host_values(t.shape, t.dtype, t._shadow)
-            _settle()
-            return values
-    values = placeholders.host_values(t.shape, t.dtype, t._shadow)
-    _settle()
+    values (its shadow when known, else zeros; see :mod:`gpemu.hostvalues`)."""
+    ts = t._ts
+    _sync(ts, t._dev, reason)
+    transfers = ts.rt.transfers
+    if transfers is not None and reason == "cpu":
+        transfers.copy_to_host(t, t._dev)
+    values = hostvalues.host_values(t.shape, t.dtype, t._shadow)
+    _settle(ts)
     return values
 
 
@@ -769,26 +891,27 @@ def _to_copy(func: Any, args: tuple, kwargs: dict) -> Any:
         if kwargs.get("pin_memory"):
             values = values.pin_memory()
         return values
-    idx = device_index(d) if d is not None else None
+    ts = t._ts
+    idx = ts.device_index(d) if d is not None else None
     kw = dict(kwargs)
     kw.pop("device", None)
-    out = _generic(func, args, kw)
+    out = _generic(ts, func, args, kw)
     if idx is not None and idx != out._dev:
-        return _peer_copy(out, idx)
+        return peer_copy(out, idx)
     return out
 
 
-def _generic(func: Any, args: tuple, kwargs: dict) -> Any:
+def _generic(ts: TensorState, func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` through the normal cached path (used by special handlers)."""
     emus: list = []
     try:
         key = (id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
-        entry = _S.cache.get(key)
+        entry = ts.cache.get(key)
     except TypeError:
         key, entry = None, None
     if entry is None:
-        return _slow_path(func, args, kwargs, key)
-    return _fast_path(entry, func, args, kwargs, emus)
+        return _slow_path(ts, func, args, kwargs, key)
+    return _fast_path(ts, entry, func, args, kwargs, emus)
 
 
 def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -799,9 +922,10 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
         with torch.no_grad():
             dst.copy_(values)
         return dst
+    ts = dst._ts
     if not isinstance(src, EmuTensor):
         if isinstance(src, torch.Tensor) and src.dim() > 0 and src.device.type == "cpu":
-            _charge_h2d(src, dst._dev, bool(kwargs.get("non_blocking", False) or (len(args) > 2 and args[2])))
+            _charge_h2d(ts, src, dst._dev, bool(kwargs.get("non_blocking", False) or (len(args) > 2 and args[2])))
         new_shadow = None
         if dst.numel() <= SHADOW_MAX_ELEMENTS:
             base = dst._shadow if dst._shadow is not None else torch.zeros(dst.shape, dtype=dst.dtype)
@@ -825,150 +949,19 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
         return dst
     if dst._shadow is None and src._shadow is not None and dst.numel() <= SHADOW_MAX_ELEMENTS:
         dst._shadow = torch.zeros(dst.shape, dtype=dst.dtype)
-    return _generic(func, args, kwargs)
-
-
-def _say_policy(name: str) -> None:
-    if name not in _S.warned:
-        _S.warned.add(name)
-        _S.say_once(f"{name} has a data-dependent output shape; emulated as if every element is selected "
-                    "(see docs/device.md, 'Ways back')")
-
-
-def _all_shadowed(ts: list) -> bool:
-    return bool(ts) and all(t._shadow is not None for t in ts)
-
-
-def _from_host_result(result: Any, dev: int) -> Any:
-    """Emulated tensors (with shadows) from a real CPU computation on shadows."""
-    leaves, spec = tree_flatten(result)
-    return tree_unflatten([_host_to_emu(x, dev) for x in leaves], spec)
-
-
-def _host_to_emu(x: Any, dev: int) -> Any:
-    if isinstance(x, torch.Tensor):
-        e = _from_meta(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META), dev)
-        e._shadow = _small_shadow(x)
-        return e
-    return x
-
-
-def _shadow_conv(a: Any) -> Any:
-    if isinstance(a, EmuTensor):
-        return a._shadow
-    if isinstance(a, (list, tuple)):
-        return type(a)(_shadow_conv(x) for x in a)
-    if isinstance(a, torch.device) and a.type in ("cuda", "meta"):
-        return _CPU
-    return a
-
-
-def _run_on_shadows(func: Any, args: tuple, kwargs: dict) -> Any:
-    return func(*_shadow_conv(list(args)), **{k: _shadow_conv(v) for k, v in kwargs.items()})
-
-
-def _policy_nonzero(func: Any, args: tuple, kwargs: dict, emus: list, dev: int) -> Any:
-    if _all_shadowed(emus):
-        return _from_host_result(_run_on_shadows(func, args, kwargs), dev)
-    _say_policy(str(func.overloadpacket))
-    x = args[0]
-    return _from_meta(torch.empty((x.numel(), x.dim()), dtype=torch.int64, device=_META), dev)
-
-
-def _policy_masked_select(func: Any, args: tuple, kwargs: dict, emus: list, dev: int) -> Any:
-    if _all_shadowed(emus):
-        return _from_host_result(_run_on_shadows(func, args, kwargs), dev)
-    _say_policy("masked_select")
-    x, mask = args[0], args[1]
-    n = torch.broadcast_shapes(x.shape, mask.shape).numel()
-    return _from_meta(torch.empty((n,), dtype=x.dtype, device=_META), dev)
-
-
-def _policy_unique(func: Any, args: tuple, kwargs: dict, emus: list, dev: int) -> Any:
-    if _all_shadowed(emus):
-        return _from_host_result(_run_on_shadows(func, args, kwargs), dev)
-    _say_policy("unique")
-    x = args[0]
-    name = func.overloadpacket.__name__
-    n = x.numel()
-    flat = torch.empty((n,), dtype=x.dtype, device=_META)
-    inverse = torch.empty(x.shape if name != "unique_dim" else (x.shape[args[1]],), dtype=torch.int64,
-                          device=_META)
-    counts = torch.empty((n,), dtype=torch.int64, device=_META)
-    if name == "unique_dim":
-        flat = torch.empty(x.shape, dtype=x.dtype, device=_META)
-        counts = torch.empty((x.shape[args[1]],), dtype=torch.int64, device=_META)
-    if name == "_unique":
-        return (_from_meta(flat, dev), _from_meta(inverse, dev))
-    return (_from_meta(flat, dev), _from_meta(inverse, dev), _from_meta(counts, dev))
-
-
-def _policy_index(func: Any, args: tuple, kwargs: dict, emus: list, dev: int) -> Any:
-    x, indices = args[0], args[1]
-    if _all_shadowed(emus) and all(not isinstance(i, torch.Tensor) or isinstance(i, EmuTensor) or
-                                  i.device.type == "cpu" for i in indices if i is not None):
-        return _from_host_result(_run_on_shadows(func, args, kwargs), dev)
-    _say_policy("boolean-mask indexing")
-    # Replace each boolean mask by "all of its positions" (integer index tensors of full size).
-    new_idx: list = []
-    for i in indices:
-        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
-            n = i.numel()
-            for _ in range(i.dim()):
-                new_idx.append(torch.empty((n,), dtype=torch.int64, device=_META))
-        elif isinstance(i, EmuTensor):
-            new_idx.append(_meta_of(i))
-        elif isinstance(i, torch.Tensor):
-            new_idx.append(torch.empty_strided(i.shape, i.stride(), dtype=i.dtype, device=_META))
-        else:
-            new_idx.append(i)
-    mout = func(_meta_of(x), new_idx)
-    return _from_meta(mout, dev)
-
-
-def _policy_index_put(func: Any, args: tuple, kwargs: dict, emus: list, dev: int) -> Any:
-    _say_policy("boolean-mask assignment")
-    x = args[0]
-    x._shadow = None
-    if func.overloadpacket.__name__.endswith("_"):
-        return x
-    return _from_meta(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META), dev)
-
-
-def _policy_repeat_interleave(func: Any, args: tuple, kwargs: dict, emus: list, dev: int) -> Any:
-    if _all_shadowed(emus):
-        return _from_host_result(_run_on_shadows(func, args, kwargs), dev)
-    _say_policy("repeat_interleave")
-    rep = args[0]
-    return _from_meta(torch.empty((rep.numel(),), dtype=torch.int64, device=_META), dev)
-
-
-_DATA_DEPENDENT: dict[Any, Callable] = {
-    aten.nonzero: _policy_nonzero,
-    aten.argwhere: _policy_nonzero,
-    aten.masked_select: _policy_masked_select,
-    aten._unique: _policy_unique,
-    aten._unique2: _policy_unique,
-    aten.unique_dim: _policy_unique,
-    aten.unique_consecutive: _policy_unique,
-    aten.index: _policy_index,
-    aten.index_put_: _policy_index_put,
-    aten.index_put: _policy_index_put,
-    aten._index_put_impl_: _policy_index_put,
-    aten.repeat_interleave: _policy_repeat_interleave,
-}
+    return _generic(ts, func, args, kwargs)
 
 
 def _non_finite_check(func: Any, args: tuple, kwargs: dict) -> Any:
-    # Policy: emulated gradients are finite, found_inf keeps its value (see placeholders).
+    # Policy: emulated gradients are finite, found_inf keeps its value (see hostvalues).
     return None
 
 
 def _amp_update_scale(func: Any, args: tuple, kwargs: dict) -> Any:
     scale = args[0]
     emus = [a for a in args if isinstance(a, EmuTensor)]
-    if _all_shadowed(emus):
-        _run_on_shadows(func, args, kwargs)
+    if emus and all(e._shadow is not None for e in emus):
+        func(*_shadow_conv(list(args)), **{k: _shadow_conv(v) for k, v in kwargs.items()})
     else:
         for e in emus:
             if e is scale or e is args[1]:
@@ -986,6 +979,7 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     out._shadow = t._shadow
     out._meta = t._meta
     out._key = k
+    out._ts = t._ts
     return out
 
 
@@ -1000,73 +994,39 @@ _SPECIAL: dict[int, Callable] = {id(op): handler for op, handler in {
 
 
 # ----------------------------------------------------------------------------------------------
-# ways in
+# host <-> emulated device copies
 # ----------------------------------------------------------------------------------------------
-def _check(idx: int) -> int:
-    rt = _S.rt
-    if rt is None:
-        raise RuntimeError("gpemu is not patched: call gpemu.patch() before using emulated GPUs")
-    return rt.check_device(idx)
+def _charge_h2d(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool,
+                issued_at: float | None = None) -> None:
+    transfers = ts.rt.transfers
+    if transfers is not None:
+        transfers.copy_to_device(t, dev, non_blocking, issued_at)
 
 
-def device_index(device: Any) -> int | None:
-    """Emulated device index for a CUDA device given as int/str/torch.device; None if not CUDA."""
-    if device is None:
-        return None
-    if isinstance(device, bool):
-        raise ValueError(f"a device must be an int, a string or a torch.device, got {device!r}")
-    if isinstance(device, int):
-        return device
-    if isinstance(device, str):
-        if not device.startswith("cuda"):
-            return None
-        device = torch.device(device)
-    if isinstance(device, torch.device):
-        if device.type != "cuda":
-            return None
-        if device.index is not None:
-            return device.index
-        rt = _S.rt
-        return rt.current_device if rt is not None else 0
-    return None
-
-
-_copy_to_device: Callable | None = None  # gpemu.transfers.copy_to_device, imported on first use
-
-
-def _charge_h2d(t: torch.Tensor, dev: int, non_blocking: bool, issued_at: float | None = None) -> None:
-    global _copy_to_device
-    rt = _S.rt
-    if rt is None or getattr(_S.local, "moving_model", False):
-        return
-    if _copy_to_device is None:  # (transfers imports this module: no top-level import)
-        from .transfers import copy_to_device
-        _copy_to_device = copy_to_device
-    _copy_to_device(rt, t, dev, non_blocking, issued_at)
-
-
-def _emulate_plain(t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
+def _emulate_plain(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
     if t.is_contiguous() or _non_overlapping_dense(t):
         stride = t.stride()
     else:
         stride = torch.empty(t.shape, device=_META).stride()
-    engine = _S.engine
+    engine = ts.engine
     # The copy is issued when the program asked for it, not after the emulator's book-keeping.
     issued_at = engine.now() if engine is not None else None
     nbytes = t.numel() * t.element_size()
-    block = _S.memory[dev].allocate(nbytes) if nbytes else None
-    moving = getattr(_S.local, "moving_model", False)
+    block = ts.memory[dev].allocate(nbytes) if nbytes else None
+    transfers = ts.rt.transfers
+    moving = transfers is not None and transfers.moving_model
     if engine is not None:
         engine.forget_wait()  # only a wait for THIS copy may be forgiven below
-    _charge_h2d(t, dev, non_blocking, issued_at)
-    e = _wrap(t.shape, stride, 0, t.dtype, dev, block)
+    if not moving:
+        _charge_h2d(ts, t, dev, non_blocking, issued_at)
+    e = ts.wrap(t.shape, stride, 0, t.dtype, dev, block)
     if not moving:
         # Model parameters/buffers get no shadows: their values are not what host code reads
         # back, and a shadow would add a host op to every step of the optimizer.
         e._shadow = _small_shadow(t)
     # A pageable copy returns when the copy ends; building the wrapper after that wait is the
     # emulator's time, not the program's (as for .item()).
-    _settle()
+    _settle(ts)
     return e
 
 
@@ -1081,361 +1041,68 @@ class _ToDevice(torch.autograd.Function):
     """Host -> emulated copy that keeps autograd (grads flow back as host placeholders)."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:  # type: ignore[override]
+    def forward(ctx: Any, ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:  # type: ignore[override]
         ctx.host_dtype = t.dtype
-        return _emulate_plain(t.detach(), dev, non_blocking)
+        return _emulate_plain(ts, t.detach(), dev, non_blocking)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
         host = to_host(grad) if isinstance(grad, EmuTensor) else grad
-        return host.to(ctx.host_dtype), None, None
+        return None, host.to(ctx.host_dtype), None, None
 
 
-def _peer_copy(t: EmuTensor, idx: int) -> EmuTensor:
+def to_emulated(t: torch.Tensor, device: int, non_blocking: bool = False) -> EmuTensor:
+    """Copy a host tensor onto the active run's emulated GPU ``device``: counts memory, charges
+    transfer time, keeps a shadow of small values. Keeps autograd when ``t`` requires grad."""
+    ts = t._ts if isinstance(t, EmuTensor) else _state()
+    dev = ts.check(device)
+    if isinstance(t, EmuTensor):
+        return t if t._dev == dev else peer_copy(t, dev)
+    if t.requires_grad and torch.is_grad_enabled():
+        return _ToDevice.apply(ts, t, dev, non_blocking)
+    return _emulate_plain(ts, t.detach() if t.requires_grad else t, dev, non_blocking)
+
+
+def peer_copy(t: EmuTensor, idx: int) -> EmuTensor:
     """A copy of ``t`` on another emulated GPU (counted there). GPU-to-GPU copy time is not
     charged (documented limitation)."""
-    idx = _check(idx)
+    ts = t._ts
+    idx = ts.check(idx)
     nbytes = t.numel() * t.element_size()
     stride = t.stride() if (t.is_contiguous() or _non_overlapping_dense(t)) else \
         torch.empty(t.shape, device=_META).stride()
-    out = _wrap(t.shape, stride, 0, t.dtype, idx, _S.memory[idx].allocate(nbytes) if nbytes else None)
+    out = ts.wrap(t.shape, stride, 0, t.dtype, idx, ts.memory[idx].allocate(nbytes) if nbytes else None)
     if t._shadow is not None:
         out._shadow = t._shadow.clone()
     return out
 
 
-class _PeerCopy(torch.autograd.Function):
+class PeerCopy(torch.autograd.Function):
+    """:func:`peer_copy` that keeps autograd (the gradient goes back to the source device)."""
+
     @staticmethod
     def forward(ctx: Any, t: EmuTensor, idx: int) -> EmuTensor:  # type: ignore[override]
         ctx.src = t._dev
-        return _peer_copy(t, idx)
+        return peer_copy(t, idx)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
-        return _peer_copy(grad, ctx.src), None
+        return peer_copy(grad, ctx.src), None
 
 
-def to_emulated(t: torch.Tensor, device: int, non_blocking: bool = False) -> EmuTensor:
-    """Copy a host tensor onto emulated GPU ``device``: counts memory, charges transfer time,
-    keeps a shadow of small values. Keeps autograd when ``t`` requires grad."""
-    dev = _check(device)
-    if isinstance(t, EmuTensor):
-        return t if t._dev == dev else _peer_copy(t, dev)
-    if t.requires_grad and torch.is_grad_enabled():
-        return _ToDevice.apply(t, dev, non_blocking)
-    return _emulate_plain(t.detach() if t.requires_grad else t, dev, non_blocking)
-
-
-# -- Tensor.to / .cuda / .type -----------------------------------------------------------------
-_TYPE_NAMES = {
+# torch's legacy type names (``x.type()`` -> "torch.cuda.FloatTensor").
+TYPE_NAMES = {
     "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
     "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
     "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8, "BoolTensor": torch.bool,
 }
-_DTYPE_NAMES = {v: k for k, v in _TYPE_NAMES.items()}
-
-
-def _parse_to(args: tuple, kwargs: dict) -> tuple[Any, Any, bool, bool, Any]:
-    """(device, dtype, non_blocking, copy, memory_format) of a Tensor.to / Module.to call."""
-    kwargs = dict(kwargs)
-    copy = bool(kwargs.pop("copy", False))
-    args = list(args)
-    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
-        # .to(0): the CPU build cannot parse an int device in C; an int means cuda:N.
-        kwargs.setdefault("device", torch.device("cuda", args.pop(0)))
-    elif "device" in kwargs and isinstance(kwargs["device"], int) and not isinstance(kwargs["device"], bool):
-        kwargs["device"] = torch.device("cuda", kwargs["device"])
-    if args and isinstance(args[0], torch.Tensor):
-        other = args.pop(0)
-        kwargs.setdefault("device", other.device)
-        kwargs.setdefault("dtype", other.dtype)
-    if len(args) >= 4:  # (device, dtype, non_blocking, copy)
-        copy = bool(args.pop(3))
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-    return device, dtype, bool(non_blocking), copy, memory_format
-
-
-def _make_tensor_to(orig_to: Callable) -> Callable:
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
-        idx = device_index(device)
-        if idx is None:
-            call: dict[str, Any] = {"non_blocking": non_blocking, "copy": copy}
-            if device is not None:
-                call["device"] = device
-            if dtype is not None:
-                call["dtype"] = dtype
-            if memory_format is not None:
-                call["memory_format"] = memory_format
-            return orig_to(self, **call)
-        idx = _check(idx)
-        if isinstance(self, EmuTensor):
-            if idx == self._dev and (dtype is None or dtype == self.dtype) and not copy:
-                return self
-            # torch's C++ .to() initialises CUDA for a cuda target: convert here instead.
-            out = self
-            if dtype is not None and dtype != self.dtype:
-                out = orig_to(self, dtype=dtype, non_blocking=non_blocking)
-            elif copy and idx == self._dev:
-                out = self.clone()
-            if idx != out._dev:
-                out = _PeerCopy.apply(out, idx) if out.requires_grad and torch.is_grad_enabled() \
-                    else _peer_copy(out, idx)
-            return out
-        host = self if dtype is None or dtype == self.dtype else orig_to(self, dtype=dtype)
-        return to_emulated(host, idx, non_blocking)
-    return to
-
-
-def _make_tensor_cuda(orig_cuda: Callable) -> Callable:
-    def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
-             memory_format: Any = torch.preserve_format) -> torch.Tensor:
-        rt = _S.rt
-        idx = rt.current_device if device is None else device_index(device)
-        if idx is None:
-            raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
-        idx = _check(idx)
-        if isinstance(self, EmuTensor):
-            return self if self._dev == idx else self.to(_DEVICES[idx], non_blocking=non_blocking)
-        return to_emulated(self, idx, non_blocking)
-    return cuda
-
-
-def _make_tensor_type(orig_type: Callable) -> Callable:
-    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
-        if dtype is None:
-            if isinstance(self, EmuTensor):
-                return f"torch.cuda.{_DTYPE_NAMES.get(self.dtype, 'Tensor')}"
-            return orig_type(self)
-        if isinstance(dtype, str):
-            if dtype.startswith("torch.cuda."):
-                name = dtype[len("torch.cuda."):]
-                if name not in _TYPE_NAMES:
-                    raise ValueError(f"invalid type: {dtype!r}; valid CUDA types: "
-                                     + ", ".join(f"torch.cuda.{n}" for n in _TYPE_NAMES))
-                idx = self._dev if isinstance(self, EmuTensor) else _S.rt.current_device
-                return self.to(device=_DEVICES[idx], dtype=_TYPE_NAMES[name], non_blocking=non_blocking)
-            if isinstance(self, EmuTensor) and dtype.startswith("torch.") and dtype[6:] in _TYPE_NAMES:
-                return self.to(device="cpu", dtype=_TYPE_NAMES[dtype[6:]])
-        if isinstance(self, EmuTensor) and isinstance(dtype, torch.dtype):
-            return self.to(dtype=dtype)
-        return orig_type(self, dtype, non_blocking, **kwargs)
-    return type_
-
-
-# -- factories -----------------------------------------------------------------------------------
-_DATA_FACTORIES = {"tensor", "as_tensor", "asarray", "scalar_tensor"}
-_RANDOM_FACTORIES = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
-                     "empty", "empty_like", "empty_strided", "empty_permuted"}
-_FACTORIES = ("empty", "empty_strided", "empty_permuted", "zeros", "ones", "full", "rand", "randn", "randint",
-              "randperm", "arange", "range", "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray",
-              "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-              "randint_like", "tril_indices", "triu_indices", "normal")
-
-
-def _emulated_factory(orig: Callable, name: str, args: tuple, kwargs: dict, idx: int) -> torch.Tensor:
-    dev = _check(idx)
-    kw = dict(kwargs)
-    kw.pop("device", None)
-    kw.pop("pin_memory", None)
-    requires_grad = bool(kw.pop("requires_grad", False))
-    if args and isinstance(args[0], EmuTensor):
-        # *_like / as_tensor of an emulated tensor: runs through dispatch on its device.
-        out = orig(*args, **kw) if name not in ("tensor",) else args[0].detach().clone()
-        if out._dev != dev:
-            out = out.to(_DEVICES[dev])
-    elif name in _DATA_FACTORIES:
-        host = orig(*args, **kw)
-        out = _emulate_plain(host, dev, False)
-    else:
-        meta = orig(*args, device=_META, **kw)
-        out = _from_meta(meta, dev)
-        if meta.numel() <= SHADOW_MAX_ELEMENTS:
-            if name in _RANDOM_FACTORIES:
-                if name.startswith("empty"):
-                    out._shadow = torch.zeros(meta.shape, dtype=meta.dtype)
-            else:
-                host_args = tuple(_host_like(a) for a in args)
-                out._shadow = orig(*host_args, device=_CPU, **kw)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
-
-
-def _host_like(a: Any) -> Any:
-    if isinstance(a, EmuTensor):
-        return placeholders.host_values(a.shape, a.dtype, a._shadow)
-    return a
-
-
-def _make_factory(orig: Callable, name: str) -> Callable:
-    @functools.wraps(orig)
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        d = kwargs.get("device")
-        if d is not None:
-            idx = device_index(d)
-            if idx is not None:
-                return _emulated_factory(orig, name, args, kwargs, idx)
-        return orig(*args, **kwargs)
-    return factory
-
-
-def _make_tensor_new(orig: Callable) -> Callable:
-    """``t.new_zeros(..., device='cuda')`` and friends (the C++ path would initialise CUDA)."""
-    @functools.wraps(orig)
-    def new(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        d = kwargs.get("device")
-        idx = device_index(d) if d is not None else None
-        if idx is None:
-            return orig(self, *args, **kwargs)
-        idx = _check(idx)
-        kw = dict(kwargs)
-        kw["device"] = _META
-        kw.pop("pin_memory", None)
-        requires_grad = bool(kw.pop("requires_grad", False))
-        kw.setdefault("dtype", self.dtype)
-        meta_self = torch.empty((), dtype=self.dtype, device=_META)
-        out = _from_meta(orig(meta_self, *args, **kw), idx)
-        return out.requires_grad_(True) if requires_grad else out
-    return new
-
-
-def _make_device_context_tf(orig_tf: Callable) -> Callable:
-    """``torch.set_default_device('cuda')`` / ``with torch.device('cuda')``: torch's DeviceContext
-    mode adds ``device='cuda'`` to factories; route those to emulated factories."""
-    from torch.utils._device import _device_constructors
-
-    constructors = _device_constructors()
-
-    def __torch_function__(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if self.device.type == "cuda" and _S.rt is not None and func in constructors:
-            d = kwargs.get("device")
-            idx = device_index(self.device if d is None else d)
-            if idx is not None:
-                return _emulated_factory(func, getattr(func, "__name__", ""), args, kwargs, idx)
-        return orig_tf(self, func, types, args, kwargs)
-    return __torch_function__
-
-
-# -- modules -------------------------------------------------------------------------------------
-def _make_module_to(orig_to: Callable) -> Callable:
-    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        device, dtype, non_blocking, _copy, memory_format = _parse_to(args, kwargs)
-        idx = device_index(device)
-        call: dict[str, Any] = {"non_blocking": non_blocking}
-        if dtype is not None:
-            call["dtype"] = dtype
-        if memory_format is not None:
-            call["memory_format"] = memory_format
-        if idx is None:
-            if device is not None:
-                call["device"] = device
-            return orig_to(self, **call)
-        idx = _check(idx)
-        call["device"] = _DEVICES[idx]
-        return _move_module(self, idx, lambda: orig_to(self, **call))
-    return to
-
-
-def _make_module_cuda(orig_cuda: Callable) -> Callable:
-    def cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
-        idx = _S.rt.current_device if device is None else device_index(device)
-        if idx is None:
-            raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
-        idx = _check(idx)
-        return _move_module(self, idx, lambda: orig_cuda(self, idx))
-    return cuda
-
-
-def _move_module(module: torch.nn.Module, idx: int, move: Callable[[], Any]) -> Any:
-    """Move a module's tensors; the model-transfer time is charged once for the whole module
-    (gpemu.transfers.model_to_device) instead of per tensor."""
-    from_host = any(not isinstance(t, EmuTensor) and t.device.type == "cpu"
-                    for t in _module_tensors(module))
-    local = _S.local
-    prev = getattr(local, "moving_model", False)
-    local.moving_model = True
-    try:
-        result = move()
-    finally:
-        local.moving_model = prev
-    if from_host and not prev and _S.rt is not None:
-        try:
-            from .transfers import model_to_device
-        except ImportError:
-            model_to_device = None
-        if model_to_device is not None:
-            model_to_device(_S.rt, module, idx)
-    return result
-
-
-def _module_tensors(module: torch.nn.Module) -> Any:
-    yield from module.parameters()
-    yield from module.buffers()
-
-
-_COMPILE_NOTE = ("torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
-                 "still comes from the profile database or the per-op estimate)")
-
-
-def _make_compile(orig: Callable) -> Callable:
-    @functools.wraps(orig)
-    def compile(model: Any = None, **kwargs: Any) -> Any:
-        _S.say_once(_COMPILE_NOTE)
-        if model is None:  # used as a decorator factory: @torch.compile(mode=...)
-            return lambda fn: fn
-        return model
-    return compile
+DTYPE_NAMES = {v: k for k, v in TYPE_NAMES.items()}
 
 
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
 def install(rt: "Runtime") -> None:
-    """Patch the ways in (Tensor.to/.cuda/.type, factories, default device, Module.to/.cuda)
-    and let optimizers take their foreach path over emulated tensors."""
-    p = rt.patcher
-    _S.rt = rt
-    _S.engine = rt.state.get("engine")
-    _S.memory = rt.state["memory"]
-    _S.cache = {}
-    _S.warned = set()
-
-    def reset() -> None:
-        _S.rt = None
-        _S.engine = None
-        _S.memory = []
-        _S.cache = {}
-
-    p.on_restore(reset)
-    T = torch.Tensor
-    p.replace(T, "to", _make_tensor_to(T.to))
-    p.replace(T, "cuda", _make_tensor_cuda(T.cuda))
-    p.replace(T, "type", _make_tensor_type(T.type))
-    for name in ("new_empty", "new_zeros", "new_ones", "new_full"):
-        p.replace(T, name, _make_tensor_new(getattr(T, name)))
-    from torch.utils._device import DeviceContext, _device_constructors
-
-    _device_constructors()  # fill its cache with torch's own functions before ours replace them
-    p.replace(DeviceContext, "__torch_function__", _make_device_context_tf(DeviceContext.__torch_function__))
-    for name in _FACTORIES:
-        orig = getattr(torch, name, None)
-        if orig is not None:
-            p.replace(torch, name, _make_factory(orig, name))
-    # torch.compile cannot trace meta-backed wrapper tensors; emulated GPU time comes from
-    # profiles of eager runs anyway, so compiled models run eagerly (said once).
-    p.replace(torch, "compile", _make_compile(torch.compile))
-    M = torch.nn.Module
-    p.replace(M, "to", _make_module_to(M.to))
-    if hasattr(M, "compile"):
-        p.replace(M, "compile", lambda self, *a, **k: _S.say_once(_COMPILE_NOTE))
-    p.replace(M, "cuda", _make_module_cuda(M.cuda))
-    # Optimizers choose their foreach (multi-tensor) path only for listed tensor types.
-    import torch.optim.optimizer as opt_mod
-    import torch.utils._foreach_utils as fe_mod
-
-    for mod in (opt_mod, fe_mod):
-        types = getattr(mod, "_foreach_supported_types", None)
-        if isinstance(types, list) and EmuTensor not in types:
-            p.replace(mod, "_foreach_supported_types", types + [EmuTensor])
+    """The run's tensor state (``rt.tensors``). The ways in that hand out emulated tensors are
+    :mod:`gpemu.ways_in`."""
+    rt.tensors = TensorState(rt)

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .observe import RunRecords, Timeline, compute_summary, json_safe
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
 
 __all__ = ["write_trace", "trace_events", "load_trace", "TraceError", "TRACE_FORMAT"]
@@ -43,7 +44,6 @@ def _us(t: float, t0: float) -> float:
 
 def trace_events(records: Any) -> list[dict[str, Any]]:
     """Trace events for :class:`gpemu.observe.RunRecords` (metadata first)."""
-    from .observe import Timeline
 
     t0 = records.started_at
     events: list[dict[str, Any]] = []
@@ -93,7 +93,6 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
 
 def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, Any] | None = None) -> Path:
     """Write ``records`` (:class:`gpemu.observe.RunRecords`) as a Chrome trace JSON file."""
-    from .observe import _finite, compute_summary
 
     if summary is None:
         summary = compute_summary(records)
@@ -108,7 +107,7 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
             "counters": dict(records.counters),
             "notes": list(records.notes),
             "memory_stats": list(records.memory_stats),
-            "summary": _finite(summary),
+            "summary": json_safe(summary),
         },
     }
     p = Path(path)
@@ -124,7 +123,6 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
 def load_trace(path: str | os.PathLike[str]) -> Any:
     """Read a trace written by :func:`write_trace` back into :class:`gpemu.observe.RunRecords`
     (times in seconds since patch time)."""
-    from .observe import RunRecords
 
     p = Path(path)
     if not p.is_file():

@@ -265,7 +265,7 @@ class GpuPreprocess:
             self.cpu_seconds += cpu
             rt.recorder.add("preprocess_cpu_seconds", cpu)
         self._grow_memory(rt, index)
-        rt.state["engine"].stream(self.device).enqueue(gpu, "preprocess", self.distribution)
+        rt.engine.stream(self.device).enqueue(gpu, "preprocess", self.distribution)
         self.gpu_seconds += gpu
         rt.recorder.add("preprocess_seconds", gpu)
         return batch
@@ -288,8 +288,8 @@ class GpuPreprocess:
         if target <= self._held:
             return
         grow = target - self._held
-        trackers = rt.state.get("memory")
-        if trackers is not None:
+        trackers = rt.memory
+        if trackers:
             # A real allocation on the emulated device: counts in memory_allocated and can OOM.
             tracker = trackers[self.device]
             self._blocks.append(tracker.allocate(grow))

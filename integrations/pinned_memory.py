@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "PinnedHostPool",
+    "PinnedState",
     "PoolStats",
     "host_pool",
     "is_pinned",
@@ -371,12 +372,25 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------- component
+@dataclass
+class PinnedState:
+    """The pinned-memory component of one run (``rt.pinned``). The pool itself is the process's
+    (as CUDA's host allocator is: locked pages are kept for reuse across runs)."""
+
+    pool: PinnedHostPool
+    enabled: bool
+    pins: int = 0              # pin_memory() calls this run
+    pin_seconds: float = 0.0   # host time they took
+
+
 def install(rt: "Runtime") -> None:
-    """Patch ``Tensor.pin_memory``/``Tensor.is_pinned`` for this run (through ``rt.patcher``)."""
+    """Patch ``Tensor.pin_memory``/``Tensor.is_pinned`` for this run (through ``rt.patcher``) and
+    let the transfers component ask whether a host tensor is pinned."""
     pool = host_pool()
     pool.set_notify(rt.say_once)
-    state = {"pool": pool, "enabled": bool(rt.config.pinned), "pins": 0, "pin_seconds": 0.0}
-    rt.state["pinned"] = state
+    state = rt.pinned = PinnedState(pool, bool(rt.config.pinned))
+    if rt.transfers is not None:
+        rt.transfers.is_pinned = is_pinned
     rt.patcher.on_restore(lambda: pool.set_notify(None))
     if _warning:
         rt.recorder.note(_warning)  # this process already failed to lock before this run
@@ -390,14 +404,14 @@ def install(rt: "Runtime") -> None:
             # An emulated cuda tensor (or any non-CPU one): same message CUDA gives.
             raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
         start = time.perf_counter()
-        if state["enabled"]:
+        if state.enabled:
             out = pin(self, pool)
         else:
             out = self.clone()  # a plain pageable copy: what an emulator without pinned memory does
         elapsed = time.perf_counter() - start
         with stats_lock:  # the DataLoader pin thread and the main thread both pin
-            state["pins"] += 1
-            state["pin_seconds"] += elapsed
+            state.pins += 1
+            state.pin_seconds += elapsed
         recorder.add("pin_bytes", self.numel() * self.element_size())
         return out
 

@@ -31,13 +31,13 @@ import re
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
 
-from gpemu.config import _redact
+from gpemu.units import redact_url
 
 from . import api_pb2, api_pb2_grpc
 from .devices import DEFAULT_DEVICE_DIR, DeviceFileError, EmuGpu, device_file, scan_devices
@@ -111,7 +111,7 @@ class PluginOptions:
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or not 1 <= self.replicas <= 64:
             raise PluginConfigError(f"replicas must be an integer from 1 to 64, got {self.replicas!r}")
         if self.sharing is not None and not self.sharing.startswith(("amqp://", "amqps://")):
-            raise PluginConfigError(f"sharing must be an amqp:// or amqps:// URL, got {_redact(self.sharing)!r}")
+            raise PluginConfigError(f"sharing must be an amqp:// or amqps:// URL, got {redact_url(self.sharing)!r}")
         if not self.poll_interval_s > 0 or self.removed_grace_s < 0:
             raise PluginConfigError("poll interval must be > 0 s and the removal grace period >= 0 s")
 
@@ -613,7 +613,7 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             entry = {
                 "devices": ids,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "envs": {k: (_redact(v) if k == "GPEMU_SHARING" else v) for k, v in sorted(resp.envs.items())},
+                "envs": {k: (redact_url(v) if k == "GPEMU_SHARING" else v) for k, v in sorted(resp.envs.items())},
                 "mounts": [m.host_path for m in resp.mounts],
             }
             # Keep the newest record per device set (the kubelet may re-allocate the same ids).

@@ -12,7 +12,7 @@ from gpemu.clock import VirtualClock
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 
@@ -62,7 +62,7 @@ def test_autocast_training_grads_keep_parameter_dtype(rt):
 
 def test_parameter_casts_are_cached_within_a_region(rt):
     lin = nn.Linear(64, 64).cuda()
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     x = torch.randn(4, 64, device="cuda")
     with torch.autocast("cuda"):
         lin(x)

@@ -1,5 +1,5 @@
 """Costs from the profile database (with provenance), roofline estimates, optimizer steps and
-the optimizer-step hooks the engine installs."""
+the optimizer-step hooks (gpemu.optimizer_hooks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from examples import tvmodels
-from gpemu import costs, engine
+from gpemu import costs, engine, optimizer_hooks
 from gpemu.clock import VirtualClock
 from gpemu.config import EmuConfig
 from gpemu.identify import ModelIdentity, identify
@@ -33,7 +33,7 @@ def make_rt(db, **settings) -> Runtime:
 
 @pytest.fixture
 def rt(db):
-    r = make_rt(db, gpu="V100", extra={"clock": VirtualClock()})
+    r = make_rt(db, gpu="V100", clock=VirtualClock())
     yield r
     r.patcher.restore_all()
 
@@ -124,7 +124,7 @@ def test_op_seconds_roofline_and_charged_scope(rt):
     assert costs.op_seconds(rt, torch.ops.aten.view.default, (a, [-1]), {}, out.view(-1), 0) == 0.0
     half = a.half()
     assert costs.op_seconds(rt, torch.ops.aten.mm.default, (half, half), {}, half, 0) < mm / 4
-    with rt.state["engine"].charged_scope():
+    with rt.engine.charged_scope():
         assert costs.op_seconds(rt, torch.ops.aten.mm.default, (a, a), {}, out, 0) == 0.0
 
 
@@ -144,8 +144,9 @@ def test_optimizer_hooks_scope_the_step_and_unpatch_removes_them(db):
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     before = (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
-    rt = make_rt(db, extra={"clock": VirtualClock()})
-    eng = rt.state["engine"]
+    rt = make_rt(db, clock=VirtualClock())
+    optimizer_hooks.install(rt)
+    eng = rt.engine
     assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (before[0] + 1, before[1] + 1)
     seen = []
 

@@ -25,7 +25,7 @@ def clock() -> VirtualClock:
 
 @pytest.fixture
 def rt4(clock: VirtualClock):
-    return gpemu.patch(gpu="V100", num_gpus=4, extra={"clock": clock})
+    return gpemu.patch(gpu="V100", num_gpus=4, clock=clock)
 
 
 # ------------------------------------------------------------------ devices
@@ -109,7 +109,7 @@ def test_bad_configuration_is_one_clear_error() -> None:
 
 # ------------------------------------------------------------------ streams and events
 def test_streams_events_and_synchronize(rt4, clock: VirtualClock) -> None:
-    engine = rt4.state["engine"]
+    engine = rt4.engine
     assert torch.cuda.Stream is type(torch.cuda.current_stream())
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     side = torch.cuda.Stream()
@@ -175,7 +175,7 @@ def test_accelerator_surface(rt4, clock: VirtualClock) -> None:
 
 # ------------------------------------------------------------------ memory statistics
 def test_memory_statistics_follow_the_tracker(rt4) -> None:
-    tracker = rt4.state["memory"][1]
+    tracker = rt4.memory[1]
     block = tracker.allocate(300 << 20)
     assert torch.cuda.memory_allocated(1) == tracker.allocated >= 300 << 20
     assert torch.cuda.memory_allocated(0) == 0

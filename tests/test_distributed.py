@@ -100,7 +100,7 @@ def test_measured_ddp_iterations_decide_the_allreduce_time(tmp_path: Path, _gpem
     import tvmodels
 
     clock = VirtualClock()
-    rt = gpemu.patch(gpu="V100", db_url=url, summary=False, extra={"clock": clock})
+    rt = gpemu.patch(gpu="V100", db_url=url, summary=False, clock=clock)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         model = torch.nn.parallel.DistributedDataParallel(tvmodels.resnet18().cuda())

@@ -64,7 +64,7 @@ def test_streams_run_concurrently_and_wait_on_events(eng):
     main, side = eng.default_stream(0), eng.new_stream(0)
     assert side.stream_id != main.stream_id
     main.enqueue(0.100, "forward", "a")
-    ev = EmuEvent(enable_timing=True)
+    ev = EmuEvent(eng, enable_timing=True)
     ev.record(main)
     side.enqueue(0.030, "transfer", "copy")       # independent: starts now
     assert side.busy_until == pytest.approx(100.030)
@@ -76,7 +76,7 @@ def test_streams_run_concurrently_and_wait_on_events(eng):
 
 def test_wait_stream_and_unrecorded_event_noop(eng):
     a, b = eng.default_stream(0), eng.new_stream(0)
-    b.wait_event(EmuEvent())  # never recorded: no-op
+    b.wait_event(EmuEvent(eng))  # never recorded: no-op
     assert b.busy_until == 0.0
     a.enqueue(0.2, "op", "x")
     b.wait_stream(a)
@@ -85,7 +85,7 @@ def test_wait_stream_and_unrecorded_event_noop(eng):
 
 def test_event_elapsed_time_is_emulated_gpu_ms(eng):
     s = eng.default_stream(0)
-    start, end = EmuEvent(enable_timing=True), EmuEvent(enable_timing=True)
+    start, end = EmuEvent(eng, enable_timing=True), EmuEvent(eng, enable_timing=True)
     start.record(s)
     s.enqueue(0.0125, "forward", "m")
     end.record(s)
@@ -100,12 +100,12 @@ def test_event_elapsed_time_is_emulated_gpu_ms(eng):
 
 def test_elapsed_time_requires_timing_and_recording(eng):
     s = eng.default_stream(0)
-    a, b = EmuEvent(), EmuEvent()
+    a, b = EmuEvent(eng), EmuEvent(eng)
     a.record(s)
     b.record(s)
     with pytest.raises(RuntimeError, match="enable_timing"):
         a.elapsed_time(b)
-    c, d = EmuEvent(enable_timing=True), EmuEvent(enable_timing=True)
+    c, d = EmuEvent(eng, enable_timing=True), EmuEvent(eng, enable_timing=True)
     with pytest.raises(RuntimeError, match="recorded"):
         c.elapsed_time(d)
     assert c.query()  # unrecorded counts as complete, like CUDA
@@ -182,7 +182,7 @@ def test_backend_event_timing_and_errors_surface():
     eng = TimeEngine(1, Recorder())
     eng.set_backend(_Backend())
     s = eng.default_stream(0)
-    a, b = EmuEvent(enable_timing=True), EmuEvent(enable_timing=True)
+    a, b = EmuEvent(eng, enable_timing=True), EmuEvent(eng, enable_timing=True)
     a.record(s)
     s.enqueue(0.015, "forward", "m")
     b.record(s)
@@ -202,9 +202,12 @@ def test_backend_event_timing_and_errors_surface():
         eng.set_backend(object())
 
 
-def test_torch_shaped_stream_and_event_need_a_patched_runtime():
-    with pytest.raises(RuntimeError, match="not patched"):
-        VirtualStream()
+def test_engine_streams_are_made_by_the_engine():
+    eng = TimeEngine(2, Recorder(), clock=VirtualClock())
+    s = eng.new_stream(1, priority=-1)
+    assert isinstance(s, VirtualStream) and s.device_index == 1 and s.priority == -1 and s.stream_id >= 1
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        eng.new_stream(2)
 
 
 class _LateClock(VirtualClock):
@@ -248,8 +251,8 @@ def test_training_step_runs_ahead_then_item_waits_for_the_gpu():
     import gpemu
     from gpemu.clock import VirtualClock
 
-    with gpemu.emulate(gpu="V100", model="resnet50", extra={"clock": VirtualClock()}, summary=False) as rt:
-        eng = rt.state["engine"]
+    with gpemu.emulate(gpu="V100", model="resnet50", clock=VirtualClock(), summary=False) as rt:
+        eng = rt.engine
         model, opt = _tiny_training_run(rt)
         x = torch.empty(32, 64)
         for _ in range(2):  # first: recording; second: replay
@@ -277,7 +280,7 @@ def test_cuda_events_time_emulated_gpu_work():
     import gpemu
     from gpemu.clock import VirtualClock
 
-    with gpemu.emulate(gpu="V100", model="resnet50", extra={"clock": VirtualClock()}, summary=False) as rt:
+    with gpemu.emulate(gpu="V100", model="resnet50", clock=VirtualClock(), summary=False) as rt:
         model, _ = _tiny_training_run(rt)
         x = torch.empty(64, 64).cuda()
         model(x)  # recording pass
@@ -292,7 +295,7 @@ def test_cuda_events_time_emulated_gpu_work():
         assert isinstance(side, VirtualStream) and side.stream_id != 0
         with torch.cuda.stream(side):
             assert torch.cuda.current_stream() == side
-        assert torch.cuda.current_stream() == rt.state["engine"].default_stream(0)
+        assert torch.cuda.current_stream() == rt.engine.default_stream(0)
 
 
 @pytest.mark.parametrize("granularity, expected", [
@@ -324,14 +327,14 @@ def _allowance_engine(allowance=5e-6, devices=2):
 def test_right_after_a_sync_the_waited_work_is_complete_and_nothing_starts_before_it():
     eng = _allowance_engine()
     main, side = eng.default_stream(0), eng.new_stream(0)
-    before = EmuEvent(enable_timing=True)
+    before = EmuEvent(eng, enable_timing=True)
     before.record(main)
     deadline = main.enqueue(0.010, "forward", "m")
     eng.synchronize(0, "item")
     # Emulated host time stands on the deadline (never before it) while the allowance lasts.
     assert eng.now() == deadline and eng.clock.now() == deadline
     assert main.query() and side.query()
-    after = EmuEvent(enable_timing=True)
+    after = EmuEvent(eng, enable_timing=True)
     after.record(main)
     assert after.query() and after._time == deadline
     assert before.elapsed_time(after) == pytest.approx(10.0)
@@ -358,7 +361,7 @@ def test_event_synchronize_and_stream_synchronize_get_the_allowance_too():
     eng = _allowance_engine(allowance=4e-6)
     s = eng.default_stream(0)
     s.enqueue(0.005, "forward", "m")
-    ev = EmuEvent(enable_timing=True)
+    ev = EmuEvent(eng, enable_timing=True)
     ev.record(s)
     ev.synchronize()
     eng.clock.advance(4e-6)
@@ -445,7 +448,7 @@ def test_random_programs_keep_cuda_ordering_with_an_allowance():
                 assert span.start >= last_sync_deadline        # host-issued after the last sync
             last_end[id(s)] = max(last_end[id(s)], end)
         elif op < 0.7:
-            ev = EmuEvent()
+            ev = EmuEvent(eng)
             ev.record(s)
             ev.synchronize()
             last_sync_deadline = max(last_sync_deadline, ev._time)
@@ -493,8 +496,8 @@ def test_patched_item_then_query_event_and_next_step_with_an_allowance():
     from gpemu.clock import VirtualClock
 
     with gpemu.emulate(gpu="V100", model="resnet50", summary=False,
-                       extra={"clock": VirtualClock(), "return_allowance": 5e-6}) as rt:
-        eng = rt.state["engine"]
+                       clock=VirtualClock(), tuning={"return_allowance": 5e-6}) as rt:
+        eng = rt.engine
         assert eng.return_allowance == (5e-6, 5e-6)
         model, opt = _tiny_training_run(rt)
         x = torch.empty(32, 64)

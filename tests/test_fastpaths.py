@@ -12,15 +12,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gpemu
-from gpemu import gradients
-from gpemu import optimizer_fastpath as ofp
-from gpemu import replay
+from gpemu.fastpaths import gradients
+from gpemu.fastpaths import optimizer as ofp
+from gpemu.fastpaths import replay
 from gpemu.clock import VirtualClock
 
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 
@@ -111,7 +111,7 @@ def test_load_state_dict_invalidates_the_plan(rt) -> None:
 
 
 def test_replay_off_means_real_steps() -> None:
-    gpemu.patch(gpu="V100", summary=False, replay=False, extra={"clock": VirtualClock()})
+    gpemu.patch(gpu="V100", summary=False, replay=False, clock=VirtualClock())
     try:
         model = _net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -125,7 +125,7 @@ def test_skipped_step_keeps_transient_memory_peak(rt) -> None:
     model = _net()
     # weight decay makes the foreach step allocate temporaries
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     _train(model, opt, 2)
     x = torch.zeros(16, 32, device="cuda")
     peaks = []
@@ -158,7 +158,7 @@ def test_walk_cache_sees_new_submodules_training_flags_and_hooks(rt) -> None:
 
 def test_grouped_gradient_memory_freed_with_the_gradients(rt) -> None:
     model = _net()
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     x = torch.zeros(16, 32, device="cuda")
     for _ in range(3):
         model(x).sum().backward()
@@ -175,7 +175,7 @@ def test_grouped_gradient_memory_freed_with_the_gradients(rt) -> None:
 
 def test_forward_time_starts_when_the_call_starts() -> None:
     clock = VirtualClock()
-    gpemu.patch(gpu="V100", summary=False, extra={"clock": clock})
+    gpemu.patch(gpu="V100", summary=False, clock=clock)
     try:
         model = _net()
         x = torch.zeros(16, 32, device="cuda")
@@ -207,11 +207,12 @@ def test_pageable_copy_is_issued_at_the_call_and_its_return_path_is_forgiven() -
     from gpemu import tensor as emu_tensor
 
     clock = VirtualClock()
-    gpemu.patch(gpu="V100", summary=False, extra={"clock": clock})
+    gpemu.patch(gpu="V100", summary=False, clock=clock)
     try:
         rt = gpemu.runtime.current()
-        engine = rt.state["engine"]
-        orig_charge, orig_wrap = emu_tensor._charge_h2d, emu_tensor._wrap
+        engine = rt.engine
+        ts = rt.tensors
+        orig_charge, orig_wrap = emu_tensor._charge_h2d, ts.wrap
 
         def slow_charge(*args, **kwargs):
             clock.advance(0.004)  # emulator book-keeping before the copy is queued (< the copy)
@@ -221,13 +222,14 @@ def test_pageable_copy_is_issued_at_the_call_and_its_return_path_is_forgiven() -
             clock.advance(0.02)  # emulator work after the copy's wait, before returning
             return orig_wrap(*args, **kwargs)
 
-        emu_tensor._charge_h2d, emu_tensor._wrap = slow_charge, slow_wrap
+        emu_tensor._charge_h2d, ts.wrap = slow_charge, slow_wrap
         try:
             torch.cuda.synchronize()
             t0 = engine.now()
             torch.zeros(64, 3, 224, 224).cuda()
         finally:
-            emu_tensor._charge_h2d, emu_tensor._wrap = orig_charge, orig_wrap
+            emu_tensor._charge_h2d = orig_charge
+            del ts.wrap
         copy = [s for s in rt.recorder.spans if s.kind == "transfer"][-1]
         assert copy.start == pytest.approx(t0, abs=1e-9)
         # back in the program at the copy's end on the emulated timeline, not 20 ms later
@@ -263,7 +265,7 @@ def test_backend_oom_reaches_the_program_unchanged_and_sees_the_device_peak(rt) 
             seen.append(peak_bytes)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (sharing manager refused)")
 
-    eng = rt.state["engine"]
+    eng = rt.engine
     x = torch.zeros(1024, 1024, device="cuda")  # 4 MiB tracked on device 0
     eng.set_backend(Refusing())
     try:
@@ -291,7 +293,7 @@ def test_stream_is_capturing_and_host_shadow_api(rt) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# gradient wrapper reuse through the fast zero_grad (gpemu.gradients.drop_gradients)
+# gradient wrapper reuse through the fast zero_grad (GradientState.drop_gradients)
 # ----------------------------------------------------------------------------------------------
 def _conv_net() -> nn.Module:
     # parameters of several shapes and one dtype each: the spares are matched by metadata
@@ -307,7 +309,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, **zero_grad_kwargs) -> N
 def test_zero_grad_hands_unreferenced_gradients_to_the_next_backward(rt) -> None:
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     for _ in range(3):
         _step(model, opt)
     x = torch.zeros(4, 3, 8, 8, device="cuda")
@@ -329,13 +331,13 @@ def test_zero_grad_hands_unreferenced_gradients_to_the_next_backward(rt) -> None
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype and p.grad.device == p.device
         assert p.grad.data_ptr() != 0 and not p.grad.requires_grad
     assert mem.allocated - base == grad_bytes
-    assert gradients.info()["spares"] == 0
+    assert gpemu.current().gradients.info()["spares"] == 0
 
 
 def test_referenced_gradients_are_not_reused(rt) -> None:
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     for _ in range(3):
         _step(model, opt)
     x = torch.zeros(4, 3, 8, 8, device="cuda")
@@ -365,11 +367,11 @@ def _warm_conv_net(rt) -> tuple:
     x = torch.zeros(4, 3, 8, 8, device="cuda")
     for _ in range(4):
         _step(model, opt)
-    return model, opt, rt.state["memory"][0], x
+    return model, opt, rt.memory[0], x
 
 
-def _armed_set(model: nn.Module) -> "gradients._GradSet":
-    sets = [gs for gs in gradients._G.sets if gs.alive]
+def _armed_set(model: nn.Module):
+    sets = gpemu.current().gradients.live_sets()
     assert len(sets) == 1 and {id(p) for p in sets[0].params} == {id(p) for p in model.parameters()}
     return sets[0]
 
@@ -466,7 +468,7 @@ def test_gradient_set_out_of_memory_at_reuse_changes_nothing(rt) -> None:
 def test_one_gradient_set_per_parameter_across_batch_sizes(rt) -> None:
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     for _ in range(3):
         _step(model, opt)  # momentum buffers exist from here on
     base = mem.allocated
@@ -508,7 +510,7 @@ def test_zero_grad_fallbacks_keep_torch_semantics(rt) -> None:
 
 
 def test_zero_grad_with_replay_off_is_torchs() -> None:
-    gpemu.patch(gpu="V100", summary=False, replay=False, extra={"clock": VirtualClock()})
+    gpemu.patch(gpu="V100", summary=False, replay=False, clock=VirtualClock())
     try:
         model = _conv_net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -533,7 +535,7 @@ def test_backward_inputs_subset_sets_only_those_gradients(rt) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# hub mode: replays pass one leaf to autograd instead of every parameter (gpemu.replay._Direct)
+# hub mode: replays pass one leaf to autograd instead of every parameter (gpemu.fastpaths.replay._Direct)
 # ----------------------------------------------------------------------------------------------
 def _plain_iterations(model: nn.Module, x: torch.Tensor, n: int) -> None:
     for _ in range(n):
@@ -545,7 +547,7 @@ def _plain_iterations(model: nn.Module, x: torch.Tensor, n: int) -> None:
 def test_hub_mode_after_plain_backwards_same_gradients_memory_and_time(rt) -> None:
     model = _conv_net()
     x = torch.zeros(4, 3, 8, 8, device="cuda")
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     _plain_iterations(model, x, 2)  # recorded, then one plain replay
     assert replay.replay_info().get("hub", 0) == 0
 
@@ -630,7 +632,7 @@ def test_targeted_forms_through_a_hub_graph(rt) -> None:
     named = torch.autograd.grad(out, {"w": w, "x": x})
     assert set(named) == {"w", "x"} and named["w"].shape == w.shape and named["x"].shape == x.shape
     gpemu.unpatch()
-    gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
     model = _conv_net()
     x = torch.zeros(4, 3, 8, 8, device="cuda")
     _plain_iterations(model, x, 4)
@@ -643,7 +645,7 @@ def test_hub_mode_gradient_accumulation_and_reuse_together(rt) -> None:
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.zeros(4, 3, 8, 8, device="cuda")
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     for _ in range(4):
         _step(model, opt)  # zero_grad(set_to_none=True) each time: spares + hub mode
     hub = replay.replay_info()["hub"]
@@ -661,7 +663,7 @@ def test_hub_mode_gradient_accumulation_and_reuse_together(rt) -> None:
 
 
 def test_implicit_loss_gradient_costs_what_ones_like_costs(rt) -> None:
-    engine = rt.state["engine"]
+    engine = rt.engine
     w = torch.empty(1000, device="cuda", requires_grad=True)
 
     def step(explicit: bool) -> tuple[float, int]:
@@ -677,26 +679,26 @@ def test_implicit_loss_gradient_costs_what_ones_like_costs(rt) -> None:
 
     reference = step(True)
     runs = [step(False) for _ in range(3)]
-    assert replay._IMPLICIT  # the shortcut learned the loss's implicit gradient
+    assert gpemu.current().replay.implicit  # the shortcut learned the loss's implicit gradient
     for seconds, peak in runs:
         assert seconds == pytest.approx(reference[0], rel=1e-9) and peak == reference[1]
     assert w.grad is not None and w.grad.shape == w.shape
 
 
 # ----------------------------------------------------------------------------------------------
-# loss.backward() without the autograd engine (gpemu.replay._direct_backward)
+# loss.backward() without the autograd engine (gpemu.fastpaths.replay._direct_backward)
 # ----------------------------------------------------------------------------------------------
 def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
     """n training steps of a small classifier; GPU spans (kind, duration, start offset), memory
     and gradient metadata of the last one."""
-    replay._DIRECT = direct
+    rt.replay.direct_enabled = direct
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x = torch.zeros(4, 3, 8, 8, device="cuda")
         y = torch.zeros(4, dtype=torch.long, device="cuda")
-        mem = rt.state["memory"][0]
+        mem = rt.memory[0]
         for _ in range(n):
             torch.cuda.synchronize()
             first = len(rt.recorder.spans)
@@ -716,7 +718,7 @@ def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
         return {"spans": [(s.kind, s.name, round(s.end - s.start, 12), round(s.start - t0, 12)) for s in spans],
                 "after": after, "peak": peak, "grads": grads}
     finally:
-        replay._DIRECT = True
+        rt.replay.direct_enabled = True
 
 
 def test_direct_backward_charges_and_allocates_what_the_engine_path_does(rt) -> None:

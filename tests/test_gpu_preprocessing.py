@@ -22,7 +22,7 @@ from gpemu.integrations.gpu_preprocessing import (
 
 def _patch(**kw):
     clock = VirtualClock()
-    return gpemu.patch(gpu="V100", extra={"clock": clock}, **kw), clock
+    return gpemu.patch(gpu="V100", clock=clock, **kw), clock
 
 
 @pytest.mark.parametrize("name", ["decode-dali", "norm-ffcv"])

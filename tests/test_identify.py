@@ -121,7 +121,7 @@ def test_identity_cached_per_module_object_weakly(db):
     rt = make_rt(db)
     m = meta_model("resnet18")
     assert identify(rt, m) is identify(rt, m)
-    cache = rt.state["identify"]["cache"]
+    cache = rt.identities.cache
     assert len(cache) == 1
     del m
     gc.collect()

@@ -9,20 +9,20 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpemu
-from gpemu import loss_fastpath
+from gpemu.fastpaths import loss as loss_fastpath
 from gpemu.clock import VirtualClock
 
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 
 
 def _step(loss_fn, logits_leaf: torch.Tensor, target: torch.Tensor, **kw) -> dict:
     """GPU time charged, memory kept and peak, output and gradient metadata of one loss + backward."""
-    engine = gpemu.runtime.current().state["engine"]
+    engine = gpemu.runtime.current().engine
     torch.cuda.synchronize()
     t0 = engine.now()
     a0 = torch.cuda.memory_allocated()
@@ -101,7 +101,7 @@ def test_a_loss_without_backward_frees_its_saved_memory(rt) -> None:
 
 def test_unpatch_restores_cross_entropy() -> None:
     original = F.cross_entropy
-    gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
     try:
         assert F.cross_entropy is not original and F.cross_entropy.__wrapped__ is original
     finally:
@@ -111,7 +111,7 @@ def test_unpatch_restores_cross_entropy() -> None:
 
 def test_replay_off_leaves_cross_entropy_alone() -> None:
     original = F.cross_entropy
-    gpemu.patch(gpu="V100", summary=False, replay=False, extra={"clock": VirtualClock()})
+    gpemu.patch(gpu="V100", summary=False, replay=False, clock=VirtualClock())
     try:
         assert F.cross_entropy is original
     finally:
@@ -121,7 +121,7 @@ def test_replay_off_leaves_cross_entropy_alone() -> None:
 def test_autocast_still_computes_the_loss_in_float32_across_runs() -> None:
     # autocast's op lists are built once per process; each run patches cross_entropy anew
     for _ in range(2):
-        gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+        gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
         try:
             logits = torch.empty(4, 10, device="cuda", requires_grad=True)
             target = torch.zeros(4, dtype=torch.long, device="cuda")

@@ -9,12 +9,13 @@ import torch
 
 import gpemu
 from gpemu.clock import VirtualClock
-from gpemu.memory import MemoryTracker, format_bytes, round_size
+from gpemu.memory import MemoryTracker, round_size
+from gpemu.units import format_bytes
 
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 
@@ -41,7 +42,7 @@ def test_tracker_rounding_reserved_peak_and_stats():
 
 
 def test_views_share_one_block_and_frees_happen_when_last_tensor_dies(rt):
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     base = mem.allocated
     x = torch.empty(1024, 1024, device="cuda")  # 4 MiB
     assert mem.allocated - base == 4 * 2**20
@@ -61,7 +62,7 @@ def test_views_share_one_block_and_frees_happen_when_last_tensor_dies(rt):
 
 
 def test_saved_activations_live_until_backward(rt):
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     w = torch.randn(256, 256, requires_grad=True, device="cuda")
     x = torch.randn(128, 256, device="cuda")
     base = mem.allocated
@@ -77,7 +78,7 @@ def test_saved_activations_live_until_backward(rt):
 
 
 def test_oom_raises_cuda_message_and_recovery_works(rt):
-    mem = rt.state["memory"][1]
+    mem = rt.memory[1]
     cap = mem.capacity
     keep = torch.empty(int(cap * 0.6) // 4, device="cuda:1")
     with pytest.raises(torch.cuda.OutOfMemoryError) as info:
@@ -95,7 +96,7 @@ def test_oom_raises_cuda_message_and_recovery_works(rt):
 
 def test_training_oom_on_large_batch_then_smaller_batch_succeeds(rt):
     model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10)).cuda()
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     start = mem.allocated
 
     def step(batch):
@@ -120,7 +121,7 @@ def test_memory_samples_are_recorded_at_module_boundaries(rt):
 
 
 def test_capacity_comes_from_the_gpu_spec_and_fraction_limits_it(rt):
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     assert mem.capacity == mem.total == rt.gpus[0].memory_bytes
     mem.set_fraction(0.25)
     with pytest.raises(torch.cuda.OutOfMemoryError, match="limited to"):
@@ -140,10 +141,10 @@ def test_profiled_mode_uses_the_databases_peak_for_identified_models():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     tvmodels = pytest.importorskip("tvmodels")
-    rt = gpemu.patch(gpu="V100", summary=False, memory="profiled", extra={"clock": VirtualClock()})
+    rt = gpemu.patch(gpu="V100", summary=False, memory="profiled", clock=VirtualClock())
     try:
         model = tvmodels.resnet18().cuda()
-        mem = rt.state["memory"][0]
+        mem = rt.memory[0]
         x = torch.empty(8, 3, 224, 224, device="cuda")
         for _ in range(2):  # recorded, then replayed
             mem.reset_peak()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gpemu
-from gpemu import observe
+from gpemu import observe, run_outputs
 from gpemu.clock import VirtualClock
 from gpemu.engine import EmuEvent, TimeEngine
 from gpemu.observe import RunRecords, Timeline, compute_summary, format_summary, iteration_breakdown
@@ -105,7 +105,7 @@ def test_overlapping_streams_count_once_and_dependency_wait_is_not_a_stall():
     s0.enqueue(0.5, "forward", "a")            # [100, 100.5]
     side.enqueue(0.3, "transfer", "h2d")       # overlaps on another stream: [100, 100.3]
     s1.enqueue(1.0, "comm", "all_reduce")      # device 1 [100, 101]
-    done = EmuEvent()
+    done = EmuEvent(eng)
     done.record(s1)
     s0.wait_event(done)                        # device 0 waits on the GPU side for device 1
     s0.enqueue(0.2, "backward", "a")           # enqueued at 100, starts at 101
@@ -179,15 +179,15 @@ def test_patched_run_with_host_sleeps(tmp_path):
     assert s["transfers"]["h2d_copies"] == 2 * n
     assert s["transfers"]["h2d_bytes"] >= n * (x0.numel() * 4 + y0.numel() * 8)
     # metrics file of the same summary is plain JSON
-    path = observe.write_metrics(s, tmp_path / "sub" / "m.json")
+    path = run_outputs.write_metrics(s, tmp_path / "sub" / "m.json")
     assert json.loads(path.read_text())["devices"][0]["iterations"] == n
 
 
 def test_unpatch_unregisters_the_exit_hook(monkeypatch):
     calls = []
-    monkeypatch.setattr(observe, "finish", lambda rt: calls.append(rt))
+    monkeypatch.setattr(run_outputs, "finish", lambda rt: calls.append(rt))
     rt = gpemu.patch(gpu="V100", summary=False)
-    hook = rt.state["observe"]
+    hook = rt.at_exit
     gpemu.unpatch()
     # atexit.unregister removed it: running all remaining exit callbacks now would not call it,
     # so check through the public count instead of running them.
@@ -199,9 +199,9 @@ def test_unpatch_unregisters_the_exit_hook(monkeypatch):
 
 
 def test_per_rank_path():
-    assert observe.per_rank_path("out/m.json", None) == Path("out/m.json")
-    assert observe.per_rank_path("out/m.json", 0) == Path("out/m.json")
-    assert observe.per_rank_path("out/m.json", 3) == Path("out/m.rank3.json")
+    assert run_outputs.per_rank_path("out/m.json", None) == Path("out/m.json")
+    assert run_outputs.per_rank_path("out/m.json", 0) == Path("out/m.json")
+    assert run_outputs.per_rank_path("out/m.json", 3) == Path("out/m.rank3.json")
 
 
 def test_summary_needs_a_run():
@@ -252,10 +252,10 @@ def test_gpemu_run_writes_summary_metrics_and_trace(tmp_path):
 def test_finish_respects_no_summary_and_skips_processes_without_work(tmp_path, capsys):
     metrics, trace = tmp_path / "m.json", tmp_path / "t.json"
     rt = gpemu.patch(gpu="V100", summary=False, metrics_path=str(metrics), trace_path=str(trace))
-    assert observe.finish(rt) is None  # nothing ran on the GPU: no files (a worker must not clobber them)
+    assert run_outputs.finish(rt) is None  # nothing ran on the GPU: no files (a worker must not clobber them)
     assert not metrics.exists() and not trace.exists()
-    rt.state["engine"].default_stream(0).enqueue(0.001, "op", "tiny")
-    s = observe.finish(rt)
+    rt.engine.default_stream(0).enqueue(0.001, "op", "tiny")
+    s = run_outputs.finish(rt)
     err = capsys.readouterr().err
     assert "gpemu summary" not in err and "metrics written" in err
     assert json.loads(metrics.read_text())["devices"][0]["whole"]["busy_s"] == pytest.approx(s["devices"][0]["whole"]["busy_s"])

@@ -119,7 +119,7 @@ def test_patched_pin_memory_and_is_pinned() -> None:
     assert y.pin_memory() is y  # already pinned: returned as is
     assert y[2:].is_pinned()  # a view of pinned memory is pinned
     assert not torch.ones(3).is_pinned()
-    assert rt.state["pinned"]["pins"] == 2
+    assert rt.pinned.pins == 2
     assert rt.recorder.counters["pin_bytes"] == 2 * x.numel() * 4
     gpemu.unpatch()
     assert torch.Tensor.pin_memory is original_pin and torch.Tensor.is_pinned is original_is_pinned
@@ -264,4 +264,4 @@ def test_dataloader_pin_thread_yields_pinned_batches_and_reuses_blocks() -> None
     assert misses_per_epoch[1:] == [0, 0], misses_per_epoch
     if os.geteuid() == 0:
         assert locked_bytes() >= vmlck_before  # blocks stay locked (never given back)
-    assert rt.state["pinned"]["pins"] >= 36
+    assert rt.pinned.pins >= 36

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gpemu
-from gpemu import replay
+from gpemu.fastpaths import replay
 from gpemu.clock import VirtualClock
 
 
@@ -28,7 +28,7 @@ class Net(nn.Module):
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 
@@ -104,7 +104,7 @@ def test_hooks_force_the_normal_path(rt, capsys):
 
 
 def test_replay_off_by_config():
-    rt = gpemu.patch(gpu="V100", summary=False, replay=False, extra={"clock": VirtualClock()})
+    rt = gpemu.patch(gpu="V100", summary=False, replay=False, clock=VirtualClock())
     model = Net().cuda()
     _step(model), _step(model)
     assert replay.replay_info()["replayed"] == 0 and replay.replay_info()["fallback"] == 2
@@ -143,7 +143,7 @@ def test_outermost_module_owns_forward_and_backward_time(rt):
 
 def test_replay_memory_matches_recording(rt):
     model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.Tanh()).cuda()
-    mem = rt.state["memory"][0]
+    mem = rt.memory[0]
     x = torch.empty(256, 512, device="cuda")
     held, peaks = [], []
     start = mem.allocated

@@ -16,7 +16,7 @@ from gpemu.tensor import EmuTensor
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 

@@ -13,7 +13,7 @@ from gpemu.tensor import EmuTensor, cache_info, device_index, to_emulated
 
 @pytest.fixture
 def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, extra={"clock": VirtualClock()})
+    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
     yield r
     gpemu.unpatch()
 
@@ -135,13 +135,13 @@ def test_module_moves_parameters_and_keeps_parameter_type(rt):
 
 
 def test_moving_a_module_counts_its_memory_once(rt):
-    mem0 = rt.state["memory"][0]
+    mem0 = rt.memory[0]
     before = mem0.allocated
     m = torch.nn.Linear(256, 256).cuda()
     expected = 256 * 256 * 4 + 256 * 4
     assert mem0.allocated - before == expected  # both sizes are multiples of 512
     m.to(1)
-    assert mem0.allocated == before and rt.state["memory"][1].allocated >= expected
+    assert mem0.allocated == before and rt.memory[1].allocated >= expected
 
 
 def test_training_step_autograd_and_optimizers(rt):

@@ -15,7 +15,7 @@ MB4 = 1000 * 1000  # fp32 elements: 4 MB
 
 def _patch(**kw):
     clock = VirtualClock()
-    rt = gpemu.patch(gpu="P100", extra={"clock": clock}, **kw)
+    rt = gpemu.patch(gpu="P100", clock=clock, **kw)
     return rt, clock
 
 
@@ -91,7 +91,7 @@ def test_input_batch_of_identified_model_uses_profiled_transfer() -> None:
 
 def test_non_blocking_copy_is_ordered_on_its_stream_and_overlaps_on_another() -> None:
     rt, clock = _patch()
-    engine = rt.state["engine"]
+    engine = rt.engine
     x = torch.randn(MB4).pin_memory()
     compute_end = engine.stream(0).enqueue(0.050, "forward", "queued compute")
     x.cuda(non_blocking=True)

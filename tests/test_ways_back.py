@@ -12,14 +12,14 @@ from gpemu.clock import VirtualClock
 @pytest.fixture
 def rt():
     clock = VirtualClock()
-    r = gpemu.patch(gpu="V100", summary=False, extra={"clock": clock})
+    r = gpemu.patch(gpu="V100", summary=False, clock=clock)
     r.test_clock = clock
     yield r
     gpemu.unpatch()
 
 
 def _busy(rt, seconds=0.5):
-    engine = rt.state["engine"]
+    engine = rt.engine
     return engine.stream(0).enqueue(seconds, "op", "test-kernel")
 
 

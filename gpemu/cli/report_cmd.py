@@ -31,7 +31,7 @@ def report(trace: Path, plot_path: Path | None, as_json: bool, bins: int) -> Non
       gpemu report trace.json --plot timeline.png
       gpemu report trace.json --json > metrics.json
     """
-    from gpemu.observe import _finite, compute_summary, format_summary
+    from gpemu.observe import compute_summary, format_summary, json_safe
     from gpemu.trace import load_trace
 
     records = load_trace(trace)  # TraceError (a ValueError) -> one clear line
@@ -42,7 +42,7 @@ def report(trace: Path, plot_path: Path | None, as_json: bool, bins: int) -> Non
             raise click.BadParameter(f"the figure's file name must end in .png, .pdf or .svg, got {plot_path.name!r}",
                                      param_hint="--plot")
     if as_json:
-        click.echo(json.dumps(_finite(summary), indent=2))
+        click.echo(json.dumps(json_safe(summary), indent=2))
     else:
         click.echo(format_summary(summary))
     if plot_path is not None:

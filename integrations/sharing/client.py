@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpemu.units import redact_url
+
 from . import protocol as P
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,12 +69,6 @@ class RunResult:
         if self.scheduled_end is None or self.resumed_at is None:
             return None
         return max(0.0, self.resumed_at - self.scheduled_end) + self.idle_s
-
-
-def _redact(url: str) -> str:
-    from gpemu.config import _redact as redact
-
-    return redact(url)
 
 
 class _Heartbeat(threading.Thread):
@@ -142,11 +138,11 @@ class SharingClient:
                  weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
                  resend_s: float | None = None, heartbeat: bool = True, deadlines: bool = True) -> None:
         if not url.startswith(("amqp://", "amqps://")):
-            raise ValueError(f"sharing URL must be amqp:// or amqps://, got {_redact(url)!r}")
+            raise ValueError(f"sharing URL must be amqp:// or amqps://, got {redact_url(url)!r}")
         if not lease_s > 0 or not manager_timeout_s > 0:
             raise ValueError("lease_s and manager_timeout_s must be positive seconds")
         self.url = url
-        self.safe_url = _redact(url)
+        self.safe_url = redact_url(url)
         self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
         self.device = str(device)
         self.persistent_bytes = int(persistent_bytes)
@@ -185,7 +181,6 @@ class SharingClient:
         return params
 
     def _connect(self) -> None:
-        import pika
 
         from .amqp import blocking_connection
 
@@ -474,27 +469,24 @@ def install(rt: "Runtime") -> None:
     cfg = rt.config
     if not cfg.sharing:
         return
-    engine = rt.state.get("engine")
-    if engine is None or not hasattr(engine, "set_backend"):
-        raise RuntimeError("GPU sharing needs the time engine (gpemu.engine) with set_backend(); it is not installed")
+    engine = rt.engine
+    if engine is None:
+        raise RuntimeError("GPU sharing needs the time engine (gpemu.engine); it is not installed")
     base = cfg.job_id or f"{socket.gethostname()}-{os.getpid()}"
-    extra = dict(cfg.extra or {})
-    fixed = extra.get("sharing_persistent_bytes")
+    fixed = cfg.sharing_persistent_bytes
     clients: dict[int, SharingClient] = {}
     for index, spec in enumerate(rt.gpus):
         # The emuGPU id on the manager: the k8s-allocated id when there is one, else the index.
         device = cfg.visible_devices[index] if cfg.visible_devices and index < len(cfg.visible_devices) else str(index)
         clients[index] = SharingClient(
             cfg.sharing, job_id=base if len(rt.gpus) == 1 else f"{base}.{index}", device=device,
-            persistent_bytes=int(fixed or 0), weight=float(extra.get("sharing_weight", 1.0)),
-            lease_s=float(extra.get("sharing_lease_s", 10.0)))
+            persistent_bytes=int(fixed or 0), weight=float(cfg.sharing_weight), lease_s=float(cfg.sharing_lease_s))
     # Jobs register at their first request (real persistent memory by then), not here.
-    backend = SharingBackend(clients, rt.recorder, rt.state.get("memory"),
-                             int(fixed) if fixed is not None else None)
-    rt.state["sharing"] = backend
+    backend = SharingBackend(clients, rt.recorder, rt.memory, int(fixed) if fixed is not None else None)
+    rt.sharing = backend
     engine.set_backend(backend)
     # Restored newest first: detach (waits for work in flight), then deregister.
     rt.patcher.on_restore(backend.close)
     rt.patcher.on_restore(lambda: engine.set_backend(None))
-    rt.say_once(f"GPU time shared through the sharing manager at {_redact(cfg.sharing)} "
+    rt.say_once(f"GPU time shared through the sharing manager at {redact_url(cfg.sharing)} "
                 f"(one request per {cfg.sharing_granularity})")

@@ -479,10 +479,10 @@ class SharingManager:
                  lease_s: float = 10.0, status_interval_s: float = 1.0, reconnect_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, prefetch: int = 2000,
                  lookahead_s: float = DEFAULT_LOOKAHEAD_S, backdate_s: float = DEFAULT_BACKDATE_S) -> None:
-        from gpemu.config import _redact
+        from gpemu.units import redact_url
 
         self.url = url
-        self.safe_url = _redact(url)
+        self.safe_url = redact_url(url)
         # Grants carry absolute times on our clock; only time.monotonic is shared with jobs.
         host = P.host_identity() if clock is time.monotonic else ""
         self.core = SharingCore(devices, policy, lease_s, host=host, lookahead_s=lookahead_s,

@@ -29,7 +29,7 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """One snapshot, answered by the manager to a ``status`` request."""
     import pika
 
-    from gpemu.config import _redact
+    from gpemu.units import redact_url
 
     conn = _connect(url)
     try:
@@ -51,7 +51,7 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         while not got and time.monotonic() < deadline:
             conn.process_data_events(time_limit=min(0.1, max(0.0, deadline - time.monotonic())))
         if not got:
-            raise StatusTimeout(f"no sharing manager answered on {_redact(url)} within {timeout_s:g} s; "
+            raise StatusTimeout(f"no sharing manager answered on {redact_url(url)} within {timeout_s:g} s; "
                                 f"start one with `gpemu share-manager --amqp URL --device 0=V100`")
         return got[0]
     finally:

@@ -6,7 +6,7 @@ On an emulated GPU the step's foreach kernels only re-derive metadata that canno
 the optimizer's state exists, gpemu therefore *skips executing* ``step()`` for the optimizers it
 knows (exactly ``torch.optim.SGD``, ``Adam``, ``AdamW``): it keeps what the host can observe
 right, and the step's GPU time is charged as before by the global step hooks
-(:func:`gpemu.engine.install`), which still run.
+(:mod:`gpemu.optimizer_hooks`), which still run.
 
 What a skipped step keeps right:
 
@@ -32,8 +32,11 @@ Policy (when the real ``step()`` runs instead, silently, every time the conditio
 
 ``Optimizer.zero_grad`` is patched too: ``set_to_none=True`` runs a plain loop that keeps each
 dropped, otherwise unreferenced emulated gradient as a spare wrapper for the next replayed
-backward (:func:`gpemu.gradients.drop_gradients`); ``set_to_none=False``, the torch profiler and
-``config.replay=False`` run torch's own.
+backward (:meth:`gpemu.fastpaths.gradients.GradientState.drop_gradients`); ``set_to_none=False``
+and the torch profiler run torch's own.
+
+All state is per run: :class:`OptimizerFastPath` (``rt.optimizer_fastpath``). Off with
+``config.replay=False`` (nothing is patched then).
 
 Not reproduced: replacing individual state tensors in place of the optimizer's own
 (``opt.state[p]['step'] = t`` without changing ``len(opt.state)``) is not noticed.
@@ -49,23 +52,36 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .tensor import EmuTensor, _S
+from gpemu.tensor import EmuTensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import Runtime
+    from gpemu.runtime import Runtime
 
-__all__ = ["install", "fast_path_info"]
+__all__ = ["install", "fast_path_info", "OptimizerFastPath"]
 
 _get_shadow = attrgetter("_shadow")
-_PLANS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
-_STATS = {"fast": 0, "real": 0, "zero_grad_fast": 0}
-_ON = {"enabled": False}
+
+
+class OptimizerFastPath:
+    """The optimizer fast path of one run (``rt.optimizer_fastpath``)."""
+
+    def __init__(self, rt: "Runtime") -> None:
+        self.memory = rt.memory
+        self.gradients = rt.gradients  # None without the replay fast path: zero_grad is torch's
+        self.enabled = True            # False once the run ended (optimizers made in it run plainly)
+        self.plans: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
+        self.stats = {"fast": 0, "real": 0, "zero_grad_fast": 0}
 
 
 def fast_path_info() -> dict[str, int]:
-    """How many optimizer steps were skipped (``fast``) or executed (``real``) this run, and how
-    many ``zero_grad`` calls took the fast path (``zero_grad_fast``)."""
-    return dict(_STATS)
+    """How many optimizer steps of the active run were skipped (``fast``) or executed (``real``),
+    and how many ``zero_grad`` calls took the fast path (``zero_grad_fast``)."""
+    from gpemu.runtime import current
+
+    rt = current()
+    if rt is None or rt.optimizer_fastpath is None:
+        return {"fast": 0, "real": 0, "zero_grad_fast": 0}
+    return dict(rt.optimizer_fastpath.stats)
 
 
 def _fast_types() -> dict[type, str]:
@@ -177,19 +193,22 @@ def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str) -> bool:
     return True
 
 
-def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
+def _make_step(fp: OptimizerFastPath, inner: Callable, kinds: dict[type, str]) -> Callable:
+    plans = fp.plans
+    stats = fp.stats
+
     @functools.wraps(inner)
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         kind = kinds.get(type(self))
-        if kind is None or args or kwargs or not _ON["enabled"]:
+        if kind is None or args or kwargs or not fp.enabled:
             return inner(self, *args, **kwargs)
-        plan = _PLANS.get(self)
+        plan = plans.get(self)
         if plan is not None:
             if _try_fast(self, plan, kind):
-                _STATS["fast"] += 1
+                stats["fast"] += 1
                 return None
-            del _PLANS[self]
-        _STATS["real"] += 1
+            del plans[self]
+        stats["real"] += 1
         group_sig = _group_signature(self, kind)
         found = None
         if group_sig is not None and getattr(self, "grad_scale", None) is None \
@@ -199,7 +218,7 @@ def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
             return inner(self, *args, **kwargs)
         # State is complete: this real step is measured (transient memory), then later ones skip.
         params, has_grad, steps, dev = found
-        mem = _S.memory[dev]
+        mem = fp.memory[dev]
         before = mem.allocated
         n_state = len(self.state)
         with mem.peak_scope() as scope:
@@ -211,7 +230,7 @@ def _make_step(inner: Callable, kinds: dict[type, str]) -> Callable:
             plan.group_sig, plan.params, plan.has_grad, plan.steps = group_sig, params, has_grad, steps
             plan.transient = max(0, step_peak - before)
             plan.memory = mem
-            _PLANS[self] = plan
+            plans[self] = plan
         return out
 
     step._gpemu_fast = True  # type: ignore[attr-defined]
@@ -256,21 +275,22 @@ def _profile_hook_step(func: Callable) -> Callable:
     return wrapper
 
 
-def _make_zero_grad(inner: Callable) -> Callable:
+def _make_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
     """``Optimizer.zero_grad`` with a fast ``set_to_none=True``: the same loop without torch's
     profiler range and foreach bookkeeping, and each dropped emulated gradient that nothing else
-    references is kept by :func:`gpemu.gradients.drop_gradients`, so the next replayed backward
-    reuses its wrapper instead of creating a new tensor object per parameter. Torch's own
-    ``zero_grad`` runs for ``set_to_none=False``, while the torch profiler records, with
-    ``config.replay`` off, and before the optimizer set up its profile name."""
-    from .gradients import drop_gradients
+    references is kept by :meth:`gpemu.fastpaths.gradients.GradientState.drop_gradients`, so the
+    next replayed backward reuses its wrapper instead of creating a new tensor object per
+    parameter. Torch's own ``zero_grad`` runs for ``set_to_none=False``, while the torch profiler
+    records, and before the optimizer set up its profile name."""
+    drop_gradients = fp.gradients.drop_gradients
+    stats = fp.stats
 
     @functools.wraps(inner)
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        if (not set_to_none or not _ON["enabled"] or _profiler_enabled()
+        if (not set_to_none or not fp.enabled or _profiler_enabled()
                 or not hasattr(self, "_zero_grad_profile_name")):
             return inner(self, set_to_none)
-        _STATS["zero_grad_fast"] += 1
+        stats["zero_grad_fast"] += 1
         drop_gradients(self.param_groups, self)
         return None
 
@@ -280,11 +300,11 @@ def _make_zero_grad(inner: Callable) -> Callable:
 
 def install(rt: "Runtime") -> None:
     """Put the fast path under the ``step`` of SGD/Adam/AdamW (inside torch's hook wrapper, so
-    step hooks, including gpemu's time charge, still run). Called by :func:`gpemu.engine.install`."""
-    global _PLANS
-    _PLANS = weakref.WeakKeyDictionary()
-    _STATS["fast"] = _STATS["real"] = _STATS["zero_grad_fast"] = 0
-    _ON["enabled"] = bool(rt.config.replay)
+    step hooks, including gpemu's time charge, still run) and a fast ``zero_grad`` over all
+    optimizers (``config.replay``)."""
+    if not rt.config.replay:
+        return
+    fp = rt.optimizer_fastpath = OptimizerFastPath(rt)
     kinds = _fast_types()
     for cls in kinds:
         current = cls.__dict__.get("step")
@@ -294,16 +314,17 @@ def install(rt: "Runtime") -> None:
         inner = current.__wrapped__ if hooked else current
         # Hooked now even if torch had not hooked it yet (no instance made): torch would wrap
         # it at the first instance with its own wrapper, range and all.
-        new = _profile_hook_step(_make_step(inner, kinds))
+        new = _profile_hook_step(_make_step(fp, inner, kinds))
         new.hooked = True  # type: ignore[attr-defined]
         rt.patcher.replace(cls, "step", new)
 
     from torch.optim.optimizer import Optimizer
 
-    rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(Optimizer.zero_grad))
+    if fp.gradients is not None:
+        rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(fp, Optimizer.zero_grad))
 
-    def reset() -> None:
-        _ON["enabled"] = False
-        _PLANS.clear()
+    def end() -> None:
+        fp.enabled = False
+        fp.plans.clear()
 
-    rt.patcher.on_restore(reset)
+    rt.patcher.on_restore(end)

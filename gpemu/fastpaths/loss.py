@@ -23,6 +23,8 @@ a result:
 - legacy ``size_average``/``reduce`` arguments are given;
 - replay is off (``config.replay=False``).
 Double backward through a fast-path loss is not supported (as for replayed modules).
+
+All state is per run: :class:`LossState` (``rt.loss``).
 """
 
 from __future__ import annotations
@@ -31,26 +33,37 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import tensor as _tensor
-from .tensor import EmuTensor
+from gpemu.tensor import EmuTensor, TensorState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import Runtime
+    from gpemu.runtime import Runtime
 
-__all__ = ["install", "loss_info"]
+    from .replay import ReplayState
+
+__all__ = ["install", "loss_info", "LossState"]
 
 _len_tf_stack = torch._C._len_torch_function_stack
 _autocast_on = torch.is_autocast_enabled
-_STATS = {"recorded": 0, "replayed": 0}
+
+
+class LossState:
+    """The loss fast path of one run (``rt.loss``)."""
+
+    def __init__(self, ts: TensorState, replay: "ReplayState") -> None:
+        self.ts = ts
+        self.replay = replay
+        self.stats = {"recorded": 0, "replayed": 0}
+        self.records: dict[tuple, _Record] = {}  # loss signature -> what its op-by-op run did
 
 
 class _Record:
     """What the op-by-op run of one loss signature did."""
 
     __slots__ = ("out_spec", "fwd_seconds", "saved_bytes", "fwd_extra", "grad_spec", "bwd_seconds",
-                 "bwd_extra", "dev")
+                 "bwd_extra", "dev", "state")
 
-    def __init__(self, dev: int) -> None:
+    def __init__(self, state: LossState, dev: int) -> None:
+        self.state = state
         self.dev = dev
         self.out_spec: tuple | None = None   # op-cache output spec (see _spec)
         self.fwd_seconds = 0.0
@@ -62,14 +75,11 @@ class _Record:
 
 
 def loss_info() -> dict[str, int]:
-    """How many loss signatures were recorded and how many calls were replayed."""
-    return dict(_STATS)
+    """How many loss signatures of the active run were recorded and how many calls replayed."""
+    from gpemu.runtime import current
 
-
-def _spec(t: EmuTensor) -> tuple:
-    """``t``'s metadata as an op-cache output spec (:func:`gpemu.tensor._build_leaf` builds it)."""
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t._block.size if t._block is not None else 0,
-            None, False)
+    rt = current()
+    return dict(rt.loss.stats) if rt is not None and rt.loss is not None else {"recorded": 0, "replayed": 0}
 
 
 class _FusedLoss(torch.autograd.Function):
@@ -78,23 +88,25 @@ class _FusedLoss(torch.autograd.Function):
                 target: EmuTensor, weight: EmuTensor | None) -> EmuTensor:
         ctx.rec = rec
         dev = rec.dev
-        mem = _tensor._S.memory[dev]
+        state = rec.state
+        ts = state.ts
+        mem = ts.memory[dev]
         if rec.grad_spec is not None:  # replay
-            _STATS["replayed"] += 1
-            out = _tensor._build_leaf(rec.out_spec, [], dev)
+            state.stats["replayed"] += 1
+            out = ts.build(rec.out_spec, [], dev)
             ctx.saved_block = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
             mem.touch(rec.fwd_extra)
-            _tensor.charge_op(rec.fwd_seconds, dev, "cross_entropy")
+            ts.charge(rec.fwd_seconds, dev, "cross_entropy")
             ctx.inner = None
-            ctx.hook_gen = _tensor._S.hook_generation  # (see gpemu.replay._direct_backward)
+            ctx.hook_gen = state.replay.hook_generation  # (see gpemu.fastpaths.replay._direct_backward)
             return out
         # Record: run the ops one by one on a leaf of our own, keep its graph for backward.
         before = mem.allocated
         with torch.enable_grad():
             leaf = input.detach().requires_grad_(input.requires_grad)
-            with _tensor.OpCostTap() as tap, mem.peak_scope() as scope:
+            with ts.cost_tap() as tap, mem.peak_scope() as scope:
                 inner = orig(leaf, target, weight, None, options[0], None, options[1], options[2])
-        rec.out_spec = _spec(inner)
+        rec.out_spec = ts.spec_of(inner)
         rec.fwd_seconds = tap.seconds
         rec.saved_bytes = max(0, mem.allocated - before - rec.out_spec[4])
         rec.fwd_extra = max(0, scope.peak - mem.allocated)
@@ -103,33 +115,34 @@ class _FusedLoss(torch.autograd.Function):
         # A new wrapper on the same memory (not a view of an intermediate: autograd treats views
         # returned from a Function specially).
         shape, stride, offset, dtype = rec.out_spec[:4]
-        return _tensor._wrap(shape, stride, offset, dtype, dev, inner._block)
+        return ts.wrap(shape, stride, offset, dtype, dev, inner._block)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
         rec: _Record = ctx.rec
         dev = rec.dev
-        mem = _tensor._S.memory[dev]
+        ts = rec.state.ts
+        mem = ts.memory[dev]
         if ctx.inner is None:  # replay
             _replayed_backward(ctx)
-            out = _tensor._build_leaf(rec.grad_spec, [], dev)
+            out = ts.build(rec.grad_spec, [], dev)
             mem.touch(rec.bwd_extra)
             return None, None, None, out, None, None
         leaf, inner = ctx.inner
         ctx.inner = None
-        with _tensor.OpCostTap() as tap, mem.peak_scope() as scope:
+        with ts.cost_tap() as tap, mem.peak_scope() as scope:
             gx, = torch.autograd.grad(inner, leaf, grad)
         if isinstance(gx, EmuTensor):
-            rec.grad_spec = _spec(gx)
+            rec.grad_spec = ts.spec_of(gx)
             rec.bwd_seconds = tap.seconds
             rec.bwd_extra = max(0, scope.peak - mem.allocated)
-            _STATS["recorded"] += 1
+            rec.state.stats["recorded"] += 1
         return None, None, None, gx, None, None
 
 
 def _replayed_backward(ctx: Any) -> None:
     rec: _Record = ctx.rec
-    _tensor.charge_op(rec.bwd_seconds, rec.dev, "cross_entropy backward")
+    rec.state.ts.charge(rec.bwd_seconds, rec.dev, "cross_entropy backward")
     # The recording's peak is measured above its end state: the saved log-probabilities freed
     # by autograd, the input's gradient made (by the caller).
     ctx.saved_block = None
@@ -142,11 +155,11 @@ def _direct_ready(node: Any) -> bool:
 
 
 def _direct_run(node: Any) -> Any:
-    """The replayed loss backward for :func:`gpemu.replay._direct_backward`: its input gradient
-    as a memory block (the next node never reads its values)."""
+    """The replayed loss backward for :func:`gpemu.fastpaths.replay._direct_backward`: its input
+    gradient as a memory block (the next node never reads its values)."""
     _replayed_backward(node)
     rec: _Record = node.rec
-    mem = _tensor._S.memory[rec.dev]
+    mem = rec.state.ts.memory[rec.dev]
     block = mem.allocate(rec.grad_spec[4]) if rec.grad_spec[4] else None
     mem.touch(rec.bwd_extra)
     return block
@@ -156,8 +169,9 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _apply_fused = super(torch.autograd.Function, _FusedLoss).apply  # torch._C._FunctionBase.apply
 
 
-def _make_cross_entropy(orig: Callable) -> Callable:
-    records: dict[tuple, _Record] = {}
+def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
+    records = state.records
+    engine = state.ts.engine
 
     def cross_entropy(input: Any, target: Any, weight: Any = None, size_average: Any = None,
                       ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
@@ -167,7 +181,6 @@ def _make_cross_entropy(orig: Callable) -> Callable:
                 or target.requires_grad or (weight is not None and (type(weight) is not EmuTensor
                                                                     or weight.requires_grad))):
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-        engine = _tensor._S.engine
         if engine is not None and engine.in_charged_scope:
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         grad = torch.is_grad_enabled() and input.requires_grad
@@ -182,24 +195,22 @@ def _make_cross_entropy(orig: Callable) -> Callable:
         rec = records.get(key)
         if rec is None or rec.grad_spec is None:
             # first call of this signature, or its recording never ran backward: (re)record
-            rec = records[key] = _Record(input._dev)
+            rec = records[key] = _Record(state, input._dev)
         if _functorch_active():
             return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
         # Function.apply without its per-argument functorch pass (as gpemu.replay does)
         return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
 
     cross_entropy.__wrapped__ = orig  # type: ignore[attr-defined]
-    cross_entropy.records = records  # type: ignore[attr-defined]
     return cross_entropy
 
 
 def install(rt: "Runtime") -> None:
-    """Replace ``torch.nn.functional.cross_entropy`` (restored by unpatch)."""
-    _STATS["recorded"] = _STATS["replayed"] = 0
-    if not rt.config.replay:
+    """Replace ``torch.nn.functional.cross_entropy`` (restored by unpatch) and let the replay fast
+    path's engine-free backward start at a replayed loss (``config.replay``)."""
+    if not rt.config.replay or rt.replay is None:
         return
+    state = rt.loss = LossState(rt.tensors, rt.replay)
     F = torch.nn.functional
-    rt.patcher.replace(F, "cross_entropy", _make_cross_entropy(F.cross_entropy))
-    from . import replay
-
-    rt.patcher.on_restore(replay.register_direct_head(_FusedLoss._backward_cls, _direct_ready, _direct_run))
+    rt.patcher.replace(F, "cross_entropy", _make_cross_entropy(state, F.cross_entropy))
+    rt.patcher.on_restore(rt.replay.register_direct_head(_FusedLoss._backward_cls, _direct_ready, _direct_run))

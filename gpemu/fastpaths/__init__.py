@@ -1,0 +1,19 @@
+"""Optional accelerators: the same emulated GPU time and memory, less of the emulator's own host time.
+
+Everything here can be switched off (``config.replay=False`` / ``gpemu run`` with
+``GPEMU_REPLAY=0``) and the run is charged the same: these modules only make the emulator's host
+work per training step smaller, so that it hides behind emulated GPU time as a real program's
+host work hides behind a real GPU.
+
+* :mod:`.replay` — an outermost module's recorded forward/backward replayed as one autograd node;
+  engine-free ``loss.backward()`` for an ordinary training step's graph;
+* :mod:`.gradients` — a replayed module's parameter gradients kept as one set between steps;
+* :mod:`.loss` — ``F.cross_entropy`` replayed as one op after a recorded op-by-op call;
+* :mod:`.optimizer` — ``step()`` of SGD/Adam/AdamW skipped once its state exists (no arithmetic to
+  do), fast ``zero_grad``.
+
+They reach the emulated tensor type only through :class:`gpemu.tensor.TensorState`'s methods
+(``wrap``, ``build``, ``signature``, ``charge``, ``cost_tap``) and its ``memory``/``engine``; each
+keeps its per-run state on the runtime (``rt.replay``, ``rt.gradients``, ``rt.loss``,
+``rt.optimizer_fastpath``).
+"""

@@ -1,0 +1,185 @@
+"""Values on an emulated GPU, and shapes that depend on them: the one policy.
+
+Emulated tensors carry no data. Whenever the host asks for values, or an op's output shape
+depends on values, gpemu answers with this policy (documented in docs/device.md):
+
+1. **Every way back is a sync point.** ``.item()``, ``bool()``/``float()``/``int()``,
+   ``.cpu()``/``.to('cpu')``, ``.tolist()``, ``repr``/``print`` and ``f"{t:.3f}"`` wait until the
+   device's streams are done (like CUDA), recorded as a host wait with a reason.
+2. **Known values stay correct.** A tensor created from host data of at most
+   :data:`SHADOW_MAX_ELEMENTS` elements (``torch.tensor(3.0, device='cuda')``, a GradScaler's
+   scale, step counters, ``torch.full((), 65536.0, device='cuda')``, small ``arange``) keeps a host
+   *shadow* copy, propagated through any op whose tensor inputs all have shadows (elementwise math,
+   views, reductions, in-place updates). ``.item()`` on such a tensor gives the right number.
+3. **Unknown values are zeros** of the right shape and dtype (``False`` for bool). Zero keeps
+   the usual host checks quiet (``if not torch.isfinite(loss)`` passes, ``found_inf`` is 0,
+   accuracy counts are 0) and is deterministic; a printed loss reads ``0.000``.
+4. **Data-dependent shapes assume "everything selected"**: ``nonzero``/``argwhere`` return one
+   row per element, ``masked_select`` and boolean-mask indexing return as many elements as the
+   mask has, ``unique`` returns every element (all distinct). When the inputs have shadows,
+   the real shape is computed from them instead. Said once per op.
+5. **Non-finite checks see finite values**: ``_amp_foreach_non_finite_check_and_unscale_`` leaves
+   ``found_inf`` as it was (0), so GradScaler never skips a step and its scale grows on schedule.
+
+This module holds the policy and the host computations; attaching shadows to emulated tensors
+is the tensor type's mechanics (:mod:`gpemu.tensor`), which calls in here with plain host and
+meta tensors only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "SHADOW_MAX_ELEMENTS", "POLICY", "host_values", "scalar_value", "known_factory_value",
+    "data_dependent_shape", "DATA_DEPENDENT_OPS", "RANDOM_FACTORIES",
+]
+
+aten = torch.ops.aten
+_META = torch.device("meta")
+
+# Tensors up to this many elements keep a host shadow of their values. Small enough that the
+# extra CPU op per emulated op costs microseconds; large enough for scalars, step counters,
+# small label vectors.
+SHADOW_MAX_ELEMENTS = 64
+
+POLICY = (
+    "values read back from an emulated GPU are zeros unless the tensor was made from small host "
+    "data (then its real value); data-dependent shapes assume every element is selected"
+)
+
+# Factories whose values are random or uninitialised: their shadow is unknown (``empty*``:
+# zeros, which is what uninitialised emulated memory reads as).
+RANDOM_FACTORIES = frozenset(("rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
+                              "normal", "empty", "empty_like", "empty_strided", "empty_permuted"))
+
+
+def host_values(shape: torch.Size, dtype: torch.dtype, shadow: torch.Tensor | None) -> torch.Tensor:
+    """The CPU tensor a way back returns: the shadow's values when known, else zeros."""
+    if shadow is not None:
+        return shadow.detach().clone(memory_format=torch.contiguous_format)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def scalar_value(dtype: torch.dtype, shadow: torch.Tensor | None) -> bool | int | float | complex:
+    """What ``.item()`` returns for a one-element emulated tensor."""
+    if shadow is not None:
+        return shadow.reshape(()).item()
+    if dtype is torch.bool:
+        return False
+    if dtype.is_complex:
+        return 0j
+    if dtype.is_floating_point:
+        return 0.0
+    return 0
+
+
+def known_factory_value(factory: Callable, name: str, host_args: tuple, kwargs: dict,
+                        meta: torch.Tensor) -> torch.Tensor | None:
+    """The shadow of a factory's emulated result (``torch.ones(3, device='cuda')``): its real
+    values computed on the host when small and deterministic, zeros for ``empty*``, else None.
+    ``host_args``: the factory's arguments with emulated tensors replaced by their host values."""
+    if meta.numel() > SHADOW_MAX_ELEMENTS:
+        return None
+    if name in RANDOM_FACTORIES:
+        return torch.zeros(meta.shape, dtype=meta.dtype) if name.startswith("empty") else None
+    return factory(*host_args, device="cpu", **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# data-dependent output shapes
+# ----------------------------------------------------------------------------------------------
+def _nonzero(func: Any, margs: list, mkw: dict) -> Any:
+    x = margs[0]
+    return torch.empty((x.numel(), x.dim()), dtype=torch.int64, device=_META)
+
+
+def _masked_select(func: Any, margs: list, mkw: dict) -> Any:
+    x, mask = margs[0], margs[1]
+    n = torch.broadcast_shapes(x.shape, mask.shape).numel()
+    return torch.empty((n,), dtype=x.dtype, device=_META)
+
+
+def _unique(func: Any, margs: list, mkw: dict) -> Any:
+    x = margs[0]
+    name = func.overloadpacket.__name__
+    n = x.numel()
+    flat = torch.empty((n,), dtype=x.dtype, device=_META)
+    inverse = torch.empty(x.shape if name != "unique_dim" else (x.shape[margs[1]],), dtype=torch.int64,
+                          device=_META)
+    counts = torch.empty((n,), dtype=torch.int64, device=_META)
+    if name == "unique_dim":
+        flat = torch.empty(x.shape, dtype=x.dtype, device=_META)
+        counts = torch.empty((x.shape[margs[1]],), dtype=torch.int64, device=_META)
+    if name == "_unique":
+        return (flat, inverse)
+    return (flat, inverse, counts)
+
+
+def _index(func: Any, margs: list, mkw: dict) -> Any:
+    # Each boolean mask stands for "all of its positions" (integer index tensors of full size).
+    x, indices = margs[0], margs[1]
+    new_idx: list = []
+    for i in indices:
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+            n = i.numel()
+            for _ in range(i.dim()):
+                new_idx.append(torch.empty((n,), dtype=torch.int64, device=_META))
+        else:
+            new_idx.append(i)
+    return func(x, new_idx)
+
+
+def _index_put(func: Any, margs: list, mkw: dict) -> Any:
+    x = margs[0]
+    if func.overloadpacket.__name__.endswith("_"):
+        return x  # in place: the input itself
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META)
+
+
+def _repeat_interleave(func: Any, margs: list, mkw: dict) -> Any:
+    rep = margs[0]
+    return torch.empty((rep.numel(),), dtype=torch.int64, device=_META)
+
+
+# op overload packet -> (name said once, meta outputs when the values are unknown)
+DATA_DEPENDENT_OPS: dict[Any, tuple[str, Callable[[Any, list, dict], Any]]] = {
+    aten.nonzero: ("nonzero", _nonzero),
+    aten.argwhere: ("argwhere", _nonzero),
+    aten.masked_select: ("masked_select", _masked_select),
+    aten._unique: ("unique", _unique),
+    aten._unique2: ("unique", _unique),
+    aten.unique_dim: ("unique", _unique),
+    aten.unique_consecutive: ("unique", _unique),
+    aten.index: ("boolean-mask indexing", _index),
+    aten.index_put_: ("boolean-mask assignment", _index_put),
+    aten.index_put: ("boolean-mask assignment", _index_put),
+    aten._index_put_impl_: ("boolean-mask assignment", _index_put),
+    aten.repeat_interleave: ("repeat_interleave", _repeat_interleave),
+}
+# Ops whose result is computed from known values (shadows) when every input has one; boolean
+# assignment never is (it writes into a tensor whose other values may be unknown).
+_FROM_KNOWN_VALUES = frozenset(op for op in DATA_DEPENDENT_OPS
+                               if op not in (aten.index_put_, aten.index_put, aten._index_put_impl_))
+
+
+def data_dependent_shape(func: Any, margs: list, mkw: dict, host_args: list | None,
+                         host_kwargs: dict | None) -> tuple[str, Any] | None:
+    """How to emulate an op whose output shape depends on values (its meta kernel refused):
+
+    * ``("host", result)`` — the real result, computed on the inputs' known values
+      (``host_args`` are the arguments with every emulated tensor replaced by its shadow; None
+      when some value is unknown);
+    * ``("meta", outputs)`` — meta outputs for "every element selected", to be said once under
+      the returned name (``("meta:<name>", outputs)``);
+    * None — no policy for this op.
+    """
+    entry = DATA_DEPENDENT_OPS.get(func.overloadpacket)
+    if entry is None:
+        return None
+    name, meta_policy = entry
+    if host_args is not None and func.overloadpacket in _FROM_KNOWN_VALUES:
+        return "host", func(*host_args, **(host_kwargs or {}))
+    return f"meta:{name}", meta_policy(func, margs, mkw)

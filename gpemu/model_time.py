@@ -1,0 +1,342 @@
+"""Forward and backward time of the user's model (component ``gpemu.model_time``).
+
+``nn.Module.__call__`` is patched. The OUTERMOST module with parameters that is called with
+emulated inputs or parameters owns the GPU time of its forward and backward (inner modules are
+not charged separately):
+
+* its forward time (:func:`gpemu.costs.forward_seconds`: the profile database for an identified
+  model, else an estimate) is enqueued when the call starts, and the forward runs op by op with
+  per-op charging off (the module's charge covers its ops);
+* its outputs are marked (:class:`_BackwardStart`): when autograd reaches them, the module's
+  backward time is enqueued and per-op charging stays off until the backward pass ends; the
+  backward's peak memory is measured then.
+
+The module replay fast path (:mod:`gpemu.fastpaths.replay`) replaces this patch with its own,
+which replays recorded calls and uses :meth:`ModelTime.run_charged` for the calls it records
+(with a :class:`CallRecord` to fill) and for those it cannot replay. The outermost-call depth is
+per thread (``nn.DataParallel`` replicas run in threads).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import costs
+from .identify import identify
+from .tensor import EmuTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["install", "ModelTime", "CallRecord", "graph_nodes", "model_time_info"]
+
+
+class CallRecord:
+    """What one op-by-op call of an outermost module measured (filled by
+    :meth:`ModelTime.run_charged` when given one; the replay fast path keeps them)."""
+
+    __slots__ = ("out_specs", "treespec", "out_requires_grad", "all_diff", "saved_bytes", "fwd_extra",
+                 "bwd_extra", "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "grad_param_list",
+                 "batch", "ident", "dev", "profiled_peak", "not_replayable", "__weakref__")
+
+    def __init__(self) -> None:
+        self.out_specs: list | None = []  # (shape, stride, offset, dtype, bytes) per output; None: unusable
+        self.treespec: Any = None
+        self.out_requires_grad: list[bool] = []
+        self.all_diff = True  # every output requires grad (none to mark non-differentiable)
+        self.saved_bytes = 0  # kept from forward until backward (saved activations)
+        self.fwd_extra = 0    # used for a moment during forward, above what it ends with
+        self.bwd_extra = 0    # used for a moment during backward (set when the backward ends)
+        self.fwd_seconds = 0.0
+        self.bwd_seconds = 0.0
+        self.label = ""
+        self.params: list = []
+        self.grad_params: list[bool] = []  # per parameter: does the outputs' graph reach it
+        self.grad_param_list: list = []    # the parameters that receive gradients
+        self.batch = 1
+        self.ident: Any = None
+        self.dev = 0
+        self.profiled_peak: int | None = None  # memory='profiled': the database's peak (bytes)
+        self.not_replayable: str | None = None  # why the outputs cannot be rebuilt from specs
+
+
+class ModelTime:
+    """The model-time component of one run (``rt.model_time``)."""
+
+    def __init__(self, rt: "Runtime") -> None:
+        self.rt = rt
+        self.ts = rt.tensors
+        # Per thread: nn.DataParallel runs replicas in threads, each its own outermost call.
+        self.local = threading.local()
+        # Outermost calls run op by op: all of them, and those not recorded for a replay.
+        self.stats = {"op_by_op": 0, "fallback": 0}
+        self.orig_call: Any = torch.nn.Module.__call__  # torch's own (set at install)
+
+    def outermost(self) -> bool:
+        """True when the calling thread is not already inside an outermost module call."""
+        return not getattr(self.local, "depth", 0)
+
+    def enter(self) -> None:
+        self.local.depth = 1
+
+    def leave(self) -> None:
+        self.local.depth = 0
+
+    def run_charged(self, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int,
+                    params: list, record: CallRecord | None = None, fallback_reason: str | None = None,
+                    t0: float | None = None) -> Any:
+        """Call ``module`` op by op with its forward time charged and its backward marked.
+        ``record``: filled with what the call measured (see :class:`CallRecord`);
+        ``fallback_reason``: why a fast path could not replay the call (said once);
+        ``t0``: the host time the call started (its forward's GPU work is issued then)."""
+        rt = self.rt
+        self.stats["op_by_op"] += 1
+        if fallback_reason is not None:
+            self.stats["fallback"] += 1
+            rt.say_once(f"replay off for {type(module).__name__}: {fallback_reason}; running op by op "
+                        "(slower host side, same GPU time)")
+        engine = rt.engine
+        mem = self.ts.memory[dev]
+        ident = identify(rt, module)
+        batch = _batch_size(args, kwargs)
+        fwd_s, bwd_s = _model_times(rt, module, ident, args, kwargs, batch, dev)
+        label = ident.label if ident is not None else type(module).__name__
+        if engine is not None and fwd_s > 0:
+            # Issued when the call started (t0), not after the op-by-op forward's host time.
+            engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
+        before = mem.allocated
+        with mem.peak_scope() as scope:
+            if engine is not None:
+                with engine.charged_scope():
+                    out = orig_call(module, *args, **kwargs)
+            else:
+                out = orig_call(module, *args, **kwargs)
+        fwd_peak = scope.peak
+        peak = _profiled_peak(rt, ident, batch, dev)
+        if peak is not None:
+            mem.touch(peak - mem.allocated)
+        mem.sample()
+
+        leaves, treespec = tree_flatten(out)
+        ok = bool(leaves) and all(isinstance(x, EmuTensor) for x in leaves)
+        input_blocks = {id(t._block) for t in tree_flatten((args, kwargs))[0] if isinstance(t, EmuTensor)}
+        input_blocks.update(id(p._block) for p in params if isinstance(p, EmuTensor))
+        if ok and any(id(x._block) in input_blocks for x in leaves if x._block is not None):
+            ok = False
+            if record is not None:
+                record.not_replayable = "its outputs alias its inputs or parameters"
+        elif not ok and record is not None:
+            record.not_replayable = "its outputs are not (tuples/lists/dicts of) emulated tensors"
+        if record is not None and ok:
+            out_blocks: dict[int, int] = {}
+            for x in leaves:
+                if x._block is not None:
+                    out_blocks[id(x._block)] = x._block.size
+            record.out_specs = [(x.shape, x.stride(), x.storage_offset(), x.dtype,
+                                 x._block.size if x._block else 0) for x in leaves]
+            record.out_requires_grad = [x.requires_grad for x in leaves]
+            record.all_diff = all(record.out_requires_grad)
+            record.treespec = treespec
+            record.saved_bytes = max(0, mem.allocated - before - sum(out_blocks.values()))
+            record.fwd_extra = max(0, fwd_peak - mem.allocated)
+            record.fwd_seconds, record.bwd_seconds = fwd_s, bwd_s
+            record.label = label
+            record.params = params
+            record.batch = batch
+            record.ident = ident
+            record.dev = dev
+            record.profiled_peak = peak
+            reached = _params_reached(leaves)
+            record.grad_params = [id(p) in reached for p in params]
+            record.grad_param_list = [p for p, g in zip(params, record.grad_params) if g]
+            for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
+                x._shadow = None
+        elif record is not None:
+            record.out_specs = None
+            record.treespec = None
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+            grads = [x for x in leaves if isinstance(x, EmuTensor) and x.requires_grad]
+            if grads:
+                info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev)
+                marked = _BackwardStart.apply(info, *grads)
+                it = iter(marked)
+                leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
+                out = tree_unflatten(leaves, treespec)
+        return out
+
+
+def model_time_info() -> dict[str, int]:
+    """How many outermost-module calls of the active run ran op by op, and how many of those
+    because a fast path could not replay them."""
+    from .runtime import current
+
+    rt = current()
+    return dict(rt.model_time.stats) if rt is not None and rt.model_time is not None else {}
+
+
+# ----------------------------------------------------------------------------------------------
+# what a call costs
+# ----------------------------------------------------------------------------------------------
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return 1
+
+
+def _model_times(rt: "Runtime", module: torch.nn.Module, ident: Any, args: tuple, kwargs: dict, batch: int,
+                 dev: int) -> tuple[float, float]:
+    if ident is None:
+        return 0.0, 0.0
+    if ident.name is None and not ident.parts and ident.source == "estimated":
+        try:
+            costs.estimate_module(rt, ident, module, args, kwargs, dev)
+        except Exception:  # estimate_module never raises by contract; stay safe anyway
+            pass
+    fwd, _ = costs.forward_seconds(rt, ident, batch, dev)
+    bwd, _ = costs.backward_seconds(rt, ident, batch, dev)
+    return float(fwd), float(bwd)
+
+
+def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | None:
+    if rt.config.memory != "profiled" or ident is None or ident.name is None:
+        return None
+    try:
+        found = rt.db.lookup(rt.gpus[dev].name, ident.name, batch, "peak_memory")
+    except Exception as exc:
+        rt.say_once(f"memory=profiled: no peak memory for {ident.name} ({exc}); tracking allocations instead")
+        return None
+    return int(found.value)
+
+
+def graph_nodes(roots: list) -> Iterator[Any]:
+    """Each autograd node reachable from ``roots`` (nodes or None), once."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        yield fn
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+
+
+def _params_reached(outputs: list) -> set[int]:
+    """ids of the leaf tensors (parameters) the outputs' autograd graph reaches."""
+    reached: set[int] = set()
+    for fn in graph_nodes([x.grad_fn for x in outputs if isinstance(x, torch.Tensor)]):
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
+    return reached
+
+
+# ----------------------------------------------------------------------------------------------
+# where the backward starts
+# ----------------------------------------------------------------------------------------------
+class _BackwardInfo:
+    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev")
+
+    def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float, label: str, dev: int) -> None:
+        self.owner, self.rec, self.bwd_seconds, self.label, self.dev = owner, rec, bwd_seconds, label, dev
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Marks where the op-by-op backward of an outermost module starts: charges the module's
+    backward time, stops per-op charging, and measures the backward's peak memory until the whole
+    backward pass ends."""
+
+    @staticmethod
+    def forward(ctx: Any, info: _BackwardInfo, *outs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.info = info
+        # An output the loss does not use (GoogLeNet's auxiliary logits) gets no gradient, as in
+        # torch: autograd would otherwise make zeros from the wrapper's metadata, i.e. PLAIN meta
+        # tensors, and run that branch's backward on them (its parameters got meta gradients).
+        ctx.set_materialize_grads(False)
+        # New wrappers over the same memory block, not autograd views: the user may modify the
+        # outputs in place (``logits /= T``), which autograd forbids on views made in a Function.
+        wrap = info.owner.ts.wrap
+        return tuple(wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o._dev, o._block) for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        info: _BackwardInfo = ctx.info
+        ts = info.owner.ts
+        engine = ts.engine
+        mem = ts.memory[info.dev]
+        if engine is not None and info.bwd_seconds > 0:
+            engine.stream(info.dev).enqueue(info.bwd_seconds, "backward", info.label)
+        start = mem.allocated
+        outer_peak = mem.peak_allocated
+        mem.peak_allocated = start
+        if engine is not None:
+            engine.enter_charged()
+
+        def done() -> None:
+            if engine is not None:
+                engine.exit_charged()
+            if info.rec is not None:
+                info.rec.bwd_extra = max(0, mem.peak_allocated - start)
+            mem.peak_allocated = max(outer_peak, mem.peak_allocated)
+            mem.sample()
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+        return (None, *grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# the patched Module.__call__ (without a fast path)
+# ----------------------------------------------------------------------------------------------
+def emulated_device(module: torch.nn.Module, args: tuple, kwargs: dict, first: Any = None) -> int | None:
+    """Device of an emulated call of a module that has parameters, else None. ``first``: the
+    module's first parameter when the caller knows it (a cached walk)."""
+    if first is None:
+        for p in module.parameters():
+            first = p
+            break
+    if first is None:
+        return None  # parameterless modules (losses, activations) run op by op
+    if isinstance(first, EmuTensor):
+        return first._dev
+    for a in args:
+        if isinstance(a, EmuTensor):
+            return a._dev
+    for a in kwargs.values():
+        if isinstance(a, EmuTensor):
+            return a._dev
+    return None
+
+
+def _make_call(mt: ModelTime, orig_call: Any) -> Any:
+    engine = mt.ts.engine
+
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not mt.outermost():
+            return orig_call(self, *args, **kwargs)
+        dev = emulated_device(self, args, kwargs)
+        if dev is None:
+            return orig_call(self, *args, **kwargs)
+        t0 = engine.now() if engine is not None else None
+        mt.enter()
+        try:
+            return mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)
+        finally:
+            mt.leave()
+    __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
+    return __call__
+
+
+def install(rt: "Runtime") -> None:
+    """Patch ``nn.Module.__call__`` to charge outermost modules (the replay fast path, when on,
+    patches over it)."""
+    mt = rt.model_time = ModelTime(rt)
+    M = torch.nn.Module
+    mt.orig_call = M.__call__
+    rt.patcher.replace(M, "__call__", _make_call(mt, M.__call__))

@@ -1,0 +1,61 @@
+"""Optimizer steps on emulated GPUs (component ``gpemu.optimizer_hooks``).
+
+Torch's global optimizer-step hooks mark each ``optimizer.step()`` of an optimizer whose
+parameters live on an emulated GPU: the step's own ops are covered by ONE charge
+(:func:`gpemu.costs.optimizer_step_seconds`: the database's ``optimizer_step`` when measured,
+else the bytes the update reads and writes over memory bandwidth), enqueued on the device's
+stream when the step ends, and the step marks the end of an iteration (the summary's iteration
+count and steady state; a sharing backend's ``iteration`` granularity).
+
+Whether the step's foreach kernels are executed at all is the optimizer fast path's business
+(:mod:`gpemu.fastpaths.optimizer`); these hooks run either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .costs import optimizer_step_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["install", "optimizer_device"]
+
+
+def optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
+    """The emulated device of the optimizer's first parameter; None for a host optimizer."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            dev = p.device
+            if dev.type == "cuda":
+                return dev.index or 0
+            return None
+    return None
+
+
+def install(rt: "Runtime") -> None:
+    """Register the global step hooks for this run (removed by ``gpemu.unpatch()``)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    engine = rt.engine
+
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step's own ops are covered by one optimizer charge (no per-op time inside).
+        engine.set_charged(True)
+
+    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        engine.set_charged(False)
+        device = optimizer_device(optimizer)
+        if device is None or device >= engine.num_devices:
+            return  # a CPU optimizer: no GPU time
+        seconds, _ = optimizer_step_seconds(rt, optimizer, device)
+        engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
+        engine.end_iteration(device)
+
+    pre = register_optimizer_step_pre_hook(before_step)
+    post = register_optimizer_step_post_hook(after_step)
+    rt.patcher.on_restore(pre.remove)
+    rt.patcher.on_restore(post.remove)

@@ -1,0 +1,337 @@
+"""The ways tensors and models get onto (and off) an emulated GPU (component ``gpemu.ways_in``).
+
+* ``Tensor.cuda`` / ``Tensor.to`` / ``Tensor.type`` and ``Tensor.new_empty/zeros/ones/full`` with
+  a CUDA device: torch's C++ would initialise CUDA, so the conversion happens here;
+* factories with ``device='cuda'`` (``torch.zeros``, ``torch.tensor``, ``torch.arange``...), also
+  through ``torch.set_default_device('cuda')`` and ``with torch.device('cuda')`` (torch's
+  ``DeviceContext`` mode), produce emulated tensors; small deterministic results keep their
+  values (:mod:`gpemu.hostvalues`);
+* ``Module.to`` / ``Module.cuda`` / ``Module.cpu``: each tensor moves as usual, but the model
+  transfer is charged once for the whole module (:meth:`gpemu.transfers.TransferState.model_to_device`)
+  instead of once per tensor;
+* ``torch.compile`` / ``Module.compile``: the model runs eagerly (said once);
+* optimizers may take their foreach path over emulated tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import hostvalues
+from .tensor import DTYPE_NAMES, TYPE_NAMES, EmuTensor, PeerCopy, TensorState, from_meta, host_args, peer_copy, \
+    to_emulated
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+__all__ = ["install", "FACTORIES"]
+
+_DEVICES = [torch.device("cuda", i) for i in range(64)]
+_META = torch.device("meta")
+
+# Factories that take data (their values are the host data's).
+_DATA_FACTORIES = frozenset(("tensor", "as_tensor", "asarray", "scalar_tensor"))
+FACTORIES = ("empty", "empty_strided", "empty_permuted", "zeros", "ones", "full", "rand", "randn", "randint",
+             "randperm", "arange", "range", "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray",
+             "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+             "randint_like", "tril_indices", "triu_indices", "normal")
+
+_COMPILE_NOTE = ("torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
+                 "still comes from the profile database or the per-op estimate)")
+
+
+# -- Tensor.to / .cuda / .type -----------------------------------------------------------------
+def _parse_to(args: tuple, kwargs: dict) -> tuple[Any, Any, bool, bool, Any]:
+    """(device, dtype, non_blocking, copy, memory_format) of a Tensor.to / Module.to call."""
+    kwargs = dict(kwargs)
+    copy = bool(kwargs.pop("copy", False))
+    args = list(args)
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        # .to(0): the CPU build cannot parse an int device in C; an int means cuda:N.
+        kwargs.setdefault("device", torch.device("cuda", args.pop(0)))
+    elif "device" in kwargs and isinstance(kwargs["device"], int) and not isinstance(kwargs["device"], bool):
+        kwargs["device"] = torch.device("cuda", kwargs["device"])
+    if args and isinstance(args[0], torch.Tensor):
+        other = args.pop(0)
+        kwargs.setdefault("device", other.device)
+        kwargs.setdefault("dtype", other.dtype)
+    if len(args) >= 4:  # (device, dtype, non_blocking, copy)
+        copy = bool(args.pop(3))
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, bool(non_blocking), copy, memory_format
+
+
+def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
+        idx = ts.device_index(device)
+        if idx is None:
+            call: dict[str, Any] = {"non_blocking": non_blocking, "copy": copy}
+            if device is not None:
+                call["device"] = device
+            if dtype is not None:
+                call["dtype"] = dtype
+            if memory_format is not None:
+                call["memory_format"] = memory_format
+            return orig_to(self, **call)
+        idx = ts.check(idx)
+        if isinstance(self, EmuTensor):
+            if idx == self._dev and (dtype is None or dtype == self.dtype) and not copy:
+                return self
+            # torch's C++ .to() initialises CUDA for a cuda target: convert here instead.
+            out = self
+            if dtype is not None and dtype != self.dtype:
+                out = orig_to(self, dtype=dtype, non_blocking=non_blocking)
+            elif copy and idx == self._dev:
+                out = self.clone()
+            if idx != out._dev:
+                out = PeerCopy.apply(out, idx) if out.requires_grad and torch.is_grad_enabled() \
+                    else peer_copy(out, idx)
+            return out
+        host = self if dtype is None or dtype == self.dtype else orig_to(self, dtype=dtype)
+        return to_emulated(host, idx, non_blocking)
+    return to
+
+
+def _make_tensor_cuda(ts: TensorState) -> Callable:
+    def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
+             memory_format: Any = torch.preserve_format) -> torch.Tensor:
+        idx = ts.rt.current_device if device is None else ts.device_index(device)
+        if idx is None:
+            raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
+        idx = ts.check(idx)
+        if isinstance(self, EmuTensor):
+            return self if self._dev == idx else self.to(_DEVICES[idx], non_blocking=non_blocking)
+        return to_emulated(self, idx, non_blocking)
+    return cuda
+
+
+def _make_tensor_type(ts: TensorState, orig_type: Callable) -> Callable:
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None:
+            if isinstance(self, EmuTensor):
+                return f"torch.cuda.{DTYPE_NAMES.get(self.dtype, 'Tensor')}"
+            return orig_type(self)
+        if isinstance(dtype, str):
+            if dtype.startswith("torch.cuda."):
+                name = dtype[len("torch.cuda."):]
+                if name not in TYPE_NAMES:
+                    raise ValueError(f"invalid type: {dtype!r}; valid CUDA types: "
+                                     + ", ".join(f"torch.cuda.{n}" for n in TYPE_NAMES))
+                idx = self._dev if isinstance(self, EmuTensor) else ts.rt.current_device
+                return self.to(device=_DEVICES[idx], dtype=TYPE_NAMES[name], non_blocking=non_blocking)
+            if isinstance(self, EmuTensor) and dtype.startswith("torch.") and dtype[6:] in TYPE_NAMES:
+                return self.to(device="cpu", dtype=TYPE_NAMES[dtype[6:]])
+        if isinstance(self, EmuTensor) and isinstance(dtype, torch.dtype):
+            return self.to(dtype=dtype)
+        return orig_type(self, dtype, non_blocking, **kwargs)
+    return type_
+
+
+# -- factories -----------------------------------------------------------------------------------
+def _emulated_factory(ts: TensorState, orig: Callable, name: str, args: tuple, kwargs: dict,
+                      idx: int) -> torch.Tensor:
+    dev = ts.check(idx)
+    kw = dict(kwargs)
+    kw.pop("device", None)
+    kw.pop("pin_memory", None)
+    requires_grad = bool(kw.pop("requires_grad", False))
+    if args and isinstance(args[0], EmuTensor):
+        # *_like / as_tensor of an emulated tensor: runs through dispatch on its device.
+        out = orig(*args, **kw) if name not in ("tensor",) else args[0].detach().clone()
+        if out._dev != dev:
+            out = out.to(_DEVICES[dev])
+    elif name in _DATA_FACTORIES:
+        out = to_emulated(orig(*args, **kw), dev)
+    else:
+        meta = orig(*args, device=_META, **kw)
+        out = from_meta(ts, meta, dev)
+        out._shadow = hostvalues.known_factory_value(orig, name, host_args(args), kw, meta)
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _make_factory(ts: TensorState, orig: Callable, name: str) -> Callable:
+    @functools.wraps(orig)
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        d = kwargs.get("device")
+        if d is not None:
+            idx = ts.device_index(d)
+            if idx is not None:
+                return _emulated_factory(ts, orig, name, args, kwargs, idx)
+        return orig(*args, **kwargs)
+    return factory
+
+
+def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
+    """``t.new_zeros(..., device='cuda')`` and friends (the C++ path would initialise CUDA)."""
+    @functools.wraps(orig)
+    def new(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        d = kwargs.get("device")
+        idx = ts.device_index(d) if d is not None else None
+        if idx is None:
+            return orig(self, *args, **kwargs)
+        idx = ts.check(idx)
+        kw = dict(kwargs)
+        kw["device"] = _META
+        kw.pop("pin_memory", None)
+        requires_grad = bool(kw.pop("requires_grad", False))
+        kw.setdefault("dtype", self.dtype)
+        meta_self = torch.empty((), dtype=self.dtype, device=_META)
+        out = from_meta(ts, orig(meta_self, *args, **kw), idx)
+        return out.requires_grad_(True) if requires_grad else out
+    return new
+
+
+def _make_device_context_tf(ts: TensorState, orig_tf: Callable) -> Callable:
+    """``torch.set_default_device('cuda')`` / ``with torch.device('cuda')``: torch's DeviceContext
+    mode adds ``device='cuda'`` to factories; route those to emulated factories."""
+    from torch.utils._device import _device_constructors
+
+    constructors = _device_constructors()
+
+    def __torch_function__(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.device.type == "cuda" and func in constructors:
+            d = kwargs.get("device")
+            idx = ts.device_index(self.device if d is None else d)
+            if idx is not None:
+                return _emulated_factory(ts, func, getattr(func, "__name__", ""), args, kwargs, idx)
+        return orig_tf(self, func, types, args, kwargs)
+    return __torch_function__
+
+
+# -- modules -------------------------------------------------------------------------------------
+def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(module.parameters()) + list(module.buffers()) if t is not None]
+
+
+def _split(module: torch.nn.Module) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(bytes, count) of the module's tensors on the host, and (bytes, count, device index) of
+    those on emulated GPUs."""
+    host_b = host_n = gpu_b = gpu_n = 0
+    gpu_dev = 0
+    for t in _module_tensors(module):
+        nbytes = t.numel() * t.element_size()
+        if t.device.type == "cuda":
+            gpu_b += nbytes
+            gpu_n += 1
+            gpu_dev = t.device.index or 0
+        elif t.device.type == "cpu":
+            host_b += nbytes
+            host_n += 1
+    return (host_b, host_n), (gpu_b, gpu_n, gpu_dev)
+
+
+def _move(rt: "Runtime", module: torch.nn.Module, to_device: int | None, to_host: bool,
+          move: Callable[[], Any]) -> Any:
+    """Run ``move`` (torch's own per-tensor move) and charge the model transfer once: onto
+    ``to_device`` for the tensors that were on the host, or back to the host (``to_host``) for
+    those that were on an emulated GPU. The per-tensor copies inside are not charged."""
+    transfers = rt.transfers
+    if transfers is None or transfers.moving_model:
+        return move()
+    (host_b, host_n), (gpu_b, gpu_n, gpu_dev) = _split(module)
+    with transfers.moving():
+        result = move()
+    if to_device is not None and host_n:
+        transfers.model_to_device(module, to_device, nbytes=host_b, copies=host_n)
+    elif to_host and gpu_n:
+        transfers.model_to_host(module, gpu_dev, gpu_b, gpu_n)
+    return result
+
+
+def _make_module_to(rt: "Runtime", ts: TensorState, orig_to: Callable) -> Callable:
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, non_blocking, _copy, memory_format = _parse_to(args, kwargs)
+        idx = ts.device_index(device)
+        call: dict[str, Any] = {"non_blocking": non_blocking}
+        if dtype is not None:
+            call["dtype"] = dtype
+        if memory_format is not None:
+            call["memory_format"] = memory_format
+        if idx is None:
+            if device is not None:
+                call["device"] = device
+            if device is None or device.type != "cpu":
+                return orig_to(self, **call)  # a dtype change, or another device type
+            return _move(rt, self, None, True, lambda: orig_to(self, **call))
+        idx = ts.check(idx)
+        call["device"] = _DEVICES[idx]
+        return _move(rt, self, idx, False, lambda: orig_to(self, **call))
+    to.__wrapped__ = orig_to  # type: ignore[attr-defined]
+    return to
+
+
+def _make_module_cuda(rt: "Runtime", ts: TensorState, orig_cuda: Callable) -> Callable:
+    def cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+        idx = rt.current_device if device is None else ts.device_index(device)
+        if idx is None:
+            raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
+        idx = ts.check(idx)
+        return _move(rt, self, idx, False, lambda: orig_cuda(self, idx))
+    cuda.__wrapped__ = orig_cuda  # type: ignore[attr-defined]
+    return cuda
+
+
+def _make_module_cpu(rt: "Runtime", orig_cpu: Callable) -> Callable:
+    def cpu(self: torch.nn.Module) -> torch.nn.Module:
+        return _move(rt, self, None, True, lambda: orig_cpu(self))
+    cpu.__wrapped__ = orig_cpu  # type: ignore[attr-defined]
+    cpu.__doc__ = orig_cpu.__doc__
+    return cpu
+
+
+def _make_compile(rt: "Runtime", orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def compile(model: Any = None, **kwargs: Any) -> Any:
+        rt.say_once(_COMPILE_NOTE)
+        if model is None:  # used as a decorator factory: @torch.compile(mode=...)
+            return lambda fn: fn
+        return model
+    return compile
+
+
+# ----------------------------------------------------------------------------------------------
+# install
+# ----------------------------------------------------------------------------------------------
+def install(rt: "Runtime") -> None:
+    """Patch the ways in (Tensor.to/.cuda/.type, factories, default device, Module.to/.cuda/.cpu)
+    and let optimizers take their foreach path over emulated tensors."""
+    p = rt.patcher
+    ts = rt.tensors
+    T = torch.Tensor
+    p.replace(T, "to", _make_tensor_to(ts, T.to))
+    p.replace(T, "cuda", _make_tensor_cuda(ts))
+    p.replace(T, "type", _make_tensor_type(ts, T.type))
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full"):
+        p.replace(T, name, _make_tensor_new(ts, getattr(T, name)))
+    from torch.utils._device import DeviceContext, _device_constructors
+
+    _device_constructors()  # fill its cache with torch's own functions before ours replace them
+    p.replace(DeviceContext, "__torch_function__", _make_device_context_tf(ts, DeviceContext.__torch_function__))
+    for name in FACTORIES:
+        orig = getattr(torch, name, None)
+        if orig is not None:
+            p.replace(torch, name, _make_factory(ts, orig, name))
+    # torch.compile cannot trace meta-backed wrapper tensors; emulated GPU time comes from
+    # profiles of eager runs anyway, so compiled models run eagerly (said once).
+    p.replace(torch, "compile", _make_compile(rt, torch.compile))
+    M = torch.nn.Module
+    p.replace(M, "to", _make_module_to(rt, ts, M.to))
+    p.replace(M, "cuda", _make_module_cuda(rt, ts, M.cuda))
+    p.replace(M, "cpu", _make_module_cpu(rt, M.cpu))
+    if hasattr(M, "compile"):
+        p.replace(M, "compile", lambda self, *a, **k: rt.say_once(_COMPILE_NOTE))
+    # Optimizers choose their foreach (multi-tensor) path only for listed tensor types.
+    import torch.optim.optimizer as opt_mod
+    import torch.utils._foreach_utils as fe_mod
+
+    for mod in (opt_mod, fe_mod):
+        types = getattr(mod, "_foreach_supported_types", None)
+        if isinstance(types, list) and EmuTensor not in types:
+            p.replace(mod, "_foreach_supported_types", types + [EmuTensor])
