@@ -30,7 +30,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool, StaticPool
 
 from . import schema as S
-from .lookup import ProfileDB, _gpu_row, _model_row, upsert
+from .lookup import ProfileDB, gpu_row, model_row, upsert
 from .records import KIND_UNITS, ModelInfo
 from .specs import SHIPPED_GPUS
 
@@ -121,8 +121,8 @@ def load_shipped(engine: Engine) -> dict[str, int]:
 
     models = _read_models()
     with engine.begin() as conn:
-        upsert(conn, S.gpus, [_gpu_row(s) for s in SHIPPED_GPUS], ("name",))
-        upsert(conn, S.models, [_model_row(m) for m in models], ("name",))
+        upsert(conn, S.gpus, [gpu_row(s) for s in SHIPPED_GPUS], ("name",))
+        upsert(conn, S.models, [model_row(m) for m in models], ("name",))
         gpu_ids = {}
         for gid, name, aliases in conn.execute(select(S.gpus.c.id, S.gpus.c.name, S.gpus.c.aliases)):
             gpu_ids[name] = gid

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 from sqlalchemy import select
 
 from . import schema as S
-from .lookup import ProfileDB, _gpu_row, _model_row, clean_measurement, measurement_row, upsert
+from .lookup import ProfileDB, gpu_row, model_row, clean_measurement, measurement_row, upsert
 from .records import GpuSpec, Measurement, ModelInfo, normalize_name
 
 __all__ = ["export_db", "import_path", "ImportReport", "Rejected", "MEASUREMENT_COLUMNS", "FORMAT_NAME"]
@@ -266,7 +266,7 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
             if isinstance(raw, Exception):
                 raise raw
             spec = GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU"))
-            gpu_rows.append(_gpu_row(spec))
+            gpu_rows.append(gpu_row(spec))
         except (TypeError, ValueError) as exc:
             report.rejected.append(Rejected(where, f"bad GPU spec: {exc}"))
     for where, raw in sections["models"]:
@@ -274,7 +274,7 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
             if isinstance(raw, Exception):
                 raise raw
             info = ModelInfo(**_only(raw, _MODEL_COLUMNS, "model"))
-            model_rows.append(_model_row(info))
+            model_rows.append(model_row(info))
         except (TypeError, ValueError) as exc:
             report.rejected.append(Rejected(where, f"bad model info: {exc}"))
     if gpu_rows or model_rows:

@@ -33,7 +33,7 @@ from .records import (
     normalize_name,
 )
 
-__all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measurement_row", "upsert"]
+__all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measurement_row", "gpu_row", "model_row", "upsert"]
 
 # Fraction of the profiled points (the largest batch sizes) a beyond-range linear fit uses.
 _EXTRAPOLATION_FRACTION = 0.25
@@ -280,7 +280,7 @@ class ProfileDB:
         if not isinstance(spec, GpuSpec):
             raise TypeError(f"add_gpu takes a GpuSpec, got {type(spec).__name__}")
         with self.engine.begin() as conn:
-            upsert(conn, S.gpus, [_gpu_row(spec)], ("name",))
+            upsert(conn, S.gpus, [gpu_row(spec)], ("name",))
         self._invalidate()
 
     def add_model(self, info: ModelInfo) -> None:
@@ -288,7 +288,7 @@ class ProfileDB:
         if not isinstance(info, ModelInfo):
             raise TypeError(f"add_model takes a ModelInfo, got {type(info).__name__}")
         with self.engine.begin() as conn:
-            upsert(conn, S.models, [_model_row(info)], ("name",))
+            upsert(conn, S.models, [model_row(info)], ("name",))
         self._invalidate()
 
     def add_measurements(self, rows: Iterable[Measurement | Mapping[str, Any]]) -> int:
@@ -419,13 +419,13 @@ def measurement_row(m: Measurement | Mapping[str, Any], gpu_id: int, model_id: i
     return row
 
 
-def _gpu_row(s: GpuSpec) -> dict[str, Any]:
+def gpu_row(s: GpuSpec) -> dict[str, Any]:
     row = asdict(s)
     row["aliases"] = json.dumps(list(s.aliases))
     return row
 
 
-def _model_row(m: ModelInfo) -> dict[str, Any]:
+def model_row(m: ModelInfo) -> dict[str, Any]:
     return asdict(m)
 
 
