@@ -21,13 +21,14 @@ from __future__ import annotations
 import importlib
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .config import EmuConfig
 from .devices import check_ordinal
 from .patching import Patcher
 from .recorder import Recorder
+from .units import redact_url
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.db import GpuSpec, ProfileDB
@@ -154,7 +155,9 @@ def patch(config: EmuConfig | None = None, **settings: Any) -> Runtime:
     """Make torch see emulated GPUs. Settings as in :class:`EmuConfig` (gpu, num_gpus, model,
     db_url, memory, ...); unset ones come from ``GPEMU_*`` environment variables.
 
-    Patching twice with the same settings is a no-op; with different settings, unpatch first.
+    Patching twice with the same settings is a no-op. A script that patches itself while it runs
+    under ``gpemu run`` keeps the run the command line started (said once, naming any of the
+    script's settings that differ); otherwise different settings need ``gpemu.unpatch()`` first.
     """
     global _runtime
     with _lock:
@@ -164,7 +167,14 @@ def patch(config: EmuConfig | None = None, **settings: Any) -> Runtime:
                 return _runtime
             if _runtime.config == cfg:
                 return _runtime
-            raise RuntimeError("gpemu is already patched with other settings; call gpemu.unpatch() first")
+            differ = _differences(_runtime.config, cfg)
+            if _runtime.config.enable:
+                # The command line's settings win: the script is run by `gpemu run`.
+                _runtime.say_once("gpemu.patch() called under `gpemu run`: the run keeps the command line's "
+                                  f"settings ({differ})")
+                return _runtime
+            raise RuntimeError(f"gpemu is already patched with other settings ({differ}); "
+                               "call gpemu.unpatch() first")
         rt = _build_runtime(cfg)
         _runtime = rt
         try:
@@ -175,6 +185,20 @@ def patch(config: EmuConfig | None = None, **settings: Any) -> Runtime:
             rt.patcher.restore_all()
             raise
         return rt
+
+
+def _differences(active: EmuConfig, asked: EmuConfig) -> str:
+    """``name=asked (run: active)`` for each setting that differs, credentials hidden."""
+    items = []
+    for f in fields(EmuConfig):
+        if not f.compare or f.name == "enable":
+            continue
+        a, b = getattr(active, f.name), getattr(asked, f.name)
+        if a != b:
+            if f.name == "sharing" or f.name == "db_url":
+                a, b = redact_url(a), redact_url(b)
+            items.append(f"{f.name}={b!r} asked, {a!r} in use")
+    return "; ".join(items) or "none differ"
 
 
 def unpatch() -> None:

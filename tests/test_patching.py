@@ -49,3 +49,37 @@ def test_undo_callbacks_run_newest_first():
     p.on_restore(lambda: order.append(2))
     p.restore_all()
     assert order == [2, 1]
+
+
+def test_patching_again_with_other_settings_names_them():
+    import pytest
+
+    import gpemu
+    from gpemu.clock import VirtualClock
+
+    rt = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
+    assert gpemu.patch(gpu="V100", summary=False) is rt  # the same settings: the same run
+    with pytest.raises(RuntimeError, match=r"gpu='A100' asked, 'V100' in use.*unpatch\(\) first"):
+        gpemu.patch(gpu="A100", summary=False)
+    gpemu.unpatch()
+
+
+def test_a_script_patching_itself_under_gpemu_run_keeps_the_command_lines_run(tmp_path, capsys):
+    """`gpemu run --gpu V100 -- python script.py` where the script calls gpemu.patch(...) itself
+    (as examples/gpu_preprocessing.py does): the script runs on the command line's run."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "own_patch.py"
+    script.write_text(
+        "import gpemu, torch\n"
+        "rt = gpemu.patch(gpu='V100', summary=False, num_gpus=2)\n"
+        "print('gpus', torch.cuda.device_count(), rt.config.summary)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPEMU_")}
+    env["GPEMU_DATA_DIR"] = os.environ["GPEMU_DATA_DIR"]
+    proc = subprocess.run([sys.executable, "-m", "gpemu.cli", "run", "--gpu", "V100", "--no-summary", "--",
+                           sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gpus 1 False" in proc.stdout  # the command line's single GPU
+    assert "the run keeps the command line's settings (num_gpus=2 asked, 1 in use)" in proc.stderr
