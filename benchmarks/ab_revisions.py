@@ -1,0 +1,124 @@
+"""Two revisions of gpemu, one benchmark, interleaved on the same machine in one run.
+
+Each revision is checked out from git (or the working tree, ``WORKTREE``) into a scratch folder
+with the installed package layout (``db/`` as ``gpemu/db`` and so on, from setup.cfg), and the
+benchmark runs alternately on one and the other, ``--rounds`` times each, so that a machine
+getting busier or quieter affects both alike. Rows of the benchmark's table with the same key
+are compared by their median over the rounds.
+
+    python benchmarks/ab_revisions.py --old 9a331bc --new WORKTREE --rounds 3 -- \\
+        benchmarks/overhead.py --gpus V100,A100 --models resnet50,alexnet --batches 32 --iterations 30
+
+The default row parser reads ``benchmarks/overhead.py``'s table (key: gpu, model, batch;
+value: host ms per iteration). Both revisions run with this Python and its installed
+dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def machine() -> str:
+    """CPU model, cores and load: figures from different machines are not comparable."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, load {load}"
+
+
+def stage(rev: str, into: Path) -> Path:
+    """``rev``'s files in the installed layout under ``into`` (plus examples/ and benchmarks/)."""
+    src = into / "src"
+    if rev == "WORKTREE":
+        shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info"))
+    else:
+        src.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    cfg = configparser.ConfigParser()
+    cfg.read(src / "setup.cfg")
+    root = into / "stage"
+    for line in cfg["options"]["package_dir"].strip().splitlines():
+        name, _, folder = (x.strip() for x in line.partition("="))
+        shutil.copytree(src / folder, root.joinpath(*name.split(".")), dirs_exist_ok=True)
+    for extra in ("examples", "benchmarks"):
+        if (src / extra).exists():
+            shutil.copytree(src / extra, root / extra, dirs_exist_ok=True)
+    return root
+
+
+def overhead_rows(out: str) -> dict[tuple, float]:
+    """benchmarks/overhead.py's table: (gpu, model, batch) -> host ms per iteration."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 7 and parts[2].isdigit() and parts[6].endswith("%"):
+            try:
+                rows[(parts[0], parts[1], int(parts[2]))] = float(parts[3])
+            except ValueError:
+                continue
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--old", required=True, help="git revision (or WORKTREE)")
+    p.add_argument("--new", default="WORKTREE", help="git revision (default: the working tree)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [args]: path relative to the repository")
+    a = p.parse_args()
+    bench = [x for x in a.benchmark if x != "--"]
+    if not bench:
+        p.error("give the benchmark after --, e.g. -- benchmarks/overhead.py --gpus V100")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    print(f"machine: {machine()}")
+    print(f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpemu-ab-") as tmp:
+        roots = {rev: stage(rev, Path(tmp) / tag) for tag, rev in (("old", a.old), ("new", a.new))}
+        results: dict[str, list[dict]] = {a.old: [], a.new: []}
+        try:
+            for r in range(a.rounds):
+                for rev in (a.old, a.new) if r % 2 == 0 else (a.new, a.old):
+                    root = roots[rev]
+                    env = dict(os.environ, PYTHONPATH=str(root))
+                    proc = subprocess.run([sys.executable, str(root / bench[0]), *bench[1:]], cwd=root, env=env,
+                                          capture_output=True, text=True)
+                    if proc.returncode != 0:
+                        sys.exit(f"{rev}: the benchmark failed:\n{proc.stderr[-2000:]}")
+                    results[rev].append(overhead_rows(proc.stdout))
+                    print(f"  round {r + 1}: {rev} done (load {os.getloadavg()[0]:.2f})", flush=True)
+        except KeyboardInterrupt:
+            sys.exit("interrupted")
+    keys = sorted(set().union(*results[a.old]) & set().union(*results[a.new]))
+    print(f"\n{'case':34} {'old ms':>8} {'new ms':>8} {'change':>8}")
+    worst = 0.0
+    for key in keys:
+        old = statistics.median(r[key] for r in results[a.old] if key in r)
+        new = statistics.median(r[key] for r in results[a.new] if key in r)
+        change = (new - old) / old
+        worst = max(worst, change)
+        print(f"{'/'.join(map(str, key)):34} {old:8.2f} {new:8.2f} {100 * change:+7.1f}%")
+    print(f"slowest change: {100 * worst:+.1f}% (medians of {a.rounds} interleaved rounds); machine after: {machine()}")
+
+
+if __name__ == "__main__":
+    main()
