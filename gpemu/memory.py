@@ -79,7 +79,7 @@ class Block:
 class GroupBlock(Block):
     """The one allocation behind a group (:meth:`MemoryTracker.allocate_group`). Besides dying
     with its last share like any block, it can be given back and taken again as a whole while
-    its shares live on: the gradient sets of ``gpemu.gradients`` drop a module's
+    its shares live on: the gradient sets of ``gpemu.fastpaths.gradients`` drop a module's
     gradients at ``zero_grad`` and hand the same wrappers out at the next backward, and this
     keeps that to one tracker call each way instead of one object per parameter."""
 

@@ -15,7 +15,7 @@ the op-by-op run, so the fast path changes only the host time.
 Falls back to the original function (op by op, exactly as before) when the fast path could change
 a result:
 - an argument is not an emulated tensor, or the input has a known host value (its shadow; the
-  loss value would then be computed, see :mod:`gpemu.placeholders`);
+  loss value would then be computed, see :mod:`gpemu.hostvalues`);
 - the target or weight requires grad (their gradients are not recorded);
 - autocast is on (its emulation decides the loss's dtype), a ``TorchFunctionMode`` is active
   (user modes), or the call is inside a replayed module's charged scope (its time is already

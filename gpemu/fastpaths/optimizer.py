@@ -12,7 +12,7 @@ What a skipped step keeps right:
 
 * Adam/AdamW per-parameter ``state['step']`` counters (CPU tensors) advance by one for every
   parameter that has a gradient, as the real step does;
-* host shadows of parameters (known small values, :mod:`gpemu.placeholders`) are dropped, as
+* host shadows of parameters (known small values, :mod:`gpemu.hostvalues`) are dropped, as
   the real step would (the gradients' values are unknown);
 * the step's transient memory (foreach temporaries, e.g. weight decay) is measured on the last
   real step and touched again, so peak memory and OOM behave the same.

@@ -366,7 +366,7 @@ class _Direct:
         self.node = self.nodes[0]
         self.pspecs = [_grad_spec(p, dev) for p in params]
         self.param_bytes = sum(spec[4] for spec in self.pspecs)
-        self.gradset: Any = None  # gpemu.gradients' set of these parameters' gradients
+        self.gradset: Any = None  # gpemu.fastpaths.gradients' set of these parameters' gradients
 
 
 _will_execute = torch._C._will_engine_execute_node
