@@ -32,7 +32,7 @@ from .tensor import EmuTensor
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "ModelTime", "CallRecord", "graph_nodes", "model_time_info"]
+__all__ = ["install", "ModelTime", "CallRecord", "graph_nodes", "emulated_device"]
 
 
 class CallRecord:
@@ -167,15 +167,6 @@ class ModelTime:
                 leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
                 out = tree_unflatten(leaves, treespec)
         return out
-
-
-def model_time_info() -> dict[str, int]:
-    """How many outermost-module calls of the active run ran op by op, and how many of those
-    because a fast path could not replay them."""
-    from .runtime import current
-
-    rt = current()
-    return dict(rt.model_time.stats) if rt is not None and rt.model_time is not None else {}
 
 
 # ----------------------------------------------------------------------------------------------
