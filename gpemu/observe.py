@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "RunRecords", "Timeline", "summary", "print_summary", "format_summary", "compute_summary",
-    "records_from_runtime", "json_safe", "CATEGORIES",
+    "records_from_runtime", "json_safe", "CATEGORIES", "WINDOW_NAMES",
 ]
 
 # Categories of a device timeline, in display order.
@@ -330,43 +330,56 @@ def _by(d: dict[str, float], limit: int = 6) -> str:
     return ", ".join(items) if items else "-"
 
 
+WINDOW_NAMES = {"steady": "steady state", "whole": "whole run"}
+
+
 def format_summary(s: dict[str, Any]) -> str:
-    """The summary as aligned text (what ``gpemu run`` prints at exit and ``gpemu report`` prints)."""
-    lines = [f"gpemu summary: {s['num_gpus']} emulated GPU(s) [{', '.join(s['gpus'])}], "
-             f"{s['iterations']} iteration(s), run {_secs(s['run_s'])}"
+    """The summary as aligned text (what ``gpemu run`` prints at exit and ``gpemu report`` prints).
+
+    A rank of a multi-process job (``s["rank"]`` set) lists only the GPUs it did work on; a
+    single process also names its idle GPUs, one line each."""
+    rank = s.get("rank")
+    active = [dev for dev in s["devices"] if dev["whole"] is not None]
+    shown = active if rank is not None and active else s["devices"]
+    gpus = (f"{len(shown)} of {s['num_gpus']} emulated GPU(s) [{', '.join(d['gpu'] for d in shown)}]"
+            if len(shown) != s["num_gpus"] else f"{s['num_gpus']} emulated GPU(s) [{', '.join(s['gpus'])}]")
+    lines = [f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {_secs(s['run_s'])}"
              + (f"  ({s['config']})" if s.get("config") else "")]
     w = 34
-    for dev in s["devices"]:
-        lines.append(f"GPU {dev['device']} ({dev['gpu']})")
+    for dev in shown:
         whole, steady = dev["whole"], dev["steady"]
+        mem = dev["memory"]
         if whole is None:
-            lines.append("  no GPU work recorded")
-        else:
-            cols = [("whole run", whole)] + ([("steady state", steady)] if steady else [])
-            lines.append("  " + "".ljust(w) + "".join(name.ljust(26) for name, _ in cols))
+            lines.append(f"GPU {dev['device']} ({dev['gpu']}): no GPU work recorded"
+                         + (f"; peak {_bytes(mem['peak_allocated_bytes'])} allocated"
+                            if mem["peak_allocated_bytes"] else ""))
+            continue
+        lines.append(f"GPU {dev['device']} ({dev['gpu']})")
+        cols = [("whole run", whole)] + ([("steady state", steady)] if steady else [])
+        lines.append("  " + "".ljust(w) + "".join(name.ljust(26) for name, _ in cols))
 
-            def row(label: str, fn: Any) -> None:
-                lines.append("  " + label.ljust(w) + "".join(fn(win).ljust(26) for _, win in cols))
+        def row(label: str, fn: Any) -> None:
+            lines.append("  " + label.ljust(w) + "".join(fn(win).ljust(26) for _, win in cols))
 
-            row("window (since patch)", lambda x: f"{x['start_s']:.3f}-{x['end_s']:.3f} s")
-            row("wall time", lambda x: _secs(x["wall_s"]))
-            row("GPU busy", lambda x: f"{_secs(x['busy_s'])} ({_pct(x['utilisation'])})")
-            row("data stall (host not ready)", lambda x: f"{_secs(x['data_stall_s'])} ({_pct(x['data_stall_share'])})")
-            row("other idle (deps, sharing)", lambda x: _secs(x["other_idle_s"]))
-            lines.append("  " + "accelerator utilisation (AU)".ljust(w) + f"{_pct(dev['au'])} ({dev['au_window']})")
-            it = dev["iteration_time"]
-            if it:
-                lines.append("  " + "iteration time".ljust(w)
-                             + f"mean {_secs(it['mean_s'])}, median {_secs(it['median_s'])}, "
-                               f"max {_secs(it['max_s'])}")
-            head = steady or whole
-            lines.append("  " + "GPU busy by kind".ljust(w) + _by(head["busy_by_kind_s"]))
-            lines.append("  " + "stall, waiting for".ljust(w) + _by(head["stall_before_s"]))
+        row("window (since patch)", lambda x: f"{x['start_s']:.3f}-{x['end_s']:.3f} s")
+        row("wall time", lambda x: _secs(x["wall_s"]))
+        row("GPU busy", lambda x: f"{_secs(x['busy_s'])} ({_pct(x['utilisation'])})")
+        row("data stall (host not ready)", lambda x: f"{_secs(x['data_stall_s'])} ({_pct(x['data_stall_share'])})")
+        row("other idle (deps, sharing)", lambda x: _secs(x["other_idle_s"]))
+        window = WINDOW_NAMES.get(dev["au_window"] or "", "whole run")
+        lines.append("  " + "accelerator utilisation (AU)".ljust(w) + f"{_pct(dev['au'])} ({window})")
+        it = dev["iteration_time"]
+        if it:
+            lines.append("  " + "iteration time".ljust(w)
+                         + f"mean {_secs(it['mean_s'])}, median {_secs(it['median_s'])}, "
+                           f"max {_secs(it['max_s'])}")
+        head = steady or whole
+        lines.append("  " + f"GPU busy by kind ({window})".ljust(w) + _by(head["busy_by_kind_s"]))
+        lines.append("  " + f"stall, waiting for ({window})".ljust(w) + _by(head["stall_before_s"]))
         hw = dev["host_waits"]
         lines.append("  " + "host waited for GPU".ljust(w)
                      + (f"{_secs(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})"
                         if hw["count"] else "-"))
-        mem = dev["memory"]
         cap = f" of {_bytes(mem['capacity_bytes'])}" if mem["capacity_bytes"] else ""
         lines.append("  " + "memory".ljust(w)
                      + f"peak {_bytes(mem['peak_allocated_bytes'])} allocated / "

@@ -1,0 +1,109 @@
+"""End-of-run output (gpemu.run_outputs): written on SIGTERM/SIGHUP too, quiet where nothing ran,
+one block per rank with every line marked."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpemu
+from gpemu import run_outputs
+from gpemu.clock import VirtualClock
+
+# The console entry point as a user runs it (`gpemu ...`), with this interpreter.
+GPEMU = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
+
+LONG_SCRIPT = textwrap.dedent("""
+    import time, torch
+    model = torch.nn.Linear(64, 10).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.randn(32, 64).cuda()).sum()
+        opt.zero_grad(); loss.backward(); opt.step(); loss.item()
+    print("ready", flush=True)
+    time.sleep(120)                       # a long training run, stopped from outside
+""")
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_stop_signal_still_writes_summary_metrics_and_trace(signame, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(LONG_SCRIPT)
+    metrics, trace = tmp_path / "m.json", tmp_path / "t.json"
+    proc = subprocess.Popen([*GPEMU, "run", "--gpu", "V100", "--metrics", str(metrics), "--trace", str(trace),
+                             "--", "python", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"  # `gpemu run` exec'd: this pid is the script
+        proc.send_signal(getattr(signal, signame))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    sig = getattr(signal, signame)
+    assert proc.returncode == -sig, err  # still dies of the signal, as without gpemu
+    assert "gpemu summary: 1 emulated GPU(s)" in err and "3 iteration(s)" in err
+    assert json.loads(metrics.read_text())["iterations"] == 3
+    assert json.loads(trace.read_text())["otherData"]["format"] == "gpemu-trace/1"
+
+
+def test_stop_handlers_leave_the_programs_own_and_are_restored() -> None:
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    own = lambda signum, frame: None  # noqa: E731
+    previous_hup = signal.signal(signal.SIGHUP, own)
+    try:
+        gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
+        assert callable(signal.getsignal(signal.SIGTERM))       # gpemu's: default action was kill
+        assert signal.getsignal(signal.SIGHUP) is own            # the program's own: untouched
+        gpemu.unpatch()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is own
+    finally:
+        gpemu.unpatch()
+        signal.signal(signal.SIGHUP, previous_hup)
+
+
+def test_no_work_line_only_after_the_gpu_was_used(capsys) -> None:
+    rt = gpemu.patch(gpu="V100", clock=VirtualClock())
+    try:
+        assert run_outputs.finish(rt) is None
+        assert "no emulated GPU work" not in capsys.readouterr().err  # never touched the GPU
+        torch.cuda.init()
+        assert run_outputs.finish(rt) is None
+        assert "no emulated GPU work was recorded" in capsys.readouterr().err
+    finally:
+        gpemu.unpatch()
+
+
+def test_a_rank_prints_one_block_of_marked_lines_for_its_own_gpu(monkeypatch, capsys) -> None:
+    rt = gpemu.patch(gpu="V100", num_gpus=2, clock=VirtualClock())
+    try:
+        rt.engine.default_stream(1).enqueue(0.01, "forward", "net")
+        monkeypatch.setattr(run_outputs, "_rank", lambda: 1)
+        s = run_outputs.finish(rt)
+    finally:
+        gpemu.unpatch()
+    err = capsys.readouterr().err
+    lines = err.rstrip("\n").split("\n")
+    assert s["rank"] == 1 and len(lines) > 5
+    assert all(line.startswith("[rank 1] ") for line in lines), err
+    assert "GPU 1 (Tesla V100-PCIE-32GB)" in err and "GPU 0 (" not in err  # the idle GPU is the other rank's
+    assert "1 of 2 emulated GPU(s)" in err
+    assert "placeholders" not in err  # said once, by rank 0
+
+
+def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("def f(:\n")
+    started = time.monotonic()
+    proc = subprocess.run([*GPEMU, "run", "--gpu", "V100", "--", "python", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "SyntaxError" in proc.stderr
+    assert "no emulated GPU work" not in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 120
