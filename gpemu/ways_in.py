@@ -6,9 +6,10 @@
   through ``torch.set_default_device('cuda')`` and ``with torch.device('cuda')`` (torch's
   ``DeviceContext`` mode), produce emulated tensors; small deterministic results keep their
   values (:mod:`gpemu.hostvalues`);
-* ``Module.to`` / ``Module.cuda`` / ``Module.cpu``: each tensor moves as usual, but the model
-  transfer is charged once for the whole module (:meth:`gpemu.transfers.TransferState.model_to_device`)
-  instead of once per tensor;
+* ``Module.to`` / ``Module.cuda`` / ``Module.cpu`` / ``Module.to_empty``: each tensor moves as
+  usual and parameters keep their Python objects (as on a real GPU, so optimizers built before the
+  move keep working), and the model transfer is charged once for the whole module
+  (:meth:`gpemu.transfers.TransferState.model_to_device`) instead of once per tensor;
 * ``torch.compile`` / ``Module.compile``: the model runs eagerly (said once);
 * optimizers may take their foreach path over emulated tensors.
 """
@@ -16,7 +17,9 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+import weakref
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -236,13 +239,45 @@ def _move(rt: "Runtime", module: torch.nn.Module, to_device: int | None, to_host
     if transfers is None or transfers.moving_model:
         return move()
     (host_b, host_n), (gpu_b, gpu_n, gpu_dev) = _split(module)
-    with transfers.moving():
+    with transfers.moving(), _same_parameter_objects(module):
         result = move()
     if to_device is not None and host_n:
         transfers.model_to_device(module, to_device, nbytes=host_b, copies=host_n)
     elif to_host and gpu_n:
         transfers.model_to_host(module, gpu_dev, gpu_b, gpu_n)
     return result
+
+
+@contextmanager
+def _same_parameter_objects(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, ``Module._apply`` keeps each parameter's Python object and swaps its contents
+    (``torch.utils.swap_tensors``). Real torch keeps the objects on a CPU<->CUDA move (the two
+    tensor types are compatible, so it sets ``param.data``); an emulated tensor is another type,
+    for which torch would make new Parameter objects and leave optimizers, GradScalers and EMA
+    helpers built before the move holding the old ones. Not done for parameters something holds
+    a weak reference to (swap_tensors refuses them): those get torch's new objects."""
+    if any(weakref.getweakrefs(p) for p in module.parameters()):
+        yield
+        return
+    future = torch.__future__
+    before = future.get_swap_module_params_on_conversion()
+    future.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        future.set_swap_module_params_on_conversion(before)
+
+
+def _make_module_to_empty(rt: "Runtime", ts: TensorState, orig: Callable) -> Callable:
+    def to_empty(self: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
+        if ts.device_index(device) is None:
+            return orig(self, device=device, recurse=recurse)
+        # New (uninitialised) storage on the device: no data moves, nothing to charge; the
+        # parameters keep their objects as on a real GPU.
+        with _same_parameter_objects(self):
+            return orig(self, device=device, recurse=recurse)
+    to_empty.__wrapped__ = orig  # type: ignore[attr-defined]
+    return to_empty
 
 
 def _make_module_to(rt: "Runtime", ts: TensorState, orig_to: Callable) -> Callable:
@@ -325,6 +360,7 @@ def install(rt: "Runtime") -> None:
     p.replace(M, "to", _make_module_to(rt, ts, M.to))
     p.replace(M, "cuda", _make_module_cuda(rt, ts, M.cuda))
     p.replace(M, "cpu", _make_module_cpu(rt, M.cpu))
+    p.replace(M, "to_empty", _make_module_to_empty(rt, ts, M.to_empty))
     if hasattr(M, "compile"):
         p.replace(M, "compile", lambda self, *a, **k: rt.say_once(_COMPILE_NOTE))
     # Optimizers choose their foreach (multi-tensor) path only for listed tensor types.

@@ -251,3 +251,32 @@ def test_torch_compile_runs_eagerly(rt, capsys):
 
     assert f(torch.ones(3, device="cuda")).device.type == "cuda"
     assert "torch.compile is not applied" in capsys.readouterr().err
+
+
+def test_parameters_keep_their_objects_across_moves(rt):
+    """Real torch keeps a parameter's Python object on a CPU<->CUDA move, so an optimizer (or a
+    GradScaler, a scheduler, an EMA helper) built before `.cuda()` keeps working."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # built before the move
+    scaler = torch.amp.GradScaler("cuda")
+    model.cuda()
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    assert all(isinstance(p, EmuTensor) and isinstance(p, torch.nn.Parameter) and p.is_cuda for p in params)
+    x, y = torch.randn(4, 8).cuda(), torch.zeros(4, dtype=torch.long).cuda()
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # raised "No inf checks were recorded" when the optimizer held CPU tensors
+        scaler.update()
+        opt.zero_grad()
+    assert all(opt.state[p]["momentum_buffer"].is_cuda for p in params)
+    assert sum(1 for s in rt.recorder.spans if s.kind == "optimizer") == 3
+    model.cpu()
+    assert all(a is b and not b.is_cuda for a, b in zip(params, model.parameters()))
+    with torch.device("meta"):
+        lazy = torch.nn.Linear(3, 3)
+    weight = lazy.weight
+    lazy.to_empty(device="cuda")
+    assert lazy.weight is weight and weight.is_cuda and weight.shape == (3, 3)
