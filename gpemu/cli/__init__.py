@@ -4,18 +4,22 @@ Subcommands are imported only when used (``gpemu gpus`` should not pay for impor
 or grpc). Each area owns its module; this file only lists them.
 
 Errors: a :class:`UserError` (or any ``ValueError`` subclass gpemu raises for bad input) is
-printed as one red line and exits with status 2; ``--debug`` shows the traceback instead.
+printed as one red line and exits with status 2; ``--debug`` shows the traceback instead. Ctrl-C
+is one line ("interrupted", status 130). Output that is not a terminal (a log file, a pipe, a
+Kubernetes log) is never hard-wrapped: messages stay one line each and tables take the width
+they need.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
 import click
 
-__all__ = ["main", "cli", "UserError", "console", "err_console"]
+__all__ = ["main", "cli", "UserError", "console", "err_console", "make_console"]
 
 # name -> (module, attribute, one-line help). The module defines a click.Command.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -39,6 +43,21 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
+# Width of rich output that goes to a file or pipe (rich's default there is 80 columns, which
+# hard-wraps every longer message in logs). $COLUMNS still wins.
+LOG_WIDTH = 200
+
+
+def make_console(stderr: bool = False) -> Any:
+    """A rich Console that does not hard-wrap when its output is not a terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=LOG_WIDTH, soft_wrap=True)
+    return console
+
+
 class _LazyConsole:
     """rich Console created on first use (keeps `gpemu --help` fast)."""
 
@@ -48,9 +67,7 @@ class _LazyConsole:
 
     def __getattr__(self, name: str) -> Any:
         if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(stderr=self._stderr)
+            self._console = make_console(self._stderr)
         return getattr(self._console, name)
 
 
@@ -116,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.format_message()
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             msg = f"{msg}\n(see `{exc.ctx.command_path} --help`)"
-        err_console.print(f"[bold red]error:[/bold red] {msg}", highlight=False, markup=True)
+        err_console.print(f"[bold red]error:[/bold red] {msg}", highlight=False, markup=True, soft_wrap=True)
         return exc.exit_code
     except ValueError as exc:  # gpemu raises ValueError subclasses for bad input
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/red]")
