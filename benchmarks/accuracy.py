@@ -12,7 +12,7 @@ device copy of that batch (the target). Targets: mean |error| <= 1%, p99 <= 3%.
 
 Two passes:
 
-1. **all combinations, virtual clock** (``clock=VirtualClock()``): the engine's GPU
+1. **all combinations, virtual clock** (``gpemu.patch(..., clock=VirtualClock())``): the engine's GPU
    timeline, no real waiting — checks identification, costs and stream arithmetic on all 1080.
 2. **real clock**: the same step with real deadline waits, wall time measured with
    ``perf_counter`` — checks that the waits deliver that timeline. ``--quick`` (default) runs a
@@ -76,9 +76,9 @@ def run_combo(gpu: str, model_name: str, batches: list[int], virtual: bool, inpu
               iterations: int) -> list[tuple[int, float, float, bool]]:
     """Returns (batch, emulated seconds/iteration, target seconds, stand-in?) per batch size."""
     module, standin = build(model_name)
-    extra = {"clock": VirtualClock()} if virtual else {}
     out = []
-    with gpemu.emulate(gpu=gpu, model=model_name if standin else None, extra=extra, summary=False) as rt:
+    with gpemu.emulate(gpu=gpu, model=model_name if standin else None, summary=False,
+                       clock=VirtualClock() if virtual else None) as rt:
         engine = rt.engine
         spec = rt.gpus[0]
         model = module.cuda()
@@ -112,6 +112,16 @@ def stats(errors: list[float]) -> str:
     p99 = a[min(len(a) - 1, math.ceil(0.99 * len(a)) - 1)]
     return (f"n={len(a)}  mean |error| {100 * sum(a) / len(a):.3f}%  p99 {100 * p99:.3f}%  "
             f"worst {100 * a[-1]:.3f}%")
+
+
+def progress_bar():
+    """A rich progress bar on stderr (removed when done, so the printed figures stay clean)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[now]}"), console=Console(stderr=True),
+                    transient=True)
 
 
 def main() -> None:
@@ -154,15 +164,21 @@ def main() -> None:
         rows: list = []
         oom: list[str] = []
         idles: list[float] = []
+        plan = []  # (gpu, model, batch sizes) in run order
         for gi, gpu in enumerate(gpus):
             chosen = models
             if subset == "quick":  # 6 models per GPU spread over the list, batch sizes rotating
                 step_ = max(1, len(models) // 6)
                 chosen = models[gi % step_::step_][:6]
             for mi, name in enumerate(chosen):
-                batches = list(BATCHES) if subset is None else [BATCHES[(gi + mi) % len(BATCHES)]]
+                plan.append((gpu, name, list(BATCHES) if subset is None else [BATCHES[(gi + mi) % len(BATCHES)]]))
+        with progress_bar() as progress:
+            task = progress.add_task(title, total=sum(len(b) for _, _, b in plan), now="")
+            for gpu, name, batches in plan:
+                progress.update(task, now=f"{gpu}/{name}")
                 iters = 1 if virtual else a.iterations
                 for bs, emu, target, standin, idle in run_combo(gpu, name, batches, virtual, inputs, iters):
+                    progress.advance(task)
                     if emu != emu:
                         oom.append(f"{gpu}/{name}/bs{bs}")
                         continue
@@ -188,4 +204,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # One line, and no teardown tracebacks (a database connection or a waiting thread cut
+        # off mid-call would print its own): leave at once.
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(130)

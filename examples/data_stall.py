@@ -111,17 +111,25 @@ def _gpemu() -> list[str]:
 
 def sweep(gpu: str, archs: list[str], workers: list[int], batch_size: int, iterations: int) -> None:
     """Run every (arch, workers) under `gpemu run` and print the stall shares from --metrics."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True)
+    with tempfile.TemporaryDirectory() as tmp, progress:
+        task = progress.add_task("runs", total=len(archs) * len(workers))
         for arch in archs:
             for w in workers:
                 metrics = os.path.join(tmp, f"{arch}-{w}.json")
                 cmd = _gpemu() + ["run", "--gpu", gpu, "--no-summary", "--metrics", metrics, "--",
                                   sys.executable, os.path.abspath(__file__), "--arch", arch, "--workers", str(w),
                                   "--batch-size", str(batch_size), "--iterations", str(iterations)]
-                print(f"$ gpemu run --gpu {gpu} --metrics {os.path.basename(metrics)} -- python "
-                      f"examples/data_stall.py --arch {arch} --workers {w}", flush=True)
+                progress.console.print(f"$ gpemu run --gpu {gpu} --metrics {os.path.basename(metrics)} -- python "
+                                       f"examples/data_stall.py --arch {arch} --workers {w}", highlight=False)
+                progress.update(task, description=f"{arch}, {w} worker(s)")
                 proc = subprocess.run(cmd, capture_output=True, text=True)
+                progress.advance(task)
                 if proc.returncode != 0:
                     sys.stderr.write(proc.stderr)
                     raise SystemExit(f"run failed: {arch} with {w} workers")
@@ -150,11 +158,15 @@ def main() -> None:
     p.add_argument("--gpu", default="V100", help="GPU for --sweep")
     p.add_argument("--sweep-workers", default="0,2", help="worker counts for --sweep (comma separated)")
     args = p.parse_args()
-    if args.sweep:
-        sweep(args.gpu, ["alexnet", "resnet50"], [int(w) for w in args.sweep_workers.split(",")],
-              args.batch_size, args.iterations)
-    else:
-        train(args.arch, args.workers, args.batch_size, args.iterations, args.threads)
+    try:
+        if args.sweep:
+            sweep(args.gpu, ["alexnet", "resnet50"], [int(w) for w in args.sweep_workers.split(",")],
+                  args.batch_size, args.iterations)
+        else:
+            train(args.arch, args.workers, args.batch_size, args.iterations, args.threads)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

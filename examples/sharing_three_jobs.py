@@ -70,8 +70,17 @@ gpemu.unpatch()
 """
 
 
+def progress_bar():
+    """Iterations done over all jobs, on stderr (the figure and the printed lines stay clean)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
 def run_full_jobs(url: str, counts: list[int], spacing: float, batch_size: int, t0: float,
-                  marks: dict[str, list[float]]) -> None:
+                  marks: dict[str, list[float]], advance=lambda: None) -> None:
     """--full: every job a process training under gpemu.patch(sharing=url); all start at once
     (importing torch takes seconds) and begin training at their start time."""
     import tempfile
@@ -89,6 +98,7 @@ def run_full_jobs(url: str, counts: list[int], spacing: float, batch_size: int, 
         for line in proc.stdout:
             if line.startswith("it "):
                 marks[name].append(float(line.split()[1]) - t0)  # CLOCK_MONOTONIC is system-wide
+                advance()
         print(f"{name} finished at {time.monotonic() - t0:.1f} s (exit {proc.wait()})", flush=True)
 
     readers = [threading.Thread(target=collect, args=item) for item in procs.items()]
@@ -135,6 +145,12 @@ def main() -> None:
     marks: dict[str, list[float]] = {}
     t0 = time.monotonic() + (20.0 if args.full else 2.0)  # --full: time for the processes to start
 
+    progress = progress_bar()
+    task = progress.add_task("iterations of all jobs", total=sum(counts))
+
+    def advance() -> None:
+        progress.advance(task)
+
     def job(k: int) -> None:
         name = f"job{k + 1}"
         times = marks.setdefault(name, [])
@@ -144,17 +160,20 @@ def main() -> None:
             for _ in range(counts[k]):
                 c.run(seconds, peak, "iteration")
                 times.append(time.monotonic() - t0)
-        print(f"{name} finished at {time.monotonic() - t0:.1f} s", flush=True)
+                advance()
+        progress.console.print(f"{name} finished at {time.monotonic() - t0:.1f} s", highlight=False)
 
     try:
-        if args.full:
-            run_full_jobs(url, counts, args.spacing, args.batch_size, t0, marks)
-        else:
-            threads = [threading.Thread(target=job, args=(k,)) for k in range(len(counts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        with progress:
+            if args.full:
+                run_full_jobs(url, counts, args.spacing, args.batch_size, t0, marks, advance)
+            else:
+                threads = [threading.Thread(target=job, args=(k,), daemon=True) for k in range(len(counts))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    while t.is_alive():
+                        t.join(0.2)  # a timed join lets Ctrl-C through
     finally:
         manager.terminate()
         manager.wait(10)
@@ -166,7 +185,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     window = 2.0
     if not all(marks.values()):
         sys.exit(f"a job recorded no iterations: {', '.join(n for n, ts in marks.items() if not ts)}")
@@ -185,11 +204,15 @@ def main() -> None:
     ax.set_ylabel("throughput (images/s)")
     how = "emulated PyTorch jobs" if args.full else "ResNet-50 jobs"
     ax.set_title(f"{len(marks)} {how} sharing one emulated P100 ({args.policy})")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the data, not on it
     fig.tight_layout()
     fig.savefig(args.out, dpi=150)
     print(f"figure written to {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

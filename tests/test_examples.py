@@ -67,3 +67,11 @@ def test_ddp_under_torchrun() -> None:
     assert "rank 0 on cuda:0 (current device 0)" in out and "rank 1 on cuda:1 (current device 1)" in out
     # Host-side counters all-reduced over both ranks (real gloo): 2 steps x 2 micro-batches x 16 x 2 ranks.
     assert "world 2: 2 steps" in out and "128 samples" in out
+
+
+def test_gpu_preprocessing_under_gpemu_run() -> None:
+    """The example that uses gpemu's own API runs under `gpemu run` too (on the run's GPU)."""
+    proc = _gpemu_run(["--gpu", "A100"], ["python", "gpu_preprocessing.py", "--batches", "4"])
+    assert "4 batches on emulated NVIDIA A100-SXM4-40GB" in proc.stdout
+    assert "preprocess" in proc.stderr and "gpemu summary: 1 emulated GPU(s)" in proc.stderr  # the run's summary
+    assert proc.stderr.count("tensor values on emulated GPUs are placeholders") == 1
