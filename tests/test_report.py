@@ -149,3 +149,17 @@ def test_plot_a_long_run(tmp_path, capsys):
     img = matplotlib.image.imread(str(png))
     assert img.shape[0] > 800 and img.shape[1] > 1000
     assert "2000 iteration(s)" in capsys.readouterr().out
+
+
+def test_compare_ignores_rounding_noise(tmp_path):
+    from gpemu.cli.report_cmd import compare_rows
+    from gpemu.trace import load_trace
+
+    _, a = _scripted_trace(tmp_path / "a.json", [0.01], 5)
+    sa = compute_summary(load_trace(a))
+    sb = json.loads(json.dumps(sa))
+    sb["devices"][0]["steady"]["other_idle_s"] = 1e-17  # float noise of a sum of segments
+    rows = {r[0]: r[1:] for r in compare_rows(sa, sb)}
+    assert rows["other idle / iteration"] == ("0.00 ms", "0.00 ms", "")
+    sb["devices"][0]["steady"]["other_idle_s"] = 0.004
+    assert compare_rows(sa, sb)[[r[0] for r in compare_rows(sa, sb)].index("other idle / iteration")][3] == "from 0"
