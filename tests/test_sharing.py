@@ -19,41 +19,63 @@ def jain(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
 
 
-class Harness:
-    """Drives a SharingCore like the daemon would, with a virtual clock and closed-loop jobs."""
+def rq(name: str) -> str:
+    """The reply queue name a job called ``name`` uses in these tests."""
+    return P.REPLY_PREFIX + name.ljust(8, "_")
 
-    def __init__(self, policy: str | type = "fifo", capacity: int = 16 * GiB, lease_s: float = 5.0) -> None:
-        self.core = SharingCore([DeviceSpec("0", "P100", capacity)], policy, lease_s)
+
+class Harness:
+    """Drives a SharingCore like the daemon would, with a virtual clock and closed-loop jobs.
+
+    Every job has its own key: its messages are signed with it and it is sent in ``register``
+    (a manager without a job secret). Replies land in ``inbox[job]``; ``signed[job]`` counts
+    the replies signed with that job's key."""
+
+    def __init__(self, policy: str | type = "fifo", capacity: int = 16 * GiB, lease_s: float = 5.0,
+                 quantum_s: float | None = None, **kw) -> None:
+        self.core = SharingCore([DeviceSpec("0", "P100", capacity)], policy, lease_s, quantum_s=quantum_s, **kw)
         self.now = 0.0
-        self.tokens: dict[str, str] = {}
+        self.keys: dict[str, bytes] = {}
         self.inbox: dict[str, list[dict]] = {}
+        self.outs: list = []
         self.acked: list = []
         self._tag = 0
 
-    def send(self, payload: dict, reply_to: str | None = None) -> list[dict]:
+    def key(self, job: str) -> bytes:
+        return self.keys.setdefault(job, bytes([len(self.keys) + 1]) * P.KEY_BYTES)
+
+    def send(self, payload: dict, reply_to: str | None = None, key: bytes | None = None) -> list[dict]:
         self._tag += 1
-        outs = self.core.receive(P.encode(payload), reply_to, self._tag, self.now)
+        body = P.encode(payload)
+        outs = self.core.receive(body, rq(reply_to) if reply_to else None, self._tag, self.now,
+                                 P.sign(key, body) if key else None)
         return self._deliver(outs)
 
     def _deliver(self, outs) -> list[dict]:
         got = []
         for o in outs:
+            self.outs.append(o)
             self.acked += o.ack
             if o.reply_to and o.payload is not None:
-                self.inbox.setdefault(o.reply_to, []).append(o.payload)
+                self.inbox.setdefault(o.reply_to[len(P.REPLY_PREFIX):].rstrip("_"), []).append(o.payload)
                 got.append(o.payload)
         return got
 
-    def register(self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0") -> dict:
-        reply = self.send({"type": "register", "job_id": job, "request_id": f"reg-{job}", "device": device,
-                           "persistent_bytes": persistent, "weight": weight}, reply_to=job)[0]
-        if reply["type"] == "registered":
-            self.tokens[job] = reply["token"]
-        return reply
+    def register(self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0", **extra) -> dict:
+        key = self.key(job)
+        return self.send({"type": "register", "job_id": job, "request_id": f"reg-{job}", "device": device,
+                          "persistent_bytes": persistent, "weight": weight, "key": key.hex(), **extra},
+                         reply_to=job, key=key)[0]
 
-    def request(self, job: str, rid: str, seconds: float, peak: int = 2 * GiB) -> list[dict]:
-        return self.send({"type": "request", "job_id": job, "token": self.tokens[job], "request_id": rid,
-                          "device": "0", "seconds": seconds, "peak_bytes": peak}, reply_to=job)
+    def request(self, job: str, rid: str, seconds: float, peak: int = 2 * GiB, **extra) -> list[dict]:
+        return self.send({"type": "request", "job_id": job, "request_id": rid, "device": "0", "seconds": seconds,
+                          "peak_bytes": peak, **extra}, reply_to=job, key=self.keys[job])
+
+    def heartbeat(self, job: str) -> list[dict]:
+        return self.send({"type": "heartbeat", "job_id": job}, reply_to=job + "-hb", key=self.keys[job])
+
+    def deregister(self, job: str, rid: str = "bye") -> list[dict]:
+        return self.send({"type": "deregister", "job_id": job, "request_id": rid}, reply_to=job, key=self.keys[job])
 
     def advance_to(self, t: float) -> list[dict]:
         self.now = t
@@ -214,15 +236,14 @@ def test_requests_update_the_jobs_persistent_memory():
     h = Harness(capacity=16 * GiB)
     h.register("a", persistent=1 * GiB)
     h.register("b", persistent=1 * GiB)
-    h.send({"type": "request", "job_id": "a", "token": h.tokens["a"], "request_id": "grow", "device": "0",
-            "seconds": 1.0, "peak_bytes": 8 * GiB, "persistent_bytes": 7 * GiB}, reply_to="a")
+    h.request("a", "grow", 1.0, peak=8 * GiB, persistent_bytes=7 * GiB)
     assert h.core.jobs["a"].persistent_bytes == 7 * GiB
     out = h.advance_to(1.0) + h.request("b", "b1", 1.0, peak=9 * GiB) + h.advance_to(2.0)
     assert {r["request_id"]: r["type"] for r in out} == {"grow": "done", "b1": "done"}  # 7 + 9 = 16
     out = h.request("b", "b2", 1.0, peak=9 * GiB + 1) + h.advance_to(3.0)
     assert [r["type"] for r in out] == ["refused"]
     with pytest.raises(P.ProtocolError, match="persistent_bytes"):
-        P.parse_message(P.encode({"type": "request", "job_id": "a", "token": "t", "request_id": "r", "device": "0",
+        P.parse_message(P.encode({"type": "request", "job_id": "a", "request_id": "r", "device": "0",
                                   "seconds": 1.0, "peak_bytes": 0, "persistent_bytes": -1}))
 
 def test_registration_refused_when_persistent_memory_cannot_fit():
@@ -231,7 +252,7 @@ def test_registration_refused_when_persistent_memory_cannot_fit():
     refused = h.register("b", persistent=7 * GiB)
     assert refused["type"] == "refused" and "does not fit" in refused["reason"]
     # once a leaves, b fits
-    h.send({"type": "deregister", "job_id": "a", "token": h.tokens["a"], "request_id": "bye"}, "a")
+    h.deregister("a")
     assert h.register("b", persistent=7 * GiB)["type"] == "registered"
 
 
@@ -252,25 +273,34 @@ def test_duplicate_deliveries_are_never_served_twice():
     assert h.acked.count(2) == 1 and h.acked.count(3) == 1
 
 
-def test_duplicate_registration_returns_the_same_token():
+def test_duplicate_registration_is_idempotent_and_a_job_id_cannot_be_taken_over():
     h = Harness()
     first = h.register("a")
     second = h.register("a")
-    assert first["token"] == second["token"]
-    other = h.send({"type": "register", "job_id": "a", "request_id": "someone-else", "device": "0",
-                    "persistent_bytes": 0}, "x")[0]
+    assert first == second and first["type"] == "registered"
+    thief = bytes(range(32))
+    body = {"type": "register", "job_id": "a", "request_id": "someone-else", "device": "0", "persistent_bytes": 0,
+            "key": thief.hex()}
+    other = h.send(body, "x", key=thief)[0]
     assert other["type"] == "error" and other["code"] == P.ERR_JOB_EXISTS
+    assert h.core.jobs["a"].key == h.keys["a"]
 
 
-def test_forged_token_is_rejected_and_not_served():
+def test_messages_not_signed_with_the_jobs_key_are_rejected_and_not_served():
     h = Harness()
     h.register("victim")
-    forged = h.send({"type": "request", "job_id": "victim", "token": "0" * 32, "request_id": "x",
-                     "device": "0", "seconds": 5.0, "peak_bytes": 0}, "attacker")
-    assert forged[0]["type"] == "error" and forged[0]["code"] == P.ERR_BAD_TOKEN
-    assert h.core.devices["0"].running is None and h.core.rejected == 1
-    forged_bye = h.send({"type": "deregister", "job_id": "victim", "token": "1" * 32, "request_id": "y"}, "a")
-    assert forged_bye[0]["code"] == P.ERR_BAD_TOKEN and "victim" in h.core.jobs
+    attacker = bytes(range(32))
+    forged = h.send({"type": "request", "job_id": "victim", "request_id": "x", "device": "0", "seconds": 5.0,
+                     "peak_bytes": 0}, "attacker", key=attacker)
+    assert forged[0]["type"] == "error" and forged[0]["code"] == P.ERR_BAD_SIGNATURE
+    assert h.outs[-1].key is None  # not signed: the sender did not prove it is the job
+    unsigned = h.send({"type": "deregister", "job_id": "victim", "request_id": "y"}, "attacker")
+    assert unsigned[0]["code"] == P.ERR_BAD_SIGNATURE and "victim" in h.core.jobs
+    assert h.core.devices["0"].running is None and h.core.rejected == 2
+    # the job's own messages and every reply to it carry its key's signature
+    ok = h.request("victim", "r1", 1.0) + h.advance_to(1.0)
+    assert [r["type"] for r in ok] == ["done"] and h.outs[-1].key == h.keys["victim"]
+    assert P.verify(h.keys["victim"], P.encode(ok[0]), P.sign(h.outs[-1].key, P.encode(ok[0])))
 
 
 def test_silent_job_loses_gpu_and_memory_after_its_lease():
@@ -283,7 +313,7 @@ def test_silent_job_loses_gpu_and_memory_after_its_lease():
     while t < 3.0:  # alive keeps heartbeating; dead is silent
         t += 0.25
         h.advance_to(t)
-        h.send({"type": "heartbeat", "job_id": "alive", "token": h.tokens["alive"]}, "alive-hb")
+        h.heartbeat("alive")
         if any(r["type"] == "done" for r in h.inbox.get("alive", [])):
             break
     assert "dead" not in h.core.jobs
@@ -298,7 +328,7 @@ def test_a_thousand_malformed_messages_are_rejected_and_service_goes_on():
     bad_bodies = []
     for i in range(1000):
         k = i % 10
-        base = {"v": 1, "type": "request", "job_id": "good", "token": h.tokens["good"], "request_id": f"b{i}",
+        base = {"v": 2, "type": "request", "job_id": "good", "request_id": f"b{i}",
                 "device": "0", "seconds": 0.1, "peak_bytes": 0}
         if k == 0:
             body = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 64)))
@@ -309,7 +339,7 @@ def test_a_thousand_malformed_messages_are_rejected_and_service_goes_on():
         elif k == 3:
             body = json.dumps({**base, "device": "7"}).encode()
         elif k == 4:
-            body = json.dumps({**base, "token": "forged"}).encode()
+            body = json.dumps({**base, "request_id": f"forged{i}"}).encode()  # a valid request, not signed
         elif k == 5:
             body = json.dumps({**base, "seconds": "NaN"}).encode()
         elif k == 6:
@@ -323,7 +353,7 @@ def test_a_thousand_malformed_messages_are_rejected_and_service_goes_on():
         bad_bodies.append(body)
     for i, body in enumerate(bad_bodies):
         h._tag += 1
-        h._deliver(h.core.receive(body, "attacker", h._tag, h.now))
+        h._deliver(h.core.receive(body, rq("attacker"), h._tag, h.now))
         if i % 100 == 0:
             h.request("good", f"g{i}", 0.01)
             h.advance_to(h.now + 0.01)
@@ -336,12 +366,15 @@ def test_a_thousand_malformed_messages_are_rejected_and_service_goes_on():
 # ---------------------------------------------------------------------- protocol
 @pytest.mark.parametrize("payload,fragment", [
     ({"type": "request"}, "lacks"),
-    ({"type": "request", "job_id": "a", "token": "t", "request_id": "r", "device": "0", "seconds": math.inf,
+    ({"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": math.inf,
       "peak_bytes": 0}, "finite"),
-    ({"type": "request", "job_id": "a", "token": "t", "request_id": "r", "device": "0", "seconds": 1,
+    ({"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": 1,
       "peak_bytes": 1.5}, "integer"),
     ({"type": "register", "job_id": "", "request_id": "r", "device": "0", "persistent_bytes": 0}, "job_id"),
-    ({"type": "heartbeat", "job_id": "a", "token": "t", "extra": 1}, "unknown fields"),
+    ({"type": "heartbeat", "job_id": "a", "token": "t"}, "unknown fields"),
+    ({"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0,
+      "key": "00"}, "key must be 32 bytes"),
+    ({"type": "heartbeat", "job_id": "a", "presence": "gpemu.sharing.requests"}, "presence must name"),
     ({"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0,
       "weight": 0}, "weight"),
 ])
@@ -366,25 +399,17 @@ class GrantHarness(Harness):
     """A core whose jobs ask for grants; ``host`` decides whether they share its clock."""
 
     def __init__(self, policy: str | type = "fifo", lookahead_s: float = 0.0, backdate_s: float = 0.05,
-                 lease_s: float = 100.0, capacity: int = 16 * GiB) -> None:
-        self.core = SharingCore([DeviceSpec("0", "P100", capacity)], policy, lease_s, host=HOST,
-                                lookahead_s=lookahead_s, backdate_s=backdate_s)
-        self.now = 0.0
-        self.tokens, self.inbox, self.acked, self._tag = {}, {}, [], 0
+                 lease_s: float = 100.0, capacity: int = 16 * GiB, quantum_s: float | None = None) -> None:
+        super().__init__(policy, capacity, lease_s, quantum_s, host=HOST, lookahead_s=lookahead_s,
+                         backdate_s=backdate_s)
 
     def register(self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0",
                  host: str = HOST) -> dict:
-        reply = self.send({"type": "register", "job_id": job, "request_id": f"reg-{job}", "device": device,
-                           "persistent_bytes": persistent, "weight": weight, "host": host}, reply_to=job)[0]
-        self.tokens[job] = reply["token"]
-        return reply
+        return super().register(job, persistent, weight, device, host=host)
 
     def grant(self, job: str, rid: str, seconds: float, sent_at: float | None = None, peak: int = 2 * GiB) -> list:
-        payload = {"type": "request", "job_id": job, "token": self.tokens[job], "request_id": rid, "device": "0",
-                   "seconds": seconds, "peak_bytes": peak, "grant": True}
-        if sent_at is not None:
-            payload["sent_at"] = sent_at
-        return self.send(payload, reply_to=job)
+        extra = {"sent_at": sent_at} if sent_at is not None else {}
+        return self.request(job, rid, seconds, peak, grant=True, **extra)
 
 
 def test_grant_is_sent_when_scheduled_and_the_timeline_is_back_to_back():
@@ -484,7 +509,7 @@ def test_killed_job_granted_slot_is_released_after_its_lease():
     while not got and t < 5.0:
         t += 0.25
         got = [r for r in h.advance_to(t) if r.get("request_id") == "short"]
-        h.send({"type": "heartbeat", "job_id": "alive", "token": h.tokens["alive"]}, "alive-hb")
+        h.heartbeat("alive")
     assert "dead" not in h.core.jobs
     assert got and got[0]["start"] <= 2 * 1.0 + 0.25  # within two leases, not at 100 s
     dev = h.core.devices["0"]
@@ -495,21 +520,158 @@ def test_killed_job_granted_slot_is_released_after_its_lease():
 @pytest.mark.parametrize("field,value,fragment", [("grant", 1, "grant"), ("sent_at", -1.0, "sent_at"),
                                                   ("sent_at", "now", "sent_at")])
 def test_grant_fields_are_validated(field, value, fragment):
-    body = {"type": "request", "job_id": "a", "token": "t", "request_id": "r", "device": "0", "seconds": 1.0,
+    body = {"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": 1.0,
             "peak_bytes": 0, field: value}
     with pytest.raises(P.ProtocolError, match=fragment):
         P.parse_message(P.encode(body))
 
 
-def test_registering_again_with_the_current_token_is_idempotent():
-    # A heartbeat error about an old token can make a registered job register again; with its
-    # current token that is answered like a duplicate, not refused as "already registered".
+# ---------------------------------------------------------------------- time slices
+@pytest.mark.parametrize("policy", ["fifo", "round-robin"])
+def test_a_long_request_is_served_in_quanta_while_others_wait(policy):
+    """A job asking for an hour of GPU time holds the emuGPU for one quantum at a time."""
+    h = GrantHarness(policy, quantum_s=0.5, lookahead_s=0.0, lease_s=1e9)
+    h.register("hog")
+    h.register("small")
+    assert h.grant("hog", "hour", 3600.0) == []  # no answer until its last slice is scheduled
+    h.now = 0.1
+    assert h.grant("small", "s1", 0.002) == []
+    got = h.advance_to(0.5)  # the hog's first slice ends: the small request is next
+    assert [(r["request_id"], r["start"], r["end"]) for r in got] == [("s1", 0.5, 0.502)]
+    assert got[0]["waited_s"] == pytest.approx(0.4)
+    t, grants = 0.5, []
+    while not grants and t < 4000:  # alone now: slices go back to back until the last one is granted
+        t = h.core.next_deadline()
+        grants = h.advance_to(t)
+    g = grants[0]
+    assert (g["request_id"], g["start"], g["seconds"]) == ("hour", 0.0, 3600.0)
+    assert g["end"] == pytest.approx(3600.002) and g["waited_s"] == pytest.approx(0.002)
+    dev = h.core.devices["0"]
+    assert dev.served == 2 and dev.busy_s == pytest.approx(3600.002)
+    assert h.core.jobs["hog"].served_count == 1 and h.core.jobs["hog"].view.served_s == pytest.approx(3600.0)
+
+
+def test_slices_of_a_legacy_request_end_with_one_done_and_the_dropped_hog_frees_its_slots():
+    h = Harness("round-robin", quantum_s=1.0, lease_s=100.0)
+    h.register("hog")
+    h.register("b")
+    h.request("hog", "h1", 2.5)
+    h.request("b", "b1", 1.0)
+    done = []
+    for t in (1.0, 2.0, 3.0, 3.5):
+        done += [(r["request_id"], round(h.now, 6)) for r in h.advance_to(t) if r["type"] == "done"]
+    assert done == [("b1", 2.0), ("h1", 3.5)]  # hog 0-1, b 1-2, hog 2-3 and 3-3.5
+    assert h.core.devices["0"].served == 2
+    h.request("hog", "h2", 100.0)
+    h.advance_to(4.0)
+    h.deregister("hog")
+    dev = h.core.devices["0"]
+    assert dev.running is None and not dev.pending and dev.busy_s == pytest.approx(3.5 + 0.5)
+    assert sorted(h.acked) == sorted(set(h.acked))  # every delivery acknowledged once
+
+
+# ---------------------------------------------------------------------- isolation and hostile input
+def test_connection_gone_frees_the_jobs_gpu_and_memory_at_once():
+    h = Harness(capacity=16 * GiB, lease_s=100.0)
+    h.register("victim", persistent=12 * GiB, presence=P.REPLY_PREFIX + "victim-presence")
+    h.request("victim", "long", 60.0)
+    assert h.core.presence_seen == [("victim", P.REPLY_PREFIX + "victim-presence")]
+    assert h.core.connection_gone("victim", P.REPLY_PREFIX + "some-other-queue", 1.0) == []  # not its queue
+    h.now = 1.0
+    h.core.connection_gone("victim", P.REPLY_PREFIX + "victim-presence", 1.0)
+    assert "victim" not in h.core.jobs and h.core.disconnected == 1
+    assert h.core.devices["0"].running is None and h.core.devices["0"].busy_s == pytest.approx(1.0)
+    assert h.register("next", persistent=14 * GiB)["type"] == "registered"  # its memory is free
+
+
+def test_job_secret_derives_keys_so_no_job_can_act_as_another():
+    secret = b"s" * 32
+    h = Harness(job_secret=secret)
+    k_a = P.derive_job_key(secret, "a")
+    reply = h.send({"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0}, "a",
+                   key=k_a)[0]
+    assert reply["type"] == "registered" and h.core.jobs["a"].key == k_a
+    # b knows its own derived key only: registering as "c" or acting as "a" with it fails
+    k_b = P.derive_job_key(secret, "b")
+    as_c = h.send({"type": "register", "job_id": "c", "request_id": "r", "device": "0", "persistent_bytes": 0}, "b",
+                  key=k_b)[0]
+    assert as_c["code"] == P.ERR_BAD_SIGNATURE and "c" not in h.core.jobs
+    own_key = bytes(range(32))  # a key of its own is not accepted where keys are derived
+    mine = h.send({"type": "register", "job_id": "d", "request_id": "r", "device": "0", "persistent_bytes": 0,
+                   "key": own_key.hex()}, "d", key=own_key)[0]
+    assert mine["code"] == P.ERR_BAD_SIGNATURE
+    as_a = h.send({"type": "request", "job_id": "a", "request_id": "x", "device": "0", "seconds": 1.0,
+                   "peak_bytes": 0}, "b", key=k_b)[0]
+    assert as_a["code"] == P.ERR_BAD_SIGNATURE and h.core.devices["0"].running is None
+    # a job the manager forgot (restart) gets a signed "unknown job" and registers again
+    gone = h.send({"type": "request", "job_id": "e", "request_id": "x", "device": "0", "seconds": 1.0,
+                   "peak_bytes": 0}, "e", key=P.derive_job_key(secret, "e"))[0]
+    assert gone["code"] == P.ERR_UNKNOWN_JOB and h.outs[-1].key == P.derive_job_key(secret, "e")
+
+
+@pytest.mark.parametrize("reply_to", ["gpemu.sharing.requests", "amq.gen-abc", "gpemu.sharing.reply.x y",
+                                      "gpemu.sharing.reply." + "z" * 300])
+def test_replies_go_only_to_reply_queues(reply_to):
     h = Harness()
-    first = h.register("a")
-    again = h.send({"type": "register", "job_id": "a", "request_id": "reg-a-2", "device": "0",
-                    "persistent_bytes": GiB, "token": first["token"]}, reply_to="a")[0]
-    assert (again["type"], again["token"], again["request_id"]) == ("registered", first["token"], "reg-a-2")
-    forged = h.send({"type": "register", "job_id": "a", "request_id": "reg-a-3", "device": "0",
-                     "persistent_bytes": GiB, "token": "0" * 32}, reply_to="x")[0]
-    assert forged["type"] == "error" and forged["code"] == P.ERR_JOB_EXISTS
-    assert len(h.core.jobs) == 1
+    h._tag += 1
+    outs = h.core.receive(P.encode({"type": "status"}), reply_to, h._tag, 0.0)
+    assert len(outs) == 1 and outs[0].reply_to is None and outs[0].ack == [h._tag]
+    assert "reply_to must name a queue" in outs[0].payload["reason"] and h.core.rejected == 1
+
+
+@pytest.mark.parametrize("body,fragment", [
+    (b"[" * 5000 + b"]" * 5000, "flat JSON object"),
+    (b'{"v": 2, "type": "status", "x": ' + b"[" * 100000 + b"}", "at most"),
+    (b'{"v": 2, "type": {"nested": 1}}', "flat JSON object"),
+    (b'{"v": 2, "type": "status", "request_id": "[[[["}', None),  # brackets inside a string are fine
+    (b"\xff\xfe", "not valid JSON"),
+    (b'{"v": 2, "type": "' + b"x" * 10000 + b'"}', "chars)"),
+])
+def test_poison_bodies_are_refused_before_decoding(body, fragment):
+    if fragment is None:
+        assert P.parse_message(body).type == "status"
+        return
+    with pytest.raises(P.ProtocolError, match=re_escape(fragment)) as err:
+        P.parse_message(body)
+    assert len(err.value.reason) < 400  # a reason quotes only a little of the input
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_a_failing_custom_policy_falls_back_to_arrival_order():
+    class Broken(Policy):
+        name = "broken"
+
+        def pick(self, pending, jobs):
+            raise RuntimeError("bug in a researcher's policy")
+
+    h = Harness(Broken)
+    h.register("a")
+    h.request("a", "r1", 1.0)
+    assert [r["type"] for r in h.advance_to(1.0)] == ["done"]
+
+
+def test_a_job_flooding_requests_is_capped():
+    h = Harness(max_active_per_job=4)
+    h.register("flood")
+    h.register("good")
+    replies = [r for i in range(10) for r in h.request("flood", f"f{i}", 1.0)]
+    assert [r["code"] for r in replies] == [P.ERR_BUSY] * 6  # 1 running... 4 queued at most
+    assert len(h.core.jobs["flood"].active) == 4
+
+
+def test_rejections_are_logged_with_a_bounded_budget(caplog):
+    h = Harness()
+    with caplog.at_level("WARNING", logger="gpemu.sharing.manager"):
+        for i in range(500):
+            h._tag += 1
+            h.core.receive(b"not json %d" % i, rq("x"), h._tag, i * 0.01)
+        h.core.receive(b"late", rq("x"), 0, 100.0)  # the next window: the summary line first
+    lines = [r.getMessage() for r in caplog.records]
+    assert h.core.rejected == 501
+    assert len(lines) <= 25
+    assert any("more message(s) rejected" in line and line.startswith("480 ") for line in lines), lines[-3:]

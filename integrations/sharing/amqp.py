@@ -5,6 +5,8 @@ transport sends every piece with its own ``send()``: three system calls (and thr
 the broker on loopback) per message. On a busy machine each costs around 0.1 ms, the largest
 part of the CPU a request costs. Joining a message's frames before they reach the transport
 keeps the bytes and their order exactly the same.
+
+Also: :func:`request_channel`, the channel jobs and ``share-status`` publish requests on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Sequence
 
 import pika
 
-__all__ = ["SelectConnection", "blocking_connection"]
+__all__ = ["SelectConnection", "blocking_connection", "request_channel", "TopologyMissing"]
 
 
 class SelectConnection(pika.SelectConnection):
@@ -30,3 +32,36 @@ def blocking_connection(params: Any) -> pika.BlockingConnection:
         return pika.BlockingConnection(params, _impl_class=SelectConnection)
     except TypeError:  # a pika without the hook: the plain connection works the same, slower
         return pika.BlockingConnection(params)
+
+
+class TopologyMissing(RuntimeError):
+    """The request exchange does not exist and this broker user may not declare it."""
+
+
+def request_channel(conn: Any) -> Any:
+    """A channel of ``conn`` (blocking) on which the request exchange is known to exist.
+
+    The manager declares the topology; a job may start first. A user allowed to declare it
+    (one broker user for everything, as on a laptop) does so, so its requests wait in the
+    queue for the manager; a restricted job user raises :class:`TopologyMissing` instead.
+    """
+    import pika.exceptions as pex
+
+    from . import protocol as P
+
+    ch = conn.channel()
+    try:
+        ch.exchange_declare(P.REQUEST_EXCHANGE, passive=True)
+        return ch
+    except pex.ChannelClosedByBroker as exc:
+        if exc.reply_code != 404:
+            raise
+    ch = conn.channel()
+    try:
+        P.declare_topology(ch)
+    except pex.ChannelClosedByBroker as exc:
+        if exc.reply_code == 403:
+            raise TopologyMissing(f"the exchange {P.REQUEST_EXCHANGE} does not exist yet and this broker user may "
+                                  "not declare it (no sharing manager has connected)") from None
+        raise
+    return ch

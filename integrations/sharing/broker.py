@@ -2,10 +2,12 @@
 
 Every broker gets its own node name, AMQP port, Erlang distribution port, epmd port and
 data/log/home directories, so several engineers (or CI jobs) can run brokers side by side
-without clashing. ``stop()`` stops the node and the ``epmd`` it started.
+without clashing. Every port it opens (AMQP, Erlang distribution, epmd) listens on 127.0.0.1
+only. ``stop()`` stops the node and the ``epmd`` it started.
 
     broker = RabbitBroker.start()       # seconds
     broker.url                          # amqp://guest:guest@127.0.0.1:<port>/%2F
+    broker.add_user("jobs", "pw", **JOB_PERMISSIONS)   # a restricted user; broker.url_for("jobs", "pw")
     broker.restart()                    # durable queues and their persistent messages survive
     broker.stop()
 """
@@ -96,6 +98,10 @@ class RabbitBroker:
             "RABBITMQ_NODE_PORT": str(self.port),
             "RABBITMQ_DIST_PORT": str(self.dist_port),
             "ERL_EPMD_PORT": str(self.epmd_port),
+            # epmd and the node's distribution listener bind to loopback, like the AMQP listener.
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "RABBITMQ_CTL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
             "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
             "RABBITMQ_LOG_BASE": str(self.base / "log"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
@@ -143,6 +149,24 @@ class RabbitBroker:
     def _ctl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run([self.ctl, "-n", self.node, *args], env=self.env, capture_output=True,
                               timeout=timeout)
+
+    def url_for(self, user: str, password: str) -> str:
+        from urllib.parse import quote
+
+        return f"amqp://{quote(user, safe='')}:{quote(password, safe='')}@127.0.0.1:{self.port}/%2F"
+
+    def add_user(self, user: str, password: str, configure: str = ".*", write: str = ".*", read: str = ".*") -> str:
+        """Create a broker user with these permission patterns on vhost /; returns its URL.
+
+        The password goes to rabbitmqctl on stdin, never on a command line."""
+        for args, stdin in ((["add_user", user], password.encode() + b"\n"),
+                            (["set_permissions", "-p", "/", user, configure, write, read], None)):
+            done = subprocess.run([self.ctl, "-n", self.node, *args], env=self.env, capture_output=True,
+                                  input=stdin, timeout=60)
+            if done.returncode != 0:
+                raise BrokerUnavailable(f"rabbitmqctl {args[0]} {user} failed: "
+                                        f"{done.stderr.decode(errors='replace')[-500:]}")
+        return self.url_for(user, password)
 
     def stop_node(self) -> None:
         """Stop the broker node (not epmd)."""

@@ -12,11 +12,17 @@ GPU-time backend into the time engine: GPU work is collected per device and sent
 request per iteration (``sharing_granularity``), and the wait is recorded as a host wait
 with reason ``"sharing"`` plus the ``sharing_wait_s`` counter.
 
-Reliability: every message is persistent and publisher-confirmed; a request keeps its id when it
-is resent (after a lost reply, a broker restart or a manager restart), so the manager never
-serves it twice; a heartbeat thread keeps the job's lease; if the manager forgot the job
-(restart) the client registers again and resends. If the broker or the manager stays away for
-``manager_timeout_s`` the client raises :class:`SharingUnavailableError` saying so.
+Security: every message is signed with the job's key and every reply must carry the manager's
+signature under the same key; anything else is dropped and counted in ``forged_replies`` (see
+:mod:`.protocol`). Reply queues are exclusive to the job's connection. Under Kubernetes the
+device plugin hands each container its job id and key (and the broker password) in the file
+``sharing.json`` next to its emuGPU files; elsewhere the job makes up its own key.
+
+Reliability: a request keeps its id when it is resent (after a lost reply, a broker restart or
+a manager restart), so the manager never serves it twice; a heartbeat thread keeps the job's
+lease and holds its presence queue (the manager learns at once when this process dies); if the
+manager forgot the job (restart) the client registers again and resends. If the broker or the
+manager stays away for ``manager_timeout_s`` the client raises :class:`SharingUnavailableError`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpemu.units import redact_url
@@ -38,7 +45,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
 
 __all__ = ["SharingClient", "SharingUnavailableError", "SharingRefusedError", "RunResult", "SharingBackend",
-           "install"]
+           "JobCredentials", "load_job_credentials", "with_password", "CREDENTIALS_FILE", "install"]
+
+CREDENTIALS_FILE = "sharing.json"  # in GPEMU_DEVICE_DIR, written by the device plugin's Allocate
+# Re-deliver the held presence message this often: RabbitMQ closes a channel that keeps a
+# delivery unacknowledged longer than its consumer timeout (30 min by default).
+_PRESENCE_RENEW_S = 600.0
 
 
 class SharingUnavailableError(RuntimeError):
@@ -47,6 +59,58 @@ class SharingUnavailableError(RuntimeError):
 
 class SharingRefusedError(ValueError):
     """The manager refused to register the job (its persistent memory does not fit, bad id, ...)."""
+
+
+@dataclass(frozen=True)
+class JobCredentials:
+    """What the device plugin gives one container: its job id, keys and broker password."""
+
+    job_id: str
+    keys: dict[str, bytes]  # job id (the container's, or "<id>.<device index>") -> key
+    amqp_password: str | None = None
+
+    def __repr__(self) -> str:  # never print a secret
+        return f"JobCredentials(job_id={self.job_id!r}, keys=<{len(self.keys)} hidden>, amqp_password=<hidden>)"
+
+
+def load_job_credentials(device_dir: str | os.PathLike[str] | None) -> JobCredentials | None:
+    """The credentials file in ``device_dir`` (None when there is none). ValueError when unreadable."""
+    if not device_dir:
+        return None
+    path = Path(device_dir) / CREDENTIALS_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"cannot read the sharing credentials {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(raw[:65536])
+        keys = {str(k): bytes.fromhex(v) for k, v in data["keys"].items()}
+        job_id = data["job_id"]
+        password = data.get("amqp_password")
+        if not isinstance(job_id, str) or not job_id or job_id not in keys or not all(
+                len(k) == P.KEY_BYTES for k in keys.values()) or not isinstance(password, (str, type(None))):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise ValueError(f"the sharing credentials {path} are not valid (expected JSON with job_id, keys, "
+                         "amqp_password as written by `gpemu k8s plugin`)") from None
+    return JobCredentials(job_id, keys, password)
+
+
+def with_password(url: str, password: str | None) -> str:
+    """``url`` with ``password`` filled in when the URL names a user but no password."""
+    if not password or "://" not in url:
+        return url
+    from urllib.parse import quote
+
+    scheme, rest = url.split("://", 1)
+    if "@" not in rest:
+        return url
+    creds, host = rest.rsplit("@", 1)
+    if ":" in creds:  # the URL's own password wins
+        return url
+    return f"{scheme}://{creds}:{quote(password, safe='')}@{host}"
 
 
 @dataclass(frozen=True)
@@ -72,36 +136,51 @@ class RunResult:
 
 
 class _Heartbeat(threading.Thread):
-    """Own connection (pika connections are single-threaded): keeps the job's lease alive."""
+    """Own connection (pika connections are single-threaded): keeps the job's lease alive and
+    holds its presence queue, so the manager learns at once when this process is gone."""
 
     def __init__(self, client: "SharingClient") -> None:
         super().__init__(name=f"gpemu-sharing-heartbeat-{client.job_id}", daemon=True)
         self.client = client
         self.stop_event = threading.Event()
+        self.wake = threading.Event()  # send a heartbeat now (just registered)
+        self._marker: tuple[Any, float] | None = None  # (delivery tag, when) of the held message
 
     def run(self) -> None:
         import pika
 
+        from .amqp import blocking_connection, request_channel
+
         c = self.client
-        conn = None
-        period = max(0.05, c.lease_s / 3.0)
+        conn = ch = queue = None
         while not self.stop_event.is_set():
+            period = max(0.05, c.lease_s / 3.0)
             try:
                 if conn is None or not conn.is_open:
-                    from .amqp import blocking_connection
-
                     conn = blocking_connection(c._params())
-                    ch = conn.channel()
-                    queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+                    ch = request_channel(conn)
+                    queue = P.reply_queue_name()
+                    ch.queue_declare(queue, exclusive=True)
                     ch.basic_consume(queue, self._on_reply, auto_ack=True)
-                token = c.token
-                if token:
-                    ch.basic_publish("", P.REQUEST_QUEUE,
-                                     P.encode({"type": "heartbeat", "job_id": c.job_id, "token": token}),
-                                     pika.BasicProperties(reply_to=queue, expiration=str(int(c.lease_s * 1000))))
+                    # Single active consumer: we are first, so the manager (consuming after us)
+                    # waits as the standby and gets the held message only when we are gone.
+                    presence = P.reply_queue_name()
+                    ch.queue_declare(presence, auto_delete=True, arguments={
+                        "x-single-active-consumer": True, "x-expires": int(max(60.0, 4 * c.lease_s) * 1000)})
+                    ch.basic_qos(prefetch_count=1)
+                    ch.basic_consume(presence, self._on_presence, auto_ack=False)
+                    self._marker = None
+                    c.presence = presence
+                self.wake.clear()
+                if c.registered:
+                    c._publish_on(ch, {"type": "heartbeat", "job_id": c.job_id, "presence": c.presence}, queue,
+                                  expiration=str(int(c.lease_s * 1000)))
+                if self._marker is not None and time.monotonic() - self._marker[1] > _PRESENCE_RENEW_S:
+                    tag, self._marker = self._marker[0], None
+                    ch.basic_reject(tag, requeue=True)  # comes straight back to us, the active consumer
                 deadline = time.monotonic() + period
-                while not self.stop_event.is_set() and time.monotonic() < deadline:
-                    conn.process_data_events(time_limit=min(0.1, max(0.0, deadline - time.monotonic())))
+                while not self.stop_event.is_set() and not self.wake.is_set() and time.monotonic() < deadline:
+                    conn.process_data_events(time_limit=min(0.05, max(0.0, deadline - time.monotonic())))
             except Exception:
                 conn = None
                 self.stop_event.wait(min(period, 0.5))
@@ -110,20 +189,30 @@ class _Heartbeat(threading.Thread):
                 conn.close()
             except Exception:
                 pass
+        _ = pika  # imported for its side effect of failing early when pika is missing
+
+    def _on_presence(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        if self._marker is None:
+            self._marker = (method.delivery_tag, time.monotonic())
+        else:  # one held message is enough; a second one (a restarted manager's) waits in the queue
+            ch.basic_reject(method.delivery_tag, requeue=True)
 
     def _on_reply(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         c = self.client
-        try:
-            reply = json.loads(body)
-        except ValueError:
+        reply = c._accept(props, body)
+        if reply is None:
             return
         c.last_manager_contact = time.monotonic()
-        if reply.get("type") == "error" and reply.get("code") in (P.ERR_UNKNOWN_JOB, P.ERR_BAD_TOKEN):
+        if reply.get("type") == "error" and reply.get("code") == P.ERR_UNKNOWN_JOB:
             c.needs_register = True
 
 
 class SharingClient:
-    """One job's connection to a sharing manager. Thread-safe ``run`` (one request at a time)."""
+    """One job's connection to a sharing manager. Thread-safe ``run`` (one request at a time).
+
+    ``key``: the job's key when it was handed out (Kubernetes: the device plugin derives it from
+    the manager's job secret); None makes up a fresh one, sent once when registering.
+    """
 
     # While waiting for a granted slot, serve the connection until this long before its end.
     SERVICE_MARGIN_S = 0.02
@@ -136,11 +225,14 @@ class SharingClient:
 
     def __init__(self, url: str, job_id: str | None = None, device: str = "0", persistent_bytes: int = 0,
                  weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
-                 resend_s: float | None = None, heartbeat: bool = True, deadlines: bool = True) -> None:
+                 resend_s: float | None = None, heartbeat: bool = True, deadlines: bool = True,
+                 key: bytes | None = None) -> None:
         if not url.startswith(("amqp://", "amqps://")):
             raise ValueError(f"sharing URL must be amqp:// or amqps://, got {redact_url(url)!r}")
         if not lease_s > 0 or not manager_timeout_s > 0:
             raise ValueError("lease_s and manager_timeout_s must be positive seconds")
+        if key is not None and (not isinstance(key, bytes) or len(key) != P.KEY_BYTES):
+            raise ValueError(f"a job key must be {P.KEY_BYTES} bytes")
         self.url = url
         self.safe_url = redact_url(url)
         self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -150,14 +242,19 @@ class SharingClient:
         self.lease_s = float(lease_s)
         self.manager_timeout_s = float(manager_timeout_s)
         self.resend_s = float(resend_s) if resend_s else max(0.5, self.lease_s)
-        self.token: str | None = None
+        # A handed-out key stays with the manager's secret; a made-up one goes out in register.
+        self.provisioned = key is not None
+        self.key = key if key is not None else P.new_key()
+        self.registered = False
         self.same_host = False  # the manager shares our CLOCK_MONOTONIC (told at registration)
         self.host = P.host_identity()
         self.needs_register = True
         self.last_manager_contact = time.monotonic()
-        self.reply_queue = f"gpemu.sharing.reply.{self.job_id}.{uuid.uuid4().hex[:8]}"
+        self.reply_queue: str | None = None
+        self.presence: str | None = None  # set by the heartbeat thread
         self.resends = 0
         self.reconnects = 0
+        self.forged_replies = 0  # replies dropped: not signed by the manager with our key
         # Ask for grants (deadline scheduling; the wait for the end happens here, overlapping
         # the messages with GPU time) instead of a "done" reply when the work has ended.
         self.deadlines = bool(deadlines)
@@ -171,6 +268,9 @@ class SharingClient:
         self._awaiting: str | None = None
         self._heartbeat = _Heartbeat(self) if heartbeat else None
 
+    def __repr__(self) -> str:
+        return f"SharingClient({self.safe_url!r}, job_id={self.job_id!r}, device={self.device!r})"
+
     # ------------------------------------------------------------------ connection
     def _params(self) -> Any:
         import pika
@@ -181,24 +281,41 @@ class SharingClient:
         return params
 
     def _connect(self) -> None:
-
-        from .amqp import blocking_connection
+        from .amqp import blocking_connection, request_channel
 
         self._conn = blocking_connection(self._params())
-        ch = self._conn.channel()
+        ch = request_channel(self._conn)
         ch.confirm_delivery()
-        ch.queue_declare(P.REQUEST_QUEUE, durable=True)
-        # Durable, named reply queue: survives a broker restart so answers are not lost; it
-        # expires on its own once this job is gone.
-        ch.queue_declare(self.reply_queue, durable=True,
-                         arguments={"x-expires": int(max(30.0, 4 * self.lease_s) * 1000)})
+        # Exclusive: no other connection can consume, bind or delete it. A reply sent while
+        # we reconnect is lost with it; resending the request (same id) gets it again.
+        self.reply_queue = P.reply_queue_name()
+        ch.queue_declare(self.reply_queue, exclusive=True)
         ch.basic_consume(self.reply_queue, self._on_reply, auto_ack=True)
         self._ch = ch
 
-    def _on_reply(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+    def _accept(self, props: Any, body: bytes) -> dict[str, Any] | None:
+        """The reply if the manager signed it with our key, else None (counted as forged).
+
+        An unsigned "unknown job" error is let through when our key is our own: a manager that
+        restarted no longer knows it, and the error only makes us register again."""
+        headers = props.headers if isinstance(getattr(props, "headers", None), dict) else {}
+        signed = P.verify(self.key, body, headers.get(P.SIG_HEADER))
         try:
-            reply = json.loads(body)
-        except ValueError:
+            reply = json.loads(body) if signed else P._decode(body)
+        except (ValueError, RecursionError):
+            reply = None
+        if not isinstance(reply, dict):
+            self.forged_replies += 1
+            return None
+        if not signed and not (not self.provisioned and reply.get("type") == "error"
+                               and reply.get("code") == P.ERR_UNKNOWN_JOB):
+            self.forged_replies += 1
+            return None
+        return reply
+
+    def _on_reply(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        reply = self._accept(props, body)
+        if reply is None:
             return
         self.last_manager_contact = time.monotonic()
         rid = reply.get("request_id")
@@ -208,30 +325,47 @@ class SharingClient:
     def _ensure_connected(self, give_up_at: float) -> None:
         import pika.exceptions as pex
 
+        from .amqp import TopologyMissing
+
         delay = 0.05
         while self._conn is None or not self._conn.is_open:
             try:
                 self._connect()
                 return
-            except (pex.AMQPError, OSError) as exc:
+            except (pex.ProbableAuthenticationError, pex.ProbableAccessDeniedError,
+                    pex.AuthenticationError) as exc:
+                self._conn = None
+                raise SharingUnavailableError(
+                    f"the RabbitMQ broker at {self.safe_url} refused this job's credentials "
+                    f"({type(exc).__name__}); check the user and password") from None
+            except (pex.AMQPError, OSError, TopologyMissing) as exc:
                 self._conn = None
                 if time.monotonic() > give_up_at:
+                    why = str(exc) if isinstance(exc, TopologyMissing) else type(exc).__name__
                     raise SharingUnavailableError(
-                        f"cannot reach the RabbitMQ broker at {self.safe_url} ({type(exc).__name__}) "
-                        f"for {self.manager_timeout_s:.0f} s; is it running?") from None
+                        f"cannot reach the sharing manager through the RabbitMQ broker at {self.safe_url} ({why}) "
+                        f"for {self.manager_timeout_s:.0f} s; are the broker and `gpemu share-manager` running?") \
+                        from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 self.reconnects += 1
 
-    def _publish(self, payload: dict[str, Any]) -> None:
+    def _publish_on(self, ch: Any, payload: dict[str, Any], reply_to: str | None, expiration: str | None = None,
+                    mandatory: bool = False) -> None:
+        """Sign and publish one message on ``ch`` (the caller's connection)."""
         import pika
 
+        body = P.encode({k: v for k, v in payload.items() if v is not None})
+        props = pika.BasicProperties(delivery_mode=1, reply_to=reply_to, content_type="application/json",
+                                     expiration=expiration, headers={P.SIG_HEADER: P.sign(self.key, body)})
+        ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, body, props, mandatory=mandatory)
+
+    def _publish(self, payload: dict[str, Any]) -> None:
         if payload.get("type") == "request":  # every (re)send says when it left: see backdate_s
             payload["sent_at"] = time.monotonic()
-        self._ch.basic_publish("", P.REQUEST_QUEUE, P.encode(payload),
-                               pika.BasicProperties(delivery_mode=1, reply_to=self.reply_queue,
-                                                    content_type="application/json"),
-                               mandatory=True)
+        if payload.get("type") in ("request", "register"):
+            payload["presence"] = self.presence
+        self._publish_on(self._ch, payload, self.reply_queue, mandatory=True)
 
     def _call(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Send ``payload`` and wait for the reply with its request id, resending as needed."""
@@ -270,28 +404,30 @@ class SharingClient:
                 time.sleep(0.05)
 
     # ------------------------------------------------------------------ protocol
-    def register(self) -> str:
-        """Register (again): returns the secret token the manager issued."""
+    def register(self) -> None:
+        """Register (again; idempotent with the same key)."""
         with self._lock:
-            payload = {"type": "register", "job_id": self.job_id, "request_id": uuid.uuid4().hex,
-                       "device": self.device, "persistent_bytes": self.persistent_bytes, "weight": self.weight}
+            if self._heartbeat is not None and not self._heartbeat.is_alive():
+                self._heartbeat.start()  # its presence queue exists before the manager hears of it
+            payload: dict[str, Any] = {"type": "register", "job_id": self.job_id, "request_id": uuid.uuid4().hex,
+                                       "device": self.device, "persistent_bytes": self.persistent_bytes,
+                                       "weight": self.weight}
             if self.host:
                 payload["host"] = self.host
-            if self.token:  # still registered as far as we know: the manager answers the same
-                payload["token"] = self.token
+            if not self.provisioned:
+                payload["key"] = self.key.hex()
             reply = self._call(payload)
             if reply.get("type") != "registered":
                 raise SharingRefusedError(f"the sharing manager refused job {self.job_id!r}: "
-                                          f"{reply.get('reason', reply)}")
-            self.token = reply["token"]
+                                          f"{reply.get('reason', reply.get('type'))}")
             self.same_host = reply.get("same_host") is True
             self.needs_register = False
+            self.registered = True
             lease = reply.get("lease_s")
             if isinstance(lease, (int, float)) and 0 < lease < self.lease_s:
                 self.lease_s = float(lease)  # heartbeat often enough for the manager's lease
-            if self._heartbeat is not None and not self._heartbeat.is_alive():
-                self._heartbeat.start()
-            return self.token
+            if self._heartbeat is not None:
+                self._heartbeat.wake.set()  # tell the manager our presence queue now
 
     def run(self, seconds: float, peak_bytes: int = 0, kind: str = "iteration",
             persistent_bytes: int | None = None) -> RunResult:
@@ -314,9 +450,9 @@ class SharingClient:
             rid = uuid.uuid4().hex
             start = time.monotonic()
             for _ in range(10):
-                if self.needs_register or self.token is None:
+                if self.needs_register or not self.registered:
                     self.register()
-                payload = {"type": "request", "job_id": self.job_id, "token": self.token, "request_id": rid,
+                payload = {"type": "request", "job_id": self.job_id, "request_id": rid,
                            "device": self.device, "seconds": float(seconds), "peak_bytes": int(peak_bytes),
                            "kind": kind, "grant": self.deadlines}
                 if persistent_bytes is not None:
@@ -332,10 +468,10 @@ class SharingClient:
                     import torch
 
                     raise torch.cuda.OutOfMemoryError(reply.get("reason", "refused by the sharing manager"))
-                if kind_ == "error" and reply.get("code") in (P.ERR_UNKNOWN_JOB, P.ERR_BAD_TOKEN):
+                if kind_ == "error" and reply.get("code") == P.ERR_UNKNOWN_JOB:
                     self.needs_register = True  # the manager restarted or dropped us: join again
                     continue
-                raise ValueError(f"the sharing manager rejected the request: {reply.get('reason', reply)}")
+                raise ValueError(f"the sharing manager rejected the request: {reply.get('reason', kind_)}")
             raise SharingUnavailableError(f"job {self.job_id!r} could not stay registered with the sharing manager")
 
     def _wait_for_grant(self, rid: str, seconds: float, reply: dict[str, Any], start: float) -> RunResult:
@@ -383,21 +519,19 @@ class SharingClient:
         if self._heartbeat is not None:
             self._heartbeat.stop_event.set()
         with self._lock:
-            if self.token is not None and self._conn is not None and self._conn.is_open:
+            if self.registered and self._conn is not None and self._conn.is_open:
+                old = self.manager_timeout_s
                 try:
-                    old = self.manager_timeout_s
                     self.manager_timeout_s = min(old, 5.0)  # do not hang at exit
-                    self._call({"type": "deregister", "job_id": self.job_id, "token": self.token,
-                                "request_id": uuid.uuid4().hex})
+                    self._call({"type": "deregister", "job_id": self.job_id, "request_id": uuid.uuid4().hex})
                 except Exception:
-                    pass  # the lease frees it anyway
+                    pass  # its connection closing (or the lease) frees it anyway
                 finally:
                     self.manager_timeout_s = old
-            self.token = None
+            self.registered = False
             if self._conn is not None and self._conn.is_open:
                 try:
-                    self._ch.queue_delete(self.reply_queue)
-                    self._conn.close()
+                    self._conn.close()  # its exclusive reply queue goes with it
                 except Exception:
                     pass
             self._conn = None
@@ -472,15 +606,23 @@ def install(rt: "Runtime") -> None:
     engine = rt.engine
     if engine is None:
         raise RuntimeError("GPU sharing needs the time engine (gpemu.engine); it is not installed")
-    base = cfg.job_id or f"{socket.gethostname()}-{os.getpid()}"
+    # Under Kubernetes the device plugin gave this container its job id, keys and password.
+    creds = load_job_credentials(cfg.device_dir)
+    base = creds.job_id if creds else cfg.job_id or f"{socket.gethostname()}-{os.getpid()}"
+    url = with_password(cfg.sharing, creds.amqp_password if creds else None)
     fixed = cfg.sharing_persistent_bytes
     clients: dict[int, SharingClient] = {}
     for index, spec in enumerate(rt.gpus):
         # The emuGPU id on the manager: the k8s-allocated id when there is one, else the index.
         device = cfg.visible_devices[index] if cfg.visible_devices and index < len(cfg.visible_devices) else str(index)
+        job_id = base if len(rt.gpus) == 1 else f"{base}.{index}"
+        key = creds.keys.get(job_id) if creds else None
+        if creds and key is None:
+            raise ValueError(f"the sharing credentials hold no key for job {job_id!r} (emuGPU {index}); "
+                             "the device plugin allocated fewer emuGPUs than this process uses")
         clients[index] = SharingClient(
-            cfg.sharing, job_id=base if len(rt.gpus) == 1 else f"{base}.{index}", device=device,
-            persistent_bytes=int(fixed or 0), weight=float(cfg.sharing_weight), lease_s=float(cfg.sharing_lease_s))
+            url, job_id=job_id, device=device, persistent_bytes=int(fixed or 0), weight=float(cfg.sharing_weight),
+            lease_s=float(cfg.sharing_lease_s), key=key)
     # Jobs register at their first request (real persistent memory by then), not here.
     backend = SharingBackend(clients, rt.recorder, rt.memory, int(fixed) if fixed is not None else None)
     rt.sharing = backend

@@ -1,85 +1,136 @@
-"""The sharing protocol: JSON messages between jobs and the sharing manager, and their validation.
+"""The sharing protocol: JSON messages between jobs and the sharing manager, their validation,
+and how both sides prove who sent them.
 
 Independent of the emulator: any program that speaks this schema over AMQP can share an emuGPU.
 
-Topology (all names under ``gpemu.sharing``):
+Topology (all names under ``gpemu.sharing``; the manager declares it):
 
-* ``REQUEST_QUEUE`` (durable): jobs publish every message here (persistent, publisher confirms),
-  with ``reply_to`` naming the job's own durable reply queue. The manager acknowledges a GPU-time
-  request only once it has answered it, so a manager that dies leaves unanswered requests queued.
+* ``REQUEST_EXCHANGE`` (direct, durable) routes to ``REQUEST_QUEUE`` (durable): jobs publish
+  every message to the exchange with ``reply_to`` naming one of their own reply queues. Only
+  the manager may read the queue. The manager acknowledges a GPU-time request only once it has
+  answered it, so a manager that dies leaves unanswered requests queued.
+* Reply queues ``gpemu.sharing.reply.<random>``: exclusive to the job's connection (no one else
+  can consume, bind or delete them). The manager replies only to names with this prefix.
 * ``STATUS_EXCHANGE`` (fanout): the manager publishes a status snapshot periodically.
+
+:data:`JOB_PERMISSIONS` are the broker permissions (configure, write, read regular expressions)
+of the user jobs connect as: publish requests, own reply queues, read status; nothing else (no
+reading the request queue, no publishing through the default exchange into other jobs' queues).
+
+Authentication: every job has a secret 32-byte key. Messages from a registered job and every
+reply to it carry ``HMAC-SHA256(key, body)`` in the AMQP header :data:`SIG_HEADER`; a job drops
+replies without a valid signature, so a forged reply is told apart from the manager's. The key
+is either derived by the manager from its job secret (:func:`derive_job_key`; Kubernetes: the
+device plugin hands each container its job id and derived key through Allocate, so the key
+never travels over the broker) or, for a manager without a job secret, chosen by the job and
+sent once in ``register`` (readable only by the manager, given the permissions above).
 
 Messages from jobs (``type``):
 
-``register``   job_id, request_id, device, persistent_bytes, weight (optional: host — see
+``register``   job_id, request_id, device, persistent_bytes (optional: weight, host — see
                :func:`host_identity`; equal on both sides means a shared CLOCK_MONOTONIC —,
-               token: the job's current token, which makes registering again idempotent)
-``request``    job_id, token, request_id, device, seconds, peak_bytes (optional: kind,
+               key: the job's own key in hex when the manager has no job secret, presence: the
+               job's presence queue, see below)
+``request``    job_id, request_id, device, seconds, peak_bytes (optional: kind,
                persistent_bytes — the job's persistent memory now, which may have grown since
                it registered, e.g. optimizer state created at the first step —, grant: true to
                get a ``granted`` reply when the request is scheduled instead of ``done`` when it
-               ends, sent_at: the job's ``time.monotonic()`` when it published the request)
-``heartbeat``  job_id, token
-``deregister`` job_id, token, request_id
-``status``     (no other field; answered on reply_to)
+               ends, sent_at: the job's ``time.monotonic()`` when it published the request,
+               presence)
+``heartbeat``  job_id (optional: presence)
+``deregister`` job_id, request_id
+``status``     (optional: request_id; unauthenticated, answered on reply_to)
 
-Replies from the manager (``type``): ``registered`` (token, same_host), ``done`` (waited_s, served_s),
-``granted`` (start, end: the manager's ``time.monotonic()`` when the work starts and ends on the
-emuGPU's timeline; remaining_s: end minus the manager's clock when the grant was written;
-waited_s, idle_s — sent before the work starts, so the job waits locally until ``end``),
-``refused`` (reason: out of memory), ``error`` (code, reason), ``heartbeat-ack``,
+Presence: a job holds a single-active-consumer queue (``presence``, under the reply prefix)
+with one unacknowledged message from the manager; the manager waits behind it as the standby
+consumer. When the job's connection closes (the process died, even with ``kill -9``), the broker
+hands the message to the manager at once, which frees the job's GPU time and memory without
+waiting for its lease.
+
+Replies from the manager (``type``): ``registered`` (same_host, lease_s), ``done`` (waited_s,
+served_s), ``granted`` (start, end: the manager's ``time.monotonic()`` when the work starts and
+ends on the emuGPU's timeline; remaining_s: end minus the manager's clock when the grant was
+written; waited_s, idle_s — sent before the work starts, so the job waits locally until
+``end``), ``refused`` (reason: out of memory), ``error`` (code, reason), ``heartbeat-ack``,
 ``deregistered``, ``status`` (snapshot). Every reply repeats the ``request_id`` it answers.
 
 ``peak_bytes`` is the job's whole GPU memory at the request's peak (persistent memory included,
 as ``torch.cuda.max_memory_allocated`` reports it). A request fits when the persistent memory
 of all *other* registered jobs on the emuGPU plus this peak is within the GPU's capacity.
+
+Hostile input: a body is at most :data:`MAX_BODY` bytes and one flat JSON object (nested arrays
+or objects are refused before decoding, so no input can exhaust the decoder's recursion); every
+failure is a :class:`ProtocolError` whose reason quotes at most a few dozen characters of input.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 __all__ = [
-    "PROTOCOL_VERSION", "REQUEST_QUEUE", "STATUS_EXCHANGE", "ProtocolError", "Message",
-    "parse_message", "encode", "MAX_SECONDS", "MAX_BYTES",
-    "ERR_UNKNOWN_JOB", "ERR_BAD_TOKEN", "ERR_BAD_MESSAGE", "ERR_JOB_EXISTS", "ERR_UNKNOWN_DEVICE",
-    "host_identity",
+    "PROTOCOL_VERSION", "REQUEST_EXCHANGE", "REQUEST_QUEUE", "REQUEST_ROUTING_KEY", "STATUS_EXCHANGE",
+    "REPLY_PREFIX", "SIG_HEADER", "JOB_PERMISSIONS", "ProtocolError", "Message", "parse_message", "encode",
+    "MAX_SECONDS", "MAX_BYTES", "MAX_BODY", "KEY_BYTES",
+    "ERR_UNKNOWN_JOB", "ERR_BAD_SIGNATURE", "ERR_BAD_MESSAGE", "ERR_JOB_EXISTS", "ERR_UNKNOWN_DEVICE", "ERR_BUSY",
+    "host_identity", "sign", "verify", "derive_job_key", "new_key", "valid_queue_name", "reply_queue_name",
+    "declare_topology", "short",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+REQUEST_EXCHANGE = "gpemu.sharing.in"
 REQUEST_QUEUE = "gpemu.sharing.requests"
+REQUEST_ROUTING_KEY = "request"
 STATUS_EXCHANGE = "gpemu.sharing.status"
+REPLY_PREFIX = "gpemu.sharing.reply."
+SIG_HEADER = "gpemu-sig"
+
+# Broker permissions of the user jobs connect as (RabbitMQ configure / write / read patterns).
+JOB_PERMISSIONS: dict[str, str] = {
+    "configure": r"^gpemu\.sharing\.reply\.[A-Za-z0-9_-]+$",
+    "write": r"^(gpemu\.sharing\.in|gpemu\.sharing\.reply\.[A-Za-z0-9_-]+)$",
+    "read": r"^(gpemu\.sharing\.status|gpemu\.sharing\.reply\.[A-Za-z0-9_-]+)$",
+}
 
 MAX_SECONDS = 3600.0  # one request longer than an hour of GPU time is a bug in the sender
 MAX_BYTES = 1 << 50
-MAX_BODY = 64 * 1024
+MAX_BODY = 16 * 1024  # a real message is a few hundred bytes
 MAX_ID_LEN = 200
 MAX_CLOCK = 1e12  # a time.monotonic() reading (seconds since boot) is far below this
+KEY_BYTES = 32
+_QUOTE = 60  # characters of hostile input a reason may quote
 
-# Error codes in ``error`` replies; clients react to the first two by re-registering.
+# Error codes in ``error`` replies; clients react to the first one by registering again.
 ERR_UNKNOWN_JOB = "unknown-job"
-ERR_BAD_TOKEN = "bad-token"
+ERR_BAD_SIGNATURE = "bad-signature"
 ERR_BAD_MESSAGE = "bad-message"
 ERR_JOB_EXISTS = "job-exists"
 ERR_UNKNOWN_DEVICE = "unknown-device"
+ERR_BUSY = "too-many-requests"
 
 _FIELDS: dict[str, tuple[str, ...]] = {
     "register": ("job_id", "request_id", "device", "persistent_bytes"),
-    "request": ("job_id", "token", "request_id", "device", "seconds", "peak_bytes"),
-    "heartbeat": ("job_id", "token"),
-    "deregister": ("job_id", "token", "request_id"),
+    "request": ("job_id", "request_id", "device", "seconds", "peak_bytes"),
+    "heartbeat": ("job_id",),
+    "deregister": ("job_id", "request_id"),
     "status": (),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
-    "register": ("weight", "host", "token"),
-    "request": ("kind", "persistent_bytes", "grant", "sent_at"),
-    "heartbeat": (),
+    "register": ("weight", "host", "key", "presence"),
+    "request": ("kind", "persistent_bytes", "grant", "sent_at", "presence"),
+    "heartbeat": ("presence",),
     "deregister": (),
     "status": ("request_id",),
 }
+_QUEUE_RE = re.compile(r"^gpemu\.sharing\.reply\.[A-Za-z0-9_-]{8,128}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+# JSON strings (escapes included): what is left after removing them must hold one object only.
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 
 
 class ProtocolError(ValueError):
@@ -95,7 +146,6 @@ class ProtocolError(ValueError):
 class Message:
     type: str
     job_id: str = ""
-    token: str = ""
     request_id: str = ""
     device: str = ""
     seconds: float = 0.0
@@ -106,6 +156,8 @@ class Message:
     host: str = ""  # register: the job's host_identity() (empty: unknown, never "same host")
     grant: bool = False  # request: answer with a grant at the start (deadline scheduling)
     sent_at: float | None = None  # request: the job's CLOCK_MONOTONIC when it sent it
+    key: bytes | None = None  # register: the job's own key (managers without a job secret)
+    presence: str | None = None  # the job's presence queue
 
 
 def host_identity() -> str:
@@ -129,56 +181,124 @@ def encode(payload: Mapping[str, Any]) -> bytes:
     return json.dumps({"v": PROTOCOL_VERSION, **payload}, separators=(",", ":")).encode()
 
 
+def new_key() -> bytes:
+    import secrets
+
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def sign(key: bytes, body: bytes) -> str:
+    """The signature header value of ``body`` under ``key`` (HMAC-SHA256, hex)."""
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def verify(key: bytes | None, body: bytes, sig: Any) -> bool:
+    """True when ``sig`` is ``body``'s signature under ``key`` (constant-time comparison)."""
+    if key is None or not isinstance(sig, str) or not _HEX_RE.match(sig):
+        return False
+    return hmac.compare_digest(sign(key, body), sig)
+
+
+def derive_job_key(secret: bytes, job_id: str) -> bytes:
+    """The key of ``job_id`` under a manager's job secret (the device plugin derives the same)."""
+    return hmac.new(secret, b"gpemu-sharing-job\0" + job_id.encode(), hashlib.sha256).digest()
+
+
+def reply_queue_name() -> str:
+    """A fresh, unguessable queue name under the reply prefix."""
+    import uuid
+
+    return REPLY_PREFIX + uuid.uuid4().hex
+
+
+def valid_queue_name(name: Any) -> bool:
+    """A queue the manager may write to: under the reply prefix, plain ASCII, at most 149 chars."""
+    return isinstance(name, str) and bool(_QUEUE_RE.match(name))
+
+
+def declare_topology(ch: Any) -> None:
+    """Declare the exchanges, the request queue and its binding on a blocking pika channel
+    (idempotent; needs configure rights, which the jobs' broker user does not have)."""
+    ch.exchange_declare(REQUEST_EXCHANGE, exchange_type="direct", durable=True)
+    ch.queue_declare(REQUEST_QUEUE, durable=True)
+    ch.queue_bind(REQUEST_QUEUE, REQUEST_EXCHANGE, REQUEST_ROUTING_KEY)
+    ch.exchange_declare(STATUS_EXCHANGE, exchange_type="fanout", durable=True)
+
+
+def short(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters: reasons quote hostile input, bounded."""
+    text = repr(value)
+    return text if len(text) <= _QUOTE else text[:_QUOTE] + f"...({len(text)} chars)"
+
+
 def _text(name: str, value: Any, request_id: str | None) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN or not value.isprintable():
-        raise ProtocolError(f"{name} must be a non-empty printable string of at most {MAX_ID_LEN} characters",
-                            request_id)
+        raise ProtocolError(f"{name} must be a non-empty printable string of at most {MAX_ID_LEN} characters, "
+                            f"got {short(value)}", request_id)
     return value
 
 
 def _number(name: str, value: Any, lo: float, hi: float, request_id: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProtocolError(f"{name} must be a finite number from {lo:g} to {hi:g}, got {value!r}", request_id)
+        raise ProtocolError(f"{name} must be a finite number from {lo:g} to {hi:g}, got {short(value)}", request_id)
     if not lo <= value <= hi:
-        raise ProtocolError(f"{name} must be from {lo:g} to {hi:g}, got {value!r}", request_id)
+        raise ProtocolError(f"{name} must be from {lo:g} to {hi:g}, got {short(value)}", request_id)
     return value
 
 
 def _bytes(name: str, value: Any, request_id: str | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{name} must be an integer number of bytes, got {value!r}", request_id)
+        raise ProtocolError(f"{name} must be an integer number of bytes, got {short(value)}", request_id)
     return int(_number(name, value, 0, MAX_BYTES, request_id))
+
+
+def _decode(body: Any) -> Any:
+    """Bounded JSON decoding: size and nesting are checked before the decoder sees the bytes."""
+    if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
+        size = len(body) if isinstance(body, (bytes, bytearray)) else type(body).__name__
+        raise ProtocolError(f"message body must be JSON of at most {MAX_BODY} bytes, got {size}")
+    body = bytes(body)
+    # Fast path: a body with at most one bracket cannot nest; otherwise count them outside strings.
+    if body.count(b"{") + body.count(b"[") > 1 and \
+            sum(_STRING_RE.sub(b"", body).count(c) for c in (b"{", b"[")) > 1:
+        raise ProtocolError("message must be one flat JSON object (no nested arrays or objects)")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ProtocolError("message body is not valid JSON (UTF-8, one object)") from None
 
 
 def parse_message(body: bytes) -> Message:
     """Decode and validate one message from a job. Raises :class:`ProtocolError`."""
-    if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
-        raise ProtocolError(f"message body must be JSON of at most {MAX_BODY} bytes")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ProtocolError("message body is not valid JSON") from None
+    data = _decode(body)
     if not isinstance(data, dict):
-        raise ProtocolError("message must be a JSON object")
+        raise ProtocolError(f"message must be a JSON object, got {type(data).__name__}")
     rid = data.get("request_id") if isinstance(data.get("request_id"), str) else None
-    if rid is not None and (len(rid) > MAX_ID_LEN or not rid.isprintable()):
+    if rid is not None and (not rid or len(rid) > MAX_ID_LEN or not rid.isprintable()):
         rid = None
     if data.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version must be {PROTOCOL_VERSION}, got {data.get('v')!r}", rid)
+        raise ProtocolError(f"protocol version must be {PROTOCOL_VERSION}, got {short(data.get('v'))}", rid)
     kind = data.get("type")
-    if kind not in _FIELDS:
-        raise ProtocolError(f"type must be one of {', '.join(_FIELDS)}, got {kind!r}", rid)
+    if not isinstance(kind, str) or kind not in _FIELDS:
+        raise ProtocolError(f"type must be one of {', '.join(_FIELDS)}, got {short(kind)}", rid)
     missing = [f for f in _FIELDS[kind] if f not in data]
     if missing:
         raise ProtocolError(f"'{kind}' message lacks {', '.join(missing)}", rid)
     unknown = set(data) - set(_FIELDS[kind]) - set(_OPTIONAL[kind]) - {"v", "type"}
     if unknown:
-        raise ProtocolError(f"'{kind}' message has unknown fields {', '.join(sorted(unknown))}; "
+        names = sorted(unknown)
+        shown = ", ".join(short(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ProtocolError(f"'{kind}' message has unknown fields {shown}; "
                             f"valid: {', '.join(_FIELDS[kind] + _OPTIONAL[kind])}", rid)
     out: dict[str, Any] = {"type": kind}
-    for name in ("job_id", "token", "request_id", "device"):
+    for name in ("job_id", "request_id", "device"):
         if name in data:
             out[name] = _text(name, data[name], rid)
+    if "presence" in data:
+        if not valid_queue_name(data["presence"]):
+            raise ProtocolError(f"presence must name a queue {REPLY_PREFIX}<8-128 letters, digits, _ or ->, "
+                                f"got {short(data['presence'])}", rid)
+        out["presence"] = data["presence"]
     if kind == "request":
         out["seconds"] = float(_number("seconds", data["seconds"], 0.0, MAX_SECONDS, rid))
         out["peak_bytes"] = _bytes("peak_bytes", data["peak_bytes"], rid)
@@ -188,7 +308,7 @@ def parse_message(body: bytes) -> Message:
             out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
         if "grant" in data:
             if not isinstance(data["grant"], bool):
-                raise ProtocolError(f"grant must be true or false, got {data['grant']!r}", rid)
+                raise ProtocolError(f"grant must be true or false, got {short(data['grant'])}", rid)
             out["grant"] = data["grant"]
         if "sent_at" in data:
             out["sent_at"] = float(_number("sent_at", data["sent_at"], 0.0, MAX_CLOCK, rid))
@@ -198,4 +318,8 @@ def parse_message(body: bytes) -> Message:
         out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
         if "weight" in data:
             out["weight"] = float(_number("weight", data["weight"], 1e-3, 1e6, rid))
+        if "key" in data:
+            if not isinstance(data["key"], str) or not _HEX_RE.match(data["key"]):
+                raise ProtocolError(f"key must be {KEY_BYTES} bytes as 64 lower-case hex digits", rid)
+            out["key"] = bytes.fromhex(data["key"])
     return Message(**out)

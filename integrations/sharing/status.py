@@ -9,20 +9,41 @@ from typing import Any, Callable, Iterator
 
 from . import protocol as P
 
-__all__ = ["fetch_status", "watch_status", "render_status", "StatusTimeout"]
+__all__ = ["fetch_status", "watch_status", "render_status", "StatusTimeout", "StatusUnavailable"]
 
 
 class StatusTimeout(RuntimeError):
     """No sharing manager answered."""
 
 
-def _connect(url: str) -> Any:
-    import pika
+class StatusUnavailable(RuntimeError):
+    """The broker cannot be reached, or refused the credentials."""
 
-    params = pika.URLParameters(url)
+
+def _connect(url: str) -> Any:
+    """A blocking connection, or :class:`StatusUnavailable` saying why there is none."""
+    import pika
+    import pika.exceptions as pex
+
+    from gpemu.units import redact_url
+
+    try:
+        params = pika.URLParameters(url)
+    except Exception as exc:
+        raise StatusUnavailable(f"not a usable AMQP URL {redact_url(url)!r}: {_first_line(exc)}") from None
     params.connection_attempts = 1
     params.socket_timeout = 2
-    return pika.BlockingConnection(params)
+    try:
+        return pika.BlockingConnection(params)
+    except (pex.ProbableAuthenticationError, pex.ProbableAccessDeniedError, pex.AuthenticationError):
+        raise StatusUnavailable(f"the RabbitMQ broker at {redact_url(url)} refused the user or password") from None
+    except (pex.AMQPError, OSError) as exc:
+        raise StatusUnavailable(f"cannot reach the RabbitMQ broker at {redact_url(url)} "
+                                f"({type(exc).__name__}); is it running?") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
 
 
 def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -31,21 +52,30 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
     from gpemu.units import redact_url
 
+    from .amqp import TopologyMissing, request_channel
+
     conn = _connect(url)
     try:
-        ch = conn.channel()
-        ch.queue_declare(P.REQUEST_QUEUE, durable=True)
-        queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+        try:
+            ch = request_channel(conn)
+        except TopologyMissing:
+            raise StatusTimeout(f"no sharing manager has connected to {redact_url(url)}; start one with "
+                                "`gpemu share-manager --amqp URL --device 0=V100`") from None
+        queue = P.reply_queue_name()
+        ch.queue_declare(queue, exclusive=True)
         rid = uuid.uuid4().hex
         got: list[dict[str, Any]] = []
 
         def on_reply(_ch: Any, _m: Any, _p: Any, body: bytes) -> None:
-            reply = json.loads(body)
-            if reply.get("request_id") == rid:
+            try:
+                reply = json.loads(body)
+            except (ValueError, RecursionError):
+                return
+            if isinstance(reply, dict) and reply.get("request_id") == rid:
                 got.append(reply)
 
         ch.basic_consume(queue, on_reply, auto_ack=True)
-        ch.basic_publish("", P.REQUEST_QUEUE, P.encode({"type": "status", "request_id": rid}),
+        ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, P.encode({"type": "status", "request_id": rid}),
                          pika.BasicProperties(reply_to=queue, expiration=str(int(timeout_s * 1000))))
         deadline = time.monotonic() + timeout_s
         while not got and time.monotonic() < deadline:
@@ -60,11 +90,20 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
 def watch_status(url: str) -> Iterator[dict[str, Any] | None]:
     """Snapshots the manager publishes periodically; yields None every ~0.5 s without one."""
+    import pika.exceptions as pex
+
+    from gpemu.units import redact_url
+
     conn = _connect(url)
     try:
         ch = conn.channel()
-        ch.exchange_declare(P.STATUS_EXCHANGE, exchange_type="fanout", durable=True)
-        queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+        try:
+            ch.exchange_declare(P.STATUS_EXCHANGE, passive=True)
+        except pex.ChannelClosedByBroker:
+            raise StatusTimeout(f"no sharing manager has connected to {redact_url(url)}; start one with "
+                                "`gpemu share-manager --amqp URL --device 0=V100`") from None
+        queue = P.reply_queue_name()
+        ch.queue_declare(queue, exclusive=True)
         ch.queue_bind(queue, P.STATUS_EXCHANGE)
         while True:
             method, _props, body = ch.basic_get(queue, auto_ack=True)
@@ -72,7 +111,12 @@ def watch_status(url: str) -> Iterator[dict[str, Any] | None]:
                 conn.process_data_events(time_limit=0.5)
                 yield None
                 continue
-            yield json.loads(body)
+            try:
+                snap = json.loads(body)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(snap, dict):
+                yield snap
     finally:
         conn.close()
 
@@ -101,7 +145,7 @@ def render_status(snap: dict[str, Any], title: str = "gpemu sharing manager") ->
                      f"{j['served_s']:.2f} s", str(j["served_requests"]), str(j["queued"]),
                      f"{100 * j['share']:.1f}%", f"{100 * j['recent_share']:.1f}%")
     footer = (f"rejected messages {snap.get('rejected', 0)}, refused (memory) {snap.get('refused', 0)}, "
-              f"expired leases {snap.get('expired', 0)}")
+              f"expired leases {snap.get('expired', 0)}, connections closed {snap.get('disconnected', 0)}")
     return Group(gpus, jobs, footer)
 
 
