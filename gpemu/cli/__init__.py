@@ -33,7 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                       "Run the RabbitMQ sharing manager that time-slices emuGPUs among jobs."),
     "share-status": ("gpemu.integrations.sharing.cli", "share_status", "Live view of a sharing manager's emuGPUs and jobs."),
     "k8s": ("gpemu.k8s.cli", "k8s", "Kubernetes: emuGPU device files and the device plugin."),
-    "report": ("gpemu.cli.report_cmd", "report", "Summarise or plot a trace written by `gpemu run --trace`."),
+    "report": ("gpemu.cli.report_cmd", "report", "Summarise, compare or plot traces written by `gpemu run --trace`."),
 }
 
 

@@ -522,6 +522,9 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
         if group > 1:
             note += (", " if note else "") + f"each bar: mean of {group} iterations"
         drawn = True
+    from matplotlib.ticker import MaxNLocator
+
+    ax_iter.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_iter.set_xlabel("iteration" + (" (bars per GPU, left to right)" if len(shown) > 1 else ""), fontsize="small")
     ax_iter.set_ylabel("ms", fontsize="small")
     ax_iter.set_title("Where each iteration's time went" + (f" ({note})" if note else "")

@@ -14,11 +14,14 @@ __all__ = ["run"]
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     short_help="Run a PyTorch script on emulated GPUs (no edits to the script).",
 )
-@click.option("--gpu", metavar="NAME", help="GPU model of every emulated device (e.g. V100, A100; see `gpemu gpus`).")
+@click.option("--gpu", metavar="NAME", help="GPU model of every emulated device (e.g. V100, A100; see `gpemu gpus`; "
+              "docs/adding.md adds one).")
 @click.option("--gpus", metavar="N|LIST", help="How many emulated GPUs (e.g. 2), or one model per device (V100,A100).")
-@click.option("--model", metavar="NAME", help="Take GPU times from this database model instead of identifying it.")
+@click.option("--model", metavar="NAME", help="Take GPU times from this database model (see `gpemu models`) instead of "
+              "identifying the script's model.")
 @click.option("--db", "db_url", metavar="URL", help="SQLAlchemy URL of the profile database (default: per-user SQLite).")
-@click.option("--memory", type=click.Choice(["tracked", "profiled"]), help="Count every allocation, or use measured peaks.")
+@click.option("--memory", type=click.Choice(["tracked", "profiled"]),
+              help="Count every allocation (default), or use the database's measured peak memory.")
 @click.option("--share", "sharing", metavar="URL", help="amqp:// URL of a sharing manager to time-slice emuGPUs through.")
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
@@ -28,10 +31,17 @@ __all__ = ["run"]
 def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_path, module, command) -> None:
     """Run COMMAND with every Python process in it on emulated GPUs.
 
+    The script runs unchanged: torch.cuda sees the emulated GPUs, and GPU work takes the time
+    measured on the real GPU, or an estimate where nothing was measured (said at run time).
+    Tensor values are placeholders: a loss prints 0.000. At exit, also
+    after Ctrl-C, SIGTERM or SIGHUP, a per-GPU summary is printed (busy time, data stall, memory);
+    --metrics and --trace also write it as JSON and as a Chrome trace (`gpemu report TRACE`).
+
     \b
       gpemu run --gpu V100 -- python train.py --epochs 1
       gpemu run --gpu A100 --gpus 2 -- torchrun --nproc-per-node 2 train_ddp.py
       gpemu run --gpu V100 -m mypackage.train
+      gpemu run --gpu V100 --trace t.json -- python train.py && gpemu report t.json --plot t.png
     """
     from gpemu import launcher
 
