@@ -68,7 +68,9 @@ def start_manager_process(url: str, log: Path, capacity: str = "16GiB") -> subpr
 
 def client(url: str, job: str, **kw) -> SharingClient:
     kw.setdefault("persistent_bytes", GiB)
-    return SharingClient(url, job_id=job, lease_s=LEASE, manager_timeout_s=30, resend_s=0.5, **kw)
+    kw.setdefault("lease_s", LEASE)
+    kw.setdefault("manager_timeout_s", 30)
+    return SharingClient(url, job_id=job, resend_s=0.5, **kw)
 
 
 def jain(xs):
@@ -563,4 +565,184 @@ def test_killed_job_granted_slot_is_released_for_a_waiting_job(broker, purge):
     finally:
         if proc.poll() is None:
             proc.kill()
+        mgr.stop()
+
+
+# ---------------------------------------------------------------------------- hostile jobs and input
+@pytest.fixture(scope="module")
+def jobs_url(broker):
+    """The restricted broker user jobs connect as (JOB_PERMISSIONS), as deployed in Kubernetes."""
+    import uuid
+
+    return broker.add_user(f"jobs-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex, **P.JOB_PERMISSIONS)
+
+
+def test_every_port_of_the_broker_listens_on_loopback_only(broker):
+    import psutil
+
+    ports = {broker.port, broker.dist_port, broker.epmd_port}
+    listening = [c.laddr for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port in ports]
+    assert {a.port for a in listening} == ports  # each one is open...
+    assert all(a.ip in ("127.0.0.1", "::1") for a in listening), listening  # ...on loopback only
+
+
+def test_token_theft_forged_reply_and_hog_attacks_fail(broker, purge, jobs_url):
+    """tests/sharing_attacks.py against a manager with the default quantum: the jobs' user reads
+    nothing, cannot act as another job, cannot reach its reply queue; a reply forged with full
+    rights is dropped by the job; an hour-long request holds the emuGPU one quantum at a time."""
+    from sharing_attacks import forged_reply, hog, token_theft
+
+    from gpemu.integrations.sharing.manager import DEFAULT_QUANTUM_S
+
+    mgr = ThreadManager(broker.url, lease=10.0)
+    try:
+        with SharingClient(jobs_url, job_id="victim", persistent_bytes=2 * GiB, lease_s=10.0) as victim:
+            theft = token_theft(jobs_url, victim)
+            forged = forged_reply(jobs_url, broker.url, victim)
+            hogged = hog(jobs_url, victim, DEFAULT_QUANTUM_S)
+        for result in (theft, forged, hogged):
+            assert not result.succeeded, result.report()
+        text = theft.report()
+        assert text.count("ACCESS_REFUSED") == 2 and "RESOURCE_LOCKED" in text and "bad-signature" in text
+        assert "ACCESS_REFUSED" in forged.attacker_got[0] and "dropped as not signed by the manager: 1" in forged.report()
+        assert mgr.m.core.rejected >= 1 and "victim" not in mgr.m.core.jobs  # left on its own, at exit
+    finally:
+        mgr.stop()
+
+
+def test_jobs_with_keys_from_the_job_secret(broker, purge, jobs_url):
+    """Kubernetes mode: keys are derived from the manager's job secret and never travel."""
+    secret = b"k" * 32
+    mgr = ThreadManager(broker.url, job_secret=secret)
+    try:
+        good = client(jobs_url, "pod-a", key=P.derive_job_key(secret, "pod-a"))
+        good.register()
+        assert good.run(0.01, GiB).elapsed_s >= 0.01
+        impostor = client(jobs_url, "pod-a-impostor", key=P.derive_job_key(b"x" * 32, "pod-a-impostor"),
+                          manager_timeout_s=3)
+        from gpemu.integrations.sharing.client import SharingUnavailableError
+
+        with pytest.raises(SharingUnavailableError):  # never answered with its key: nothing to trust
+            impostor.register()
+        assert set(mgr.m.core.jobs) == {"pod-a"}
+        good.close()
+        impostor.close()
+    finally:
+        mgr.stop()
+
+
+def test_poison_message_is_rejected_once_and_the_service_goes_on(broker, purge, caplog):
+    import pika
+
+    mgr = ThreadManager(broker.url)
+    try:
+        with client(broker.url, "good") as good:
+            conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+            ch = conn.channel()
+            ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, b"[" * 5000 + b"]" * 5000,
+                             pika.BasicProperties(reply_to=P.reply_queue_name()))
+            results = [good.run(0.01, GiB) for _ in range(5)]
+            conn.close()
+        assert len(results) == 5 and mgr.m.core.rejected == 1 and mgr.m.internal_errors == 0
+        assert mgr.t.is_alive() and mgr.m.connections == 1  # no reconnect, so no redelivery
+        assert any("flat JSON object" in r.getMessage() for r in caplog.records)
+    finally:
+        mgr.stop()
+
+
+def _hostile_messages():
+    """hypothesis strategy: (body, properties) an attacker or a broken client might publish."""
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                        st.text(max_size=40))
+    json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                                 st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=4)), max_leaves=12)
+    fields = st.sampled_from(["v", "type", "job_id", "request_id", "device", "seconds", "peak_bytes", "key",
+                              "persistent_bytes", "grant", "sent_at", "presence", "weight", "host", "kind"])
+    types = st.sampled_from(["register", "request", "heartbeat", "deregister", "status", "granted", ""])
+    near_valid = st.fixed_dictionaries({"v": st.sampled_from([2, 1, "2", None]), "type": types,
+                                        "job_id": st.sampled_from(["good", "x", "", "a" * 300])},
+                                       optional={f: json_values for f in ["request_id", "device", "seconds",
+                                                                          "peak_bytes", "key", "presence"]})
+    bodies = st.one_of(
+        st.binary(max_size=300),
+        st.dictionaries(fields, json_values, max_size=8).map(lambda d: json.dumps(d).encode()),
+        near_valid.map(lambda d: json.dumps(d).encode()),
+        st.integers(1, 20000).map(lambda n: b"[" * n + b"]" * n),
+        st.integers(1, 20000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+        st.integers(15000, 70000).map(lambda n: b'{"v":2,"type":"' + b"x" * n + b'"}'),
+    )
+    header_values = st.one_of(st.none(), st.booleans(), st.integers(-2**31, 2**31 - 1), st.text(max_size=80),
+                              st.lists(st.integers(0, 9), max_size=3),
+                              st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3))
+    headers = st.dictionaries(st.one_of(st.just(P.SIG_HEADER), st.text(max_size=10)), header_values, max_size=4)
+    reply_to = st.one_of(st.none(), st.text(max_size=60), st.just(P.REQUEST_QUEUE),
+                         st.builds(lambda: P.reply_queue_name()),
+                         st.text(alphabet="abcdef0123456789", min_size=8, max_size=12).map(lambda s: P.REPLY_PREFIX + s))
+    props = st.fixed_dictionaries({"headers": st.one_of(st.none(), headers), "reply_to": reply_to},
+                                  optional={"priority": st.integers(0, 9), "content_type": st.text(max_size=20),
+                                            "correlation_id": st.text(max_size=20),
+                                            "expiration": st.integers(1, 10**6).map(str)})
+    return st.tuples(bodies, props)
+
+
+def test_manager_survives_hypothesis_generated_messages_while_a_good_job_is_served(broker, purge):
+    """Property: whatever bytes and AMQP properties arrive, each message is acknowledged and
+    rejected (or answered), the manager never reconnects, and the good job keeps its service."""
+    import pika
+    from hypothesis import HealthCheck, given, settings
+
+    mgr = ThreadManager(broker.url, lease=5.0)
+    waits: list[float] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def good_job() -> None:
+        try:
+            with client(broker.url, "good", lease_s=5.0) as c:
+                while not stop.is_set():
+                    waits.append(c.run(0.005, GiB).elapsed_s - 0.005)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    job = threading.Thread(target=good_job)
+    job.start()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+    ch = conn.channel()
+    sent = [0]
+
+    @settings(max_examples=250, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_hostile_messages())
+    def publish(message) -> None:
+        body, props = message
+        try:
+            ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, body, pika.BasicProperties(**props))
+        except (ValueError, TypeError, UnicodeError, pika.exceptions.AMQPError):
+            return  # pika cannot encode it: it never reaches the broker
+        sent[0] += 1
+
+    try:
+        publish()
+        deadline = time.monotonic() + 60
+        while mgr.m.core.rejected + mgr.m.core.refused < sent[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served_during = len(waits)
+        time.sleep(0.3)
+        stop.set()
+        job.join(30)
+        assert not errors, errors
+        core = mgr.m.core
+        status_like = sent[0] - core.rejected  # well-formed status requests are answered, not rejected
+        assert 0 <= status_like < sent[0] * 0.2, (sent[0], core.rejected)
+        assert mgr.m.internal_errors == 0 and mgr.m.connections == 1 and mgr.t.is_alive()
+        assert set(core.jobs) <= {"good"} and core.devices["0"].served == len(waits)
+        assert served_during > 10 and max(waits) < 2.0, (served_during, max(waits))
+        queue = ch.queue_declare(P.REQUEST_QUEUE, passive=True)
+        assert queue.method.message_count == 0  # every message acknowledged: nothing to redeliver
+    finally:
+        stop.set()
+        conn.close()
         mgr.stop()

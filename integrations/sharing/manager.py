@@ -666,6 +666,7 @@ class SharingManager:
         self._watch: dict[str, _Watch] = {}  # presence queue -> watch
         self._watch_of: dict[str, str] = {}  # job id -> its watched presence queue
         self.internal_errors = 0
+        self.connections = 0  # times the manager got ready on a broker connection
         self.connected = threading.Event()
 
     def stop(self) -> None:
@@ -791,6 +792,7 @@ class SharingManager:
         now = self.clock()
         for job in self.core.jobs.values():
             job.last_seen = max(job.last_seen, now)
+        self.connections += 1
         self.connected.set()
         log.info("connected to %s", self.safe_url)
         self._publish_status()
