@@ -111,7 +111,8 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, s
         tiny = 5e-6  # below what the table shows (0.00 ms): rounding noise, not a change
         if abs(x) < tiny:
             return "" if abs(y) < tiny else "from 0"
-        return f"{100 * (y - x) / x:+.1f}%"
+        change = 100 * (y - x) / x
+        return f"{change if abs(change) >= 0.05 else 0.0:+.1f}%"  # no "-0.0%" from float noise
 
     def pp(x: float | None, y: float | None) -> str:
         return "" if x is None or y is None else f"{100 * (y - x):+.1f} pp"
