@@ -107,3 +107,14 @@ def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "SyntaxError" in proc.stderr
     assert "no emulated GPU work" not in proc.stderr, proc.stderr
     assert time.monotonic() - started < 120
+
+
+def test_errors_are_one_line_in_logs() -> None:
+    """Not a terminal (a log file, a pipe): rich must not hard-wrap the message at 80 columns."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([*GPEMU, "run", "--gpu", "V1OO", "--", "python", "-c", "pass"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) > 80, proc.stderr
+    assert lines[0].startswith("error: unknown GPU 'V1OO'") and "valid gpus:" in lines[0].lower()
