@@ -4,14 +4,16 @@
   database for (GPU, model, batch size) — provenance ``measured`` / ``interpolated`` /
   ``extrapolated`` as the database says. A model the database knows but not on this GPU is
   estimated from its FLOPs (``estimated``).
-* Unknown models: a roofline per op — ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x
-  efficiency)) + launch latency`` — summed over one meta-device forward and backward
-  (:func:`estimate_module`), provenance ``estimated``. The compute efficiency is calibrated per
-  GPU from the database's own measurements (median achieved FLOP rate of its models), so an
-  estimate sits where real models on that GPU sit.
+* Unknown models: priced by the ops they run (:mod:`gpemu.model_time` sums :func:`op_seconds` of
+  every op the recorded call's forward and backward dispatch), provenance ``estimated``; the sums
+  are kept per batch size in ``ModelIdentity.estimates``.
+* Single ops: a roofline — ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x
+  efficiency)) + launch latency``. The compute efficiency is calibrated per GPU from the
+  database's own measurements (median achieved FLOP rate of its models), so an estimate sits
+  where real models on that GPU sit. :func:`estimate_module` sums it over a meta-device run of a
+  module (benchmarks compare estimators with it; the emulator itself never re-runs user code).
 * Optimizer step: the database's ``optimizer_step`` kind when present, else bytes the update
   touches (parameters, gradients, optimizer state) over memory bandwidth.
-* Single ops outside any identified model: :func:`op_seconds` (the same roofline).
 
 Every answer for (identity, batch size, device) is memoised: replay asks on every call.
 """

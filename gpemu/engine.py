@@ -388,6 +388,11 @@ class TimeEngine:
         self._local.scope = 1 if on else 0
 
     # ------------------------------------------------------------------ iterations
+    def note_backward(self, device: int) -> None:
+        """A backward pass ran on ``device`` (also one charged op by op, whose spans are ops):
+        the next optimizer step ends an iteration."""
+        self._backward_since_mark[device] = True
+
     def end_iteration(self, device: int) -> None:
         """An optimizer step finished on ``device``: mark an iteration (at the GPU time its work
         ends) and hand the iteration's work to a backend when one is plugged in."""

@@ -4,12 +4,17 @@
 emulated inputs or parameters owns the GPU time of its forward and backward (inner modules are
 not charged separately):
 
-* its forward time (:func:`gpemu.costs.forward_seconds`: the profile database for an identified
-  model, else an estimate) is enqueued when the call starts, and the forward runs op by op with
-  per-op charging off (the module's charge covers its ops);
-* its outputs are marked (:class:`_BackwardStart`): when autograd reaches them, the module's
-  backward time is enqueued and per-op charging stays off until the backward pass ends; the
-  backward's peak memory is measured then.
+* a model the profile database knows (:mod:`gpemu.identify`): its measured forward time
+  (:func:`gpemu.costs.forward_seconds`) is enqueued when the call starts, and the forward runs op
+  by op with per-op charging off (the module's charge covers its ops); its outputs are marked
+  (:class:`_BackwardStart`): when autograd reaches them, the measured backward time is enqueued
+  and per-op charging stays off until the backward pass ends;
+* any other model is priced by what it runs: each op its forward and backward dispatch is charged
+  as it runs (:func:`gpemu.costs.op_seconds`), and the sums are the call's forward and backward
+  time (kept for replays and for :func:`gpemu.costs.forward_seconds`). User code runs once, as on a
+  GPU: nothing is re-run on another device to estimate it.
+
+Either way the backward's peak memory is measured when the backward pass ends.
 
 The module replay fast path (:mod:`gpemu.fastpaths.replay`) replaces this patch with its own,
 which replays recorded calls and uses :meth:`ModelTime.run_charged` for the calls it records
@@ -41,7 +46,8 @@ class CallRecord:
 
     __slots__ = ("out_specs", "treespec", "out_requires_grad", "all_diff", "saved_bytes", "fwd_extra",
                  "bwd_extra", "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "grad_param_list",
-                 "batch", "ident", "dev", "profiled_peak", "not_replayable", "__weakref__")
+                 "batch", "ident", "dev", "profiled_peak", "not_replayable", "backward_pending", "owed",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self.out_specs: list | None = []  # (shape, stride, offset, dtype, bytes) per output; None: unusable
@@ -62,6 +68,11 @@ class CallRecord:
         self.dev = 0
         self.profiled_peak: int | None = None  # memory='profiled': the database's peak (bytes)
         self.not_replayable: str | None = None  # why the outputs cannot be rebuilt from specs
+        # True while a recorded call's backward has not run yet: its backward time and memory are
+        # measured then. Backward charges owed meanwhile (a replay's backward that ran first, e.g.
+        # two forwards then one backward) are counted in ``owed`` and charged once it is known.
+        self.backward_pending = False
+        self.owed = 0
 
 
 class ModelTime:
@@ -100,21 +111,33 @@ class ModelTime:
             rt.say_once(f"replay off for {type(module).__name__}: {fallback_reason}; running op by op "
                         "(slower host side, same GPU time)")
         engine = rt.engine
-        mem = self.ts.memory[dev]
+        ts = self.ts
+        mem = ts.memory[dev]
         ident = identify(rt, module)
         batch = _batch_size(args, kwargs)
-        fwd_s, bwd_s = _model_times(rt, module, ident, args, kwargs, batch, dev)
-        label = ident.label if ident is not None else type(module).__name__
-        if engine is not None and fwd_s > 0:
-            # Issued when the call started (t0), not after the op-by-op forward's host time.
-            engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
+        label = ident.label
+        by_ops = ident.name is None and not ident.parts  # priced by the ops it runs
         before = mem.allocated
-        with mem.peak_scope() as scope:
-            if engine is not None:
-                with engine.charged_scope():
+        if by_ops:
+            tap = ts.open_tap()
+            try:
+                with mem.peak_scope() as scope:
                     out = orig_call(module, *args, **kwargs)
-            else:
-                out = orig_call(module, *args, **kwargs)
+            finally:
+                fwd_s = ts.close_tap(tap)
+            ident.estimates[("forward", batch, dev)] = fwd_s
+            bwd_s = None  # measured when the backward runs
+        else:
+            fwd_s, bwd_s = _model_times(rt, ident, batch, dev)
+            if engine is not None and fwd_s > 0:
+                # Issued when the call started (t0), not after the op-by-op forward's host time.
+                engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
+            with mem.peak_scope() as scope:
+                if engine is not None:
+                    with engine.charged_scope():
+                        out = orig_call(module, *args, **kwargs)
+                else:
+                    out = orig_call(module, *args, **kwargs)
         fwd_peak = scope.peak
         peak = _profiled_peak(rt, ident, batch, dev)
         if peak is not None:
@@ -143,7 +166,7 @@ class ModelTime:
             record.treespec = treespec
             record.saved_bytes = max(0, mem.allocated - before - sum(out_blocks.values()))
             record.fwd_extra = max(0, fwd_peak - mem.allocated)
-            record.fwd_seconds, record.bwd_seconds = fwd_s, bwd_s
+            record.fwd_seconds, record.bwd_seconds = fwd_s, bwd_s or 0.0
             record.label = label
             record.params = params
             record.batch = batch
@@ -161,7 +184,10 @@ class ModelTime:
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             grads = [x for x in leaves if isinstance(x, EmuTensor) and x.requires_grad]
             if grads:
-                info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev)
+                if record is not None and ok:
+                    record.backward_pending = True
+                info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev,
+                                     ident if by_ops else None, batch)
                 marked = _BackwardStart.apply(info, *grads)
                 it = iter(marked)
                 leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
@@ -179,15 +205,8 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
     return 1
 
 
-def _model_times(rt: "Runtime", module: torch.nn.Module, ident: Any, args: tuple, kwargs: dict, batch: int,
-                 dev: int) -> tuple[float, float]:
-    if ident is None:
-        return 0.0, 0.0
-    if ident.name is None and not ident.parts and ident.source == "estimated":
-        try:
-            costs.estimate_module(rt, ident, module, args, kwargs, dev)
-        except Exception:  # estimate_module never raises by contract; stay safe anyway
-            pass
+def _model_times(rt: "Runtime", ident: Any, batch: int, dev: int) -> tuple[float, float]:
+    """(forward, backward) seconds of an identified model from the profile database."""
     fwd, _ = costs.forward_seconds(rt, ident, batch, dev)
     bwd, _ = costs.backward_seconds(rt, ident, batch, dev)
     return float(fwd), float(bwd)
@@ -233,16 +252,19 @@ def _params_reached(outputs: list) -> set[int]:
 # where the backward starts
 # ----------------------------------------------------------------------------------------------
 class _BackwardInfo:
-    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev")
+    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch")
 
-    def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float, label: str, dev: int) -> None:
+    def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float | None, label: str, dev: int,
+                 ident: Any = None, batch: int = 1) -> None:
         self.owner, self.rec, self.bwd_seconds, self.label, self.dev = owner, rec, bwd_seconds, label, dev
+        self.ident, self.batch = ident, batch  # ident: priced by its ops (bwd_seconds None)
 
 
 class _BackwardStart(torch.autograd.Function):
     """Marks where the op-by-op backward of an outermost module starts: charges the module's
-    backward time, stops per-op charging, and measures the backward's peak memory until the whole
-    backward pass ends."""
+    measured backward time and stops per-op charging (a model the database knows), or sums the
+    backward's ops as they are charged (any other model); measures the backward's peak memory until
+    the whole backward pass ends."""
 
     @staticmethod
     def forward(ctx: Any, info: _BackwardInfo, *outs: torch.Tensor) -> tuple:  # type: ignore[override]
@@ -262,19 +284,34 @@ class _BackwardStart(torch.autograd.Function):
         ts = info.owner.ts
         engine = ts.engine
         mem = ts.memory[info.dev]
-        if engine is not None and info.bwd_seconds > 0:
-            engine.stream(info.dev).enqueue(info.bwd_seconds, "backward", info.label)
+        by_ops = info.bwd_seconds is None
+        tap = ts.open_tap() if by_ops else None
+        if engine is not None:
+            engine.note_backward(info.dev)  # an iteration has a backward (see end_iteration)
+            if not by_ops:
+                if info.bwd_seconds > 0:
+                    engine.stream(info.dev).enqueue(info.bwd_seconds, "backward", info.label)
+                engine.enter_charged()
         start = mem.allocated
         outer_peak = mem.peak_allocated
         mem.peak_allocated = start
-        if engine is not None:
-            engine.enter_charged()
 
         def done() -> None:
-            if engine is not None:
+            rec = info.rec
+            if by_ops:
+                seconds = ts.close_tap(tap)
+                info.ident.estimates[("backward", info.batch, info.dev)] = seconds
+                if rec is not None:
+                    rec.bwd_seconds = seconds
+            elif engine is not None:
                 engine.exit_charged()
-            if info.rec is not None:
-                info.rec.bwd_extra = max(0, mem.peak_allocated - start)
+            if rec is not None:
+                rec.bwd_extra = max(0, mem.peak_allocated - start)
+                rec.backward_pending = False
+                if rec.owed and engine is not None and rec.bwd_seconds > 0:
+                    for _ in range(rec.owed):
+                        engine.stream(info.dev).enqueue(rec.bwd_seconds, "backward", info.label)
+                rec.owed = 0
             mem.peak_allocated = max(outer_peak, mem.peak_allocated)
             mem.sample()
 

@@ -158,8 +158,10 @@ class TensorState:
     def charge(self, seconds: float, dev: int, name: str) -> None:
         """Charge ``seconds`` of GPU work named ``name`` on ``dev``'s current stream, unless a
         whole-module or optimizer charge already covers it (fast paths that replay several ops as
-        one charge)."""
+        one charge). Open cost taps of this thread count it."""
         if seconds > 0:
+            if self._taps:
+                self._tap(seconds)
             engine = self.engine
             if engine is not None and not engine.in_charged_scope:
                 engine.stream(dev).enqueue(seconds, "op", name)
@@ -178,24 +180,37 @@ class TensorState:
             for tap in self._taps:
                 tap.seconds += cost
 
-    @contextmanager
-    def cost_tap(self) -> Iterator[CostTap]:
-        """``with rt.tensors.cost_tap() as tap:`` sums in ``tap.seconds`` the GPU time of the ops
-        dispatched inside by this thread (they are still charged): how fast paths measure what a
-        call costs op by op while recording it. Nests."""
-        tap = CostTap()
+    def open_tap(self) -> CostTap:
+        """Start summing the GPU time of the ops this thread charges from now on (they are still
+        charged) until :meth:`close_tap`: how a call's cost is measured op by op while it runs
+        (also across callbacks, e.g. a whole backward pass). Taps nest."""
         me = threading.get_ident()
         if self._taps and self._tap_owner != me:
             raise RuntimeError("gpemu: cost taps of two threads at once (a fast path recorded in a thread "
                                "while another was recording)")
+        tap = CostTap()
         self._tap_owner = me
         self._taps.append(tap)
+        return tap
+
+    def close_tap(self, tap: CostTap) -> float:
+        """Stop a tap of :meth:`open_tap`; returns its seconds."""
+        try:
+            self._taps.remove(tap)
+        except ValueError:
+            pass
+        if not self._taps:
+            self._tap_owner = None
+        return tap.seconds
+
+    @contextmanager
+    def cost_tap(self) -> Iterator[CostTap]:
+        """``with rt.tensors.cost_tap() as tap:``: :meth:`open_tap` ... :meth:`close_tap`."""
+        tap = self.open_tap()
         try:
             yield tap
         finally:
-            self._taps.remove(tap)
-            if not self._taps:
-                self._tap_owner = None
+            self.close_tap(tap)
 
     # -------------------------------------------------------------- misc
     def say_once(self, message: str) -> None:

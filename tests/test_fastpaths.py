@@ -173,12 +173,18 @@ def test_grouped_gradient_memory_freed_with_the_gradients(rt) -> None:
         assert with_grads - mem.allocated == param_bytes
 
 
-def test_forward_time_starts_when_the_call_starts() -> None:
+@pytest.mark.parametrize("model_name", [None, "resnet50"])
+def test_forward_time_starts_when_the_call_starts(model_name) -> None:
+    """A replayed call (and a measured model's recorded call) charges its forward from the moment
+    the call started, not after the emulator's own host work inside the call. (An unknown model's
+    recorded call charges its ops as they run.)"""
     clock = VirtualClock()
-    gpemu.patch(gpu="V100", summary=False, clock=clock)
+    gpemu.patch(gpu="V100", summary=False, clock=clock, model=model_name)
     try:
         model = _net()
         x = torch.zeros(16, 32, device="cuda")
+        if model_name is None:
+            model(x).sum().backward()  # the recording, priced by its ops
         torch.cuda.synchronize()
         orig = replay._outer_call
 

@@ -128,17 +128,28 @@ def test_non_tensor_outputs_fall_back(rt):
 
 
 def test_outermost_module_owns_forward_and_backward_time(rt):
+    """An unknown model is priced by the ops it runs: the recorded call's ops are charged one by
+    one (user code runs once), and each replay charges their sums as one forward and one backward
+    span of the outermost module (inner modules are not charged separately)."""
+    from gpemu.identify import identify
+
     model = Net().cuda()
-    for _ in range(3):
-        _step(model)
+    _step(model)  # recorded: op by op
     spans = rt.recorder.spans
-    fwd = [s for s in spans if s.kind == "forward"]
-    bwd = [s for s in spans if s.kind == "backward"]
-    assert len(fwd) == 3 and len(bwd) == 3  # one per iteration: inner modules not charged
+    assert not [s for s in spans if s.kind in ("forward", "backward")]
+    recorded_ops = sum(s.end - s.start for s in spans if s.kind == "op")
+    first = len(spans)
+    for _ in range(2):
+        _step(model)
+    fwd = [s for s in spans[first:] if s.kind == "forward"]
+    bwd = [s for s in spans[first:] if s.kind == "backward"]
+    assert len(fwd) == 2 and len(bwd) == 2  # one per iteration: inner modules not charged
     assert all(s.name == fwd[0].name for s in fwd) and fwd[0].end - fwd[0].start > 0
-    # recording and replay charge the same times
-    assert fwd[0].end - fwd[0].start == pytest.approx(fwd[2].end - fwd[2].start)
-    assert bwd[0].end - bwd[0].start == pytest.approx(bwd[2].end - bwd[2].start)
+    ident = identify(rt, model)
+    forward, backward = ident.estimates[("forward", 4, 0)], ident.estimates[("backward", 4, 0)]
+    assert fwd[0].end - fwd[0].start == pytest.approx(forward) and bwd[0].end - bwd[0].start == pytest.approx(backward)
+    assert forward + backward < recorded_ops  # (the loss's own ops are outside the module)
+    assert forward + backward > 0.8 * recorded_ops
 
 
 def test_replay_memory_matches_recording(rt):
@@ -247,3 +258,53 @@ def test_unused_output_gets_no_plain_meta_gradients(rt) -> None:
             assert p.grad is None or type(p.grad) is gpemu.tensor.EmuTensor
         assert type(model.head.weight.grad) is gpemu.tensor.EmuTensor
     assert replay.replay_info()["replayed"] == 3
+
+
+def test_unknown_models_run_once_and_are_priced_by_what_ran(rt):
+    """Pricing an unknown model never runs its forward a second time (on another device or
+    otherwise): side effects and lazily built caches are a GPU run's, and the price follows the
+    ops that ran (here: the sequence length)."""
+
+    class Lazy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.calls = 0
+            self.mask = None
+
+        def forward(self, x):
+            self.calls += 1
+            if self.mask is None or self.mask.shape[0] != x.shape[1]:
+                self.mask = torch.tril(torch.ones(x.shape[1], x.shape[1], device=x.device))
+            scores = (self.proj(x) @ x.transpose(1, 2)) * self.mask
+            return scores @ x
+
+    model = Lazy().cuda()
+    out = model(torch.zeros(2, 64, 32, device="cuda"))
+    assert model.calls == 1  # ran once
+    assert model.mask.device.type == "cuda" and model.mask.is_cuda  # a device tensor, not a meta one
+    out.sum().backward()
+    from gpemu.identify import identify
+
+    ident = identify(rt, model)
+    short = ident.estimates[("forward", 2, 0)]
+    model(torch.zeros(2, 1024, 32, device="cuda")).sum().backward()  # another sequence length: recorded
+    long = ident.estimates[("forward", 2, 0)]
+    assert long > 4 * short  # 16x the tokens, quadratic attention-like products
+
+
+def test_two_forwards_then_one_backward_charge_both_backwards(rt):
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    x = torch.zeros(16, 64, device="cuda")
+    first, second = model(x), model(x)  # recorded, then replayed before the recording's backward
+    torch.cuda.synchronize()
+    before = len(rt.recorder.spans)
+    (first.sum() + second.sum()).backward()
+    torch.cuda.synchronize()
+    backward = [s for s in rt.recorder.spans[before:] if s.kind == "backward"]
+    from gpemu.identify import identify
+
+    measured = identify(rt, model).estimates[("backward", 16, 0)]
+    assert len(backward) == 1 and backward[0].end - backward[0].start == pytest.approx(measured)
+    # and the recording's own backward ops were charged as they ran
+    assert sum(s.end - s.start for s in rt.recorder.spans[before:] if s.kind == "op") >= measured

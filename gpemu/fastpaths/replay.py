@@ -429,7 +429,14 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
     R = rec.state
     ts = R.ts
     mem = ts.memory[rec.dev]
-    _charge(rec.bwd_seconds, "backward", rec)
+    if rec.backward_pending:
+        # The recording's backward has not run yet (two forwards, then one backward): its time is
+        # not known; it is charged when the recording's backward has measured it.
+        rec.owed += 1
+        if ts.engine is not None:
+            ts.engine.note_backward(rec.dev)
+    else:
+        _charge(rec.bwd_seconds, "backward", rec)
     result: list[Any] = [None, None, None]
     needs = ctx.needs_input_grad[3:]
     specs = ctx.specs
