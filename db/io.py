@@ -137,7 +137,10 @@ def _write_csv(path: Path, header: list[str], rows: Iterable[list[Any]]) -> None
 
 # ---------------------------------------------------------------------------------- import
 def import_path(db: ProfileDB, path: str | Path) -> ImportReport:
-    """Import a JSON export, a CSV export directory, or one measurements CSV file."""
+    """Import a JSON export, a CSV export directory, or one measurements CSV file.
+
+    A file that cannot be read as one of these is a ValueError naming what is wrong; inside a
+    readable file every bad row is rejected on its own (see :class:`ImportReport`)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"nothing to import: {path} does not exist (give a .json export, a CSV export "
@@ -145,26 +148,59 @@ def import_path(db: ProfileDB, path: str | Path) -> ImportReport:
     if path.is_dir():
         sections = _read_csv_dir(path)
     elif path.suffix.lower() == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-            raise ValueError(f"{path} is not a gpemu profile database export (expected \"format\": \"{FORMAT_NAME}\")")
-        meas = data.get("measurements") or {"columns": MEASUREMENT_COLUMNS, "rows": []}
-        cols = meas.get("columns", [])
-        sections = {
-            "gpus": [(f"{path.name} gpus #{i}", g) for i, g in enumerate(data.get("gpus", []), 1)],
-            "models": [(f"{path.name} models #{i}", m) for i, m in enumerate(data.get("models", []), 1)],
-            "measurements": [(f"{path.name} measurements #{i}", dict(zip(cols, r)))
-                             for i, r in enumerate(meas.get("rows", []), 1)],
-            "distributions": [(f"{path.name} distributions #{i}", d) for i, d in enumerate(data.get("distributions", []), 1)],
-        }
+        sections = _read_json(path)
     elif path.suffix.lower() == ".csv":
         sections = {"gpus": [], "models": [], "measurements": _csv_rows(path, _parse_measurement_cells), "distributions": []}
     else:
         raise ValueError(f"cannot import {path}: expected a .json export, a CSV export directory, or a .csv file")
     return _import_sections(db, sections)
+
+
+def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a gpemu JSON export") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests JSON arrays or objects too deeply to be a gpemu export") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path} is not a gpemu profile database export (expected \"format\": \"{FORMAT_NAME}\")")
+    version = data.get("schema_version", S.SCHEMA_VERSION)
+    if version != S.SCHEMA_VERSION:
+        hint = ("it was written by a newer gpemu: upgrade gpemu (pip install -U gpemu) to import it, or export "
+                "it again with that gpemu as CSV (`gpemu db export DIR --format csv`), which this one reads"
+                if isinstance(version, int) and not isinstance(version, bool) and version > S.SCHEMA_VERSION
+                else f"this gpemu reads exports with schema_version {S.SCHEMA_VERSION}")
+        raise ValueError(f"{path} has schema_version {_quote(version)}; {hint}")
+    for name in ("gpus", "models", "distributions"):
+        if not isinstance(data.get(name, []), list):
+            raise ValueError(f"{path}: \"{name}\" must be a list of objects, got {type(data[name]).__name__}")
+    meas = data.get("measurements", {"columns": MEASUREMENT_COLUMNS, "rows": []})
+    cols = meas.get("columns") if isinstance(meas, dict) else None
+    rows = meas.get("rows", []) if isinstance(meas, dict) else None
+    if not (isinstance(cols, list) and all(isinstance(c, str) for c in cols) and isinstance(rows, list)):
+        raise ValueError(f"{path}: \"measurements\" must be an object with \"columns\" (a list of column names) "
+                         f"and \"rows\" (a list of value lists), got {_quote(meas)}")
+    return {
+        "gpus": [(f"{path.name} gpus #{i}", g) for i, g in enumerate(data.get("gpus", []), 1)],
+        "models": [(f"{path.name} models #{i}", m) for i, m in enumerate(data.get("models", []), 1)],
+        "measurements": [(f"{path.name} measurements #{i}",
+                          dict(zip(cols, r)) if isinstance(r, list) and len(r) == len(cols)
+                          else ValueError(f"a row must be a list of {len(cols)} values (the columns), got {_quote(r)}"))
+                         for i, r in enumerate(rows, 1)],
+        "distributions": [(f"{path.name} distributions #{i}", d) for i, d in enumerate(data.get("distributions", []), 1)],
+    }
+
+
+def _quote(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
@@ -185,14 +221,23 @@ def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
 
 def _csv_rows(path: Path, parse: Any) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        for line_no, cells in enumerate(reader, 2):
-            where = f"{path.name}:{line_no}"
-            try:
-                out.append((where, parse({k: v for k, v in cells.items() if k is not None})))
-            except ValueError as exc:
-                out.append((where, exc))  # reported as rejected
+    line_no = 1
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            for line_no, cells in enumerate(reader, 2):
+                where = f"{path.name}:{line_no}"
+                try:
+                    out.append((where, parse({k: v for k, v in cells.items() if k is not None})))
+                except (ValueError, RecursionError) as exc:
+                    out.append((where, exc if isinstance(exc, ValueError) else
+                                ValueError("a JSON cell nests arrays or objects too deeply")))  # reported as rejected
+    except csv.Error as exc:
+        # The reader cannot resynchronise after this (e.g. a field over its 128 KiB limit).
+        raise ValueError(f"{path.name}:{line_no + 1}: not a readable CSV file ({exc}); a gpemu export has no "
+                         "field longer than 128 KiB and no NUL bytes") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a gpemu CSV export") from None
     return out
 
 
@@ -267,7 +312,7 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
                 raise raw
             spec = GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU"))
             gpu_rows.append(gpu_row(spec))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:
             report.rejected.append(Rejected(where, f"bad GPU spec: {exc}"))
     for where, raw in sections["models"]:
         try:
@@ -275,7 +320,7 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
                 raise raw
             info = ModelInfo(**_only(raw, _MODEL_COLUMNS, "model"))
             model_rows.append(model_row(info))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:
             report.rejected.append(Rejected(where, f"bad model info: {exc}"))
     if gpu_rows or model_rows:
         with db.engine.begin() as conn:

@@ -65,8 +65,13 @@ class UnknownNameError(ValueError):
         for c in close:
             if keys[c] not in seen:
                 seen.append(keys[c])
-        hint = f"; did you mean {' or '.join(repr(s) for s in seen)}?" if seen else ""
-        super().__init__(f"unknown {what} {name!r}{hint} Valid {what}s: {', '.join(valid) or '(none)'}")
+        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:60] + "..."
+        listing = f"{what}s: {', '.join(valid) or '(none)'}"
+        if seen:
+            text = f"unknown {what} {shown}; did you mean {' or '.join(repr(s) for s in seen)}? Valid {listing}"
+        else:
+            text = f"unknown {what} {shown}; valid {listing}"
+        super().__init__(text)
         self.name = name
         self.suggestions = seen
         self.valid = valid

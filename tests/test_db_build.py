@@ -135,3 +135,101 @@ def test_unwritable_data_dir_gives_one_clear_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="cannot create the gpemu data directory"):
         ensure_default_db(blocker / "sub")
+
+
+# ---------------------------------------------------------------------------- upgrades keep user data
+_MINE = {
+    "format": "gpemu-profile-db", "schema_version": 1,
+    "gpus": [{"name": "NVIDIA GeForce RTX 3090", "aliases": ["RTX3090"], "memory_bytes": 24 << 30,
+              "fp32_flops": 35.6e12, "fp16_flops": 71e12, "memory_bandwidth": 936e9,
+              "host_link_bandwidth_pinned": 20e9, "host_link_bandwidth_pageable": 10e9, "sm_count": 82}],
+    "models": [{"name": "mynet", "class_name": "MyNet", "param_count": 1000, "param_bytes": 4000, "buffer_bytes": 0,
+                "fwd_flops_per_sample": 1e6, "fwd_bwd_flops_per_sample": 3e6, "fingerprint": None, "input_size": 32}],
+    "measurements": {"columns": ["gpu", "model", "kind", "batch_size", "value", "source"],
+                     "rows": [["RTX3090", "mynet", "forward", 8, 0.0123, "my lab"],
+                              ["V100", "resnet50", "forward", 128, 0.2, "my lab"]]},
+}
+
+
+def _gpemu(*args: str, data_dir) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPEMU_DATA_DIR": str(data_dir), "COLUMNS": "200"}
+    env.pop("GPEMU_DB", None)
+    return subprocess.run([sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_upgrade_keeps_imported_and_profiled_rows_and_says_so(tmp_path):
+    """Import rows, change data_version (what every upgrade does), run any command: still there."""
+    data = tmp_path / "data"
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps(_MINE))
+    assert _gpemu("db", "import", str(mine), data_dir=data).returncode == 0
+    path = default_db_path(data)
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE profile_limits (id INTEGER PRIMARY KEY, gpu TEXT UNIQUE, oom_batch_size INTEGER)")
+    con.execute("INSERT INTO profile_limits (gpu, oom_batch_size) VALUES ('RTX3090', 512)")
+    con.execute("UPDATE meta SET value='0000' WHERE key='data_version'")
+    con.commit()
+    con.close()
+
+    shown = _gpemu("show", "mynet", "--gpu", "RTX3090", "-b", "8", "--json", data_dir=data)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["measurements"]["forward"]["value"] == 0.0123
+    assert "rebuilt (shipped data 0000 -> " in shown.stderr
+    assert "kept 1 GPU(s), 1 model(s), 2 measurement(s), 1 row(s) of profile_limits" in shown.stderr
+    assert _meta(path)["data_version"] == data_version()
+    db = open_profile_db(EmuConfig(data_dir=str(data)))
+    assert db.lookup("V100", "resnet50", 128, "forward").value == 0.2  # the user's own measurement wins
+    shipped = open_profile_db(EmuConfig.from_env())
+    assert db.lookup("V100", "resnet50", 64, "forward") == shipped.lookup("V100", "resnet50", 64, "forward")
+    assert db.count() == shipped.count() + 1  # one new row; the other replaced a shipped one
+    con = sqlite3.connect(path)
+    assert con.execute("SELECT gpu, oom_batch_size FROM profile_limits").fetchall() == [("RTX3090", 512)]
+    con.close()
+    assert (data / "profiles.sqlite.previous").exists()  # and the old file itself is kept
+    again = _gpemu("gpus", data_dir=data)  # current now: no second rebuild, no message
+    assert again.returncode == 0 and "rebuilt" not in again.stderr and "RTX3090" in again.stdout
+
+
+@pytest.mark.parametrize("damage", ["DROP TABLE meta", "UPDATE meta SET value='0' WHERE key='schema_version'"])
+def test_unreadable_meta_or_other_schema_rebuilds_without_losing_rows(tmp_path, damage):
+    path = ensure_default_db(tmp_path)
+    db = open_url(f"sqlite:///{path}")
+    from gpemu.db.io import import_path
+
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps(_MINE))
+    assert import_path(db, mine).rejected == []
+    db.close()
+    con = sqlite3.connect(path)
+    con.execute(damage)
+    con.commit()
+    con.close()
+    ensure_default_db(tmp_path)
+    db = open_profile_db(EmuConfig(data_dir=str(tmp_path)))
+    assert db.lookup("RTX3090", "mynet", 8, "forward").value == 0.0123
+    assert _meta(path)["schema_version"] == "1"
+
+
+def test_a_file_that_is_not_a_database_is_kept_aside_and_reported(tmp_path, capsys):
+    path = default_db_path(tmp_path)
+    path.write_bytes(b"SQLite format 3\x00 but then garbage" * 100)
+    ensure_default_db(tmp_path)
+    err = capsys.readouterr().err
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("profiles.sqlite.unreadable-")]
+    assert len(kept) == 1 and kept[0].read_bytes().startswith(b"SQLite format 3\x00 but then garbage")
+    assert "could not be read" in err and "nothing was carried over" in err and str(kept[0]) in err
+    assert open_profile_db(EmuConfig(data_dir=str(tmp_path))).count() == open_profile_db(EmuConfig.from_env()).count()
+
+
+def test_changed_shipped_gpu_is_replaced_and_named(tmp_path, capsys):
+    path = ensure_default_db(tmp_path)
+    con = sqlite3.connect(path)
+    con.execute("UPDATE gpus SET sm_count = 1 WHERE name LIKE '%V100%'")
+    con.execute("UPDATE meta SET value='0000' WHERE key='data_version'")
+    con.commit()
+    con.close()
+    ensure_default_db(tmp_path)
+    err = capsys.readouterr().err
+    assert "replaces your versions of Tesla V100-PCIE-32GB" in err and "kept no rows of your own" in err
+    assert open_profile_db(EmuConfig(data_dir=str(tmp_path))).gpu("V100").sm_count == 80

@@ -6,9 +6,10 @@ default SQLite database (built from the shipped data on first use).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -33,6 +34,31 @@ def _open(db_url: str | None) -> Any:
     from gpemu.db import open_profile_db
 
     return open_profile_db(_config(db_url))
+
+
+def _one_line_errors(command: Callable[..., None]) -> Callable[..., None]:
+    """A database or file that fails mid-command is one line (no password), not a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        try:
+            command(*args, **kwargs)
+        except SQLAlchemyError as exc:
+            from gpemu.db import db_location
+            from gpemu.db.build import describe_error
+
+            ctx = click.get_current_context()
+            if (ctx.find_root().obj or {}).get("debug"):
+                raise
+            raise UserError(describe_error(db_location(_config(kwargs.get("db_url"))), exc)) from None
+        except OSError as exc:
+            if exc.filename is None:
+                raise
+            raise UserError(f"{exc.filename}: {exc.strerror}") from None
+
+    return run
 
 
 def _table(title: str, columns: list[tuple[str, str]]) -> Any:
@@ -64,6 +90,7 @@ def format_value(value: float, unit: str) -> str:
 @click.command("gpus")
 @_db_option
 @_json_option
+@_one_line_errors
 def gpus(db_url: str | None, as_json: bool) -> None:
     """List the GPUs the profile database knows, with their datasheet facts."""
     specs = _open(db_url).gpus()
@@ -88,6 +115,7 @@ def gpus(db_url: str | None, as_json: bool) -> None:
 @click.command("models")
 @_db_option
 @_json_option
+@_one_line_errors
 def models(db_url: str | None, as_json: bool) -> None:
     """List the models the profile database knows (class and parameter count identify them)."""
     infos = _open(db_url).models()
@@ -110,6 +138,7 @@ def models(db_url: str | None, as_json: bool) -> None:
 @click.option("--batch-size", "-b", required=True, type=click.IntRange(min=1), help="Batch size (integer >= 1).")
 @_db_option
 @_json_option
+@_one_line_errors
 def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: bool) -> None:
     """Show every measurement kind for MODEL on a GPU at a batch size, with its provenance
     (measured, interpolated between profiled batch sizes, or extrapolated beyond them)."""
@@ -142,13 +171,24 @@ def db() -> None:
 
 @db.command("path")
 @_db_option
+@_one_line_errors
 def db_path(db_url: str | None) -> None:
     """Print the database URL in use (and whether the default file is built yet)."""
     from gpemu.db import db_location
 
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from gpemu.units import redact_url
+
     cfg = _config(db_url)
     url = db_location(cfg)
-    click.echo(url)
+    try:
+        make_url(url)
+    except ArgumentError:
+        raise UserError(f"--db {redact_url(url)!r} is not a SQLAlchemy URL; use e.g. sqlite:////path/to/profiles.sqlite "
+                        "or postgresql+psycopg://user@host/db") from None
+    click.echo(redact_url(url))
     if not cfg.db_url:
         from gpemu.db.build import default_db_path
 
@@ -159,6 +199,7 @@ def db_path(db_url: str | None) -> None:
 @db.command("init")
 @click.option("--force", is_flag=True, help="Rebuild the default database even if it is current.")
 @_db_option
+@_one_line_errors
 def db_init(force: bool, db_url: str | None) -> None:
     """Build the default database from the shipped data, or load the shipped data into --db URL."""
     cfg = _config(db_url)
@@ -187,6 +228,7 @@ def db_init(force: bool, db_url: str | None) -> None:
 @click.option("--gpu", "gpu_names", multiple=True, help="Only this GPU (repeatable).")
 @click.option("--model", "model_names", multiple=True, help="Only this model (repeatable).")
 @_db_option
+@_one_line_errors
 def db_export(path: Path, fmt: str | None, gpu_names: tuple[str, ...], model_names: tuple[str, ...],
               db_url: str | None) -> None:
     """Write the database (or part of it) to PATH as JSON or CSV."""
@@ -201,6 +243,7 @@ def db_export(path: Path, fmt: str | None, gpu_names: tuple[str, ...], model_nam
 @click.argument("path", type=click.Path(exists=True, dir_okay=True, file_okay=True, path_type=Path))
 @click.option("--show-rejected", default=20, show_default=True, help="How many rejected rows to list.")
 @_db_option
+@_one_line_errors
 def db_import(path: Path, show_rejected: int, db_url: str | None) -> None:
     """Import a `gpemu db export` (JSON file or CSV directory) or a measurements CSV file.
 
@@ -215,7 +258,8 @@ def db_import(path: Path, show_rejected: int, db_url: str | None) -> None:
     if report.rejected:
         click.echo(f"rejected {len(report.rejected)} rows:", err=True)
         for r in report.rejected[:show_rejected]:
-            click.echo(f"  {r.where}: {r.reason}", err=True)
+            reason = r.reason if len(r.reason) <= 300 else r.reason[:300] + "..."
+            click.echo(f"  {r.where}: {reason}", err=True)
         if len(report.rejected) > show_rejected:
             click.echo(f"  ... and {len(report.rejected) - show_rejected} more", err=True)
         raise click.exceptions.Exit(1)
