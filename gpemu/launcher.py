@@ -56,12 +56,12 @@ def _validate(config: EmuConfig) -> None:
     try:
         db = open_profile_db(config)
     except ValueError:
-        raise
-    except Exception as exc:  # SQLAlchemy: bad URL, missing driver, unreachable server
-        raise ConfigError(
-            f"cannot open the profile database {config.db_url or '(default)'}: {type(exc).__name__}: {exc}. "
-            "--db takes a SQLAlchemy URL such as sqlite:////path/to/gpemu.db or postgresql://host/db"
-        ) from None
+        raise  # gpemu.db's own errors: one line, the password redacted
+    except Exception as exc:  # anything SQLAlchemy raised past it: same treatment
+        from gpemu.db import db_location
+        from gpemu.db.build import describe_error
+
+        raise ConfigError(describe_error(db_location(config), exc)) from None
     for name in config.gpus_per_device:
         db.gpu(name)  # UnknownNameError (a ValueError) suggests the close match
     if config.model:
