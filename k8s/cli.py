@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from typing import Any, Callable
 
 import click
 
@@ -17,6 +19,21 @@ _DIR_OPTION = click.option(
     "--dir", "directory", default=DEFAULT_DEVICE_DIR, show_default=True,
     type=click.Path(file_okay=False), help="The node's emuGPU directory.",
 )
+
+
+def _one_line_errors(command: Callable[..., None]) -> Callable[..., None]:
+    """A directory or socket the command cannot use is one line, not a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except OSError as exc:
+            if exc.filename is None:
+                raise
+            raise UserError(f"{exc.filename}: {exc.strerror}") from None
+
+    return run
 
 
 @click.group()
@@ -40,6 +57,7 @@ def devices() -> None:
 @click.option("--replace", is_flag=True,
               help="Make the directory hold exactly these emuGPUs (indices 0..count-1); unchanged files are not rewritten.")
 @_DIR_OPTION
+@_one_line_errors
 def create_cmd(gpu: str, count: int, replace: bool, directory: str) -> None:
     """Create emuGPU files of one GPU model (added after existing ones unless --replace)."""
     try:
@@ -55,6 +73,7 @@ def create_cmd(gpu: str, count: int, replace: bool, directory: str) -> None:
 @click.option("--share-manager-args", "share_args", is_flag=True,
               help="Print `--device emugpu-0=V100 ...` for `gpemu share-manager` (healthy emuGPUs only).")
 @_DIR_OPTION
+@_one_line_errors
 def list_cmd(as_json: bool, share_args: bool, directory: str) -> None:
     """List the emuGPUs in the directory, with the health the plugin would advertise."""
     found = scan_devices(directory)
@@ -94,6 +113,7 @@ def list_cmd(as_json: bool, share_args: bool, directory: str) -> None:
 @click.argument("ids", nargs=-1)
 @click.option("--all", "remove_all", is_flag=True, help="Remove every emuGPU in the directory.")
 @_DIR_OPTION
+@_one_line_errors
 def remove_cmd(ids: tuple[str, ...], remove_all: bool, directory: str) -> None:
     """Remove emuGPUs by id (e.g. emugpu-3), or --all. The plugin advertises them Unhealthy, then drops them."""
     if bool(ids) == remove_all:
@@ -114,20 +134,89 @@ def remove_cmd(ids: tuple[str, ...], remove_all: bool, directory: str) -> None:
 @click.option("--device-plugin-dir", help="The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins].")
 @click.option("--resource-name", help="Extended resource to advertise [default: gpemu.io/emugpu].")
 @click.option("--replicas", type=int, help="Time-slicing: advertise each emuGPU this many times.")
-@click.option("--sharing", help="amqp:// URL of the node's sharing manager, given to containers as GPEMU_SHARING.")
+@click.option("--sharing", help="amqp://USER@HOST:PORT/VHOST of the node's sharing manager, given to containers as "
+                                "GPEMU_SHARING (the password goes to each container's credentials file).")
+@click.option("--sharing-password-file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The broker password of the jobs' user, read from FILE (or $GPEMU_SHARING_PASSWORD).")
+@click.option("--sharing-password", envvar="GPEMU_SHARING_PASSWORD", hidden=True, default=None)
+@click.option("--job-secret-file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The sharing manager's job secret: each container gets its own key derived from it.")
+@click.option("--credentials-dir", help="Where per-container sharing credentials are written "
+                                        "[default: /var/lib/gpemu/credentials].")
+@click.option("--host-credentials-dir", help="The same directory as the node sees it (mount source).")
 @click.option("--state-dir", help="Where the allocation record is kept [default: the device-plugin directory].")
 @click.option("--poll-interval", type=float, help="Seconds between scans of the emuGPU directory [default: 1].")
 @click.option("--removed-grace", type=float, help="Seconds a removed emuGPU stays advertised Unhealthy [default: 30].")
-def plugin_cmd(config_path: str | None, **flags: object) -> None:
+@_one_line_errors
+def plugin_cmd(config_path: str | None, sharing_password_file: str | None, sharing_password: str | None,
+               job_secret_file: str | None, **flags: object) -> None:
     """Run the emuGPU device plugin (registers with the kubelet; serves until SIGTERM)."""
+    from gpemu.integrations.sharing.cli import read_secret_file, resolve_amqp_url
+
     from .plugin import EmuGpuPlugin, PluginOptions, load_plugin_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = {"poll_interval": "poll_interval_s", "removed_grace": "removed_grace_s"}
     options = load_plugin_config(config_path) if config_path else PluginOptions()
     changes = {names.get(k, k): v for k, v in flags.items() if v is not None}
+    if sharing_password_file:
+        changes["sharing_password"] = read_secret_file(sharing_password_file, "broker password").decode()
+    elif sharing_password:
+        changes["sharing_password"] = sharing_password
+    if job_secret_file:
+        changes["job_secret"] = read_secret_file(job_secret_file, "job secret")
     if changes:
         from dataclasses import replace
 
         options = replace(options, **changes)
+    if options.sharing:
+        resolve_amqp_url(options.sharing, options.sharing_password, None, "--sharing")  # one clear line if bad
     EmuGpuPlugin(options).run_forever()
+
+
+@k8s.command("secrets")
+@click.option("--dir", "directory", default="/var/lib/gpemu/secrets", show_default=True,
+              type=click.Path(file_okay=False), help="The node's root-only secrets directory.")
+@click.option("--broker-config-dir", type=click.Path(file_okay=False), default=None,
+              help="Also write RabbitMQ's gpemu.conf and definitions.json (the two users) here.")
+@_one_line_errors
+def secrets_cmd(directory: str, broker_config_dir: str | None) -> None:
+    """Make the node's sharing secrets once (broker passwords, job secret); never prints them."""
+    from .secrets import ensure_secrets, write_broker_config
+
+    made = ensure_secrets(directory)
+    new = [name for name, created in made.items() if created]
+    click.echo(f"secrets in {directory}: " + (f"created {', '.join(new)}" if new else "all present, kept"))
+    if broker_config_dir:
+        conf, defs = write_broker_config(directory, broker_config_dir)
+        click.echo(f"broker config: {conf}, {defs}")
+
+
+@k8s.command("probe")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The plugin's YAML config (the socket's name follows its resource name).")
+@click.option("--device-plugin-dir", default=None, help="The kubelet's device-plugin directory "
+                                                          "[default: /var/lib/kubelet/device-plugins].")
+@click.option("--timeout", default=3.0, show_default=True, type=float, help="Seconds to wait for an answer.")
+def probe_cmd(config_path: str | None, device_plugin_dir: str | None, timeout: float) -> None:
+    """Liveness check: ask the plugin on its socket for its options (exit 0 when it answers)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import grpc
+
+    from . import api_pb2, api_pb2_grpc
+    from .plugin import PluginOptions, load_plugin_config
+
+    options = load_plugin_config(config_path) if config_path else PluginOptions()
+    if device_plugin_dir:
+        options = replace(options, device_plugin_dir=device_plugin_dir)
+    socket = Path(options.device_plugin_dir) / options.endpoint
+    if not socket.exists():
+        raise UserError(f"no plugin socket at {socket}")
+    try:
+        with grpc.insecure_channel(f"unix://{socket}") as channel:
+            api_pb2_grpc.DevicePluginStub(channel).GetDevicePluginOptions(api_pb2.Empty(), timeout=timeout)
+    except grpc.RpcError as exc:
+        raise UserError(f"the plugin on {socket} did not answer: {exc.code().name}") from None
+    click.echo(f"ok: {socket}")

@@ -19,7 +19,18 @@ also deletes every plugin socket when it starts) or the plugin's own socket disa
 restarts the gRPC server and registers again. Device ids are derived from the files alone
 (``emugpu-<index>`` or ``emugpu-<index>::<replica>``), so a restarted plugin advertises the same
 ids and the kubelet's checkpointed allocations of running pods stay valid; every allocation is
-also recorded in ``gpemu-allocations.json`` in the state directory and reloaded at start.
+also recorded in ``gpemu-allocations.json`` in the state directory and reloaded at start. A socket
+left behind by a killed plugin is removed when the plugin starts.
+
+Sharing credentials: with a sharing manager configured, ``Allocate`` gives each container its
+own job id and key (derived from the manager's job secret, so the manager needs no list of
+them) and the broker password, in a file mounted read-only as ``sharing.json`` next to the
+emuGPU files; ``GPEMU_SHARING`` holds the broker URL without a password. Nothing secret goes
+into the environment, the allocation record or the log.
+
+Hostile input: every RPC checks sizes before looking anything up (at most 64 containers per
+request, 4096 ids per container, 128 characters per id) and quotes at most a few dozen
+characters of what it refuses; preferred allocations only ever name advertised ids.
 """
 
 from __future__ import annotations
@@ -28,10 +39,11 @@ import json
 import logging
 import os
 import re
+import secrets
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,6 +65,8 @@ __all__ = [
     "CONTAINER_DEVICE_DIR",
     "HEALTHY",
     "UNHEALTHY",
+    "MAX_ID_LEN",
+    "MAX_IDS",
 ]
 
 log = logging.getLogger("gpemu.k8s.plugin")
@@ -66,6 +80,15 @@ ALLOCATION_RECORD = "gpemu-allocations.json"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 REPLICA_SEP = "::"
+DEFAULT_CREDENTIALS_DIR = "/var/lib/gpemu/credentials"
+CREDENTIALS_KEEP = 1000  # per-container credential files kept (the oldest are removed)
+# Input limits of the RPCs: far above any real node, far below what could hurt the plugin.
+MAX_ID_LEN = 128
+MAX_IDS = 4096
+MAX_CONTAINERS = 64
+# gRPC's own limit on a request; kept above a megabyte so an oversized id reaches our checks
+# and gets INVALID_ARGUMENT with a short message instead of a transport error.
+MAX_MESSAGE_BYTES = 4 << 20
 _RESOURCE_RE = re.compile(
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
@@ -94,8 +117,16 @@ class PluginOptions:
     rename_by_default: bool = False
     # NVIDIA's failRequestsGreaterThanOne: refuse asking for more than one shared emuGPU.
     fail_requests_greater_than_one: bool = False
-    # amqp:// URL of the node's sharing manager, handed to containers as GPEMU_SHARING.
+    # amqp:// URL of the node's sharing manager, handed to containers as GPEMU_SHARING (any
+    # password in it goes to the containers' credentials file instead).
     sharing: str | None = None
+    # The broker password of the jobs' user (from --sharing-password-file / $GPEMU_SHARING_PASSWORD).
+    sharing_password: str | None = field(default=None, repr=False)
+    # The sharing manager's job secret: each container's key is derived from it and its job id.
+    job_secret: bytes | None = field(default=None, repr=False)
+    # Per-container credential files, as the plugin sees the directory and as the node does.
+    credentials_dir: str = DEFAULT_CREDENTIALS_DIR
+    host_credentials_dir: str | None = None
     # Where the allocation record is kept (default: the device-plugin directory).
     state_dir: str | None = None
     poll_interval_s: float = 1.0
@@ -114,6 +145,19 @@ class PluginOptions:
             raise PluginConfigError(f"sharing must be an amqp:// or amqps:// URL, got {redact_url(self.sharing)!r}")
         if not self.poll_interval_s > 0 or self.removed_grace_s < 0:
             raise PluginConfigError("poll interval must be > 0 s and the removal grace period >= 0 s")
+
+    def __repr__(self) -> str:  # never print a secret (logs, tracebacks)
+        from dataclasses import fields
+
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "sharing" and value:
+                value = redact_url(value)
+            elif f.name in ("sharing_password", "job_secret") and value is not None:
+                value = "<hidden>"
+            shown.append(f"{f.name}={value!r}")
+        return f"PluginOptions({', '.join(shown)})"
 
     @property
     def advertised_resource(self) -> str:
@@ -301,10 +345,12 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             path = self.socket_path
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                path.unlink()
+                path.unlink()  # a killed plugin's socket: binding would fail with EADDRINUSE
+                log.info("removed the stale socket %s", path)
             except FileNotFoundError:
                 pass
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpemu-dp"))
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpemu-dp"),
+                                 options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
             api_pb2_grpc.add_DevicePluginServicer_to_server(self, server)
             server.add_insecure_port(f"unix://{path}")
             server.start()
@@ -443,13 +489,23 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
         responses = []
-        for creq in request.container_requests:
-            try:
-                chosen = self._prefer(list(creq.available_deviceIDs), list(creq.must_include_deviceIDs),
-                                      creq.allocation_size)
-            except _AllocationError as exc:
-                context.abort(exc.code, exc.message)
-            responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        try:
+            _check_count(len(request.container_requests), MAX_CONTAINERS, "container requests")
+            with self._cond:
+                advertised = {d for d, _ in self._advertised_locked()}
+            for creq in request.container_requests:
+                available = _checked_ids(creq.available_deviceIDs, "available")
+                must = _checked_ids(creq.must_include_deviceIDs, "must-include")
+                unknown = [d for d in must if d not in advertised]
+                if unknown:
+                    raise _AllocationError(grpc.StatusCode.NOT_FOUND,
+                                           f"must-include id(s) {_show_ids(unknown)} are not advertised by this node")
+                # Only ids this plugin advertises may come back, whatever the request lists.
+                available = [d for d in dict.fromkeys(available) if d in advertised]
+                chosen = self._prefer(available, list(dict.fromkeys(must)), creq.allocation_size)
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        except _AllocationError as exc:
+            context.abort(exc.code, exc.message)
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
     def _prefer(self, available: list[str], must: list[str], size: int) -> list[str]:
@@ -470,7 +526,7 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         if missing or len(must) > size:
             raise _AllocationError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"must-include devices {must} must be available and at most {size}",
+                f"must-include devices {_show_ids(must)} must be available and at most {size}",
             )
         free: dict[str, list[str]] = {}
         for dev_id in available:
@@ -509,18 +565,22 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         except _AllocationError as exc:
             log.warning("Allocate refused: %s", exc.message)
             context.abort(exc.code, exc.message)
+        except OSError as exc:  # the credentials directory: the node's problem, said once, plainly
+            log.error("Allocate failed: %s: %s", exc.filename, exc.strerror)
+            context.abort(grpc.StatusCode.INTERNAL, f"the device plugin cannot write {exc.filename}: {exc.strerror}")
         return response
 
     def allocate(self, request: api_pb2.AllocateRequest) -> api_pb2.AllocateResponse:
         """Build the containers' mounts and environment; _AllocationError for bad requests."""
+        _check_count(len(request.container_requests), MAX_CONTAINERS, "container requests")
+        containers = [_checked_ids(c.devices_ids, "device") for c in request.container_requests]
         responses = []
         with self._cond:
             advertised = dict(self._advertised_locked())
             states = dict(self._devices)
-        for creq in request.container_requests:
-            ids = list(creq.devices_ids)
+        for ids in containers:
             responses.append(self._allocate_container(ids, advertised, states))
-        self._record([list(c.devices_ids) for c in request.container_requests], responses)
+        self._record(containers, responses)
         return api_pb2.AllocateResponse(container_responses=responses)
 
     def _allocate_container(
@@ -536,14 +596,14 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             )
         dupes = sorted({d for d in ids if ids.count(d) > 1})
         if dupes:
-            raise _AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"device id(s) listed twice: {', '.join(dupes)}")
+            raise _AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"device id(s) listed twice: {_show_ids(dupes)}")
         unknown = [d for d in ids if d not in advertised]
         if unknown:
             known = list(advertised)
             shown = ", ".join(known[:8]) + (f", ... ({len(known)} in all)" if len(known) > 8 else "")
             raise _AllocationError(
                 grpc.StatusCode.NOT_FOUND,
-                f"unknown emuGPU id(s) {', '.join(unknown)}; this node advertises: {shown or 'none'}",
+                f"unknown emuGPU id(s) {_show_ids(unknown)}; this node advertises: {shown or 'none'}",
             )
         if self.options.fail_requests_greater_than_one and self.options.replicas > 1 and len(ids) > 1:
             raise _AllocationError(
@@ -565,7 +625,8 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         return self.container_response(ids, devices)  # type: ignore[arg-type]
 
     def container_response(self, ids: list[str], devices: list[EmuGpu]) -> api_pb2.ContainerAllocateResponse:
-        """Mounts and environment for a container given these emuGPUs (deterministic)."""
+        """Mounts and environment for a container given these emuGPUs (and, with a sharing
+        manager, the container's own sharing credentials)."""
         o = self.options
         envs = {
             "GPEMU_ENABLE": "1",
@@ -574,8 +635,6 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             "GPEMU_VISIBLE_DEVICES": ",".join(d.id for d in devices),
             "GPEMU_DEVICE_DIR": o.container_device_dir,
         }
-        if o.sharing:
-            envs["GPEMU_SHARING"] = o.sharing
         mounts = [
             api_pb2.Mount(
                 container_path=str(device_file(o.container_device_dir, d.index)),
@@ -584,9 +643,51 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             )
             for d in devices
         ]
+        if o.sharing:
+            url, password = _split_password(o.sharing)
+            envs["GPEMU_SHARING"] = url
+            job_id, host_file = self._write_credentials(len(devices), o.sharing_password or password)
+            envs["GPEMU_JOB_ID"] = job_id
+            mounts.append(api_pb2.Mount(container_path=str(Path(o.container_device_dir) / _CREDENTIALS_NAME),
+                                        host_path=host_file, read_only=True))
         return api_pb2.ContainerAllocateResponse(
             envs=envs, mounts=mounts, annotations={"gpemu.io/emugpu-ids": ",".join(ids)}
         )
+
+    def _write_credentials(self, n_devices: int, password: str | None) -> tuple[str, str]:
+        """A fresh job id, its keys and the broker password in a file for one container.
+
+        Returns (job id, the file's path as the node sees it). The directory is root-only; the
+        file itself is readable once bind-mounted, whatever user the container runs as."""
+        from gpemu.integrations.sharing.protocol import derive_job_key
+
+        o = self.options
+        job_id = f"k8s-{secrets.token_hex(8)}"
+        keys = {}
+        if o.job_secret is not None:
+            # The names the sharing client uses: the job id, or "<id>.<index>" per emuGPU.
+            for name in [job_id] + [f"{job_id}.{i}" for i in range(n_devices)]:
+                keys[name] = derive_job_key(o.job_secret, name).hex()
+        directory = Path(o.credentials_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        path = directory / f"{job_id}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"job_id": job_id, "keys": keys, "amqp_password": password}, fh)
+        self._prune_credentials(directory)
+        return job_id, str(Path(o.host_credentials_dir or o.credentials_dir) / path.name)
+
+    def _prune_credentials(self, directory: Path) -> None:
+        try:
+            files = sorted(directory.glob("k8s-*.json"), key=lambda f: f.stat().st_mtime)
+        except OSError:
+            return
+        for old in files[:-CREDENTIALS_KEEP]:
+            try:
+                old.unlink()
+            except OSError:
+                pass
 
     def PreStartContainer(
         self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
@@ -626,6 +727,46 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("could not write allocation record %s: %s", path, exc)
+
+
+_CREDENTIALS_NAME = "sharing.json"  # gpemu.integrations.sharing.client.CREDENTIALS_FILE
+
+
+def _split_password(url: str) -> tuple[str, str | None]:
+    """``amqp://user:pw@host/`` -> (``amqp://user@host/``, ``pw``); the password leaves the URL."""
+    from urllib.parse import unquote
+
+    if "://" not in url or "@" not in url:
+        return url, None
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    if ":" not in creds:
+        return url, None
+    user, password = creds.split(":", 1)
+    return f"{scheme}://{user}@{host}", unquote(password)
+
+
+def _check_count(n: int, limit: int, what: str) -> None:
+    if n > limit:
+        raise _AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"{n} {what} in one call; at most {limit}")
+
+
+def _checked_ids(ids: Any, what: str) -> list[str]:
+    """The ids of one container request, refused (without echoing them) when oversized."""
+    _check_count(len(ids), MAX_IDS, f"{what} ids")
+    out = list(ids)
+    for dev_id in out:
+        if len(dev_id) > MAX_ID_LEN:
+            raise _AllocationError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"a {what} id of {len(dev_id)} characters is longer than {MAX_ID_LEN}; "
+                                   f"emuGPU ids look like emugpu-0 or emugpu-0::1")
+    return out
+
+
+def _show_ids(ids: list[str]) -> str:
+    """At most five ids of a refused request, each cut to 40 characters."""
+    shown = [d if len(d) <= 40 else d[:40] + "..." for d in ids[:5]]
+    return ", ".join(shown) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
 
 
 def _physical(dev_id: str) -> str:

@@ -102,4 +102,4 @@ def test_cli_bad_gpu_is_one_clear_line(tmp_path, capsys):
 
     assert main(["k8s", "devices", "create", "--gpu", "Z9", "--dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "unknown GPU 'Z9'" in err and "Valid GPUs:" in err and "Traceback" not in err
+    assert "unknown GPU 'Z9'; valid GPUs: A100, RTX6000" in err and "Traceback" not in err

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
-MANIFESTS = sorted(K8S.glob("*.yaml"))
+# Kubernetes objects; kustomization.yaml is kustomize's own file (checked on its own below).
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 # Oldest and newest Kubernetes minor versions the manifests are meant for.
 VERSIONS = ("1.28.0", "1.33.0")
 
@@ -68,9 +69,11 @@ def test_device_plugin_daemonset_mounts_kubelet_and_emugpu_dirs():
     ds = next(d for _, d in _docs() if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "gpemu-device-plugin")
     spec = ds["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert {"/var/lib/kubelet/device-plugins", "/var/lib/gpemu/devices"} <= host_paths
-    init = spec["initContainers"][0]["command"]
-    assert init[:5] == ["gpemu", "k8s", "devices", "create", "--replace"]
+    assert {"/var/lib/kubelet/device-plugins", "/var/lib/gpemu/devices", "/var/lib/gpemu/secrets",
+            "/var/lib/gpemu/credentials"} <= host_paths
+    inits = [c["command"] for c in spec["initContainers"]]
+    assert inits[0][:3] == ["gpemu", "k8s", "secrets"]
+    assert inits[1][:5] == ["gpemu", "k8s", "devices", "create", "--replace"]
 
 
 def test_config_map_is_a_valid_plugin_config(tmp_path):
@@ -115,18 +118,26 @@ def test_referenced_config_maps_and_secrets_exist():
             assert ("ServiceAccount", ns, spec["serviceAccountName"]) in defined
 
 
+def _commands(c: dict) -> list[list[str]]:
+    """A container's command and its probes' commands."""
+    out = [c.get("command", [])]
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        out.append(c.get(probe, {}).get("exec", {}).get("command", []))
+    return [cmd for cmd in out if cmd]
+
+
 def test_gpemu_commands_in_manifests_parse_with_the_real_cli():
-    """Every `gpemu ...` container command must be accepted by the CLI's option parser."""
+    """Every `gpemu ...` container and probe command must be accepted by the CLI's option parser."""
     from gpemu.cli import cli
 
     checked = 0
     for name, spec in _pod_specs():
-        for c in spec.get("initContainers", []) + spec["containers"]:
-            cmd = c.get("command", [])
-            if not cmd or cmd[0] != "gpemu":
+        for cmd in [cmd for c in spec.get("initContainers", []) + spec["containers"] for cmd in _commands(c)]:
+            if cmd[0] != "gpemu":
                 continue
             # $(VAR) is expanded by Kubernetes; give plausible values.
-            args = [a.replace("$(EMUGPU_COUNT)", "8").replace("$(EMUGPU_MODEL)", "V100") for a in cmd[1:]]
+            args = [a.replace("$(EMUGPU_COUNT)", "8").replace("$(EMUGPU_MODEL)", "V100").replace("$(NODE_IP)", "10.0.0.5")
+                    for a in cmd[1:]]
             cmd_obj: click.Command = cli
             ctx = click.Context(cli, info_name="gpemu", obj={})
             while isinstance(cmd_obj, click.Group):
@@ -136,14 +147,60 @@ def test_gpemu_commands_in_manifests_parse_with_the_real_cli():
                 cmd_obj, ctx = found, click.Context(found, info_name=sub, parent=ctx, obj={})
             cmd_obj.make_context(ctx.info_name, args, parent=ctx.parent)  # raises click.UsageError on bad options
             checked += 1
-    assert checked >= 3
+    assert checked >= 7
+
+
+def test_long_running_containers_have_liveness_probes():
+    for name, spec in _pod_specs():
+        if name.startswith("example-training-job"):
+            continue
+        for c in spec["containers"]:
+            probe = c.get("livenessProbe")
+            assert probe and probe.get("exec", {}).get("command"), f"{name}/{c['name']} has no liveness probe"
+            assert probe["timeoutSeconds"] < probe["periodSeconds"]
+
+
+def test_no_secret_is_committed_or_put_on_a_command_line():
+    import re
+
+    for name, doc in _docs():
+        assert doc["kind"] != "Secret", f"{name} commits a Secret ({doc['metadata']['name']})"
+    text = "\n".join(p.read_text() for p in K8S.glob("*.yaml"))
+    assert "change-me" not in text and "RABBITMQ_DEFAULT_PASS" not in text
+    for url in re.findall(r"amqps?://[^\s\"']+", text):
+        assert not re.match(r"amqps?://[^/@]*:[^/@]*@", url), f"a password in {url}"
+    assert "--amqp-password-file" in text and "--sharing-password-file" in text and "--job-secret-file" in text
+
+
+def _images() -> list[tuple[str, str]]:
+    return [(name, c["image"]) for name, spec in _pod_specs()
+            for c in spec.get("initContainers", []) + spec["containers"]]
+
+
+def test_images_are_pinned_to_full_versions_and_listed_for_kustomize():
+    import re
+
+    for name, image in _images():
+        repo, _, tag = image.partition("@")[0].rpartition(":")
+        assert "@sha256:" in image or re.fullmatch(r"\d+\.\d+\.\d+", tag), f"{name}: {image} is a mutable tag"
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    pinned = {entry["name"]: entry for entry in kustomization["images"]}
+    for name, image in _images():
+        repo, tag = image.rsplit(":", 1)
+        if name.startswith("example-training-job"):
+            continue
+        assert repo in pinned and pinned[repo].get("newTag", tag) == tag, f"{image} not pinned in kustomization.yaml"
+    node_files = {p.name for p in MANIFESTS if p.name != "example-training-job.yaml"}
+    assert set(kustomization["resources"]) == node_files
 
 
 def test_dockerfile_structure():
     from dockerfile_parse import DockerfileParser
 
+    import re
+
     df = DockerfileParser(path=str(K8S / "Dockerfile"))
-    assert df.baseimage == "python:3.11-slim"
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", df.baseimage), df.baseimage  # a full version
     known = {"FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "CMD", "ENTRYPOINT", "LABEL", "ARG", "COMMENT"}
     instructions = [item["instruction"] for item in df.structure]
     assert set(instructions) <= known, set(instructions) - known
@@ -157,3 +214,5 @@ def test_dockerfile_structure():
     users = [item["value"] for item in df.structure if item["instruction"] == "USER"]
     assert users and users[-1] not in ("root", "0"), "the image should not run as root by default"
     assert "CMD" in instructions or "ENTRYPOINT" in instructions
+    # Nothing world-writable: no chmod granting "other" write, no 777/666 modes.
+    assert not re.search(r"chmod\s+(-R\s+)?(a\+[rwxX]*w|o\+[rwxX]*w|[0-7]?[0-7][0-7][2367]\b)", runs), runs

@@ -77,8 +77,11 @@ def test_registers_and_lists_devices(devices, kubelet, start_plugin):
     assert any("Register: resource=gpemu.io/emugpu" in line and "version=v1beta1" in line for line in kubelet.lines)
 
 
-def test_allocate_mounts_device_files_and_sets_environment(devices, kubelet, start_plugin):
-    start_plugin(host_device_dir="/host/gpemu/devices", sharing="amqp://gpemu:secret@10.0.0.5:5672/%2F")
+def test_allocate_mounts_device_files_and_sets_environment(node, devices, kubelet, start_plugin):
+    secret = b"j" * 32
+    plugin = start_plugin(host_device_dir="/host/gpemu/devices", sharing="amqp://gpemu-jobs:s3cret@10.0.0.5:5672/%2F",
+                          job_secret=secret, credentials_dir=str(node / "creds"),
+                          host_credentials_dir="/host/gpemu/credentials")
     ids, resp = kubelet.allocate(RES, 2)
     assert len(ids) == 2 and len(set(ids)) == 2
     env = dict(resp.envs)
@@ -86,17 +89,41 @@ def test_allocate_mounts_device_files_and_sets_environment(devices, kubelet, sta
     assert sorted(visible) == sorted(ids)
     assert env["GPEMU_GPUS"] == "V100,V100" and env["GPEMU_NUM_GPUS"] == "2"
     assert env["GPEMU_DEVICE_DIR"] == "/var/run/gpemu/devices" and env["GPEMU_ENABLE"] == "1"
-    assert env["GPEMU_SHARING"] == "amqp://gpemu:secret@10.0.0.5:5672/%2F"
-    assert [m.container_path for m in resp.mounts] == [f"/var/run/gpemu/devices/{i}.json" for i in visible]
-    assert [m.host_path for m in resp.mounts] == [f"/host/gpemu/devices/{i}.json" for i in visible]
+    # The broker URL without its password; the password and the container's own key are in a file.
+    assert env["GPEMU_SHARING"] == "amqp://gpemu-jobs@10.0.0.5:5672/%2F"
+    job_id = env["GPEMU_JOB_ID"]
+    device_mounts, creds = resp.mounts[:-1], resp.mounts[-1]
+    assert [m.container_path for m in device_mounts] == [f"/var/run/gpemu/devices/{i}.json" for i in visible]
+    assert [m.host_path for m in device_mounts] == [f"/host/gpemu/devices/{i}.json" for i in visible]
+    assert (creds.container_path, creds.host_path) == ("/var/run/gpemu/devices/sharing.json",
+                                                       f"/host/gpemu/credentials/{job_id}.json")
     assert all(m.read_only for m in resp.mounts)
     assert not resp.devices  # emuGPUs are files, not device nodes
-    # The environment is what EmuConfig reads in the container.
+    written = node / "creds" / f"{job_id}.json"
+    data = json.loads(written.read_text())
+    from gpemu.integrations.sharing.protocol import derive_job_key
+
+    assert data["amqp_password"] == "s3cret" and data["job_id"] == job_id
+    assert data["keys"] == {n: derive_job_key(secret, n).hex() for n in (job_id, f"{job_id}.0", f"{job_id}.1")}
+    assert oct(written.stat().st_mode & 0o777) == "0o444" and oct((node / "creds").stat().st_mode & 0o777) == "0o700"
+    # A second container gets its own job id and key; nothing secret in the record or the env.
+    _, other = kubelet.allocate(RES, 1)
+    assert other.envs["GPEMU_JOB_ID"] != job_id
+    record = (node / "dp" / "gpemu-allocations.json").read_text()
+    assert "s3cret" not in record and secret.hex() not in record and data["keys"][job_id] not in record
+    assert "s3cret" not in repr(plugin.options) and "jjjj" not in repr(plugin.options)
+    # The environment is what EmuConfig reads in the container, the file what the client reads.
     from gpemu.config import EmuConfig
+    from gpemu.integrations.sharing.client import load_job_credentials
 
     cfg = EmuConfig.from_env(env)
     assert cfg.gpus_per_device == ("V100", "V100") and cfg.visible_devices == tuple(visible)
     assert cfg.sharing and cfg.device_dir == "/var/run/gpemu/devices"
+    (node / "ctr").mkdir()
+    (node / "ctr" / "sharing.json").write_text(written.read_text())
+    loaded = load_job_credentials(node / "ctr")
+    assert loaded.job_id == job_id and loaded.keys[job_id] == derive_job_key(secret, job_id)
+    assert "s3cret" not in repr(loaded)
 
 
 def test_allocate_without_host_dir_mounts_plugin_dir_and_no_sharing(devices, kubelet, start_plugin):
@@ -303,3 +330,67 @@ def test_preferred_allocation_keeps_a_container_on_one_gpu_model(node, kubelet, 
     assert ids[0] == "emugpu-0" and len(set(ids)) == 2
     ids, resp = kubelet.allocate(RES, 3)
     assert resp.envs["GPEMU_GPUS"] == "V100,V100,V100"
+
+
+def test_oversized_ids_are_refused_without_being_echoed(devices, kubelet, start_plugin):
+    start_plugin()
+    ep = kubelet.plugin(RES)
+    huge = "emugpu-" + "9" * (1 << 20)  # a 1 MB device id
+    for call in (lambda: kubelet.allocate_ids(RES, [huge]),
+                 lambda: ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+                     api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=[huge, "emugpu-0"],
+                                                                 allocation_size=1)]))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "longer than 128" in err.value.details() and len(err.value.details()) < 300
+    many = [f"emugpu-{i}" for i in range(5000)]
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate_ids(RES, many)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 4096" in err.value.details()
+    assert kubelet.allocate(RES, 1)[0]  # still serving
+
+
+def test_preferred_allocation_names_only_advertised_ids(devices, kubelet, start_plugin):
+    start_plugin()
+    ep = kubelet.plugin(RES)
+    bogus = ["emugpu-99", "not-ours", "emugpu-0::7"]
+    pref = ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=bogus + ["emugpu-2", "emugpu-3"],
+                                                    allocation_size=2)]))
+    assert sorted(pref.container_responses[0].deviceIDs) == ["emugpu-2", "emugpu-3"]
+    with pytest.raises(grpc.RpcError) as err:  # only bogus ids available: nothing to offer
+        ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+            api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=bogus, allocation_size=1)]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "only 0 are available" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+            api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=["emugpu-1"],
+                                                        must_include_deviceIDs=["not-ours"], allocation_size=1)]))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "not-ours" in err.value.details()
+
+
+def test_a_killed_plugins_socket_is_replaced_at_start(node, devices, kubelet, start_plugin):
+    """kill -9 of `gpemu k8s plugin` leaves its socket; the next plugin removes it and serves."""
+    import signal
+    import subprocess
+
+    code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "k8s", "plugin", "--device-dir", str(devices),
+                             "--device-plugin-dir", str(node / "dp"), "--poll-interval", "0.05"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        kubelet.wait_for(lambda: RES in kubelet.plugins, 60, "the plugin process to register")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    sock = node / "dp" / "gpemu.io-emugpu.sock"
+    assert sock.is_socket()  # left behind
+    old = kubelet.plugins[RES]
+    start_plugin()
+    kubelet.wait_for(lambda: kubelet.plugins[RES] is not old and kubelet.plugins[RES].updates > 0, 10,
+                     "the new plugin to register on a fresh socket")
+    assert kubelet.allocate(RES, 1)[0]
+    probe = subprocess.run([sys.executable, "-c", code, "k8s", "probe", "--device-plugin-dir", str(node / "dp")],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0 and "ok:" in probe.stdout
