@@ -46,8 +46,8 @@ def purge(broker):
 
 class ThreadManager:
     def __init__(self, url: str, policy: str = "round-robin", capacity: int = 16 * GiB, lease: float = LEASE,
-                 **kw) -> None:
-        self.m = SharingManager(url, [DeviceSpec("0", "P100", capacity)], policy, lease_s=lease,
+                 device: str = "0", **kw) -> None:
+        self.m = SharingManager(url, [DeviceSpec(device, "P100", capacity)], policy, lease_s=lease,
                                 status_interval_s=0.2, reconnect_s=0.2, **kw)
         self.t = threading.Thread(target=self.m.serve_forever, daemon=True)
         self.t.start()
@@ -746,3 +746,54 @@ def test_manager_survives_hypothesis_generated_messages_while_a_good_job_is_serv
         stop.set()
         conn.close()
         mgr.stop()
+
+
+def test_kubernetes_allocate_gives_each_container_credentials_that_work(broker, purge, jobs_url, tmp_path, caplog):
+    """The device plugin's Allocate (over real gRPC) hands a container its job id, key and the
+    jobs' broker password; an unmodified script under gpemu.patch() then shares the emuGPU with
+    them through the restricted user, against a manager that derives keys from the job secret."""
+    import shutil
+    import tempfile
+
+    from kubelet_standin import KubeletStandIn
+
+    from gpemu.k8s.devices import create_devices
+    from gpemu.k8s.plugin import EmuGpuPlugin, PluginOptions
+
+    caplog.set_level("INFO", logger="gpemu.sharing.manager")
+    secret = b"node-job-secret-" * 2
+    user, password = jobs_url.split("://", 1)[1].split("@", 1)[0].split(":", 1)
+    root = Path(tempfile.mkdtemp(prefix="gpk-", dir="/tmp"))  # short: Unix socket paths
+    create_devices(root / "dev", "P100", 1)
+    kubelet = KubeletStandIn(root / "dp", echo=False).start()
+    plugin = EmuGpuPlugin(PluginOptions(
+        device_dir=str(root / "dev"), device_plugin_dir=str(root / "dp"), poll_interval_s=0.05,
+        sharing=f"amqp://{user}@127.0.0.1:{broker.port}/%2F", sharing_password=password, job_secret=secret,
+        credentials_dir=str(root / "creds"))).start()
+    mgr = ThreadManager(broker.url, job_secret=secret, lease=10.0, device="emugpu-0")  # named as on the node
+    try:
+        _ids, resp = kubelet.allocate("gpemu.io/emugpu", 1)
+        envs = dict(resp.envs)
+        assert password not in json.dumps(envs)
+        container_dir = tmp_path / "ctr"  # where the mounts would appear in the container
+        container_dir.mkdir()
+        for m in resp.mounts:
+            shutil.copy(m.host_path, container_dir / Path(m.container_path).name)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPEMU_") or k == "GPEMU_DATA_DIR"}
+        env.update(envs, GPEMU_DEVICE_DIR=str(container_dir), GPEMU_SUMMARY="0")
+        code = ("import gpemu, torch; gpemu.patch(); m = torch.nn.Linear(8, 8).cuda(); "
+                "[m(torch.randn(4, 8).cuda()).sum().backward() for _ in range(3)]; torch.cuda.synchronize(); "
+                "print('trained', flush=True); gpemu.unpatch()")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
+        assert password not in proc.stdout + proc.stderr
+        core = mgr.m.core
+        assert core.devices["emugpu-0"].served >= 1 and core.rejected == 0
+        assert not core.jobs  # it left when done; it had registered under its own job id:
+        assert any(f"job '{envs['GPEMU_JOB_ID']}' registered" in r.getMessage() for r in caplog.records)
+    finally:
+        mgr.stop()
+        plugin.stop()
+        kubelet.stop()
+        shutil.rmtree(root, ignore_errors=True)
+

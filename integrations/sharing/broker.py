@@ -65,7 +65,7 @@ def _find(name: str) -> str | None:
 
 
 class RabbitBroker:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, extra_config: str = "") -> None:
         server = _find("rabbitmq-server")
         ctl = _find("rabbitmqctl")
         if server is None or ctl is None:
@@ -79,6 +79,7 @@ class RabbitBroker:
         self.epmd_port = free_port()
         self.node = f"gpemu{os.getpid()}x{self.port}@localhost"
         self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+        self.ready_url = self.url
         self.proc: subprocess.Popen | None = None
         for sub in ("mnesia", "log", "home"):
             (base / sub).mkdir(parents=True, exist_ok=True)
@@ -87,7 +88,7 @@ class RabbitBroker:
         (base / "rabbitmq.conf").write_text(
             f"listeners.tcp.default = 127.0.0.1:{self.port}\n"
             "loopback_users.guest = true\n"
-            "disk_free_limit.absolute = 50MB\n")
+            "disk_free_limit.absolute = 50MB\n" + extra_config)
 
     @property
     def env(self) -> dict[str, str]:
@@ -114,9 +115,14 @@ class RabbitBroker:
         return env
 
     @classmethod
-    def start(cls, base: Path | None = None, timeout: float = 90.0) -> "RabbitBroker":
+    def start(cls, base: Path | None = None, timeout: float = 90.0, extra_config: str = "",
+              ready_url: str | None = None) -> "RabbitBroker":
+        """Start a node; ``extra_config`` lines go into its rabbitmq.conf, and ``ready_url`` (with
+        ``{port}``) is what to log in as to see it is up when the config removes ``guest``."""
         ensure_installed()
-        broker = cls(Path(base) if base else Path(tempfile.mkdtemp(prefix="gpemu-rabbit-")))
+        broker = cls(Path(base) if base else Path(tempfile.mkdtemp(prefix="gpemu-rabbit-")), extra_config)
+        if ready_url:
+            broker.ready_url = ready_url.format(port=broker.port)
         broker._launch(timeout)
         return broker
 
@@ -137,7 +143,7 @@ class RabbitBroker:
                 tail = (self.base / "server.out").read_text(errors="replace")[-2000:]
                 raise BrokerUnavailable(f"rabbitmq-server exited with {self.proc.returncode}:\n{tail}")
             try:
-                conn = pika.BlockingConnection(pika.URLParameters(self.url + "?connection_attempts=1&socket_timeout=1"))
+                conn = pika.BlockingConnection(pika.URLParameters(self.ready_url + "?connection_attempts=1&socket_timeout=1"))
                 conn.close()
                 return
             except Exception as exc:  # not listening yet

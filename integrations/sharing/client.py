@@ -66,7 +66,9 @@ class JobCredentials:
     """What the device plugin gives one container: its job id, keys and broker password."""
 
     job_id: str
-    keys: dict[str, bytes]  # job id (the container's, or "<id>.<device index>") -> key
+    # job id (the container's, or "<id>.<device index>") -> key; empty when the manager has no
+    # job secret (each job then brings its own key)
+    keys: dict[str, bytes]
     amqp_password: str | None = None
 
     def __repr__(self) -> str:  # never print a secret
@@ -89,7 +91,7 @@ def load_job_credentials(device_dir: str | os.PathLike[str] | None) -> JobCreden
         keys = {str(k): bytes.fromhex(v) for k, v in data["keys"].items()}
         job_id = data["job_id"]
         password = data.get("amqp_password")
-        if not isinstance(job_id, str) or not job_id or job_id not in keys or not all(
+        if not isinstance(job_id, str) or not job_id or (keys and job_id not in keys) or not all(
                 len(k) == P.KEY_BYTES for k in keys.values()) or not isinstance(password, (str, type(None))):
             raise ValueError
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
@@ -617,7 +619,7 @@ def install(rt: "Runtime") -> None:
         device = cfg.visible_devices[index] if cfg.visible_devices and index < len(cfg.visible_devices) else str(index)
         job_id = base if len(rt.gpus) == 1 else f"{base}.{index}"
         key = creds.keys.get(job_id) if creds else None
-        if creds and key is None:
+        if creds and creds.keys and key is None:
             raise ValueError(f"the sharing credentials hold no key for job {job_id!r} (emuGPU {index}); "
                              "the device plugin allocated fewer emuGPUs than this process uses")
         clients[index] = SharingClient(
