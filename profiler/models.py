@@ -147,10 +147,7 @@ def load_model(spec: str, input_shape: tuple[int, ...] | None = None, input_dtyp
 
 def _from_factory(target: str, num_classes: int | None) -> tuple[Any, Any]:
     mod_name, _, attr = target.rpartition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ModelSpecError(f"cannot import module {mod_name!r} for model {target!r}: {exc}") from exc
+    mod = _import_user_module(mod_name, target)
     factory: Callable[..., Any] | None = mod
     for part in attr.split("."):
         factory = getattr(factory, part, None)
@@ -170,6 +167,34 @@ def _from_factory(target: str, num_classes: int | None) -> tuple[Any, Any]:
             raise ModelSpecError(f"{target!r} must return a module or (module, sample_batch), got a {len(built)}-tuple")
         return built[0], built[1]
     return built, None
+
+
+def _import_user_module(mod_name: str, target: str) -> Any:
+    """Import the factory's module; like ``python -m``, the current directory counts.
+
+    The ``gpemu`` console script puts its own directory first on ``sys.path``, not the current
+    one, so ``--model mymodels:build`` with ``mymodels.py`` right here would not import."""
+    import os
+    import sys
+
+    top = mod_name.split(".", 1)[0]
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        local = os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
+        if exc.name != top or not local or here in sys.path:
+            raise ModelSpecError(
+                f"cannot import module {mod_name!r} for model {target!r}: {exc}; run gpemu from the directory "
+                f"that holds {top}.py (or its package), or add that directory to PYTHONPATH") from None
+        sys.path.insert(0, here)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import module {mod_name!r} for model {target!r}: {exc}") from exc
+    try:
+        return importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import module {mod_name!r} for model {target!r} (from {os.getcwd()}): "
+                             f"{exc}") from exc
 
 
 def _from_torchvision(name: str, num_classes: int | None) -> nn.Module:

@@ -336,3 +336,24 @@ def test_ddp_iteration_times_with_gloo(factories: Path, db_url: str) -> None:
     assert [b for b, _ in pts] == [2.0, 4.0] and all(v > 0 for _, v in pts)
     assert not db.series("cpu", "small", "ddp_iteration")  # world size 1 has none
     db.close()
+
+
+def test_factory_module_in_the_current_directory(tmp_path: Path, db_url: str) -> None:
+    """`gpemu profile --model mymodels:build` next to mymodels.py: the console script's sys.path
+    starts with its own directory, not the current one (simulated by dropping the '' entry)."""
+    (tmp_path / "mymodels.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(12, 3)\n")
+    console_script = [sys.executable, "-c", "import sys; sys.path.pop(0); from gpemu.cli import main; sys.exit(main())"]
+    args = ["profile", "--device", "cpu", "--db", db_url, "--input-shape", "12", "--batch-sizes", "1",
+            "--warmup", "0", "--iterations", "1", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ok = subprocess.run([*console_script, *args, "--model", "mymodels:build"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert open_db(db_url).has("cpu", "mymodels:build".split(":")[1], "forward")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    bad = subprocess.run([*console_script, *args, "--model", "mymodels:build"], cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=300)
+    err = " ".join(bad.stderr.split())
+    assert bad.returncode == 2 and "Traceback" not in err
+    assert "run gpemu from the directory that holds mymodels.py" in err and "PYTHONPATH" in err
