@@ -14,6 +14,9 @@ depends on values, gpemu answers with this policy (documented in docs/device.md)
 3. **Unknown values are zeros** of the right shape and dtype (``False`` for bool). Zero keeps
    the usual host checks quiet (``if not torch.isfinite(loss)`` passes, ``found_inf`` is 0,
    accuracy counts are 0) and is deterministic; a printed loss reads ``0.000``.
+   Ops that make values from scalars alone (``x.new_ones(3)``, ``fill_``, ``zero_``) give known
+   results from unknown inputs. Gradients and everything computed from parameters stay unknown
+   (a model's parameters carry no values), so the emulator never computes a model on the host.
 4. **Data-dependent shapes assume "everything selected"**: ``nonzero``/``argwhere`` return one
    row per element, ``masked_select`` and boolean-mask indexing return as many elements as the
    mask has, ``unique`` returns every element (all distinct). When the inputs have shadows,
@@ -34,24 +37,26 @@ import torch
 
 __all__ = [
     "SHADOW_MAX_ELEMENTS", "POLICY", "host_values", "scalar_value", "known_factory_value",
-    "data_dependent_shape", "DATA_DEPENDENT_OPS", "RANDOM_FACTORIES",
+    "data_dependent_shape", "DATA_DEPENDENT_OPS", "RANDOM_FACTORIES", "VALUE_INDEPENDENT_OPS",
 ]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
 
-# Tensors up to this many elements keep a host shadow of their values. Small enough that the
-# extra CPU op per emulated op costs microseconds; large enough for scalars, step counters,
-# small label vectors.
-SHADOW_MAX_ELEMENTS = 64
+# Tensors up to this many elements keep a host shadow of their values: well above what programs
+# read back to decide what to do (a CPU generator's state, 5,056 bytes; padding masks and token
+# ids of a batch, e.g. 8 x 1024 or 64 x 4096; labels; scalars and step counters), below a batch of
+# images or activations (whose values nothing reads). An op on known values runs on the host
+# (a fraction of a millisecond at this size); replayed modules run none of their ops.
+SHADOW_MAX_ELEMENTS = 1 << 18
 
 POLICY = (
     "values read back from an emulated GPU are zeros unless the tensor was made from small host "
     "data (then its real value); data-dependent shapes assume every element is selected"
 )
 
-# Factories whose values are random or uninitialised: their shadow is unknown (``empty*``:
-# zeros, which is what uninitialised emulated memory reads as).
+# Factories whose values are random or uninitialised: their values are unknown (uninitialised
+# memory reads as zeros either way; unknown, nothing is computed from it on the host).
 RANDOM_FACTORIES = frozenset(("rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
                               "normal", "empty", "empty_like", "empty_strided", "empty_permuted"))
 
@@ -76,6 +81,17 @@ def scalar_value(dtype: torch.dtype, shadow: torch.Tensor | None) -> bool | int 
     return 0
 
 
+# Ops that make a tensor's values from scalars alone, whatever the values of the tensor they are
+# called on: ``x.new_ones(3)``, ``x.new_full(...)``, ``t.fill_(1.0)``, ``t.zero_()``. Their result
+# is known even when the input's values are not. (``*_like`` factories are not among them: autograd makes every
+# implicit gradient with ``ones_like``, and gradients must stay unknown, see below.)
+VALUE_INDEPENDENT_OPS = frozenset(
+    op for op in (
+        aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.fill_.Scalar, aten.fill.Scalar, aten.zero_.default,
+        getattr(getattr(aten, "zero", None), "default", None),
+    ) if op is not None)
+
+
 def known_factory_value(factory: Callable, name: str, host_args: tuple, kwargs: dict,
                         meta: torch.Tensor) -> torch.Tensor | None:
     """The shadow of a factory's emulated result (``torch.ones(3, device='cuda')``): its real
@@ -84,7 +100,7 @@ def known_factory_value(factory: Callable, name: str, host_args: tuple, kwargs: 
     if meta.numel() > SHADOW_MAX_ELEMENTS:
         return None
     if name in RANDOM_FACTORIES:
-        return torch.zeros(meta.shape, dtype=meta.dtype) if name.startswith("empty") else None
+        return None
     return factory(*host_args, device="cpu", **kwargs)
 
 

@@ -529,8 +529,12 @@ _FLOAT_SENSITIVE = _float_sensitive()  # a per-process constant: ids of torch's 
 # ----------------------------------------------------------------------------------------------
 # the cache entry and the two paths
 # ----------------------------------------------------------------------------------------------
+# How an op's result values relate to its inputs' (_Entry.values; see gpemu.hostvalues).
+_FROM_INPUTS, _RANDOM, _INDEPENDENT = 0, 1, 2
+
+
 class _Entry:
-    __slots__ = ("kind", "specs", "treespec", "cost", "name", "out_dev", "random")
+    __slots__ = ("kind", "specs", "treespec", "cost", "name", "out_dev", "values")
 
     def __init__(self) -> None:
         self.kind = 0          # 0: one tensor, 1: list/tuple of tensors, 2: None, 3: other tree
@@ -539,7 +543,7 @@ class _Entry:
         self.cost = 0.0
         self.name = ""
         self.out_dev: int | None = None
-        self.random = False
+        self.values = _FROM_INPUTS
 
 
 def _fast_path(ts: TensorState, entry: _Entry, func: Any, args: tuple, kwargs: dict | None, emus: list) -> Any:
@@ -553,10 +557,13 @@ def _fast_path(ts: TensorState, entry: _Entry, func: Any, args: tuple, kwargs: d
         leaves = [ts.build(s, emus, dev) for s in entry.specs]
         out = tree_unflatten(leaves, entry.treespec) if kind == 3 else entry.treespec(leaves)
     ts._charge_entry(entry, dev)
-    for e in emus:
-        if e._shadow is not None:
-            _propagate_shadow(func, args, kwargs or {}, emus, out, entry.random)
-            break
+    if entry.values == _INDEPENDENT:
+        _propagate_shadow(func, args, kwargs or {}, emus, out, _INDEPENDENT)
+    else:
+        for e in emus:
+            if e._shadow is not None:
+                _propagate_shadow(func, args, kwargs or {}, emus, out, entry.values)
+                break
     return out
 
 
@@ -636,7 +643,10 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
     entry = _Entry()
     entry.name = getattr(func, "__name__", str(func))
     entry.out_dev = out_dev
-    entry.random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    if func in hostvalues.VALUE_INDEPENDENT_OPS:
+        entry.values = _INDEPENDENT
+    elif torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        entry.values = _RANDOM
     cacheable = key is not None
     out_leaves = []
     for leaf in leaves:
@@ -697,8 +707,8 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
             ts.cache.clear()
         ts.cache[key] = entry
     ts._charge_entry(entry, dev)
-    if any(e._shadow is not None for e in emus):
-        _propagate_shadow(func, args, kwargs, emus, out, entry.random)
+    if entry.values == _INDEPENDENT or any(e._shadow is not None for e in emus):
+        _propagate_shadow(func, args, kwargs, emus, out, entry.values)
     return out
 
 
@@ -778,8 +788,11 @@ def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
     return True
 
 
-def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any, random: bool) -> None:
-    if random or any(e._shadow is None for e in emus):
+def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any, values: int) -> None:
+    """Give the op's emulated outputs their values computed on the host from the inputs' known
+    values (``values``: how the result relates to the inputs, see ``_Entry``)."""
+    independent = values == _INDEPENDENT
+    if values == _RANDOM or (not independent and any(e._shadow is None for e in emus)):
         # Unknown inputs: any tensor written in place loses its known value.
         _drop_written_shadows(out, emus)
         return
@@ -791,8 +804,9 @@ def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any
             if isinstance(o, EmuTensor):
                 o._shadow = None
         return
-    sargs = _shadow_conv(list(args))
-    skw = {k: _shadow_conv(v) for k, v in kwargs.items()}
+    conv = _zeros_conv if independent else _shadow_conv
+    sargs = conv(list(args))
+    skw = {k: conv(v) for k, v in kwargs.items()}
     try:
         with torch.no_grad():
             sout = func(*sargs, **skw)
@@ -837,6 +851,17 @@ def _shadow_conv(a: Any) -> Any:
         return a._shadow
     if isinstance(a, (list, tuple)):
         return type(a)(_shadow_conv(x) for x in a)
+    if isinstance(a, torch.device) and a.type in ("cuda", "meta"):
+        return _CPU
+    return a
+
+
+def _zeros_conv(a: Any) -> Any:
+    """As :func:`_shadow_conv`, with an unknown value as zeros (for ops that do not read values)."""
+    if isinstance(a, EmuTensor):
+        return hostvalues.host_values(a.shape, a.dtype, a._shadow)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_zeros_conv(x) for x in a)
     if isinstance(a, torch.device) and a.type in ("cuda", "meta"):
         return _CPU
     return a

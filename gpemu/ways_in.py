@@ -185,7 +185,13 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
         requires_grad = bool(kw.pop("requires_grad", False))
         kw.setdefault("dtype", self.dtype)
         meta_self = torch.empty((), dtype=self.dtype, device=_META)
-        out = from_meta(ts, orig(meta_self, *args, **kw), idx)
+        meta = orig(meta_self, *args, **kw)
+        out = from_meta(ts, meta, idx)
+        # new_zeros/new_ones/new_full: known values, as for the factories (new_empty: zeros)
+        host_kw = {k: v for k, v in kw.items() if k != "device"}
+        out._shadow = hostvalues.known_factory_value(
+            lambda *a, device=None, **k: orig(torch.empty((), dtype=self.dtype), *a, **k),
+            orig.__name__.replace("new_", ""), args, host_kw, meta)
         return out.requires_grad_(True) if requires_grad else out
     return new
 

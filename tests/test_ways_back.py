@@ -38,10 +38,15 @@ def test_every_way_back_waits_for_the_gpu(rt):
 
 
 def test_placeholder_values_have_right_shape_dtype_and_are_zero(rt):
-    x = torch.randn(3, 5).cuda() @ torch.randn(5, 70).cuda()  # 210 elements: no known values
+    from gpemu.hostvalues import SHADOW_MAX_ELEMENTS
+
+    w = torch.nn.Linear(5, 70).cuda().weight  # a model's parameter: no known values
+    x = torch.randn(3, 5).cuda() @ w.T
     host = x.cpu()
     assert host.shape == (3, 70) and host.dtype == torch.float32 and host.device.type == "cpu"
     assert torch.count_nonzero(host) == 0
+    big = torch.randn(SHADOW_MAX_ELEMENTS + 1).cuda()  # above the limit: unknown too
+    assert torch.count_nonzero(big.cpu()) == 0
     assert x.sum().item() == 0.0
     assert x.to("cpu", torch.float16).dtype == torch.float16
     assert torch.zeros(2, dtype=torch.bool, device="cuda").any().item() is False
@@ -94,3 +99,50 @@ def test_copy_into_host_tensor(rt):
     dst = torch.ones(3)
     dst.copy_(torch.tensor([5.0, 6.0, 7.0], device="cuda"))
     assert dst.tolist() == [5.0, 6.0, 7.0]
+
+
+def test_values_a_program_decides_on_are_real(rt):
+    """Host-made data up to gpemu.hostvalues.SHADOW_MAX_ELEMENTS keeps its values through ops and
+    round trips; values made from scalars alone on the device are known too; so data-dependent
+    Python takes the branch it takes on a GPU."""
+    g = torch.Generator()
+    g.manual_seed(7)
+    state = g.get_state()  # 5,056 bytes: what accelerate broadcasts to keep samplers in step
+    back = state.to("cuda").cpu()
+    assert torch.equal(back, state)
+    g.set_state(back)  # a real mt19937 state, not zeros
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, mask):
+            if bool((x.new_ones(3) == 1).all()) and bool(mask.all()):  # HF-style mask check
+                return self.lin(x)
+            return x.detach()  # the wrong branch: no gradient
+
+    model = Branchy().cuda()
+    mask = torch.ones(2, 16, dtype=torch.long).cuda()  # a padding mask from the host
+    out = model(torch.zeros(2, 4, device="cuda"), mask)
+    assert out.requires_grad
+    out.sum().backward()
+    assert (torch.arange(6, device="cuda").reshape(2, 3).sum(0) == torch.tensor([3, 5, 7], device="cuda")).all().item()
+
+
+def test_zeroed_gradients_become_unknown_when_backward_accumulates(rt):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.zeros(4, 8, device="cuda")
+    for _ in range(6):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # zero_(): known zeros ...
+        assert all(p.grad.sum().item() == 0 for p in model.parameters())
+    model(x).sum().backward()  # ... accumulated into: unknown again (no host computation)
+    from gpemu.tensor import host_shadow
+
+    assert all(host_shadow(p.grad) is None for p in model.parameters())
+    from gpemu.fastpaths import optimizer as ofp
+
+    assert ofp.fast_path_info()["fast"] >= 3  # optimizer steps still skipped

@@ -100,6 +100,13 @@ class GradientState:
             todo = [(p, spec) for p, spec in zip(params, specs) if p.grad is None]
         else:
             todo = [(p, spec) for p, spec, needed in zip(params, specs, needs) if needed and p.grad is None]
+        if len(todo) != len(params):
+            # Gradients accumulated in place: their values changed, so known ones (a gradient the
+            # program zeroed with zero_grad(set_to_none=False)) are unknown again.
+            for p in params:
+                g = p.grad
+                if g is not None and getattr(g, "_shadow", None) is not None:
+                    g._shadow = None
         if not todo:
             return  # accumulation in place: the set (if any) still holds
         if holder.gradset is not None:
