@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# gpemu's entry point in this interpreter, found without the venv on PATH; the venv's bin goes
+# first on the child's PATH so the examples' own `python` and `torchrun` are this environment's.
+GPEMU = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
+ENV = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
 
 def _gpemu_run(flags: list[str], command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["gpemu", "run", *flags, "--", *command], cwd=EXAMPLES, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([*GPEMU, "run", *flags, "--", *command], cwd=EXAMPLES, capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
