@@ -183,12 +183,18 @@ class _LogBudget:
         self.used = 0
         self.suppressed = 0
 
-    def allow(self, now: float) -> bool:
-        if self.start is None or now - self.start >= self.window_s:
+    def flush(self, now: float) -> None:
+        """At the end of a window: one line for what it did not log."""
+        if self.start is not None and now - self.start >= self.window_s:
             if self.suppressed:
                 log.warning("%d more message(s) rejected in the last %.0f s (not logged one by one)",
                             self.suppressed, self.window_s)
-            self.start, self.used, self.suppressed = now, 0, 0
+            self.start, self.used, self.suppressed = None, 0, 0
+
+    def allow(self, now: float) -> bool:
+        self.flush(now)
+        if self.start is None:
+            self.start = now
         if self.used < self.limit:
             self.used += 1
             return True
@@ -414,8 +420,13 @@ class SharingCore:
         return self._drop_job(job, now, "connection closed") + self.advance(now)
 
     # ------------------------------------------------------------------ input: time
+    def flush_log(self, now: float) -> None:
+        """Write the summary of rejections not logged one by one, once their window has passed."""
+        self._log_budget.flush(now)
+
     def advance(self, now: float) -> list[Outgoing]:
         """Finish slots whose end passed, schedule the next ones, expire silent jobs."""
+        self.flush_log(now)
         out: list[Outgoing] = []
         for job in [j for j in self.jobs.values() if now - j.last_seen > self.lease_s]:
             self.expired += 1
@@ -956,6 +967,7 @@ class SharingManager:
             return
         import pika
 
+        self.core.flush_log(self.clock())
         self._ch.basic_publish(P.STATUS_EXCHANGE, "", P.encode(self.core.status(self.clock())),
                                pika.BasicProperties(content_type="application/json", expiration="5000"))
         self._status_timer = self._conn.ioloop.call_later(self.status_interval_s, self._publish_status)
