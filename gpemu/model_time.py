@@ -25,6 +25,7 @@ per thread (``nn.DataParallel`` replicas run in threads).
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext as _nothing
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -121,7 +122,9 @@ class ModelTime:
         if by_ops:
             tap = ts.open_tap()
             try:
-                with mem.peak_scope() as scope:
+                # (uncharged: a call inside another model's charge is charged by its ops all the
+                # same, e.g. a checkpointed block recomputed during a measured model's backward)
+                with mem.peak_scope() as scope, engine.uncharged() if engine is not None else _nothing():
                     out = orig_call(module, *args, **kwargs)
             finally:
                 fwd_s = ts.close_tap(tap)
@@ -285,7 +288,9 @@ class _BackwardStart(torch.autograd.Function):
         engine = ts.engine
         mem = ts.memory[info.dev]
         by_ops = info.bwd_seconds is None
-        tap = ts.open_tap() if by_ops else None
+        # By ops: the backward's ops are its price. Measured: what is charged besides the measured
+        # time (a checkpointed block's recomputed forward) is part of this backward too.
+        tap = ts.open_tap()
         if engine is not None:
             engine.note_backward(info.dev)  # an iteration has a backward (see end_iteration)
             if not by_ops:
@@ -298,13 +303,16 @@ class _BackwardStart(torch.autograd.Function):
 
         def done() -> None:
             rec = info.rec
+            ts.close_tap(tap)
             if by_ops:
-                seconds = ts.close_tap(tap)
-                info.ident.estimates[("backward", info.batch, info.dev)] = seconds
+                info.ident.estimates[("backward", info.batch, info.dev)] = tap.seconds
                 if rec is not None:
-                    rec.bwd_seconds = seconds
-            elif engine is not None:
-                engine.exit_charged()
+                    rec.bwd_seconds = tap.seconds
+            else:
+                if engine is not None:
+                    engine.exit_charged()
+                if rec is not None:
+                    rec.bwd_seconds = info.bwd_seconds + tap.charged
             if rec is not None:
                 rec.bwd_extra = max(0, mem.peak_allocated - start)
                 rec.backward_pending = False

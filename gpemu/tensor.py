@@ -82,13 +82,15 @@ _FLOAT = _Float()
 # per-run state, and the interface the fast paths use
 # ----------------------------------------------------------------------------------------------
 class CostTap:
-    """What :meth:`TensorState.cost_tap` yields: ``seconds``, the GPU time of the ops charged
-    inside (they are still charged)."""
+    """What :meth:`TensorState.cost_tap` yields: ``seconds``, the GPU time of the ops dispatched
+    inside (each op's own cost, also where a whole-module charge covers it), and ``charged``, the
+    part of it that was charged on its own (outside any such cover)."""
 
-    __slots__ = ("seconds",)
+    __slots__ = ("seconds", "charged")
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.charged = 0.0
 
 
 class TensorState:
@@ -160,25 +162,29 @@ class TensorState:
         whole-module or optimizer charge already covers it (fast paths that replay several ops as
         one charge). Open cost taps of this thread count it."""
         if seconds > 0:
-            if self._taps:
-                self._tap(seconds)
             engine = self.engine
-            if engine is not None and not engine.in_charged_scope:
+            charged = engine is not None and not engine.in_charged_scope
+            if self._taps:
+                self._tap(seconds, charged)
+            if charged:
                 engine.stream(dev).enqueue(seconds, "op", name)
 
     def _charge_entry(self, entry: "_Entry", dev: int) -> None:
         cost = entry.cost
         if cost:
-            if self._taps:
-                self._tap(cost)
             engine = self.engine
-            if engine is not None and not engine.in_charged_scope:
+            charged = engine is not None and not engine.in_charged_scope
+            if self._taps:
+                self._tap(cost, charged)
+            if charged:
                 engine.stream(dev).enqueue(cost, "op", entry.name)
 
-    def _tap(self, cost: float) -> None:
+    def _tap(self, cost: float, charged: bool) -> None:
         if self._tap_owner == threading.get_ident():
             for tap in self._taps:
                 tap.seconds += cost
+                if charged:
+                    tap.charged += cost
 
     def open_tap(self) -> CostTap:
         """Start summing the GPU time of the ops this thread charges from now on (they are still

@@ -62,6 +62,7 @@ __all__ = ["install", "Recording", "ReplayState", "replay_info"]
 
 _nn_module = torch.nn.modules.module
 _weakref = weakref.ref
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _NEVER = -(1 << 60)
 
 
@@ -238,6 +239,11 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
                 t0: float | None = None) -> Any:
     run_charged = R.model_time.run_charged
     params, flags, hooks = _walk(R, module)
+    if _graph_task() != -1:
+        # Called during a backward pass: activation checkpointing recomputes its forward, and
+        # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
+        # forward's; a replay saves none. Op by op, never recorded.
+        return run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0)
     if hooks or _global_hooks():
         reason: str | None = "module hooks are registered"
     else:

@@ -1,0 +1,79 @@
+"""Activation checkpointing (torch.utils.checkpoint), both forms: the recompute is charged and
+the memory is that of a GPU run with checkpointing, for unknown and for measured models, on the
+recorded call and on every replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gpemu
+from gpemu.clock import VirtualClock
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 1024), nn.Linear(1024, 256)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.reentrant = reentrant  # None: no checkpointing
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if self.reentrant is None else checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+def _steps(reentrant: bool | None, model_name: str | None, hooks: bool = False) -> list[tuple[float, int]]:
+    """(emulated seconds, peak bytes above the start) of three training steps."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock(), model=model_name)
+    try:
+        net = Net(reentrant).cuda()
+        if hooks:
+            net.register_forward_hook(lambda *a: None)  # the outer model runs op by op every time
+        x = torch.zeros(32, 64, 256, device="cuda", requires_grad=True)
+        out = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0, base = rt.engine.now(), torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            net(x).sum().backward()
+            torch.cuda.synchronize()
+            out.append((rt.engine.now() - t0, torch.cuda.max_memory_allocated() - base))
+        return out
+    finally:
+        gpemu.unpatch()
+
+
+@pytest.mark.parametrize("model_name", [None, "resnet50"])
+def test_recompute_is_charged_and_memory_drops(model_name) -> None:
+    plain = _steps(None, model_name)
+    for reentrant in (True, False):
+        ck = _steps(reentrant, model_name)
+        # every step the same (the recorded one and the replays)
+        assert ck[1][0] == pytest.approx(ck[2][0]) and ck[1][0] == pytest.approx(ck[0][0], rel=0.02)
+        extra = ck[2][0] - plain[2][0]
+        assert extra > 0, (reentrant, model_name)  # the recomputed forward is charged
+        if model_name is None:  # priced by ops: at most one more forward (of the blocks)
+            assert extra < 0.5 * plain[2][0]
+        assert ck[2][1] < plain[2][1]  # activations are not kept across the forward
+    # the reentrant form recomputes every block whole; the other stops once it has what it needs
+    assert _steps(True, model_name)[2][0] > _steps(False, model_name)[2][0]
+
+
+def test_checkpointed_blocks_are_not_replayed_during_backward() -> None:
+    """An outer model that runs op by op (hooks) recomputes its blocks in every backward: they
+    run op by op there (the non-reentrant form matches the tensors they save), every step alike."""
+    for reentrant in (True, False):
+        steps = _steps(reentrant, None, hooks=True)
+        assert steps[1][0] == pytest.approx(steps[2][0]) and steps[1][1] == steps[2][1]
