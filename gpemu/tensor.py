@@ -156,6 +156,13 @@ class TensorState:
         cannot be part of a key."""
         return _sig(args, emus, exact)
 
+    @staticmethod
+    def call_signature(args: Any, emus: list) -> tuple:
+        """:meth:`signature` (floats by value) for a module call: emulated tensors by shape,
+        strides, dtype and device, not by where they sit in their storage (``source[i:i+35]``
+        batches of one long tensor are the same call)."""
+        return _call_sig(args, emus)
+
     # -------------------------------------------------------------- charging
     def charge(self, seconds: float, dev: int, name: str) -> None:
         """Charge ``seconds`` of GPU work named ``name`` on ``dev``'s current stream, unless a
@@ -503,6 +510,28 @@ def _sig(args: Any, emus: list, exact: bool) -> tuple:
             if isinstance(a, EmuTensor):  # a subclass of ours (rare)
                 emus.append(a)
                 out.append(a._key)
+            else:
+                out.append(("host", a.device.type, a.shape, a.stride(), a.dtype))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _call_sig(args: Any, emus: list) -> tuple:
+    out = []
+    for a in args:
+        c = a.__class__
+        if c is EmuTensor:
+            emus.append(a)
+            k = a._key
+            out.append((k[0], k[1], k[3], k[4]))  # (shape, stride, dtype, device): no offset
+        elif c is list or c is tuple:
+            out.append(_call_sig(a, emus))
+        elif isinstance(a, torch.Tensor):
+            if isinstance(a, EmuTensor):  # a subclass of ours (rare)
+                emus.append(a)
+                k = a._key
+                out.append((k[0], k[1], k[3], k[4]))
             else:
                 out.append(("host", a.device.type, a.shape, a.stride(), a.dtype))
         else:

@@ -308,3 +308,14 @@ def test_two_forwards_then_one_backward_charge_both_backwards(rt):
     assert len(backward) == 1 and backward[0].end - backward[0].start == pytest.approx(measured)
     # and the recording's own backward ops were charged as they ran
     assert sum(s.end - s.start for s in rt.recorder.spans[before:] if s.kind == "op") >= measured
+
+
+def test_slices_of_one_tensor_are_the_same_call(rt):
+    """word_language_model feeds source[i:i+35] batches of one long tensor: each slice sits at
+    another storage offset but is the same call (recorded once, then replayed)."""
+    model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100)).cuda()
+    source = torch.zeros(35 * 6, 4, dtype=torch.long).cuda()
+    for i in range(0, 35 * 6, 35):
+        model(source[i:i + 35]).sum().backward()
+    info = replay.replay_info()
+    assert info["recorded"] == 1 and info["replayed"] == 5

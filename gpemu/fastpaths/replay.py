@@ -251,9 +251,9 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
     if reason is not None:
         return run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0)
     emus: list = []
-    sig = R.ts.signature
+    sig = R.ts.call_signature
     try:
-        in_sig = (sig(args, emus, True), sig(tuple(kwargs.items()), emus, True) if kwargs else None)
+        in_sig = (sig(args, emus), sig(tuple(kwargs.items()), emus) if kwargs else None)
         key = (flags, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), in_sig,
                R.ts.param_generation)
