@@ -5,10 +5,12 @@
 
 The manager runs as its own process (`gpemu share-manager`, its log in a file); a good job
 (one process) asks for 5 ms of GPU time again and again. The benchmark publishes the poison
-message (``[`` * 5000 + ``]`` * 5000) and then ``--messages`` generated ones: random bytes,
+message (``[`` * 5000 + ``]`` * 5000) and then ``--messages`` generated ones, every one of which
+must be rejected: random bytes,
 nesting thousands deep, bodies over the size limit, JSON of every type in every field,
 well-formed requests, heartbeats and deregistrations for the good job signed with a wrong key,
-registrations whose signature does not match, all with random AMQP properties (headers of every
+registrations whose signature does not match, status requests whose answer would go into the
+request queue, all with random AMQP properties (headers of every
 AMQP type, a forged signature header, reply_to naming the request queue, a stranger's queue,
 nothing at all). It prints, before and after the flood: the manager's resident memory and log
 size, the good job's longest wait (run() time beyond its 5 ms), and at the end whether every
@@ -93,8 +95,9 @@ def hostile(rng: random.Random) -> tuple[bytes, dict]:
         body = json.dumps({"v": P.PROTOCOL_VERSION, "type": "register", "job_id": rng.choice(["good", "intruder"]),
                            "request_id": "r", "device": "0", "persistent_bytes": rng.randrange(2**40),
                            "key": os.urandom(32).hex()}).encode()
-    elif kind == 7:  # a status request, well formed: answered (unauthenticated by design), not rejected
-        return json.dumps({"v": P.PROTOCOL_VERSION, "type": "status"}).encode(), {"reply_to": P.reply_queue_name()}
+    elif kind == 7:  # a status request whose answer would go into the request queue or a stranger's queue
+        return json.dumps({"v": P.PROTOCOL_VERSION, "type": "status"}).encode(), {
+            "reply_to": rng.choice([P.REQUEST_QUEUE, "amq.gen-x", "some.other.queue"])}
     else:
         body = json.dumps({**good_fields, "type": "request", "seconds": junk()}).encode()  # bad GPU time
     # Header values of the types AMQP tables carry (pika cannot encode floats or huge ints).
