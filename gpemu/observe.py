@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "RunRecords", "Timeline", "summary", "print_summary", "format_summary", "compute_summary",
-    "records_from_runtime", "json_safe", "CATEGORIES", "WINDOW_NAMES",
+    "records_from_runtime", "json_safe", "CATEGORIES", "WINDOW_NAMES", "format_seconds", "format_size",
 ]
 
 # Categories of a device timeline, in display order.
@@ -309,11 +309,13 @@ def _memory(records: RunRecords, d: int, samples: Sequence[MemorySample], marks:
 # ---------------------------------------------------------------------------------------------
 # text
 # ---------------------------------------------------------------------------------------------
-def _bytes(n: float | None) -> str:
+def format_size(n: float | None) -> str:
+    """A size as the summary writes it ('-' when unknown)."""
     return "-" if n is None else format_bytes(n)
 
 
-def _secs(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """A duration as the summary writes it: '62.50 ms', '1.885 s', '126.4 s'."""
     if s >= 100:
         return f"{s:.1f} s"
     if s >= 1:
@@ -326,7 +328,7 @@ def _pct(x: float) -> str:
 
 
 def _by(d: dict[str, float], limit: int = 6) -> str:
-    items = [f"{k} {_secs(v)}" for k, v in list(d.items())[:limit] if v > 0]
+    items = [f"{k} {format_seconds(v)}" for k, v in list(d.items())[:limit] if v > 0]
     return ", ".join(items) if items else "-"
 
 
@@ -343,7 +345,7 @@ def format_summary(s: dict[str, Any]) -> str:
     shown = active if rank is not None and active else s["devices"]
     gpus = (f"{len(shown)} of {s['num_gpus']} emulated GPU(s) [{', '.join(d['gpu'] for d in shown)}]"
             if len(shown) != s["num_gpus"] else f"{s['num_gpus']} emulated GPU(s) [{', '.join(s['gpus'])}]")
-    lines = [f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {_secs(s['run_s'])}"
+    lines = [f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {format_seconds(s['run_s'])}"
              + (f"  ({s['config']})" if s.get("config") else "")]
     w = 34
     for dev in shown:
@@ -351,7 +353,7 @@ def format_summary(s: dict[str, Any]) -> str:
         mem = dev["memory"]
         if whole is None:
             lines.append(f"GPU {dev['device']} ({dev['gpu']}): no GPU work recorded"
-                         + (f"; peak {_bytes(mem['peak_allocated_bytes'])} allocated"
+                         + (f"; peak {format_size(mem['peak_allocated_bytes'])} allocated"
                             if mem["peak_allocated_bytes"] else ""))
             continue
         lines.append(f"GPU {dev['device']} ({dev['gpu']})")
@@ -362,35 +364,35 @@ def format_summary(s: dict[str, Any]) -> str:
             lines.append("  " + label.ljust(w) + "".join(fn(win).ljust(26) for _, win in cols))
 
         row("window (since patch)", lambda x: f"{x['start_s']:.3f}-{x['end_s']:.3f} s")
-        row("wall time", lambda x: _secs(x["wall_s"]))
-        row("GPU busy", lambda x: f"{_secs(x['busy_s'])} ({_pct(x['utilisation'])})")
-        row("data stall (host not ready)", lambda x: f"{_secs(x['data_stall_s'])} ({_pct(x['data_stall_share'])})")
-        row("other idle (deps, sharing)", lambda x: _secs(x["other_idle_s"]))
+        row("wall time", lambda x: format_seconds(x["wall_s"]))
+        row("GPU busy", lambda x: f"{format_seconds(x['busy_s'])} ({_pct(x['utilisation'])})")
+        row("data stall (host not ready)", lambda x: f"{format_seconds(x['data_stall_s'])} ({_pct(x['data_stall_share'])})")
+        row("other idle (deps, sharing)", lambda x: format_seconds(x["other_idle_s"]))
         window = WINDOW_NAMES.get(dev["au_window"] or "", "whole run")
         lines.append("  " + "accelerator utilisation (AU)".ljust(w) + f"{_pct(dev['au'])} ({window})")
         it = dev["iteration_time"]
         if it:
             lines.append("  " + "iteration time".ljust(w)
-                         + f"mean {_secs(it['mean_s'])}, median {_secs(it['median_s'])}, "
-                           f"max {_secs(it['max_s'])}")
+                         + f"mean {format_seconds(it['mean_s'])}, median {format_seconds(it['median_s'])}, "
+                           f"max {format_seconds(it['max_s'])}")
         head = steady or whole
         lines.append("  " + f"GPU busy by kind ({window})".ljust(w) + _by(head["busy_by_kind_s"]))
         lines.append("  " + f"stall, waiting for ({window})".ljust(w) + _by(head["stall_before_s"]))
         hw = dev["host_waits"]
         lines.append("  " + "host waited for GPU".ljust(w)
-                     + (f"{_secs(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})"
+                     + (f"{format_seconds(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})"
                         if hw["count"] else "-"))
-        cap = f" of {_bytes(mem['capacity_bytes'])}" if mem["capacity_bytes"] else ""
+        cap = f" of {format_size(mem['capacity_bytes'])}" if mem["capacity_bytes"] else ""
         lines.append("  " + "memory".ljust(w)
-                     + f"peak {_bytes(mem['peak_allocated_bytes'])} allocated / "
-                       f"{_bytes(mem['peak_reserved_bytes'])} reserved{cap}, "
-                       f"persistent {_bytes(mem['persistent_bytes'])}"
+                     + f"peak {format_size(mem['peak_allocated_bytes'])} allocated / "
+                       f"{format_size(mem['peak_reserved_bytes'])} reserved{cap}, "
+                       f"persistent {format_size(mem['persistent_bytes'])}"
                      + (f", {mem['ooms']} OOM(s)" if mem["ooms"] else ""))
     t = s["transfers"]
     lines.append("transfers".ljust(w + 2)
-                 + f"host->GPU {_bytes(t['h2d_bytes'])} ({t['h2d_copies']} copies, {_secs(t['h2d_seconds'])}; "
-                   f"pinned {_bytes(t['h2d_pinned_bytes'])}, model {_bytes(t['model_transfer_bytes'])}), "
-                   f"GPU->host {_bytes(t['d2h_bytes'])} ({t['d2h_copies']} copies)")
+                 + f"host->GPU {format_size(t['h2d_bytes'])} ({t['h2d_copies']} copies, {format_seconds(t['h2d_seconds'])}; "
+                   f"pinned {format_size(t['h2d_pinned_bytes'])}, model {format_size(t['model_transfer_bytes'])}), "
+                   f"GPU->host {format_size(t['d2h_bytes'])} ({t['d2h_copies']} copies)")
     return "\n".join(lines)
 
 

@@ -103,7 +103,9 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, s
     """Rows ``(what, a, b, change)`` comparing two summaries, GPU by GPU. Times are per iteration
     of the steady state (whole run when a run has no steady state), so runs of different lengths
     compare; the change is relative for times and sizes, in percentage points for shares."""
-    from gpemu.observe import WINDOW_NAMES, _bytes, _secs
+    from gpemu.observe import WINDOW_NAMES
+    from gpemu.observe import format_seconds as _secs
+    from gpemu.observe import format_size as _bytes
 
     def rel(x: float | None, y: float | None) -> str:
         if x is None or y is None:
