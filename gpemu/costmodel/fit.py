@@ -1,0 +1,488 @@
+"""Fitting the efficiency curves to the profile database, and cross-validating them.
+
+    python -m gpemu.costmodel.fit            # rewrite gpemu/costmodel/data/params.json
+    python -m gpemu.costmodel.fit --check    # fit and compare with the shipped file, write nothing
+
+Every measured forward (backward) time of (model, GPU, batch size) is modelled as the sum of its
+forward (backward) ops' times (:mod:`~gpemu.costmodel.curve`). For each measured GPU — one per
+generation — the curves of every curve key plus the overlap exponent ``q`` are fitted by robust
+non-linear least squares (``scipy.optimize.least_squares``, soft-L1 loss on log(predicted /
+measured), analytic Jacobian) over batch sizes 1-256, with weak priors keeping parameters of
+rarely seen keys sane. The measurements ran in fp32 with PyTorch's default TF32 switches
+(:data:`~gpemu.costmodel.precision.FP32`), so the A100's convolution curves are calibrated against
+its TF32 tensor-core peak, every other compute curve against the FP32 peak.
+
+Cross-validation (used for the shipped uncertainty and by ``benchmarks/estimate_accuracy.py``):
+
+* leave-one-model-out (:func:`lomo`): each model priced by curves fitted without it, per GPU;
+* leave-one-GPU-out (:func:`logo`): each GPU priced as if only its datasheet were known — its
+  generation's curves removed, the donor chain supplies curves — either directly (``op model``)
+  or by carrying the same model's measured time on the nearest measured GPU over with the op
+  model's ratio (``transfer``).
+
+Deterministic: same database and torch version, same file (parameters rounded to 6 digits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import curve as C
+from .classify import COMPUTE_CLASSES
+from .gpus import DONORS, MEASURED_GENERATION_GPU, GpuSheet, gpu_sheet
+from .model import PARAMS_PATH, CostModel, dominant_mix, table_keys
+from .precision import FP32, compute_peak
+from .table import CLASSES, OpTable, concat_tables
+
+__all__ = ["FIT_BATCHES", "EVAL_BATCHES", "FitData", "GenFit", "fit_generation", "fit_all", "params_document",
+           "lomo", "logo", "errors", "summary", "main"]
+
+FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+EVAL_BATCHES = (16, 32, 64, 128, 256)
+# Batch sizes below 16 pin the fixed costs; the figures that matter are 16-256.
+_SMALL_WEIGHT = 0.5
+_COMPUTE_CODES = [CLASSES.index(c) for c in COMPUTE_CLASSES]
+# Priors (fitting form) and their weights: weak, so data decides wherever there is data.
+_PRIOR = {"le": (math.log(0.6), 0.01), "lx0_compute": (math.log(1e7), 0.01), "lx0_memory": (math.log(3e4), 0.01),
+          "p": (0.7, 0.02), "lh": (math.log(1.5e-5), 0.01), "lk0": (math.log(4.0), 0.01)}
+
+
+@dataclass
+class FitData:
+    """All models' ops in one table plus the database's times at the fit and evaluation batches."""
+
+    names: tuple[str, ...]
+    table: OpTable                   # model index = position in names
+    keys: np.ndarray                 # curve key per op
+    gpus: tuple[str, ...]            # database GPU names
+    measured: dict[str, np.ndarray]  # gpu -> [model, phase(0 fwd, 1 bwd), batch] at FIT_BATCHES
+    measured_eval: dict[str, np.ndarray]
+
+    @classmethod
+    def build(cls, db: Any = None, progress: Callable[[str], None] | None = None) -> "FitData":
+        """Record (or load cached) op tables and read the measurements (``db``: a ProfileDB;
+        default: the configured one)."""
+        from .dataset import load_measurements, model_tables
+
+        if db is None:
+            import gpemu
+            from gpemu.db import open_profile_db
+
+            db = open_profile_db(gpemu.EmuConfig.from_env())
+        models = [m.name for m in db.models()]
+        tables = model_tables(progress=progress)
+        names = tuple(m for m in models if m in tables)
+        parts = [replace(tables[n], model=np.full(len(tables[n]), i, dtype=np.int32)) for i, n in enumerate(names)]
+        table = concat_tables(parts)
+        meas = load_measurements(db, names)
+        measured, measured_eval = {}, {}
+        for g in meas.gpus:
+            for store, batches in ((measured, FIT_BATCHES), (measured_eval, EVAL_BATCHES)):
+                arr = np.full((len(names), 2, len(batches)), np.nan)
+                for i, n in enumerate(names):
+                    for ph, kind in enumerate(("forward", "backward")):
+                        if (g, n, kind) in meas.series:
+                            arr[i, ph] = meas.get(g, n, kind, batches)
+                store[g] = arr
+        return cls(names=names, table=table, keys=table_keys(table), gpus=meas.gpus, measured=measured,
+                   measured_eval=measured_eval)
+
+
+@dataclass
+class GenFit:
+    """One generation's fitted parameters (fitting form) and where they came from."""
+
+    generation: str
+    gpu: str
+    keys: tuple[str, ...]
+    theta: np.ndarray  # 5 per key: log e, log x0, p, log h, log k0
+    paths: dict[str, str] = field(default_factory=dict)
+    cost: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        th = self.theta.reshape(-1, _NP)
+        curves = {}
+        for k, (le, lx0, p, lh, lk0) in zip(self.keys, th):
+            c = {"e": _r(math.exp(le)), "x0": _r(math.exp(lx0)), "p": _r(p), "h": _r(math.exp(lh))}
+            if self.paths[k] != "memory":
+                c["k0"] = _r(math.exp(lk0))
+            curves[k] = {**c, "path": self.paths[k]}
+        return {"gpu": self.gpu, "curves": dict(sorted(curves.items()))}
+
+
+def _r(x: float) -> float:
+    return float(f"{float(x):.6g}")
+
+
+# ------------------------------------------------------------------------------ one generation
+_NP = 5  # parameters per curve key
+
+
+def _e_bounds(key: str, path: str) -> tuple[float, float]:
+    """Physical range of a curve's plateau e (fraction of the peak it is priced against).
+
+    Bounds, not just priors, because model-level sums alone leave some keys poorly determined
+    (a model held out in cross-validation can be the main user of a key): a SIMT GEMM or 1x1
+    convolution (a GEMM) cannot beat the FMA peak and large ones reach at least half of it;
+    Winograd / FFT convolutions (3x3, large kernels) do fewer multiplies than counted, so their
+    effective rate may exceed the peak, up to 2.5x.
+    """
+    base = key.split(".")[0]
+    if path == "memory":
+        return 0.2, 1.0          # streaming kernels: 20-100% of the datasheet bandwidth
+    if path == "tensor":
+        return 0.05, 1.0
+    if base == "gemm":
+        return 0.5, 1.0
+    if base == "conv1x1":
+        return 0.2, 1.0
+    if base == "conv_grouped":
+        return 0.01, 2.5
+    return 0.2, 2.5
+
+
+class _Problem:
+    """Residuals and analytic Jacobian of one GPU's fit over a subset of models."""
+
+    def __init__(self, data: FitData, gpu: str, train: np.ndarray, batches: Sequence[int] = FIT_BATCHES) -> None:
+        if tuple(batches) != FIT_BATCHES:
+            raise ValueError("fit batches must be FIT_BATCHES")
+        self.sheet = gpu_sheet(gpu)
+        sel = train[data.table.model]
+        tab = data.table.select(sel)
+        keys = data.keys[sel]
+        self.keys = tuple(sorted(set(keys.tolist())))
+        self.kidx = np.searchsorted(np.array(self.keys), keys)
+        is_comp = np.isin(tab.cls, _COMPUTE_CODES)
+        self.kinv = np.where(is_comp & (tab.reduction > 0), 1.0 / np.maximum(tab.reduction, 1), 0.0)
+        # Calibration peaks: fp32 with PyTorch's default TF32 switches (A100 convolutions: TF32).
+        self.peak = np.empty(len(tab))
+        self.paths: dict[str, str] = {}
+        for k_i, k in enumerate(self.keys):
+            m = self.kidx == k_i
+            c = CLASSES[int(tab.cls[m][0])]
+            if c in COMPUTE_CLASSES:
+                path, pk = compute_peak(self.sheet, c, "float32", FP32)
+            else:
+                path, pk = "memory", self.sheet.memory_bandwidth
+            self.peak[m] = pk
+            self.paths[k] = path
+        self.batches = np.asarray(batches, dtype=float)
+        self.work = [np.where(is_comp, tab.flops(b), tab.nbytes(b)) for b in self.batches]
+        # Sequences: one per (training model, pass), contiguous in the table.
+        train_idx = np.flatnonzero(train)
+        local = np.searchsorted(train_idx, tab.model).astype(np.int64)
+        seg = local * 2 + tab.backward.astype(np.int64)
+        change = np.r_[True, seg[1:] != seg[:-1]]
+        self.seg_start = np.flatnonzero(change)
+        self.seg_id = np.cumsum(change) - 1
+        self.seg_row = seg[self.seg_start]           # (model, pass) of each sequence
+        self.nb = len(self.batches)
+        self.nres = len(train_idx) * 2 * self.nb
+        self.logm = np.log(data.measured[gpu][train_idx]).reshape(-1)
+        self.valid = np.isfinite(self.logm)
+        self.w = np.tile(np.where(self.batches >= 16, 1.0, _SMALL_WEIGHT), len(train_idx) * 2)
+        # Parameters: 5 per key (log e, log x0, p, log h, log k0); memory keys have no k0.
+        nk = len(self.keys)
+        self.nfull = _NP * nk
+        lo, hi, mu, pw = [], [], [], []
+        for k in self.keys:
+            path = self.paths[k]
+            e_lo, e_hi = _e_bounds(k, path)
+            lo += [math.log(e_lo), math.log(1.0), 0.3, math.log(2e-6), math.log(0.01)]
+            hi += [math.log(e_hi), math.log(1e12), 1.0, math.log(3e-4), math.log(1e4)]
+            mu += [min(max(_PRIOR["le"][0], math.log(e_lo)), math.log(e_hi)),
+                   _PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], _PRIOR["p"][0], _PRIOR["lh"][0],
+                   _PRIOR["lk0"][0]]
+            pw += [_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]]
+        self.lo_full, self.hi_full = np.array(lo), np.array(hi)
+        self.mu_full, self.pw_full = np.array(mu), np.array(pw)
+        free = np.ones(self.nfull, dtype=bool)
+        for i, k in enumerate(self.keys):
+            if self.paths[k] == "memory":
+                free[_NP * i + 4] = False  # no reduction depth
+        self.free = np.flatnonzero(free)
+        self.template = self.mu_full.copy()
+        self.template[~free] = math.log(1e-9)
+
+    def full(self, x: np.ndarray) -> np.ndarray:
+        th = self.template.copy()
+        th[self.free] = x
+        return th
+
+    def x0(self) -> np.ndarray:
+        return self.mu_full[self.free]
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.lo_full[self.free], self.hi_full[self.free]
+
+    def _sums(self, th: np.ndarray, jac: bool):
+        params = th.reshape(-1, _NP)[self.kidx]
+        le, lx0, p, lh, lk0 = (params[:, j] for j in range(_NP))
+        h = np.exp(lh)
+        s = np.zeros(self.nres)
+        npar = self.nfull
+        ds = np.zeros(self.nres * npar) if jac else None
+        cols = self.kidx * _NP
+        for bi in range(self.nb):
+            gout = C.kernel_arrays(self.work[bi], self.peak, self.sheet.sm_count, le, lx0, p, lk0, self.kinv, grads=jac)
+            qout = C.queue_arrays(h, gout[0], self.seg_start, self.seg_id, grads=jac)
+            rows = self.seg_row * self.nb + bi
+            s[rows] = qout[0]
+            if jac:
+                mh, mg = qout[1], qout[2]
+                base = rows[self.seg_id] * npar + cols
+                size = self.nres * npar
+                ds += np.bincount(base + 0, weights=mg * gout[1], minlength=size)
+                ds += np.bincount(base + 1, weights=mg * gout[2], minlength=size)
+                ds += np.bincount(base + 2, weights=mg * gout[3], minlength=size)
+                ds += np.bincount(base + 3, weights=mh * h, minlength=size)
+                ds += np.bincount(base + 4, weights=mg * gout[4], minlength=size)
+        return s, (ds.reshape(self.nres, npar) if jac else None)
+
+    def residuals(self, x: np.ndarray) -> np.ndarray:
+        th = self.full(x)
+        s, _ = self._sums(th, False)
+        r = self.w * (np.log(s) - self.logm)
+        prior = (self.pw_full * (th - self.mu_full))[self.free]
+        return np.concatenate([r[self.valid], prior])
+
+    def jacobian(self, x: np.ndarray) -> np.ndarray:
+        th = self.full(x)
+        s, ds = self._sums(th, True)
+        j = ((self.w / s)[:, None] * ds)[:, self.free]
+        jp = np.diag(self.pw_full[self.free])
+        return np.vstack([j[self.valid], jp])
+
+
+def fit_generation(data: FitData, gpu: str, train: np.ndarray | None = None, start: GenFit | None = None,
+                   max_nfev: int = 300) -> GenFit:
+    """Fit one measured GPU's curves on the models where ``train`` is true (default all)."""
+    from scipy.optimize import least_squares
+
+    train = np.ones(len(data.names), dtype=bool) if train is None else np.asarray(train, dtype=bool)
+    prob = _Problem(data, gpu, train)
+    th0 = prob.full(prob.x0())
+    if start is not None:  # warm start: copy the keys both fits have
+        pos = {k: i for i, k in enumerate(start.keys)}
+        for i, k in enumerate(prob.keys):
+            if k in pos:
+                th0[_NP * i:_NP * i + _NP] = start.theta[_NP * pos[k]:_NP * pos[k] + _NP]
+    lo, hi = prob.bounds()
+    x0 = np.clip(th0[prob.free], lo + 1e-9, hi - 1e-9)
+    res = least_squares(prob.residuals, x0, jac=prob.jacobian, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
+                        x_scale="jac", max_nfev=max_nfev, method="trf")
+    return GenFit(generation=gpu_sheet(gpu).generation, gpu=gpu, keys=prob.keys, theta=prob.full(res.x),
+                  paths=prob.paths, cost=float(res.cost))
+
+
+def fit_all(data: FitData, progress: Callable[[str], None] | None = None) -> dict[str, GenFit]:
+    """One fit per measured GPU (generation), on every model."""
+    fits = {}
+    for g in data.gpus:
+        if progress:
+            progress(g)
+        fit = fit_generation(data, g)
+        fits[fit.generation] = fit
+    return fits
+
+
+def model_of(fits: dict[str, GenFit], uncertainty: dict | None = None) -> CostModel:
+    """A :class:`CostModel` from fits (no file)."""
+    return CostModel({"generations": {g: f.to_json() for g, f in fits.items()}, "uncertainty": uncertainty or {}})
+
+
+# ------------------------------------------------------------------------------ predictions
+def predict(model: CostModel, data: FitData, gpu: str | GpuSheet, models: Sequence[int],
+            batches: Sequence[int] = EVAL_BATCHES) -> np.ndarray:
+    """Predicted seconds [model (in ``models`` order), phase, batch] of ``gpu``."""
+    sel = np.isin(data.table.model, models)
+    tab = data.table.select(sel)
+    terms = model.table_terms(tab, gpu)
+    out = np.zeros((len(models), 2, len(batches)))
+    for bi, b in enumerate(batches):
+        out[:, :, bi] = model.table_phase_seconds(tab, b, gpu, terms=terms)[np.asarray(models)]
+    return out
+
+
+def lomo(data: FitData, full: dict[str, GenFit], progress: Callable[[str, str], None] | None = None,
+         gpus: Sequence[str] | None = None, cache: str | None = None) -> dict[str, np.ndarray]:
+    """Leave-one-model-out predictions [model, phase, batch] at EVAL_BATCHES, per GPU: each model
+    priced by its GPU's curves fitted on the other models (warm-started from the full fit).
+
+    ``cache``: a key (e.g. the database's data version); results are kept per GPU under it and
+    this package's source hash, so a rerun with the same code and data fits nothing again.
+    """
+    from .dataset import code_key, load_arrays, save_arrays
+
+    out = {}
+    n = len(data.names)
+    for g in gpus or data.gpus:
+        key = f"lomo-{code_key(cache or '', g, *data.names)}" if cache is not None else None
+        hit = load_arrays(key) if key else None
+        if hit is not None:
+            out[g] = hit["pred"]
+            if progress:
+                for m in data.names:
+                    progress(g, m)
+            continue
+        gen = gpu_sheet(g).generation
+        pred = np.zeros((n, 2, len(EVAL_BATCHES)))
+        for i, name in enumerate(data.names):
+            if progress:
+                progress(g, name)
+            train = np.ones(n, dtype=bool)
+            train[i] = False
+            fit = fit_generation(data, g, train, start=full[gen], max_nfev=60)
+            model = model_of({**{k: v for k, v in full.items() if k != gen}, gen: fit})
+            pred[i] = predict(model, data, g, [i])[0]
+        out[g] = pred
+        if key:
+            save_arrays(key, {"pred": pred})
+    return out
+
+
+def logo(data: FitData, full: dict[str, GenFit]) -> dict[str, dict[str, np.ndarray]]:
+    """Leave-one-GPU-out predictions per GPU: ``{"op model": [...], "transfer": [...]}`` arrays
+    [model, phase, batch] at EVAL_BATCHES (see the module docstring)."""
+    everyone = model_of(full)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    all_models = list(range(len(data.names)))
+    for g in data.gpus:
+        sheet = gpu_sheet(g)
+        model = everyone.without(sheet.generation)
+        direct = predict(model, data, sheet, all_models)
+        # nearest measured generation in the donor chain: its measurements carried over
+        donor_gen = next(d for d in DONORS[sheet.generation] if d != sheet.generation and d in full)
+        donor = MEASURED_GENERATION_GPU[donor_gen]
+        on_donor = predict(model, data, gpu_sheet(donor), all_models)
+        transfer = data.measured_eval[donor] * direct / on_donor
+        out[g] = {"op model": direct, "transfer": transfer, "donor": donor}  # type: ignore[dict-item]
+    return out
+
+
+def errors(pred: np.ndarray, meas: np.ndarray, total: bool = True) -> np.ndarray:
+    """Relative errors pred/meas - 1 of fwd+bwd (``total``) or of each phase, [model, (phase,) batch]."""
+    if total:
+        return pred.sum(1) / meas.sum(1) - 1
+    return pred / meas - 1
+
+
+def summary(err: np.ndarray) -> dict[str, float]:
+    """n, mean, median, p90 and worst of |error| (finite values only)."""
+    a = np.abs(err[np.isfinite(err)])
+    if not len(a):
+        return {"n": 0, "mean": math.nan, "p50": math.nan, "p90": math.nan, "worst": math.nan}
+    return {"n": int(len(a)), "mean": float(a.mean()), "p50": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+            "worst": float(a.max())}
+
+
+# ------------------------------------------------------------------------------ the shipped file
+def uncertainty_block(data: FitData, full: dict[str, GenFit], lomo_pred: dict[str, np.ndarray],
+                      logo_pred: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """Cross-validated |error| percentiles for ``params.json`` (fwd+bwd, batch sizes 16-256)."""
+    everyone = model_of(full)
+    mixes: dict[int, str] = {}
+    for i in range(len(data.names)):
+        tab = data.table.select(data.table.model == i)
+        mixes[i] = dominant_mix(tab, everyone.table_seconds(tab, 64, "V100"))
+
+    def block(preds: dict[str, np.ndarray], basis: str) -> dict[str, Any]:
+        errs = [errors(p, data.measured_eval[g]) for g, p in preds.items()]
+        allerr = np.stack(errs)  # [gpu, model, batch]
+        by_mix = {}
+        for mix in sorted(set(mixes.values())):
+            idx = [i for i, m in mixes.items() if m == mix]
+            s = summary(allerr[:, idx])
+            by_mix[mix] = {"p50": round(s["p50"], 3), "p90": round(s["p90"], 3), "n": s["n"]}
+        s = summary(allerr)
+        return {"basis": basis, "overall": {"p50": round(s["p50"], 3), "p90": round(s["p90"], 3), "n": s["n"]},
+                "by_mix": by_mix}
+
+    return {
+        "measured_generation": block(lomo_pred, "leave-one-model-out, fwd+bwd, 36 models x 6 GPUs x batch 16-256"),
+        "datasheet_gpu": block({g: v["op model"] for g, v in logo_pred.items()},
+                               "leave-one-GPU-out (op model), fwd+bwd, 36 models x 6 GPUs x batch 16-256"),
+        "model_mix": {data.names[i]: m for i, m in mixes.items()},
+    }
+
+
+def params_document(data: FitData, full: dict[str, GenFit], uncertainty: dict[str, Any], db_meta: dict) -> dict:
+    """The content of ``params.json``."""
+    return {
+        "format": 1,
+        "form": "t = (h^q + g^q)^(1/q); g = work / (peak * eff); eff = e / (1 + (x0 / x)^p); x = work / SMs",
+        "calibration": {
+            "source": db_meta.get("source", ""), "data_version": db_meta.get("data_version", ""),
+            "precision": "fp32, torch defaults: TF32 off for matmul, on for cuDNN (A100 convolutions: TF32)",
+            "fit_batches": list(FIT_BATCHES), "models": len(data.names),
+        },
+        "generations": {g: f.to_json() for g, f in sorted(full.items())},
+        "uncertainty": uncertainty,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gpemu.costmodel.fit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(PARAMS_PATH), help="where to write the parameters (default: the shipped file)")
+    ap.add_argument("--check", action="store_true", help="fit, print, and compare with the file instead of writing it")
+    args = ap.parse_args(argv)
+    # One BLAS thread: least_squares' SVD of a ~1000 x 100 Jacobian is ~20x slower with threads
+    # contending on a busy 2-core machine. Takes effect because scipy's BLAS is not loaded yet.
+    if "scipy.linalg" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import gpemu
+    from gpemu.db import open_profile_db
+
+    db = open_profile_db(gpemu.EmuConfig.from_env())
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as pb:
+            t_rec = pb.add_task("recording op lists", total=None)
+            data = FitData.build(db, progress=lambda n: pb.update(t_rec, description=f"recording {n}"))
+            pb.update(t_rec, total=1, completed=1, description="op lists")
+            t_fit = pb.add_task("fitting", total=len(data.gpus))
+            full = {}
+            for g in data.gpus:
+                pb.update(t_fit, description=f"fitting {g}")
+                f = fit_generation(data, g)
+                full[f.generation] = f
+                pb.advance(t_fit)
+            t_cv = pb.add_task("leave-one-model-out", total=len(data.gpus) * len(data.names))
+            lomo_pred = lomo(data, full, progress=lambda g, n: (pb.update(t_cv, description=f"LOMO {g} {n}"),
+                                                                 pb.advance(t_cv)),
+                             cache=db.meta().get("data_version", ""))
+        logo_pred = logo(data, full)
+    except KeyboardInterrupt:
+        print("interrupted; nothing written", file=sys.stderr)
+        return 130
+    doc = params_document(data, full, uncertainty_block(data, full, lomo_pred, logo_pred), db.meta())
+    text = json.dumps(doc, indent=1, sort_keys=False) + "\n"
+    u = doc["uncertainty"]
+    print(f"LOMO |error| p50 {u['measured_generation']['overall']['p50']:.1%} p90 "
+          f"{u['measured_generation']['overall']['p90']:.1%}; LOGO p50 {u['datasheet_gpu']['overall']['p50']:.1%} "
+          f"p90 {u['datasheet_gpu']['overall']['p90']:.1%}")
+    if args.check:
+        try:
+            same = open(args.out, encoding="utf-8").read() == text
+        except FileNotFoundError:
+            same = False
+        print("identical to" if same else "differs from", args.out)
+        return 0 if same else 1
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

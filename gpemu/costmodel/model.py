@@ -1,0 +1,343 @@
+"""The calibrated cost model: ops + GPU + precision in, seconds out.
+
+    from gpemu.costmodel import default_model, Precision
+    m = default_model()                                   # the shipped, calibrated parameters
+    s = m.op_seconds(features, "H100", Precision("bfloat16"))   # one kernel's GPU time
+    step = m.module_seconds(module, (x,), "A100")        # one training step's forward / backward
+    t = m.ops_seconds(ops, "L4")                          # a sequence: host and GPU overlapped
+
+Each op is priced by :mod:`~gpemu.costmodel.curve`'s form with the curve of its **curve key** —
+op class, refined for dense convolutions by kernel (``conv1x1``, ``conv3x3`` = 3x3 stride 1, which
+cuDNN runs with Winograd, ``conv`` = others), and the pass (``.fwd`` / ``.bwd``) — and of its
+GPU's generation. Curves are calibrated per generation against the peak the database's
+measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 convolutions,
+``memory`` for bandwidth-bound classes). A request is served by the first generation in the GPU's
+donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
+op runs on*, with the requesting GPU's own peaks and SM count; this is how a datasheet-only GPU
+(H100, L4, ...) and fp16/bf16 tensor-core work (calibrated only on the A100) get numbers.
+Substitutes when no generation has a key on that path: a GEMM on tensor cores uses the 1x1
+convolution's tensor curve (a 1x1 convolution *is* a GEMM), attention uses the GEMM's, an
+embedding the copy's.
+
+This module never imports the emulator (runtime, tensor, replay): it is a pure library.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from . import curve as C
+from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
+from .gpus import DONORS, GpuSheet, gpu_sheet
+from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
+from .table import CLASSES, DTYPES, OpTable
+
+__all__ = ["CostModel", "default_model", "curve_key", "table_keys", "PARAMS_PATH", "Uncertainty", "StepSeconds",
+           "op_seconds"]
+
+PARAMS_PATH = Path(__file__).resolve().parent / "data" / "params.json"
+
+# Substitute keys (without the pass suffix), tried in order when no generation in the chain has
+# the op's own key on the path it runs on.
+_STANDINS: dict[str, tuple[str, ...]] = {
+    "gemm": ("conv1x1",),
+    "attention": ("gemm", "conv1x1"),
+    "embedding": ("copy", "elementwise"),
+    "conv_grouped": ("conv",),
+    "conv_depthwise": ("conv_grouped",),
+    "conv": ("conv3x3", "conv1x1"),
+    "conv1x1": ("conv",),
+    "conv3x3": ("conv",),
+    "reduction": ("elementwise",),
+    "pooling": ("elementwise",),
+    "copy": ("elementwise",),
+    "norm": ("elementwise",),
+}
+
+
+def _conv_key(kernel: int, stride: int) -> str:
+    if kernel == 1:
+        return "conv1x1"
+    if kernel == 9 and stride == 1:
+        return "conv3x3"
+    return "conv"
+
+
+def curve_key(op: OpFeatures) -> str:
+    """The curve an op is priced with, e.g. ``"conv3x3.bwd"``, ``"norm.fwd"``."""
+    base = _conv_key(op.kernel, op.stride) if op.op_class is OpClass.CONV else op.op_class.value
+    return base + (".bwd" if op.backward else ".fwd")
+
+
+def table_keys(table: OpTable) -> np.ndarray:
+    """:func:`curve_key` of every op of a table (a string array)."""
+    base = np.array([c.value for c in CLASSES], dtype=object)[table.cls]
+    conv = table.cls == CLASSES.index(OpClass.CONV)
+    k1 = conv & (table.kernel == 1)
+    k3 = conv & (table.kernel == 9) & (table.stride == 1)
+    base = base.copy()
+    base[k1] = "conv1x1"
+    base[k3] = "conv3x3"
+    suffix = np.where(table.backward.astype(bool), ".bwd", ".fwd")
+    return (base.astype(str).astype(object) + suffix).astype(str)
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """Typical relative error of an estimate: median and 90th percentile of |error| (fractions) in
+    cross-validation, and what they were measured on."""
+
+    p50: float
+    p90: float
+    basis: str
+
+    def __str__(self) -> str:
+        return f"±{100 * self.p50:.0f}% (p90 {100 * self.p90:.0f}%)"
+
+
+@dataclass(frozen=True)
+class StepSeconds:
+    """Estimated GPU seconds of one training step's forward and backward."""
+
+    forward: float
+    backward: float
+    uncertainty: Uncertainty | None = None
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    curve: C.Curve
+    generation: str
+
+
+class CostModel:
+    """Calibrated per-generation efficiency curves (see the module docstring).
+
+    ``params`` is the parsed ``params.json``: ``{"generations": {gen: {"gpu": name, "curves":
+    {key: {"e", "x0", "p", "h", "k0", "path"}}}}, "uncertainty": {...}, ...}``.
+    """
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.params = dict(params)
+        self.generations: dict[str, dict[str, C.Curve]] = {}
+        for gen, g in params.get("generations", {}).items():
+            self.generations[gen] = {k: C.Curve(e=v["e"], x0=v["x0"], p=v["p"], h=v["h"], k0=v.get("k0", 0.0),
+                                                path=v.get("path", "simt")) for k, v in g["curves"].items()}
+        self._memo: dict[tuple, _Resolved] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "CostModel":
+        """The model in ``path`` (default: the shipped ``data/params.json``)."""
+        with open(path or PARAMS_PATH, encoding="utf-8") as f:
+            return cls(json.load(f))
+
+    def without(self, *generations: str) -> "CostModel":
+        """The same model with some generations' curves removed (to price a GPU as if unmeasured)."""
+        p = dict(self.params)
+        p["generations"] = {g: v for g, v in self.params.get("generations", {}).items() if g not in generations}
+        return CostModel(p)
+
+    # ------------------------------------------------------------------ curve lookup
+    def resolve(self, gpu: GpuSheet, key: str, path: str) -> _Resolved:
+        """The curve pricing ``key`` on ``path`` for ``gpu``: own key first through the donor
+        chain, then substitutes, then any path as a last resort."""
+        memo_key = (gpu.generation, key, path)
+        hit = self._memo.get(memo_key)
+        if hit is not None:
+            return hit
+        base, _, phase = key.partition(".")
+        chain = DONORS.get(gpu.generation, DONORS["ampere"])
+        other = "fwd" if phase == "bwd" else "bwd"
+        bases = (base,) + _STANDINS.get(base, ()) + tuple(s2 for s in _STANDINS.get(base, ()) for s2 in _STANDINS.get(s, ()))
+        found: _Resolved | None = None
+        for want_path in (path, None):
+            for b in bases:
+                for ph in (phase, other):
+                    for gen in chain:
+                        c = self.generations.get(gen, {}).get(f"{b}.{ph}")
+                        if c is not None and (want_path is None or c.path == want_path):
+                            found = _Resolved(c, gen)
+                            break
+                    if found:
+                        break
+                if found:
+                    break
+            if found:
+                break
+        if found is None:
+            raise KeyError(f"no calibrated curve for {key} ({path}) in generations {', '.join(self.generations)}")
+        self._memo[memo_key] = found
+        return found
+
+    # ------------------------------------------------------------------ single ops
+    def _peak(self, sheet: GpuSheet, cls: OpClass, dtype: str, precision: Precision, key: str) -> tuple[_Resolved, float]:
+        # The curve and the peak it applies to. Without any tensor-core curve in reach (only when
+        # generations are removed, as in leave-one-GPU-out) a tensor-path op is priced as SIMT
+        # work: no evidence of how well tensor cores would run it, so no speed-up is assumed.
+        if cls in COMPUTE_CLASSES:
+            eff_dtype = effective_dtype(dtype, precision)
+            path, peak = compute_peak(sheet, cls, eff_dtype, precision)
+            r = self.resolve(sheet, key, path)
+            if path == "tensor" and r.curve.path == "simt":
+                peak = simt_peak(sheet, eff_dtype)
+            return r, peak
+        return self.resolve(sheet, key, "memory"), sheet.memory_bandwidth
+
+    def _price(self, op: OpFeatures, sheet: GpuSheet, precision: Precision) -> tuple[float, float]:
+        r, peak = self._peak(sheet, op.op_class, op.dtype, precision, curve_key(op))
+        if op.op_class in COMPUTE_CLASSES:
+            work, k = op.flops, op.reduction
+        else:
+            work, k = op.nbytes * byte_scale(op.dtype, precision), 0
+        return r.curve.h, C.kernel_seconds(work, peak, sheet.sm_count, r.curve, k)
+
+    def op_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+        """GPU seconds of one op's kernel(s) (0 for free ops). ``gpu``: a name / alias, a
+        :class:`GpuSheet` or a ``gpemu.db.GpuSpec``.
+
+        This is device time only: the host's time to issue the op is not in it (an emulated
+        program's host time is real). For a whole forward/backward pass, whose measured time also
+        shows the host where it could not keep up, use :meth:`ops_seconds`.
+        """
+        if op.op_class is OpClass.FREE:
+            return 0.0
+        return self._price(op, gpu_sheet(gpu), precision)[1]
+
+    def host_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+        """Host seconds to issue one op, as the calibration hosts (eager PyTorch) took (0 for free ops)."""
+        if op.op_class is OpClass.FREE:
+            return 0.0
+        return self._price(op, gpu_sheet(gpu), precision)[0]
+
+    def ops_seconds(self, ops: Iterable[OpFeatures], gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+        """Seconds of a sequence of ops issued one after another (a forward or a backward pass):
+        host and GPU time overlapped as a queue (:func:`~gpemu.costmodel.curve.queue_seconds`)."""
+        sheet = gpu_sheet(gpu)
+        return C.queue_seconds(self._price(o, sheet, precision) for o in ops if o.op_class is not OpClass.FREE)
+
+    # ------------------------------------------------------------------ many ops
+    def table_terms(self, table: OpTable, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> dict[str, Any]:
+        """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak,
+        scale, le, lx0, p, h, lk0, kinv; and the generation that supplied each op's curve)."""
+        sheet = gpu_sheet(gpu)
+        keys = table_keys(table)
+        n = len(table)
+        is_comp = np.isin(table.cls, [CLASSES.index(c) for c in COMPUTE_CLASSES])
+        peak, scale = np.empty(n), np.ones(n)
+        le, lx0, p, h, lk0 = (np.empty(n) for _ in range(5))
+        gens = np.empty(n, dtype=object)
+        combos: dict[tuple, list[int]] = {}
+        for i, (k, c, d) in enumerate(zip(keys, table.cls, table.dtype)):
+            combos.setdefault((k, int(c), int(d)), []).append(i)
+        for (k, c, d), idx_list in combos.items():
+            idx = np.asarray(idx_list)
+            cls, dtype = CLASSES[c], DTYPES[d]
+            r, pk = self._peak(sheet, cls, dtype, precision, k)
+            if cls not in COMPUTE_CLASSES:
+                scale[idx] = byte_scale(dtype, precision)
+            peak[idx] = pk
+            le[idx], lx0[idx], p[idx], h[idx] = np.log(r.curve.e), np.log(r.curve.x0), r.curve.p, r.curve.h
+            lk0[idx] = np.log(max(r.curve.k0, 1e-30))
+            gens[idx] = r.generation
+        kinv = np.where(is_comp & (table.reduction > 0), 1.0 / np.maximum(table.reduction, 1), 0.0)
+        return {"sms": sheet.sm_count, "is_comp": is_comp, "peak": peak, "scale": scale, "le": le, "lx0": lx0,
+                "p": p, "h": h, "lk0": lk0, "kinv": kinv, "gens": gens}
+
+    def table_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
+                      precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
+        """GPU seconds of every op of ``table`` at ``batch`` (pass ``terms`` from
+        :meth:`table_terms` to price many batch sizes without resolving curves again)."""
+        tm = terms if terms is not None else self.table_terms(table, gpu, precision)
+        work = np.where(tm["is_comp"], table.flops(batch), table.nbytes(batch) * tm["scale"])
+        return C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], tm["kinv"],
+                               grads=False)[0]
+
+    def table_phase_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
+                            precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
+        """Queue time of each (model, pass) sequence of ``table`` at ``batch``: an array
+        [model, 2] (forward, backward) over ``0 .. table.model.max()``. Ops of one model and pass
+        must be contiguous and in order, as recording leaves them."""
+        tm = terms if terms is not None else self.table_terms(table, gpu, precision)
+        g = self.table_seconds(table, batch, gpu, precision, tm)
+        n_models = int(table.model.max()) + 1 if len(table) else 0
+        seg = table.model.astype(np.int64) * 2 + table.backward.astype(np.int64)
+        starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+        seg_id = np.cumsum(np.r_[False, seg[1:] != seg[:-1]])
+        t = C.queue_arrays(tm["h"], g, starts, seg_id, grads=False)[0]
+        out = np.zeros(n_models * 2)
+        out[seg[starts]] = t
+        return out.reshape(n_models, 2)
+
+    # ------------------------------------------------------------------ whole steps
+    def module_seconds(self, module: Any, args: tuple, gpu: "str | GpuSheet | Any", precision: Precision = FP32,
+                       kwargs: dict | None = None, backward: bool = True) -> StepSeconds:
+        """Forward and backward seconds of ``module(*args, **kwargs)`` recorded once on the meta
+        device (the module is not modified; put it in ``train()`` mode for a training step)."""
+        from .record import record_step
+
+        sheet = gpu_sheet(gpu)
+        step = record_step(module, args, kwargs, backward=backward)
+        fwd = self.ops_seconds(step.forward, sheet, precision)
+        bwd = self.ops_seconds(step.backward, sheet, precision)
+        return StepSeconds(fwd, bwd, self.uncertainty(sheet))
+
+    def transfer_seconds(self, measured: float, table: OpTable, batch: float, phase: str,
+                         from_gpu: "str | GpuSheet | Any", to_gpu: "str | GpuSheet | Any",
+                         precision: Precision = FP32, from_precision: Precision = FP32) -> float:
+        """A measured forward/backward time on one GPU carried to another GPU (or precision) by the
+        ratio of the model's estimates on both (Habitat-style): model-specific errors shared by
+        both GPUs cancel. ``phase``: ``"forward"`` or ``"backward"``."""
+        i = 0 if phase == "forward" else 1
+        src = float(self.table_phase_seconds(table, batch, from_gpu, from_precision)[:, i].sum())
+        dst = float(self.table_phase_seconds(table, batch, to_gpu, precision)[:, i].sum())
+        return measured * dst / src if src > 0 else dst
+
+    # ------------------------------------------------------------------ uncertainty
+    def uncertainty(self, gpu: "str | GpuSheet | Any", mix: str | None = None) -> Uncertainty | None:
+        """Cross-validated error of an estimate on ``gpu``: leave-one-model-out figures for a GPU
+        whose generation is calibrated, leave-one-GPU-out figures for a datasheet-only GPU;
+        ``mix`` (see :func:`dominant_mix`) narrows to models whose time is dominated by that kind
+        of op when the fit recorded it."""
+        u = self.params.get("uncertainty")
+        if not u:
+            return None
+        sheet = gpu_sheet(gpu)
+        calibrated = sheet.generation in self.generations
+        block = u.get("measured_generation" if calibrated else "datasheet_gpu") or {}
+        entry = (block.get("by_mix") or {}).get(mix) if mix else None
+        entry = entry or block.get("overall")
+        if not entry:
+            return None
+        return Uncertainty(float(entry["p50"]), float(entry["p90"]), str(block.get("basis", "")))
+
+
+def dominant_mix(table: OpTable, seconds: np.ndarray) -> str:
+    """Which kind of work takes most of the time: ``dense_conv``, ``light_conv`` (grouped and
+    depthwise), ``gemm`` or ``memory`` (everything bandwidth-bound)."""
+    groups = {"dense_conv": [OpClass.CONV], "light_conv": [OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE],
+              "gemm": [OpClass.GEMM, OpClass.ATTENTION]}
+    shares = {k: float(seconds[np.isin(table.cls, [CLASSES.index(c) for c in v])].sum()) for k, v in groups.items()}
+    shares["memory"] = float(seconds.sum()) - sum(shares.values())
+    return max(shares, key=lambda k: shares[k])
+
+
+@lru_cache(maxsize=1)
+def default_model() -> CostModel:
+    """The shipped model (``data/params.json``), loaded once."""
+    return CostModel.load()
+
+
+def op_seconds(op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+    """:meth:`CostModel.op_seconds` of the shipped model."""
+    return default_model().op_seconds(op, gpu, precision)
