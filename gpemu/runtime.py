@@ -19,6 +19,7 @@ points.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -123,11 +124,28 @@ class Runtime:
         return check_ordinal(index, len(self.gpus))
 
     def say_once(self, message: str) -> None:
-        """Tell the user something once per run (provenance, fallbacks), on stderr."""
+        """Tell the user something once per run (provenance, fallbacks), on stderr: one write
+        per line, marked with the process's rank in a multi-process job (so ranks' lines never
+        mix within a line)."""
         if self.recorder.note(message):
-            import sys
+            rank = _rank()
+            tag = f"[gpemu rank {rank}]" if rank is not None else "[gpemu]"
+            sys.stderr.write(f"{tag} {message}\n")
+            sys.stderr.flush()
 
-            print(f"[gpemu] {message}", file=sys.stderr, flush=True)
+
+def _rank() -> int | None:
+    """This process's rank when it is one of several (torch.distributed, or torchrun's
+    LOCAL_RANK before the process group exists); None otherwise."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return None
+    try:
+        if dist.is_initialized():
+            return int(dist.get_rank()) if dist.get_world_size() > 1 else None
+        return int(dist.get_node_local_rank())  # raises when LOCAL_RANK is unset
+    except (RuntimeError, ValueError, AttributeError):
+        return None
 
 
 _runtime: Runtime | None = None

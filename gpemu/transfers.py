@@ -206,6 +206,8 @@ class TransferState:
         rt.recorder.add_many(("h2d_bytes", nbytes), ("model_transfer_bytes", nbytes),
                              ("model_transfer_seconds", seconds))
         stream.synchronize("model-copy")
+        if device < len(rt.memory):
+            rt.memory[device].sample()  # the memory timeline starts at the model copy
         return seconds
 
     def model_to_host(self, module: torch.nn.Module, device: int, nbytes: int, copies: int) -> float:
