@@ -151,8 +151,6 @@ def remove_cmd(ids: tuple[str, ...], remove_all: bool, directory: str) -> None:
 def plugin_cmd(config_path: str | None, sharing_password_file: str | None, sharing_password: str | None,
                job_secret_file: str | None, **flags: object) -> None:
     """Run the emuGPU device plugin (registers with the kubelet; serves until SIGTERM)."""
-    from gpemu.integrations.sharing.cli import read_secret_file, resolve_amqp_url
-
     from .plugin import EmuGpuPlugin, PluginOptions, load_plugin_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -170,8 +168,34 @@ def plugin_cmd(config_path: str | None, sharing_password_file: str | None, shari
 
         options = replace(options, **changes)
     if options.sharing:
-        resolve_amqp_url(options.sharing, options.sharing_password, None, "--sharing")  # one clear line if bad
+        _check_amqp_url(options.sharing)
     EmuGpuPlugin(options).run_forever()
+
+
+def read_secret_file(path: str, what: str) -> bytes:
+    """A secret file's contents (a hostPath or Secret mount) without the trailing newline."""
+    from pathlib import Path
+
+    try:
+        data = Path(path).read_bytes().rstrip(b"\r\n")
+    except OSError as exc:
+        raise UserError(f"cannot read the {what} file {path}: {exc.strerror}") from None
+    if not data:
+        raise UserError(f"the {what} file {path} is empty")
+    return data
+
+
+def _check_amqp_url(url: str) -> None:
+    """A --sharing URL pika cannot use is one line (password redacted), not a failure per Allocate."""
+    import pika
+
+    from gpemu.units import redact_url
+
+    try:
+        pika.URLParameters(url)
+    except Exception as exc:
+        text = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"--sharing {redact_url(url)!r} is not a usable AMQP URL: {text}") from None
 
 
 @k8s.command("secrets")

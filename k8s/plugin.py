@@ -659,8 +659,6 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
 
         Returns (job id, the file's path as the node sees it). The directory is root-only; the
         file itself is readable once bind-mounted, whatever user the container runs as."""
-        from gpemu.integrations.sharing.protocol import derive_job_key
-
         o = self.options
         job_id = f"k8s-{secrets.token_hex(8)}"
         keys = {}
@@ -729,7 +727,18 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             log.warning("could not write allocation record %s: %s", path, exc)
 
 
-_CREDENTIALS_NAME = "sharing.json"  # gpemu.integrations.sharing.client.CREDENTIALS_FILE
+# Two facts of the sharing protocol the plugin needs, restated here because gpemu.k8s and the
+# sharing package are independent of each other (.importlinter); tests/test_k8s_plugin.py checks
+# them equal to gpemu.integrations.sharing's.
+_CREDENTIALS_NAME = "sharing.json"  # the sharing client's CREDENTIALS_FILE
+
+
+def derive_job_key(secret: bytes, job_id: str) -> bytes:
+    """The sharing manager's key of ``job_id`` under its job secret (protocol.derive_job_key)."""
+    import hashlib
+    import hmac
+
+    return hmac.new(secret, b"gpemu-sharing-job\0" + job_id.encode(), hashlib.sha256).digest()
 
 
 def _split_password(url: str) -> tuple[str, str | None]:

@@ -4,8 +4,8 @@
 
 * ``manager-password``: the broker password of ``gpemu-manager`` (the sharing manager; full rights),
 * ``jobs-password``: the broker password of ``gpemu-jobs``, the user every job connects as
-  (:data:`~gpemu.integrations.sharing.protocol.JOB_PERMISSIONS`: publish requests, own reply
-  queues, read the status; nothing else),
+  (:data:`JOB_PERMISSIONS`, the sharing protocol's: publish requests, own reply queues, read the
+  status; nothing else),
 * ``job-secret``: the manager's job secret; the device plugin derives each container's key
   from it.
 
@@ -32,6 +32,13 @@ __all__ = ["ensure_secrets", "write_broker_config", "SECRET_FILES", "MANAGER_USE
 MANAGER_USER = "gpemu-manager"
 JOBS_USER = "gpemu-jobs"
 SECRET_FILES = ("manager-password", "jobs-password", "job-secret")
+# The sharing protocol's JOB_PERMISSIONS, restated (gpemu.k8s does not import the sharing
+# package; tests/test_k8s_secrets.py checks the two equal).
+JOB_PERMISSIONS: dict[str, str] = {
+    "configure": r"^gpemu\.sharing\.reply\.[A-Za-z0-9_-]+$",
+    "write": r"^(gpemu\.sharing\.in|gpemu\.sharing\.reply\.[A-Za-z0-9_-]+)$",
+    "read": r"^(gpemu\.sharing\.status|gpemu\.sharing\.reply\.[A-Za-z0-9_-]+)$",
+}
 
 
 def ensure_secrets(directory: str | os.PathLike[str]) -> dict[str, bool]:
@@ -79,8 +86,6 @@ def write_broker_config(secrets_dir: str | os.PathLike[str], out_dir: str | os.P
                         port: int = 5672) -> tuple[Path, Path]:
     """``gpemu.conf`` (listener, definitions to load) and ``definitions.json`` (the two users, vhost
     ``/``, their permissions) for RabbitMQ, from the node's secrets. Returns both paths."""
-    from gpemu.integrations.sharing.protocol import JOB_PERMISSIONS
-
     root, out = Path(secrets_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     users = {MANAGER_USER: _read(root, "manager-password"), JOBS_USER: _read(root, "jobs-password")}

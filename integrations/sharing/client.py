@@ -303,7 +303,7 @@ class SharingClient:
         headers = props.headers if isinstance(getattr(props, "headers", None), dict) else {}
         signed = P.verify(self.key, body, headers.get(P.SIG_HEADER))
         try:
-            reply = json.loads(body) if signed else P._decode(body)
+            reply = json.loads(body) if signed else P.decode(body)
         except (ValueError, RecursionError):
             reply = None
         if not isinstance(reply, dict):

@@ -79,7 +79,7 @@ __all__ = [
     "MAX_SECONDS", "MAX_BYTES", "MAX_BODY", "KEY_BYTES",
     "ERR_UNKNOWN_JOB", "ERR_BAD_SIGNATURE", "ERR_BAD_MESSAGE", "ERR_JOB_EXISTS", "ERR_UNKNOWN_DEVICE", "ERR_BUSY",
     "host_identity", "sign", "verify", "derive_job_key", "new_key", "valid_queue_name", "reply_queue_name",
-    "declare_topology", "short",
+    "declare_topology", "short", "decode",
 ]
 
 PROTOCOL_VERSION = 2
@@ -252,8 +252,10 @@ def _bytes(name: str, value: Any, request_id: str | None) -> int:
     return int(_number(name, value, 0, MAX_BYTES, request_id))
 
 
-def _decode(body: Any) -> Any:
-    """Bounded JSON decoding: size and nesting are checked before the decoder sees the bytes."""
+def decode(body: Any) -> Any:
+    """Bounded JSON decoding: size and nesting are checked before the decoder sees the bytes.
+
+    Raises :class:`ProtocolError`; jobs use it for replies they cannot authenticate."""
     if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
         size = len(body) if isinstance(body, (bytes, bytearray)) else type(body).__name__
         raise ProtocolError(f"message body must be JSON of at most {MAX_BODY} bytes, got {size}")
@@ -270,7 +272,7 @@ def _decode(body: Any) -> Any:
 
 def parse_message(body: bytes) -> Message:
     """Decode and validate one message from a job. Raises :class:`ProtocolError`."""
-    data = _decode(body)
+    data = decode(body)
     if not isinstance(data, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(data).__name__}")
     rid = data.get("request_id") if isinstance(data.get("request_id"), str) else None
