@@ -338,22 +338,20 @@ def test_ddp_iteration_times_with_gloo(factories: Path, db_url: str) -> None:
     db.close()
 
 
-def test_factory_module_in_the_current_directory(tmp_path: Path, db_url: str) -> None:
-    """`gpemu profile --model mymodels:build` next to mymodels.py: the console script's sys.path
-    starts with its own directory, not the current one (simulated by dropping the '' entry)."""
+def test_factory_module_in_the_current_directory(tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpemu profile --model mymodels:build` next to mymodels.py. The console script's sys.path
+    starts with its own directory, not the current one: here neither '' nor the directory is on it."""
     (tmp_path / "mymodels.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(12, 3)\n")
-    console_script = [sys.executable, "-c", "import sys; sys.path.pop(0); from gpemu.cli import main; sys.exit(main())"]
-    args = ["profile", "--device", "cpu", "--db", db_url, "--input-shape", "12", "--batch-sizes", "1",
-            "--warmup", "0", "--iterations", "1", "--no-progress"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ok = subprocess.run([*console_script, *args, "--model", "mymodels:build"], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert open_db(db_url).has("cpu", "mymodels:build".split(":")[1], "forward")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodels", raising=False)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    bad = subprocess.run([*console_script, *args, "--model", "mymodels:build"], cwd=elsewhere, env=env,
-                         capture_output=True, text=True, timeout=300)
-    err = " ".join(bad.stderr.split())
-    assert bad.returncode == 2 and "Traceback" not in err
+    monkeypatch.chdir(elsewhere)
+    assert run_profile(db_url, "--model", "mymodels:build", "--input-shape", "12", "--batch-sizes", "1") == 2
+    err = err_text(capsys)
     assert "run gpemu from the directory that holds mymodels.py" in err and "PYTHONPATH" in err
+    assert "Traceback" not in err
+    monkeypatch.chdir(tmp_path)
+    assert run_profile(db_url, "--model", "mymodels:build", "--input-shape", "12", "--batch-sizes", "1") == 0
+    assert open_db(db_url).has("cpu", "build", "forward")
