@@ -87,8 +87,9 @@ def _state(rt: "Runtime") -> IdentifyState:
     return st
 
 
-def identify(rt: "Runtime", module: nn.Module) -> ModelIdentity:
-    """The identity of ``module`` (cached per module object for the run)."""
+def identify(rt: "Runtime", module: nn.Module, quiet: bool = False) -> ModelIdentity:
+    """The identity of ``module`` (cached per module object for the run). ``quiet``: do not say
+    that it matches no dataset model (a part of a model that was already said so)."""
     st = _state(rt)
     cache = st.cache
     try:
@@ -96,8 +97,8 @@ def identify(rt: "Runtime", module: nn.Module) -> ModelIdentity:
     except KeyError:
         pass
     except TypeError:  # not weak-referenceable: identify without caching
-        return _identify(rt, module, st)
-    ident = _identify(rt, module, st)
+        return _identify(rt, module, st, quiet)
+    ident = _identify(rt, module, st, quiet)
     cache[module] = ident
     return ident
 
@@ -110,7 +111,7 @@ def _counts(module: nn.Module) -> tuple[int, int]:
     return n, b
 
 
-def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState) -> ModelIdentity:
+def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool = False) -> ModelIdentity:
     count, nbytes = _counts(module)
     cls = type(module).__name__
     fp = structural_fingerprint(module)
@@ -131,7 +132,7 @@ def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState) -> ModelIdent
         names = "+".join(p.name or "?" for p in parts)
         rt.say_once(f"model {cls}: GPU time of its identified submodule(s) {names}")
         return ModelIdentity(names, parts[0].source, cls, count, fp, None, parts=parts, param_bytes=nbytes)
-    if count > 0:
+    if count > 0 and not quiet:
         rt.say_once(f"model {cls} ({count:,} parameters) matches no dataset model: GPU time estimated "
                     f"from FLOPs and bytes (set GPEMU_MODEL / gpemu.patch(model=...) to use a measured model)")
     return ModelIdentity(None, "estimated", cls, count, fp, None, param_bytes=nbytes)

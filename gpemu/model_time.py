@@ -35,10 +35,16 @@ from . import costs
 from .identify import identify
 from .tensor import EmuTensor
 
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "ModelTime", "CallRecord", "graph_nodes", "emulated_device"]
+__all__ = ["install", "ModelTime", "CallRecord", "graph_nodes", "emulated_device", "PLAIN_VALUES"]
+
+# Values a replay can give back as they are (immutable, compared by value).
+PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size, torch.memory_format,
+                torch.layout, slice, type(Ellipsis))
 
 
 class CallRecord:
@@ -92,6 +98,11 @@ class ModelTime:
         """True when the calling thread is not already inside an outermost module call."""
         return not getattr(self.local, "depth", 0)
 
+    def children_open(self) -> bool:
+        """True inside a call run with ``open_children``: a submodule called now is a unit of its
+        own (its ancestor's outputs could not be replayed, its own may)."""
+        return getattr(self.local, "open", False)
+
     def enter(self) -> None:
         self.local.depth = 1
 
@@ -100,11 +111,14 @@ class ModelTime:
 
     def run_charged(self, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int,
                     params: list, record: CallRecord | None = None, fallback_reason: str | None = None,
-                    t0: float | None = None) -> Any:
+                    t0: float | None = None, open_children: bool = False) -> Any:
         """Call ``module`` op by op with its forward time charged and its backward marked.
         ``record``: filled with what the call measured (see :class:`CallRecord`);
         ``fallback_reason``: why a fast path could not replay the call (said once);
-        ``t0``: the host time the call started (its forward's GPU work is issued then)."""
+        ``t0``: the host time the call started (its forward's GPU work is issued then);
+        ``open_children``: its submodules' calls may be charged and replayed as units of their own
+        (:meth:`children_open`; a fast path uses it when this module's own outputs cannot be
+        replayed)."""
         rt = self.rt
         self.stats["op_by_op"] += 1
         if fallback_reason is not None:
@@ -114,20 +128,31 @@ class ModelTime:
         engine = rt.engine
         ts = self.ts
         mem = ts.memory[dev]
-        ident = identify(rt, module)
+        level = getattr(self.local, "level", 0)  # > 0: a unit inside an ancestor's call
+        ident = identify(rt, module, quiet=level > 0)
         batch = _batch_size(args, kwargs)
         label = ident.label
         by_ops = ident.name is None and not ident.parts  # priced by the ops it runs
         before = mem.allocated
+        ends = _mark_backward_end(self, args, kwargs)
+        if ends is not None:
+            args, kwargs = ends[0], ends[1]
+        was_open = getattr(self.local, "open", False)
+        self.local.open = open_children
+        self.local.level = level + 1
+        in_backward = _graph_task() != -1
         if by_ops:
             tap = ts.open_tap()
             try:
-                # (uncharged: a call inside another model's charge is charged by its ops all the
-                # same, e.g. a checkpointed block recomputed during a measured model's backward)
-                with mem.peak_scope() as scope, engine.uncharged() if engine is not None else _nothing():
+                # (uncharged during a backward pass: a checkpointed block recomputed inside a
+                # measured model's backward is charged by its ops all the same)
+                uncharged = engine.uncharged() if engine is not None and in_backward else _nothing()
+                with mem.peak_scope() as scope, uncharged:
                     out = orig_call(module, *args, **kwargs)
             finally:
                 fwd_s = ts.close_tap(tap)
+                self.local.open = was_open
+                self.local.level = level
             ident.estimates[("forward", batch, dev)] = fwd_s
             bwd_s = None  # measured when the backward runs
         else:
@@ -135,12 +160,16 @@ class ModelTime:
             if engine is not None and fwd_s > 0:
                 # Issued when the call started (t0), not after the op-by-op forward's host time.
                 engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
-            with mem.peak_scope() as scope:
-                if engine is not None:
-                    with engine.charged_scope():
+            try:
+                with mem.peak_scope() as scope:
+                    if engine is not None:
+                        with engine.charged_scope():
+                            out = orig_call(module, *args, **kwargs)
+                    else:
                         out = orig_call(module, *args, **kwargs)
-                else:
-                    out = orig_call(module, *args, **kwargs)
+            finally:
+                self.local.open = was_open
+                self.local.level = level
         fwd_peak = scope.peak
         peak = _profiled_peak(rt, ident, batch, dev)
         if peak is not None:
@@ -148,23 +177,27 @@ class ModelTime:
         mem.sample()
 
         leaves, treespec = tree_flatten(out)
-        ok = bool(leaves) and all(isinstance(x, EmuTensor) for x in leaves)
+        # Plain values among the outputs (None for attention weights not returned, flags) are
+        # replayed as they are; anything else (a cache object) makes the call unreplayable.
+        ok = any(isinstance(x, EmuTensor) for x in leaves) and all(
+            isinstance(x, EmuTensor) or isinstance(x, PLAIN_VALUES) for x in leaves)
         input_blocks = {id(t._block) for t in tree_flatten((args, kwargs))[0] if isinstance(t, EmuTensor)}
         input_blocks.update(id(p._block) for p in params if isinstance(p, EmuTensor))
-        if ok and any(id(x._block) in input_blocks for x in leaves if x._block is not None):
+        if ok and any(id(x._block) in input_blocks for x in leaves if isinstance(x, EmuTensor) and x._block is not None):
             ok = False
             if record is not None:
                 record.not_replayable = "its outputs alias its inputs or parameters"
         elif not ok and record is not None:
-            record.not_replayable = "its outputs are not (tuples/lists/dicts of) emulated tensors"
+            record.not_replayable = ("its outputs are not (tuples/lists/dicts of) emulated tensors and plain values"
+                                     if leaves else "it returns no tensor")
         if record is not None and ok:
             out_blocks: dict[int, int] = {}
             for x in leaves:
-                if x._block is not None:
+                if isinstance(x, EmuTensor) and x._block is not None:
                     out_blocks[id(x._block)] = x._block.size
-            record.out_specs = [(x.shape, x.stride(), x.storage_offset(), x.dtype,
-                                 x._block.size if x._block else 0) for x in leaves]
-            record.out_requires_grad = [x.requires_grad for x in leaves]
+            record.out_specs = [(x.shape, x.stride(), x.storage_offset(), x.dtype, x._block.size if x._block else 0)
+                                if isinstance(x, EmuTensor) else (x, None, None, None, 0) for x in leaves]
+            record.out_requires_grad = [isinstance(x, EmuTensor) and x.requires_grad for x in leaves]
             record.all_diff = all(record.out_requires_grad)
             record.treespec = treespec
             record.saved_bytes = max(0, mem.allocated - before - sum(out_blocks.values()))
@@ -180,7 +213,8 @@ class ModelTime:
             record.grad_params = [id(p) in reached for p in params]
             record.grad_param_list = [p for p, g in zip(params, record.grad_params) if g]
             for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
-                x._shadow = None
+                if isinstance(x, EmuTensor):
+                    x._shadow = None
         elif record is not None:
             record.out_specs = None
             record.treespec = None
@@ -191,6 +225,8 @@ class ModelTime:
                     record.backward_pending = True
                 info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev,
                                      ident if by_ops else None, batch)
+                if ends is not None:
+                    ends[2].info = info  # the backward window closes at the inputs' gradients
                 marked = _BackwardStart.apply(info, *grads)
                 it = iter(marked)
                 leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
@@ -255,12 +291,13 @@ def _params_reached(outputs: list) -> set[int]:
 # where the backward starts
 # ----------------------------------------------------------------------------------------------
 class _BackwardInfo:
-    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch")
+    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "close")
 
     def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float | None, label: str, dev: int,
                  ident: Any = None, batch: int = 1) -> None:
         self.owner, self.rec, self.bwd_seconds, self.label, self.dev = owner, rec, bwd_seconds, label, dev
         self.ident, self.batch = ident, batch  # ident: priced by its ops (bwd_seconds None)
+        self.close: Any = None  # ends the backward window (set when the backward starts)
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -323,8 +360,68 @@ class _BackwardStart(torch.autograd.Function):
             mem.peak_allocated = max(outer_peak, mem.peak_allocated)
             mem.sample()
 
-        torch.autograd.Variable._execution_engine.queue_callback(done)
+        info.close = _once(done)
+        # The window ends when the module's inputs have their gradients (_BackwardEnd), or at the
+        # end of the backward pass when no input needs one.
+        torch.autograd.Variable._execution_engine.queue_callback(info.close)
         return (None, *grads)
+
+
+def _once(fn: Any) -> Any:
+    done = []
+
+    def call() -> None:
+        if not done:
+            done.append(True)
+            fn()
+    return call
+
+
+class _EndHolder:
+    __slots__ = ("info",)
+
+    def __init__(self) -> None:
+        self.info: _BackwardInfo | None = None
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """On a module's inputs: its backward runs once the module's backward has given the inputs
+    their gradients, and closes the module's backward window there (time and peak memory of THIS
+    module's backward, not of what the backward pass does after it)."""
+
+    @staticmethod
+    def forward(ctx: Any, holder: _EndHolder, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.holder = holder
+        ctx.set_materialize_grads(False)
+        ts = inputs[0]._ts
+        return tuple(ts.wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t._dev, t._block) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        info = ctx.holder.info
+        if info is not None and info.close is not None:
+            info.close()
+        return (None, *grads)
+
+
+def _mark_backward_end(owner: ModelTime, args: tuple, kwargs: dict) -> tuple | None:
+    """(args, kwargs, holder) with the inputs that need a gradient passed through
+    :class:`_BackwardEnd`; None when none does (or grad mode is off)."""
+    if not torch.is_grad_enabled():
+        return None
+    idx = [i for i, a in enumerate(args) if isinstance(a, EmuTensor) and a.requires_grad]
+    keys = [k for k, v in kwargs.items() if isinstance(v, EmuTensor) and v.requires_grad]
+    if not idx and not keys:
+        return None
+    holder = _EndHolder()
+    marked = _BackwardEnd.apply(holder, *[args[i] for i in idx], *[kwargs[k] for k in keys])
+    new_args = list(args)
+    for i, t in zip(idx, marked):
+        new_args[i] = t
+    new_kwargs = dict(kwargs)
+    for k, t in zip(keys, marked[len(idx):]):
+        new_kwargs[k] = t
+    return tuple(new_args), new_kwargs, holder
 
 
 # ----------------------------------------------------------------------------------------------

@@ -111,6 +111,9 @@ class TensorState:
         self.flag_generation = 0
         self._taps: list[CostTap] = []  # open cost taps, innermost last (see cost_tap)
         self._tap_owner: int | None = None
+        # Ops another component emulates itself, by id(op) (gpemu.distributed: torch's functional
+        # collectives): ``handler(func, args, kwargs)`` returns the op's result. Never cached.
+        self.op_handlers: dict[int, Callable[[Any, tuple, dict], Any]] = {}
 
     # -------------------------------------------------------------- building
     def wrap(self, shape: Any, stride: Any, offset: int, dtype: torch.dtype, dev: int, block: Any,
@@ -175,6 +178,17 @@ class TensorState:
                 self._tap(seconds, charged)
             if charged:
                 engine.stream(dev).enqueue(seconds, "op", name)
+
+    def charge_span(self, seconds: float, dev: int, kind: str, name: str, at: float | None = None) -> None:
+        """:meth:`charge` as a span of ``kind`` (``forward``, ``backward``): a replayed module's
+        recorded time. ``at``: the host time it was issued, when earlier than now."""
+        if seconds > 0:
+            engine = self.engine
+            charged = engine is not None and not engine.in_charged_scope
+            if self._taps:
+                self._tap(seconds, charged)
+            if charged:
+                engine.stream(dev).enqueue(seconds, kind, name, 0, at)
 
     def _charge_entry(self, entry: "_Entry", dev: int) -> None:
         cost = entry.cost
@@ -654,6 +668,9 @@ def _to_meta_args(ts: TensorState, func: Any, args: Any, kwargs: dict) -> tuple[
 
 
 def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
+    handler = ts.op_handlers.get(id(func)) if ts.op_handlers else None
+    if handler is not None:
+        return handler(func, args, kwargs)
     margs, mkw, emus, out_dev = _to_meta_args(ts, func, args, kwargs)
     if not emus and out_dev is None:
         return func(*args, **kwargs)
@@ -1092,7 +1109,7 @@ def _emulate_plain(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: boo
     moving = transfers is not None and transfers.moving_model
     if engine is not None:
         engine.forget_wait()  # only a wait for THIS copy may be forgiven below
-    if not moving:
+    if not moving and nbytes:  # (torch copies nothing for an empty tensor: no transfer, no wait)
         _charge_h2d(ts, t, dev, non_blocking, issued_at)
     e = ts.wrap(t.shape, stride, 0, t.dtype, dev, block)
     if not moving:

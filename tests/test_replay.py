@@ -98,8 +98,11 @@ def test_hooks_force_the_normal_path(rt, capsys):
     model.fc.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     for _ in range(3):
         _step(model)
-    assert len(seen) >= 3  # the hook ran every time: no replay (+1 if the cost model runs it on meta)
-    assert replay.replay_info()["fallback"] == 3 and replay.replay_info()["replayed"] == 0
+    assert len(seen) == 3  # the hook ran every time: fc is never replayed
+    info = replay.replay_info()
+    # the model runs op by op every time; its submodules without hooks are units of their own
+    # (recorded once, then replayed), fc with its hook runs op by op
+    assert info["fallback"] == 3 + 3 and info["recorded"] == 2 and info["replayed"] == 4
     assert "module hooks are registered" in capsys.readouterr().err
 
 
@@ -111,20 +114,34 @@ def test_replay_off_by_config():
     gpemu.unpatch()
 
 
-def test_non_tensor_outputs_fall_back(rt):
+def test_plain_value_outputs_replay_and_object_outputs_fall_back(rt):
+    """Plain values among the outputs (None for weights not returned, a label) are given back
+    as they are; an object (a cache the call filled) cannot be replayed: the call runs op by op,
+    and its submodules are replayed as units of their own."""
+    import types
+
     class Odd(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, make) -> None:
             super().__init__()
             self.lin = nn.Linear(4, 4)
+            self.make = make
 
         def forward(self, x):
-            return self.lin(x), "label"
+            return self.lin(x), self.make()
 
-    m = Odd().cuda()
-    for _ in range(2):
-        out, label = m(torch.randn(2, 4).cuda())
-        assert label == "label" and out.shape == (2, 4)
-    assert replay.replay_info()["replayed"] == 0
+    plain = Odd(lambda: ("label", None)).cuda()
+    for _ in range(3):
+        out, (label, nothing) = plain(torch.randn(2, 4).cuda())
+        assert label == "label" and nothing is None and out.shape == (2, 4)
+    assert replay.replay_info()["replayed"] == 2
+    odd = Odd(lambda: types.SimpleNamespace(cache=[])).cuda()
+    for _ in range(3):
+        out, holder = odd(torch.randn(2, 4).cuda())
+        assert isinstance(holder, types.SimpleNamespace) and holder.cache == [] and out.shape == (2, 4)
+        out.sum().backward()
+    info = replay.replay_info()
+    assert info["fallback"] == 2  # the second and third calls of `odd`
+    assert info["recorded"] == 2 and info["replayed"] == 3  # + odd.lin: recorded, then replayed once
 
 
 def test_outermost_module_owns_forward_and_backward_time(rt):
@@ -319,3 +336,44 @@ def test_slices_of_one_tensor_are_the_same_call(rt):
         model(source[i:i + 35]).sum().backward()
     info = replay.replay_info()
     assert info["recorded"] == 1 and info["replayed"] == 5
+
+
+def test_object_arguments_new_at_every_call_are_not_replayed(rt):
+    """An HF layer gets a new cache object at every call and updates it: such a call is never
+    replayed (a replay would skip the update); its submodules are. The same object every time
+    (a config) replays. Recordings do not keep the objects of old calls alive."""
+    import gc
+    import weakref
+
+    class Cache:
+        def __init__(self) -> None:
+            self.tensors = []
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, cache):
+            y = self.proj(x)
+            cache.tensors.append(y)  # the side effect a replay would skip
+            return y
+
+    layer = Layer().cuda()
+    x = torch.zeros(2, 8, device="cuda")
+    refs = []
+    for _ in range(4):
+        cache = Cache()
+        refs.append(weakref.ref(cache))
+        layer(x, cache).sum().backward()
+        assert len(cache.tensors) == 1  # the call ran: the cache was updated every time
+    del cache
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0  # no recording holds an old cache
+    info = replay.replay_info()
+    assert info["fallback"] == 3 and info["replayed"] >= 1  # calls 2-4; proj replayed inside them
+    same = Cache()
+    other = Layer().cuda()
+    for _ in range(3):
+        other(x, same).sum().backward()
+    assert replay.replay_info()["replayed"] >= info["replayed"] + 2

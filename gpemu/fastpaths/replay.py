@@ -50,7 +50,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_unflatten
 
 from gpemu.memory import round_size
-from gpemu.model_time import CallRecord, ModelTime, emulated_device, graph_nodes
+from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
 from gpemu.tensor import EmuTensor
 
 from .gradients import GradientState
@@ -63,6 +63,21 @@ __all__ = ["install", "Recording", "ReplayState", "replay_info"]
 _nn_module = torch.nn.modules.module
 _weakref = weakref.ref
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+# Recorded situations kept per module (input shapes, flags): enough for a few batch sizes and
+# sequence lengths in train and eval; a program that sends ever new shapes keeps only the last.
+_RECORDS_PER_MODULE = 32
+
+
+def _holds_objects(sig: Any) -> bool:
+    """Whether a call signature holds an object keyed by identity (anything but the plain values
+    of gpemu.model_time.PLAIN_VALUES)."""
+    for item in sig:
+        if isinstance(item, tuple):
+            if _holds_objects(item):
+                return True
+        elif not isinstance(item, PLAIN_VALUES):
+            return True
+    return False
 _NEVER = -(1 << 60)
 
 
@@ -89,6 +104,8 @@ class ReplayState:
         # Bumped when any tensor or custom-Function node gets a hook: replays re-check their
         # parameters, and graphs built before it leave loss.backward() to the engine.
         self.hook_generation = 0
+        # Calls of a module whose object argument was new each time (see _outer_call).
+        self.object_misses: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
         self.hub_used = False  # some replay ran in hub mode (see _Direct)
         self.no_hub = False    # targeted gradients met a hub graph: no hub mode for this run
         # Graph heads that can hand a replayed module its output's gradient without the engine:
@@ -157,7 +174,14 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         local = mt.local
         if getattr(local, "depth", 0):
-            return orig_call(self, *args, **kwargs)
+            if not getattr(local, "open", False):
+                return orig_call(self, *args, **kwargs)
+            # A unit of its own inside an ancestor whose outputs cannot be replayed.
+            local.open = False
+            try:
+                return _unit_call(R, orig_call, self, args, kwargs, trees, engine)
+            finally:
+                local.open = True
         tree = trees.data.get(_weakref(self)) if trees else None
         # The cached walk's first parameter (valid while no Module attribute changed anywhere):
         # the generator behind module.parameters() costs ~5 µs per call.
@@ -175,6 +199,16 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
             local.depth = 0
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__
+
+
+def _unit_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, trees: Any,
+               engine: Any) -> Any:
+    tree = trees.data.get(_weakref(module)) if trees else None
+    first = tree.first if tree is not None and tree.gen == R.structure_gen else None
+    dev = emulated_device(module, args, kwargs, first)
+    if dev is None:
+        return orig_call(module, *args, **kwargs)
+    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now() if engine is not None else None)
 
 
 class _Tree:
@@ -249,7 +283,9 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
     else:
         reason = R.unreplayable.get(module)
     if reason is not None:
-        return run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0)
+        # Its submodules' calls are units of their own: they may be replayed (an HF model whose
+        # output holds a cache object: its layers are replayed).
+        return run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0, open_children=True)
     emus: list = []
     sig = R.ts.call_signature
     try:
@@ -259,11 +295,23 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
                R.ts.param_generation)
         hash(key)
     except TypeError:
-        return run_charged(orig_call, module, args, kwargs, dev, params, None, "a module argument is not hashable", t0)
+        return run_charged(orig_call, module, args, kwargs, dev, params, None, "a module argument is not hashable",
+                           t0, open_children=True)
     table = R.records.get(module)
     if table is None:
         table = R.records[module] = {}
     rec = table.get(key)
+    if rec is None and _holds_objects(in_sig):
+        # An argument is an object (not a tensor or a plain value), keyed by identity: a new one
+        # at every call (a KV cache an HF layer updates) never matches, and a replay would skip
+        # what the call does to it. Twice new: op by op from now on, its submodules as units.
+        misses = R.object_misses.get(module, 0) + 1
+        R.object_misses[module] = misses
+        if misses >= 2:
+            R.unreplayable[module] = "an argument is an object the call may change, new at every call"
+            table.clear()  # (its keys hold earlier calls' objects)
+            return run_charged(orig_call, module, args, kwargs, dev, params, None, R.unreplayable[module], t0,
+                               open_children=True)
     if rec is not None and (rec.params is params  # the cached walk's own list: nothing changed
                             or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))):
         return _replay(rec, emus, params, t0)
@@ -271,6 +319,8 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
     out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
     if rec.out_specs is not None and rec.treespec is not None:
         R.stats["recorded"] += 1
+        if len(table) >= _RECORDS_PER_MODULE:
+            del table[next(iter(table))]  # the oldest situation goes
         table[key] = rec
     elif rec.not_replayable is not None:
         R.unreplayable[module] = rec.not_replayable
@@ -286,7 +336,10 @@ def _new_outputs(rec: Recording, dev: int) -> list:
     wrap = ts.wrap
     outs = []
     for shape, stride, offset, dtype, nbytes in rec.out_specs:
-        outs.append(wrap(shape, stride, offset, dtype, dev, mem.allocate(nbytes) if nbytes else None))
+        if dtype is None:  # a plain value, stored in the shape's place
+            outs.append(shape)
+        else:
+            outs.append(wrap(shape, stride, offset, dtype, dev, mem.allocate(nbytes) if nbytes else None))
     return outs
 
 
@@ -379,9 +432,9 @@ _will_execute = torch._C._will_engine_execute_node
 
 
 def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
-    engine = rec.state.ts.engine
-    if engine is not None and seconds > 0:
-        engine.stream(rec.dev).enqueue(seconds, kind, rec.label, 0, at)
+    # (through the tensor state: inside another model's charge nothing more is charged, and an
+    # enclosing model priced by its ops counts it)
+    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at)
 
 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
@@ -417,7 +470,8 @@ class _ReplayFunction(torch.autograd.Function):
             specs = rec.grad_specs = [_grad_spec(t, rec.dev) for t in tensors]
         ctx.specs = specs
         if not rec.all_diff:
-            ctx.mark_non_differentiable(*[o for o, rg in zip(outs, rec.out_requires_grad) if not rg])
+            ctx.mark_non_differentiable(*[o for o, rg in zip(outs, rec.out_requires_grad)
+                                          if not rg and isinstance(o, torch.Tensor)])
         return tuple(outs)
 
     @staticmethod
