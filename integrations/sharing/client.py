@@ -149,8 +149,6 @@ class _Heartbeat(threading.Thread):
         self._marker: tuple[Any, float] | None = None  # (delivery tag, when) of the held message
 
     def run(self) -> None:
-        import pika
-
         from .amqp import blocking_connection, request_channel
 
         c = self.client
@@ -191,7 +189,6 @@ class _Heartbeat(threading.Thread):
                 conn.close()
             except Exception:
                 pass
-        _ = pika  # imported for its side effect of failing early when pika is missing
 
     def _on_presence(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         if self._marker is None:
