@@ -644,6 +644,10 @@ class SharingManager:
     # to reply on time. Granted requests need no spin: their times were fixed when granted, and
     # the lookahead covers a late timer (spinning took a CPU from the broker and the jobs).
     SPIN_S = 0.001
+    # A job's presence message reaches us this long before we drop the job: when the broker
+    # itself shuts down it closes the job's connection and ours a moment apart, and the job must
+    # not be dropped for that (our own connection closing cancels the pending drop).
+    PRESENCE_GRACE_S = 1.0
     # Reconnect attempts back off to this; a broker that stays away is reported once a minute.
     MAX_RECONNECT_S = 2.0
     LOST_REPORT_S = 60.0
@@ -899,15 +903,21 @@ class SharingManager:
         if watch is None or watch.closing:
             return
         log.info("job %r: %s", watch.job_id, why)
-        try:
-            outs = self.core.connection_gone(watch.job_id, queue, self.clock())
-        except Exception as exc:  # pragma: no cover - a bug must not stop the loop
-            log.exception("dropping job %r failed: %r", watch.job_id, exc)
-            outs = []
+        job_id = watch.job_id
         self._unwatch(queue)
-        if self._ch is not None and self._ch.is_open:
-            self._send(outs)
-            self._arm()
+        # Timers die with this connection's I/O loop: a broker shutting down cancels the drop.
+        self._conn.ioloop.call_later(self.PRESENCE_GRACE_S, lambda: self._drop_gone(job_id, queue))
+
+    def _drop_gone(self, job_id: str, queue: str) -> None:
+        if self._ch is None or not self._ch.is_open:
+            return
+        try:
+            outs = self.core.connection_gone(job_id, queue, self.clock())
+        except Exception as exc:  # pragma: no cover - a bug must not stop the loop
+            log.exception("dropping job %r failed: %r", job_id, exc)
+            return
+        self._send(outs)
+        self._arm()
 
     def _unwatch(self, queue: str) -> None:
         watch = self._watch.get(queue)
