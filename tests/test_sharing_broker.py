@@ -242,6 +242,7 @@ def test_manager_restart_does_not_strand_jobs(broker, purge, tmp_path):
         c.close()
         text = log.read_text()
         assert "guest:guest" not in text and "guest:***@" in text  # credentials redacted
+        assert " pika" not in text  # pika's connection dumps stay out of the log without --debug
         assert text.count("job 'steady' registered") >= 2  # re-registered with the new manager
     finally:
         proc.send_signal(signal.SIGTERM)
