@@ -162,7 +162,7 @@ def forged_reply(jobs_url: str, admin_url: str, victim: SharingClient) -> Attack
 
 def _run_catching(client: SharingClient, seconds: float) -> str:
     try:
-        r = client.run(seconds, GiB)
+        client.run(seconds, GiB)
         return f"granted and served ({seconds:g} s of GPU time)"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

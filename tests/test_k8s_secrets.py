@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from pathlib import Path
 from urllib.parse import quote
 
 import pika
