@@ -1,0 +1,259 @@
+"""gpemu.costmodel: op classification and FLOPs, datasheets, precisions, the calibrated model.
+
+Fast (no fitting): the shipped parameters are loaded, a few small models are recorded on meta."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from examples import tvmodels
+from gpemu.costmodel import (GPUS, OpClass, Precision, classify, default_model, gpu_sheet, record_step)
+from gpemu.costmodel import curve as C
+from gpemu.costmodel.gpus import DONORS, GENERATIONS
+from gpemu.costmodel.model import PARAMS_PATH, CostModel, curve_key
+from gpemu.costmodel.precision import compute_peak
+
+aten = torch.ops.aten
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def conv_ops(c_in, c_out, groups, k=3, n=8, hw=14, dtype=torch.float32):
+    """Forward and backward features of one convolution (meta tensors)."""
+    x, w = meta(n, c_in, hw, hw, dtype=dtype), meta(c_out, c_in // groups, k, k, dtype=dtype)
+    args = (x, w, None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], groups)
+    out = aten.convolution.default(*args)
+    fwd = classify(aten.convolution.default, args, {}, out)
+    bargs = (out, x, w, None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], groups, [True, True, False])
+    bout = aten.convolution_backward.default(*bargs)
+    bwd = classify(aten.convolution_backward.default, bargs, {}, bout)
+    return fwd, bwd, args, out, bargs, bout
+
+
+# ------------------------------------------------------------------------------ FLOPs, classes
+def test_depthwise_backward_is_two_forward_convolutions_not_groups_times_more():
+    fwd, bwd, *_rest, bargs, bout = conv_ops(64, 64, groups=64)
+    assert fwd.op_class is OpClass.CONV_DEPTHWISE and bwd.op_class is OpClass.CONV_DEPTHWISE
+    assert fwd.flops == 2 * 8 * 14 * 14 * 64 * 9
+    assert bwd.flops == 2 * fwd.flops and bwd.backward
+    # torch's own formula counts the weight gradient as if ungrouped (the bug this corrects)
+    torch_count = flop_registry[aten.convolution_backward](*bargs, out_val=bout)
+    assert torch_count > 30 * fwd.flops
+
+
+def test_grouped_and_dense_backward_flops_and_masks():
+    fwd, bwd, *_ = conv_ops(128, 128, groups=32)
+    assert fwd.op_class is OpClass.CONV_GROUPED and fwd.groups == 32 and fwd.reduction == 4 * 9
+    assert bwd.flops == 2 * fwd.flops
+    dense_f, dense_b, args, out, bargs, bout = conv_ops(32, 64, groups=1)
+    assert dense_f.op_class is OpClass.CONV and dense_f.flops == flop_registry[aten.convolution](*args, out_val=out)
+    # for a dense convolution torch's backward formula is right, and equal to ours
+    assert dense_b.flops == 2 * dense_f.flops == flop_registry[aten.convolution_backward](*bargs, out_val=bout)
+    # first layer: no input gradient requested -> one convolution's worth, and the weight is not read
+    first = list(bargs)
+    first[-1] = [False, True, False]
+    one = classify(aten.convolution_backward.default, tuple(first), {}, aten.convolution_backward.default(*first))
+    assert one.flops == dense_f.flops and one.nbytes < dense_b.nbytes
+
+
+def test_representative_ops_are_classified():
+    a, b = meta(64, 128), meta(128, 32)
+    x4 = meta(8, 16, 32, 32)
+    cases = {
+        OpClass.GEMM: [(aten.mm.default, (a, b)), (aten.addmm.default, (meta(32), a, b)),
+                       (aten.bmm.default, (meta(4, 64, 128), meta(4, 128, 32)))],
+        OpClass.NORM: [(aten.native_batch_norm.default, (x4, meta(16), meta(16), meta(16), meta(16), True, 0.1, 1e-5)),
+                       (aten.native_layer_norm.default, (meta(8, 64), [64], meta(64), meta(64), 1e-5))],
+        OpClass.ELEMENTWISE: [(aten.relu_.default, (x4,)), (aten.add.Tensor, (x4, x4)),
+                              (aten.threshold_backward.default, (x4, x4, 0.0)), (aten.gelu.default, (x4,))],
+        OpClass.REDUCTION: [(aten._softmax.default, (a, 1, False)), (aten._log_softmax.default, (a, 1, False)),
+                            (aten.sum.dim_IntList, (x4, [2, 3]))],
+        OpClass.POOLING: [(aten.max_pool2d_with_indices.default, (x4, [3, 3], [2, 2], [1, 1])),
+                          (aten._adaptive_avg_pool2d.default, (x4, [1, 1]))],
+        OpClass.EMBEDDING: [(aten.embedding.default, (meta(1000, 64), torch.zeros(8, dtype=torch.long, device="meta")))],
+        OpClass.COPY: [(aten.cat.default, ([x4, x4], 1)), (aten.clone.default, (x4,))],
+        OpClass.FREE: [(aten.view.default, (x4, [-1])), (aten.t.default, (a,)), (aten.detach.default, (x4,)),
+                       (aten.empty.memory_format, ([4, 4],))],
+    }
+    for cls, ops in cases.items():
+        for op, args in ops:
+            out = op(*args)
+            feat = classify(op, args, {}, out)
+            assert feat.op_class is cls, (op, feat.op_class)
+    mm = classify(aten.mm.default, (a, b), {}, aten.mm.default(a, b))
+    assert mm.flops == 2 * 64 * 128 * 32 and mm.reduction == 128 and mm.nbytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
+    add = classify(aten.add.Tensor, (x4, x4), {}, x4)
+    assert add.nbytes == 2 * x4.numel() * 4  # x read once, output written once
+    q = meta(2, 4, 128, 64)
+    fa = classify(aten._scaled_dot_product_flash_attention.default, (q, q, q), {}, None)
+    assert fa.op_class is OpClass.ATTENTION and fa.flops == 2 * 2 * 4 * 2 * 128 * 128 * 64
+    fb = classify(aten._scaled_dot_product_flash_attention_backward.default, (q, q, q, q), {}, None)
+    assert fb.backward and fb.flops == pytest.approx(2.5 * fa.flops)
+
+
+def test_record_step_separates_forward_backward_and_skips_free_ops():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10))
+    step = record_step(model.train(), (torch.empty(4, 3, 8, 8),))
+    fwd = [o.name for o in step.forward]
+    bwd = [o.name for o in step.backward]
+    assert "convolution" in fwd and "native_batch_norm" in fwd and "relu" in fwd and "addmm" in fwd
+    assert "convolution_backward" in bwd and "native_batch_norm_backward" in bwd and "threshold_backward" in bwd
+    assert all(o.backward for o in step.backward) and not any(o.backward for o in step.forward)
+    assert all(o.op_class is not OpClass.FREE for o in step.forward + step.backward)
+    assert next(p for p in model.parameters()).device.type == "cpu"  # the module itself is untouched
+
+
+# ------------------------------------------------------------------------------ GPUs, precision
+def test_datasheet_table_is_complete_and_self_consistent():
+    names = {g.short_name for g in GPUS}
+    for want in ("H100", "H100-PCIe", "H200", "B200", "A100-80GB", "L40S", "L4", "A10G", "RTX4090", "T4",
+                 "K80", "M40", "P100", "V100", "RTX6000", "A100"):
+        assert want in names
+    for g in GPUS:
+        assert g.generation in GENERATIONS and g.generation in DONORS
+        for f in ("memory_bytes", "memory_bandwidth", "sm_count", "fp32_flops", "host_link_bandwidth_pinned",
+                  "host_link_bandwidth_pageable"):
+            assert getattr(g, f) > 0, (g.name, f)
+        assert g.bf16_tensor_flops in (0, g.fp16_tensor_flops)  # dense rates; bf16 = fp16 where both exist
+        if g.generation in ("kepler", "maxwell", "pascal"):
+            assert g.fp16_tensor_flops == 0 and g.tf32_tensor_flops == 0
+        if g.generation in ("volta", "turing"):
+            assert g.fp16_tensor_flops > 0 and g.bf16_tensor_flops == 0 and g.tf32_tensor_flops == 0
+        if g.generation in ("ampere", "ada", "hopper", "blackwell"):
+            assert g.tf32_tensor_flops > 0 and g.bf16_tensor_flops >= 1.97 * g.tf32_tensor_flops
+    p100 = gpu_sheet("p100")
+    assert p100.fp16_flops > 1.9 * p100.fp32_flops and p100.fp16_tensor_flops == 0  # 2x FP16, no tensor cores
+    assert gpu_sheet("Tesla V100-PCIE-32GB") is gpu_sheet("v100")
+    with pytest.raises(KeyError):
+        gpu_sheet("no such gpu")
+
+
+def test_precision_paths():
+    a100, v100, p100 = gpu_sheet("A100"), gpu_sheet("V100"), gpu_sheet("P100")
+    fp32 = Precision()
+    assert compute_peak(a100, OpClass.CONV, "float32", fp32) == ("tensor", 156e12)  # cuDNN TF32 on by default
+    assert compute_peak(a100, OpClass.GEMM, "float32", fp32) == ("simt", 19.5e12)   # matmul TF32 off by default
+    assert compute_peak(a100, OpClass.GEMM, "float32", Precision(allow_tf32_matmul=True))[0] == "tensor"
+    assert compute_peak(a100, OpClass.GEMM, "bfloat16", fp32) == ("tensor", 312e12)
+    assert compute_peak(v100, OpClass.GEMM, "float16", fp32) == ("tensor", 112e12)
+    assert compute_peak(v100, OpClass.GEMM, "bfloat16", fp32)[0] == "simt"          # no bf16 tensor cores
+    assert compute_peak(p100, OpClass.CONV, "float16", fp32) == ("simt", 18.7e12)
+    with pytest.raises(ValueError):
+        Precision("int8")
+    torch.backends.cudnn.allow_tf32, old = False, torch.backends.cudnn.allow_tf32
+    try:
+        assert Precision.from_torch(torch.bfloat16) == Precision("bfloat16", torch.backends.cuda.matmul.allow_tf32, False)
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+
+
+# ------------------------------------------------------------------------------ the calibrated model
+@pytest.fixture(scope="module")
+def model() -> CostModel:
+    return default_model()
+
+
+def test_bf16_gemm_gains_the_tensor_core_ratio_elementwise_only_the_bytes(model):
+    n = 8192
+    a16, a32 = meta(n, n, dtype=torch.bfloat16), meta(n, n)
+    f32 = classify(aten.mm.default, (a32, a32), {}, meta(n, n))
+    f16 = classify(aten.mm.default, (a16, a16), {}, meta(n, n, dtype=torch.bfloat16))
+    t32, t16 = model.op_seconds(f32, "A100"), model.op_seconds(f16, "A100")
+    ratio = t32 / t16
+    # 312 / 19.5 TFLOP/s = 16, times the ratio of the curves' efficiencies: the fp32 GEMM curve is
+    # calibrated on the measured models' classifier layers (skinny: M = batch), the tensor-core
+    # one on the A100's TF32 1x1 convolutions (GEMMs with M = batch x pixels)
+    assert 0.5 * 16 < ratio < 2 * 16, ratio
+    x32, x16 = meta(64, 256, 56, 56), meta(64, 256, 56, 56, dtype=torch.bfloat16)
+    e32 = classify(aten.add.Tensor, (x32, x32), {}, x32)
+    e16 = classify(aten.add.Tensor, (x16, x16), {}, x16)
+    r = model.op_seconds(e32, "A100") / model.op_seconds(e16, "A100")
+    assert 1.6 < r <= 2.0, r  # half the bytes; a bandwidth-bound op cannot gain more
+    # fp32 ops priced in bf16 (autocast) move half the bytes and use the tensor peak
+    assert model.op_seconds(e32, "A100", Precision("bfloat16")) == pytest.approx(model.op_seconds(e16, "A100"))
+    assert model.op_seconds(f32, "A100", Precision("bfloat16")) == pytest.approx(t16)
+    # TF32 switch for cuDNN: convolutions slow down without it on the A100
+    conv = conv_ops(256, 256, 1, n=64, hw=28)[0]
+    assert model.op_seconds(conv, "A100", Precision(allow_tf32_cudnn=False)) > 1.5 * model.op_seconds(conv, "A100")
+
+
+def test_every_gpu_prices_every_key_finite_and_positive(model):
+    ops = [conv_ops(64, 64, g, k=k)[i] for g in (1, 8, 64) for k in (1, 3) for i in (0, 1)]
+    x = meta(32, 64, 28, 28)
+    ops += [classify(aten.relu_.default, (x,), {}, x), classify(aten.mm.default, (meta(256, 512), meta(512, 512)), {},
+                                                                  meta(256, 512))]
+    for g in GPUS:
+        for prec in (Precision(), Precision("bfloat16"), Precision("float16")):
+            for op in ops:
+                t = model.op_seconds(op, g, prec)
+                assert math.isfinite(t) and t > 0, (g.name, op, prec)
+    faster = model.op_seconds(ops[2], "H100") < model.op_seconds(ops[2], "A100") < model.op_seconds(ops[2], "K80")
+    assert faster
+
+
+def test_fitted_model_reproduces_a_held_in_measurement(model):
+    import gpemu
+    from gpemu.db import open_profile_db
+
+    db = open_profile_db(gpemu.EmuConfig.from_env())
+    with torch.device("meta"):
+        net = tvmodels.resnet18()
+    for gpu in ("V100", "A100", "K80"):
+        step = model.module_seconds(net.train(), (torch.empty(64, 3, 224, 224),), gpu)
+        name = gpu_sheet(gpu).name
+        real = db.lookup(name, "resnet18", 64, "forward").value + db.lookup(name, "resnet18", 64, "backward").value
+        assert abs(step.total / real - 1) < 0.2, (gpu, step.total, real)
+        assert step.uncertainty is not None and "±" in str(step.uncertainty)
+    h100 = model.module_seconds(net, (torch.empty(64, 3, 224, 224),), "H100")
+    assert 0 < h100.total < step.total and math.isfinite(h100.total)
+    assert model.uncertainty("H100").basis.startswith("leave-one-GPU-out")
+    assert model.uncertainty("V100").basis.startswith("leave-one-model-out")
+
+
+def test_queue_overlaps_host_and_gpu_time():
+    assert C.queue_seconds([(1.0, 0.1)] * 5) == pytest.approx(5.1)          # host-bound: the host's time
+    assert C.queue_seconds([(0.1, 1.0)] * 5) == pytest.approx(5.1)          # GPU-bound: the GPU's time
+    assert C.queue_seconds([(0.1, 3.0), (1.0, 0.1), (1.0, 0.1)]) == pytest.approx(3.3)  # host banked time
+    c = C.Curve(e=0.5, x0=1e6, p=1.0, h=1e-5)
+    assert c.efficiency(1e9) == pytest.approx(0.5 / 1.001)
+    big = C.kernel_seconds(1e12, 1e13, 100, c)
+    assert big == pytest.approx(1e12 / (1e13 * 0.5) * (1 + 1e6 * 100 / 1e12))
+
+
+def test_shipped_parameters_cover_the_measured_generations():
+    doc = json.loads(PARAMS_PATH.read_text())
+    assert set(doc["generations"]) == {"kepler", "maxwell", "pascal", "volta", "turing", "ampere"}
+    for gen, g in doc["generations"].items():
+        assert gpu_sheet(g["gpu"]).generation == gen
+        assert {"conv3x3.fwd", "conv3x3.bwd", "norm.fwd", "elementwise.bwd"} <= set(g["curves"])
+    assert doc["generations"]["ampere"]["curves"]["conv3x3.fwd"]["path"] == "tensor"
+    assert doc["generations"]["volta"]["curves"]["conv3x3.fwd"]["path"] == "simt"
+    u = doc["uncertainty"]["measured_generation"]["overall"]
+    assert 0 < u["p50"] < u["p90"] < 1
+    assert curve_key(conv_ops(8, 8, 1, k=3)[1]) == "conv3x3.bwd"
+
+
+def test_pricing_path_imports_nothing_of_the_emulator():
+    """A pure library: no module of gpemu.costmodel imports the runtime, tensors or replay."""
+    import ast
+    from pathlib import Path
+
+    import gpemu.costmodel as pkg
+
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for n in names:
+                assert not any(bad in n for bad in ("runtime", "tensor", "replay", "engine", "fastpaths")), (path, n)
