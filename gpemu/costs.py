@@ -176,6 +176,23 @@ def roofline_seconds(flops: float, nbytes: float, spec: "GpuSpec", rt: "Runtime 
     return max(compute, memory) + kernels * LAUNCH_LATENCY
 
 
+def attention_seconds(rt: "Runtime", device: int, batch_heads: int, length: int, source: int, head_dim: int,
+                      value_dim: int, dtype: torch.dtype, causal: bool, backward: bool) -> float:
+    """GPU seconds of one fused attention kernel (flash or memory-efficient) over ``batch_heads``
+    heads of ``length`` queries and ``source`` keys: two matrix products forward, five backward
+    (the scores are recomputed), half of them under a causal mask."""
+    flops = 2.0 * batch_heads * length * source * (head_dim + value_dim)
+    if backward:
+        flops *= 2.5
+    if causal:
+        flops *= 0.5
+    element = torch.empty((), dtype=dtype).element_size()
+    nbytes = batch_heads * (length * head_dim + source * (head_dim + value_dim) + length * value_dim) * element
+    if backward:
+        nbytes *= 2
+    return roofline_seconds(flops, nbytes, rt.gpus[device], rt, half=dtype in _HALF)
+
+
 # --------------------------------------------------------------------------------- single ops
 def _tensor_bytes(x: Any, acc: list[int], half: list[bool]) -> None:
     if isinstance(x, torch.Tensor):

@@ -60,6 +60,7 @@ _DEVICES = [torch.device("cuda", i) for i in range(64)]
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+_REQUIRES_GRAD_METHOD = torch._C.TensorBase.requires_grad_
 _CACHE_LIMIT = 200_000
 # Attributes every emulated tensor carries (see TensorState.wrap); a gradient with more was
 # marked by the program and is never reused by the fast paths.
@@ -340,7 +341,9 @@ class EmuTensor(torch.Tensor):
             ts.param_generation += 1
 
     def requires_grad_(self, requires_grad: bool = True) -> "EmuTensor":  # type: ignore[override]
-        _REQUIRES_GRAD.__set__(self, requires_grad)
+        # torch's method, not the property: on a non-leaf that requires grad, requires_grad_(True)
+        # is allowed (HF's gradient checkpointing calls it on embedding outputs).
+        _REQUIRES_GRAD_METHOD(self, requires_grad)
         ts = self._ts
         ts.flag_generation += 1
         if self.__dict__.get("_is_param", False):
@@ -680,6 +683,12 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
     try:
         mout = func(*margs, **mkw)
     except (NotImplementedError, RuntimeError) as exc:
+        # A composite op reaches dispatch undecomposed when called below autograd (inside another
+        # tensor subclass's dispatch, e.g. DTensor's): its parts know what to do (is_nonzero -> item).
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         return _data_dependent(ts, func, args, kwargs, margs, mkw, emus, dev, exc)
 
     # Map outputs back: same object as an input meta -> in-place (return the input itself);
