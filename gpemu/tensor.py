@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import hostvalues
 from .devices import cuda_index
 from .hostvalues import SHADOW_MAX_ELEMENTS
+from .runtime import current
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TimeEngine
@@ -254,8 +255,6 @@ class TensorState:
 
 def _state() -> TensorState:
     """The active run's tensor state (public entry points that get no emulated tensor)."""
-    from .runtime import current
-
     rt = current()
     if rt is None or rt.tensors is None:
         raise RuntimeError("gpemu is not patched: call gpemu.patch() before using emulated GPUs")
@@ -459,8 +458,6 @@ def is_emulated(t: Any) -> bool:
 def device_index(device: Any) -> int | None:
     """Emulated device index for a CUDA device given as int/str/torch.device (the active run's
     current device for ``'cuda'``); None if it names no CUDA device."""
-    from .runtime import current
-
     rt = current()
     return cuda_index(device, rt.current_device if rt is not None else 0)
 
