@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
 from . import hostvalues
 from .tensor import DTYPE_NAMES, TYPE_NAMES, EmuTensor, PeerCopy, TensorState, from_meta, host_args, peer_copy, \
@@ -47,6 +48,18 @@ _COMPILE_NOTE = ("torch.compile is not applied on emulated GPUs: the model runs 
 
 
 # -- Tensor.to / .cuda / .type -----------------------------------------------------------------
+def _holds_tensors(t: Any) -> bool:
+    """A tensor subclass that holds inner tensors (``DTensor``): it moves by moving what it holds,
+    as its own dispatch does on a real GPU (here that dispatch would reach the CPU build's CUDA)."""
+    return not isinstance(t, EmuTensor) and is_traceable_wrapper_subclass(t)
+
+
+def _inner(t: torch.Tensor, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A new instance of wrapper subclass ``t`` holding ``move(x)`` for each tensor it holds
+    (what it holds besides tensors, e.g. a DTensor's device mesh, is kept)."""
+    return transform_subclass(t, lambda _, x: move(x) if isinstance(x, torch.Tensor) else x)
+
+
 def _parse_to(args: tuple, kwargs: dict) -> tuple[Any, Any, bool, bool, Any]:
     """(device, dtype, non_blocking, copy, memory_format) of a Tensor.to / Module.to call."""
     kwargs = dict(kwargs)
@@ -81,6 +94,8 @@ def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
                 call["memory_format"] = memory_format
             return orig_to(self, **call)
         idx = ts.check(idx)
+        if _holds_tensors(self):
+            return _inner(self, lambda x: to(x, *args, **kwargs))
         if isinstance(self, EmuTensor):
             if idx == self._dev and (dtype is None or dtype == self.dtype) and not copy:
                 return self
@@ -106,6 +121,8 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
         if idx is None:
             raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
         idx = ts.check(idx)
+        if _holds_tensors(self):
+            return _inner(self, lambda x: cuda(x, idx, non_blocking))
         if isinstance(self, EmuTensor):
             return self if self._dev == idx else self.to(_DEVICES[idx], non_blocking=non_blocking)
         return to_emulated(self, idx, non_blocking)
@@ -165,6 +182,8 @@ def _make_factory(ts: TensorState, orig: Callable, name: str) -> Callable:
         if d is not None:
             idx = ts.device_index(d)
             if idx is not None:
+                if args and _holds_tensors(args[0]):  # empty_like(dtensor, device='cuda')
+                    return _inner(args[0], lambda x: factory(x, *args[1:], **kwargs))
                 return _emulated_factory(ts, orig, name, args, kwargs, idx)
         return orig(*args, **kwargs)
     return factory
@@ -262,7 +281,8 @@ def _same_parameter_objects(module: torch.nn.Module) -> Iterator[None]:
     for which torch would make new Parameter objects and leave optimizers, GradScalers and EMA
     helpers built before the move holding the old ones. Not done for parameters something holds
     a weak reference to (swap_tensors refuses them): those get torch's new objects."""
-    if any(weakref.getweakrefs(p) for p in module.parameters()):
+    if any(weakref.getweakrefs(p) or _holds_tensors(p) for p in module.parameters()):
+        # (torch swaps tensor-subclass parameters itself: is_traceable_wrapper_subclass)
         yield
         return
     future = torch.__future__
