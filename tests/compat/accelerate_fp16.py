@@ -1,0 +1,54 @@
+"""accelerate on 2 processes with fp16 mixed precision and a shuffled DataLoader.
+
+    accelerate launch --multi_gpu --num_processes 2 --mixed_precision fp16 accelerate_fp16.py --steps 4
+
+The optimizer is built before prepare() moves the model (accelerate's own order). Prints, on the
+main process, "accelerate: trained <N> steps, <X> ms/step".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    accelerator = Accelerator()
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = 32 * accelerator.num_processes * args.steps
+    data = TensorDataset(torch.randn(n, 128), torch.randint(0, 10, (n,)))
+    loader = DataLoader(data, batch_size=32, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    assert accelerator.mixed_precision == "fp16" and accelerator.num_processes == 2
+    times, steps = [], 0
+    model.train()
+    for x, y in loader:
+        t0 = time.perf_counter()
+        with accelerator.autocast():
+            loss = F.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    total = accelerator.gather(torch.tensor([steps], device=accelerator.device))
+    assert total.tolist() == [steps] * accelerator.num_processes, total
+    if accelerator.is_main_process:
+        steady = times[1:] or times
+        print(f"accelerate: trained {steps} steps, {1000 * sum(steady) / len(steady):.2f} ms/step", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

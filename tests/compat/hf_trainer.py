@@ -1,0 +1,78 @@
+"""Hugging Face Trainer on a tiny model built from its config (no downloads), under torchrun.
+
+    HF_HUB_OFFLINE=1 torchrun --nproc-per-node 2 hf_trainer.py --model gpt2 --steps 4
+    HF_HUB_OFFLINE=1 torchrun --nproc-per-node 2 hf_trainer.py --model bert --steps 4
+
+Prints, on rank 0, "hf-<model>: trained <N> steps, <X> ms/step".
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+from torch.utils.data import Dataset
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                          TrainingArguments)
+
+
+class Tokens(Dataset):
+    """Random token ids with a padded tail (an attention mask of zeros at the end)."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+        self.mask = torch.ones(n, seq, dtype=torch.long)
+        self.mask[:, seq - 8:] = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.ids[i]}
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.t0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--fp16", action="store_true")
+    args = parser.parse_args()
+    if args.model == "gpt2":
+        config = GPT2Config(vocab_size=1024, n_positions=128, n_embd=128, n_layer=2, n_head=4)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = BertConfig(vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=512, max_position_embeddings=128)
+        model = BertForMaskedLM(config)
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        training = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=args.steps,
+                                     learning_rate=1e-4, logging_steps=2, save_strategy="no", report_to=[],
+                                     fp16=args.fp16, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=training, train_dataset=Tokens(8 * 2 * args.steps, 64, 1024),
+                          callbacks=[timer])
+        result = trainer.train()
+    if trainer.is_world_process_zero():
+        steady = timer.times[1:] or timer.times
+        print(f"hf-{args.model}: trained {result.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

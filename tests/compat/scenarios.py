@@ -1,0 +1,211 @@
+"""The compatibility scenarios: ordinary training scripts run under ``gpemu run`` (README.md here).
+
+Both ``tests/test_compat_*.py`` and ``benchmarks/compat_matrix.py`` read :data:`SCENARIOS`; a
+scenario is one command (one script, one launcher); it reports one or more *cases* (matrix
+rows), each with the line ``<case>: trained <N> steps, <X> ms/step`` on rank 0.
+
+This file imports neither gpemu nor torch (the scripts are run in their own processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# "<case>: trained <N> steps, <X> ms/step" (X: the script's own wall time per step after the first)
+# (not anchored at the end: other ranks' stderr shares the pipe and may continue the line)
+RESULT_LINE = re.compile(r"^(?P<case>[\w.-]+): trained (?P<steps>\d+) steps, (?P<ms>\d+(?:\.\d+)?) ms/step", re.M)
+# What the notes say about where the model's time comes from (docs/time.md, "What work costs").
+MEASURED_NOTE = re.compile(r"(forward|backward) time from the profile database \((measured|interpolated|extrapolated)\)")
+ESTIMATED_NOTE = re.compile(r"estimated")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One matrix row a scenario reports."""
+
+    name: str          # the case name the script prints
+    client: str        # what the row is called in the matrix
+    steps: int         # optimizer steps the script reports (and each rank's optimizer takes)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One command: ``gpemu run --gpu <gpu> --gpus <gpus> -- <launcher> <script> <args>``."""
+
+    name: str
+    script: str                      # file in tests/compat/
+    cases: tuple[Case, ...]
+    args: tuple[str, ...] = ()       # the script's arguments
+    launcher: str = "python"         # "python" | "torchrun" | "accelerate" (world processes)
+    launch_args: tuple[str, ...] = ()  # the launcher's own options (before the script)
+    world: int = 1                   # processes (ranks); each writes its own metrics file
+    gpu: str = "A100"
+    gpus: int = 1                    # emulated GPUs per process
+    provenance: str = "estimated"    # "estimated" | "measured": the model's forward/backward time
+    comm: bool = False               # GPU communication expected (comm busy time > 0 on every rank)
+    env: dict[str, str] = field(default_factory=dict)
+    suite: bool = True               # run by the test suite (False: the matrix only)
+    matrix: bool = True              # a row group of benchmarks/compat_matrix.py (False: the suite only)
+    owner: str = "distributed"       # which test file runs it ("distributed" | "single")
+    timeout: int = 300
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of each rank over the whole command."""
+        return sum(c.steps for c in self.cases)
+
+
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("torch-parallel", "torch_parallel.py", (
+        Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), static graph, join", 4),
+        Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy (pytorch/examples FSDP2)", 4),
+        Case("tp", "DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-rank mesh)", 4)),
+        args=("--cases", "ddp,fsdp2,tp", "--steps", "4"), launcher="torchrun", world=2, gpus=2, comm=True,
+        matrix=False),
+    # (the same cases one command each, so each matrix row has its own GPU time)
+    Scenario("ddp", "torch_parallel.py", (Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), "
+                                               "static graph, join", 5),),
+             args=("--cases", "ddp", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
+    Scenario("fsdp2", "torch_parallel.py", (Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy", 5),),
+             args=("--cases", "fsdp2", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
+    Scenario("tp", "torch_parallel.py", (Case("tp", "DTensor tensor parallelism (Colwise/RowwiseParallel)", 5),),
+             args=("--cases", "tp", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
+    Scenario("lightning-ddp", "lightning_ddp.py", (Case("lightning", "Lightning strategy='ddp', 2 devices", 4),),
+             args=("--steps", "4"), world=2, gpus=2, comm=True),
+    Scenario("accelerate-fp16", "accelerate_fp16.py", (Case("accelerate", "accelerate, 2 processes, fp16, shuffled "
+                                                             "DataLoader", 4),),
+             args=("--steps", "4"), launcher="accelerate", launch_args=("--mixed_precision", "fp16"), world=2, gpus=2,
+             comm=True),
+    Scenario("hf-trainer-gpt2", "hf_trainer.py", (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, torchrun x2", 4),),
+             args=("--model", "gpt2", "--steps", "4"), launcher="torchrun", world=2, gpus=2, comm=True, env=_OFFLINE),
+    Scenario("hf-trainer-bert", "hf_trainer.py", (Case("hf-bert", "HF Trainer, BERT tiny config, torchrun x2", 4),),
+             args=("--model", "bert", "--steps", "4"), launcher="torchrun", world=2, gpus=2, comm=True, env=_OFFLINE,
+             suite=False),
+    Scenario("data-parallel", "data_parallel.py", (Case("data-parallel", "nn.DataParallel, 4 GPUs, ResNet-50-shaped, "
+                                                        "batch 256", 5),),
+             args=("--arch", "resnet50", "--batch-size", "256", "--steps", "5"), gpu="V100", gpus=4,
+             provenance="measured", suite=False),
+    Scenario("data-parallel-small", "data_parallel.py", (Case("data-parallel", "nn.DataParallel, 4 GPUs, ResNet-18, "
+                                                              "batch 32, 112 px", 3),),
+             args=("--arch", "resnet18", "--batch-size", "32", "--image-size", "112", "--steps", "3"), gpu="V100",
+             gpus=4, provenance="measured"),
+)
+
+
+def by_name(name: str) -> Scenario:
+    for s in SCENARIOS:
+        if s.name == name:
+            return s
+    raise KeyError(f"no scenario {name!r}; scenarios: {', '.join(s.name for s in SCENARIOS)}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(s: Scenario, metrics: Path, python: str = sys.executable) -> list[str]:
+    """The whole command line: gpemu run (through this interpreter), the launcher, the script."""
+    script = str(HERE / s.script)
+    if s.launcher == "python":
+        launch = [python, script]
+    elif s.launcher == "torchrun":
+        launch = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.world}", script]
+    elif s.launcher == "accelerate":
+        launch = [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(s.world),
+                  "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", str(free_port()), script]
+    else:
+        raise ValueError(f"unknown launcher {s.launcher!r}")
+    launch[-1:-1] = s.launch_args
+    return [python, "-m", "gpemu.cli", "run", "--gpu", s.gpu, "--gpus", str(s.gpus), "--metrics", str(metrics),
+            "--no-summary", "--", *launch, *s.args]
+
+
+@dataclass
+class Result:
+    """What one run of a scenario showed."""
+
+    scenario: Scenario
+    returncode: int
+    wall_s: float
+    output: str
+    cases: dict[str, tuple[int, float]]   # case -> (steps, the script's ms/step)
+    metrics: list[dict[str, Any]]         # one per rank, rank order
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and all(self.cases.get(c.name, (None,))[0] == c.steps for c in self.scenario.cases)
+
+    def iterations(self) -> list[int]:
+        return [int(m.get("iterations") or 0) for m in self.metrics]
+
+    def busy_by_kind(self, rank: int, window: str = "whole") -> dict[str, float]:
+        """GPU busy time per kind over the rank's devices (seconds)."""
+        out: dict[str, float] = {}
+        for dev in self.metrics[rank].get("devices", []):
+            for kind, seconds in ((dev.get(window) or {}).get("busy_by_kind_s") or {}).items():
+                out[kind] = out.get(kind, 0.0) + seconds
+        return out
+
+    def gpu_ms_per_step(self) -> float | None:
+        """Emulated GPU busy time per step in the steady state (after the first step), the busiest
+        device of any rank."""
+        best = None
+        for m in self.metrics:
+            for dev in m.get("devices", []):
+                steady, its = dev.get("steady"), dev.get("iterations") or 0
+                if steady and its > 1:
+                    value = 1000 * steady["busy_s"] / (its - 1)
+                    best = value if best is None else max(best, value)
+        # Devices without iteration marks (DataParallel's replicas) share the step count of the
+        # device that has them: compare their whole-run busy time per step.
+        its = max((int(m.get("iterations") or 0) for m in self.metrics), default=0)
+        if its:
+            for m in self.metrics:
+                for dev in m.get("devices", []):
+                    if not dev.get("iterations") and dev.get("whole"):
+                        value = 1000 * dev["whole"]["busy_s"] / its
+                        best = value if best is None else max(best, value)
+        return best
+
+    def provenance(self) -> str:
+        notes = [n for m in self.metrics for n in m.get("notes", [])]
+        if any(MEASURED_NOTE.search(n) for n in notes):
+            return "measured"
+        if any(ESTIMATED_NOTE.search(n) for n in notes):
+            return "estimated"
+        return "unknown"
+
+
+def run(s: Scenario, workdir: Path, python: str = sys.executable) -> Result:
+    """Run a scenario in ``workdir`` (its metrics files land there)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.json"
+    env = dict(os.environ, **s.env)
+    env.pop("GPEMU_METRICS", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(command(s, metrics, python), cwd=workdir, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=s.timeout)
+    wall = time.perf_counter() - t0
+    cases = {m["case"]: (int(m["steps"]), float(m["ms"])) for m in RESULT_LINE.finditer(proc.stdout)}
+    ranks = []
+    for rank in range(s.world):
+        path = metrics if rank == 0 else workdir / f"metrics.rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else {})
+    return Result(s, proc.returncode, wall, proc.stdout, cases, ranks)
