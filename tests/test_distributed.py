@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpemu.distributed import _overlapped_finish, allreduce_seconds, interconnect_bandwidth, map_backend
+from gpemu.distributed import (_overlapped_finish, all_to_all_seconds, allgather_seconds, allreduce_seconds,
+                               broadcast_seconds, interconnect_bandwidth, map_backend, reduce_scatter_seconds)
 
 
 def test_backend_mapping() -> None:
@@ -35,6 +36,17 @@ def test_ring_allreduce_estimate() -> None:
     assert two == pytest.approx((100 << 20) / 12e9, rel=0.01)  # 2(n-1)/n = 1
     assert four == pytest.approx(1.5 * (100 << 20) / 12e9, rel=0.01)  # 2(n-1)/n = 1.5
     assert allreduce_seconds(100 << 20, 2, 230e9) < two / 10  # NVLink is much faster than PCIe
+
+
+def test_ring_collectives_are_parts_of_the_all_reduce() -> None:
+    """A ring all-reduce is a reduce-scatter then an all-gather of the same tensor."""
+    n, bw = 100 << 20, 12e9
+    for world in (2, 4, 8):
+        whole = allreduce_seconds(n, world, bw)
+        assert reduce_scatter_seconds(n, world, bw) + allgather_seconds(n, world, bw) == pytest.approx(whole)
+        assert broadcast_seconds(n, world, bw) == pytest.approx(whole / 2)
+        assert all_to_all_seconds(n, world, bw) == pytest.approx((world - 1) / world * n / bw, rel=0.01)
+    assert allgather_seconds(n, 1, bw) == 0.0
 
 
 def test_interconnect_of_shipped_gpus() -> None:
@@ -170,6 +182,7 @@ def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
         "device": torch.cuda.current_device(),
         "bucket_memory": bucket_memory,
     }
+    result.update(_more_collectives(rt, rank, model, ddp, opt))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # DDP sits in reference cycles: left to interpreter shutdown, its reducer takes gloo's process
     # group down there, which was seen to abort a rank ("terminate called without an active
@@ -179,6 +192,60 @@ def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     gpemu.unpatch()
+
+
+def _more_collectives(rt, rank: int, model, ddp, opt) -> dict:  # noqa: ANN001
+    """Known-value messages, functional collectives, DDP's surface for libraries."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    def messages() -> float:
+        return rt.recorder.counters.get("comm_messages", 0.0)
+
+    out: dict = {}
+    # An unknown tensor of 2^18 elements costs the one 16-byte meeting message, known values two.
+    before = messages()
+    dist.all_reduce(torch.empty(1 << 18, device="cuda"))
+    out["unknown_messages"] = messages() - before
+    before = messages()
+    known = torch.arange(4.0, device="cuda") * (rank + 1)
+    dist.all_reduce(known, op=dist.ReduceOp.MAX)
+    out["known_messages"], out["known_max"] = messages() - before, known.tolist()
+    # Rank 0's values broadcast; a rank that knows nothing gets them.
+    shared = torch.tensor([7.0, 8.0], device="cuda") if rank == 0 else torch.empty(2, device="cuda")
+    dist.broadcast(shared, src=0)
+    out["broadcast"] = shared.tolist()
+    gathered = torch.empty(4, device="cuda")
+    dist.all_gather_into_tensor(gathered, torch.tensor([rank, 10.0 + rank], device="cuda"))
+    out["gathered"] = gathered.tolist()
+    # Functional collectives (what DTensor and FSDP2 use) reach the emulated tensor as ops.
+    group = dist.group.WORLD
+    comm_before = sum(1 for s in rt.recorder.spans if s.kind == "comm")
+    out["funcol_sum"] = funcol.all_reduce(torch.tensor([1.0, rank], device="cuda"), "sum", group).tolist()
+    out["funcol_gather"] = funcol.all_gather_tensor(torch.tensor([rank + 1.0], device="cuda"), 0, group).tolist()
+    big = funcol.reduce_scatter_tensor(torch.empty(1 << 16, device="cuda"), "sum", 0, group)
+    out["funcol_scatter_shape"] = list(big.shape)
+    out["funcol_comm_spans"] = sum(1 for s in rt.recorder.spans if s.kind == "comm") - comm_before
+    # DDP: what Lightning and accelerate read and call.
+    data = ddp._get_ddp_logging_data()
+    out["logging"] = [data["world_size"], data["rank"], data["module_name"], data["iteration"] > 0]
+    syncs = rt.recorder.counters.get("ddp_gradient_syncs", 0.0)
+    with ddp.no_sync():  # accelerate's trigger_sync_in_backward: the reducer is told to sync anyway
+        ddp.reducer.prepare_for_backward([])
+        ddp(torch.randn(4, 512, device="cuda")).sum().backward()
+    out["forced_sync"] = rt.recorder.counters.get("ddp_gradient_syncs", 0.0) - syncs
+    # Inputs on the host are moved to device_ids[0], as real DDP does; without device_ids they are not.
+    out["cpu_input_device"] = str(ddp(torch.randn(4, 512)).device)
+    plain = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).cuda())
+    try:
+        plain(torch.randn(2, 8))
+        out["no_device_ids"] = "moved"
+    except RuntimeError as exc:
+        out["no_device_ids"] = "same device" in str(exc)
+    ddp._set_static_graph()
+    out["static_graph"] = [ddp.static_graph, ddp._get_ddp_logging_data()["static_graph"]]
+    del plain
+    return out
 
 
 def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> None:
@@ -196,6 +263,87 @@ def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> N
         assert r["metric"] == [3.0, 20.0]  # summed over both ranks
         assert r["device"] == rank
         assert r["bucket_memory"] >= r["grad_bytes"]  # the reducer's gradient buckets live on the GPU
+        assert r["unknown_messages"] == 1 and r["known_messages"] == 2
+        assert r["known_max"] == [0.0, 2.0, 4.0, 6.0]  # the larger rank's values
+        assert r["broadcast"] == [7.0, 8.0]
+        assert r["gathered"] == [0.0, 10.0, 1.0, 11.0]
+        assert r["funcol_sum"] == [2.0, 1.0] and r["funcol_gather"] == [1.0, 2.0]
+        assert r["funcol_scatter_shape"] == [1 << 15] and r["funcol_comm_spans"] == 3
+        assert r["logging"] == [2, rank, "Sequential", True]
+        assert r["forced_sync"] == 1
+        assert r["cpu_input_device"] == f"cuda:{rank}" and r["no_device_ids"] is True
+        assert r["static_graph"] == [True, 1]
     # Lock-step: rank 0's second backward waited for the slow rank 1 (0.6 s of host time).
     assert results[0]["backward_wall"][1] > 0.4
     assert results[0]["backward_wall"][1] > 3 * results[0]["backward_wall"][2]
+
+
+# ------------------------------------------------------------------ one process
+def test_data_parallel_replicas_mirror_device_zero() -> None:
+    """From the step where device 0's call is charged as one module (here: its second, a replay),
+    the other GPUs get the same forward and backward work without running their replicas op by op;
+    the parameters' gradients still arrive on device 0 through DataParallel's reduction."""
+    import gpemu
+
+    rt = gpemu.patch(gpu="V100", num_gpus=4, summary=False)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    model = torch.nn.DataParallel(net).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        out = model(torch.randn(64, 64))
+        assert out.shape == (64, 10) and out.device == torch.device("cuda:0")
+        out.sum().backward()
+        assert all(p.grad is not None and p.grad.device == torch.device("cuda:0") for p in net.parameters())
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    assert rt.recorder.counters.get("dp_mirrored_replicas") == 6  # 3 replicas in steps 2 and 3
+
+    def work(device: int, kind: str) -> float:
+        return sum(s.end - s.start for s in rt.recorder.spans if s.device == device and s.kind == kind)
+
+    for dev in (1, 2, 3):  # each replica did device 0's whole-module work (its first step was op by op)
+        for kind in ("forward", "backward"):
+            assert work(0, kind) > 0 and work(dev, kind) == pytest.approx(work(0, kind), rel=1e-6), (dev, kind)
+        assert torch.cuda.max_memory_allocated(dev) > 0
+
+    # Hooks would fire once instead of once per replica: with one, the replicas run as they are.
+    calls = []
+    net.register_forward_hook(lambda *a: calls.append(1))
+    model(torch.randn(64, 64)).sum().backward()
+    assert len(calls) == 4 and rt.recorder.counters.get("dp_mirrored_replicas") == 6
+
+
+def test_fsdp2_and_dtensor_parameters_live_on_the_emulated_gpu(tmp_path: Path) -> None:
+    """FSDP2 on a model built on the meta device (one rank; two ranks: tests/compat): to_empty gives
+    DTensor parameters whose local shards are emulated, reporting cuda:0; forward, backward and
+    optimizer steps run and the steps are charged."""
+    import torch.distributed as dist
+
+    import gpemu
+
+    rt = gpemu.patch(gpu="A100", num_gpus=1, summary=False)
+    assert torch._C._get_accelerator() == torch.device("cuda")  # FSDP2's default mesh asks the C layer
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor import DTensor
+
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 100))
+        fully_shard(model[1], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(model)
+        model.to_empty(device="cuda")
+        for p in model.parameters():
+            assert isinstance(p, DTensor) and p.device == torch.device("cuda:0") and p.is_cuda and not p.is_meta
+        opt = torch.optim.Adam(model.parameters())
+        for _ in range(2):
+            model(torch.randint(0, 100, (4, 16), device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        assert sum(1 for s in rt.recorder.spans if s.kind == "optimizer") == 2
+    finally:
+        dist.destroy_process_group()
+    gpemu.unpatch()
+    assert torch._C._get_accelerator() == torch.device("cpu")
