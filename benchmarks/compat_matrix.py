@@ -61,6 +61,8 @@ def main() -> None:
             result = scenarios.run(s, base / s.name, args.python)
         except subprocess.TimeoutExpired:
             result = None
+        if result is not None:
+            (base / s.name / "output.txt").write_text(result.output)
         gpu_ms = result.gpu_ms_per_step() if result else None
         for case in s.cases:
             steps, wall_ms = (result.cases.get(case.name, (None, None)) if result else (None, None))

@@ -11,6 +11,7 @@ checked by gathering the sample indices every process saw. Prints, on the main p
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -51,7 +52,9 @@ def main() -> None:
     assert sorted(everyone) == list(range(n)), "the processes' shards overlap: their shuffles differ"
     if accelerator.is_main_process:
         steady = times[1:] or times
-        print(f"accelerate: trained {steps} steps, {1000 * sum(steady) / len(steady):.2f} ms/step", flush=True)
+        line = f"accelerate: trained {steps} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
+        sys.stdout.write(line)  # in one write: other ranks' output shares the stream
+        sys.stdout.flush()
     accelerator.end_training()
 
 

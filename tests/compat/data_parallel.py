@@ -44,7 +44,9 @@ def main() -> None:
         loss.item()  # as the ImageNet script's meters do: waits for the step
         times.append(time.perf_counter() - t0)
     steady = times[1:] or times
-    print(f"data-parallel: trained {len(times)} steps, {1000 * sum(steady) / len(steady):.2f} ms/step", flush=True)
+    line = f"data-parallel: trained {len(times)} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
+    sys.stdout.write(line)  # in one write: other ranks' output shares the stream
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import sys
 import time
 
 import torch
@@ -70,8 +71,9 @@ def main() -> None:
         result = trainer.train()
     if trainer.is_world_process_zero():
         steady = timer.times[1:] or timer.times
-        print(f"hf-{args.model}: trained {result.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step",
-              flush=True)
+        line = f"hf-{args.model}: trained {result.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
+        sys.stdout.write(line)  # in one write: other ranks' output shares the stream
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Lightning starts the second rank itself (it re-runs this script). Prints, on ran
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import lightning as L
@@ -58,8 +59,9 @@ def main() -> None:
     trainer.fit(Classifier(), DataLoader(data, batch_size=64, shuffle=True))
     if trainer.global_rank == 0:
         steady = timer.times[1:] or timer.times
-        print(f"lightning: trained {trainer.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step",
-              flush=True)
+        line = f"lightning: trained {trainer.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
+        sys.stdout.write(line)  # in one write: other ranks' output shares the stream
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

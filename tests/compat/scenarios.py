@@ -27,7 +27,8 @@ REPO = HERE.parents[1]
 # (not anchored at the end: other ranks' stderr shares the pipe and may continue the line)
 RESULT_LINE = re.compile(r"^(?P<case>[\w.-]+): trained (?P<steps>\d+) steps, (?P<ms>\d+(?:\.\d+)?) ms/step", re.M)
 # What the notes say about where the model's time comes from (docs/time.md, "What work costs").
-MEASURED_NOTE = re.compile(r"(forward|backward) time from the profile database \((measured|interpolated|extrapolated)\)")
+MEASURED_NOTE = re.compile(
+    r"(forward|backward) time from the profile database \((measured|interpolated|extrapolated)\)")
 ESTIMATED_NOTE = re.compile(r"estimated")
 
 

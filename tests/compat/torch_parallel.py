@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
 
 import torch
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 def report(case: str, times: list[float]) -> None:
     steady = times[1:] or times
     if dist.get_rank() == 0:
-        print(f"{case}: trained {len(times)} steps, {1000 * sum(steady) / len(steady):.2f} ms/step", flush=True)
+        line = f"{case}: trained {len(times)} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
+        sys.stdout.write(line)  # in one write: other ranks' output shares the stream
+        sys.stdout.flush()
 
 
 def run_ddp(steps: int, device: torch.device) -> None:
