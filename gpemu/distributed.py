@@ -208,6 +208,11 @@ _FUNCOL_OPS = {"sum": ("SUM", False), "avg": ("SUM", True), "max": ("MAX", False
                "bxor": ("BXOR", False)}
 
 
+def _outside(group: Any) -> bool:
+    """This rank is not a member of ``group``: c10d's collectives do nothing here (as torch's)."""
+    return group is not None and _c10d._rank_not_in_group(group)
+
+
 def _group_rank(group: Any) -> int:
     return dist.get_rank(group) if group is not None else dist.get_rank()
 
@@ -681,6 +686,8 @@ class _C10d(_Comms):
                    async_op: bool = False) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         dev, world = self.dev(tensor), self.world(group)
         vop, average = _values_op(op)
         everyone, work = self.run(dev, allreduce_seconds(_tensor_bytes(tensor), world, self.bandwidth(dev)),
@@ -701,6 +708,8 @@ class _C10d(_Comms):
         tensors = list(tensors)
         if not any(_is_emulated(t) for t in tensors):
             return _ORIG["all_reduce_coalesced"](tensors, op=op, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         dev, world = self.dev(next(t for t in tensors if _is_emulated(t))), self.world(group)
         vop, average = _values_op(op)
         nbytes = sum(_tensor_bytes(t) for t in tensors)
@@ -725,6 +734,8 @@ class _C10d(_Comms):
               group_dst: int | None = None) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["isend"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        if _outside(group):
+            return None
         # A header (when the transfer can end, whether values follow), then the known values.
         engine, dev = self.rt.engine, self.dev(tensor)
         stream = engine.stream(dev)
@@ -746,6 +757,8 @@ class _C10d(_Comms):
               group_src: int | None = None) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["irecv"](tensor, src=src, group=group, tag=tag, group_src=group_src)
+        if _outside(group):
+            return None
         engine, dev = self.rt.engine, self.dev(tensor)
         stream = engine.stream(dev)
         start = max(stream.busy_until, engine.now())
@@ -770,6 +783,8 @@ class _C10d(_Comms):
              group_dst: int | None = None) -> None:
         if not _is_emulated(tensor):
             return _ORIG["send"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        if _outside(group):
+            return None
         self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
         return None
 
@@ -777,6 +792,8 @@ class _C10d(_Comms):
              group_src: int | None = None) -> int:
         if not _is_emulated(tensor):
             return _ORIG["recv"](tensor, src=src, group=group, tag=tag, group_src=group_src)
+        if _outside(group):
+            return -1
         work = self.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
         if src is None and group_src is None:
             return work._source_rank()
@@ -786,6 +803,8 @@ class _C10d(_Comms):
                   group_src: int | None = None) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["broadcast"](tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+        if _outside(group):
+            return None
         dev = self.dev(tensor)
         is_src = (_group_rank(group) == group_src) if group_src is not None else (dist.get_rank() == src)
         everyone, work = self.run(dev, broadcast_seconds(_tensor_bytes(tensor), self.world(group), self.bandwidth(dev)),
@@ -803,6 +822,8 @@ class _C10d(_Comms):
                async_op: bool = False, group_dst: int | None = None) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["reduce"](tensor, dst=dst, op=op, group=group, async_op=async_op, group_dst=group_dst)
+        if _outside(group):
+            return None
         dev, world = self.dev(tensor), self.world(group)
         vop, average = _values_op(op)
         is_dst = (_group_rank(group) == group_dst) if group_dst is not None else (dist.get_rank() == dst)
@@ -822,6 +843,8 @@ class _C10d(_Comms):
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
         if not (_is_emulated(tensor) or any(_is_emulated(t) for t in tensor_list)):
             return _ORIG["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         dev, world = self.dev(tensor if _is_emulated(tensor) else tensor_list[0]), self.world(group)
         everyone, work = self.run(dev, allgather_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
                                   "all_gather", group, _knows(tensor) or not _is_emulated(tensor))
@@ -842,6 +865,8 @@ class _C10d(_Comms):
                                async_op: bool = False) -> Any:
         if not (_is_emulated(input_tensor) or _is_emulated(output_tensor)):
             return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         dev = self.dev(output_tensor if _is_emulated(output_tensor) else input_tensor)
         everyone, work = self.run(dev, allgather_seconds(_tensor_bytes(output_tensor), self.world(group),
                                                          self.bandwidth(dev)),
@@ -861,12 +886,16 @@ class _C10d(_Comms):
                               group: Any = None, async_op: bool = False) -> Any:
         if not (_is_emulated(input) or _is_emulated(output)):
             return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         return self._reduce_scatter(output, input, op, group, async_op, "reduce_scatter_tensor")
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list, op: Any = dist.ReduceOp.SUM, group: Any = None,
                        async_op: bool = False) -> Any:
         if not (_is_emulated(output) or any(_is_emulated(t) for t in input_list)):
             return _ORIG["reduce_scatter"](output, input_list, op=op, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         values = [host_shadow(t) if isinstance(t, EmuTensor) else t for t in input_list]
         known = all(v is not None for v in values) and sum(t.numel() for t in input_list) <= SHADOW_MAX_ELEMENTS
         joined = torch.cat([_proxy(t, v) for t, v in zip(input_list, values)]) if known else None
@@ -902,6 +931,8 @@ class _C10d(_Comms):
                 group: Any = None, async_op: bool = False, group_src: int | None = None) -> Any:
         if not (_is_emulated(tensor) or any(_is_emulated(t) for t in scatter_list or ())):
             return _ORIG["scatter"](tensor, scatter_list, src=src, group=group, async_op=async_op, group_src=group_src)
+        if _outside(group):
+            return None
         dev, world = self.dev(tensor), self.world(group)
         is_src = (_group_rank(group) == group_src) if group_src is not None else (dist.get_rank() == src)
         share = tensor.numel()
@@ -927,6 +958,8 @@ class _C10d(_Comms):
                async_op: bool = False, group_dst: int | None = None) -> Any:
         if not (_is_emulated(tensor) or any(_is_emulated(t) for t in gather_list or ())):
             return _ORIG["gather"](tensor, gather_list, dst=dst, group=group, async_op=async_op, group_dst=group_dst)
+        if _outside(group):
+            return None
         dev, world = self.dev(tensor), self.world(group)
         everyone, work = self.run(dev, broadcast_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
                                   "gather", group, _knows(tensor))
@@ -946,6 +979,8 @@ class _C10d(_Comms):
         if not (_is_emulated(input) or _is_emulated(output)):
             return _ORIG["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group,
                                               async_op=async_op)
+        if _outside(group):
+            return None
         dev = self.dev(output if _is_emulated(output) else input)
         _, work = self.run(dev, all_to_all_seconds(_tensor_bytes(input), self.world(group), self.bandwidth(dev)),
                            "all_to_all_single", group, False)
@@ -956,6 +991,8 @@ class _C10d(_Comms):
                    async_op: bool = False) -> Any:
         if not any(_is_emulated(t) for t in (*output_tensor_list, *input_tensor_list)):
             return _ORIG["all_to_all"](output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        if _outside(group):
+            return None
         first = next(t for t in (*output_tensor_list, *input_tensor_list) if _is_emulated(t))
         dev = self.dev(first)
         nbytes = sum(_tensor_bytes(t) for t in input_tensor_list)

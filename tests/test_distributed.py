@@ -218,6 +218,10 @@ def _more_collectives(rt, rank: int, model, ddp, opt) -> dict:  # noqa: ANN001
     gathered = torch.empty(4, device="cuda")
     dist.all_gather_into_tensor(gathered, torch.tensor([rank, 10.0 + rank], device="cuda"))
     out["gathered"] = gathered.tolist()
+    # A group this rank is not in: nothing happens here, as in torch (every rank makes the group).
+    solo = dist.new_group([0])
+    ones = torch.ones(2, device="cuda")
+    out["solo"] = [dist.all_reduce(ones, group=solo) is None, ones.tolist()]
     # Functional collectives (what DTensor and FSDP2 use) reach the emulated tensor as ops.
     group = dist.group.WORLD
     comm_before = sum(1 for s in rt.recorder.spans if s.kind == "comm")
@@ -264,6 +268,7 @@ def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> N
         assert r["device"] == rank
         assert r["bucket_memory"] >= r["grad_bytes"]  # the reducer's gradient buckets live on the GPU
         assert r["unknown_messages"] == 1 and r["known_messages"] == 2
+        assert r["solo"] == [True, [1.0, 1.0]]
         assert r["known_max"] == [0.0, 2.0, 4.0, 6.0]  # the larger rank's values
         assert r["broadcast"] == [7.0, 8.0]
         assert r["gathered"] == [0.0, 10.0, 1.0, 11.0]
