@@ -167,7 +167,13 @@ def _lockstep(group: Any, value: float) -> float:
 
 
 def _knows(t: Any) -> bool:
-    return isinstance(t, EmuTensor) and t.numel() <= SHADOW_MAX_ELEMENTS and host_shadow(t) is not None
+    # (complex values would need two reals per element on the wire: left unknown)
+    return (isinstance(t, EmuTensor) and t.numel() <= SHADOW_MAX_ELEMENTS and not t.dtype.is_complex
+            and host_shadow(t) is not None)
+
+
+def _proxy_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if (t.dtype.is_floating_point or t.dtype.is_complex) else torch.int64
 
 
 def _proxy(t: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,7 +181,7 @@ def _proxy(t: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
     as float64 or int64 (gloo reduces both; they hold every value a host shadow may have)."""
     if value is None:
         value = host_shadow(t) if isinstance(t, EmuTensor) else (t if t.device.type == "cpu" else None)
-    dtype = torch.float64 if (t.dtype.is_floating_point or t.dtype.is_complex) else torch.int64
+    dtype = _proxy_dtype(t)
     if value is None:
         return torch.zeros(t.numel(), dtype=dtype)
     return value.detach().reshape(-1).to(dtype).clone()
@@ -811,7 +817,7 @@ class _C10d(_Comms):
                                   "broadcast", group, _knows(tensor) if is_src else True)
         value = None
         if everyone:
-            value = _proxy(tensor) if is_src else torch.zeros(tensor.numel(), dtype=_proxy(tensor).dtype)
+            value = _proxy(tensor) if is_src else torch.zeros(tensor.numel(), dtype=_proxy_dtype(tensor))
             work = _ORIG["broadcast"](value, src=src, group=group, async_op=True, group_src=group_src)
             work.wait()
             self.values()
@@ -944,7 +950,7 @@ class _C10d(_Comms):
                                   "scatter", group, knows)
         value = None
         if everyone:
-            dtype = _proxy(tensor).dtype
+            dtype = _proxy_dtype(tensor)
             joined = torch.cat([_proxy(t) for t in scatter_list]) if is_src else torch.zeros(share * world, dtype=dtype)
             work = _ORIG["broadcast"](joined.to(dtype), src=src, group=group, async_op=True, group_src=group_src)
             work.wait()
@@ -1151,7 +1157,7 @@ class _Functional(_Comms):
         out = tensor if inplace else self.outputs(func, args, kwargs, dev)
         value = None
         if everyone:
-            value = _proxy(tensor) if is_src else torch.zeros(tensor.numel(), dtype=_proxy(tensor).dtype)
+            value = _proxy(tensor) if is_src else torch.zeros(tensor.numel(), dtype=_proxy_dtype(tensor))
             work = _ORIG["broadcast"](value, group=group, group_src=src, async_op=True)
             work.wait()
             self.values()
