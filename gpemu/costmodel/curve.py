@@ -6,7 +6,7 @@ whose relevant peak is ``peak`` (FLOP/s or bytes/s) and that has ``sms`` SMs::
 
     x    = work / sms                          # work per SM: how well the op can fill the GPU
     eff  = e / (1 + (x0 / x) ** p)             # achieved fraction of peak; saturates at e
-    eff /= 1 + k0 / K                          # GEMM / convolution only: K = reduction depth
+    eff /= 1 + k0 * z                          # the op's shape (below); z = 0: no effect
     g    = work / (peak * eff)                 # the kernel's time on the GPU
 
 and the host spends ``h`` seconds issuing it (PyTorch's dispatch, autograd, the launch call).
@@ -26,10 +26,15 @@ Why this form:
 * ``work / sms`` rather than ``work`` puts GPUs of different sizes on one axis, so a curve
   calibrated on one GPU can be used, with another GPU's peaks and SM count, for a GPU of the same
   or a neighbouring generation.
-* ``K`` (C_in/groups x kernel elements of a convolution, in-features of a GEMM) is the depth of
-  the implicit GEMM's reduction: a shallow one (the 3-channel first layer, K = 27; grouped
-  convolutions with 4-8 channels per group) cannot keep the math units fed however large the op
-  is. One parameter, ``k0``: the depth at which half the rate is lost.
+* ``z``, the op's shape, one parameter ``k0`` per curve:
+  for GEMMs and convolutions ``z = 1 / K``, K (C_in/groups x kernel elements of a convolution,
+  in-features of a GEMM) the depth of the implicit GEMM's reduction: a shallow one (the 3-channel
+  first layer, K = 27; grouped convolutions with 4-8 channels per group) cannot keep the math
+  units fed however large the op is — ``k0`` is the depth at which half the rate is lost.
+  For depthwise convolutions and pooling, priced by bytes, ``z`` is their arithmetic intensity
+  (FLOPs per byte): a 5x5 depthwise kernel or a stride-1 3x3 pooling window does several times
+  the arithmetic per byte of a 3x3 / 2x2 one, so ``bytes x (1 + k0 z)`` is a bandwidth term plus
+  an arithmetic term — a smooth roofline.
 * The queue, not a sum: the host runs ahead of the GPU, so at large batch sizes the host's time
   hides behind long kernels, at small ones the GPU waits for the host, and in between a long
   kernel lets the host bank time for the short ones after it. Adding ``h`` to every op, or
@@ -53,8 +58,8 @@ __all__ = ["Curve", "kernel_seconds", "queue_seconds", "kernel_arrays", "queue_a
 @dataclass(frozen=True)
 class Curve:
     """Parameters of one op kind's curve: plateau ``e``, half-way point ``x0`` (work per SM, in
-    the work's unit), shape ``p``, reduction-depth constant ``k0`` (0 for memory-bound classes),
-    host time per op ``h`` (seconds), and the peak ``path`` it was calibrated against
+    the work's unit), shape ``p``, shape-term constant ``k0`` (see the module docstring; 0 where
+    unused), host time per op ``h`` (seconds), and the peak ``path`` it was calibrated against
     (``"tensor"``, ``"simt"`` or ``"memory"``)."""
 
     e: float
@@ -64,22 +69,18 @@ class Curve:
     k0: float = 0.0
     path: str = "simt"
 
-    def efficiency(self, x: float, k: int = 0) -> float:
-        """Achieved fraction of peak at ``x`` work per SM and reduction depth ``k`` (0: none)."""
+    def efficiency(self, x: float, z: float = 0.0) -> float:
+        """Achieved fraction of peak at ``x`` work per SM and shape ``z`` (0: no shape term)."""
         if x <= 0:
             return 0.0
-        eff = self.e / (1.0 + (self.x0 / x) ** self.p)
-        return eff / (1.0 + self.k0 / k) if k > 0 else eff
+        return self.e / (1.0 + (self.x0 / x) ** self.p) / (1.0 + self.k0 * z)
 
 
-def kernel_seconds(work: float, peak: float, sms: int, c: Curve, k: int = 0) -> float:
+def kernel_seconds(work: float, peak: float, sms: int, c: Curve, z: float = 0.0) -> float:
     """GPU time of one kernel (scalar; plain floats so a per-op call costs about a microsecond)."""
     if work <= 0:
         return 0.0
-    g = work / (peak * c.e) * (1.0 + (c.x0 * sms / work) ** c.p)
-    if k > 0:
-        g *= 1.0 + c.k0 / k
-    return g
+    return work / (peak * c.e) * (1.0 + (c.x0 * sms / work) ** c.p) * (1.0 + c.k0 * z)
 
 
 def queue_seconds(pairs: Iterable[tuple[float, float]]) -> float:
@@ -92,12 +93,12 @@ def queue_seconds(pairs: Iterable[tuple[float, float]]) -> float:
 
 
 def kernel_arrays(work: np.ndarray, peak: np.ndarray, sms: float, le: np.ndarray, lx0: np.ndarray, p: np.ndarray,
-                  lk0: np.ndarray, kinv: np.ndarray, grads: bool = True):
+                  lk0: np.ndarray, z: np.ndarray, grads: bool = True):
     """Vectorised :func:`kernel_seconds` with parameters in fitting form (logs of e, x0, k0;
-    ``kinv`` = 1/K, or 0 where the op has no reduction depth). Returns g and, if ``grads``,
-    dg/d(log e), dg/d(log x0), dg/dp, dg/d(log k0)."""
+    ``z`` the shape term, 0 where unused). Returns g and, if ``grads``, dg/d(log e),
+    dg/d(log x0), dg/dp, dg/d(log k0)."""
     logx = np.log(np.maximum(work, 1e-30) / sms)
-    kf = np.exp(lk0) * kinv  # k0 / K
+    kf = np.exp(lk0) * z  # k0 z
     a = work / (peak * np.exp(le)) * (1.0 + kf)
     u = np.exp(np.clip(p * (lx0 - logx), -700, 700))
     g = np.where(work > 0, a * (1.0 + u), 0.0)

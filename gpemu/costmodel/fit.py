@@ -38,7 +38,7 @@ import numpy as np
 from . import curve as C
 from .classify import COMPUTE_CLASSES
 from .gpus import DONORS, MEASURED_GENERATION_GPU, GpuSheet, gpu_sheet
-from .model import PARAMS_PATH, CostModel, dominant_mix, table_keys
+from .model import INTENSITY_CLASSES, PARAMS_PATH, CostModel, dominant_mix, table_keys, work_and_shape
 from .precision import FP32, compute_peak
 from .table import CLASSES, OpTable, concat_tables
 
@@ -52,7 +52,8 @@ _SMALL_WEIGHT = 0.5
 _COMPUTE_CODES = [CLASSES.index(c) for c in COMPUTE_CLASSES]
 # Priors (fitting form) and their weights: weak, so data decides wherever there is data.
 _PRIOR = {"le": (math.log(0.6), 0.01), "lx0_compute": (math.log(1e7), 0.01), "lx0_memory": (math.log(3e4), 0.01),
-          "p": (0.7, 0.02), "lh": (math.log(1.5e-5), 0.01), "lk0": (math.log(4.0), 0.01)}
+          "p": (0.7, 0.02), "lh": (math.log(1.5e-5), 0.01), "lk0": (math.log(4.0), 0.01),
+          "lk0_intensity": (math.log(0.1), 0.01)}
 
 
 @dataclass
@@ -105,6 +106,7 @@ class GenFit:
     keys: tuple[str, ...]
     theta: np.ndarray  # 5 per key: log e, log x0, p, log h, log k0
     paths: dict[str, str] = field(default_factory=dict)
+    uses_k0: dict[str, bool] = field(default_factory=dict)
     cost: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -112,7 +114,7 @@ class GenFit:
         curves = {}
         for k, (le, lx0, p, lh, lk0) in zip(self.keys, th):
             c = {"e": _r(math.exp(le)), "x0": _r(math.exp(lx0)), "p": _r(p), "h": _r(math.exp(lh))}
-            if self.paths[k] != "memory":
+            if self.uses_k0.get(k, True):
                 c["k0"] = _r(math.exp(lk0))
             curves[k] = {**c, "path": self.paths[k]}
         return {"gpu": self.gpu, "curves": dict(sorted(curves.items()))}
@@ -162,13 +164,16 @@ class _Problem:
         self.keys = tuple(sorted(set(keys.tolist())))
         self.kidx = np.searchsorted(np.array(self.keys), keys)
         is_comp = np.isin(tab.cls, _COMPUTE_CODES)
-        self.kinv = np.where(is_comp & (tab.reduction > 0), 1.0 / np.maximum(tab.reduction, 1), 0.0)
+        kinv = np.where(is_comp & (tab.reduction > 0), 1.0 / np.maximum(tab.reduction, 1), 0.0)
+        intensity = np.isin(tab.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
         # Calibration peaks: fp32 with PyTorch's default TF32 switches (A100 convolutions: TF32).
         self.peak = np.empty(len(tab))
         self.paths: dict[str, str] = {}
+        self.uses_k0: dict[str, bool] = {}
         for k_i, k in enumerate(self.keys):
             m = self.kidx == k_i
             c = CLASSES[int(tab.cls[m][0])]
+            self.uses_k0[k] = c in COMPUTE_CLASSES or c in INTENSITY_CLASSES
             if c in COMPUTE_CLASSES:
                 path, pk = compute_peak(self.sheet, c, "float32", FP32)
             else:
@@ -176,7 +181,9 @@ class _Problem:
             self.peak[m] = pk
             self.paths[k] = path
         self.batches = np.asarray(batches, dtype=float)
-        self.work = [np.where(is_comp, tab.flops(b), tab.nbytes(b)) for b in self.batches]
+        shaped = [work_and_shape(tab, b, is_comp, kinv, intensity) for b in self.batches]
+        self.work = [w for w, _ in shaped]
+        self.z = [z for _, z in shaped]
         # Sequences: one per (training model, pass), contiguous in the table.
         train_idx = np.flatnonzero(train)
         local = np.searchsorted(train_idx, tab.model).astype(np.int64)
@@ -201,14 +208,14 @@ class _Problem:
             hi += [math.log(e_hi), math.log(1e12), 1.0, math.log(3e-4), math.log(1e4)]
             mu += [min(max(_PRIOR["le"][0], math.log(e_lo)), math.log(e_hi)),
                    _PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], _PRIOR["p"][0], _PRIOR["lh"][0],
-                   _PRIOR["lk0"][0]]
+                   _PRIOR["lk0" if path != "memory" else "lk0_intensity"][0]]
             pw += [_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]]
         self.lo_full, self.hi_full = np.array(lo), np.array(hi)
         self.mu_full, self.pw_full = np.array(mu), np.array(pw)
         free = np.ones(self.nfull, dtype=bool)
         for i, k in enumerate(self.keys):
-            if self.paths[k] == "memory":
-                free[_NP * i + 4] = False  # no reduction depth
+            if not self.uses_k0[k]:
+                free[_NP * i + 4] = False  # no shape term
         self.free = np.flatnonzero(free)
         self.template = self.mu_full.copy()
         self.template[~free] = math.log(1e-9)
@@ -233,7 +240,7 @@ class _Problem:
         ds = np.zeros(self.nres * npar) if jac else None
         cols = self.kidx * _NP
         for bi in range(self.nb):
-            gout = C.kernel_arrays(self.work[bi], self.peak, self.sheet.sm_count, le, lx0, p, lk0, self.kinv, grads=jac)
+            gout = C.kernel_arrays(self.work[bi], self.peak, self.sheet.sm_count, le, lx0, p, lk0, self.z[bi], grads=jac)
             qout = C.queue_arrays(h, gout[0], self.seg_start, self.seg_id, grads=jac)
             rows = self.seg_row * self.nb + bi
             s[rows] = qout[0]
@@ -281,7 +288,7 @@ def fit_generation(data: FitData, gpu: str, train: np.ndarray | None = None, sta
     res = least_squares(prob.residuals, x0, jac=prob.jacobian, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
                         x_scale="jac", max_nfev=max_nfev, method="trf")
     return GenFit(generation=gpu_sheet(gpu).generation, gpu=gpu, keys=prob.keys, theta=prob.full(res.x),
-                  paths=prob.paths, cost=float(res.cost))
+                  paths=prob.paths, uses_k0=prob.uses_k0, cost=float(res.cost))
 
 
 def fit_all(data: FitData, progress: Callable[[str], None] | None = None) -> dict[str, GenFit]:
@@ -419,7 +426,8 @@ def params_document(data: FitData, full: dict[str, GenFit], uncertainty: dict[st
     """The content of ``params.json``."""
     return {
         "format": 1,
-        "form": ("per op: g = work / (peak * eff), eff = e / (1 + (x0 / x)^p) / (1 + k0 / K), x = work / SMs; "
+        "form": ("per op: g = work / (peak * eff), eff = e / (1 + (x0 / x)^p) / (1 + k0 z), x = work / SMs, "
+                 "z = 1/K (GEMM, conv) or FLOPs per byte (depthwise conv, pooling); "
                  "a pass: queue of (h, g) ops, finish_i = max(h_1 + ... + h_i, finish_(i-1)) + g_i"),
         "calibration": {
             "source": db_meta.get("source", ""), "data_version": db_meta.get("data_version", ""),

@@ -7,9 +7,9 @@
     t = m.ops_seconds(ops, "L4")                          # a sequence: host and GPU overlapped
 
 Each op is priced by :mod:`~gpemu.costmodel.curve`'s form with the curve of its **curve key** —
-op class, refined for dense convolutions by kernel (``conv1x1``, ``conv3x3`` = 3x3 stride 1, which
-cuDNN runs with Winograd, ``conv`` = others), and the pass (``.fwd`` / ``.bwd``) — and of its
-GPU's generation. Curves are calibrated per generation against the peak the database's
+op class, refined for dense convolutions by shape (``conv1x1``: a GEMM; ``conv_spatial``: a larger
+kernel at stride 1, which cuDNN can run with Winograd / FFT algorithms; ``conv_strided``: a larger
+kernel at stride > 1), and the pass (``.fwd`` / ``.bwd``) — and of its GPU's generation. Curves are calibrated per generation against the peak the database's
 measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 convolutions,
 ``memory`` for bandwidth-bound classes). A request is served by the first generation in the GPU's
 donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
@@ -39,7 +39,7 @@ from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtyp
 from .table import CLASSES, DTYPES, OpTable
 
 __all__ = ["CostModel", "default_model", "curve_key", "table_keys", "PARAMS_PATH", "Uncertainty", "StepSeconds",
-           "op_seconds"]
+           "op_seconds", "dominant_mix", "dominant_mix_of", "INTENSITY_CLASSES", "work_and_shape"]
 
 PARAMS_PATH = Path(__file__).resolve().parent / "data" / "params.json"
 
@@ -49,11 +49,11 @@ _STANDINS: dict[str, tuple[str, ...]] = {
     "gemm": ("conv1x1",),
     "attention": ("gemm", "conv1x1"),
     "embedding": ("copy", "elementwise"),
-    "conv_grouped": ("conv",),
+    "conv_grouped": ("conv_spatial",),
     "conv_depthwise": ("conv_grouped",),
-    "conv": ("conv3x3", "conv1x1"),
-    "conv1x1": ("conv",),
-    "conv3x3": ("conv",),
+    "conv_strided": ("conv_spatial", "conv1x1"),
+    "conv1x1": ("conv_spatial",),
+    "conv_spatial": ("conv_strided",),
     "reduction": ("elementwise",),
     "pooling": ("elementwise",),
     "copy": ("elementwise",),
@@ -61,16 +61,28 @@ _STANDINS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Memory-priced classes whose shape term is their arithmetic intensity (see curve.py).
+INTENSITY_CLASSES = frozenset({OpClass.CONV_DEPTHWISE, OpClass.POOLING})
+
+
+def work_and_shape(table: OpTable, batch: float, is_comp: np.ndarray, kinv: np.ndarray, intensity: np.ndarray,
+                   scale: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-op work (FLOPs or bytes x ``scale``) and shape term z at ``batch`` (see curve.py)."""
+    flops = table.flops(batch)
+    nbytes = table.nbytes(batch) * scale
+    work = np.where(is_comp, flops, nbytes)
+    z = np.where(is_comp, kinv, np.where(intensity, flops / np.maximum(nbytes, 1e-30), 0.0))
+    return work, z
+
+
 def _conv_key(kernel: int, stride: int) -> str:
     if kernel == 1:
         return "conv1x1"
-    if kernel == 9 and stride == 1:
-        return "conv3x3"
-    return "conv"
+    return "conv_spatial" if stride == 1 else "conv_strided"
 
 
 def curve_key(op: OpFeatures) -> str:
-    """The curve an op is priced with, e.g. ``"conv3x3.bwd"``, ``"norm.fwd"``."""
+    """The curve an op is priced with, e.g. ``"conv_spatial.bwd"``, ``"norm.fwd"``."""
     base = _conv_key(op.kernel, op.stride) if op.op_class is OpClass.CONV else op.op_class.value
     return base + (".bwd" if op.backward else ".fwd")
 
@@ -80,10 +92,10 @@ def table_keys(table: OpTable) -> np.ndarray:
     base = np.array([c.value for c in CLASSES], dtype=object)[table.cls]
     conv = table.cls == CLASSES.index(OpClass.CONV)
     k1 = conv & (table.kernel == 1)
-    k3 = conv & (table.kernel == 9) & (table.stride == 1)
     base = base.copy()
+    base[conv & ~k1 & (table.stride == 1)] = "conv_spatial"
+    base[conv & ~k1 & (table.stride != 1)] = "conv_strided"
     base[k1] = "conv1x1"
-    base[k3] = "conv3x3"
     suffix = np.where(table.backward.astype(bool), ".bwd", ".fwd")
     return (base.astype(str).astype(object) + suffix).astype(str)
 
@@ -197,10 +209,12 @@ class CostModel:
     def _price(self, op: OpFeatures, sheet: GpuSheet, precision: Precision) -> tuple[float, float]:
         r, peak = self._peak(sheet, op.op_class, op.dtype, precision, curve_key(op))
         if op.op_class in COMPUTE_CLASSES:
-            work, k = op.flops, op.reduction
+            work = op.flops
+            z = 1.0 / op.reduction if op.reduction > 0 else 0.0
         else:
-            work, k = op.nbytes * byte_scale(op.dtype, precision), 0
-        return r.curve.h, C.kernel_seconds(work, peak, sheet.sm_count, r.curve, k)
+            work = op.nbytes * byte_scale(op.dtype, precision)
+            z = op.flops / work if op.op_class in INTENSITY_CLASSES and work > 0 else 0.0
+        return r.curve.h, C.kernel_seconds(work, peak, sheet.sm_count, r.curve, z)
 
     def op_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
         """GPU seconds of one op's kernel(s) (0 for free ops). ``gpu``: a name / alias, a
@@ -229,7 +243,8 @@ class CostModel:
     # ------------------------------------------------------------------ many ops
     def table_terms(self, table: OpTable, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> dict[str, Any]:
         """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak,
-        scale, le, lx0, p, h, lk0, kinv; and the generation that supplied each op's curve)."""
+        scale, le, lx0, p, h, lk0, kinv (1/K of compute ops), intensity (1 for ops whose shape term
+        is their FLOPs per byte); and the generation that supplied each op's curve)."""
         sheet = gpu_sheet(gpu)
         keys = table_keys(table)
         n = len(table)
@@ -251,16 +266,17 @@ class CostModel:
             lk0[idx] = np.log(max(r.curve.k0, 1e-30))
             gens[idx] = r.generation
         kinv = np.where(is_comp & (table.reduction > 0), 1.0 / np.maximum(table.reduction, 1), 0.0)
+        intensity = np.isin(table.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
         return {"sms": sheet.sm_count, "is_comp": is_comp, "peak": peak, "scale": scale, "le": le, "lx0": lx0,
-                "p": p, "h": h, "lk0": lk0, "kinv": kinv, "gens": gens}
+                "p": p, "h": h, "lk0": lk0, "kinv": kinv, "intensity": intensity, "gens": gens}
 
     def table_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
                       precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
         """GPU seconds of every op of ``table`` at ``batch`` (pass ``terms`` from
         :meth:`table_terms` to price many batch sizes without resolving curves again)."""
         tm = terms if terms is not None else self.table_terms(table, gpu, precision)
-        work = np.where(tm["is_comp"], table.flops(batch), table.nbytes(batch) * tm["scale"])
-        return C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], tm["kinv"],
+        work, z = work_and_shape(table, batch, tm["is_comp"], tm["kinv"], tm["intensity"], tm["scale"])
+        return C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], z,
                                grads=False)[0]
 
     def table_phase_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
@@ -290,7 +306,9 @@ class CostModel:
         step = record_step(module, args, kwargs, backward=backward)
         fwd = self.ops_seconds(step.forward, sheet, precision)
         bwd = self.ops_seconds(step.backward, sheet, precision)
-        return StepSeconds(fwd, bwd, self.uncertainty(sheet))
+        ops = step.forward + step.backward
+        mix = dominant_mix_of(ops, [self.op_seconds(o, sheet, precision) for o in ops])
+        return StepSeconds(fwd, bwd, self.uncertainty(sheet, mix))
 
     def transfer_seconds(self, measured: float, table: OpTable, batch: float, phase: str,
                          from_gpu: "str | GpuSheet | Any", to_gpu: "str | GpuSheet | Any",
@@ -322,13 +340,25 @@ class CostModel:
         return Uncertainty(float(entry["p50"]), float(entry["p90"]), str(block.get("basis", "")))
 
 
+_MIX_GROUPS = {"dense_conv": (OpClass.CONV,), "light_conv": (OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE),
+               "gemm": (OpClass.GEMM, OpClass.ATTENTION)}
+
+
 def dominant_mix(table: OpTable, seconds: np.ndarray) -> str:
-    """Which kind of work takes most of the time: ``dense_conv``, ``light_conv`` (grouped and
-    depthwise), ``gemm`` or ``memory`` (everything bandwidth-bound)."""
-    groups = {"dense_conv": [OpClass.CONV], "light_conv": [OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE],
-              "gemm": [OpClass.GEMM, OpClass.ATTENTION]}
-    shares = {k: float(seconds[np.isin(table.cls, [CLASSES.index(c) for c in v])].sum()) for k, v in groups.items()}
+    """Which kind of work takes most of the GPU time: ``dense_conv``, ``light_conv`` (grouped and
+    depthwise), ``gemm`` or ``memory`` (everything bandwidth-bound). Uncertainty is kept per mix."""
+    shares = {k: float(seconds[np.isin(table.cls, [CLASSES.index(c) for c in v])].sum())
+              for k, v in _MIX_GROUPS.items()}
     shares["memory"] = float(seconds.sum()) - sum(shares.values())
+    return max(shares, key=lambda k: shares[k])
+
+
+def dominant_mix_of(ops: Iterable[OpFeatures], seconds: Iterable[float]) -> str:
+    """:func:`dominant_mix` of a list of ops and their GPU seconds."""
+    shares = dict.fromkeys([*_MIX_GROUPS, "memory"], 0.0)
+    for op, t in zip(ops, seconds):
+        group = next((k for k, v in _MIX_GROUPS.items() if op.op_class in v), "memory")
+        shares[group] += t
     return max(shares, key=lambda k: shares[k])
 
 

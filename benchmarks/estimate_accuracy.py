@@ -1,0 +1,345 @@
+"""Accuracy of the cost model (gpemu.costmodel) on the profile database, by cross-validation.
+
+Every case is one (model, GPU, batch size) of the database — 36 torchvision models x 6 GPUs x
+batch sizes 16/32/64/128/256 = 1080 — and the figure is the estimated forward + backward time
+against the measured one (|error| = |estimate / measured - 1|):
+
+* **leave-one-model-out (LOMO)**: each model priced by its GPU's curves fitted on the other 35
+  models (how well a model the database does not know is estimated on a measured GPU);
+* **leave-one-GPU-out (LOGO)**: each GPU priced as if only its datasheet were known — its
+  generation's curves removed, the donor chain (``gpemu.costmodel.gpus.DONORS``) supplies
+  curves, with the GPU's own peaks — directly (``op model``) or by carrying the same model's
+  measured time on the donor GPU over with the op model's ratio (``transfer``);
+* ``--before``: today's estimator, ``gpemu.costs.estimate_module`` (per-op roofline, one
+  efficiency per GPU calibrated on that GPU's database models), on the same 1080 cases.
+
+    python benchmarks/estimate_accuracy.py             # LOMO + LOGO
+    python benchmarks/estimate_accuracy.py --before    # and today's estimator beside it
+    python benchmarks/estimate_accuracy.py --no-cache  # recompute everything
+
+Op lists, LOMO predictions and the --before figures are cached in ``~/.cache/gpemu/costmodel``
+(``$GPEMU_COSTMODEL_CACHE``) under keys that change with the code and the data, so a rerun takes
+seconds; the first run takes ~15 min (LOMO: 216 fits) plus ~10 min for --before (180 meta-device
+passes of the old estimator's per-op roofline, one per model and batch size, priced for all six
+GPUs and checked against ``estimate_module`` itself on four cases) on a 2-core machine. Prints
+figures; not a test.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread: scipy's least squares does an SVD per iteration, ~20x slower with threads
+# contending on a busy 2-core machine. Must be set before numpy / scipy load their BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+FAMILIES = (("alexnet", "AlexNet"), ("vgg", "VGG"), ("resnext", "ResNeXt"), ("wide_resnet", "Wide ResNet"),
+            ("resnet", "ResNet"), ("densenet", "DenseNet"), ("googlenet", "GoogLeNet"), ("squeezenet", "SqueezeNet"),
+            ("mobilenet_v2", "MobileNetV2"), ("mobilenet_v3", "MobileNetV3"), ("mnasnet", "MNASNet"),
+            ("shufflenet", "ShuffleNetV2"))
+
+
+def machine() -> str:
+    """CPU model, cores and load: timings from different machines are not comparable."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, load {load}"
+
+
+def family(name: str) -> str:
+    for prefix, label in FAMILIES:
+        if name.startswith(prefix):
+            return label
+    return name
+
+
+def progress_bar():
+    """A rich progress bar on stderr, removed when done (the printed figures stay clean)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:6.1f}%" if x == x else "     - "
+
+
+def row(label: str, s: dict) -> str:
+    return f"{label:<26}{s['n']:>6} {pct(s['mean'])} {pct(s['p50'])} {pct(s['p90'])} {pct(s['worst'])}"
+
+
+HEADER = f"{'':<26}{'n':>6} {'mean':>7} {'median':>7} {'p90':>7} {'worst':>7}"
+
+
+# ------------------------------------------------------------------------------ today's estimator
+def _roofline_inputs(module, batch: int):
+    """(flops, bytes, half) of every op ``gpemu.costs.estimate_module`` prices, forward and
+    backward, from one meta pass — its per-op arithmetic (``_op_roofline``) without the
+    ``roofline_seconds`` call, so one pass serves all six GPUs. Checked against
+    ``estimate_module`` itself in :func:`before_predictions`."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gpemu import costs
+
+    class Inputs(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[float, int, bool]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            packet = getattr(func, "overloadpacket", func)
+            if getattr(func, "is_view", False) or getattr(packet, "__name__", "") in costs._FREE:
+                return out
+            flops = 0
+            fn = costs.flop_registry.get(packet)
+            if fn is not None:
+                try:
+                    flops = fn(*args, **kwargs, out_val=out)
+                except Exception:
+                    flops = 0
+            acc, half = [0], [False]
+            costs._tensor_bytes(args, acc, half)
+            costs._tensor_bytes(out, acc, half)
+            self.ops.append((flops, acc[0], half[0]))
+            return out
+
+    state = {n: torch.empty(tuple(p.shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
+             for n, p in module.named_parameters()}
+    state.update({n: torch.empty(tuple(b.shape), dtype=b.dtype, device="meta") for n, b in module.named_buffers()})
+    fwd, bwd = Inputs(), Inputs()
+    with fwd:
+        out = torch.func.functional_call(module, state, (torch.empty(batch, 3, 224, 224, device="meta"),), {})
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    inputs = [p for p in state.values() if p.requires_grad]
+    with bwd:
+        torch.autograd.grad([t.sum() for t in leaves], inputs, allow_unused=True)
+    return fwd.ops, bwd.ops
+
+
+def before_predictions(data, db, gpus: list[str], use_cache: bool, progress) -> dict[str, np.ndarray]:
+    """``gpemu.costs.estimate_module`` on every case: {gpu: [model, phase, batch]} (cached)."""
+    import torch
+
+    import gpemu
+    from examples import tvmodels
+    from gpemu import costs
+    from gpemu.costmodel.dataset import load_arrays, save_arrays
+    from gpemu.costmodel.fit import EVAL_BATCHES
+    from gpemu.identify import ModelIdentity
+    from gpemu.runtime import Runtime
+
+    src = Path(costs.__file__).read_bytes()
+    key = hashlib.sha1(src + torch.__version__.encode() + db.meta().get("data_version", "").encode()
+                       + json.dumps([gpus, list(data.names), list(EVAL_BATCHES)]).encode()).hexdigest()[:12]
+    name = f"before-{key}"
+    hit = load_arrays(name) if use_cache else None
+    task = progress.add_task("today's estimator", total=len(data.names) * len(EVAL_BATCHES))
+    if hit is not None:
+        progress.update(task, completed=len(data.names) * len(EVAL_BATCHES))
+        return {g: hit[f"g{i}"] for i, g in enumerate(gpus)}
+    specs = [db.gpu(g) for g in gpus]
+    rt = Runtime(config=gpemu.EmuConfig.from_env(), db=db, gpus=specs)
+    out = {g: np.full((len(data.names), 2, len(EVAL_BATCHES)), np.nan) for g in gpus}
+    checks = {("resnet50", 64), ("mobilenet_v2", 16)}
+    worst_check = 0.0
+    for mi, model_name in enumerate(data.names):
+        with torch.device("meta"):
+            module = tvmodels.MODELS[model_name]()
+        module.train()
+        for bi, b in enumerate(EVAL_BATCHES):
+            progress.update(task, description=f"today's estimator {model_name} {b}")
+            fwd_ops, bwd_ops = _roofline_inputs(module, b)
+            for d, (g, spec) in enumerate(zip(gpus, specs)):
+                for ph, ops in enumerate((fwd_ops, bwd_ops)):
+                    out[g][mi, ph, bi] = sum(costs.roofline_seconds(f, n, spec, rt, half=h) for f, n, h in ops)
+                if (model_name, b) in checks and d in (0, len(gpus) - 1):
+                    ident = ModelIdentity(None, "estimated", type(module).__name__, 1, "x")
+                    ref = costs.estimate_module(rt, ident, module, (torch.empty(b, 3, 224, 224, device="meta"),), {}, d)
+                    for ph in (0, 1):
+                        worst_check = max(worst_check, abs(out[g][mi, ph, bi] / ref[ph] - 1))
+            progress.advance(task)
+    if worst_check > 1e-9:
+        raise RuntimeError(f"the replica of estimate_module's per-op roofline differs from it by {worst_check:.2e}; "
+                           "gpemu.costs changed: update _roofline_inputs")
+    if use_cache:
+        save_arrays(name, {f"g{i}": out[g] for i, g in enumerate(gpus)})
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+def worst_cases(title: str, data, preds: dict[str, np.ndarray], k: int = 10) -> None:
+    from gpemu.costmodel.fit import EVAL_BATCHES
+
+    cases = []
+    for g, p in preds.items():
+        meas = data.measured_eval[g]
+        tot_p, tot_m = p.sum(1), meas.sum(1)
+        for mi, name in enumerate(data.names):
+            for bi, b in enumerate(EVAL_BATCHES):
+                if np.isfinite(tot_m[mi, bi]) and np.isfinite(tot_p[mi, bi]):
+                    cases.append((tot_p[mi, bi] / tot_m[mi, bi] - 1, g, name, b, tot_m[mi, bi], tot_p[mi, bi]))
+    cases.sort(key=lambda c: -abs(c[0]))
+    print(f"\n   worst {k}, {title}:")
+    for err, g, name, b, m, p in cases[:k]:
+        print(f"     {short(g):9} {name:20} bs{b:<4} measured {1e3 * m:9.2f} ms  estimated {1e3 * p:9.2f} ms  "
+              f"{100 * err:+7.1f}%")
+
+
+def short(gpu: str) -> str:
+    from gpemu.costmodel.gpus import gpu_sheet
+
+    return gpu_sheet(gpu).short_name
+
+
+def table(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.ndarray] | None,
+          extra: dict[str, str] | None = None) -> None:
+    from gpemu.costmodel.fit import errors, summary
+
+    print(f"\n== {title}")
+    head = HEADER + ("   | before:" + HEADER[26 + 6:] if before else "")
+    print("   " + head)
+    rows_all, rows_before = [], []
+    for g, p in preds.items():
+        e = errors(p, data.measured_eval[g])
+        rows_all.append(e)
+        line = row(f"{short(g)}{(' ' + extra[g]) if extra else ''}", summary(e))
+        if before:
+            eb = errors(before[g], data.measured_eval[g])
+            rows_before.append(eb)
+            line += "   |        " + row("", summary(eb))[26 + 6:]
+        print("   " + line)
+    allp = np.stack(rows_all)
+    line = row("all (fwd+bwd)", summary(allp))
+    if before:
+        line += "   |        " + row("", summary(np.stack(rows_before)))[26 + 6:]
+    print("   " + line)
+    for ph, label in ((0, "forward only"), (1, "backward only")):
+        e = np.stack([errors(p, data.measured_eval[g], total=False)[:, ph] for g, p in preds.items()])
+        line = row(label, summary(e))
+        if before:
+            eb = np.stack([errors(before[g], data.measured_eval[g], total=False)[:, ph] for g in preds])
+            line += "   |        " + row("", summary(eb))[26 + 6:]
+        print("   " + line)
+
+
+def by_family(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.ndarray] | None) -> None:
+    from gpemu.costmodel.fit import errors, summary
+
+    print(f"\n== {title}, by model family (all GPUs, batch 16-256)")
+    print("   " + HEADER + ("   | before mean" if before else ""))
+    fams: dict[str, list[int]] = {}
+    for i, n in enumerate(data.names):
+        fams.setdefault(family(n), []).append(i)
+    for fam, idx in sorted(fams.items(), key=lambda kv: -summary(np.stack([errors(p, data.measured_eval[g])[kv[1]]
+                                                                            for g, p in preds.items()]))["mean"]):
+        e = np.stack([errors(p, data.measured_eval[g])[idx] for g, p in preds.items()])
+        line = row(f"{fam} ({len(idx)})", summary(e))
+        if before:
+            eb = np.stack([errors(before[g], data.measured_eval[g])[idx] for g in preds])
+            line += f"   | {pct(summary(eb)['mean'])}"
+        print("   " + line)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", action="store_true", help="also today's estimator (gpemu.costs.estimate_module)")
+    ap.add_argument("--no-cache", action="store_true", help="recompute op lists, LOMO and --before figures")
+    ap.add_argument("--worst", type=int, default=10, help="worst cases listed per table (default 10)")
+    args = ap.parse_args()
+    print(f"machine: {machine()}")
+    import torch
+
+    import gpemu
+    from gpemu.costmodel import fit as F
+    from gpemu.costmodel.dataset import cache_dir
+    from gpemu.costmodel.model import CostModel
+    from gpemu.db import open_profile_db
+
+    print(f"torch {torch.__version__}, numpy {np.__version__}; cache {cache_dir()}")
+    db = open_profile_db(gpemu.EmuConfig.from_env())
+    meta = db.meta()
+    started = time.perf_counter()
+    with progress_bar() as pb:
+        t_rec = pb.add_task("op lists (meta device, cached)", total=None)
+        data = F.FitData.build(db, progress=lambda n: pb.update(t_rec, description=f"recording {n}"))
+        pb.update(t_rec, total=1, completed=1)
+        t_fit = pb.add_task("fitting each GPU on all models", total=len(data.gpus))
+        full = {}
+        for g in data.gpus:
+            f = F.fit_generation(data, g)
+            full[f.generation] = f
+            pb.advance(t_fit)
+        t_cv = pb.add_task("leave-one-model-out fits", total=len(data.gpus) * len(data.names))
+
+        def lomo_progress(g: str, n: str) -> None:
+            pb.update(t_cv, description=f"LOMO {short(g)} {n}")
+            pb.advance(t_cv)
+
+        lomo = F.lomo(data, full, progress=lomo_progress, cache=None if args.no_cache else meta.get("data_version", ""))
+        logo = F.logo(data, full)
+        before = before_predictions(data, db, list(data.gpus), not args.no_cache, pb) if args.before else None
+    took = time.perf_counter() - started
+    print(f"database: {meta.get('source', '')} (data {meta.get('data_version', '')}); "
+          f"{len(data.names)} models x {len(data.gpus)} GPUs x batch {', '.join(map(str, F.EVAL_BATCHES))} "
+          f"= {len(data.names) * len(data.gpus) * len(F.EVAL_BATCHES)} cases; {took:.0f} s")
+
+    shipped = CostModel.load()
+    in_sample = {g: F.predict(shipped, data, g, list(range(len(data.names)))) for g in data.gpus}
+    table("shipped parameters, in sample (fitted on every model; for reference)", data, in_sample, None)
+    table("leave-one-model-out: each model priced by curves fitted without it", data, lomo, before)
+    worst_cases("leave-one-model-out", data, lomo, args.worst)
+    by_family("leave-one-model-out", data, lomo, before)
+    donors = {g: f"<- {short(v['donor'])}" for g, v in logo.items()}
+    table("leave-one-GPU-out, op model: each GPU from its datasheet + the donor generation's curves", data,
+          {g: v["op model"] for g, v in logo.items()}, None, donors)
+    no_a100 = {g: v["op model"] for g, v in logo.items() if "A100" not in g}
+    print("   " + row("all but A100 (see note)", F.summary(np.stack([F.errors(p, data.measured_eval[g])
+                                                                     for g, p in no_a100.items()]))))
+    worst_cases("leave-one-GPU-out, op model", data, {g: v["op model"] for g, v in logo.items()}, args.worst)
+    table("leave-one-GPU-out, transfer: the model's time measured on the donor GPU x the op model's ratio", data,
+          {g: v["transfer"] for g, v in logo.items()}, None, donors)
+    if before:
+        worst_cases("today's estimator (estimate_module)", data, before, args.worst)
+    print("\nnote: LOGO for the A100 has no donor with tensor-core measurements (every other measured GPU ran "
+          "fp32 on SIMT units), so its TF32 convolutions are priced as SIMT work there; datasheet GPUs of "
+          "Ampere and later take the A100's tensor-core curves instead.")
+    if before:
+        print("note: --before's efficiency is calibrated on each GPU's own database models at batch 64 "
+              "(the held-out model included), so it is not a leave-one-out figure; it is what gpemu does today.")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(130)
