@@ -329,6 +329,7 @@ def test_fsdp2_and_dtensor_parameters_live_on_the_emulated_gpu(tmp_path: Path) -
 
     rt = gpemu.patch(gpu="A100", num_gpus=1, summary=False)
     assert torch._C._get_accelerator() == torch.device("cuda")  # FSDP2's default mesh asks the C layer
+    torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -343,7 +344,7 @@ def test_fsdp2_and_dtensor_parameters_live_on_the_emulated_gpu(tmp_path: Path) -
             assert isinstance(p, DTensor) and p.device == torch.device("cuda:0") and p.is_cuda and not p.is_meta
         opt = torch.optim.Adam(model.parameters())
         for _ in range(2):
-            model(torch.randint(0, 100, (4, 16), device="cuda")).sum().backward()
+            model(torch.randint(0, 100, (64,), device="cuda")).sum().backward()
             opt.step()
             opt.zero_grad()
         torch.cuda.synchronize()
