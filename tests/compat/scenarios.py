@@ -82,6 +82,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("ddp", "torch_parallel.py", (Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), "
                                                "static graph, join", 5),),
              args=("--cases", "ddp", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
+    Scenario("ddp-resnet50", "torch_parallel.py",
+             (Case("ddp", "DistributedDataParallel, ResNet-50 batch 64 per GPU", 5),),
+             args=("--cases", "ddp", "--steps", "5", "--ddp-arch", "resnet50", "--ddp-batch", "64"),
+             launcher="torchrun", world=2, gpu="V100", gpus=2, comm=True, provenance="measured", suite=False),
     Scenario("fsdp2", "torch_parallel.py", (Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy", 5),),
              args=("--cases", "fsdp2", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
     Scenario("tp", "torch_parallel.py", (Case("tp", "DTensor tensor parallelism (Colwise/RowwiseParallel)", 5),),

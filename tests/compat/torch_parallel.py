@@ -4,6 +4,7 @@
 
 ddp:   DistributedDataParallel(model, device_ids=[rank]) called with CPU batches (DDP moves
        inputs to device_ids[0]); static_graph; join() over uneven inputs; _get_ddp_logging_data().
+       (--ddp-arch resnet50 --ddp-batch 64: a torchvision model on 224-px images instead of an MLP)
 fsdp2: pytorch/examples distributed/FSDP2: a Transformer built on the meta device, fully_shard per
        block and at the root with a bf16 MixedPrecisionPolicy, to_empty + reset_parameters, Adam,
        clip_grad_norm_.
@@ -20,6 +21,7 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,16 +37,23 @@ def report(case: str, times: list[float]) -> None:
         sys.stdout.flush()
 
 
-def run_ddp(steps: int, device: torch.device) -> None:
+def run_ddp(steps: int, device: torch.device, arch: str = "mlp", batch: int = 64) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
-    model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10)).to(device)
-    ddp = DDP(model, device_ids=[device.index], static_graph=True)
+    if arch == "mlp":
+        model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10))
+        shape = (256,)
+    else:  # a torchvision architecture (examples/tvmodels.py: the same modules in plain PyTorch)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        import tvmodels
+
+        model, shape = getattr(tvmodels, arch)(num_classes=10), (3, 224, 224)
+    ddp = DDP(model.to(device), device_ids=[device.index], static_graph=True)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     # Uneven inputs: rank 1 has one batch more (a last backward whose gradients it keeps);
     # join() lets rank 0 shadow its gradient all-reduce.
-    batches = [(torch.randn(64, 256), torch.randint(0, 10, (64,))) for _ in range(steps + rank)]
+    batches = [(torch.randn(batch, *shape), torch.randint(0, 10, (batch,))) for _ in range(steps + rank)]
     times = []
     with ddp.join():
         for i, (x, y) in enumerate(batches):
@@ -182,13 +191,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="ddp,fsdp2,tp")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ddp-arch", default="mlp", help="ddp case's model: mlp or a torchvision architecture")
+    parser.add_argument("--ddp-batch", type=int, default=64)
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
     for case in args.cases.split(","):
-        {"ddp": run_ddp, "fsdp2": run_fsdp2, "tp": run_tp}[case](args.steps, device)
+        if case == "ddp":
+            run_ddp(args.steps, device, args.ddp_arch, args.ddp_batch)
+        else:
+            {"fsdp2": run_fsdp2, "tp": run_tp}[case](args.steps, device)
     dist.barrier()
     dist.destroy_process_group()
 
