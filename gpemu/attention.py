@@ -16,7 +16,7 @@ chosen as torch's CUDA dispatcher chooses it (``sdp_utils``, simplified), honour
 
 A fused kernel runs as one emulated op: its output (in the kernel's memory layout), the softmax
 statistics it keeps for backward (``logsumexp``, fp32, ``B x H x L``), a backward that makes the
-inputs' gradients with the kernel's workspace, and its GPU time (:func:`gpemu.costs.attention_seconds`).
+inputs' gradients with the kernel's workspace, and its GPU time (:func:`gpemu.costs.attention_price`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .costs import attention_seconds
+from .costs import attention_price
 from .gpus import compute_capability
 from .tensor import EmuTensor, TensorState
 
@@ -71,8 +71,8 @@ class _FusedAttention(torch.autograd.Function):
         for n in batch:
             bh *= n
         rt = ts.rt
-        ts.charge(attention_seconds(rt, dev, bh, length, source, heads_dim, value_dim, q.dtype, causal, False),
-                  dev, f"{kernel}_attention")
+        price = attention_price(rt, dev, bh, length, source, heads_dim, value_dim, q.dtype, causal, False)
+        ts.charge(price.gpu, dev, f"{kernel}_attention", price)
         # Output in the kernel's layout: (B, L, H, Dv) in memory, seen as (B, H, L, Dv).
         shape = (*batch, length, value_dim)
         if len(batch) == 2:
@@ -95,8 +95,8 @@ class _FusedAttention(torch.autograd.Function):
         ts: TensorState = ctx.ts
         bh, length, source, head_dim, value_dim, dtype, dev = ctx.dims
         mem = ts.memory[dev]
-        ts.charge(attention_seconds(ts.rt, dev, bh, length, source, head_dim, value_dim, dtype, ctx.causal, True),
-                  dev, f"{ctx.kernel}_attention_backward")
+        price = attention_price(ts.rt, dev, bh, length, source, head_dim, value_dim, dtype, ctx.causal, True)
+        ts.charge(price.gpu, dev, f"{ctx.kernel}_attention_backward", price)
         # Workspace: an fp32 accumulator for dQ (and the softmax row sums), for the kernel's run.
         mem.touch(bh * length * head_dim * 4 + bh * length * 4)
         grads = []

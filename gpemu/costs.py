@@ -2,16 +2,18 @@
 
 * Identified models (``gpemu.identify``): forward/backward seconds are looked up in the profile
   database for (GPU, model, batch size) — provenance ``measured`` / ``interpolated`` /
-  ``extrapolated`` as the database says. A model the database knows but not on this GPU is
-  estimated from its FLOPs (``estimated``).
-* Unknown models: priced by the ops they run (:mod:`gpemu.model_time` sums :func:`op_seconds` of
-  every op the recorded call's forward and backward dispatch), provenance ``estimated``; the sums
-  are kept per batch size in ``ModelIdentity.estimates``.
-* Single ops: a roofline — ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x
-  efficiency)) + launch latency``. The compute efficiency is calibrated per GPU from the
-  database's own measurements (median achieved FLOP rate of its models), so an estimate sits
-  where real models on that GPU sit. :func:`estimate_module` sums it over a meta-device run of a
-  module (benchmarks compare estimators with it; the emulator itself never re-runs user code).
+  ``extrapolated`` as the database says (:func:`model_times`). A GPU without measurements of its
+  own (a datasheet GPU such as the H100) takes its **reference GPU**'s (:func:`reference_gpu`:
+  the nearest measured generation), and :mod:`gpemu.model_time` carries them over with the cost
+  model's ratio of the ops the call ran (this GPU and precision vs the reference GPU in fp32):
+  provenance ``scaled``. The same ratio scales a measured fp32 model run under autocast or TF32.
+* Unknown models: priced by the ops they run (:mod:`gpemu.model_time` runs the cost model's pass
+  arithmetic over every op the recorded call's forward and backward dispatch), provenance
+  ``estimated`` with the cost model's cross-validated uncertainty (:func:`uncertainty`).
+* Single ops: :func:`op_price` — the calibrated op-level cost model (:mod:`gpemu.costmodel`):
+  each op classified (GEMM, convolution, attention, normalisation, elementwise...), priced by its
+  class's efficiency curve for this GPU's generation against the peak its dtype and PyTorch's TF32
+  switches select (tensor cores for fp16/bf16/TF32 where the GPU has them).
 * Optimizer step: the database's ``optimizer_step`` kind when present, else bytes the update
   touches (parameters, gradients, optimizer state) over memory bandwidth.
 
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch.utils.flop_counter import flop_registry
 
+from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, Precision, classify, default_model, gpu_sheet
+from .costmodel.gpus import DONORS
+from .costmodel.model import Uncertainty, dominant_mix_of
 from .identify import ModelIdentity
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,34 +40,60 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "CostState", "forward_seconds", "backward_seconds", "optimizer_step_seconds", "op_seconds", "estimate_module",
-    "roofline_seconds", "compute_efficiency", "PROVENANCE_ORDER",
-    "LAUNCH_LATENCY", "BANDWIDTH_EFFICIENCY", "DEFAULT_COMPUTE_EFFICIENCY",
+    "CostState", "OpPrice", "ModelTimes", "forward_seconds", "backward_seconds", "model_times", "reference_gpu",
+    "optimizer_step_seconds", "op_price", "op_seconds", "attention_price", "uncertainty", "precision",
+    "PROVENANCE_ORDER", "LAUNCH_LATENCY", "BANDWIDTH_EFFICIENCY",
 ]
 
-# Per-kernel cost floor: a CUDA kernel launch + minimal execution is a few microseconds.
+# Per-kernel cost floor of an optimizer's kernels: a CUDA kernel launch + minimal execution.
 LAUNCH_LATENCY = 4e-6
-# Streaming kernels reach roughly this share of the datasheet memory bandwidth.
+# Streaming kernels (an optimizer's updates) reach roughly this share of the datasheet bandwidth.
 BANDWIDTH_EFFICIENCY = 0.7
-# Used when the database has no measurements to calibrate a GPU's compute efficiency.
-DEFAULT_COMPUTE_EFFICIENCY = 0.5
-PROVENANCE_ORDER = ("measured", "interpolated", "extrapolated", "estimated")
-_HALF = (torch.float16, torch.bfloat16)
-# Ops that move no data on a GPU (views, metadata) cost nothing.
-_FREE = {"detach", "alias", "lift_fresh", "_to_copy_meta", "size", "stride", "sym_size", "empty",
-         "empty_strided", "empty_like", "_local_scalar_dense"}
+PROVENANCE_ORDER = ("measured", "interpolated", "extrapolated", "scaled", "estimated")
+_HALF = ("float16", "bfloat16")
 
 
 def _worst(a: str, b: str) -> str:
     return a if PROVENANCE_ORDER.index(a) >= PROVENANCE_ORDER.index(b) else b
 
 
+class OpPrice(NamedTuple):
+    """What one op costs (:func:`op_price`)."""
+
+    gpu: float        # its kernel's seconds on this GPU, in the precision it ran in
+    host: float       # seconds the cost model's calibration hosts took to issue it
+    reference: float  # its kernel's seconds as the database measured: fp32 on the reference GPU
+    mix: str          # the kind of work: dense_conv, light_conv, gemm or memory (uncertainty)
+
+
+_NOTHING = OpPrice(0.0, 0.0, 0.0, "memory")
+
+
+@dataclass(frozen=True)
+class ModelTimes:
+    """An identified model's seconds at one batch size from the profile database."""
+
+    forward: float
+    backward: float
+    provenance: str   # the database's: measured / interpolated / extrapolated
+    gpu: str          # the GPU they were measured on: the device's own, or its reference GPU
+
+
+@dataclass
+class _Device:
+    """How one emulated device's ops are priced."""
+
+    sheet: GpuSheet              # its datasheet (the cost model's view of the GPU)
+    reference: "GpuSpec | None"  # the database GPU its measured times come from (None: none)
+    reference_sheet: GpuSheet    # that GPU's datasheet (the device's own when None)
+
+
 @dataclass
 class CostState:
     """What one run has worked out about costs (``rt.costs``, made on first use)."""
 
-    memo: dict = field(default_factory=dict)   # (identity, batch, device, kind) -> (seconds, provenance)
-    efficiency: dict = field(default_factory=dict)  # GPU name -> compute efficiency
+    memo: dict = field(default_factory=dict)   # (identity, batch, device) -> ModelTimes | None
+    devices: dict = field(default_factory=dict)  # device -> _Device
     # optimizer -> (its parameter lists' key, (seconds, provenance))
     optimizers: "weakref.WeakKeyDictionary[Any, tuple]" = field(default_factory=weakref.WeakKeyDictionary)
 
@@ -75,112 +105,158 @@ def _st(rt: "Runtime") -> CostState:
     return st
 
 
-# --------------------------------------------------------------------------------- models
-def forward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
-    """GPU seconds of one forward pass of ``identity`` at ``batch_size`` on ``device``."""
-    return _model_seconds(rt, identity, batch_size, device, "forward")
+# --------------------------------------------------------------------------------- GPUs
+def _has_measurements(rt: "Runtime", gpu: str) -> bool:
+    db = rt.db
+    return any(db.has(gpu, info.name, "forward") for info in db.models())
 
 
-def backward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
-    """GPU seconds of one backward pass of ``identity`` at ``batch_size`` on ``device``."""
-    return _model_seconds(rt, identity, batch_size, device, "backward")
+def reference_gpu(rt: "Runtime", device: int) -> "GpuSpec | None":
+    """The database GPU whose measurements stand in for ``device``: its own GPU when the database
+    has measurements on it, else the first measured GPU along its generation's donor chain
+    (``gpemu.costmodel.gpus.DONORS``: an H100 takes the A100's); None without any."""
+    return _device(rt, device).reference
 
 
-def _model_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int, kind: str) -> tuple[float, str]:
-    memo = _st(rt).memo
-    key = (identity, batch_size, device, kind)
-    hit = memo.get(key)
+def _device(rt: "Runtime", device: int) -> _Device:
+    st = _st(rt)
+    hit = st.devices.get(device)
     if hit is not None:
         return hit
+    spec = rt.gpus[device]
+    sheet = gpu_sheet(spec)
+    reference = None
+    if rt.db is not None:
+        try:
+            if _has_measurements(rt, spec.name):
+                reference = spec
+            else:
+                by_generation: dict[str, list] = {}
+                for other in rt.db.gpus():
+                    by_generation.setdefault(gpu_sheet(other).generation, []).append(other)
+                for generation in DONORS.get(sheet.generation, DONORS["ampere"]):
+                    found = [g for g in by_generation.get(generation, ()) if _has_measurements(rt, g.name)]
+                    if found:
+                        reference = found[0]
+                        break
+        except Exception:  # a partial or unreachable database: price by ops
+            reference = None
+    hit = st.devices[device] = _Device(sheet, reference, gpu_sheet(reference) if reference is not None else sheet)
+    return hit
+
+
+# --------------------------------------------------------------------------------- models
+def model_times(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> ModelTimes | None:
+    """The database's forward/backward seconds of ``identity`` at ``batch_size`` for ``device``:
+    measured on its own GPU, else on its reference GPU (:func:`reference_gpu`; the caller scales
+    them by the ops' ratio). None: the database cannot say (unknown model, or not measured
+    there): the model is priced by its ops."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    result = _compute_model_seconds(rt, identity, batch_size, device, kind)
+    memo = _st(rt).memo
+    key = (identity, batch_size, device)
+    if key in memo:
+        return memo[key]
+    result = _lookup_times(rt, identity, batch_size, device)
     memo[key] = result
     return result
 
 
-def _compute_model_seconds(rt: "Runtime", identity: ModelIdentity, batch: int, device: int,
-                           kind: str) -> tuple[float, str]:
-    spec = rt.gpus[device]
+def _lookup_times(rt: "Runtime", identity: ModelIdentity, batch: int, device: int) -> ModelTimes | None:
     if identity.parts:
-        total, prov = 0.0, "measured"
-        for part in identity.parts:
-            s, p = _model_seconds(rt, part, batch, device, kind)
-            total, prov = total + s, _worst(prov, p)
-        return total, prov
-    if identity.name is not None:
-        from gpemu.db import MissingMeasurementError
-
-        try:
-            found = rt.db.lookup(spec.name, identity.name, batch, kind)
-        except MissingMeasurementError:
-            info = identity.info or rt.db.model(identity.name)
-            flops = info.fwd_flops_per_sample if kind == "forward" else info.fwd_bwd_flops_per_sample - info.fwd_flops_per_sample
-            rt.say_once(f"{identity.name} on {spec.short_name}: not profiled on this GPU; "
-                        f"{kind} time estimated from its FLOPs")
-            return flops * batch / (spec.fp32_flops * compute_efficiency(rt, spec)), "estimated"
-        rt.say_once(f"{identity.name} on {spec.short_name}: {kind} time from the profile database "
-                    f"({found.provenance})")
-        return found.value, found.provenance
-    # Unknown model: a meta-run estimate at this batch size if one was made, else scale one.
-    est = identity.estimates
-    exact = est.get((kind, batch, device))
-    if exact is not None:
-        return exact, "estimated"
-    others = [(b, s) for (k, b, d), s in est.items() if k == kind and d == device]
-    if others:
-        b0, s0 = max(others)
-        # Per-sample work scales with the batch; the kernel-launch floor does not.
-        fixed = min(s0, est.get((kind + "-launch", b0, device), 0.0))
-        return fixed + (s0 - fixed) * batch / b0, "estimated"
-    # No meta run yet: 2 FLOPs per parameter per sample forward (dense-layer rule), twice that
-    # backward. Crude for convolutions; replay's estimate_module replaces it.
-    flops = 2.0 * identity.param_count * batch * (1 if kind == "forward" else 2)
-    return roofline_seconds(flops, identity.param_bytes * (1 if kind == "forward" else 2), spec, rt), "estimated"
+        parts = [_lookup_times(rt, p, batch, device) for p in identity.parts]
+        if any(p is None for p in parts) or len({p.gpu for p in parts}) != 1:  # type: ignore[union-attr]
+            return None
+        prov = "measured"
+        for p in parts:
+            prov = _worst(prov, p.provenance)  # type: ignore[union-attr]
+        return ModelTimes(sum(p.forward for p in parts), sum(p.backward for p in parts),  # type: ignore[union-attr]
+                          prov, parts[0].gpu)  # type: ignore[union-attr]
+    if identity.name is None or rt.db is None:
+        return None
+    spec = rt.gpus[device]
+    for gpu in (spec, reference_gpu(rt, device)):
+        if gpu is None or not (rt.db.has(gpu.name, identity.name, "forward")
+                               and rt.db.has(gpu.name, identity.name, "backward")):
+            continue
+        fwd = rt.db.lookup(gpu.name, identity.name, batch, "forward")
+        bwd = rt.db.lookup(gpu.name, identity.name, batch, "backward")
+        return ModelTimes(fwd.value, bwd.value, _worst(fwd.provenance, bwd.provenance), gpu.name)
+    return None
 
 
-def compute_efficiency(rt: "Runtime", spec: "GpuSpec") -> float:
-    """Share of peak FP32 FLOP/s real models reach on this GPU (median over the database's
-    measured models at batch 64, forward+backward); DEFAULT_COMPUTE_EFFICIENCY without data."""
-    eff = _st(rt).efficiency
-    hit = eff.get(spec.name)
-    if hit is not None:
-        return hit
-    ratios = []
-    try:
-        for info in rt.db.models():
-            if not info.fwd_bwd_flops_per_sample or not rt.db.has(spec.name, info.name, "forward") \
-                    or not rt.db.has(spec.name, info.name, "backward"):
-                continue
-            t = (rt.db.lookup(spec.name, info.name, 64, "forward").value
-                 + rt.db.lookup(spec.name, info.name, 64, "backward").value)
-            if t > 0:
-                ratios.append(info.fwd_bwd_flops_per_sample * 64 / t / spec.fp32_flops)
-    except Exception:  # a partial database must not break estimates
-        ratios = []
-    value = DEFAULT_COMPUTE_EFFICIENCY
-    if ratios:
-        ratios.sort()
-        value = min(1.0, max(0.02, ratios[len(ratios) // 2]))
-    eff[spec.name] = value
-    return value
+def forward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
+    """The database's seconds of one forward pass of ``identity`` at ``batch_size`` for
+    ``device`` and their provenance (see :func:`model_times`; ``(0.0, "estimated")`` when it has
+    none: the model is priced by the ops it runs)."""
+    times = model_times(rt, identity, batch_size, device)
+    return (times.forward, times.provenance) if times is not None else (0.0, "estimated")
 
 
-def roofline_seconds(flops: float, nbytes: float, spec: "GpuSpec", rt: "Runtime | None" = None,
-                     half: bool = False, kernels: int = 1) -> float:
-    """max(compute time, memory time) + launch latency for work on ``spec``."""
-    peak = spec.fp16_flops if half else spec.fp32_flops
-    eff = compute_efficiency(rt, spec) if rt is not None else DEFAULT_COMPUTE_EFFICIENCY
-    compute = flops / (peak * eff) if flops else 0.0
-    memory = nbytes / (spec.memory_bandwidth * BANDWIDTH_EFFICIENCY) if nbytes else 0.0
-    return max(compute, memory) + kernels * LAUNCH_LATENCY
+def backward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
+    """As :func:`forward_seconds`, for the backward pass."""
+    times = model_times(rt, identity, batch_size, device)
+    return (times.backward, times.provenance) if times is not None else (0.0, "estimated")
 
 
-def attention_seconds(rt: "Runtime", device: int, batch_heads: int, length: int, source: int, head_dim: int,
-                      value_dim: int, dtype: torch.dtype, causal: bool, backward: bool) -> float:
-    """GPU seconds of one fused attention kernel (flash or memory-efficient) over ``batch_heads``
-    heads of ``length`` queries and ``source`` keys: two matrix products forward, five backward
-    (the scores are recomputed), half of them under a causal mask."""
+def uncertainty(rt: "Runtime", device: int, mix: dict[str, float] | None = None) -> Uncertainty | None:
+    """The cost model's cross-validated error for an estimate on ``device``'s GPU; ``mix``: GPU
+    seconds per kind of work of the ops priced (the dominant kind narrows the figure)."""
+    dominant = max(mix, key=lambda k: mix[k]) if mix else None
+    return default_model().uncertainty(_device(rt, device).sheet, dominant)
+
+
+# --------------------------------------------------------------------------------- single ops
+def precision() -> Precision:
+    """The process's precision switches now: PyTorch's TF32 flags (ops carry their own dtype;
+    autocast has already cast them when they are dispatched)."""
+    return Precision(allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+                     allow_tf32_cudnn=bool(torch.backends.cudnn.allow_tf32))
+
+
+def _as_fp32(op: OpFeatures) -> OpFeatures:
+    """``op`` as it would run in fp32 (the database's measurements): a half-precision op moves
+    twice the bytes."""
+    if op.dtype not in _HALF:
+        return op
+    return replace(op, dtype="float32", nbytes=op.nbytes * 2)
+
+
+def _price(rt: "Runtime", device: int, op: OpFeatures) -> OpPrice:
+    if op.op_class is OpClass.FREE:
+        return _NOTHING
+    d = _device(rt, device)
+    model = default_model()
+    prec = precision()
+    gpu = model.op_seconds(op, d.sheet, prec)
+    host = model.host_seconds(op, d.sheet, prec)
+    ref_op = _as_fp32(op)
+    if ref_op is op and prec == FP32 and d.reference_sheet is d.sheet:
+        reference = gpu  # exactly as measured: the ratio is 1
+    else:
+        reference = model.op_seconds(ref_op, d.reference_sheet, FP32)
+    return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)))
+
+
+def op_price(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> OpPrice:
+    """What one aten op costs on ``device`` (:class:`OpPrice`), whether or not a whole-module
+    charge covers it. Views and metadata cost nothing."""
+    return _price(rt, device, classify(func, args, kwargs or {}, out))
+
+
+def op_seconds(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:
+    """GPU seconds of one aten op on ``device`` (0 inside a module/optimizer charge: covered)."""
+    engine = rt.engine
+    if engine is not None and engine.in_charged_scope:
+        return 0.0
+    return op_price(rt, func, args, kwargs, out, device).gpu
+
+
+def attention_price(rt: "Runtime", device: int, batch_heads: int, length: int, source: int, head_dim: int,
+                    value_dim: int, dtype: torch.dtype, causal: bool, backward: bool) -> OpPrice:
+    """One fused attention kernel (flash or memory-efficient) over ``batch_heads`` heads of
+    ``length`` queries and ``source`` keys: two matrix products forward, five backward (the
+    scores are recomputed); a causal mask skips half of the blocks."""
     flops = 2.0 * batch_heads * length * source * (head_dim + value_dim)
     if backward:
         flops *= 2.5
@@ -190,119 +266,9 @@ def attention_seconds(rt: "Runtime", device: int, batch_heads: int, length: int,
     nbytes = batch_heads * (length * head_dim + source * (head_dim + value_dim) + length * value_dim) * element
     if backward:
         nbytes *= 2
-    return roofline_seconds(flops, nbytes, rt.gpus[device], rt, half=dtype in _HALF)
-
-
-# --------------------------------------------------------------------------------- single ops
-def _tensor_bytes(x: Any, acc: list[int], half: list[bool]) -> None:
-    if isinstance(x, torch.Tensor):
-        acc[0] += x.numel() * x.element_size()
-        if x.dtype in _HALF:
-            half[0] = True
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            _tensor_bytes(y, acc, half)
-
-
-def op_seconds(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:
-    """Roofline GPU seconds of one aten op (0 inside a module/optimizer charge, or for views)."""
-    engine = rt.engine
-    if engine is not None and engine.in_charged_scope:
-        return 0.0
-    return _op_roofline(rt, rt.gpus[device], func, args, kwargs or {}, out)
-
-
-def _op_roofline(rt: "Runtime | None", spec: "GpuSpec", func: Any, args: tuple, kwargs: dict, out: Any) -> float:
-    if getattr(func, "is_view", False):
-        return 0.0
-    packet = getattr(func, "overloadpacket", func)
-    if getattr(packet, "__name__", "") in _FREE:
-        return 0.0
-    flops = 0
-    fn = flop_registry.get(packet)
-    if fn is not None:
-        try:
-            flops = fn(*args, **kwargs, out_val=out)
-        except Exception:  # an odd overload the formula does not cover: bytes only
-            flops = 0
-    acc, half = [0], [False]
-    _tensor_bytes(args, acc, half)
-    _tensor_bytes(out, acc, half)
-    return roofline_seconds(flops, acc[0], spec, rt, half=half[0])
-
-
-class _CostMode(torch.utils._python_dispatch.TorchDispatchMode):
-    """Sums the roofline of every op run under it (on meta tensors)."""
-
-    def __init__(self, rt: "Runtime | None", spec: "GpuSpec") -> None:
-        super().__init__()
-        self.rt, self.spec, self.total, self.ops = rt, spec, 0.0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        cost = _op_roofline(self.rt, self.spec, func, args, kwargs, out)
-        if cost > 0:  # views and metadata launch no kernel
-            self.total += cost
-            self.ops += 1
-        return out
-
-
-def estimate_module(rt: "Runtime", identity: ModelIdentity, module: torch.nn.Module, args: tuple,
-                    kwargs: dict | None, device: int) -> tuple[float, float]:
-    """Estimate (forward, backward) seconds of ``module(*args, **kwargs)`` by running it once on
-    the meta device under a per-op roofline; stored in ``identity.estimates`` for its batch size.
-
-    Replay calls this on its recording pass of an ``estimated`` module. Never raises: a module
-    that cannot run on meta keeps the parameter-count estimate.
-    """
-    batch = _batch_of(args, kwargs)
-    key_f, key_b = ("forward", batch, device), ("backward", batch, device)
-    if key_f in identity.estimates:
-        return identity.estimates[key_f], identity.estimates.get(key_b, 0.0)
-    spec = rt.gpus[device]
-
-    def meta(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
-        return x
-
-    try:
-        state = {n: torch.empty(tuple(p.shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
-                 for n, p in module.named_parameters()}
-        state.update({n: meta(b) for n, b in module.named_buffers()})
-        margs = torch.utils._pytree.tree_map(meta, args)
-        mkw = torch.utils._pytree.tree_map(meta, kwargs or {})
-        fwd = _CostMode(rt, spec)
-        with fwd:
-            out = torch.func.functional_call(module, state, margs, mkw)
-        leaves = [t for t in torch.utils._pytree.tree_leaves(out)
-                  if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-        inputs = [p for p in state.values() if isinstance(p, torch.Tensor) and p.requires_grad]
-        bwd = _CostMode(rt, spec)
-        if leaves and inputs:
-            with bwd:
-                torch.autograd.grad([t.sum() for t in leaves], inputs, allow_unused=True)
-        result = (fwd.total, bwd.total)
-    except Exception as exc:  # user modules may do anything; keep the crude estimate
-        rt.say_once(f"model {identity.class_name}: could not estimate per op ({type(exc).__name__}); "
-                    f"using a parameter-count estimate")
-        return (_model_seconds(rt, identity, batch, device, "forward")[0],
-                _model_seconds(rt, identity, batch, device, "backward")[0])
-    identity.estimates[key_f], identity.estimates[key_b] = result
-    identity.estimates[("forward-launch", batch, device)] = fwd.ops * LAUNCH_LATENCY
-    identity.estimates[("backward-launch", batch, device)] = bwd.ops * LAUNCH_LATENCY
-    memo = _st(rt).memo
-    memo.pop((identity, batch, device, "forward"), None)
-    memo.pop((identity, batch, device, "backward"), None)
-    return result
-
-
-def _batch_of(args: tuple, kwargs: dict | None) -> int:
-    for x in torch.utils._pytree.tree_leaves((args, kwargs or {})):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    return 1
+    name = "_scaled_dot_product_flash_attention" + ("_backward" if backward else "")
+    return _price(rt, device, OpFeatures(name, OpClass.ATTENTION, backward, flops, float(nbytes),
+                                         str(dtype).replace("torch.", "")))
 
 
 # --------------------------------------------------------------------------------- optimizer

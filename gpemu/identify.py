@@ -11,7 +11,8 @@ Order of evidence:
    recognised too: the count is compared as if the head had the dataset's 1000 classes.
    A wrapper module whose own structure matches nothing but which *contains* identified
    submodules is identified by them (outermost identified submodules own the time).
-3. **estimated** — nothing matches: time comes from a FLOP/byte roofline (``gpemu.costs``).
+3. **estimated** — nothing matches: time comes from the ops it runs, priced by the cost model
+   (``gpemu.costs``, ``gpemu.costmodel``).
 
 Results are cached per module object (weakly), so replay can ask on every call.
 """
@@ -48,7 +49,7 @@ class ModelIdentity:
     info: "ModelInfo | None" = None
     # Identified submodules of a wrapper: their times add up to the wrapper's.
     parts: tuple["ModelIdentity", ...] = ()
-    # Estimated models: per-(kind, batch, device) seconds filled by gpemu.costs.estimate_module.
+    # Models priced by their ops: per-(kind, batch, device) seconds of the calls that ran.
     estimates: dict[tuple[str, int, int], float] = field(default_factory=dict, repr=False)
     param_bytes: int = 0
 
@@ -134,7 +135,7 @@ def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool =
         return ModelIdentity(names, parts[0].source, cls, count, fp, None, parts=parts, param_bytes=nbytes)
     if count > 0 and not quiet:
         rt.say_once(f"model {cls} ({count:,} parameters) matches no dataset model: GPU time estimated "
-                    f"from FLOPs and bytes (set GPEMU_MODEL / gpemu.patch(model=...) to use a measured model)")
+                    f"from the ops it runs (set GPEMU_MODEL / gpemu.patch(model=...) to use a measured model)")
     return ModelIdentity(None, "estimated", cls, count, fp, None, param_bytes=nbytes)
 
 

@@ -132,7 +132,8 @@ class ModelTime:
         ident = identify(rt, module, quiet=level > 0)
         batch = _batch_size(args, kwargs)
         label = ident.label
-        by_ops = ident.name is None and not ident.parts  # priced by the ops it runs
+        times = costs.model_times(rt, ident, batch, dev)
+        by_ops = times is None  # priced by the ops it runs
         before = mem.allocated
         ends = _mark_backward_end(self, args, kwargs)
         if ends is not None:
@@ -153,13 +154,14 @@ class ModelTime:
                 fwd_s = ts.close_tap(tap)
                 self.local.open = was_open
                 self.local.level = level
+            fwd_s = tap.pass_seconds
             ident.estimates[("forward", batch, dev)] = fwd_s
+            _say_estimated(rt, ident, dev, tap.mix, quiet=level > 0)
             bwd_s = None  # measured when the backward runs
         else:
-            fwd_s, bwd_s = _model_times(rt, ident, batch, dev)
-            if engine is not None and fwd_s > 0:
-                # Issued when the call started (t0), not after the op-by-op forward's host time.
-                engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
+            # The database's time, carried to this GPU and precision by the ratio of the ops the
+            # forward dispatches (they run here anyway, uncharged: the measurement covers them).
+            tap = ts.open_tap()
             try:
                 with mem.peak_scope() as scope:
                     if engine is not None:
@@ -168,8 +170,15 @@ class ModelTime:
                     else:
                         out = orig_call(module, *args, **kwargs)
             finally:
+                ts.close_tap(tap)
                 self.local.open = was_open
                 self.local.level = level
+            ratio = _ratio(tap)
+            fwd_s, bwd_s = times.forward * ratio, times.backward * ratio
+            _say_measured(rt, ident, dev, times, ratio, "forward", quiet=level > 0)
+            if engine is not None and fwd_s > 0:
+                # Issued when the call started (t0), not after the op-by-op forward's host time.
+                engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
         fwd_peak = scope.peak
         peak = _profiled_peak(rt, ident, batch, dev)
         if peak is not None:
@@ -224,7 +233,7 @@ class ModelTime:
                 if record is not None and ok:
                     record.backward_pending = True
                 info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev,
-                                     ident if by_ops else None, batch)
+                                     ident if by_ops else None, batch, None if by_ops else (times, ident))
                 if ends is not None:
                     ends[2].info = info  # the backward window closes at the inputs' gradients
                 marked = _BackwardStart.apply(info, *grads)
@@ -244,11 +253,40 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
     return 1
 
 
-def _model_times(rt: "Runtime", ident: Any, batch: int, dev: int) -> tuple[float, float]:
-    """(forward, backward) seconds of an identified model from the profile database."""
-    fwd, _ = costs.forward_seconds(rt, ident, batch, dev)
-    bwd, _ = costs.backward_seconds(rt, ident, batch, dev)
-    return float(fwd), float(bwd)
+def _ratio(tap: Any) -> float:
+    """This GPU and precision over the database's conditions, for the ops ``tap`` saw (1 when
+    they ran as measured, or when nothing was priced)."""
+    ref = tap.reference_seconds
+    return tap.pass_seconds / ref if ref > 0 else 1.0
+
+
+def _say_measured(rt: "Runtime", ident: Any, dev: int, times: "costs.ModelTimes", ratio: float, kind: str,
+                  quiet: bool = False) -> None:
+    if quiet:
+        return
+    spec = rt.gpus[dev]
+    if ratio == 1.0 and times.gpu == spec.name:
+        rt.say_once(f"{ident.name} on {spec.short_name}: {kind} time from the profile database ({times.provenance})")
+        return
+    what = []
+    if times.gpu != spec.name:
+        what.append(f"{spec.short_name} vs {rt.db.gpu(times.gpu).short_name}")
+    prec = costs.precision()
+    if ratio != 1.0 and (torch.is_autocast_enabled("cuda") or prec.allow_tf32_matmul or not prec.allow_tf32_cudnn
+                         or times.gpu == spec.name):
+        what.append("this precision vs fp32")
+    rt.say_once(f"{ident.name} on {spec.short_name}: {kind} time scaled from the profile database's "
+                f"{rt.db.gpu(times.gpu).short_name} measurement ({times.provenance}) by the cost model's ratio "
+                f"for {' and '.join(what) or 'these ops'}: x{ratio:.3f} (provenance: scaled)")
+
+
+def _say_estimated(rt: "Runtime", ident: Any, dev: int, mix: dict[str, float], quiet: bool = False) -> None:
+    if quiet:
+        return
+    spec = rt.gpus[dev]
+    u = costs.uncertainty(rt, dev, mix)
+    rt.say_once(f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
+                f"by the cost model from the ops they run" + (f", {u} ({u.basis})" if u is not None else ""))
 
 
 def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | None:
@@ -291,12 +329,15 @@ def _params_reached(outputs: list) -> set[int]:
 # where the backward starts
 # ----------------------------------------------------------------------------------------------
 class _BackwardInfo:
-    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "close")
+    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "times", "close")
 
     def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float | None, label: str, dev: int,
-                 ident: Any = None, batch: int = 1) -> None:
+                 ident: Any = None, batch: int = 1, times: "tuple[costs.ModelTimes, Any] | None" = None) -> None:
         self.owner, self.rec, self.bwd_seconds, self.label, self.dev = owner, rec, bwd_seconds, label, dev
         self.ident, self.batch = ident, batch  # ident: priced by its ops (bwd_seconds None)
+        # A measured model: the database's times and its identity (bwd_seconds is their backward
+        # at the forward's ratio, until the backward's own ops give its ratio)
+        self.times = times
         self.close: Any = None  # ends the backward window (set when the backward starts)
 
 
@@ -328,11 +369,13 @@ class _BackwardStart(torch.autograd.Function):
         # By ops: the backward's ops are its price. Measured: what is charged besides the measured
         # time (a checkpointed block's recomputed forward) is part of this backward too.
         tap = ts.open_tap()
+        issued = None
         if engine is not None:
             engine.note_backward(info.dev)  # an iteration has a backward (see end_iteration)
             if not by_ops:
-                if info.bwd_seconds > 0:
-                    engine.stream(info.dev).enqueue(info.bwd_seconds, "backward", info.label)
+                # The database's backward time is charged when the window closes (its ratio is
+                # that of the ops the backward dispatched), issued now.
+                issued = engine.now()
                 engine.enter_charged()
         start = mem.allocated
         outer_peak = mem.peak_allocated
@@ -342,14 +385,22 @@ class _BackwardStart(torch.autograd.Function):
             rec = info.rec
             ts.close_tap(tap)
             if by_ops:
-                info.ident.estimates[("backward", info.batch, info.dev)] = tap.seconds
+                info.ident.estimates[("backward", info.batch, info.dev)] = tap.pass_seconds
                 if rec is not None:
-                    rec.bwd_seconds = tap.seconds
+                    rec.bwd_seconds = tap.pass_seconds
             else:
+                bwd = info.bwd_seconds
+                if info.times is not None:
+                    times, ident = info.times
+                    ratio = _ratio(tap)
+                    bwd = times.backward * ratio
+                    _say_measured(ts.rt, ident, info.dev, times, ratio, "backward")
                 if engine is not None:
                     engine.exit_charged()
+                    if bwd > 0:
+                        engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
                 if rec is not None:
-                    rec.bwd_seconds = info.bwd_seconds + tap.charged
+                    rec.bwd_seconds = bwd + tap.charged
             if rec is not None:
                 rec.bwd_extra = max(0, mem.peak_allocated - start)
                 rec.backward_pending = False

@@ -86,13 +86,40 @@ _FLOAT = _Float()
 class CostTap:
     """What :meth:`TensorState.cost_tap` yields: ``seconds``, the GPU time of the ops dispatched
     inside (each op's own cost, also where a whole-module charge covers it), and ``charged``, the
-    part of it that was charged on its own (outside any such cover)."""
+    part of it that was charged on its own (outside any such cover).
 
-    __slots__ = ("seconds", "charged")
+    It also runs the cost model's pass arithmetic over the same ops (:class:`gpemu.costs.OpPrice`):
+    ``pass_seconds``, the ops as one pass of a real program (each op issued after the host time
+    the calibration hosts took for it, the GPU running them in order: host and GPU overlapped),
+    and ``reference_seconds``, the same pass priced as the profile database measured (fp32 on the
+    device's reference GPU) — their ratio carries a measured model's time to this GPU and precision.
+    Work charged as a span (a replayed unit) counts as GPU time at both prices. ``mix``: GPU
+    seconds per kind of work of the priced ops (the cost model's uncertainty depends on it)."""
+
+    __slots__ = ("seconds", "charged", "mix", "_host", "_finish", "_finish_ref")
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.charged = 0.0
+        self.mix: dict[str, float] = {}
+        self._host = 0.0        # host issue time so far (the queue's host side)
+        self._finish = 0.0      # when the pass's GPU work ends, at this GPU and precision
+        self._finish_ref = 0.0  # the same at the reference price
+
+    def add(self, gpu: float, host: float, reference: float) -> None:
+        """One op of ``gpu`` kernel seconds, issued after ``host`` seconds of host work;
+        ``reference``: its kernel seconds at the reference price."""
+        self._host = h = self._host + host
+        self._finish = (h if h > self._finish else self._finish) + gpu
+        self._finish_ref = (h if h > self._finish_ref else self._finish_ref) + reference
+
+    @property
+    def pass_seconds(self) -> float:
+        return self._finish
+
+    @property
+    def reference_seconds(self) -> float:
+        return self._finish_ref
 
 
 class TensorState:
@@ -169,15 +196,16 @@ class TensorState:
         return _call_sig(args, emus)
 
     # -------------------------------------------------------------- charging
-    def charge(self, seconds: float, dev: int, name: str) -> None:
+    def charge(self, seconds: float, dev: int, name: str, price: Any = None) -> None:
         """Charge ``seconds`` of GPU work named ``name`` on ``dev``'s current stream, unless a
         whole-module or optimizer charge already covers it (fast paths that replay several ops as
-        one charge). Open cost taps of this thread count it."""
+        one charge). Open cost taps of this thread count it (``price``: its
+        :class:`gpemu.costs.OpPrice` when it is one op the cost model priced)."""
         if seconds > 0:
             engine = self.engine
             charged = engine is not None and not engine.in_charged_scope
             if self._taps:
-                self._tap(seconds, charged)
+                self._tap(seconds, charged, price)
             if charged:
                 engine.stream(dev).enqueue(seconds, "op", name)
 
@@ -188,7 +216,7 @@ class TensorState:
             engine = self.engine
             charged = engine is not None and not engine.in_charged_scope
             if self._taps:
-                self._tap(seconds, charged)
+                self._tap(seconds, charged, None)
             if charged:
                 engine.stream(dev).enqueue(seconds, kind, name, 0, at)
 
@@ -198,16 +226,20 @@ class TensorState:
             engine = self.engine
             charged = engine is not None and not engine.in_charged_scope
             if self._taps:
-                self._tap(cost, charged)
+                self._tap(cost, charged, entry.price)
             if charged:
                 engine.stream(dev).enqueue(cost, "op", entry.name)
 
-    def _tap(self, cost: float, charged: bool) -> None:
+    def _tap(self, cost: float, charged: bool, price: Any) -> None:
         if self._tap_owner == threading.get_ident():
+            host, reference = (price.host, price.reference) if price is not None else (0.0, cost)
             for tap in self._taps:
                 tap.seconds += cost
                 if charged:
                     tap.charged += cost
+                tap.add(cost, host, reference)
+                if price is not None:
+                    tap.mix[price.mix] = tap.mix.get(price.mix, 0.0) + cost
 
     def open_tap(self) -> CostTap:
         """Start summing the GPU time of the ops this thread charges from now on (they are still
@@ -583,13 +615,14 @@ _FROM_INPUTS, _RANDOM, _INDEPENDENT = 0, 1, 2
 
 
 class _Entry:
-    __slots__ = ("kind", "specs", "treespec", "cost", "name", "out_dev", "values")
+    __slots__ = ("kind", "specs", "treespec", "cost", "price", "name", "out_dev", "values")
 
     def __init__(self) -> None:
         self.kind = 0          # 0: one tensor, 1: list/tuple of tensors, 2: None, 3: other tree
         self.specs: list = []  # per output leaf: (shape, stride, offset, dtype, nbytes, alias, write)
         self.treespec: Any = None
-        self.cost = 0.0
+        self.cost = 0.0        # GPU seconds (price.gpu)
+        self.price: Any = None  # gpemu.costs.OpPrice (None: cost only)
         self.name = ""
         self.out_dev: int | None = None
         self.values = _FROM_INPUTS
@@ -759,7 +792,8 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
         entry.kind = 3
         entry.treespec = treespec
         out = tree_unflatten(out_leaves, treespec)
-    entry.cost = _op_cost(ts, func, margs, mkw, mout, dev)
+    entry.price = _op_price(ts, func, margs, mkw, mout, dev)
+    entry.cost = entry.price.gpu if entry.price is not None else 0.0
     if cacheable:
         if len(ts.cache) >= _CACHE_LIMIT:
             ts.cache.clear()
@@ -770,23 +804,17 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
     return out
 
 
-def _op_cost(ts: TensorState, func: Any, margs: Any, mkw: dict, mout: Any, dev: int) -> float:
-    """Estimated GPU seconds of one op (computed once per signature, then cached)."""
-    from .costs import op_seconds
+def _op_price(ts: TensorState, func: Any, margs: Any, mkw: dict, mout: Any, dev: int) -> Any:
+    """What one op costs (:class:`gpemu.costs.OpPrice`; computed once per signature, then cached),
+    None when nothing prices it."""
+    from .costs import op_price
 
-    engine = ts.engine
     try:
         # The cache needs the op's own cost, also inside a charged scope (where nothing is charged).
-        with engine.uncharged() if engine is not None else _nothing():
-            return float(op_seconds(ts.rt, func, margs, mkw, mout, dev))
+        return op_price(ts.rt, func, margs, mkw, mout, dev)
     except Exception as exc:  # a cost model gap must not break the user's op
         ts.say_once(f"no GPU-time estimate for {func} ({exc!r}); counted as 0")
-        return 0.0
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+        return None
 
 
 def _data_dependent(ts: TensorState, func: Any, args: tuple, kwargs: dict, margs: list, mkw: dict,

@@ -1,5 +1,5 @@
-"""Costs from the profile database (with provenance), roofline estimates, optimizer steps and
-the optimizer-step hooks (gpemu.optimizer_hooks)."""
+"""Costs from the profile database (with provenance), the cost model's op prices, optimizer steps
+and the optimizer-step hooks (gpemu.optimizer_hooks)."""
 
 from __future__ import annotations
 
@@ -87,45 +87,59 @@ def test_wrapper_time_is_the_sum_of_its_parts(rt):
     assert costs.forward_seconds(rt, ident, 32, 0) == (pytest.approx(a + b), "measured")
 
 
-def test_unknown_model_is_estimated_per_op_and_scales_with_batch(rt):
+def test_unknown_model_has_no_database_time(rt):
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 16 * 16, 10))
     ident = identify(rt, model)
-    crude, prov = costs.forward_seconds(rt, ident, 64, 0)
-    assert prov == "estimated" and crude > 0
-    fwd, bwd = costs.estimate_module(rt, ident, model, (torch.empty(64, 3, 16, 16),), {}, 0)
-    assert fwd > 0 and bwd > fwd  # backward does about twice the work
-    assert costs.forward_seconds(rt, ident, 64, 0) == (fwd, "estimated")
-    f128, _ = costs.forward_seconds(rt, ident, 128, 0)
-    launch = ident.estimates[("forward-launch", 64, 0)]
-    assert launch > 0 and f128 - launch == pytest.approx(2 * (fwd - launch))
+    assert costs.model_times(rt, ident, 64, 0) is None  # priced by the ops it runs
+    assert costs.forward_seconds(rt, ident, 64, 0) == (0.0, "estimated")
 
 
-def test_roofline_estimate_of_a_known_model_is_near_its_measurement(rt, db):
-    """The calibrated roofline lands within 2x of the real ResNet-50 on V100 (sanity, not accuracy)."""
-    with torch.device("meta"):
-        model = tvmodels.resnet50()
-    unknown = ModelIdentity(None, "estimated", "ResNet", 1, "x")
-    fwd, bwd = costs.estimate_module(rt, unknown, model, (torch.empty(64, 3, 224, 224, device="meta"),), {}, 0)
-    gpu = rt.gpus[0].name
-    real = db.lookup(gpu, "resnet50", 64, "forward").value + db.lookup(gpu, "resnet50", 64, "backward").value
-    assert 0.5 < (fwd + bwd) / real < 2.0
+def _mm(rt, a, b):
+    return costs.op_price(rt, torch.ops.aten.mm.default, (a, b), {}, torch.mm(a, b), 0)
 
 
-def test_op_seconds_roofline_and_charged_scope(rt):
+def test_op_price_follows_the_cost_model_precision_and_charged_scope(rt):
     a = torch.empty(4096, 4096, device="meta")
-    out = torch.mm(a, a)
-    mm = costs.op_seconds(rt, torch.ops.aten.mm.default, (a, a), {}, out, 0)
-    spec = rt.gpus[0]
-    flops = 2 * 4096 ** 3
-    assert mm == pytest.approx(flops / (spec.fp32_flops * costs.compute_efficiency(rt, spec)) + costs.LAUNCH_LATENCY)
-    add = costs.op_seconds(rt, torch.ops.aten.add.Tensor, (a, a), {}, out, 0)
-    assert add == pytest.approx(3 * a.nbytes / (spec.memory_bandwidth * costs.BANDWIDTH_EFFICIENCY)
-                                + costs.LAUNCH_LATENCY)
-    assert costs.op_seconds(rt, torch.ops.aten.view.default, (a, [-1]), {}, out.view(-1), 0) == 0.0
-    half = a.half()
-    assert costs.op_seconds(rt, torch.ops.aten.mm.default, (half, half), {}, half, 0) < mm / 4
-    with rt.engine.charged_scope():
-        assert costs.op_seconds(rt, torch.ops.aten.mm.default, (a, a), {}, out, 0) == 0.0
+    fp32 = _mm(rt, a, a)
+    # On a measured GPU in fp32 with PyTorch's default switches the op runs as measured.
+    assert fp32.gpu > 0 and fp32.reference == fp32.gpu and fp32.mix == "gemm" and fp32.host > 0
+    # A 4096^3 fp32 GEMM on a V100 (14 TFLOP/s FP32) takes at least its FLOPs at peak.
+    assert fp32.gpu > 2 * 4096 ** 3 / rt.gpus[0].fp32_flops
+    half = _mm(rt, a.half(), a.half())
+    # fp16 runs on the V100's tensor cores (112 TFLOP/s); its reference is the fp32 op as measured
+    assert half.gpu < fp32.gpu / 3 and half.reference == pytest.approx(fp32.gpu)
+    view = costs.op_price(rt, torch.ops.aten.view.default, (a, [-1]), {}, a.view(-1), 0)
+    assert view.gpu == view.host == view.reference == 0.0
+    assert costs.op_seconds(rt, torch.ops.aten.mm.default, (a, a), {}, torch.mm(a, a), 0) == fp32.gpu
+    with rt.engine.charged_scope():  # covered by a module's or optimizer's charge
+        assert costs.op_seconds(rt, torch.ops.aten.mm.default, (a, a), {}, torch.mm(a, a), 0) == 0.0
+
+
+def test_tf32_switch_moves_fp32_gemms_to_tensor_cores_on_ampere(db):
+    rt = make_rt(db, gpu="A100", clock=VirtualClock())
+    a = torch.empty(4096, 4096, device="meta")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        plain = _mm(rt, a, a)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        tf32 = _mm(rt, a, a)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+        rt.patcher.restore_all()
+    assert tf32.gpu < plain.gpu / 2  # 156 TFLOP/s TF32 tensor cores vs 19.5 FP32
+    assert tf32.reference == pytest.approx(plain.gpu)  # the database measured with the switch off
+
+
+def test_attention_price_halves_under_a_causal_mask(rt):
+    full = costs.attention_price(rt, 0, 96, 1024, 1024, 64, 64, torch.float16, False, False)
+    causal = costs.attention_price(rt, 0, 96, 1024, 1024, 64, 64, torch.float16, True, False)
+    backward = costs.attention_price(rt, 0, 96, 1024, 1024, 64, 64, torch.float16, False, True)
+    assert causal.gpu < full.gpu and backward.gpu > 1.5 * full.gpu and full.mix == "gemm"
+
+
+def test_measured_gpu_is_its_own_reference(rt):
+    assert costs.reference_gpu(rt, 0).name == rt.gpus[0].name
 
 
 def test_optimizer_step_estimate_counts_state_bytes(rt):

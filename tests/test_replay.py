@@ -165,7 +165,9 @@ def test_outermost_module_owns_forward_and_backward_time(rt):
     ident = identify(rt, model)
     forward, backward = ident.estimates[("forward", 4, 0)], ident.estimates[("backward", 4, 0)]
     assert fwd[0].end - fwd[0].start == pytest.approx(forward) and bwd[0].end - bwd[0].start == pytest.approx(backward)
-    assert forward + backward < recorded_ops  # (the loss's own ops are outside the module)
+    # A pass is its ops' kernels plus the host time a real host takes to issue them where the GPU
+    # waits for it (the cost model's queue): at least the module's kernels (most of what the
+    # recorded step charged; the loss's own ops are outside the module).
     assert forward + backward > 0.8 * recorded_ops
 
 
@@ -305,9 +307,11 @@ def test_unknown_models_run_once_and_are_priced_by_what_ran(rt):
 
     ident = identify(rt, model)
     short = ident.estimates[("forward", 2, 0)]
-    model(torch.zeros(2, 1024, 32, device="cuda")).sum().backward()  # another sequence length: recorded
+    model(torch.zeros(2, 4096, 32, device="cuda")).sum().backward()  # another sequence length: recorded
     long = ident.estimates[("forward", 2, 0)]
-    assert long > 4 * short  # 16x the tokens, quadratic attention-like products
+    # 64x the tokens, quadratic attention-like products (the short pass is mostly its host's
+    # issue time, the cost model's queue)
+    assert long > 4 * short
 
 
 def test_two_forwards_then_one_backward_charge_both_backwards(rt):
@@ -323,8 +327,9 @@ def test_two_forwards_then_one_backward_charge_both_backwards(rt):
 
     measured = identify(rt, model).estimates[("backward", 16, 0)]
     assert len(backward) == 1 and backward[0].end - backward[0].start == pytest.approx(measured)
-    # and the recording's own backward ops were charged as they ran
-    assert sum(s.end - s.start for s in rt.recorder.spans[before:] if s.kind == "op") >= measured
+    # and the recording's own backward ops were charged as they ran (their kernels: the pass
+    # adds the time a real host takes to issue them)
+    assert 0 < sum(s.end - s.start for s in rt.recorder.spans[before:] if s.kind == "op") <= measured
 
 
 def test_slices_of_one_tensor_are_the_same_call(rt):
