@@ -219,6 +219,7 @@ def test_fitted_model_reproduces_a_held_in_measurement(model):
     assert h100.uncertainty is not None and "±" in str(h100.uncertainty)
     assert h100.uncertainty.basis.startswith("leave-one-GPU-out")
     assert model.uncertainty("V100").basis.startswith("leave-one-model-out")
+    assert model.uncertainty("T4").basis.startswith("leave-one-GPU-out")  # Turing, but not the measured one
 
 
 def test_queue_overlaps_host_and_gpu_time():
@@ -239,7 +240,7 @@ def test_shipped_parameters_cover_the_measured_generations():
         assert {"conv_spatial.fwd", "conv_spatial.bwd", "conv1x1.fwd", "conv_strided.bwd", "norm.fwd", "elementwise.bwd"} <= set(g["curves"])
     assert doc["generations"]["ampere"]["curves"]["conv_spatial.fwd"]["path"] == "tensor"
     assert doc["generations"]["volta"]["curves"]["conv_spatial.fwd"]["path"] == "simt"
-    u = doc["uncertainty"]["measured_generation"]["overall"]
+    u = doc["uncertainty"]["measured_gpu"]["overall"]
     assert 0 < u["p50"] < u["p90"] < 1
     assert curve_key(conv_ops(8, 8, 1, k=3)[1]) == "conv_spatial.bwd"
     assert curve_key(conv_ops(8, 8, 1, k=1)[0]) == "conv1x1.fwd"

@@ -414,10 +414,14 @@ def uncertainty_block(data: FitData, full: dict[str, GenFit], lomo_pred: dict[st
         return {"basis": basis, "overall": {"p50": round(s["p50"], 3), "p90": round(s["p90"], 3), "n": s["n"]},
                 "by_mix": by_mix}
 
+    # The A100's leave-one-GPU-out case has no donor with tensor-core measurements, a gap no
+    # datasheet GPU has (they all take the A100's tensor-core curves): left out of their figure.
+    sheet_cases = {g: v["op model"] for g, v in logo_pred.items() if gpu_sheet(g).tf32_tensor_flops == 0}
     return {
-        "measured_generation": block(lomo_pred, "leave-one-model-out, fwd+bwd, 36 models x 6 GPUs x batch 16-256"),
-        "datasheet_gpu": block({g: v["op model"] for g, v in logo_pred.items()},
-                               "leave-one-GPU-out (op model), fwd+bwd, 36 models x 6 GPUs x batch 16-256"),
+        "measured_gpu": block(lomo_pred, f"leave-one-model-out, fwd+bwd, {len(data.names)} models x "
+                                         f"{len(lomo_pred)} GPUs x batch 16-256"),
+        "datasheet_gpu": block(sheet_cases, f"leave-one-GPU-out (op model), fwd+bwd, {len(data.names)} models x "
+                                            f"{len(sheet_cases)} GPUs (A100 left out) x batch 16-256"),
         "model_mix": {data.names[i]: m for i, m in mixes.items()},
     }
 
@@ -477,9 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = params_document(data, full, uncertainty_block(data, full, lomo_pred, logo_pred), db.meta())
     text = json.dumps(doc, indent=1, sort_keys=False) + "\n"
     u = doc["uncertainty"]
-    print(f"LOMO |error| p50 {u['measured_generation']['overall']['p50']:.1%} p90 "
-          f"{u['measured_generation']['overall']['p90']:.1%}; LOGO p50 {u['datasheet_gpu']['overall']['p50']:.1%} "
-          f"p90 {u['datasheet_gpu']['overall']['p90']:.1%}")
+    print(f"LOMO |error| p50 {u['measured_gpu']['overall']['p50']:.1%} p90 "
+          f"{u['measured_gpu']['overall']['p90']:.1%}; LOGO (A100 left out) p50 "
+          f"{u['datasheet_gpu']['overall']['p50']:.1%} p90 {u['datasheet_gpu']['overall']['p90']:.1%}")
     if args.check:
         try:
             same = open(args.out, encoding="utf-8").read() == text

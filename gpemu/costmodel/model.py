@@ -324,15 +324,16 @@ class CostModel:
     # ------------------------------------------------------------------ uncertainty
     def uncertainty(self, gpu: "str | GpuSheet | Any", mix: str | None = None) -> Uncertainty | None:
         """Cross-validated error of an estimate on ``gpu``: leave-one-model-out figures for a GPU
-        whose generation is calibrated, leave-one-GPU-out figures for a datasheet-only GPU;
+        whose curves were fitted on its own measurements, leave-one-GPU-out figures for any other
+        (a datasheet GPU, even of a calibrated generation: the T4 takes the RTX 6000's curves);
         ``mix`` (see :func:`dominant_mix`) narrows to models whose time is dominated by that kind
         of op when the fit recorded it."""
         u = self.params.get("uncertainty")
         if not u:
             return None
         sheet = gpu_sheet(gpu)
-        calibrated = sheet.generation in self.generations
-        block = u.get("measured_generation" if calibrated else "datasheet_gpu") or {}
+        measured = (self.params.get("generations", {}).get(sheet.generation, {}).get("gpu") == sheet.name)
+        block = u.get("measured_gpu" if measured else "datasheet_gpu") or {}
         entry = (block.get("by_mix") or {}).get(mix) if mix else None
         entry = entry or block.get("overall")
         if not entry:
