@@ -25,6 +25,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .costs import attention_price
 from .gpus import compute_capability
@@ -118,6 +119,35 @@ class _FusedAttention(torch.autograd.Function):
         return None, None, None, grads[0], grads[1], grads[2], mask_grad
 
 
+def _held(t: Any) -> EmuTensor | None:
+    """The emulated tensor a tensor subclass that holds tensors (a DTensor) holds, else None."""
+    if type(t) is EmuTensor:
+        return t
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return _held(getattr(t, attrs[0])) if attrs else None
+    return None
+
+
+def _fused_op(capability: tuple[int, int], q: Any, k: Any, v: Any, mask: Any, dropout_p: float, causal: bool,
+              scale: Any, orig: Callable) -> Any:
+    """SDPA over tensor subclasses that hold emulated tensors (DTensor): the fused aten op a GPU
+    picks, dispatched through the subclass (its sharding rules), so each shard runs that op on its
+    emulated tensors. The CPU build's choice for meta-backed inputs is the math composite, which a
+    DTensor cannot run (it builds a plain mask tensor)."""
+    kernel = choose_kernel(capability, q.dtype, q.shape[-1], v.shape[-1], mask is not None,
+                           q.shape[1] == k.shape[1] == v.shape[1] and q.dtype == k.dtype == v.dtype,
+                           (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                            torch.backends.cuda.math_sdp_enabled()))
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, bool(causal), scale=scale)[0]
+    if kernel == "efficient":
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, need_lse, dropout_p,
+                                                                      bool(causal), scale=scale)[0]
+    return orig(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
+
+
 def _make_sdpa(rt: "Runtime", orig: Callable) -> Callable:
     ts = rt.tensors
     capabilities = [compute_capability(spec) for spec in rt.gpus]
@@ -128,6 +158,11 @@ def _make_sdpa(rt: "Runtime", orig: Callable) -> Callable:
                                      enable_gqa: bool = False) -> Any:
         if not (type(query) is EmuTensor and type(key) is EmuTensor and type(value) is EmuTensor) \
                 or query.dim() < 3 or torch._C._len_torch_function_stack():
+            inner = _held(query)
+            if inner is not None and query.dim() == 4 and _held(key) is not None and _held(value) is not None \
+                    and not enable_gqa:
+                return _fused_op(capabilities[inner._dev], query, key, value, attn_mask, dropout_p, is_causal,
+                                 scale, orig)
             return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
         q, k, v = query, key, value

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, Precision, classify, default_model, gpu_sheet
 from .costmodel.gpus import DONORS
@@ -307,6 +308,9 @@ def optimizer_step_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, devi
 
 def _optimizer_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, params: list, device: int) -> tuple[float, str]:
     spec = rt.gpus[device]
+    # A sharded parameter (DTensor under FSDP2 / tensor parallelism) is updated shard by shard:
+    # each rank's step touches its local tensor only.
+    params = [_local(p) for p in params]
     count = sum(p.numel() for p in params)
     # A measured step for a dataset model with exactly these parameters wins.
     for ident in _identities_seen(rt):
@@ -329,6 +333,14 @@ def _optimizer_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, params: 
     rt.say_once(f"{type(optimizer).__name__} step on {spec.short_name}: time estimated from the "
                 f"{touched / 1e6:.0f} MB it reads and writes (no optimizer_step measurement)")
     return seconds, "estimated"
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``p``: a DTensor's local shard, else ``p``."""
+    to_local = getattr(p, "to_local", None)
+    if to_local is not None and is_traceable_wrapper_subclass(p):
+        return to_local()
+    return p
 
 
 def _identities_seen(rt: "Runtime") -> list[ModelIdentity]:

@@ -88,3 +88,34 @@ def test_requires_grad_true_on_a_computed_tensor_that_requires_grad():
             y.requires_grad_(False)  # as torch: only leaves can stop requiring grad
     finally:
         gpemu.unpatch()
+
+
+def test_dtensor_inputs_run_the_fused_kernel_shard_by_shard(tmp_path):
+    """Tensor parallelism: q/k/v are DTensors over emulated shards; SDPA dispatches the fused op a
+    GPU picks through DTensor's sharding rules (the CPU build's math composite would mix a plain
+    mask tensor with DTensors), and each shard's kernel is charged."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False) as rt:
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cuda", (1,))
+            names = {}
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(2, 8, 512, 64, device="cuda", dtype=dtype, requires_grad=True)
+                q = distribute_tensor(x, mesh, [Shard(1)])
+                first = len(rt.recorder.spans)
+                out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                assert isinstance(out, DTensor) and out.shape == (2, 8, 512, 64) and out.device.type == "cuda"
+                out.to_local().sum().backward()
+                torch.cuda.synchronize()
+                names[dtype] = {s.name.split(".")[0] for s in rt.recorder.spans[first:] if "attention" in s.name}
+        finally:
+            dist.destroy_process_group()
+    assert names[torch.bfloat16] == {"_scaled_dot_product_flash_attention",
+                                     "_scaled_dot_product_flash_attention_backward"}
+    assert names[torch.float32] == {"_scaled_dot_product_efficient_attention",
+                                    "_scaled_dot_product_efficient_attention_backward"}

@@ -177,3 +177,23 @@ def test_optimizer_hooks_scope_the_step_and_unpatch_removes_them(db):
     assert rt.recorder.spans == []  # CPU parameters: no GPU time, no iteration
     rt.patcher.restore_all()
     assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == before
+
+
+def test_optimizer_step_of_sharded_parameters_counts_the_local_shards(rt, tmp_path):
+    """FSDP2 / tensor parallelism: each rank's step updates its shard of a DTensor parameter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        # this rank's half of a parameter sharded over two ranks
+        half = nn.Parameter(DTensor.from_local(torch.empty(1_000_000), mesh, [Shard(0)], run_check=False,
+                                               shape=torch.Size([2_000_000]), stride=(1,)))
+        whole = nn.Parameter(torch.empty(1_000_000))
+        sharded = costs.optimizer_step_seconds(rt, torch.optim.Adam([half]), 0)
+        plain = costs.optimizer_step_seconds(rt, torch.optim.Adam([whole]), 0)
+    finally:
+        dist.destroy_process_group()
+    assert half.shape[0] == 2_000_000 and sharded == pytest.approx(plain)
