@@ -187,8 +187,8 @@ def before_predictions(data, db, gpus: list[str], use_cache: bool, progress) -> 
     import torch
 
     from examples import tvmodels
-    from gpemu.costmodel.dataset import load_arrays, save_arrays
-    from gpemu.costmodel.fit import EVAL_BATCHES
+    from gpemu.profiler.costdata import load_arrays, save_arrays
+    from gpemu.profiler.costfit import EVAL_BATCHES
 
     # The key of the run made while gpemu.costs still had the original (same arithmetic).
     key = "899f5c818085" if torch.__version__ == "2.13.0+cpu" else hashlib.sha1(
@@ -221,7 +221,7 @@ def before_predictions(data, db, gpus: list[str], use_cache: bool, progress) -> 
 
 # ------------------------------------------------------------------------------ report
 def worst_cases(title: str, data, preds: dict[str, np.ndarray], k: int = 10) -> None:
-    from gpemu.costmodel.fit import EVAL_BATCHES
+    from gpemu.profiler.costfit import EVAL_BATCHES
 
     cases = []
     for g, p in preds.items():
@@ -246,7 +246,7 @@ def short(gpu: str) -> str:
 
 def table(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.ndarray] | None,
           extra: dict[str, str] | None = None) -> None:
-    from gpemu.costmodel.fit import errors, summary
+    from gpemu.profiler.costfit import errors, summary
 
     print(f"\n== {title}")
     head = HEADER + ("   | before:" + HEADER[26 + 6:] if before else "")
@@ -276,7 +276,7 @@ def table(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.n
 
 
 def by_family(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.ndarray] | None) -> None:
-    from gpemu.costmodel.fit import errors, summary
+    from gpemu.profiler.costfit import errors, summary
 
     print(f"\n== {title}, by model family (all GPUs, batch 16-256)")
     print("   " + HEADER + ("   | before mean" if before else ""))
@@ -303,8 +303,8 @@ def main() -> int:
     import torch
 
     import gpemu
-    from gpemu.costmodel import fit as F
-    from gpemu.costmodel.dataset import cache_dir
+    from gpemu.profiler import costfit as F
+    from gpemu.profiler.costdata import cache_dir
     from gpemu.costmodel.model import CostModel
     from gpemu.db import open_profile_db
 

@@ -14,7 +14,12 @@ fp16 or bf16 (:mod:`.precision`).
 Modules: ``flops`` (FLOP formulas, grouped-conv backward corrected), ``classify`` (op class +
 features), ``record`` (a dispatch mode recording a module's ops on meta), ``table`` (many ops as
 arrays), ``curve`` (the time form), ``precision``, ``gpus`` (datasheets), ``model`` (the
-calibrated model), ``dataset`` / ``fit`` (calibration from the database; fit time only).
+calibrated model).
+
+It imports nothing else of gpemu (the bottom layer of ``.importlinter``'s core layers). Calibration
+is a tool's job: ``python -m gpemu.profiler.costfit`` (:mod:`gpemu.profiler.costfit`,
+:mod:`gpemu.profiler.costdata`) reads the profile database and the repository's example models
+and writes ``data/params.json``.
 """
 
 from __future__ import annotations

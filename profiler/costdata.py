@@ -1,12 +1,15 @@
-"""The calibration data: each database model's ops (recorded once, cached) and its measured times.
+"""The cost model's calibration data: each database model's ops (recorded once, cached) and its
+measured times. A tool (``gpemu.profiler``), not part of the pricing library ``gpemu.costmodel``.
 
-Used by the fit and the accuracy benchmark only, never on the pricing path. The op lists come
-from ``examples/tvmodels.py`` (plain-PyTorch copies of the 36 torchvision architectures), built
-on the meta device in train mode, input ``N x 3 x 224 x 224``, forward then backward of the sum of
-the outputs, recorded at two batch sizes and stored as :class:`~gpemu.costmodel.table.OpTable`
-(features affine in the batch size). Recording all 36 takes ~40 s on one core; the result is
-cached in ``$GPEMU_COSTMODEL_CACHE`` (default ``~/.cache/gpemu/costmodel``) under a key that changes
-whenever the recording code or torch changes.
+Used by the fit (:mod:`gpemu.profiler.costfit`) and the accuracy benchmark only, never on the
+pricing path. The op lists come from ``examples/tvmodels.py`` of the repository (plain-PyTorch
+copies of the 36 torchvision architectures; found through ``sys.path``, the working directory or
+this file's checkout), built on the meta device in train mode, input ``N x 3 x 224 x 224``,
+forward then backward of the sum of the outputs, recorded at two batch sizes and stored as
+:class:`~gpemu.costmodel.table.OpTable` (features affine in the batch size). Recording all 36
+takes ~40 s on one core; the result is cached in ``$GPEMU_COSTMODEL_CACHE`` (default
+``~/.cache/gpemu/costmodel``) under a key that changes whenever the recording code or torch
+changes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .table import OpTable, affine_table
+from gpemu.costmodel.table import OpTable, affine_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.db import ProfileDB
@@ -39,11 +42,17 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "gpemu" / "costmodel"
 
 
+def _library_dir() -> Path:
+    import gpemu.costmodel
+
+    return Path(gpemu.costmodel.__file__).resolve().parent
+
+
 def _cache_key() -> str:
     import torch
 
     h = hashlib.sha1(torch.__version__.encode())
-    here = Path(__file__).resolve().parent
+    here = _library_dir()
     for name in _SOURCES:
         h.update((here / name).read_bytes())
     h.update(inspect.getsource(record_model).encode() + repr(RECORD_BATCHES).encode())
@@ -51,12 +60,13 @@ def _cache_key() -> str:
 
 
 def code_key(*extra: str) -> str:
-    """A key that changes whenever any module of this package (or ``extra``) changes: results
-    cached under it (cross-validation predictions) are never stale."""
+    """A key that changes whenever any module of the cost model library, this module or the fit
+    (or ``extra``) changes: results cached under it (cross-validation predictions) are never stale."""
     import torch
 
     h = hashlib.sha1(torch.__version__.encode())
-    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+    here = Path(__file__).resolve().parent
+    for path in [*sorted(_library_dir().glob("*.py")), here / "costdata.py", here / "costfit.py"]:
         h.update(path.read_bytes())
     for e in extra:
         h.update(e.encode())
@@ -82,13 +92,16 @@ def save_arrays(name: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 def repo_models() -> dict[str, Callable[[], "object"]]:
-    """``examples.tvmodels.MODELS`` from the repository this package sits in (not installed)."""
+    """``examples.tvmodels.MODELS`` of the gpemu repository: importable as it is, or found in the
+    working directory or next to this file's checkout (``profiler/`` sits at the repository's
+    root). Raises ``ImportError`` outside a checkout: the installed package does not need it."""
     try:
         from examples import tvmodels  # type: ignore[import-not-found]
     except ImportError:
-        root = Path(__file__).resolve().parents[2]
-        if not (root / "examples" / "tvmodels.py").exists():
-            raise
+        roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
+        root = next((r for r in roots if (r / "examples" / "tvmodels.py").exists()), None)
+        if root is None:
+            raise ImportError("examples/tvmodels.py not found: run from a gpemu repository checkout") from None
         sys.path.insert(0, str(root))
         from examples import tvmodels  # type: ignore[import-not-found]
     return tvmodels.MODELS
@@ -99,7 +112,7 @@ def record_model(builder: Callable[[], "object"], batches: Sequence[int] = RECOR
     """Forward + backward ops of ``builder()`` (an ``nn.Module``) as an affine table."""
     import torch
 
-    from .record import record_step
+    from gpemu.costmodel.record import record_step
 
     with torch.device("meta"):
         module = builder()

@@ -1,7 +1,11 @@
-"""Fitting the efficiency curves to the profile database, and cross-validating them.
+"""Fitting the cost model's efficiency curves to the profile database, and cross-validating them.
 
-    python -m gpemu.costmodel.fit            # rewrite gpemu/costmodel/data/params.json
-    python -m gpemu.costmodel.fit --check    # fit and compare with the shipped file, write nothing
+A tool (``gpemu.profiler``): it reads the profile database (``gpemu.db``) and the repository's
+example models (:mod:`gpemu.profiler.costdata`); the library it calibrates, ``gpemu.costmodel``,
+reads only the file it writes.
+
+    python -m gpemu.profiler.costfit            # rewrite gpemu/costmodel/data/params.json
+    python -m gpemu.profiler.costfit --check    # fit and compare with the shipped file, write nothing
 
 Every measured forward (backward) time of (model, GPU, batch size) is modelled as the sum of its
 forward (backward) ops' times (:mod:`~gpemu.costmodel.curve`). For each measured GPU — one per
@@ -35,12 +39,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import curve as C
-from .classify import COMPUTE_CLASSES
-from .gpus import DONORS, MEASURED_GENERATION_GPU, GpuSheet, gpu_sheet
-from .model import INTENSITY_CLASSES, PARAMS_PATH, CostModel, dominant_mix, table_keys, work_and_shape
-from .precision import FP32, compute_peak
-from .table import CLASSES, OpTable, concat_tables
+from gpemu.costmodel import curve as C
+from gpemu.costmodel.classify import COMPUTE_CLASSES
+from gpemu.costmodel.gpus import DONORS, MEASURED_GENERATION_GPU, GpuSheet, gpu_sheet
+from gpemu.costmodel.model import INTENSITY_CLASSES, PARAMS_PATH, CostModel, dominant_mix, table_keys, work_and_shape
+from gpemu.costmodel.precision import FP32, compute_peak
+from gpemu.costmodel.table import CLASSES, OpTable, concat_tables
 
 __all__ = ["FIT_BATCHES", "EVAL_BATCHES", "FitData", "GenFit", "fit_generation", "fit_all", "params_document",
            "lomo", "logo", "errors", "summary", "main"]
@@ -71,7 +75,7 @@ class FitData:
     def build(cls, db: Any = None, progress: Callable[[str], None] | None = None) -> "FitData":
         """Record (or load cached) op tables and read the measurements (``db``: a ProfileDB;
         default: the configured one)."""
-        from .dataset import load_measurements, model_tables
+        from .costdata import load_measurements, model_tables
 
         if db is None:
             import gpemu
@@ -328,7 +332,7 @@ def lomo(data: FitData, full: dict[str, GenFit], progress: Callable[[str, str], 
     ``cache``: a key (e.g. the database's data version); results are kept per GPU under it and
     this package's source hash, so a rerun with the same code and data fits nothing again.
     """
-    from .dataset import code_key, load_arrays, save_arrays
+    from .costdata import code_key, load_arrays, save_arrays
 
     out = {}
     n = len(data.names)
@@ -444,7 +448,7 @@ def params_document(data: FitData, full: dict[str, GenFit], uncertainty: dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpemu.costmodel.fit", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m gpemu.profiler.costfit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(PARAMS_PATH), help="where to write the parameters (default: the shipped file)")
     ap.add_argument("--check", action="store_true", help="fit, print, and compare with the file instead of writing it")
     args = ap.parse_args(argv)
