@@ -36,15 +36,35 @@ def optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
     return None
 
 
+def _uncovered(engine: Any, closure: Any) -> Any:
+    """``closure`` run outside the optimizer step's charge (which covers the step's own ops)."""
+    def run_closure() -> Any:
+        engine.set_charged(False)
+        try:
+            return closure()
+        finally:
+            engine.set_charged(True)
+    return run_closure
+
+
 def install(rt: "Runtime") -> None:
     """Register the global step hooks for this run (removed by ``gpemu.unpatch()``)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     engine = rt.engine
 
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
         # The step's own ops are covered by one optimizer charge (no per-op time inside).
         engine.set_charged(True)
+        # A closure (Lightning's automatic optimization, LBFGS) runs the forward and backward
+        # inside step(): that is the program's own GPU work, charged as anywhere else.
+        if "closure" in kwargs:
+            closure = kwargs["closure"]
+            if callable(closure):
+                return args, {**kwargs, "closure": _uncovered(engine, closure)}
+        elif len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
+            return (args[0], _uncovered(engine, args[1]), *args[2:]), kwargs
+        return None
 
     def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         engine.set_charged(False)

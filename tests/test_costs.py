@@ -197,3 +197,31 @@ def test_optimizer_step_of_sharded_parameters_counts_the_local_shards(rt, tmp_pa
     finally:
         dist.destroy_process_group()
     assert half.shape[0] == 2_000_000 and sharded == pytest.approx(plain)
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_forward_and_backward_inside_an_optimizer_closure_are_charged(as_keyword):
+    """Lightning's automatic optimization and LBFGS run the forward and backward inside step()
+    (a closure): that work is charged as the program's own; only the update is the step's."""
+    import gpemu
+
+    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False) as rt:
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(32, 64, device="cuda")
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).sum()
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            opt.step(closure=closure) if as_keyword else opt.step(closure)
+        torch.cuda.synchronize()
+        busy = {}
+        for s in rt.recorder.spans:
+            busy[s.kind] = busy.get(s.kind, 0.0) + s.end - s.start
+        iterations = sum(1 for mark in rt.recorder.iterations if mark.device == 0)
+    assert busy.get("optimizer", 0) > 0 and iterations == 3
+    assert busy.get("forward", 0) + busy.get("backward", 0) + busy.get("op", 0) > 5 * busy["optimizer"]
