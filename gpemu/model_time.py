@@ -92,6 +92,9 @@ class ModelTime:
         self.local = threading.local()
         # Outermost calls run op by op: all of them, and those not recorded for a replay.
         self.stats = {"op_by_op": 0, "fallback": 0}
+        # Where each model's time comes from, per (model, device): the summary's "model time"
+        # (model, gpu, forward / backward provenance, uncertainty, how).
+        self.sources: dict[tuple[str, int], dict[str, Any]] = {}
         self.orig_call: Any = torch.nn.Module.__call__  # torch's own (set at install)
 
     def outermost(self) -> bool:
@@ -156,7 +159,7 @@ class ModelTime:
                 self.local.level = level
             fwd_s = tap.pass_seconds
             ident.estimates[("forward", batch, dev)] = fwd_s
-            _say_estimated(rt, ident, dev, tap.mix, quiet=level > 0)
+            _say_estimated(self, ident, dev, tap.mix, quiet=level > 0)
             bwd_s = None  # measured when the backward runs
         else:
             # The database's time, carried to this GPU and precision by the ratio of the ops the
@@ -175,7 +178,7 @@ class ModelTime:
                 self.local.level = level
             ratio = _ratio(tap)
             fwd_s, bwd_s = times.forward * ratio, times.backward * ratio
-            _say_measured(rt, ident, dev, times, ratio, "forward", quiet=level > 0)
+            _say_measured(self, ident, dev, times, ratio, "forward", tap.mix, quiet=level > 0)
             if engine is not None and fwd_s > 0:
                 # Issued when the call started (t0), not after the op-by-op forward's host time.
                 engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
@@ -260,31 +263,57 @@ def _ratio(tap: Any) -> float:
     return tap.pass_seconds / ref if ref > 0 else 1.0
 
 
-def _say_measured(rt: "Runtime", ident: Any, dev: int, times: "costs.ModelTimes", ratio: float, kind: str,
-                  quiet: bool = False) -> None:
+def _source(mt: ModelTime, name: str, dev: int) -> dict[str, Any]:
+    rt = mt.rt
+    return mt.sources.setdefault((name, dev), {"model": name, "gpu": rt.gpus[dev].short_name})
+
+
+def _say_measured(mt: ModelTime, ident: Any, dev: int, times: "costs.ModelTimes", ratio: float, kind: str,
+                  mix: dict[str, float], quiet: bool = False) -> None:
+    """Say (once) and keep where a measured model's ``kind`` time comes from."""
     if quiet:
         return
+    rt = mt.rt
     spec = rt.gpus[dev]
+    source = _source(mt, ident.name, dev)
     if ratio == 1.0 and times.gpu == spec.name:
+        source[kind] = times.provenance
         rt.say_once(f"{ident.name} on {spec.short_name}: {kind} time from the profile database ({times.provenance})")
         return
     what = []
-    if times.gpu != spec.name:
+    other_gpu = times.gpu != spec.name
+    if other_gpu:
         what.append(f"{spec.short_name} vs {rt.db.gpu(times.gpu).short_name}")
     prec = costs.precision()
     if ratio != 1.0 and (torch.is_autocast_enabled("cuda") or prec.allow_tf32_matmul or not prec.allow_tf32_cudnn
-                         or times.gpu == spec.name):
+                         or not other_gpu):
         what.append("this precision vs fp32")
+    # Carried to another GPU: the cost model's cross-GPU error applies; a precision ratio alone has
+    # no AMP measurements to check it against.
+    u = costs.uncertainty(rt, dev, mix) if other_gpu else None
+    source[kind] = "scaled"
+    source["scaled_for"] = " and ".join(
+        (["precision"] if "this precision vs fp32" in what else []) + ([f"GPU, from {rt.db.gpu(times.gpu).short_name}"]
+                                                                      if other_gpu else []))
+    if u is not None:
+        source["uncertainty"] = str(u)
     rt.say_once(f"{ident.name} on {spec.short_name}: {kind} time scaled from the profile database's "
                 f"{rt.db.gpu(times.gpu).short_name} measurement ({times.provenance}) by the cost model's ratio "
-                f"for {' and '.join(what) or 'these ops'}: x{ratio:.3f} (provenance: scaled)")
+                f"for {' and '.join(what) or 'these ops'}: x{ratio:.3f} (provenance: scaled"
+                + (f", {u}" if u is not None else ", a ratio no measurement checks") + ")")
 
 
-def _say_estimated(rt: "Runtime", ident: Any, dev: int, mix: dict[str, float], quiet: bool = False) -> None:
+def _say_estimated(mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], quiet: bool = False) -> None:
+    """Say (once) and keep that a model is priced by the ops it runs, with the cost model's error."""
     if quiet:
         return
+    rt = mt.rt
     spec = rt.gpus[dev]
     u = costs.uncertainty(rt, dev, mix)
+    source = _source(mt, ident.name or ident.class_name, dev)
+    source["forward"] = source["backward"] = "estimated"
+    if u is not None:
+        source["uncertainty"] = str(u)
     rt.say_once(f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
                 f"by the cost model from the ops they run" + (f", {u} ({u.basis})" if u is not None else ""))
 
@@ -394,7 +423,7 @@ class _BackwardStart(torch.autograd.Function):
                     times, ident = info.times
                     ratio = _ratio(tap)
                     bwd = times.backward * ratio
-                    _say_measured(ts.rt, ident, info.dev, times, ratio, "backward")
+                    _say_measured(info.owner, ident, info.dev, times, ratio, "backward", tap.mix)
                 if engine is not None:
                     engine.exit_charged()
                     if bwd > 0:

@@ -106,6 +106,7 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
             "ended_us": _us(records.ended_at, records.started_at),
             "counters": dict(records.counters),
             "notes": list(records.notes),
+            "models": list(records.models),
             "memory_stats": list(records.memory_stats),
             "summary": json_safe(summary),
         },
@@ -142,7 +143,8 @@ def load_trace(path: str | os.PathLike[str]) -> Any:
     rec = RunRecords(gpus=[str(g) for g in gpus], counters=dict(other.get("counters") or {}),
                      notes=list(other.get("notes") or []), started_at=0.0,
                      ended_at=float(other.get("ended_us") or 0.0) / 1e6,
-                     memory_stats=list(other.get("memory_stats") or []), config=str(other.get("config") or ""))
+                     memory_stats=list(other.get("memory_stats") or []), config=str(other.get("config") or ""),
+                     models=[m for m in other.get("models") or [] if isinstance(m, dict) and "model" in m])
     try:
         for e in doc["traceEvents"]:
             ph, cat = e.get("ph"), e.get("cat")

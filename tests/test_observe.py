@@ -260,3 +260,32 @@ def test_finish_respects_no_summary_and_skips_processes_without_work(tmp_path, c
     assert "gpemu summary" not in err and "metrics written" in err
     assert json.loads(metrics.read_text())["devices"][0]["whole"]["busy_s"] == pytest.approx(s["devices"][0]["whole"]["busy_s"])
     assert trace.exists()
+
+
+def test_summary_says_where_each_models_time_came_from(tmp_path):
+    """The summary's "model time" line and the metrics' models: a measured model run under bf16
+    autocast is scaled for precision (no measurement checks that ratio: no ±); a model the
+    database does not know is estimated with the cost model's cross-validated ±."""
+    from examples import tvmodels
+    from gpemu import trace
+
+    with torch.device("meta"):
+        net = tvmodels.resnet18()
+    net = net.to_empty(device="cpu")
+    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False) as rt:
+        measured = net.cuda()
+        unknown = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            measured(torch.empty(8, 3, 224, 224).cuda()).float().sum().backward()
+        unknown(torch.randn(16, 64).cuda()).sum().backward()
+        records = observe.records_from_runtime(rt)
+    summary = compute_summary(records)
+    by_model = {m["model"]: m for m in summary["models"]}
+    assert by_model["resnet18"]["forward"] == by_model["resnet18"]["backward"] == "scaled"
+    assert by_model["resnet18"]["scaled_for"] == "precision" and "uncertainty" not in by_model["resnet18"]
+    assert by_model["Sequential"]["forward"] == "estimated" and by_model["Sequential"]["uncertainty"].startswith("±")
+    text = format_summary(summary)
+    assert "model time" in text and "resnet18 on A100: scaled (precision)" in text and "Sequential on A100: estimated ±" in text
+    # a trace keeps them for `gpemu report`
+    path = trace.write_trace(records, tmp_path / "trace.json")
+    assert trace.load_trace(path).models == records.models
