@@ -1,6 +1,7 @@
-"""accelerate on 2 processes with fp16 mixed precision and a shuffled DataLoader.
+"""accelerate with fp16 mixed precision and a shuffled DataLoader, on 2 processes or on one.
 
     accelerate launch --multi_gpu --num_processes 2 --mixed_precision fp16 accelerate_fp16.py --steps 4
+    ACCELERATE_MIXED_PRECISION=fp16 python accelerate_fp16.py --processes 1 --steps 4
 
 The optimizer is built before prepare() moves the model (accelerate's own order). Each process
 gets its shard of one shuffled order (accelerate broadcasts the main process's generator state),
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=2, help="how many processes the launcher started")
     args = parser.parse_args()
     accelerator = Accelerator()
     model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 10))
@@ -32,7 +34,7 @@ def main() -> None:
     data = TensorDataset(torch.randn(n, 128), torch.randint(0, 10, (n,)), torch.arange(n))
     loader = DataLoader(data, batch_size=32, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    assert accelerator.mixed_precision == "fp16" and accelerator.num_processes == 2
+    assert accelerator.mixed_precision == "fp16" and accelerator.num_processes == args.processes
     times, steps, seen = [], 0, []
     model.train()
     for x, y, index in loader:

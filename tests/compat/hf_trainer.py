@@ -2,8 +2,9 @@
 
     HF_HUB_OFFLINE=1 torchrun --nproc-per-node 2 hf_trainer.py --model gpt2 --steps 4
     HF_HUB_OFFLINE=1 torchrun --nproc-per-node 2 hf_trainer.py --model bert --steps 4
+    HF_HUB_OFFLINE=1 python hf_trainer.py --model gpt2,bert --steps 4        # one GPU, both models
 
-Prints, on rank 0, "hf-<model>: trained <N> steps, <X> ms/step".
+Prints, on rank 0, "hf-<model>: trained <N> steps, <X> ms/step" per model.
 """
 
 from __future__ import annotations
@@ -50,11 +51,19 @@ class StepTimer(TrainerCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
+    parser.add_argument("--model", default="gpt2", help="gpt2, bert or both (gpt2,bert)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--fp16", action="store_true")
     args = parser.parse_args()
-    if args.model == "gpt2":
+    models = args.model.split(",")
+    if not models or any(m not in ("gpt2", "bert") for m in models):
+        parser.error(f"--model must be gpt2, bert or gpt2,bert; got {args.model!r}")
+    for name in models:
+        train(name, args.steps, args.fp16)
+
+
+def train(name: str, steps: int, fp16: bool) -> None:
+    if name == "gpt2":
         config = GPT2Config(vocab_size=1024, n_positions=128, n_embd=128, n_layer=2, n_head=4)
         model = GPT2LMHeadModel(config)
     else:
@@ -63,15 +72,15 @@ def main() -> None:
         model = BertForMaskedLM(config)
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
-        training = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=args.steps,
+        training = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=steps,
                                      learning_rate=1e-4, logging_steps=2, save_strategy="no", report_to=[],
-                                     fp16=args.fp16, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=training, train_dataset=Tokens(8 * 2 * args.steps, 64, 1024),
+                                     fp16=fp16, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=training, train_dataset=Tokens(8 * 2 * steps, 64, 1024),
                           callbacks=[timer])
         result = trainer.train()
     if trainer.is_world_process_zero():
         steady = timer.times[1:] or timer.times
-        line = f"hf-{args.model}: trained {result.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
+        line = f"hf-{name}: trained {result.global_step} steps, {1000 * sum(steady) / len(steady):.2f} ms/step\n"
         sys.stdout.write(line)  # in one write: other ranks' output shares the stream
         sys.stdout.flush()
 

@@ -1,9 +1,10 @@
-"""Lightning multi-GPU: Trainer(accelerator="gpu", devices=2, strategy="ddp") on a small model.
+"""Lightning: Trainer(accelerator="gpu", devices=2, strategy="ddp") on a small model, or one GPU.
 
     python lightning_ddp.py --steps 4
+    python lightning_ddp.py --devices 1 --steps 4      # strategy "auto": one GPU, one process
 
-Lightning starts the second rank itself (it re-runs this script). Prints, on rank 0,
-"lightning: trained <N> steps, <X> ms/step".
+With two devices Lightning starts the second rank itself (it re-runs this script). Prints, on
+rank 0, "lightning: trained <N> steps, <X> ms/step".
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ class StepTimer(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     data = TensorDataset(torch.randn(64 * 2 * args.steps, 128), torch.randint(0, 10, (64 * 2 * args.steps,)))
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="gpu", devices=2, strategy="ddp", max_steps=args.steps, callbacks=[timer],
+    trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+                        max_steps=args.steps, callbacks=[timer],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Classifier(), DataLoader(data, batch_size=64, shuffle=True))

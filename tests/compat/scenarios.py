@@ -29,7 +29,8 @@ RESULT_LINE = re.compile(r"^(?P<case>[\w.-]+): trained (?P<steps>\d+) steps, (?P
 # What the notes say about where the model's time comes from (docs/time.md, "What work costs").
 MEASURED_NOTE = re.compile(
     r"(forward|backward) time from the profile database \((measured|interpolated|extrapolated)\)")
-ESTIMATED_NOTE = re.compile(r"estimated")
+SCALED_NOTE = re.compile(r"(forward|backward) time scaled from the profile database")
+ESTIMATED_NOTE = re.compile(r"time estimated by the cost model")  # model time only (an optimizer note says "estimated" too)
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,13 @@ class Scenario:
     world: int = 1                   # processes (ranks); each writes its own metrics file
     gpu: str = "A100"
     gpus: int = 1                    # emulated GPUs per process
-    provenance: str = "estimated"    # "estimated" | "measured": the model's forward/backward time
+    # where the models' forward/backward time comes from: "estimated" | "measured" | "scaled", or
+    # several joined by "+" when the command trains several models (in provenance order)
+    provenance: str = "estimated"
     comm: bool = False               # GPU communication expected (comm busy time > 0 on every rank)
     env: dict[str, str] = field(default_factory=dict)
     suite: bool = True               # run by the test suite (False: the matrix only)
     matrix: bool = True              # a row group of benchmarks/compat_matrix.py (False: the suite only)
-    owner: str = "distributed"       # which test file runs it ("distributed" | "single")
     timeout: int = 300
 
     @property
@@ -109,6 +111,41 @@ SCENARIOS: tuple[Scenario, ...] = (
                                                               "batch 32, 112 px", 3),),
              args=("--arch", "resnet18", "--batch-size", "32", "--image-size", "112", "--steps", "3"), gpu="V100",
              gpus=4, provenance="measured"),
+)
+
+
+_SINGLE = (
+    ("optimizer-first", "optimizer built before model.to('cuda'), LambdaLR, EMA copy"),
+    ("amp-fp16", "autocast fp16 + GradScaler (GPT-style, SDPA)"),
+    ("amp-bf16", "autocast bf16, TF32 allowed"),
+    ("checkpoint", "activation checkpointing, use_reentrant=False"),
+    ("checkpoint-reentrant", "activation checkpointing, use_reentrant=True"),
+    ("sliced-inputs", "LSTM LM on source[i:i+35] slices (word_language_model)"),
+    ("transformer-mask", "nn.TransformerEncoder, cached causal + padding masks, device-value branch"),
+    ("sdpa", "scaled_dot_product_attention, sequence 1024"),
+)
+SCENARIOS += (
+    # every single-GPU pattern in one process for the suite; one command each for the matrix rows
+    Scenario("single-gpu", "single_gpu.py", tuple(Case(n, c, 3) for n, c in _SINGLE) + (
+        Case("amp-resnet18", "ResNet-18 (measured) under autocast bf16", 3),),
+        args=("--cases", ",".join([n for n, _ in _SINGLE] + ["amp-resnet18"]), "--steps", "3"),
+        provenance="scaled+estimated", matrix=False),
+    *(Scenario(n, "single_gpu.py", (Case(n, c, 5),), args=("--cases", n, "--steps", "5"), suite=False)
+      for n, c in _SINGLE),
+    Scenario("amp-resnet18", "single_gpu.py", (Case("amp-resnet18", "ResNet-18 (measured) under autocast bf16", 5),),
+             args=("--cases", "amp-resnet18", "--steps", "5"), provenance="scaled", suite=False),
+    Scenario("hf-trainer-1gpu", "hf_trainer.py", (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, 1 GPU", 4),
+                                                  Case("hf-bert", "HF Trainer, BERT tiny config, 1 GPU", 4)),
+             args=("--model", "gpt2,bert", "--steps", "4"), env=_OFFLINE, matrix=False),
+    Scenario("hf-gpt2-1gpu", "hf_trainer.py", (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, 1 GPU", 5),),
+             args=("--model", "gpt2", "--steps", "5"), env=_OFFLINE, suite=False),
+    Scenario("hf-bert-1gpu", "hf_trainer.py", (Case("hf-bert", "HF Trainer, BERT tiny config, 1 GPU", 5),),
+             args=("--model", "bert", "--steps", "5"), env=_OFFLINE, suite=False),
+    Scenario("accelerate-1proc", "accelerate_fp16.py", (Case("accelerate", "accelerate, 1 process, fp16, shuffled "
+                                                             "DataLoader", 4),),
+             args=("--processes", "1", "--steps", "4"), env={"ACCELERATE_MIXED_PRECISION": "fp16"}, suite=False),
+    Scenario("lightning-1gpu", "lightning_ddp.py", (Case("lightning", "Lightning, 1 GPU (strategy auto)", 4),),
+             args=("--devices", "1", "--steps", "4"), suite=False),
 )
 
 
@@ -190,12 +227,11 @@ class Result:
         return best
 
     def provenance(self) -> str:
+        """Where the models' time came from, as the run's notes say ("+"-joined when several)."""
         notes = [n for m in self.metrics for n in m.get("notes", [])]
-        if any(MEASURED_NOTE.search(n) for n in notes):
-            return "measured"
-        if any(ESTIMATED_NOTE.search(n) for n in notes):
-            return "estimated"
-        return "unknown"
+        found = [name for name, pattern in (("measured", MEASURED_NOTE), ("scaled", SCALED_NOTE),
+                                            ("estimated", ESTIMATED_NOTE)) if any(pattern.search(n) for n in notes)]
+        return "+".join(found) or "unknown"
 
 
 def run(s: Scenario, workdir: Path, python: str = sys.executable) -> Result:
