@@ -14,6 +14,7 @@ database (``.importlinter``); this module sits above it and gpemu.db, below gpem
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -21,7 +22,6 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .costmodel import CostModel, GpuSheet, default_model
 from .costmodel.curve import Curve
-from .costmodel.model import _Resolved
 from .db.op_measurements import OpCurveRow, read_curves
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,12 +44,13 @@ class CalibratedModel(CostModel):
         self.gpu_name = gpu.name
         self.calibrated = dict(curves)
 
-    def resolve(self, gpu: GpuSheet, key: str, path: str) -> _Resolved:
-        if gpu.name == self.gpu_name:
-            c = self.calibrated.get((key, path))
-            if c is not None:
-                return _Resolved(c, f"calibrated:{gpu.name}")
-        return super().resolve(gpu, key, path)
+    def resolve(self, gpu: GpuSheet, key: str, path: str) -> Any:
+        found = super().resolve(gpu, key, path)
+        c = self.calibrated.get((key, path)) if gpu.name == self.gpu_name else None
+        if c is None:
+            return found
+        # The base answer with this GPU's curve in it (its type stays the cost model's own).
+        return dataclasses.replace(found, curve=c, generation=f"calibrated:{gpu.name}")
 
 
 def curves_of(rows: Iterable[OpCurveRow]) -> dict[tuple[str, str], Curve]:

@@ -240,9 +240,15 @@ def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick:
     from .store import ProfileStore
 
     classes = parse_classes(op_classes)
-    dev = resolve_device(device)  # no GPU: one line saying so, before any database work
-    if dev.type != "cuda":
+    # No GPU: one line saying so, before any database work (resolve_device's own message offers
+    # --device cpu, which --ops has no use for).
+    if device.strip().lower() == "cpu":
         raise UserError("--ops times CUDA kernels with CUDA events and needs a GPU; --device cpu is for models only")
+    if not torch.cuda.is_available():
+        build = "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
+        raise UserError(f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
+                        "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)")
+    dev = resolve_device(device)
     if quick:
         warmup, iterations = min(warmup, 1), min(iterations, 5)
     name = None if gpu_name.strip().lower() == "auto" else gpu_name.strip()
