@@ -188,3 +188,17 @@ def test_cli_help_and_usage_errors() -> None:
     assert r.exit_code == 2 and "separately" in r.output
     r = CliRunner().invoke(profile, ["--quick", "--model", "resnet18"])
     assert r.exit_code == 2 and "go with --ops" in r.output
+
+
+def test_calibration_survives_a_rebuild_of_the_default_database(tmp_path: Path) -> None:
+    from gpemu.db.build import ensure_default_db, make_engine, sqlite_url
+
+    path = ensure_default_db(tmp_path)
+    engine = make_engine(sqlite_url(path))
+    row = OpCurveRow("norm.fwd", "memory", 0.5, 2000.0, 0.9, 0.0, 1e-5, 6, 0.01)
+    write_curves(engine, "Tesla V100-PCIE-32GB", [row])
+    engine.dispose()
+    ensure_default_db(tmp_path, force=True)  # what new shipped data or a schema change does
+    engine = make_engine(sqlite_url(path))
+    assert read_curves(engine, "Tesla V100-PCIE-32GB") == [row]
+    engine.dispose()
