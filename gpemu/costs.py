@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .calibration import model_for
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, Precision, classify, default_model, gpu_sheet
 from .costmodel.gpus import DONORS
 from .costmodel.model import Uncertainty, dominant_mix_of
@@ -227,7 +228,7 @@ def _price(rt: "Runtime", device: int, op: OpFeatures) -> OpPrice:
     if op.op_class is OpClass.FREE:
         return _NOTHING
     d = _device(rt, device)
-    model = default_model()
+    model = model_for(rt.db, d.sheet)  # the shipped model, or this GPU's own (gpemu profile --ops)
     prec = precision()
     gpu = model.op_seconds(op, d.sheet, prec)
     host = model.host_seconds(op, d.sheet, prec)

@@ -62,10 +62,22 @@ def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None
               help="After profiling, write this GPU's measurements to FILE (FILE.json, or a directory of CSV files; "
                    "the `gpemu db export` format). Alone: the whole database, or --gpu-name's GPU.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (log lines only).")
+@click.option("--ops", "ops_mode", is_flag=True,
+              help="Instead of models: time single kernels of every op class (matrix multiply, convolutions, "
+                   "normalisation, elementwise, ...) over a range of sizes and fit this GPU's curves for the "
+                   "cost model, which then prices unmeasured models on this GPU from them. Needs a CUDA GPU.")
+@click.option("--classes", "op_classes", multiple=True, metavar="NAMES",
+              help="With --ops: only these op classes (repeatable or comma-separated): gemm, conv1x1, "
+                   "conv_spatial, conv_strided, conv_grouped, conv_depthwise, norm, elementwise, reduction, "
+                   "pooling, copy; or the groups conv, compute, memory, all [all].")
+@click.option("--quick", is_flag=True,
+              help="With --ops: about five sizes per op class, 1 warm-up and at most 5 samples per kernel "
+                   "(a minute or less on a GPU; a coarser fit).")
 def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: str, max_batch_size: int,
             input_shape: str | None, input_dtype: str, num_classes: int | None, warmup: int, iterations: int,
             optimizer: str, memory_limit: int | None, ddp_world_sizes: str, ddp_batch_sizes: str | None,
-            db_url: str | None, resume: bool, export_path: str | None, no_progress: bool) -> None:
+            db_url: str | None, resume: bool, export_path: str | None, no_progress: bool,
+            ops_mode: bool = False, op_classes: tuple[str, ...] = (), quick: bool = False) -> None:
     """Measure models on this machine's GPU into the profile database.
 
     \b
@@ -78,12 +90,27 @@ def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: st
       gpemu profile --model resnet50 --batch-sizes 1-16,32,64,128,256
       gpemu profile --model net=mypkg.models:build_net --input-shape 3,32,32 --num-classes 10
       gpemu profile --device cpu --model mypkg.models:tiny --batch-sizes 1,2,4 --db sqlite:///p.sqlite
+
+    \b
+    Calibrating the op-level cost model on this GPU (--ops): every op class's kernels are timed
+    with CUDA events (--warmup launches first, median of --iterations samples) and a curve per
+    op class is fitted and stored; emulating this GPU then prices ops with it.
+      gpemu profile --ops                       # the whole sweep (minutes)
+      gpemu profile --ops --quick --classes gemm,conv
     """
     from rich.console import Console
 
     from gpemu.cli import UserError
 
     err_console = Console(stderr=True)
+
+    if ops_mode:
+        if models:
+            raise click.UsageError("--ops times single kernels, not models: run --model and --ops separately")
+        _profile_ops(device, gpu_name, op_classes, quick, warmup, iterations, db_url, no_progress, err_console)
+        return
+    if op_classes or quick:
+        raise click.UsageError("--classes and --quick go with --ops")
 
     if not models and not export_path:
         raise click.UsageError("nothing to do: give at least one --model to profile, or --export FILE")
@@ -200,3 +227,71 @@ def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore
 
         return profile_models(store, opts, progress=advance, set_total=set_total,
                               log=lambda msg: bar.console.print(msg, highlight=False))
+
+
+def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick: bool, warmup: int,
+                 iterations: int, db_url: str | None, no_progress: bool, console) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from gpemu.cli import UserError
+
+    from .device import resolve_device
+    from .ops import parse_classes, profile_ops
+    from .store import ProfileStore
+
+    classes = parse_classes(op_classes)
+    # No GPU: one line saying so, before any database work (resolve_device's own message offers
+    # --device cpu, which --ops has no use for).
+    if device.strip().lower() == "cpu":
+        raise UserError("--ops times CUDA kernels with CUDA events and needs a GPU; --device cpu is for models only")
+    if not torch.cuda.is_available():
+        build = "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
+        raise UserError(f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
+                        "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)")
+    dev = resolve_device(device)
+    if quick:
+        warmup, iterations = min(warmup, 1), min(iterations, 5)
+    name = None if gpu_name.strip().lower() == "auto" else gpu_name.strip()
+    debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
+    store = ProfileStore.open(db_url)
+    try:
+        def log(msg: str) -> None:
+            console.print(msg, highlight=False)
+
+        if no_progress:
+            report = profile_ops(store, dev, name, classes, quick, warmup, iterations, log=log)
+        else:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=console) as bar:
+                task = bar.add_task("kernels", total=None)
+                report = profile_ops(store, dev, name, classes, quick, warmup, iterations,
+                                     progress=lambda key: bar.update(task, description=key, advance=1),
+                                     set_total=lambda n: bar.update(task, total=n),
+                                     log=lambda m: bar.console.print(m, highlight=False))
+    except torch.OutOfMemoryError as exc:
+        raise UserError(f"out of memory while timing kernels: {exc}; try --quick or fewer --classes") from None
+    except RuntimeError as exc:  # a CUDA error: one line unless --debug
+        if debug:
+            raise
+        raise UserError(f"op profiling failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    finally:
+        store.close()
+    for note in report.notes:
+        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+    if report.uncovered:
+        console.print(f"[yellow]note[/yellow]: {len(report.uncovered)} kernel(s) may include launch gaps "
+                      f"(the host could not queue ahead of the GPU), e.g. {report.uncovered[0]}", highlight=False)
+    from rich.table import Table
+
+    table = Table(title=f"op curves of {report.gpu}", title_justify="left")
+    # Short headers: the curve names must stay whole in an 80-column terminal.
+    for col in ("curve", "path", "kernels", "e", "x0 /SM", "p", "rms"):
+        table.add_column(col, justify="left" if col in ("curve", "path") else "right", no_wrap=True)
+    for c in report.curves:
+        table.add_row(c.key, c.path, str(c.rows), f"{c.e:.3f}", f"{c.x0:.3g}", f"{c.p:.2f}",
+                      f"{100 * c.rms_log_error:.1f}%")
+    console.print(table)
+    console.print(f"[green]done[/green]: {report.measured} kernel(s) timed on '{report.gpu}', "
+                  f"{len(report.curves)} curve(s) stored; emulating this GPU now prices ops with them", highlight=False)
