@@ -248,6 +248,11 @@ def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick:
         build = "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
         raise UserError(f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
                         "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)")
+    try:  # the fit needs scipy (an extra): say so before minutes of timing, not after
+        import scipy.optimize  # noqa: F401
+    except ImportError:
+        raise UserError("gpemu profile --ops fits the measured kernels with scipy, which is not installed: "
+                        "pip install 'gpemu[profile]'") from None
     dev = resolve_device(device)
     if quick:
         warmup, iterations = min(warmup, 1), min(iterations, 5)

@@ -1,0 +1,136 @@
+"""A GPT-2-small training step on an emulated GPU: step time and peak memory with and without
+mixed precision and activation checkpointing.
+
+    python benchmarks/transformer_step.py                      # A100, batch 8 x 1024 tokens
+    python benchmarks/transformer_step.py --gpu H100 --precisions bf16 --checkpointing off
+    python benchmarks/transformer_step.py --batch 4 --seq 512 --steps 3
+
+transformers' own ``GPT2LMHeadModel`` (default config: 12 layers, 768 wide, 12 heads, 50,257-token
+vocabulary; no download: the weights are made on the meta device and materialised on the emulated
+GPU), AdamW, one configuration per process under ``gpemu.patch``. Each row is the last of
+``--steps`` steps (the first records the model op by op; later ones replay it):
+
+* **step ms**: emulated time of the whole step, from the synchronize before it to the one after
+  it (what the script's own clock reads);
+* **GPU busy ms**: the emulated GPU's busy time in that step (forward, backward, optimizer);
+* **peak GiB**: ``torch.cuda.max_memory_allocated()`` in that step;
+* **time from**: the model time's provenance as the run's summary gives it (``estimated``:
+  priced op by op by the cost model, with its cross-validated uncertainty).
+
+No emulated time here was compared with a real GPU run of the same script (none was available).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+PRECISIONS = {"fp32": None, "tf32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{cpu}, {os.cpu_count()} cores, load {load}"
+
+
+def _one(args: argparse.Namespace) -> None:
+    """Run one configuration in this process and print its row as JSON."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    import gpemu
+
+    gpemu.patch(gpu=args.gpu)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if args.precision == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    cfg = GPT2Config(n_positions=max(1024, args.seq))
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    model = model.to_empty(device="cuda")
+    if args.checkpointing == "on":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
+    dtype = PRECISIONS[args.precision]
+    rt = gpemu.current()
+    row: dict = {}
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n0 = len(rt.recorder.spans)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=getattr(torch, dtype) if dtype else torch.float32, enabled=dtype is not None):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        step = time.perf_counter() - t0
+        busy = sum(s.end - s.start for s in rt.recorder.spans[n0:])
+        row = {"step_ms": 1e3 * step, "busy_ms": 1e3 * busy,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    models = gpemu.summary().get("models", [])
+    row["time_from"] = "; ".join(dict.fromkeys(_source(m) for m in models)) or "-"
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def _source(m: dict) -> str:
+    fwd, bwd = m.get("forward"), m.get("backward")
+    how = fwd if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
+    return f"{how} {m.get('uncertainty', '')}".strip()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", default="A100", help="emulated GPU (default A100)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--steps", type=int, default=4, help="steps per configuration; the last is reported (default 4)")
+    p.add_argument("--precisions", default="fp32,tf32,bf16,fp16",
+                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")
+    p.add_argument("--checkpointing", default="off,on", help="off, on or off,on (default both)")
+    p.add_argument("--precision", help=argparse.SUPPRESS)  # one configuration (internal)
+    args = p.parse_args()
+    if args.precision:
+        _one(args)
+        return
+    precisions = [x for x in args.precisions.split(",") if x]
+    bad = [x for x in precisions if x not in PRECISIONS]
+    ckpts = [x for x in args.checkpointing.split(",") if x]
+    if bad or not precisions or any(c not in ("off", "on") for c in ckpts) or not ckpts:
+        p.error(f"--precisions takes {', '.join(PRECISIONS)}; --checkpointing takes off, on")
+    print(f"# GPT-2 small ({args.batch} x {args.seq} tokens, AdamW) on an emulated {args.gpu}; machine: {_machine()}")
+    print("| precision | checkpointing | step ms | GPU busy ms | peak GiB | time from |")
+    print("|---|---|---|---|---|---|")
+    for prec in precisions:
+        for ck in ckpts:
+            cmd = [sys.executable, __file__, "--gpu", args.gpu, "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--steps", str(args.steps), "--precision", prec, "--checkpointing", ck]
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            rows = [ln[4:] for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
+            if out.returncode or not rows:
+                print(f"| {prec} | {ck} | failed (exit {out.returncode}) | | | {out.stdout.strip().splitlines()[-1:]} |")
+                continue
+            r = json.loads(rows[-1])
+            print(f"| {prec} | {ck} | {r['step_ms']:.1f} | {r['busy_ms']:.1f} | {r['peak_gib']:.2f} | {r['time_from']} |",
+                  flush=True)
+    print(f"# machine after: {_machine()}")
+
+
+if __name__ == "__main__":
+    main()
