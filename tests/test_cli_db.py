@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,15 +26,40 @@ def _gpemu(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           timeout=120)
 
 
-def test_gpus_lists_six_with_memory(runner):
+def test_gpus_lists_measured_and_datasheet_gpus(runner):
+    """Every datasheet GPU the issue names is listed, each marked measured or datasheet-only."""
     res = runner.invoke(cli, ["gpus"])
     assert res.exit_code == 0, res.output
-    for short in ("A100", "RTX6000", "K80", "M40", "P100", "V100"):
-        assert short in res.output
-    assert "Tesla V100-PCIE-32GB" in res.output and "32 GiB" in res.output
-    data = json.loads(runner.invoke(cli, ["gpus", "--json"]).output)
-    assert len(data) == 6 and {d["aliases"][0] for d in data} >= {"V100", "K80"}
-    assert all(d["memory_bytes"] > 0 for d in data)
+    assert "16 GPUs: 6 measured, 10 datasheet-only" in res.output
+    # GPU ... compute capability, status (the full-name and source columns come with wide terminals)
+    rows = [re.match(r"\s*(\S+)\s.*?\s\d+\.\d\s+(measured|datasheet)\s", ln) for ln in res.output.splitlines()]
+    status = {m.group(1): m.group(2) for m in rows if m}
+    assert {k for k, v in status.items() if v == "measured"} == {"A100", "RTX6000", "K80", "M40", "P100", "V100"}
+    assert {k for k, v in status.items() if v == "datasheet"} == {
+        "H100", "H100-PCIe", "H200", "B200", "A100-80GB", "L40S", "L4", "A10G", "RTX4090", "T4"}
+    data = {d["aliases"][0]: d for d in json.loads(runner.invoke(cli, ["gpus", "--json"]).output)}
+    assert len(data) == 16 and all(d["memory_bytes"] > 0 for d in data.values())
+    assert data["V100"]["name"] == "Tesla V100-PCIE-32GB" and data["V100"]["memory_bytes"] == 32 << 30
+    assert data["V100"]["measurements"] > 0 and data["H100"]["measurements"] == 0
+    assert data["H100"]["provenance"] == "datasheet" and data["H100"]["compute_capability"] == [9, 0]
+    assert "H100 datasheet" in data["H100"]["source"]
+
+
+def test_show_datasheet_gpu_says_what_is_measured_and_what_is_scaled(runner):
+    """A datasheet-only GPU: forward/backward scaled from the reference GPU with the cost model's
+    ±, the other kinds labelled as the reference GPU's measurements."""
+    out = json.loads(runner.invoke(cli, ["show", "resnet50", "--gpu", "H100", "-b", "64", "--json"]).output)
+    assert out["gpu"] == "NVIDIA H100 80GB HBM3" and out["gpu_provenance"] == "datasheet"
+    assert out["measured_on"] == "NVIDIA A100-SXM4-40GB"
+    m = out["measurements"]
+    ref = json.loads(runner.invoke(cli, ["show", "resnet50", "--gpu", "A100", "-b", "64", "--json"]).output)
+    for kind in ("forward", "backward"):
+        assert m[kind]["provenance"] == "scaled from A100" and m[kind]["uncertainty"].startswith("±")
+        # 3x the A100's tensor-core peak and 2x its bandwidth: faster, but not by more than the peaks
+        assert ref["measurements"][kind]["value"] / 3.5 < m[kind]["value"] < ref["measurements"][kind]["value"] / 1.2
+    assert m["peak_memory"] == {**ref["measurements"]["peak_memory"], "provenance": "measured on A100"}
+    table = runner.invoke(cli, ["show", "resnet50", "--gpu", "H100", "-b", "64"]).output
+    assert "not measured on it (datasheet)" in table and "scaled from A100 ±" in table
 
 
 def test_models_lists_36_with_class_and_params(runner):
@@ -143,4 +169,4 @@ def test_show_lists_ddp_iterations_per_world_size(runner, tmp_path):
 def test_db_init_default_reports_counts(runner):
     res = runner.invoke(cli, ["db", "init"])
     assert res.exit_code == 0, res.output
-    assert "6 GPUs, 36 models, 276640 measurements, 14 distributions" in res.output
+    assert "16 GPUs, 36 models, 276640 measurements, 14 distributions" in res.output

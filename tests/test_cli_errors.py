@@ -64,7 +64,7 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
         ("db", "import", str(tmp_path / "wide.csv"), "--db", good): "no field longer than 128 KiB",
         ("db", "export", "/proc/no/such/dir/x.json", "--db", good): "/proc/no",
         ("db", "path", "--db", "not a url"): "is not a SQLAlchemy URL",
-        ("run", "--gpus", "two", "--", "python", "-c", "1"): "unknown GPU 'two'; valid GPUs: A100, RTX6000, K80",
+        ("run", "--gpus", "two", "--", "python", "-c", "1"): "unknown GPU 'two'; valid GPUs: K80, M40, P100, V100",
         ("run", "--db", unreachable_pg, "--gpu", "V100", "--", "python", "-c", "1"): "postgresql+psycopg://u:***@",
         ("share-manager", "--amqp", f"amqp://u:{SECRET}@h:notaport/", "--device", "0=V100:1GiB"): "not a usable AMQP URL",
         ("share-manager", "--amqp", "amqp://u@127.0.0.1/", "--amqp-password-file", str(tmp_path / "nope"),

@@ -126,7 +126,7 @@ def test_newer_schema_is_refused(tmp_path):
     con.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
     con.commit()
     con.close()
-    with pytest.raises(ValueError, match="schema version 99, this gpemu uses 1"):
+    with pytest.raises(ValueError, match="schema version 99, this gpemu uses 2"):
         open_url(url)
 
 
@@ -208,7 +208,7 @@ def test_unreadable_meta_or_other_schema_rebuilds_without_losing_rows(tmp_path, 
     ensure_default_db(tmp_path)
     db = open_profile_db(EmuConfig(data_dir=str(tmp_path)))
     assert db.lookup("RTX3090", "mynet", 8, "forward").value == 0.0123
-    assert _meta(path)["schema_version"] == "1"
+    assert _meta(path)["schema_version"] == "2"
 
 
 def test_a_file_that_is_not_a_database_is_kept_aside_and_reported(tmp_path, capsys):
