@@ -91,6 +91,14 @@ def _pageable_for(pcie_gen: int) -> float:
     return statistics.median(s.host_link_bandwidth_pageable for s in GPUS if s.pcie_gen == nearest)
 
 
+def _unit(key: str) -> str:
+    """The unit a field is given in, for errors (a FLOP/s figure typed as TFLOP/s is the usual slip)."""
+    for suffix, unit in (("_tflops", " TFLOP/s"), ("_gbs", " GB/s"), ("_gb", " GB")):
+        if key.endswith(suffix):
+            return unit
+    return ""
+
+
 def _check(f: Field, value: Any) -> Any:
     """The value of one field, checked; ValueError naming the field and what is valid."""
     label = f"{f.key} (--{f.key.replace('_', '-')})"
@@ -118,10 +126,11 @@ def _check(f: Field, value: Any) -> Any:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if f.kind == "int":
         ok = ok and float(value).is_integer()
-    rng = f"from {f.low:g} to {f.high:g}"
+    rng = f"from {f.low:g} to {f.high:g}" + _unit(f.key)
     if not ok or not (f.low <= value <= f.high):  # type: ignore[operator]
         what = "a whole number" if f.kind == "int" else "a number"
-        raise ValueError(f"{label} must be {what} {rng}, got {value!r}")
+        shown = f"{value:g}" if isinstance(value, numbers.Real) and not isinstance(value, bool) else repr(value)
+        raise ValueError(f"{label} must be {what} {rng}, got {shown}")
     return int(value) if f.kind == "int" else float(value)
 
 
