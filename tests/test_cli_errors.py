@@ -65,6 +65,12 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
         ("db", "export", "/proc/no/such/dir/x.json", "--db", good): "/proc/no",
         ("db", "path", "--db", "not a url"): "is not a SQLAlchemy URL",
         ("run", "--gpus", "two", "--", "python", "-c", "1"): "unknown GPU 'two'; valid GPUs: K80, M40, P100, V100",
+        ("run", "--gpu", "H900", "--", "python", "-c", "1"): "B200; add one from its datasheet with `gpemu gpus add` "
+                                                            "(see docs/adding.md)",
+        ("gpus", "add", "X", "--generation", "ampere", "--sms", "8", "--memory-gb", "8", "--bandwidth-gbs", "100",
+         "--fp32-tflops", "5", "--pcie-gen", "9", "--db", good): "pcie_gen (--pcie-gen) must be a whole number from 1 to 7",
+        ("gpus", "add", "--file", str(tmp_path / "future.json"), "--db", good): "is a `gpemu db export` file: import it",
+        ("gpus", "add", "--file", str(tmp_path / "nope.yaml"), "--db", good): "cannot read",
         ("run", "--db", unreachable_pg, "--gpu", "V100", "--", "python", "-c", "1"): "postgresql+psycopg://u:***@",
         ("share-manager", "--amqp", f"amqp://u:{SECRET}@h:notaport/", "--device", "0=V100:1GiB"): "not a usable AMQP URL",
         ("share-manager", "--amqp", "amqp://u@127.0.0.1/", "--amqp-password-file", str(tmp_path / "nope"),
