@@ -120,15 +120,15 @@ def gpus(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
         ("gen", "left"), ("cc", "right"), ("status", "left"), ("rows", "right"), ("GiB", "right"),
         ("SMs", "right"), ("FP32", "right"), ("BF16", "right"), ("mem GB/s", "right")]
     cols += [("source", "left")] if width >= 150 else []
-    t = _table(f"{len(specs)} GPUs: {n_measured} measured, {len(specs) - n_measured} datasheet-only "
-               "(FP32 and BF16 tensor-core peaks in TFLOP/s, dense)", cols)
+    t = _table(f"{len(specs)} GPUs: {n_measured} measured, {len(specs) - n_measured} datasheet-only", cols)
     if width >= 150:
         t.columns[-1].no_wrap = False
     for s in specs:
         n = counts.get(s.name, 0)
-        status = "[green]measured[/green]" if n else "[yellow]datasheet[/yellow]"
-        if s.provenance != "datasheet":
-            status = f"{'measured' if n else 'datasheet'} ({s.provenance})"
+        # measured: the database has model times on it; datasheet: shipped figures only; added:
+        # figures someone entered (`gpemu gpus add`, an import); profiled: rates `gpemu profile` measured.
+        status = ("[green]measured[/green]" if n else "[yellow]datasheet[/yellow]" if s.provenance == "datasheet"
+                  else f"[yellow]{'added' if s.provenance == 'user' else s.provenance}[/yellow]")
         cc = f"{s.compute_capability[0]}.{s.compute_capability[1]}" if s.compute_capability else "?"
         bf16 = "?" if s.bf16_tensor_flops is None else ("-" if s.bf16_tensor_flops == 0 else _g(s.bf16_tensor_flops, 1e12, 4))
         row = [s.short_name] + ([s.name] if width >= 110 else []) + [
@@ -140,9 +140,10 @@ def gpus(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
     if not specs:
         console.print("the database is empty: fill it with `gpemu db init` or `gpemu db import`")
     else:
-        console.print("rows: measurements of models on it; BF16: bfloat16 tensor cores (- none). A datasheet-only "
-                      "GPU is priced by the cost model (try `gpemu show resnet50 --gpu H100 -b 64`); "
-                      "`gpemu gpus --json` has every figure and its source.", highlight=False)
+        console.print("rows: measurements of models on it. FP32, BF16: peak TFLOP/s (BF16 on tensor cores, dense; "
+                      "- none). added: your datasheet figures (`gpemu gpus add`). A GPU without measurements takes "
+                      "the nearest measured generation's, scaled by the cost model (`gpemu show resnet50 --gpu H100 "
+                      "-b 64`); `gpemu gpus --json` has every figure and its source.", highlight=False)
 
 
 def _short(text: str, width: int) -> str:
