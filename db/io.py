@@ -335,11 +335,17 @@ def _parse_dist_cells(c: dict[str, str]) -> dict[str, Any]:
 def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) -> ImportReport:
     report = ImportReport()
     gpu_rows, model_rows = [], []
+    # Which GPU each name and alias already means: an imported GPU may not take another's name
+    # (lookups resolve to the first GPU with a name, so the import's alias would silently be dead).
+    owner = {normalize_name(n): s.name for s in db.gpus() for n in (s.name, *s.aliases)}
     for where, raw in sections["gpus"]:
         try:
             if isinstance(raw, Exception):
                 raise raw
             spec = check_generation(GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU")))
+            for n in (spec.name, *spec.aliases):
+                if owner.setdefault(normalize_name(n), spec.name) != spec.name:
+                    raise ValueError(f"{n!r} already names {owner[normalize_name(n)]}; give {spec.name} another alias")
             gpu_rows.append(gpu_row(spec))
         except (TypeError, ValueError, AttributeError) as exc:
             report.rejected.append(Rejected(where, f"bad GPU spec: {exc}"))
