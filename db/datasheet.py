@@ -20,7 +20,8 @@ from typing import Any, Iterable, Mapping
 
 from .records import GpuSpec, normalize_name, parse_compute_capability
 
-__all__ = ["FIELDS", "Field", "spec_from_datasheet", "read_datasheet_file", "datasheet_of", "pcie_link_rate"]
+__all__ = ["FIELDS", "Field", "spec_from_datasheet", "read_datasheet_file", "datasheet_of", "check_names_free",
+           "pcie_link_rate"]
 
 _GiB = 1 << 30
 

@@ -344,3 +344,17 @@ def test_extrapolation_from_a_single_point_scales_with_batch(empty_db):
     assert empty_db.lookup("TG8", "tinynet", 5, "forward").value == pytest.approx(0.5)
     _points(empty_db, "forward", [(20, 4.0)])  # new data: the cached line is dropped
     assert empty_db.lookup("TG8", "tinynet", 30, "forward").value == pytest.approx(7.0)
+
+
+def test_every_shipped_gpu_round_trips_through_datasheet_units():
+    """`gpemu gpus add`'s units (GB, GB/s, TFLOP/s) and checks accept every shipped datasheet GPU
+    and give back the same row: the command and the shipped table describe GPUs alike."""
+    from dataclasses import asdict
+
+    from gpemu.db.datasheet import datasheet_of, spec_from_datasheet
+    from gpemu.db.specs import shipped_gpus
+
+    for spec in shipped_gpus():
+        again = asdict(spec_from_datasheet(datasheet_of(spec), provenance="datasheet"))
+        for key, value in asdict(spec).items():  # floats to rounding (GB/s and TFLOP/s, 6 decimals)
+            assert again[key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), (spec.name, key)
