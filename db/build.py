@@ -41,8 +41,8 @@ from sqlalchemy.pool import NullPool, StaticPool
 
 from . import schema as S
 from .lookup import ProfileDB, gpu_row, model_row, upsert
-from .records import KIND_UNITS, ModelInfo
-from .specs import SHIPPED_GPUS
+from .records import KIND_UNITS, ModelInfo, normalize_name
+from .specs import gpu_facts_digest, shipped_gpus
 
 __all__ = [
     "DEFAULT_DB_NAME",
@@ -71,11 +71,13 @@ def _data_path(name: str) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def data_version() -> str:
-    """Hash of the shipped data files: a changed file means default databases get rebuilt."""
+    """Hash of the shipped data files and GPU table: a change means default databases get rebuilt."""
     h = hashlib.sha256()
     for name in _DATA_FILES:
         h.update(name.encode())
         h.update(_data_path(name).read_bytes())
+    h.update(b"gpus")  # the GPU rows come from the cost model's datasheet table
+    h.update(gpu_facts_digest().encode())
     return h.hexdigest()[:16]
 
 
@@ -161,11 +163,13 @@ def open_url(url: str) -> ProfileDB:
             if found is None:
                 conn.execute(insert(S.meta), [{"key": "schema_version", "value": str(S.SCHEMA_VERSION)}])
             elif found != str(S.SCHEMA_VERSION):
-                raise ValueError(
-                    f"profile database {make_url(url).render_as_string(hide_password=True)} has schema version "
-                    f"{found}, this gpemu uses {S.SCHEMA_VERSION}; export it with the gpemu that made it "
-                    "(`gpemu db export FILE.json`), then import it into a new database"
-                )
+                where = make_url(url).render_as_string(hide_password=True)
+                if not (found.isdigit() and int(found) in S.MIGRATIONS):
+                    raise ValueError(
+                        f"profile database {where} has schema version {found}, this gpemu uses {S.SCHEMA_VERSION}; "
+                        "export it with the gpemu that made it (`gpemu db export FILE.json`), then import it into "
+                        "a new database")
+                _migrate(conn, int(found), where)
     except SQLAlchemyError as exc:
         engine.dispose()
         raise DatabaseUnavailable(describe_error(url, exc)) from None
@@ -175,13 +179,32 @@ def open_url(url: str) -> ProfileDB:
     return ProfileDB(engine, url)
 
 
+def _migrate(conn: Any, version: int, where: str) -> None:
+    """Bring a database of an older schema to the current one in place (inside ``conn``'s
+    transaction: all or nothing)."""
+    from sqlalchemy import update
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        while version < S.SCHEMA_VERSION:
+            for statement in S.MIGRATIONS[version]:
+                conn.exec_driver_sql(statement)
+            version += 1
+        conn.execute(update(S.meta).where(S.meta.c.key == "schema_version").values(value=str(S.SCHEMA_VERSION)))
+    except (SQLAlchemyError, KeyError) as exc:
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+        raise ValueError(f"profile database {where} has schema version {version}; upgrading it to "
+                         f"{S.SCHEMA_VERSION} failed ({cause}): it needs write access, or export it with the gpemu "
+                         "that made it and import it into a new database") from None
+
+
 def load_shipped(engine: Engine) -> dict[str, int]:
     """Write the shipped GPUs, models, measurements and distributions (upsert: idempotent)."""
     S.metadata.create_all(engine)
 
     models = _read_models()
     with engine.begin() as conn:
-        upsert(conn, S.gpus, [gpu_row(s) for s in SHIPPED_GPUS], ("name",))
+        upsert(conn, S.gpus, [gpu_row(s) for s in shipped_gpus()], ("name",))
         upsert(conn, S.models, [model_row(m) for m in models], ("name",))
         gpu_ids = {}
         for gid, name, aliases in conn.execute(select(S.gpus.c.id, S.gpus.c.name, S.gpus.c.aliases)):
@@ -204,7 +227,7 @@ def load_shipped(engine: Engine) -> dict[str, int]:
             "source": _SOURCE,
         }
         upsert(conn, S.meta, [{"key": k, "value": v} for k, v in meta.items()], ("key",))
-    return {"gpus": len(SHIPPED_GPUS), "models": len(models), "measurements": len(rows), "distributions": len(dists)}
+    return {"gpus": len(shipped_gpus()), "models": len(models), "measurements": len(rows), "distributions": len(dists)}
 
 
 def _read_models() -> list[ModelInfo]:
@@ -228,7 +251,7 @@ def _measurement_rows(gpu_ids: dict[str, int], model_ids: dict[str, int]) -> lis
     """Shipped measurements as tuples in _MEASUREMENT_COLUMNS order, sorted by the unique key
     (inserting in index order keeps SQLite's B-tree appends cheap)."""
     text = gzip.decompress(_data_path("measurements.csv.gz").read_bytes()).decode()
-    capacity = {gpu_ids[s.name]: s.memory_bytes for s in SHIPPED_GPUS}
+    capacity = {gpu_ids[s.name]: s.memory_bytes for s in shipped_gpus()}
     # The artifact fills large batch sizes from the authors' regression; beyond the board's
     # memory the real GPU would have run out of memory.
     over = '{"note": "above the GPU memory capacity: authors\' regression fill-in, OOM on the real GPU"}'
@@ -307,6 +330,7 @@ class RebuildReport:
     why: str  # "shipped data a -> b", "schema 1 -> 2", "its meta table could not be read", "--force"
     kept: dict[str, int] = dataclasses.field(default_factory=dict)  # rows carried over, per table
     shadowed: list[str] = dataclasses.field(default_factory=list)  # user's versions of shipped names
+    conflicts: list[str] = dataclasses.field(default_factory=list)  # user's aliases now naming shipped GPUs
     backup: Path | None = None
     unreadable: str | None = None  # why the old file could not be read (nothing carried over)
 
@@ -322,6 +346,8 @@ class RebuildReport:
         if self.shadowed:
             out += (f"; the new shipped data replaces your versions of {', '.join(self.shadowed[:5])}"
                     + (f" and {len(self.shadowed) - 5} more" if len(self.shadowed) > 5 else ""))
+        if self.conflicts:
+            out += "; the alias " + "; the alias ".join(self.conflicts)
         return out + (f"; the old file is kept as {self.backup}" if self.backup else "")
 
 
@@ -393,9 +419,9 @@ def _carry_over(old: Path, new: Path, force: bool) -> RebuildReport:
     try:
         con.execute("ATTACH DATABASE ? AS old", (f"{old.resolve().as_uri()}?mode=ro",))
         with con:
-            report.kept = _copy_user_rows(con, report.shadowed)
+            report.kept = _copy_user_rows(con, report.shadowed, report.conflicts)
     except sqlite3.Error as exc:
-        report.kept, report.shadowed = {}, []
+        report.kept, report.shadowed, report.conflicts = {}, [], []
         report.unreadable = str(exc)
     finally:
         con.close()
@@ -406,7 +432,7 @@ def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
     return [r[1] for r in con.execute(f'PRAGMA {schema}.table_info("{table}")')]
 
 
-def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str]) -> dict[str, int]:
+def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str], conflicts: list[str]) -> dict[str, int]:
     """Within one transaction on the new file (``main``) with the old one attached as ``old``."""
     old_tables = {r[0]: r[1] for r in con.execute("SELECT name, sql FROM old.sqlite_master WHERE type='table'")}
     missing = [t for t in ("gpus", "models", "measurements") if t not in old_tables]
@@ -439,6 +465,15 @@ def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str]) -> dict[str, i
         "WHERE m.source IS NOT ? "
         f"ON CONFLICT (gpu_id, model_id, kind, batch_size, world_size) DO UPDATE SET {sets}", (_ROW_SOURCE,))
     kept["measurements"] = cur.rowcount
+    # A kept GPU's alias that now names a shipped GPU (e.g. your "H100" before gpemu shipped one).
+    shipped: dict[str, str] = {}
+    for name, aliases, prov in con.execute("SELECT name, aliases, provenance FROM main.gpus ORDER BY id"):
+        for n in (name, *json.loads(aliases or "[]")):
+            key = normalize_name(n)
+            if prov == "datasheet":
+                shipped.setdefault(key, name)
+            elif key in shipped:
+                conflicts.append(f"{n!r} of {name} now names the shipped {shipped[key]} (use {name!r})")
     # Tables gpemu.db does not own (e.g. the profiler's profile_limits): copied whole.
     for table, sql in old_tables.items():
         if table in _SHIPPED_TABLES or table.startswith("sqlite_") or not sql:

@@ -23,10 +23,10 @@ from typing import Any, Iterable
 from sqlalchemy import select
 
 from . import schema as S
-from .lookup import ProfileDB, gpu_row, model_row, clean_measurement, measurement_row, upsert
+from .lookup import ProfileDB, check_generation, clean_measurement, gpu_row, measurement_row, model_row, upsert
 from .records import GpuSpec, Measurement, ModelInfo, normalize_name
 
-__all__ = ["export_db", "import_path", "ImportReport", "Rejected", "MEASUREMENT_COLUMNS", "FORMAT_NAME"]
+__all__ = ["export_db", "import_path", "gpu_json", "ImportReport", "Rejected", "MEASUREMENT_COLUMNS", "FORMAT_NAME"]
 
 FORMAT_NAME = "gpemu-profile-db"
 MEASUREMENT_COLUMNS = [f.name for f in fields(Measurement)]
@@ -82,7 +82,7 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
     return {
         "format": FORMAT_NAME,
         "schema_version": S.SCHEMA_VERSION,
-        "gpus": [{**asdict(s), "aliases": list(s.aliases)} for s in gpu_specs],
+        "gpus": [gpu_json(s) for s in gpu_specs],
         "models": [asdict(mi) for mi in model_infos],
         "measurements": {"columns": MEASUREMENT_COLUMNS, "rows": rows},
         "distributions": [
@@ -91,6 +91,14 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
             for d in dists
         ],
     }
+
+
+def gpu_json(spec: GpuSpec) -> dict[str, Any]:
+    """A GPU as a JSON object (the export format's ``gpus`` entries; `gpemu gpus --json`)."""
+    d = asdict(spec)
+    d["aliases"] = list(spec.aliases)
+    d["compute_capability"] = list(spec.compute_capability) if spec.compute_capability else None
+    return d
 
 
 def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
@@ -114,7 +122,7 @@ def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
                              "name a directory, or a .json file for JSON")
         path.mkdir(parents=True, exist_ok=True)
         _write_csv(path / "gpus.csv", _GPU_COLUMNS,
-                   [[json.dumps(g[c]) if c == "aliases" else g[c] for c in _GPU_COLUMNS] for g in data["gpus"]])
+                   [[_gpu_cell(c, g[c]) for c in _GPU_COLUMNS] for g in data["gpus"]])
         _write_csv(path / "models.csv", _MODEL_COLUMNS, [[m[c] for c in _MODEL_COLUMNS] for m in data["models"]])
         meta_i = MEASUREMENT_COLUMNS.index("metadata")
         _write_csv(path / "measurements.csv", MEASUREMENT_COLUMNS,
@@ -124,6 +132,14 @@ def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
                    [[json.dumps(d[c]) if c == "samples" else d[c] for c in _DIST_COLUMNS] for d in data["distributions"]])
     return {"gpus": len(data["gpus"]), "models": len(data["models"]),
             "measurements": len(data["measurements"]["rows"]), "distributions": len(data["distributions"])}
+
+
+def _gpu_cell(column: str, value: Any) -> Any:
+    if column == "aliases":
+        return json.dumps(value)
+    if column == "compute_capability" and value:
+        return f"{value[0]}.{value[1]}"
+    return value
 
 
 def _write_csv(path: Path, header: list[str], rows: Iterable[list[Any]]) -> None:
@@ -172,11 +188,12 @@ def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise ValueError(f"{path} is not a gpemu profile database export (expected \"format\": \"{FORMAT_NAME}\")")
     version = data.get("schema_version", S.SCHEMA_VERSION)
-    if version != S.SCHEMA_VERSION:
+    # Older exports are read as they are (fields added since have defaults); newer ones are refused.
+    if not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= S.SCHEMA_VERSION):
         hint = ("it was written by a newer gpemu: upgrade gpemu (pip install -U gpemu) to import it, or export "
                 "it again with that gpemu as CSV (`gpemu db export DIR --format csv`), which this one reads"
                 if isinstance(version, int) and not isinstance(version, bool) and version > S.SCHEMA_VERSION
-                else f"this gpemu reads exports with schema_version {S.SCHEMA_VERSION}")
+                else f"this gpemu reads exports with schema_version 1 to {S.SCHEMA_VERSION}")
         raise ValueError(f"{path} has schema_version {_quote(version)}; {hint}")
     for name in ("gpus", "models", "distributions"):
         if not isinstance(data.get(name, []), list):
@@ -274,12 +291,24 @@ def _parse_measurement_cells(c: dict[str, str]) -> dict[str, Any]:
 
 
 def _parse_gpu_cells(c: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = dict(c)
-    out["aliases"] = json.loads(c.get("aliases") or "[]")
+    out: dict[str, Any] = {k: (v or "").strip() for k, v in c.items()}
+    try:
+        out["aliases"] = json.loads(c.get("aliases") or "[]")
+    except json.JSONDecodeError:
+        raise ValueError(f"aliases must be a JSON list of names such as [\"V100\"], got {c.get('aliases')!r}") from None
     for k in ("memory_bytes", "sm_count"):
         out[k] = _num(c.get(k, ""), k, integer=True)
     for k in ("fp32_flops", "fp16_flops", "memory_bandwidth", "host_link_bandwidth_pinned", "host_link_bandwidth_pageable"):
         out[k] = _num(c.get(k, ""), k)
+    # Optional since schema 2: an empty cell (or a missing column) is "not known".
+    for k in ("fp64_flops", "fp16_nontensor_flops", "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops",
+              "nvlink_bandwidth"):
+        out[k] = _num(out[k], k) if out.get(k) else None
+    out["pcie_gen"] = _num(out["pcie_gen"], "pcie_gen", integer=True) if out.get("pcie_gen") else None
+    for k in ("generation", "compute_capability"):
+        out[k] = out.get(k) or None
+    if not out.get("provenance"):
+        out.pop("provenance", None)
     return out
 
 
@@ -306,11 +335,17 @@ def _parse_dist_cells(c: dict[str, str]) -> dict[str, Any]:
 def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) -> ImportReport:
     report = ImportReport()
     gpu_rows, model_rows = [], []
+    # Which GPU each name and alias already means: an imported GPU may not take another's name
+    # (lookups resolve to the first GPU with a name, so the import's alias would silently be dead).
+    owner = {normalize_name(n): s.name for s in db.gpus() for n in (s.name, *s.aliases)}
     for where, raw in sections["gpus"]:
         try:
             if isinstance(raw, Exception):
                 raise raw
-            spec = GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU"))
+            spec = check_generation(GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU")))
+            for n in (spec.name, *spec.aliases):
+                if owner.setdefault(normalize_name(n), spec.name) != spec.name:
+                    raise ValueError(f"{n!r} already names {owner[normalize_name(n)]}; give {spec.name} another alias")
             gpu_rows.append(gpu_row(spec))
         except (TypeError, ValueError, AttributeError) as exc:
             report.rejected.append(Rejected(where, f"bad GPU spec: {exc}"))

@@ -33,7 +33,11 @@ from .records import (
     normalize_name,
 )
 
-__all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measurement_row", "gpu_row", "model_row", "upsert"]
+__all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measurement_row", "gpu_row", "spec_from_row",
+           "check_generation", "model_row", "upsert"]
+
+# Said with every unknown-GPU error: how a GPU the database lacks gets in.
+ADD_GPU_HINT = "add one from its datasheet with `gpemu gpus add` (see docs/adding.md)"
 
 # Fraction of the profiled points (the largest batch sizes) a beyond-range linear fit uses.
 _EXTRAPOLATION_FRACTION = 0.25
@@ -78,13 +82,7 @@ class ProfileDB:
                 mrows = conn.execute(select(S.models)).mappings().all()
             names = _Names({}, {}, {}, {})
             for r in grows:
-                spec = GpuSpec(
-                    name=r["name"], aliases=tuple(json.loads(r["aliases"] or "[]")),
-                    memory_bytes=int(r["memory_bytes"]), fp32_flops=r["fp32_flops"], fp16_flops=r["fp16_flops"],
-                    memory_bandwidth=r["memory_bandwidth"],
-                    host_link_bandwidth_pinned=r["host_link_bandwidth_pinned"],
-                    host_link_bandwidth_pageable=r["host_link_bandwidth_pageable"], sm_count=int(r["sm_count"]),
-                )
+                spec = spec_from_row(r)
                 names.gpus[r["id"]] = spec
                 for n in (spec.name, *spec.aliases):
                     names.gpu_keys.setdefault(normalize_name(n), r["id"])
@@ -119,7 +117,7 @@ class ProfileDB:
             if not specs:
                 raise UnknownNameError("GPU", name, [f"(none: the database {self._where()} is empty; run `gpemu db init`)"])
             every = [n for s in specs for n in (s.name, *s.aliases)]
-            raise UnknownNameError("GPU", name, [s.short_name for s in specs], extra_keys=every)
+            raise UnknownNameError("GPU", name, [s.short_name for s in specs], extra_keys=every, hint=ADD_GPU_HINT)
         return gid
 
     def _model_id(self, name: str) -> int:
@@ -270,6 +268,21 @@ class ProfileDB:
         with self.engine.connect() as conn:
             return int(conn.execute(q).scalar_one())
 
+    def measurement_counts(self) -> dict[str, int]:
+        """Measurement rows per GPU name (GPUs without any are absent): which GPUs are measured."""
+        m, g = S.measurements, S.gpus
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(g.c.name, func.count()).join(m, m.c.gpu_id == g.c.id).group_by(g.c.name)).all()
+        return {name: int(n) for name, n in rows}
+
+    def measured_gpus(self) -> list[GpuSpec]:
+        """The GPUs with forward measurements of at least one model (what a model-level fit can use)."""
+        m = S.measurements
+        with self.engine.connect() as conn:
+            ids = set(conn.execute(select(m.c.gpu_id).where(m.c.kind == "forward").distinct()).scalars())
+        names = self._names()
+        return sorted((names.gpus[i] for i in ids if i in names.gpus), key=lambda s: s.short_name.lower())
+
     def meta(self) -> dict[str, str]:
         with self.engine.connect() as conn:
             return {k: v for k, v in conn.execute(select(S.meta.c.key, S.meta.c.value)).all()}
@@ -279,6 +292,7 @@ class ProfileDB:
         """Insert or update a GPU (matched by name)."""
         if not isinstance(spec, GpuSpec):
             raise TypeError(f"add_gpu takes a GpuSpec, got {type(spec).__name__}")
+        check_generation(spec)
         with self.engine.begin() as conn:
             upsert(conn, S.gpus, [gpu_row(spec)], ("name",))
         self._invalidate()
@@ -422,7 +436,42 @@ def measurement_row(m: Measurement | Mapping[str, Any], gpu_id: int, model_id: i
 def gpu_row(s: GpuSpec) -> dict[str, Any]:
     row = asdict(s)
     row["aliases"] = json.dumps(list(s.aliases))
+    cc = s.compute_capability
+    row["compute_capability"] = f"{cc[0]}.{cc[1]}" if cc else None
     return row
+
+
+def spec_from_row(r: Mapping[str, Any]) -> GpuSpec:
+    """A gpus-table row (a mapping of its columns) as a GpuSpec; columns a row lacks are unknown."""
+    def opt(col: str) -> Any:
+        v = r.get(col)
+        return None if v is None else float(v)
+
+    return GpuSpec(
+        name=r["name"], aliases=tuple(json.loads(r["aliases"] or "[]")),
+        memory_bytes=int(r["memory_bytes"]), fp32_flops=r["fp32_flops"], fp16_flops=r["fp16_flops"],
+        memory_bandwidth=r["memory_bandwidth"], host_link_bandwidth_pinned=r["host_link_bandwidth_pinned"],
+        host_link_bandwidth_pageable=r["host_link_bandwidth_pageable"], sm_count=int(r["sm_count"]),
+        generation=r.get("generation") or None, compute_capability=r.get("compute_capability") or None,
+        fp64_flops=opt("fp64_flops"), fp16_nontensor_flops=opt("fp16_nontensor_flops"),
+        tf32_tensor_flops=opt("tf32_tensor_flops"), fp16_tensor_flops=opt("fp16_tensor_flops"),
+        bf16_tensor_flops=opt("bf16_tensor_flops"),
+        pcie_gen=None if r.get("pcie_gen") is None else int(r["pcie_gen"]), nvlink_bandwidth=opt("nvlink_bandwidth"),
+        source=r.get("source") or "", provenance=r.get("provenance") or "user",
+    )
+
+
+def check_generation(spec: GpuSpec) -> GpuSpec:
+    """``spec`` if its generation is one the cost model knows (or unknown); ValueError naming the
+    valid ones otherwise. (Imports the cost model's GPU table: not for hot paths.)"""
+    if spec.generation is not None:
+        from .specs import generations
+
+        valid = generations()
+        if spec.generation not in valid:
+            raise ValueError(f"GpuSpec.generation of {spec.name!r} must be one of {', '.join(valid)}, "
+                             f"got {spec.generation!r}")
+    return spec
 
 
 def model_row(m: ModelInfo) -> dict[str, Any]:

@@ -14,6 +14,9 @@ from typing import Any, Iterable, Mapping
 
 __all__ = [
     "GpuSpec",
+    "SPEC_PROVENANCES",
+    "OPTIONAL_GPU_FIELDS",
+    "parse_compute_capability",
     "ModelInfo",
     "Lookup",
     "Measurement",
@@ -56,7 +59,8 @@ PROVENANCES = ("measured", "interpolated", "extrapolated")
 class UnknownNameError(ValueError):
     """A GPU or model name the database does not know; the message lists close matches."""
 
-    def __init__(self, what: str, name: Any, valid: Iterable[str], extra_keys: Iterable[str] = ()) -> None:
+    def __init__(self, what: str, name: Any, valid: Iterable[str], extra_keys: Iterable[str] = (),
+                 hint: str = "") -> None:
         valid = list(valid)
         keys = {v.lower(): v for v in list(valid) + list(extra_keys)}
         close = difflib.get_close_matches(str(name).lower(), list(keys), n=3, cutoff=0.5)
@@ -71,6 +75,8 @@ class UnknownNameError(ValueError):
             text = f"unknown {what} {shown}; did you mean {' or '.join(repr(s) for s in seen)}? Valid {listing}"
         else:
             text = f"unknown {what} {shown}; valid {listing}"
+        if hint:  # how to get a name that is not there (e.g. adding a GPU from its datasheet)
+            text += f"; {hint}"
         super().__init__(text)
         self.name = name
         self.suggestions = seen
@@ -81,9 +87,54 @@ class MissingMeasurementError(LookupError, ValueError):
     """The database has no measurement of this kind for this GPU and model."""
 
 
+# Where a GPU's facts came from: the datasheet table gpemu ships (gpemu.costmodel.gpus.GPUS),
+# numbers a user entered (`gpemu gpus add`, an imported file), or rates `gpemu profile` measured.
+SPEC_PROVENANCES = ("datasheet", "user", "profiled")
+# Facts a GPU may leave unknown (None): the cost model then infers them from the required ones.
+OPTIONAL_GPU_FIELDS = ("generation", "compute_capability", "fp64_flops", "fp16_nontensor_flops",
+                       "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops", "pcie_gen",
+                       "nvlink_bandwidth")
+_POSITIVE_GPU_FIELDS = ("memory_bytes", "fp32_flops", "fp16_flops", "memory_bandwidth",
+                        "host_link_bandwidth_pinned", "host_link_bandwidth_pageable", "sm_count")
+# 0 means "this GPU has no such unit" (no TF32 before Ampere, no NVLink on a PCIe card).
+_NON_NEGATIVE_GPU_FIELDS = ("fp64_flops", "fp16_nontensor_flops", "tf32_tensor_flops", "fp16_tensor_flops",
+                            "bf16_tensor_flops", "nvlink_bandwidth")
+
+
+def parse_compute_capability(value: Any) -> tuple[int, int] | None:
+    """``(9, 0)``, ``[9, 0]``, ``"9.0"`` or ``9.0`` -> ``(9, 0)``; None and ``""`` -> None.
+    ValueError for anything else."""
+    if value is None or value == "":
+        return None
+    major = minor = None
+    if isinstance(value, str):
+        text = value.strip().strip("()[]")
+        parts = [p.strip() for p in text.replace(",", ".").split(".") if p.strip()]
+        if len(parts) in (1, 2) and all(p.isdigit() for p in parts):
+            major, minor = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_whole(v) for v in value):
+        major, minor = int(value[0]), int(value[1])
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        major, minor = int(value), int(round((value - int(value)) * 10))
+    if major is None or minor is None or not (1 <= major <= 99 and 0 <= minor <= 9):
+        raise ValueError(f"compute capability must be MAJOR.MINOR such as 8.0 or 9.0, got {value!r}")
+    return major, minor
+
+
+def _is_whole(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class GpuSpec:
-    """Datasheet facts of one GPU model. Bandwidths in bytes/s, FLOP rates in FLOP/s."""
+    """Datasheet facts of one GPU model. Bandwidths in bytes/s, FLOP rates in FLOP/s.
+
+    The first nine fields are required. ``fp16_flops`` is the GPU's FP16 peak as one number: the
+    tensor-core rate (FP32 accumulation, dense) where the GPU has tensor cores, else the non-tensor
+    FP16 rate. The optional fields below it are what the cost model prices ops with
+    (``gpemu.costmodel.GpuSheet`` has the same names, its ``fp16_flops`` being
+    ``fp16_nontensor_flops`` here); None means not known, 0 means the GPU has no such unit.
+    """
 
     name: str  # as torch.cuda.get_device_name() reports it on the real GPU
     aliases: tuple[str, ...]
@@ -94,16 +145,50 @@ class GpuSpec:
     host_link_bandwidth_pinned: float
     host_link_bandwidth_pageable: float
     sm_count: int
+    generation: str | None = None  # kepler ... blackwell (gpemu.costmodel.gpus.GENERATIONS)
+    compute_capability: tuple[int, int] | None = None
+    fp64_flops: float | None = None
+    fp16_nontensor_flops: float | None = None
+    tf32_tensor_flops: float | None = None  # dense tensor-core peaks, FP32 accumulation
+    fp16_tensor_flops: float | None = None
+    bf16_tensor_flops: float | None = None
+    pcie_gen: int | None = None  # the host link's PCIe generation (x16)
+    nvlink_bandwidth: float | None = None  # total NVLink bandwidth per GPU (all links, both directions)
+    source: str = ""  # where the figures come from (a datasheet's title, a URL)
+    provenance: str = "user"  # one of SPEC_PROVENANCES
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "aliases", tuple(self.aliases))
+        if isinstance(self.aliases, str) or not all(isinstance(a, str) and a.strip() for a in self.aliases):
+            raise ValueError(f"GpuSpec.aliases must be a list of non-empty names, got {self.aliases!r}")
+        object.__setattr__(self, "aliases", tuple(a.strip() for a in self.aliases))
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError("GpuSpec.name must be a non-empty string such as 'Tesla V100-PCIE-32GB'")
-        for fname in ("memory_bytes", "fp32_flops", "fp16_flops", "memory_bandwidth",
-                      "host_link_bandwidth_pinned", "host_link_bandwidth_pageable", "sm_count"):
+        for fname in _POSITIVE_GPU_FIELDS:
             v = getattr(self, fname)
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"GpuSpec.{fname} of {self.name!r} must be a positive number, got {v!r}")
+        for fname in _NON_NEGATIVE_GPU_FIELDS:
+            v = getattr(self, fname)
+            if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v)
+                                  or v < 0):
+                raise ValueError(f"GpuSpec.{fname} of {self.name!r} must be a number >= 0 (0: the GPU has none) "
+                                 f"or empty (not known), got {v!r}")
+        try:
+            object.__setattr__(self, "compute_capability", parse_compute_capability(self.compute_capability))
+        except ValueError as exc:
+            raise ValueError(f"GpuSpec.compute_capability of {self.name!r}: {exc}") from None
+        g = self.generation
+        if g is not None and (not isinstance(g, str) or not g.isalpha() or not g.islower()):
+            raise ValueError(f"GpuSpec.generation of {self.name!r} must be an architecture name such as "
+                             f"'ampere' or 'hopper', got {g!r}")
+        p = self.pcie_gen
+        if p is not None and (not _is_whole(p) or not 1 <= p <= 9):
+            raise ValueError(f"GpuSpec.pcie_gen of {self.name!r} must be a PCIe generation from 1 to 9, got {p!r}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"GpuSpec.source of {self.name!r} must be text, got {self.source!r}")
+        if self.provenance not in SPEC_PROVENANCES:
+            raise ValueError(f"GpuSpec.provenance of {self.name!r} must be one of {', '.join(SPEC_PROVENANCES)}, "
+                             f"got {self.provenance!r}")
 
     @property
     def short_name(self) -> str:

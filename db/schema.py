@@ -19,10 +19,14 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-__all__ = ["SCHEMA_VERSION", "metadata", "meta", "gpus", "models", "measurements", "distributions"]
+__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "metadata", "meta", "gpus", "models", "measurements", "distributions"]
 
-# Bump when tables change: default databases built by an older gpemu are rebuilt on open.
-SCHEMA_VERSION = 1
+# Bump when tables change: default databases built by an older gpemu are rebuilt on open (the
+# user's rows carried over), other databases (--db URL) are migrated in place by MIGRATIONS.
+# 1: the first schema. 2: GPUs carry every fact the cost model prices ops with (generation,
+# compute capability, FP64 / non-tensor FP16 / tensor-core peaks, PCIe generation, NVLink),
+# their source and provenance.
+SCHEMA_VERSION = 2
 
 metadata = MetaData()
 
@@ -46,6 +50,19 @@ gpus = Table(
     Column("host_link_bandwidth_pinned", Float, nullable=False),  # bytes/s
     Column("host_link_bandwidth_pageable", Float, nullable=False),  # bytes/s
     Column("sm_count", Integer, nullable=False),
+    # Schema 2. NULL: not known (a GPU added before schema 2, or a user who left it out).
+    Column("generation", String(32), nullable=True),
+    Column("compute_capability", String(8), nullable=True),  # "9.0"
+    Column("fp64_flops", Float, nullable=True),
+    Column("fp16_nontensor_flops", Float, nullable=True),
+    Column("tf32_tensor_flops", Float, nullable=True),  # dense, FP32 accumulation; 0: none
+    Column("fp16_tensor_flops", Float, nullable=True),
+    Column("bf16_tensor_flops", Float, nullable=True),
+    Column("pcie_gen", Integer, nullable=True),
+    Column("nvlink_bandwidth", Float, nullable=True),  # bytes/s, all links both directions; 0: none
+    Column("source", Text, nullable=False, server_default=""),
+    # "datasheet" (shipped), "user" (gpemu gpus add / import), "profiled" (gpemu profile measured it)
+    Column("provenance", String(16), nullable=False, server_default="user"),
 )
 
 models = Table(
@@ -96,3 +113,16 @@ distributions = Table(
     Column("source", Text, nullable=False, default=""),
     Column("description", Text, nullable=False, default=""),
 )
+
+# In-place upgrades of a database made by an older schema (statements per old version; each
+# brings the database to the next version). Tables new in a version are made by create_all.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: tuple(
+        f"ALTER TABLE gpus ADD COLUMN {name} {sql}" for name, sql in (
+            ("generation", "VARCHAR(32)"), ("compute_capability", "VARCHAR(8)"), ("fp64_flops", "FLOAT"),
+            ("fp16_nontensor_flops", "FLOAT"), ("tf32_tensor_flops", "FLOAT"), ("fp16_tensor_flops", "FLOAT"),
+            ("bf16_tensor_flops", "FLOAT"), ("pcie_gen", "INTEGER"), ("nvlink_bandwidth", "FLOAT"),
+            ("source", "TEXT NOT NULL DEFAULT ''"), ("provenance", "VARCHAR(16) NOT NULL DEFAULT 'user'"),
+        )
+    ),
+}

@@ -1,77 +1,84 @@
-"""Datasheet facts of the six GPUs the shipped measurements come from.
+"""The GPUs the database ships: every sheet of ``gpemu.costmodel.gpus.GPUS``, the one table of GPU facts.
 
-Sources (NVIDIA public datasheets / product briefs):
-- A100: "NVIDIA A100 Tensor Core GPU" datasheet (SXM4 40GB: 19.5 TFLOPS FP32, 312 TFLOPS FP16
-  tensor core dense, 1,555 GB/s HBM2, 108 SMs, PCIe Gen4 x16 host link).
-- Quadro RTX 6000: "Quadro RTX 6000" datasheet (16.3 TFLOPS FP32, 130.5 TFLOPS FP16 tensor,
-  24 GB GDDR6, 672 GB/s, 72 SMs, PCIe Gen3 x16).
-- Tesla K80: "Tesla K80" datasheet (board: 8.73 TFLOPS FP32 boost, 24 GB, 480 GB/s, two GK210 dies
-  with 13 SMX each). CUDA sees each die as its own device, so one emulated K80 is one die:
-  half of the board's FLOPs, memory and bandwidth. Kepler has no fast FP16: fp16 = fp32 rate.
-- Tesla M40: "Tesla M40 24GB" datasheet (7 TFLOPS FP32, 24 GB GDDR5, 288 GB/s, 24 SMs,
-  PCIe Gen3 x16). Maxwell has no fast FP16: fp16 = fp32 rate.
-- Tesla P100 PCIe 16GB: "Tesla P100" datasheet (9.3 TFLOPS FP32, 18.7 TFLOPS FP16, 732 GB/s,
-  56 SMs, PCIe Gen3 x16).
-- Tesla V100 PCIe 32GB: "Tesla V100" datasheet (14 TFLOPS FP32, 112 TFLOPS FP16 tensor,
-  900 GB/s, 80 SMs, PCIe Gen3 x16).
+That table holds each GPU's datasheet figures and their sources (NVIDIA's datasheets and
+whitepapers, one K80 being one GK210 die as CUDA sees it); this module only turns its sheets into
+database rows (:class:`~gpemu.db.GpuSpec`, provenance ``datasheet``). Six of them (K80, M40,
+P100, V100, Quadro RTX 6000, A100 40GB) have the GPEmu artifact's measurements; the others are
+datasheet-only and priced by the cost model.
 
-Memory capacity is the datasheet size in GiB (NVIDIA's "GB" for these boards); CUDA reports a few
-hundred MiB less on the real boards.
-
-Host link, pinned: the PCIe link's theoretical rate (Gen3 x16 15.75 GB/s, Gen4 x16 31.5 GB/s)
-times 0.8, the fraction page-locked copies typically reach. Host link, pageable: measured, the
-median over the 36 models of the GPEmu artifact's host-to-GPU input copies at batch 256
-(3x224x224 float32 per sample), which went through pageable memory.
+The table is imported only when the database is built (importing the cost model package loads
+torch); whether a built database is current is decided from the table's source text
+(:func:`gpu_facts_digest`), so opening a current database never imports it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpemu.gpus import generation_capability
+
 from .records import GpuSpec
 
-__all__ = ["SHIPPED_GPUS", "ARTIFACT_FOLDER_NAMES"]
+if TYPE_CHECKING:
+    from gpemu.costmodel.gpus import GpuSheet
 
-_GiB = 1 << 30
-_GEN3 = 15.75e9 * 0.8
-_GEN4 = 31.5e9 * 0.8
+__all__ = ["shipped_gpus", "spec_from_sheet", "generations", "generation_capability", "gpu_facts_digest",
+           "ARTIFACT_FOLDER_NAMES"]
 
-SHIPPED_GPUS: tuple[GpuSpec, ...] = (
-    GpuSpec(
-        name="NVIDIA A100-SXM4-40GB",
-        aliases=("A100", "A100-40GB", "A100-SXM4-40GB", "NVIDIA_A100-SXM4-40GB"),
-        memory_bytes=40 * _GiB, fp32_flops=19.5e12, fp16_flops=312e12, memory_bandwidth=1555e9,
-        host_link_bandwidth_pinned=_GEN4, host_link_bandwidth_pageable=4.66e9, sm_count=108,
-    ),
-    GpuSpec(
-        name="Quadro RTX 6000",
-        aliases=("RTX6000", "Quadro_RTX_6000"),
-        memory_bytes=24 * _GiB, fp32_flops=16.3e12, fp16_flops=130.5e12, memory_bandwidth=672e9,
-        host_link_bandwidth_pinned=_GEN3, host_link_bandwidth_pageable=4.18e9, sm_count=72,
-    ),
-    GpuSpec(
-        name="Tesla K80",
-        aliases=("K80", "Tesla_K80"),
-        memory_bytes=12 * _GiB, fp32_flops=8.73e12 / 2, fp16_flops=8.73e12 / 2, memory_bandwidth=240e9,
-        host_link_bandwidth_pinned=_GEN3, host_link_bandwidth_pageable=5.56e9, sm_count=13,
-    ),
-    GpuSpec(
-        name="Tesla M40",
-        aliases=("M40", "Tesla_M40"),
-        memory_bytes=24 * _GiB, fp32_flops=7.0e12, fp16_flops=7.0e12, memory_bandwidth=288e9,
-        host_link_bandwidth_pinned=_GEN3, host_link_bandwidth_pageable=6.24e9, sm_count=24,
-    ),
-    GpuSpec(
-        name="Tesla P100-PCIE-16GB",
-        aliases=("P100", "P100-PCIE-16GB", "Tesla_P100-PCIE-16GB"),
-        memory_bytes=16 * _GiB, fp32_flops=9.3e12, fp16_flops=18.7e12, memory_bandwidth=732e9,
-        host_link_bandwidth_pinned=_GEN3, host_link_bandwidth_pageable=4.54e9, sm_count=56,
-    ),
-    GpuSpec(
-        name="Tesla V100-PCIE-32GB",
-        aliases=("V100", "V100-32GB", "V100-PCIE-32GB", "Tesla_V100-PCIE-32GB"),
-        memory_bytes=32 * _GiB, fp32_flops=14e12, fp16_flops=112e12, memory_bandwidth=900e9,
-        host_link_bandwidth_pinned=_GEN3, host_link_bandwidth_pageable=4.24e9, sm_count=80,
-    ),
-)
+
+def spec_from_sheet(sheet: "GpuSheet", provenance: str = "datasheet") -> GpuSpec:
+    """The database row of one datasheet (every fact the cost model needs, losslessly)."""
+    return GpuSpec(
+        name=sheet.name, aliases=tuple(sheet.aliases), memory_bytes=int(sheet.memory_bytes),
+        fp32_flops=float(sheet.fp32_flops),
+        # The legacy single FP16 figure: tensor cores where the GPU has them.
+        fp16_flops=float(max(sheet.fp16_tensor_flops, sheet.fp16_flops)),
+        memory_bandwidth=float(sheet.memory_bandwidth),
+        host_link_bandwidth_pinned=float(sheet.host_link_bandwidth_pinned),
+        host_link_bandwidth_pageable=float(sheet.host_link_bandwidth_pageable), sm_count=int(sheet.sm_count),
+        generation=sheet.generation, compute_capability=tuple(sheet.compute_capability),  # type: ignore[arg-type]
+        fp64_flops=float(sheet.fp64_flops), fp16_nontensor_flops=float(sheet.fp16_flops),
+        tf32_tensor_flops=float(sheet.tf32_tensor_flops), fp16_tensor_flops=float(sheet.fp16_tensor_flops),
+        bf16_tensor_flops=float(sheet.bf16_tensor_flops), pcie_gen=int(sheet.pcie_gen),
+        nvlink_bandwidth=float(sheet.nvlink_bandwidth), source=sheet.source, provenance=provenance,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_gpus() -> tuple[GpuSpec, ...]:
+    """Every GPU of the datasheet table, as database rows (the measured six first, table order)."""
+    from gpemu.costmodel.gpus import GPUS
+
+    return tuple(spec_from_sheet(s) for s in GPUS)
+
+
+def generations() -> tuple[str, ...]:
+    """The architecture names a GPU's ``generation`` may take (oldest first)."""
+    from gpemu.costmodel.gpus import GENERATIONS
+
+    return tuple(GENERATIONS)
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_facts_digest() -> str:
+    """Hash of the datasheet table's source: a changed table means default databases get rebuilt."""
+    package = sys.modules["gpemu"]  # imported already: gpemu.db is its subpackage
+    path = Path(str(package.__file__)).resolve().parent / "costmodel" / "gpus.py"
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:  # installed without sources: hash the rows themselves (imports the table)
+        return hashlib.sha256(repr(shipped_gpus()).encode()).hexdigest()
+
+
+def __getattr__(name: str) -> Any:  # SHIPPED_GPUS, as before schema 2, without importing torch at import
+    if name == "SHIPPED_GPUS":
+        return shipped_gpus()
+    raise AttributeError(f"module 'gpemu.db.specs' has no attribute {name!r}")
+
 
 # Folder names in the GPEmu artifact -> our canonical names (used by the converter).
 ARTIFACT_FOLDER_NAMES: dict[str, str] = {

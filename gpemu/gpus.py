@@ -1,38 +1,53 @@
-"""Facts about GPU models that the profile database does not hold: compute capability.
+"""A GPU's compute capability, from its database row or the datasheet table.
 
 The capability decides what a GPU of that generation runs (tensor cores, which attention kernel
-torch picks) and what ``torch.cuda.get_device_capability()`` reports.
+torch picks) and what ``torch.cuda.get_device_capability()`` reports. The database stores it for
+every shipped GPU and for GPUs added with their generation (`gpemu gpus add`); a GPU added before
+the database stored it is matched by name against ``gpemu.costmodel.gpus.GPUS``, or takes its
+generation's usual capability.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compute_capability"]
+__all__ = ["compute_capability", "generation_capability"]
 
-# Real compute capabilities of the GPU models gpemu emulates (name fragment -> (major, minor)).
-# Longer fragments first so "RTX 6000" does not match "A6000" rules etc.
-_CAPABILITY: tuple[tuple[str, tuple[int, int]], ...] = (
-    ("B200", (10, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("L40", (8, 9)), ("L4", (8, 9)), ("4090", (8, 9)),
-    ("A100", (8, 0)), ("A6000", (8, 6)), ("A40", (8, 6)), ("A30", (8, 0)), ("A10", (8, 6)), ("RTX6000", (7, 5)),
-    ("RTX 6000", (7, 5)), ("T4", (7, 5)), ("V100", (7, 0)), ("P100", (6, 0)), ("P40", (6, 1)),
-    ("M40", (5, 2)), ("K80", (3, 7)),
-)
+# A GPU the database and the datasheet table know nothing about: the cost model prices it as an
+# Ampere GPU (gpemu.costmodel.gpus.sheet_from_spec), so it reports the A100's capability.
+_UNKNOWN = (8, 0)
 
 
 def compute_capability(spec: Any) -> tuple[int, int]:
-    """(major, minor) of a GPU spec: its own field if the database has one, else the known table."""
+    """(major, minor) of a GPU: its own ``compute_capability`` (a ``gpemu.db.GpuSpec`` field),
+    else the datasheet sheet its name or an alias matches, else its generation's usual one."""
     own = getattr(spec, "compute_capability", None)
     if own:
         if isinstance(own, str):
             major, _, minor = own.partition(".")
             return int(major), int(minor or 0)
         return int(own[0]), int(own[1])
-    names = [getattr(spec, "name", str(spec))] + list(getattr(spec, "aliases", ()) or ())
+    from gpemu.costmodel.gpus import find_gpu
+
+    names = [getattr(spec, "name", spec if isinstance(spec, str) else None), *(getattr(spec, "aliases", ()) or ())]
     for text in names:
-        key = text.upper().replace("_", " ").replace("-", " ")
-        squeezed = key.replace(" ", "")
-        for fragment, cc in _CAPABILITY:
-            if fragment.replace(" ", "") in squeezed:
-                return cc
-    return (7, 0)
+        if isinstance(text, str):
+            sheet = find_gpu(text)
+            if sheet is not None:
+                return tuple(sheet.compute_capability)  # type: ignore[return-value]
+    generation = getattr(spec, "generation", None)
+    cc = generation_capability(generation) if generation else None
+    return cc if cc is not None else _UNKNOWN
+
+
+def generation_capability(generation: str) -> tuple[int, int] | None:
+    """The compute capability most datasheet sheets of ``generation`` have (Ampere: 8.0, the
+    A100's; Ada 8.9), or None for a generation the table does not have."""
+    from gpemu.costmodel.gpus import GPUS
+
+    seen: dict[tuple[int, int], int] = {}
+    for s in GPUS:
+        if s.generation == generation:
+            cc = (int(s.compute_capability[0]), int(s.compute_capability[1]))
+            seen[cc] = seen.get(cc, 0) + 1
+    return max(seen, key=lambda cc: (seen[cc], cc)) if seen else None

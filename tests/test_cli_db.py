@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,15 +26,40 @@ def _gpemu(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           timeout=120)
 
 
-def test_gpus_lists_six_with_memory(runner):
+def test_gpus_lists_measured_and_datasheet_gpus(runner):
+    """Every datasheet GPU the issue names is listed, each marked measured or datasheet-only."""
     res = runner.invoke(cli, ["gpus"])
     assert res.exit_code == 0, res.output
-    for short in ("A100", "RTX6000", "K80", "M40", "P100", "V100"):
-        assert short in res.output
-    assert "Tesla V100-PCIE-32GB" in res.output and "32 GiB" in res.output
-    data = json.loads(runner.invoke(cli, ["gpus", "--json"]).output)
-    assert len(data) == 6 and {d["aliases"][0] for d in data} >= {"V100", "K80"}
-    assert all(d["memory_bytes"] > 0 for d in data)
+    assert "16 GPUs: 6 measured, 10 datasheet-only" in res.output
+    # GPU ... compute capability, status (the full-name and source columns come with wide terminals)
+    rows = [re.match(r"\s*(\S+)\s.*?\s\d+\.\d\s+(measured|datasheet)\s", ln) for ln in res.output.splitlines()]
+    status = {m.group(1): m.group(2) for m in rows if m}
+    assert {k for k, v in status.items() if v == "measured"} == {"A100", "RTX6000", "K80", "M40", "P100", "V100"}
+    assert {k for k, v in status.items() if v == "datasheet"} == {
+        "H100", "H100-PCIe", "H200", "B200", "A100-80GB", "L40S", "L4", "A10G", "RTX4090", "T4"}
+    data = {d["aliases"][0]: d for d in json.loads(runner.invoke(cli, ["gpus", "--json"]).output)}
+    assert len(data) == 16 and all(d["memory_bytes"] > 0 for d in data.values())
+    assert data["V100"]["name"] == "Tesla V100-PCIE-32GB" and data["V100"]["memory_bytes"] == 32 << 30
+    assert data["V100"]["measurements"] > 0 and data["H100"]["measurements"] == 0
+    assert data["H100"]["provenance"] == "datasheet" and data["H100"]["compute_capability"] == [9, 0]
+    assert "H100 datasheet" in data["H100"]["source"]
+
+
+def test_show_datasheet_gpu_says_what_is_measured_and_what_is_scaled(runner):
+    """A datasheet-only GPU: forward/backward scaled from the reference GPU with the cost model's
+    ±, the other kinds labelled as the reference GPU's measurements."""
+    out = json.loads(runner.invoke(cli, ["show", "resnet50", "--gpu", "H100", "-b", "64", "--json"]).output)
+    assert out["gpu"] == "NVIDIA H100 80GB HBM3" and out["gpu_provenance"] == "datasheet"
+    assert out["measured_on"] == "NVIDIA A100-SXM4-40GB"
+    m = out["measurements"]
+    ref = json.loads(runner.invoke(cli, ["show", "resnet50", "--gpu", "A100", "-b", "64", "--json"]).output)
+    for kind in ("forward", "backward"):
+        assert m[kind]["provenance"] == "scaled from A100" and m[kind]["uncertainty"].startswith("±")
+        # 3x the A100's tensor-core peak and 2x its bandwidth: faster, but not by more than the peaks
+        assert ref["measurements"][kind]["value"] / 3.5 < m[kind]["value"] < ref["measurements"][kind]["value"] / 1.2
+    assert m["peak_memory"] == {**ref["measurements"]["peak_memory"], "provenance": "measured on A100"}
+    table = runner.invoke(cli, ["show", "resnet50", "--gpu", "H100", "-b", "64"]).output
+    assert "not measured on it (datasheet)" in table and "scaled from A100 ±" in table
 
 
 def test_models_lists_36_with_class_and_params(runner):
@@ -143,4 +169,125 @@ def test_show_lists_ddp_iterations_per_world_size(runner, tmp_path):
 def test_db_init_default_reports_counts(runner):
     res = runner.invoke(cli, ["db", "init"])
     assert res.exit_code == 0, res.output
-    assert "6 GPUs, 36 models, 276640 measurements, 14 distributions" in res.output
+    assert "16 GPUs, 36 models, 276640 measurements, 14 distributions" in res.output
+
+
+# ------------------------------------------------------------------ gpemu gpus add
+@pytest.fixture()
+def gpus_only_db(tmp_path):
+    """A real SQLite file holding the shipped GPU rows (no measurements: quick to make)."""
+    from gpemu.db.build import open_url
+    from gpemu.db.specs import shipped_gpus
+
+    url = f"sqlite:///{tmp_path / 'gpus.sqlite'}"
+    pdb = open_url(url)
+    for spec in shipped_gpus():
+        pdb.add_gpu(spec)
+    pdb.close()
+    return url
+
+
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    from gpemu.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+_MYGPU = ["--generation", "hopper", "--sms", "66", "--memory-gb", "48", "--bandwidth-gbs", "1500",
+          "--fp32-tflops", "30", "--tf32-tensor-tflops", "200", "--fp16-tensor-tflops", "400",
+          "--bf16-tensor-tflops", "400", "--pcie-gen", "5"]
+
+
+def test_gpus_add_from_options_stores_every_figure(capsys, gpus_only_db):
+    from gpemu.db.build import open_url
+
+    rc, out, err = _main(capsys, "gpus", "add", "ACME H50", "--alias", "H50", *_MYGPU, "--source", "ACME sheet",
+                         "--db", gpus_only_db)
+    assert rc == 0, err
+    assert "added ACME H50 (H50): hopper, compute capability 9.0, 66 SMs, 48 GiB" in out
+    spec = open_url(gpus_only_db).gpu("h50")
+    assert (spec.name, spec.provenance, spec.generation, spec.compute_capability) == ("ACME H50", "user", "hopper", (9, 0))
+    assert spec.memory_bytes == 48 << 30 and spec.memory_bandwidth == 1500e9 and spec.sm_count == 66
+    assert spec.fp32_flops == 30e12 and spec.fp16_flops == 400e12 == spec.bf16_tensor_flops
+    assert spec.tf32_tensor_flops == 200e12 and spec.pcie_gen == 5 and spec.source == "ACME sheet"
+    # defaults: pinned copies at 0.8 x a Gen5 x16 link; no NVLink
+    assert spec.host_link_bandwidth_pinned == pytest.approx(0.8 * 63e9) and spec.nvlink_bandwidth == 0
+    rc, out, _ = _main(capsys, "gpus", "--db", gpus_only_db)
+    assert rc == 0 and "17 GPUs: 0 measured, 17 datasheet-only" in out
+    assert re.search(r"H50 .* hopper +9\.0 +added ", out)
+
+
+def test_gpus_add_file_matches_the_export_example(capsys, gpus_only_db, tmp_path):
+    """examples/rtx3090.yaml (datasheet units) and examples/rtx3090.json (`gpemu db import`) are
+    the same GPU."""
+    from gpemu.db.build import open_url
+
+    root = os.path.join(os.path.dirname(__file__), "..", "examples")
+    rc, out, err = _main(capsys, "gpus", "add", "--file", os.path.join(root, "rtx3090.yaml"), "--db", gpus_only_db)
+    assert rc == 0, err
+    other = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    rc, _, err = _main(capsys, "db", "import", os.path.join(root, "rtx3090.json"), "--db", other)
+    assert rc == 0, err
+    a, b = open_url(gpus_only_db).gpu("RTX3090"), open_url(other).gpu("RTX3090")
+    assert (a.name, a.generation, a.compute_capability, a.sm_count, a.memory_bytes, a.pcie_gen) == \
+        (b.name, b.generation, b.compute_capability, b.sm_count, b.memory_bytes, b.pcie_gen)
+    for f in ("fp32_flops", "memory_bandwidth", "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops",
+              "nvlink_bandwidth"):
+        assert getattr(a, f) == pytest.approx(getattr(b, f), rel=0.01), f
+    # adding it again is refused (names are unique); --replace updates the user's own GPU
+    rc, _, err = _main(capsys, "gpus", "add", "--file", os.path.join(root, "rtx3090.yaml"), "--db", gpus_only_db)
+    assert rc == 2 and "already in the database: pass --replace" in err
+    rc, _, err = _main(capsys, "gpus", "add", "--file", os.path.join(root, "rtx3090.yaml"), "--replace",
+                       "--db", gpus_only_db)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--generation", "ampre"], "generation (--generation) must be one of kepler, maxwell, pascal, volta, turing, "
+                                "ampere, ada, hopper, blackwell, got 'ampre'"),
+    (["--bandwidth-gbs", None], "bandwidth_gbs (--bandwidth-gbs) is required"),
+    (["--fp32-tflops", "30e12"], "fp32_tflops (--fp32-tflops) must be a number from 0.01 to 10000 TFLOP/s, got 3e+13"),
+    (["--bf16-tensor-tflops", "4"], "bf16_tensor_tflops (--bf16-tensor-tflops) = 4 TFLOP/s is under a quarter of "
+                                    "the FP32 peak (30): give TFLOP/s"),
+    (["--generation", "turing"], "tf32_tensor_tflops (--tf32-tensor-tflops): turing GPUs have no such tensor cores"),
+    (["--sms", "0"], "sms (--sms) must be a whole number from 1 to 1024, got 0"),
+    (["--compute-capability", "nine"], "compute_capability (--compute-capability) must be MAJOR.MINOR"),
+    (["--alias", "A100"], "'A100' already names NVIDIA A100-SXM4-40GB (A100); pick another alias"),
+    (["--name", "NVIDIA H100 80GB HBM3"], "'NVIDIA H100 80GB HBM3' ships with gpemu (datasheet): add yours under "
+                                          "another name"),
+    (["--sms", "many"], "Invalid value for '--sms': 'many' is not a valid integer"),
+])
+def test_gpus_add_bad_input_is_one_line_and_writes_nothing(capsys, gpus_only_db, argv, says):
+    from gpemu.db.build import open_url
+
+    args = {k: v for k, v in zip(_MYGPU[::2], _MYGPU[1::2])}
+    name = "ACME H50"
+    if argv[0] == "--name":
+        name = argv[1]
+    elif argv[1] is None:
+        args.pop(argv[0])
+    else:
+        args[argv[0]] = argv[1]
+    flat = [x for kv in args.items() for x in kv]
+    rc, out, err = _main(capsys, "gpus", "add", name, *flat, "--db", gpus_only_db)
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and says in " ".join(err.split()), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2  # usage errors add "(see --help)"
+    assert len(open_url(gpus_only_db).gpus()) == 16
+
+
+def test_gpus_add_bad_file_names_the_gpu_and_field(capsys, gpus_only_db, tmp_path):
+    bad = tmp_path / "two.yaml"
+    bad.write_text("- {name: Good One, generation: ada, sms: 10, memory_gb: 8, bandwidth_gbs: 100, fp32_tflops: 5}\n"
+                   "- {name: Bad One, generation: ada, sms: 10, memory_gb: 8, bandwidth_gbs: 100, fp32_tflops: 5,"
+                   " memory_bytes: 8}\n")
+    rc, _, err = _main(capsys, "gpus", "add", "--file", str(bad), "--db", gpus_only_db)
+    assert rc == 2 and f"{bad}: Bad One:" in err and "`gpemu db export` format" in err
+    bad.write_text("name: X\ngeneration: ada\nsms: 10\nmemory_gb: 8\nbandwidth_gbs: 100\nfp32_tflops: 5\nclock: 2\n")
+    rc, _, err = _main(capsys, "gpus", "add", "--file", str(bad), "--db", gpus_only_db)
+    assert rc == 2 and "unknown field(s) clock; valid fields: name, aliases, generation" in err
+    from gpemu.db.build import open_url
+
+    assert len(open_url(gpus_only_db).gpus()) == 16  # the good first entry was not written either

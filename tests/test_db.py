@@ -58,7 +58,7 @@ def test_schema_tables_and_unique_measurement_key(pdb):
     uniques = insp.get_unique_constraints("measurements")
     assert any(set(u["column_names"]) == {"gpu_id", "model_id", "kind", "batch_size", "world_size"} for u in uniques)
     meta = pdb.meta()
-    assert meta["schema_version"] == "1" and len(meta["data_version"]) == 16
+    assert meta["schema_version"] == "2" and len(meta["data_version"]) == 16
     assert "10.14778/3725688.3725716" in meta["source"]
 
 
@@ -73,7 +73,7 @@ def test_duplicate_measurement_row_is_refused_by_the_database(empty_db):
 
 # ------------------------------------------------------------------ shipped data
 def test_shipped_row_counts_per_kind(pdb):
-    assert len(pdb.gpus()) == 6
+    assert len(pdb.gpus()) == 16 and len(pdb.measured_gpus()) == 6
     assert len(pdb.models()) == 36
     per_pair = 36 * 6
     assert pdb.count("forward") == per_pair * 256
@@ -132,13 +132,37 @@ def test_gpu_aliases_resolve_to_one_gpu(pdb, alias):
 
 
 def test_every_gpu_has_short_alias_and_specs(pdb):
+    from gpemu.costmodel.gpus import GPUS
+
     shorts = {s.short_name: s for s in pdb.gpus()}
-    assert set(shorts) == {"A100", "RTX6000", "K80", "M40", "P100", "V100"}
+    assert set(shorts) == {g.short_name for g in GPUS}  # the cost model's datasheet table, all of it
+    assert {"A100", "RTX6000", "K80", "M40", "P100", "V100", "H100", "H100-PCIe", "H200", "B200", "A100-80GB",
+            "L40S", "L4", "A10G", "RTX4090", "T4"} == set(shorts)
     assert shorts["K80"].memory_bytes == 12 << 30  # one GK210 die
     for s in shorts.values():
         assert pdb.gpu(s.short_name) == s
         assert s.fp16_flops >= s.fp32_flops > 1e12
         assert s.host_link_bandwidth_pinned > s.host_link_bandwidth_pageable > 1e9
+        assert s.provenance == "datasheet" and s.source and s.generation and s.compute_capability
+    measured = {s.short_name for s in pdb.measured_gpus()}
+    assert measured == {g.short_name for g in GPUS if g.measured} == {"A100", "RTX6000", "K80", "M40", "P100", "V100"}
+
+
+def test_shipped_gpu_rows_are_the_datasheet_table(pdb):
+    """Every fact the cost model prices with round-trips through the database unchanged."""
+    from gpemu.costmodel.gpus import GPUS
+
+    for sheet in GPUS:
+        spec = pdb.gpu(sheet.name)
+        assert spec.aliases == sheet.aliases and spec.generation == sheet.generation
+        assert spec.compute_capability == sheet.compute_capability and spec.sm_count == sheet.sm_count
+        assert spec.memory_bytes == sheet.memory_bytes and spec.memory_bandwidth == sheet.memory_bandwidth
+        for f in ("fp32_flops", "fp64_flops", "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops",
+                  "nvlink_bandwidth", "host_link_bandwidth_pinned", "host_link_bandwidth_pageable", "pcie_gen"):
+            assert getattr(spec, f) == getattr(sheet, f), (sheet.name, f)
+        assert spec.fp16_nontensor_flops == sheet.fp16_flops
+        assert spec.fp16_flops == max(sheet.fp16_flops, sheet.fp16_tensor_flops)  # the one-number FP16 peak
+        assert spec.source == sheet.source
 
 
 def test_unknown_gpu_suggests_close_names(pdb):
@@ -146,7 +170,7 @@ def test_unknown_gpu_suggests_close_names(pdb):
         pdb.gpu("V1000")
     assert isinstance(err.value, ValueError)
     assert "V100" in err.value.suggestions
-    assert "A100, RTX6000, K80, M40, P100, V100" in str(err.value)
+    assert "K80, M40, P100, V100, RTX6000, A100, A100-80GB" in str(err.value)
 
 
 def test_model_names_case_insensitive_and_suggestions(pdb):
@@ -320,3 +344,17 @@ def test_extrapolation_from_a_single_point_scales_with_batch(empty_db):
     assert empty_db.lookup("TG8", "tinynet", 5, "forward").value == pytest.approx(0.5)
     _points(empty_db, "forward", [(20, 4.0)])  # new data: the cached line is dropped
     assert empty_db.lookup("TG8", "tinynet", 30, "forward").value == pytest.approx(7.0)
+
+
+def test_every_shipped_gpu_round_trips_through_datasheet_units():
+    """`gpemu gpus add`'s units (GB, GB/s, TFLOP/s) and checks accept every shipped datasheet GPU
+    and give back the same row: the command and the shipped table describe GPUs alike."""
+    from dataclasses import asdict
+
+    from gpemu.db.datasheet import datasheet_of, spec_from_datasheet
+    from gpemu.db.specs import shipped_gpus
+
+    for spec in shipped_gpus():
+        again = asdict(spec_from_datasheet(datasheet_of(spec), provenance="datasheet"))
+        for key, value in asdict(spec).items():  # floats to rounding (GB/s and TFLOP/s, 6 decimals)
+            assert again[key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), (spec.name, key)

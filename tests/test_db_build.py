@@ -126,7 +126,7 @@ def test_newer_schema_is_refused(tmp_path):
     con.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
     con.commit()
     con.close()
-    with pytest.raises(ValueError, match="schema version 99, this gpemu uses 1"):
+    with pytest.raises(ValueError, match="schema version 99, this gpemu uses 2"):
         open_url(url)
 
 
@@ -208,7 +208,7 @@ def test_unreadable_meta_or_other_schema_rebuilds_without_losing_rows(tmp_path, 
     ensure_default_db(tmp_path)
     db = open_profile_db(EmuConfig(data_dir=str(tmp_path)))
     assert db.lookup("RTX3090", "mynet", 8, "forward").value == 0.0123
-    assert _meta(path)["schema_version"] == "1"
+    assert _meta(path)["schema_version"] == "2"
 
 
 def test_a_file_that_is_not_a_database_is_kept_aside_and_reported(tmp_path, capsys):
@@ -233,3 +233,55 @@ def test_changed_shipped_gpu_is_replaced_and_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "replaces your versions of Tesla V100-PCIE-32GB" in err and "kept no rows of your own" in err
     assert open_profile_db(EmuConfig(data_dir=str(tmp_path))).gpu("V100").sm_count == 80
+
+
+def test_schema_1_database_at_a_url_is_upgraded_in_place_keeping_its_rows(tmp_path):
+    """A --db database made by a gpemu before schema 2 (no datasheet columns on gpus) is migrated
+    when opened: its GPUs stay, as the user's, with the new facts unknown."""
+    from gpemu.db import GpuSpec, schema
+
+    path = tmp_path / "old.sqlite"
+    url = f"sqlite:///{path}"
+    open_url(url).close()
+    con = sqlite3.connect(path)
+    for column in schema.gpus.columns.keys()[10:]:  # back to the schema-1 table
+        con.execute(f"ALTER TABLE gpus DROP COLUMN {column}")
+    con.execute("INSERT INTO gpus (name, aliases, memory_bytes, fp32_flops, fp16_flops, memory_bandwidth, "
+                "host_link_bandwidth_pinned, host_link_bandwidth_pageable, sm_count) "
+                "VALUES ('Old Card', '[\"OLD\"]', 1073741824, 1e12, 2e12, 1e11, 1e10, 5e9, 8)")
+    con.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+
+    db = open_url(url)
+    old = db.gpu("OLD")
+    assert (old.name, old.sm_count, old.provenance, old.generation, old.tf32_tensor_flops) == \
+        ("Old Card", 8, "user", None, None)
+    assert _meta(path)["schema_version"] == "2"
+    db.add_gpu(GpuSpec(name="New Card", aliases=("NEW",), memory_bytes=1 << 30, fp32_flops=1e12, fp16_flops=2e12,
+                       memory_bandwidth=1e11, host_link_bandwidth_pinned=1e10, host_link_bandwidth_pageable=5e9,
+                       sm_count=8, generation="ada", compute_capability=(8, 9)))
+    db.close()
+    again = open_url(url)  # current now: opened as it is
+    assert again.gpu("NEW").compute_capability == (8, 9) and again.gpu("OLD").name == "Old Card"
+
+
+def test_rebuild_keeps_a_user_gpu_whose_alias_now_names_a_shipped_one_and_says_so(tmp_path, capsys):
+    """Your own "H100" from before gpemu shipped one: kept under its name; the alias now means
+    the shipped GPU, and the rebuild says so."""
+    path = ensure_default_db(tmp_path)
+    con = sqlite3.connect(path)
+    con.execute("INSERT INTO gpus (name, aliases, memory_bytes, fp32_flops, fp16_flops, memory_bandwidth, "
+                "host_link_bandwidth_pinned, host_link_bandwidth_pageable, sm_count) "
+                "VALUES ('My Hopper', '[\"H100\", \"MYH\"]', 85899345920, 6.7e13, 9.9e14, 3.35e12, 5e10, 5e9, 132)")
+    con.execute("UPDATE meta SET value='0000' WHERE key='data_version'")
+    con.commit()
+    con.close()
+    capsys.readouterr()
+    ensure_default_db(tmp_path)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "kept 1 GPU(s)" in err
+    assert "the alias 'H100' of My Hopper now names the shipped NVIDIA H100 80GB HBM3 (use 'My Hopper')" in err
+    db = open_profile_db(EmuConfig(data_dir=str(tmp_path)))
+    assert db.gpu("H100").name == "NVIDIA H100 80GB HBM3" and db.gpu("MYH").name == "My Hopper"
+    assert db.gpu("My Hopper").provenance == "user"

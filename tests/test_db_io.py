@@ -141,3 +141,18 @@ def test_import_refuses_files_it_cannot_read(fresh, tmp_path):
         import_path(fresh, tmp_path / "emptydir")
     with pytest.raises(ValueError, match="format must be 'json' or 'csv'"):
         export_db(fresh, tmp_path / "x", "xml")
+
+
+def test_import_refuses_a_gpu_whose_alias_names_another_gpu(pdb, tmp_path):
+    """Lookups resolve a name to the first GPU that has it: an imported GPU taking the H100's
+    alias would be unreachable by it, so the row is rejected, saying whose name it is."""
+    spec = {"aliases": ["H100"], "memory_bytes": 80 << 30, "fp32_flops": 60e12, "fp16_flops": 900e12,
+            "memory_bandwidth": 3e12, "host_link_bandwidth_pinned": 50e9, "host_link_bandwidth_pageable": 10e9,
+            "sm_count": 132}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"format": "gpemu-profile-db", "gpus": [{"name": "My Hopper", **spec}]}))
+    report = import_path(pdb, path)
+    assert report.gpus == 0
+    assert [r.reason for r in report.rejected] == [
+        "bad GPU spec: 'H100' already names NVIDIA H100 80GB HBM3; give My Hopper another alias"]
+    assert pdb.gpu("H100").name == "NVIDIA H100 80GB HBM3" and "My Hopper" not in {g.name for g in pdb.gpus()}

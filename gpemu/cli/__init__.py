@@ -24,7 +24,7 @@ __all__ = ["main", "cli", "UserError", "console", "err_console", "make_console"]
 # name -> (module, attribute, one-line help). The module defines a click.Command.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("gpemu.cli.run_cmd", "run", "Run a PyTorch script on emulated GPUs (no edits to the script)."),
-    "gpus": ("gpemu.cli.db_cmds", "gpus", "List the GPUs the profile database knows."),
+    "gpus": ("gpemu.cli.db_cmds", "gpus", "List the GPUs you can emulate, measured or datasheet-only (`gpus add`: add one)."),
     "models": ("gpemu.cli.db_cmds", "models", "List the models the profile database knows."),
     "show": ("gpemu.cli.db_cmds", "show", "Show every measurement for a model on a GPU at a batch size."),
     "db": ("gpemu.cli.db_cmds", "db", "Manage the profile database (path, init, export, import)."),

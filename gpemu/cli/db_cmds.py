@@ -87,29 +87,155 @@ def format_value(value: float, unit: str) -> str:
     return f"{value:g} {unit}"
 
 
-@click.command("gpus")
+@click.group("gpus", invoke_without_command=True)
 @_db_option
 @_json_option
+@click.pass_context
 @_one_line_errors
-def gpus(db_url: str | None, as_json: bool) -> None:
-    """List the GPUs the profile database knows, with their datasheet facts."""
-    specs = _open(db_url).gpus()
-    if as_json:
-        from dataclasses import asdict
+def gpus(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
+    """List the GPUs you can emulate: measured (the profile database has times of models on it)
+    or datasheet-only (priced by the cost model from its datasheet figures).
 
-        click.echo(json.dumps([{**asdict(s), "aliases": list(s.aliases)} for s in specs], indent=2))
+    \b
+      gpemu gpus                      the table
+      gpemu gpus --json               every fact, as JSON
+      gpemu gpus add --help           add a GPU from its datasheet numbers
+    """
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = {**(ctx.obj or {}), "db_url": db_url}
         return
-    t = _table(f"{len(specs)} GPUs (FP32/FP16 TFLOP/s; mem, host pinned/pageable GB/s)",
-               [("GPU", "left"), ("name", "left"), ("memory", "right"), ("FP32", "right"),
-                ("FP16", "right"), ("mem", "right"), ("host", "right"), ("SMs", "right")])
+    pdb = _open(db_url)
+    specs, counts = pdb.gpus(), pdb.measurement_counts()
+    if as_json:
+        from gpemu.db.io import gpu_json
+
+        click.echo(json.dumps([{**gpu_json(s), "measurements": counts.get(s.name, 0)} for s in specs], indent=2))
+        return
+    # Oldest architecture first; measured before datasheet-only within one.
+    specs = sorted(specs, key=lambda s: (s.compute_capability or (99, 0), s.name not in counts, s.short_name.lower()))
+    n_measured = sum(1 for s in specs if s.name in counts)
+    # Readable at 80 columns; the full name and the source join when the terminal is wider.
+    width = console.width
+    cols = [("GPU", "left")] + ([("name", "left")] if width >= 110 else []) + [
+        ("gen", "left"), ("cc", "right"), ("status", "left"), ("rows", "right"), ("GiB", "right"),
+        ("SMs", "right"), ("FP32", "right"), ("BF16", "right"), ("mem GB/s", "right")]
+    cols += [("source", "left")] if width >= 150 else []
+    t = _table(f"{len(specs)} GPUs: {n_measured} measured, {len(specs) - n_measured} datasheet-only", cols)
+    if width >= 150:
+        t.columns[-1].no_wrap = False
     for s in specs:
-        t.add_row(s.short_name, s.name, f"{s.memory_bytes / (1 << 30):.0f} GiB", _g(s.fp32_flops, 1e12),
-                  _g(s.fp16_flops, 1e12), _g(s.memory_bandwidth, 1e9, 4),
-                  f"{_g(s.host_link_bandwidth_pinned, 1e9)}/{_g(s.host_link_bandwidth_pageable, 1e9)}",
-                  str(s.sm_count))
+        n = counts.get(s.name, 0)
+        # measured: the database has model times on it; datasheet: shipped figures only; added:
+        # figures someone entered (`gpemu gpus add`, an import); profiled: rates `gpemu profile` measured.
+        status = ("[green]measured[/green]" if n else "[yellow]datasheet[/yellow]" if s.provenance == "datasheet"
+                  else f"[yellow]{'added' if s.provenance == 'user' else s.provenance}[/yellow]")
+        cc = f"{s.compute_capability[0]}.{s.compute_capability[1]}" if s.compute_capability else "?"
+        bf16 = "?" if s.bf16_tensor_flops is None else ("-" if s.bf16_tensor_flops == 0 else _g(s.bf16_tensor_flops, 1e12, 4))
+        row = [s.short_name] + ([s.name] if width >= 110 else []) + [
+            s.generation or "?", cc, status, f"{n:,}" if n else "-", f"{s.memory_bytes / (1 << 30):.0f}",
+            str(s.sm_count), _g(s.fp32_flops, 1e12), bf16, _g(s.memory_bandwidth, 1e9, 4)]
+        row += [_short(s.source or "", 60)] if width >= 150 else []
+        t.add_row(*row)
     console.print(t)
     if not specs:
         console.print("the database is empty: fill it with `gpemu db init` or `gpemu db import`")
+    else:
+        console.print("rows: measurements of models on it. FP32, BF16: peak TFLOP/s (BF16 on tensor cores, dense; "
+                      "- none). added: your datasheet figures (`gpemu gpus add`). A GPU without measurements takes "
+                      "the nearest measured generation's, scaled by the cost model (`gpemu show resnet50 --gpu H100 "
+                      "-b 64`); `gpemu gpus --json` has every figure and its source.", highlight=False)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@gpus.command("add")
+@click.argument("name", required=False)
+@click.option("--alias", "aliases", multiple=True, metavar="SHORT", help="Short name for --gpu (repeatable; the first "
+              "is shown in tables), e.g. RTX3090.")
+@click.option("--generation", metavar="ARCH", help="Architecture: kepler, maxwell, pascal, volta, turing, ampere, ada, "
+              "hopper or blackwell (decides which calibrated curves price it).")
+@click.option("--compute-capability", metavar="M.m", help="Compute capability, e.g. 8.6 [default: the generation's "
+              "usual one].")
+@click.option("--sms", type=int, metavar="N", help="Streaming multiprocessors.")
+@click.option("--memory-gb", type=float, metavar="GB", help="Memory as the datasheet says it (24 for a 24 GB card; "
+              "stored as GiB like every shipped GPU).")
+@click.option("--bandwidth-gbs", type=float, metavar="GB/S", help="Memory bandwidth, GB/s.")
+@click.option("--fp32-tflops", type=float, metavar="TF", help="FP32 peak without tensor cores, TFLOP/s.")
+@click.option("--tf32-tensor-tflops", type=float, metavar="TF", help="TF32 tensor-core peak, dense (half NVIDIA's "
+              "'with sparsity' figure), TFLOP/s; 0: none [default: 0 before Ampere].")
+@click.option("--fp16-tensor-tflops", type=float, metavar="TF", help="FP16 tensor-core peak with FP32 accumulate, "
+              "dense, TFLOP/s; 0: none.")
+@click.option("--bf16-tensor-tflops", type=float, metavar="TF", help="BF16 tensor-core peak, dense, TFLOP/s; 0: none.")
+@click.option("--fp16-tflops", type=float, metavar="TF", help="FP16 peak without tensor cores, TFLOP/s [optional].")
+@click.option("--fp64-tflops", type=float, metavar="TF", help="FP64 peak, TFLOP/s [optional].")
+@click.option("--pcie-gen", type=int, metavar="N", help="PCIe generation of the host link [default: 4].")
+@click.option("--nvlink-gbs", type=float, metavar="GB/S", help="Total NVLink bandwidth per GPU, GB/s [default: 0, none].")
+@click.option("--host-pinned-gbs", type=float, metavar="GB/S", help="Pinned host->GPU copy rate [default: 0.8 x the "
+              "PCIe link].")
+@click.option("--host-pageable-gbs", type=float, metavar="GB/S", help="Pageable host->GPU copy rate [default: the "
+              "shipped GPUs' with that PCIe generation].")
+@click.option("--source", metavar="TEXT", help="Where the numbers come from (datasheet title or URL).")
+@click.option("--file", "from_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Read the GPU(s) from a YAML or JSON file with the same fields (memory_gb: 24, ...) instead.")
+@click.option("--replace", is_flag=True, help="Update a GPU you added before (same name).")
+@_db_option
+@click.pass_context
+@_one_line_errors
+def gpus_add(ctx: click.Context, name: str | None, aliases: tuple[str, ...], from_file: Path | None, replace: bool,
+             db_url: str | None, **numbers: Any) -> None:
+    """Add a GPU to the database from its datasheet numbers, so `gpemu run --gpu NAME` emulates it.
+
+    NAME is what torch.cuda.get_device_name() reports on the real GPU. Without measurements of
+    models on it, its times come from the cost model: a model measured on another GPU is scaled
+    from the nearest measured generation (provenance `scaled`), other models are priced op by op
+    (`estimated`). Every field is checked first; a bad one is one error naming it, and nothing is
+    written. docs/adding.md explains each figure and where to find it.
+
+    \b
+      gpemu gpus add "NVIDIA GeForce RTX 3090" --alias RTX3090 --generation ampere \\
+          --compute-capability 8.6 --sms 82 --memory-gb 24 --bandwidth-gbs 936 \\
+          --fp32-tflops 35.6 --tf32-tensor-tflops 35.6 --fp16-tensor-tflops 71 \\
+          --bf16-tensor-tflops 71 --pcie-gen 4 --source "NVIDIA Ampere GA102 whitepaper"
+      gpemu gpus add --file examples/rtx3090.yaml
+    """
+    from gpemu.db.datasheet import check_names_free, read_datasheet_file, spec_from_datasheet
+
+    db_url = db_url or (ctx.obj or {}).get("db_url")
+    given = {k: v for k, v in numbers.items() if v is not None}
+    if from_file is not None:
+        if name or aliases or given:
+            raise click.UsageError("give the GPU either as options or with --file, not both")
+        entries = read_datasheet_file(from_file)
+        specs = []
+        for i, entry in enumerate(entries, 1):
+            try:
+                specs.append(spec_from_datasheet(entry))
+            except ValueError as exc:
+                which = entry.get("name") if isinstance(entry.get("name"), str) else f"GPU #{i}"
+                raise UserError(f"{from_file}: {which}: {exc}") from None
+    else:
+        if not name:
+            raise click.UsageError("give the GPU's NAME (what torch.cuda.get_device_name() reports), or --file FILE")
+        specs = [spec_from_datasheet({"name": name, "aliases": list(aliases) or None, **given})]
+    pdb = _open(db_url)
+    known = pdb.gpus()
+    for i, spec in enumerate(specs):
+        check_names_free(spec, known + specs[:i], replace)
+    for spec in specs:
+        pdb.add_gpu(spec)
+    for spec in specs:
+        tc = ", ".join(f"{label} {getattr(spec, attr) / 1e12:g}" for label, attr in (
+            ("TF32", "tf32_tensor_flops"), ("FP16", "fp16_tensor_flops"), ("BF16", "bf16_tensor_flops"))
+            if getattr(spec, attr))
+        cc = spec.compute_capability
+        click.echo(f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc[0]}.{cc[1]}, "
+                   f"{spec.sm_count} SMs, {spec.memory_bytes / (1 << 30):g} GiB at {spec.memory_bandwidth / 1e9:g} GB/s, "
+                   f"FP32 {spec.fp32_flops / 1e12:g} TFLOP/s" + (f", tensor {tc}" if tc else ", no tensor cores"))
+    first = specs[0].short_name
+    click.echo(f"try it: gpemu run --gpu {first} -- python train.py   (times from the cost model until you import "
+               f"measurements: docs/adding.md)")
 
 
 @click.command("models")
@@ -141,27 +267,101 @@ def models(db_url: str | None, as_json: bool) -> None:
 @_one_line_errors
 def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: bool) -> None:
     """Show every measurement kind for MODEL on a GPU at a batch size, with its provenance
-    (measured, interpolated between profiled batch sizes, or extrapolated beyond them)."""
+    (measured, interpolated between profiled batch sizes, or extrapolated beyond them).
+
+    A GPU without measurements of MODEL (a datasheet-only GPU such as the H100) shows what
+    `gpemu run` uses: the measurements of its reference GPU (the nearest measured generation),
+    forward and backward scaled to this GPU by the cost model (provenance `scaled`, with its
+    cross-validated ±), the other kinds as measured there."""
     pdb = _open(db_url)
     spec, info = pdb.gpu(gpu), pdb.model(model)  # UnknownNameError -> one line with suggestions
     measured = pdb.measured(gpu, model)
+    source, note = spec, None
     if not measured:
-        raise UserError(f"no measurements for {info.name} on {spec.name} in {pdb}")
+        source = _reference_gpu(pdb, spec, info.name)
+        if source is None:
+            raise UserError(f"no measurements for {info.name} on {spec.name} in {pdb}, nor on a GPU of a related "
+                            "generation to scale from")
+        measured = pdb.measured(source.name, info.name)
     # DDP iterations are per world size: one row each, labelled with it.
-    results = [(k if w == 1 else f"{k}[world_size={w}]", pdb.lookup(gpu, model, batch_size, k, world_size=w))
-               for k, w in measured]
+    rows = []
+    for k, w in measured:
+        r = pdb.lookup(source.name, info.name, batch_size, k, world_size=w)
+        rows.append([k if w == 1 else f"{k}[world_size={w}]", r.value, r.unit, r.provenance, None])
+    if source is not spec:
+        note = _scale_to(rows, info, batch_size, source, spec)
     if as_json:
-        click.echo(json.dumps({
-            "model": info.name, "gpu": spec.name, "batch_size": batch_size,
-            "measurements": {k: {"value": r.value, "unit": r.unit, "provenance": r.provenance} for k, r in results},
-        }, indent=2))
+        out: dict[str, Any] = {"model": info.name, "gpu": spec.name, "batch_size": batch_size}
+        if source is not spec:
+            out["gpu_provenance"] = spec.provenance
+            out["measured_on"] = source.name
+        out["measurements"] = {k: {"value": v, "unit": u, "provenance": p, **({"uncertainty": str(unc)} if unc else {})}
+                               for k, v, u, p, unc in rows}
+        if note:
+            out["note"] = note
+        click.echo(json.dumps(out, indent=2))
         return
-    t = _table(f"{info.name} on {spec.name} ({spec.short_name}), batch size {batch_size}",
-               [("kind", "left"), ("value", "right"), ("unit", "left"), ("provenance", "left")])
-    for k, r in results:
-        style = {"measured": "green", "interpolated": "yellow", "extrapolated": "red"}[r.provenance]
-        t.add_row(k, format_value(r.value, r.unit), r.unit, f"[{style}]{r.provenance}[/{style}]")
+    title = f"{info.name} on {spec.name} ({spec.short_name}), batch size {batch_size}"
+    if source is not spec:
+        title += f": not measured on it ({spec.provenance}); from the {source.short_name}'s measurements"
+    t = _table(title, [("kind", "left"), ("value", "right"), ("unit", "left"), ("provenance", "left")])
+    for k, v, u, p, unc in rows:
+        style = {"measured": "green", "interpolated": "yellow", "extrapolated": "red"}.get(p.split()[0], "magenta")
+        t.add_row(k, format_value(v, u), u, f"[{style}]{p}[/{style}]" + (f" {unc}" if unc else ""))
     console.print(t)
+    if note:
+        console.print(note, highlight=False)
+
+
+def _reference_gpu(pdb: Any, spec: Any, model: str) -> Any:
+    """The GPU whose measurements of ``model`` stand in for ``spec``'s: the first measured GPU
+    along its generation's donor chain (``gpemu.costmodel.gpus.DONORS``), as ``gpemu run``
+    picks it (gpemu.costs.reference_gpu). None: no related GPU has them."""
+    from gpemu.costmodel import DONORS, gpu_sheet
+
+    generation = spec.generation or gpu_sheet(spec).generation
+    candidates = [g for g in pdb.measured_gpus() if g.name != spec.name and pdb.has(g.name, model, "forward")
+                  and pdb.has(g.name, model, "backward")]
+    for donor in DONORS.get(generation, DONORS["ampere"]):
+        for g in candidates:
+            if (g.generation or gpu_sheet(g).generation) == donor:
+                return g
+    return None
+
+
+def _scale_to(rows: list[list[Any]], info: Any, batch: int, source: Any, spec: Any) -> str | None:
+    """Carry ``source``'s forward/backward times in ``rows`` to ``spec`` in place (the cost
+    model's ratio of the model's ops on both GPUs, as `gpemu run` does); label the other rows as
+    ``source``'s. Returns a line for what could not be done."""
+    from gpemu.costmodel import default_model, gpu_sheet
+    from gpemu.costmodel.model import dominant_mix
+
+    for row in rows:
+        row[3] = f"{row[3]} on {source.short_name}"
+    try:
+        # The op list comes from the repository's plain-PyTorch copies of the database's models
+        # (torchvision is not needed); an installed gpemu without the checkout cannot record them.
+        from gpemu.profiler.costdata import record_model, repo_models
+
+        builder = repo_models().get(info.name)
+        if builder is None:
+            raise ImportError(f"examples/tvmodels.py has no {info.name}")
+        table = record_model(builder, image=info.input_size or 224)
+    except ImportError as exc:
+        return (f"forward/backward are the {source.short_name}'s: scaling them to the {spec.short_name} needs the "
+                f"model's ops ({exc}); `gpemu run --gpu {spec.short_name}` scales them by the ops your script runs")
+    cm = default_model()
+    sheet, ref_sheet = gpu_sheet(spec), gpu_sheet(source)
+    unc = cm.uncertainty(sheet, dominant_mix(table, cm.table_seconds(table, batch, sheet)))
+    for row in rows:
+        if row[0] in ("forward", "backward"):
+            row[1] = cm.transfer_seconds(row[1], table, batch, row[0], ref_sheet, sheet)
+            row[3] = f"scaled from {source.short_name}"
+            row[4] = unc
+    return (f"scaled: the {source.short_name}'s measurement x the cost model's {spec.short_name}/{source.short_name} "
+            f"ratio for this model's ops (fp32, PyTorch's default TF32 switches)"
+            + (f"; {unc} is its cross-validated error on GPUs it was not fitted on" if unc else "")
+            + f". The other kinds are the {source.short_name}'s as measured.")
 
 
 @click.group("db")
