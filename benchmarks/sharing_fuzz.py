@@ -208,12 +208,18 @@ def main() -> None:
         print(f"manager memory (VmRSS): {before['rss'] / 1024:.1f} MiB before, {after['rss'] / 1024:.1f} MiB after")
         print(f"manager log: {before['log']} bytes before, {after['log']} bytes after "
               f"({text.count('rejected message')} rejection lines, {text.count('more message(s) rejected')} summary lines)")
+        manager.terminate()  # SIGTERM: the manager logs the rejections its log budget left out
+        manager.wait(10)
+        tail = [line for line in log.read_text(errors="replace").splitlines() if "more message(s) rejected" in line]
+        print(f"manager stopped (exit {manager.returncode}); its log, {log.stat().st_size} bytes, ends the flood with: "
+              f"{tail[-1].split(' WARNING ')[-1] if tail else 'no summary line'}")
         print(f"# load average {os.getloadavg()[0]:.2f} at the end; log: {log}")
     finally:
         if job is not None and job.poll() is None:
             job.kill()
-        manager.terminate()
-        manager.wait(10)
+        if manager.poll() is None:
+            manager.terminate()
+            manager.wait(10)
         broker.stop()
 
 

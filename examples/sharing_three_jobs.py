@@ -191,10 +191,14 @@ def main() -> None:
         sys.exit(f"a job recorded no iterations: {', '.join(n for n, ts in marks.items() if not ts)}")
     end = max(ts[-1] for ts in marks.values())
     for name, ts in marks.items():
+        # Each iteration is spread over the time between its end and the previous one's (the
+        # first, whose start is unknown, is left out): counting whole iteration ends per window
+        # swung by one iteration (+-8% at 163 ms a window of 2 s) and drew a job above "alone".
+        spans = [(a, b) for a, b in zip(ts, ts[1:]) if b > a]
         xs, ys = [], []
         t = 0.0
         while t < end:
-            n = sum(1 for x in ts if t <= x < t + window)
+            n = sum(max(0.0, min(b, t + window) - max(a, t)) / (b - a) for a, b in spans)
             xs.append(t + window / 2)
             ys.append(n * args.batch_size / window)
             t += window

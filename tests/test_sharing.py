@@ -675,3 +675,16 @@ def test_rejections_are_logged_with_a_bounded_budget(caplog):
     assert h.core.rejected == 501
     assert len(lines) <= 25
     assert any("more message(s) rejected" in line and line.startswith("480 ") for line in lines), lines[-3:]
+
+
+def test_rejections_not_yet_summarised_are_logged_when_the_manager_stops(caplog):
+    h = Harness()
+    with caplog.at_level("WARNING", logger="gpemu.sharing.manager"):
+        for i in range(50):
+            h._tag += 1
+            h.core.receive(b"not json %d" % i, rq("x"), h._tag, 1.0 + i * 0.01)
+        h.core.flush_log(5.0)  # within the window: nothing yet
+        assert not any("more message(s)" in r.getMessage() for r in caplog.records)
+        h.core.flush_log(5.0, final=True)  # the manager stops
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("30 more message(s) rejected in the last 4 s") for line in lines), lines[-3:]

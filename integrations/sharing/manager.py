@@ -183,12 +183,12 @@ class _LogBudget:
         self.used = 0
         self.suppressed = 0
 
-    def flush(self, now: float) -> None:
-        """At the end of a window: one line for what it did not log."""
-        if self.start is not None and now - self.start >= self.window_s:
+    def flush(self, now: float, final: bool = False) -> None:
+        """At the end of a window (or of the manager, ``final``): one line for what it did not log."""
+        if self.start is not None and (final or now - self.start >= self.window_s):
             if self.suppressed:
                 log.warning("%d more message(s) rejected in the last %.0f s (not logged one by one)",
-                            self.suppressed, self.window_s)
+                            self.suppressed, min(self.window_s, now - self.start) if final else self.window_s)
             self.start, self.used, self.suppressed = None, 0, 0
 
     def allow(self, now: float) -> bool:
@@ -420,9 +420,10 @@ class SharingCore:
         return self._drop_job(job, now, "connection closed") + self.advance(now)
 
     # ------------------------------------------------------------------ input: time
-    def flush_log(self, now: float) -> None:
-        """Write the summary of rejections not logged one by one, once their window has passed."""
-        self._log_budget.flush(now)
+    def flush_log(self, now: float, final: bool = False) -> None:
+        """Write the summary of rejections not logged one by one, once their window has passed
+        (``final``: now, as the manager stops)."""
+        self._log_budget.flush(now, final)
 
     def advance(self, now: float) -> list[Outgoing]:
         """Finish slots whose end passed, schedule the next ones, expire silent jobs."""
@@ -736,6 +737,7 @@ class SharingManager:
             self._watch.clear()  # every watch channel went with the connection
             self._watch_of.clear()
             if self._stop.is_set():
+                self.core.flush_log(self.clock(), final=True)  # rejections of the last window
                 break
             now = time.monotonic()
             failures = 0 if was_connected else failures + 1
