@@ -147,7 +147,7 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
     engine = TimeEngine(1, Recorder(), clock=clock, return_allowance=allowance)
     enqueue = engine.default_stream(0).enqueue
     synchronize = engine.synchronize
-    local = engine._local
+    local = engine.local.host
     log = clock.log
     host = host_work_ms / 1e3
     perf = time.perf_counter

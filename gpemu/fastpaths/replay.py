@@ -120,6 +120,14 @@ class ReplayState:
         """How many outermost-module calls were recorded, replayed, or ran the fallback path."""
         return {**self.stats, "fallback": self.model_time.stats["fallback"]}
 
+    def params_of(self, module: torch.nn.Module) -> list | None:
+        """The parameters of ``module``'s tree (each once), from the cached walk (None for a
+        module that cannot be cached)."""
+        try:
+            return _walk(self, module)[0]
+        except TypeError:
+            return None
+
     def register_direct_head(self, node_cls: type, ready: Any, run: Any) -> Any:
         """Let :func:`_direct_backward` start at nodes of ``node_cls``: ``ready(node)`` says
         whether it can (no side effects), ``run(node)`` charges the node's backward and returns its
@@ -370,14 +378,14 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
                 direct = rec.hub_direct
                 if direct is None or direct.n_inputs != len(emus):
                     hub = R.ts.wrap((0,), (1,), 0, torch.float32, rec.dev, None, requires_grad=True)
-                    direct = rec.hub_direct = _Direct(len(emus), grad_params, rec.dev, hub)
+                    direct = rec.hub_direct = _Direct(R, len(emus), grad_params, rec.dev, hub)
                 R.hub_used = True
                 R.stats["hub"] = R.stats.get("hub", 0) + 1
                 outs = _apply_replay(rec, direct, t0, *emus, direct.hub)
                 return _unflatten(outs, rec.treespec)
             direct = rec.direct
             if direct is None or direct.n_inputs != len(emus):
-                direct = rec.direct = _Direct(len(emus), grad_params, rec.dev)
+                direct = rec.direct = _Direct(R, len(emus), grad_params, rec.dev)
     if _functorch_active():
         outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
     else:
@@ -414,15 +422,20 @@ class _Direct:
     parameters of such a graph (``torch.autograd.grad``, ``backward(inputs=...)``) are answered
     by the patched functions (:func:`_grad`, :func:`_backward`), and hub mode ends for the run."""
 
-    __slots__ = ("n_inputs", "params", "node", "nodes", "hub", "pspecs", "param_bytes", "gradset")
+    __slots__ = ("n_inputs", "params", "node", "nodes", "param_nodes", "hub", "pspecs", "param_bytes", "gradset")
 
-    def __init__(self, n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
+    def __init__(self, state: ReplayState, n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
         self.n_inputs = n_inputs
         self.params = params
         self.hub = hub
-        # The accumulator nodes the graph will use (kept alive by these references).
-        self.nodes = [get_gradient_edge(t).node for t in ([hub] if hub is not None else params)]
+        # The parameters' accumulator nodes, kept alive by these references (one lookup per
+        # recording): the graph uses them unless in hub mode, and gradient sets watch them.
+        param_nodes = [get_gradient_edge(p).node for p in params]
+        # The accumulator nodes the graph will use.
+        self.nodes = [get_gradient_edge(hub).node] if hub is not None else param_nodes
         self.node = self.nodes[0]
+        self.param_nodes = param_nodes
+        state.gradients.watch(params, param_nodes)
         self.pspecs = [_grad_spec(p, dev) for p in params]
         self.param_bytes = sum(spec[4] for spec in self.pspecs)
         self.gradset: Any = None  # gpemu.fastpaths.gradients' set of these parameters' gradients
@@ -440,11 +453,23 @@ def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
     """(shape, contiguous strides, dtype, device, bytes, wrapper key, allocator-rounded bytes) of
     the gradient of ``t``."""
-    stride = torch.empty(t.shape, device="meta").stride() if t.dim() else ()
+    stride = _contiguous_stride(t.shape)
     gdev = t._dev if isinstance(t, EmuTensor) else dev
     nbytes = t.numel() * t.element_size()
     return (t.shape, stride, t.dtype, gdev, nbytes, (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
             round_size(nbytes) if nbytes else 0)
+
+
+def _contiguous_stride(shape: Any) -> tuple:
+    """Contiguous strides of ``shape``, as torch makes them (a size-0 or -1 dimension counts
+    as 1), without making a meta tensor (~20 us each, per parameter of a recording)."""
+    out = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        if n > 1:
+            acc *= n
+    return tuple(reversed(out))
 
 
 class _ReplayFunction(torch.autograd.Function):
@@ -733,8 +758,12 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
-def _bump_structure(R: ReplayState, orig: Any) -> Any:
+def _bump_structure(R: ReplayState, orig: Any, swaps: bool = False) -> Any:
+    gradients = R.gradients
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if swaps:  # (_apply may swap parameters, their C++ .grad with them: hidden sets go real)
+            gradients.materialize_all()
         R.structure_gen += 1
         try:
             return orig(*args, **kwargs)
@@ -767,7 +796,7 @@ def install(rt: "Runtime") -> None:
     # cached walk (_Tree): attribute sets/deletes (also `m.training = False`, `m.fc = Linear()`),
     # registrations that write the dicts directly, and _apply (it may swap parameters in place).
     for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
-        p.replace(M, name, _bump_structure(R, getattr(M, name)))
+        p.replace(M, name, _bump_structure(R, getattr(M, name), swaps=name == "_apply"))
     # Targeted gradients through a hub-mode replay are answered here (see _Direct).
     p.replace(torch.autograd, "grad", _make_grad(R, torch.autograd.grad))
     p.replace(torch.autograd, "backward", _make_backward(R, torch.autograd.backward))
