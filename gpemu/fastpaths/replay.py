@@ -155,7 +155,7 @@ class Recording(CallRecord):
     """What one recorded forward of a module needs for replay: what its op-by-op call measured
     (:class:`gpemu.model_time.CallRecord`) and the replay's own book-keeping."""
 
-    __slots__ = ("grad_specs", "hook_gen", "direct", "plain", "hub_direct", "state")
+    __slots__ = ("grad_specs", "hook_gen", "direct", "plain", "hub_direct", "state", "param_nodes")
 
     def __init__(self, state: ReplayState) -> None:
         super().__init__()
@@ -169,6 +169,9 @@ class Recording(CallRecord):
         # parameter accumulator ran); _NEVER once a targeted one (autograd.grad, inputs=) was seen.
         self.plain = 0
         self.hub_direct: "_Direct | None" = None
+        # The parameters' accumulator nodes, looked up (and watched by the gradient sets) once
+        # per recording: shared by its plain and hub-mode _Direct (see _Direct.__init__).
+        self.param_nodes: list | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,14 +381,14 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
                 direct = rec.hub_direct
                 if direct is None or direct.n_inputs != len(emus):
                     hub = R.ts.wrap((0,), (1,), 0, torch.float32, rec.dev, None, requires_grad=True)
-                    direct = rec.hub_direct = _Direct(R, len(emus), grad_params, rec.dev, hub)
+                    direct = rec.hub_direct = _Direct(rec, len(emus), grad_params, rec.dev, hub)
                 R.hub_used = True
                 R.stats["hub"] = R.stats.get("hub", 0) + 1
                 outs = _apply_replay(rec, direct, t0, *emus, direct.hub)
                 return _unflatten(outs, rec.treespec)
             direct = rec.direct
             if direct is None or direct.n_inputs != len(emus):
-                direct = rec.direct = _Direct(R, len(emus), grad_params, rec.dev)
+                direct = rec.direct = _Direct(rec, len(emus), grad_params, rec.dev)
     if _functorch_active():
         outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
     else:
@@ -424,24 +427,43 @@ class _Direct:
 
     __slots__ = ("n_inputs", "params", "node", "nodes", "param_nodes", "hub", "pspecs", "param_bytes", "gradset")
 
-    def __init__(self, state: ReplayState, n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
+    def __init__(self, rec: "Recording", n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
         self.n_inputs = n_inputs
         self.params = params
         self.hub = hub
-        # The parameters' accumulator nodes, kept alive by these references (one lookup per
-        # recording): the graph uses them unless in hub mode, and gradient sets watch them.
-        param_nodes = [get_gradient_edge(p).node for p in params]
+        # The parameters' accumulator nodes, kept alive by these references: the graph uses
+        # them unless in hub mode, and gradient sets watch them. Looked up once per recording
+        # (get_gradient_edge makes a leaf's accumulator with an emulated view_as: for a model
+        # with ~190 parameters, ~10-20 ms of host time at its first replay, and it was paid
+        # again when hub mode began).
+        param_nodes = rec.param_nodes
+        if param_nodes is None or len(param_nodes) != len(params):
+            param_nodes = rec.param_nodes = list(map(_accumulator, params))
+            rec.state.gradients.watch(params, param_nodes)
         # The accumulator nodes the graph will use.
-        self.nodes = [get_gradient_edge(hub).node] if hub is not None else param_nodes
+        self.nodes = [_accumulator(hub)] if hub is not None else param_nodes
         self.node = self.nodes[0]
         self.param_nodes = param_nodes
-        state.gradients.watch(params, param_nodes)
         self.pspecs = [_grad_spec(p, dev) for p in params]
         self.param_bytes = sum(spec[4] for spec in self.pspecs)
         self.gradset: Any = None  # gpemu.fastpaths.gradients' set of these parameters' gradients
 
 
 _will_execute = torch._C._will_engine_execute_node
+_NO_PYTHON_DISPATCH = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+
+
+def _accumulator(t: torch.Tensor) -> Any:
+    """``get_gradient_edge(t).node``: a leaf's AccumulateGrad node, made if it has none. For an
+    emulated leaf, torch's way (``t.view_as(t)``, whose graph node points at the accumulator)
+    runs with the Python dispatch key excluded: the view is then a throwaway meta tensor made by
+    the meta kernel, not an emulated op (the emulated ``view_as``, through the op cache's slow
+    path once per shape, cost ~0.1 ms per parameter at a recording's first replay)."""
+    if not isinstance(t, EmuTensor) or t.grad_fn is not None or not t.requires_grad:
+        return get_gradient_edge(t).node
+    with torch.enable_grad(), torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON_DISPATCH):
+        view = t.view_as(t)
+    return view.grad_fn.next_functions[0][0]
 
 
 def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
