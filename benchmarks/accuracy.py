@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
+from benchmarks.overhead import machine  # noqa: E402  (CPU model, cores, load average now)
 
 BATCHES = (16, 32, 64, 128, 256)
 
@@ -193,8 +194,7 @@ def main() -> None:
                     idles.append(idle / target)
                     rows.append((gpu, name, bs, emu, target, standin, (emu - target) / target))
         took = time.perf_counter() - started
-        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"\n== {title}: {stats([r[-1] for r in rows])}  ({took:.1f} s wall, load {load})")
+        print(f"\n== {title}: {stats([r[-1] for r in rows])}  ({took:.1f} s wall; machine: {machine()})")
         if oom:
             print(f"   skipped, out of emulated GPU memory ({len(oom)}): {', '.join(oom)}")
         for tag, sel in (("identified by structure", [r for r in rows if not r[5]]),
