@@ -824,3 +824,47 @@ def test_optimizer_step_wrapper_runs_hooks_and_keeps_torchs_range_under_a_profil
     finally:
         pre_handle.remove()
         post_handle.remove()
+
+
+def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch) -> None:
+    """The emulator's own host time in a replayed forward, a replayed loss and the engine-free
+    backward is not on the emulated host timeline (gpemu.engine.TimeEngine.enter); the program's
+    own time between them is."""
+    import gpemu.fastpaths.loss as lossfp
+    import gpemu.fastpaths.replay as replayfp
+
+    clock = rt.engine.clock
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.zeros(16, 32, device="cuda"), torch.zeros(16, dtype=torch.long, device="cuda")
+
+    def step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(4):
+        step()
+    assert replayfp.replay_info()["hub"] > 0 and lossfp.loss_info()["replayed"] > 0
+    slow = 0.010  # the emulator's own work, made slow
+
+    def slowed(fn):
+        def inner(*a, **k):
+            clock.advance(slow)
+            return fn(*a, **k)
+        return inner
+
+    monkeypatch.setattr(replayfp, "_new_outputs", slowed(replayfp._new_outputs))
+    monkeypatch.setattr(replayfp, "_replay_backward", slowed(replayfp._replay_backward))
+    monkeypatch.setattr(lossfp, "_replayed_backward", slowed(lossfp._replayed_backward))
+    torch.cuda.synchronize()
+    t0 = rt.engine.now()
+    out = model(x)
+    assert rt.engine.now() == pytest.approx(t0, abs=1e-12)  # forward: 10 ms of emulator time forgiven
+    clock.advance(0.001)                                     # the program's own time counts
+    loss = torch.nn.functional.cross_entropy(out, y)
+    assert rt.engine.now() == pytest.approx(t0 + 0.001, abs=1e-12)
+    direct = replayfp.replay_info()["direct_backward"]
+    loss.backward()
+    assert replayfp.replay_info()["direct_backward"] == direct + 1
+    assert rt.engine.now() == pytest.approx(t0 + 0.001, abs=1e-12)  # 20 ms in backward forgiven

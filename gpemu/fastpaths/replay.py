@@ -325,7 +325,18 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
                                open_children=True)
     if rec is not None and (rec.params is params  # the cached walk's own list: nothing changed
                             or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))):
-        return _replay(rec, emus, params, t0)
+        # A replay runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter), its
+        # host time is not the program's.
+        engine = R.ts.engine
+        host = engine.local.host if engine is not None else None
+        if host is None or host.depth:
+            return _replay(rec, emus, params, t0)
+        host.entry = engine.read_clock()
+        host.depth = 1
+        try:
+            return _replay(rec, emus, params, t0)
+        finally:
+            engine.leave()
     rec = Recording(R)
     out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
     if rec.out_specs is not None and rec.treespec is not None:
@@ -739,12 +750,28 @@ def _implicit_grad(R: ReplayState, t: EmuTensor) -> EmuTensor:
 
 
 def _make_backward(R: ReplayState, orig: Any) -> Any:
+    engine = R.ts.engine
+
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         if (type(tensors) is EmuTensor and args and args[0] is None and not tensors._key[0]
                 and tensors._shadow is None and tensors.requires_grad and "grad_variables" not in kwargs):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
             defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
-            if defaults and _direct_backward(R, tensors):
+            if defaults and engine is not None:
+                # (the engine-free backward runs no user code: an emulator entry)
+                host = engine.local.host
+                outer = not host.depth
+                if outer:
+                    host.entry = engine.read_clock()
+                    host.depth = 1
+                try:
+                    done = _direct_backward(R, tensors)
+                finally:
+                    if outer:
+                        engine.leave()
+                if done:
+                    return None
+            elif defaults and _direct_backward(R, tensors):
                 return None
             grad = _implicit_grad(R, tensors)
             if defaults and _run_engine is not None and not _functorch_active():
