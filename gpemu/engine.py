@@ -33,6 +33,8 @@ from .config import GRANULARITIES
 from .devices import check_ordinal
 from .recorder import Recorder
 
+_append = list.append  # records are appended as plain tuples (see gpemu.recorder.Records)
+
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
@@ -41,6 +43,10 @@ __all__ = [
 ]
 # A wake-up later than this is not forgiven (something other than scheduling noise held us).
 _MAX_FORGIVEN_LATENESS = 0.05
+# The emulator's own host time forgiven per emulator entry (see TimeEngine.enter) at most: a
+# longer stretch is something else (the process held by the OS for that long, a full garbage
+# collection) and counts, as it would on a real GPU.
+_MAX_FORGIVEN_WORK = 0.05
 # The return allowance (see calibrate_return_allowance). On a shared VM the first microseconds
 # after a wait of a millisecond or more run with cold caches (here: a return + call path of
 # 0.3 us warm takes 2-4 us), so it is calibrated for short and for long waits separately.
@@ -54,14 +60,34 @@ _MAX_ALLOWANCE = 20e-6        # a sane bound when the machine is too loaded to m
 _calibrated: tuple[float, float] | None = None
 
 
-class _HostState(threading.local):
-    """Per-thread host state; class attributes are each new thread's defaults."""
+class HostState:
+    """One host thread's place on the emulated timeline (``TimeEngine.local.host``).
 
-    late = 0.0                  # forgiven host time: engine.now() = clock - late
-    floor = float("-inf")       # engine.now() never reads below the last waited deadline
-    wait_deadline: float | None = None  # the wait settle() may still forgive (None: none)
-    allowance = 0.0             # return allowance of that wait
-    scope = 0                   # charged_scope depth
+    ``engine.now()`` is ``clock - late`` (never below ``floor``), except inside the emulator's
+    own code (``depth > 0``, see :meth:`TimeEngine.enter`), where it stays at ``entry - late``:
+    the host's time is frozen at the moment the program called the emulator. (A plain object
+    with slots: an attribute of a ``threading.local`` costs ~0.5 us to read here.)"""
+
+    __slots__ = ("late", "floor", "wait_deadline", "allowance", "scope", "depth", "entry", "current",
+                 "enter_stack")
+
+    def __init__(self) -> None:
+        self.late = 0.0                  # forgiven host time: engine.now() = clock - late
+        self.floor = float("-inf")       # engine.now() never reads below the last waited deadline
+        self.wait_deadline: float | None = None  # the wait settle() may still forgive (None: none)
+        self.allowance = 0.0             # return allowance of that wait
+        self.scope = 0                   # charged_scope depth
+        self.depth = 0                   # emulator entries open (0: the program's own code)
+        self.entry = 0.0                 # clock reading when the outermost one began (or its last wait ended)
+        self.current: dict | None = None      # device -> this thread's current stream (None: defaults)
+        self.enter_stack: list | None = None  # streams replaced by `with stream:` blocks
+
+
+class PerThread(threading.local):
+    """``TimeEngine.local``: ``.host`` is the calling thread's :class:`HostState`."""
+
+    def __init__(self) -> None:
+        self.host = HostState()
 
 
 class GpuTimeBackend(Protocol):
@@ -78,7 +104,7 @@ def _measure_return_path(rounds: int, wait: float, quantile: float) -> float:
     wait of ``wait`` seconds plus its enqueue entry path (the caller's own time between the two
     is left out)."""
     eng = TimeEngine(1, Recorder(), clock=RealClock(), return_allowance=0.0)
-    enqueue, synchronize, local = eng.default_stream(0).enqueue, eng.synchronize, eng._local
+    enqueue, synchronize, local = eng.default_stream(0).enqueue, eng.synchronize, eng.local.host
     spans = eng.recorder.spans
     perf = time.perf_counter
     paths = []
@@ -147,16 +173,19 @@ class TimeEngine:
                                  f"them (short wait, long wait), got {return_allowance!r}")
         self.num_devices = num_devices
         self.recorder = recorder if recorder is not None else Recorder()
+        self.wake_late_s = 0.0  # wake-up lateness forgiven (the recorder's "wake_late_s")
+        self.recorder.add_source(self._counters)
         self.clock: Clock = clock if clock is not None else RealClock()
         # The hot paths read the clock through this: perf_counter itself for a RealClock (one
         # call less on the paths whose length is the emulator's overhead).
-        self._clock_now = time.perf_counter if type(self.clock) is RealClock else self.clock.now
+        self.read_clock: Callable[[], float] = time.perf_counter if type(self.clock) is RealClock else self.clock.now
         if return_allowance is None:
             pair = calibrate_return_allowance() if type(self.clock) is RealClock else (0.0, 0.0)
         self.return_allowance: tuple[float, float] = (float(pair[0]), float(pair[1]))
         self.granularity = granularity
         self._lock = threading.Lock()
-        self._local = _HostState()  # also .current: dict device -> stream, .enter_stack
+        # Per thread: .host, the calling thread's HostState (read it once per call: see HostState).
+        self.local = PerThread()
         # Latest end of any work on each device (all streams): a device sync waits for this.
         self._device_busy = [0.0] * num_devices
         self._next_stream_id = [1] * num_devices
@@ -199,7 +228,7 @@ class TimeEngine:
 
     def stream(self, device: int) -> "VirtualStream":
         """The calling thread's current stream on ``device`` (default stream unless set)."""
-        current = getattr(self._local, "current", None)
+        current = self.local.host.current
         if current is not None:
             s = current.get(device)
             if s is not None:
@@ -210,9 +239,9 @@ class TimeEngine:
         """Make ``stream`` current on its device for this thread; returns the previous one."""
         if not isinstance(stream, VirtualStream) or stream._engine is not self:
             raise TypeError(f"expected a gpemu stream of this run, got {stream!r}")
-        current = getattr(self._local, "current", None)
+        current = self.local.host.current
         if current is None:
-            current = self._local.current = {}
+            current = self.local.host.current = {}
         previous = current.get(stream.device_index, self._default[stream.device_index])
         current[stream.device_index] = stream
         return previous
@@ -229,16 +258,95 @@ class TimeEngine:
         finally:
             self.set_stream(previous)
 
+    # ------------------------------------------------------------------ the emulator's own time
+    # The emulator's own host time is not on the emulated host timeline. On a real GPU the work
+    # the emulator does instead (dispatching a replayed model, copying, stepping an optimizer)
+    # is the framework's and the driver's, issued in microseconds; here it can take tens of
+    # microseconds, more on a slow or busy host. So at every outermost entry into emulator code
+    # that runs no user code (an emulated op, a replayed module, a copy, a fast-path loss,
+    # backward, optimizer step or zero_grad, a sync point, a freed tensor's memory), the host's
+    # emulated time is frozen at the entry: work enqueued inside is issued then, and the time
+    # spent inside is forgiven when the outermost entry leaves (added to ``host.late``). A wait
+    # inside counts (it is the GPU's time) and restarts the entry after it. User code called
+    # from inside (hooks, a module's forward on a recording pass, Python autograd Functions'
+    # backward) runs between :meth:`suspend` and :meth:`resume`, and counts.
+    def enter(self) -> None:
+        """The calling thread enters the emulator's own code (nests; see :meth:`leave`)."""
+        local = self.local.host
+        if local.depth:
+            local.depth += 1
+        else:
+            local.entry = self.read_clock()
+            local.depth = 1
+
+    def leave(self) -> None:
+        """The calling thread leaves the emulator's own code: when the outermost entry leaves,
+        the host time since it began (or since its last wait ended) is forgiven."""
+        local = self.local.host
+        depth = local.depth - 1
+        if depth > 0:
+            local.depth = depth
+        elif depth == 0:
+            local.depth = 0
+            spent = self.read_clock() - local.entry
+            if spent > 0:
+                local.late += spent if spent < _MAX_FORGIVEN_WORK else _MAX_FORGIVEN_WORK
+
+    def suspend(self) -> int:
+        """User code runs now (a hook, a module's own forward): the emulator's time so far is
+        forgiven and the host's time counts again until :meth:`resume` with the returned value."""
+        local = self.local.host
+        depth = local.depth
+        if depth:
+            local.depth = 0
+            spent = self.read_clock() - local.entry
+            if spent > 0:
+                local.late += spent if spent < _MAX_FORGIVEN_WORK else _MAX_FORGIVEN_WORK
+        return depth
+
+    def resume(self, depth: int, at: float | None = None) -> None:
+        """Back in the emulator's own code after :meth:`suspend` (``at``: the clock reading it
+        resumes from, default now)."""
+        if depth:
+            local = self.local.host
+            local.entry = self.read_clock() if at is None else at
+            local.depth = depth
+
+    @contextmanager
+    def emulator_work(self) -> Iterator[None]:
+        """``with engine.emulator_work():`` :meth:`enter` ... :meth:`leave`."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    @contextmanager
+    def program_work(self) -> Iterator[None]:
+        """``with engine.program_work():`` :meth:`suspend` ... :meth:`resume` (user code inside
+        emulator code)."""
+        depth = self.suspend()
+        try:
+            yield
+        finally:
+            self.resume(depth)
+
+    @property
+    def in_emulator(self) -> bool:
+        """True while the calling thread runs emulator code (its host time frozen)."""
+        return self.local.host.depth > 0
+
     # ------------------------------------------------------------------ sync points
     def now(self) -> float:
-        """The host's time on the emulated timeline: the clock minus the host time forgiven at
-        this thread's last sync wait (see :meth:`_waited`), never before that wait's deadline."""
-        local = self._local
-        t = self._clock_now() - local.late
+        """The host's time on the emulated timeline: the clock minus the host time forgiven
+        (the emulator's own, see :meth:`enter`, and at this thread's last sync wait, see
+        :meth:`_waited`), never before that wait's deadline; frozen inside emulator code."""
+        local = self.local.host
+        t = (local.entry if local.depth else self.read_clock()) - local.late
         return t if t > local.floor else local.floor
 
-    def _waited(self, deadline: float, start: float, device: int, reason: str) -> None:
-        """Book-keeping after the host waited until ``deadline``.
+    def _waited(self, deadline: float, start: float, device: int, reason: str) -> float:
+        """Book-keeping after the host waited until ``deadline``; returns its last clock reading.
 
         The OS wakes us after the deadline (a sleep overshoots; on a loaded machine the spin is
         preempted). A real CUDA sync returns within microseconds, so that lateness is the
@@ -249,36 +357,39 @@ class TimeEngine:
         on the deadline (``floor``) until that allowance is used up, so a query/event/enqueue
         right after the sync still sees the waited-for work complete and nothing starts before
         it. Host time beyond that counts normally (the program's own time)."""
-        clock_now = self._clock_now
+        clock_now = self.read_clock
         woke = clock_now()
-        self.recorder.host_wait(device, reason, start, woke)
-        local = self._local
+        _append(self.recorder.waits, (device, reason, start, woke))
+        local = self.local.host
         local.wait_deadline = deadline
         local.floor = deadline
         late = woke - deadline
         if late > 0:
-            self.recorder.add("wake_late_s", late)
+            self.wake_late_s += late
         allowance = local.allowance = self.return_allowance[deadline - start >= _LONG_WAIT_S]
         # Measured after our own book-keeping, so that is forgiven too: the program's next
         # action happens at the deadline on the emulated timeline. (The first statements after
         # a wait run with cold caches on a shared machine, ~5-10 us each: the book-keeping
         # above is done before the final reading, so it costs nothing.)
-        late = clock_now() - deadline
+        last = clock_now()
+        late = last - deadline
         if late > _MAX_FORGIVEN_LATENESS:
             late = _MAX_FORGIVEN_LATENESS
         local.late = (late if late > 0 else 0.0) + allowance
+        return last
 
     def settle(self) -> None:
         """Called by emulator code on its way back to the program right after a sync wait (e.g.
-        ``.item()`` after computing the placeholder value): the host time since the wait ended
+        ``.item()`` after computing the placeholder value) when it runs outside an emulator
+        entry (:meth:`enter`, whose leaving does this): the host time since the wait ended
         was the emulator's, so the program's next action still happens at the deadline on the
         emulated timeline (plus ``return_allowance`` for the rest of the way back). A no-op
         unless this thread's last :meth:`synchronize` waited."""
-        local = self._local
+        local = self.local.host
         deadline = local.wait_deadline
-        if deadline is None:
+        if deadline is None or local.depth:
             return
-        late = self._clock_now() - deadline
+        late = self.read_clock() - deadline
         if late > _MAX_FORGIVEN_LATENESS:
             late = _MAX_FORGIVEN_LATENESS
         late += local.allowance
@@ -287,43 +398,95 @@ class TimeEngine:
 
     def forget_wait(self) -> None:
         """Start a new settle() scope: only a wait after this call may be forgiven."""
-        self._local.wait_deadline = None
+        self.local.host.wait_deadline = None
+
+    def _counters(self) -> list[tuple[str, float]]:
+        return [("wake_late_s", self.wake_late_s)] if self.wake_late_s else []
 
     def device_busy_until(self, device: int) -> float:
         return self._device_busy[device]
 
     def synchronize(self, device: int | None = None, reason: str = "synchronize") -> None:
         """Host waits until every stream of ``device`` (all devices when None) is idle."""
-        devices = range(self.num_devices) if device is None else (self.check_device(device),)
-        # settle() forgives only the time since a wait of THIS call (not since an older wait).
-        self._local.wait_deadline = None
-        for d in devices:
-            self._wait_device(d, self._device_busy[d], reason)
-        self.settle()
+        local = self.local.host
+        outer = not local.depth
+        if outer:
+            local.entry = self.read_clock()
+            local.depth = 1
+        try:
+            devices = range(self.num_devices) if device is None else (self.check_device(device),)
+            # settle() forgives only the time since a wait of THIS call (not since an older wait).
+            local.wait_deadline = None
+            for d in devices:
+                self._wait_device(d, self._device_busy[d], reason)
+        finally:
+            if outer:
+                self.leave()
 
     def _wait_device(self, device: int, deadline: float, reason: str) -> None:
+        """The host waits for ``device`` until ``deadline`` (or, with a backend, until its
+        worker is idle). The wait is the GPU's time, not the emulator's: inside an emulator
+        entry it counts, and the entry restarts when it ends."""
         if self._backend is not None:
             self._flush(device)
             worker = self._workers.get(device)
             if worker is not None:
+                depth = self.suspend()
                 start = self.clock.now()
-                worker.wait_idle()
-                end = self.clock.now()
+                try:
+                    worker.wait_idle()
+                finally:
+                    end = self.clock.now()
+                    self.resume(depth, end)
                 if end > start:
                     self.recorder.host_wait(device, "sharing", start, end)
             return
-        start = self.clock.now()
         if deadline > self.now():
-            self.clock.wait_until(deadline)
-            self._waited(deadline, start, device, reason)
+            self._wait_until(deadline, device, reason)
+
+    def _wait_until(self, deadline: float, device: int, reason: str) -> None:
+        local = self.local.host
+        depth = local.depth
+        start = self.read_clock()
+        if depth:  # (suspend: the emulator's time so far is forgiven, the wait counts)
+            local.depth = 0
+            spent = start - local.entry
+            if spent > 0:
+                local.late += spent if spent < _MAX_FORGIVEN_WORK else _MAX_FORGIVEN_WORK
+        self.clock.wait_until(deadline)
+        last = self._waited(deadline, start, device, reason)
+        if depth:  # (resume from the wait's last reading)
+            local.entry = last
+            local.depth = depth
+
+    def enqueue_wait(self, stream: "VirtualStream", seconds: float, kind: str, name: str, reason: str) -> None:
+        """``stream.enqueue(seconds, kind, name)`` then ``stream.synchronize(reason)`` in one
+        call: a blocking copy (every pageable input batch)."""
+        if self._backend is not None:
+            stream.enqueue(seconds, kind, name)
+            stream.synchronize(reason)
+            return
+        local = self.local.host
+        outer = not local.depth
+        if outer:
+            local.entry = self.read_clock()
+            local.depth = 1
+        try:
+            end = self._enqueue(stream, seconds, kind, name, 0)
+            local.wait_deadline = None
+            if end > self.now():
+                self._wait_until(end, stream.device_index, reason)
+        finally:
+            if outer:
+                self.leave()
 
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
                  peak_bytes: int, at: float | None = None, now: float | None = None) -> float:
         if now is None:
             # Read the host's time first: the emulator's own checks below are not the program's.
-            local = self._local
-            now = self._clock_now() - local.late
+            local = self.local.host
+            now = (local.entry if local.depth else self.read_clock()) - local.late
             if now < local.floor:
                 now = local.floor
         if at is not None and at < now:
@@ -342,7 +505,7 @@ class TimeEngine:
             if end > self._device_busy[device]:
                 self._device_busy[device] = end
         if seconds > 0:
-            self.recorder.span(device, stream.stream_id, kind, name, start, end, now)
+            _append(self.recorder.spans, (device, stream.stream_id, kind, name, start, end, now))
         return end
 
     # ------------------------------------------------------------------ charged scopes
@@ -350,21 +513,21 @@ class TimeEngine:
     def charged_scope(self) -> Iterator[None]:
         """Inside, per-op time is already covered by a whole-module or optimizer charge, so
         :func:`gpemu.costs.op_seconds` returns 0 (no double counting)."""
-        self._local.scope += 1
+        self.local.host.scope += 1
         try:
             yield
         finally:
-            self._local.scope -= 1
+            self.local.host.scope -= 1
 
     @property
     def in_charged_scope(self) -> bool:
-        return self._local.scope > 0
+        return self.local.host.scope > 0
 
     @contextmanager
     def uncharged(self) -> Iterator[None]:
         """Inside, a charged scope of this thread is suspended (the op cache prices an op's own
         cost while a module charge covers it)."""
-        local = self._local
+        local = self.local.host
         depth, local.scope = local.scope, 0
         try:
             yield
@@ -374,10 +537,10 @@ class TimeEngine:
     def enter_charged(self) -> None:
         """Open a charged scope that is closed by :meth:`exit_charged` (for callbacks that cannot
         use the ``with`` form, e.g. around an autograd backward pass)."""
-        self._local.scope += 1
+        self.local.host.scope += 1
 
     def exit_charged(self) -> None:
-        local = self._local
+        local = self.local.host
         if local.scope > 0:
             local.scope -= 1
 
@@ -385,7 +548,7 @@ class TimeEngine:
         """This thread is (or is no longer) inside one charge, regardless of what was open before:
         for hook pairs that an exception between them could leave unbalanced (an optimizer step
         that raised must not leave every later op uncharged)."""
-        self._local.scope = 1 if on else 0
+        self.local.host.scope = 1 if on else 0
 
     # ------------------------------------------------------------------ iterations
     def note_backward(self, device: int) -> None:
@@ -580,8 +743,8 @@ class VirtualStream:
         before the emulator's own book-keeping for it (later values count as now)."""
         # The host's time is read here, first: the rest of the entry path is the emulator's.
         eng = self._engine
-        local = eng._local
-        now = eng._clock_now() - local.late
+        local = eng.local.host
+        now = (local.entry if local.depth else eng.read_clock()) - local.late
         if now < local.floor:
             now = local.floor
         return eng._enqueue(self, seconds, kind, name, peak_bytes, at, now)
@@ -590,9 +753,17 @@ class VirtualStream:
         """Host waits until this stream's work is done (absolute deadline)."""
         # (with a backend the device's worker decides when the work ends; the deadline is unused)
         eng = self._engine
-        eng.forget_wait()
-        eng._wait_device(self.device_index, self.busy_until, reason)
-        eng.settle()
+        local = eng.local.host
+        outer = not local.depth
+        if outer:
+            local.entry = eng.read_clock()
+            local.depth = 1
+        try:
+            local.wait_deadline = None
+            eng._wait_device(self.device_index, self.busy_until, reason)
+        finally:
+            if outer:
+                eng.leave()
 
     def query(self) -> bool:
         """True when all work enqueued on this stream has completed."""
@@ -644,14 +815,14 @@ class VirtualStream:
 
     def __enter__(self) -> "VirtualStream":
         prev = self._engine.set_stream(self)
-        stack = getattr(self._engine._local, "enter_stack", None)
+        stack = self._engine.local.host.enter_stack
         if stack is None:
-            stack = self._engine._local.enter_stack = []
+            stack = self._engine.local.host.enter_stack = []
         stack.append(prev)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._engine.set_stream(self._engine._local.enter_stack.pop())
+        self._engine.set_stream(self._engine.local.host.enter_stack.pop())
 
     def is_capturing(self) -> bool:
         """No CUDA graph capture in emulation (Adam/AdamW ask the current stream)."""
@@ -733,10 +904,12 @@ class EmuEvent:
                 self._time = eng.clock.now()
             self._ticket = None
             return
-        start = eng.clock.now()
-        if self._time > eng.now():
-            eng.clock.wait_until(self._time)
-            eng._waited(self._time, start, self._device, "event")
+        eng.enter()
+        try:
+            if self._time > eng.now():
+                eng._wait_until(self._time, self._device, "event")
+        finally:
+            eng.leave()
 
     def wait(self, stream: VirtualStream | None = None) -> None:
         """Make ``stream`` (current stream if None) wait for this event on the GPU side."""

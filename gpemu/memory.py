@@ -52,6 +52,7 @@ class Block:
     """One allocation on an emulated device; freed when the last tensor holding it dies."""
 
     __slots__ = ("tracker", "size", "__weakref__")
+    parent = None  # a share of a group allocation has one (SubBlock)
 
     def __init__(self, tracker: "MemoryTracker", size: int) -> None:
         self.tracker = tracker
@@ -63,8 +64,11 @@ class Block:
         return id(self) << 4
 
     def __del__(self) -> None:
-        try:
-            self.tracker._release(self.size)
+        try:  # (MemoryTracker._release inline: every emulated tensor's memory goes back here)
+            tracker = self.tracker
+            tracker.allocated -= self.size
+            tracker.num_allocs -= 1
+            tracker.num_frees += 1
         except Exception:  # interpreter shutdown: nothing left to account for
             pass
 
@@ -83,11 +87,20 @@ class GroupBlock(Block):
     gradients at ``zero_grad`` and hand the same wrappers out at the next backward, and this
     keeps that to one tracker call each way instead of one object per parameter."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "hidden", "exposed", "owner")
 
     def __init__(self, tracker: "MemoryTracker", size: int) -> None:
         super().__init__(tracker, size)
         self.held = True
+        # Kept here for the gradient sets (read by the emulated tensor's ``grad`` property, which
+        # reaches a gradient's group through its block): ``hidden``, the shares are attached
+        # to their parameters but read as None (given back by a zero_grad, see
+        # gpemu.fastpaths.gradients); ``exposed``, a share was handed to Python code since the
+        # group was last checked; ``owner``, a weak reference to what manages the group (with
+        # a ``materialize()`` method that detaches hidden shares for real).
+        self.hidden = False
+        self.exposed = False
+        self.owner: Any = None
 
     def release(self) -> None:
         """Give the memory back now (as if every share had died); the shares stay usable."""
@@ -167,8 +180,16 @@ class MemoryTracker:
     # ------------------------------------------------------------------ hot path
     def allocate(self, nbytes: int) -> Block:
         """Account one allocation; return its :class:`Block` (freed when garbage)."""
-        size = round_size(nbytes)
-        self._account(size)
+        # (round_size and _account inline: every emulated tensor's allocation comes here)
+        size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK if nbytes > 0 else 0
+        new_alloc = self.allocated + size
+        if new_alloc > self.reserved:
+            self._grow(new_alloc, size)
+        self.allocated = new_alloc
+        if new_alloc > self.peak_allocated:
+            self.peak_allocated = new_alloc
+        self.num_allocs += 1
+        self.num_alloc_calls += 1
         return Block(self, size)
 
     def _account(self, size: int) -> None:

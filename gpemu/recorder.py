@@ -14,9 +14,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-__all__ = ["Recorder", "GpuSpan", "HostWait", "MemorySample", "IterationMark"]
+__all__ = ["Recorder", "Records", "GpuSpan", "HostWait", "MemorySample", "IterationMark"]
+
+_append = list.append  # (records are appended as plain tuples, see Records)
 
 
 class GpuSpan(NamedTuple):
@@ -49,45 +51,102 @@ class IterationMark(NamedTuple):
     index: int
 
 
+class Records(list):
+    """A list of records of one kind (:class:`GpuSpan`, :class:`HostWait`, ...), stored compactly.
+
+    Hot paths append plain tuples (``list.append(records, (device, ...))``): a plain tuple of
+    numbers and strings is cheap to make and the garbage collector stops tracking it, where a
+    named tuple stays tracked for the whole run (the spans of a long run made every full
+    collection longer). Reading gives the named records: items, slices, iteration, ``reversed``.
+    """
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: type, items: Iterable = ()) -> None:
+        super().__init__(items)
+        self.kind = kind
+
+    def __getitem__(self, index: "int | slice") -> Any:  # type: ignore[override]
+        item = list.__getitem__(self, index)
+        if isinstance(index, slice):
+            return list(map(self.kind._make, item))
+        return self.kind._make(item)
+
+    def __iter__(self) -> Iterator:  # type: ignore[override]
+        return map(self.kind._make, list.__iter__(self))
+
+    def __reversed__(self) -> Iterator:  # type: ignore[override]
+        return map(self.kind._make, list.__reversed__(self))
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self) -> Any:
+        return (Records, (self.kind, list(list.__iter__(self))))
+
+
+def _records(kind: type) -> "Callable[[], Records]":
+    return lambda: Records(kind)
+
+
 @dataclass
 class Recorder:
     """Append-only log of one emulated run. Thread-safe appends (list.append is atomic)."""
 
     started_at: float = field(default_factory=time.perf_counter)
-    spans: list[GpuSpan] = field(default_factory=list)
-    waits: list[HostWait] = field(default_factory=list)
-    memory: list[MemorySample] = field(default_factory=list)
-    iterations: list[IterationMark] = field(default_factory=list)
-    counters: dict[str, float] = field(default_factory=dict)  # e.g. transfer bytes, sharing waits
+    spans: Records = field(default_factory=_records(GpuSpan))
+    waits: Records = field(default_factory=_records(HostWait))
+    memory: Records = field(default_factory=_records(MemorySample))
+    iterations: Records = field(default_factory=_records(IterationMark))
+    _counts: dict[str, float] = field(default_factory=dict, repr=False)  # see counters
     notes: list[str] = field(default_factory=list)  # provenance messages said once
     keep_memory_samples: bool = True
     _iteration_count: dict[int, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Counter sources (add_source): hot paths that count in objects of their own instead of
+    # updating the counters on every event (a copy plan counts its copies).
+    _sources: list = field(default_factory=list, repr=False)
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Totals by name (e.g. transfer bytes, sharing waits): what :meth:`add` counted plus the
+        counter sources' totals, as a new dict at each read."""
+        with self._lock:
+            out = dict(self._counts)
+        for source in self._sources:
+            for name, amount in source():
+                out[name] = out.get(name, 0.0) + amount
+        return out
+
+    def add_source(self, source: "Callable[[], Iterable[tuple[str, float]]]") -> None:
+        """``source()`` returns ``(counter, total)`` pairs that :attr:`counters` adds in."""
+        self._sources.append(source)
 
     def span(self, device: int, stream: int, kind: str, name: str, start: float, end: float,
              enqueued_at: float) -> None:
-        self.spans.append(GpuSpan(device, stream, kind, name, start, end, enqueued_at))
+        _append(self.spans, (device, stream, kind, name, start, end, enqueued_at))
 
     def host_wait(self, device: int, reason: str, start: float, end: float) -> None:
-        self.waits.append(HostWait(device, reason, start, end))
+        _append(self.waits, (device, reason, start, end))
 
     def memory_sample(self, device: int, t: float, allocated: int, reserved: int) -> None:
         if self.keep_memory_samples:
-            self.memory.append(MemorySample(device, t, allocated, reserved))
+            _append(self.memory, (device, t, allocated, reserved))
 
     def iteration(self, device: int, t: float) -> None:
         with self._lock:
             index = self._iteration_count.get(device, 0)
             self._iteration_count[device] = index + 1
-            self.iterations.append(IterationMark(device, t, index))
+            _append(self.iterations, (device, t, index))
 
     def add(self, counter: str, amount: float) -> None:
+        counters = self._counts
         with self._lock:
-            self.counters[counter] = self.counters.get(counter, 0.0) + amount
+            counters[counter] = counters.get(counter, 0.0) + amount
 
     def add_many(self, *pairs: tuple[str, float]) -> None:
         """Several :meth:`add` at once, under one lock (hot paths such as every input copy)."""
-        counters = self.counters
+        counters = self._counts
         with self._lock:
             for counter, amount in pairs:
                 counters[counter] = counters.get(counter, 0.0) + amount

@@ -130,6 +130,11 @@ class TensorState:
     def __init__(self, rt: "Runtime") -> None:
         self.rt = rt
         self.engine: "TimeEngine | None" = rt.engine
+        # The engine's per-thread state (``.host``) and clock (emulator entries, see TimeEngine.enter).
+        self.local = rt.engine.local if rt.engine is not None else None
+        self.read_clock = rt.engine.read_clock if rt.engine is not None else None
+        self.leave = rt.engine.leave if rt.engine is not None else None
+        self.ordinals = frozenset(range(rt.num_devices))  # valid device indices (ints)
         self.memory: "list[MemoryTracker]" = rt.memory
         self.cache: dict = {}      # op signature -> _Entry
         self.warned: set[str] = set()
@@ -138,6 +143,10 @@ class TensorState:
         self.param_generation = 0
         # Bumped when any emulated tensor's requires_grad is set (gradient sets re-check then).
         self.flag_generation = 0
+        # Bumped when an existing emulated tensor may have got a known value (an in-place op on
+        # known values, a copy into it, .data, set_host_shadow): the optimizer fast path looks
+        # at its parameters' values only then.
+        self.shadow_writes = 0
         self._taps: list[CostTap] = []  # open cost taps, innermost last (see cost_tap)
         self._tap_owner: int | None = None
         # Ops another component emulates itself, by id(op) (gpemu.distributed: torch's functional
@@ -148,16 +157,18 @@ class TensorState:
     def wrap(self, shape: Any, stride: Any, offset: int, dtype: torch.dtype, dev: int, block: Any,
              requires_grad: bool = False) -> "EmuTensor":
         """A new emulated tensor with this metadata over memory ``block`` (None: no storage)."""
-        t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META,
-                          requires_grad=requires_grad)
-        t._dev = dev
-        t._block = block
-        t._meta = None
-        t._shadow = None
-        # The op-cache signature of this tensor, fixed at creation (wrapper metadata never
+        if requires_grad:
+            t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META,
+                              requires_grad=True)
+        elif offset:
+            t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META)
+        else:  # (each keyword argument costs the argument parser ~0.5 us here)
+            t = _make_wrapper(EmuTensor, shape, strides=stride, dtype=dtype, device=_META)
+        # The instance dict in one assignment (six attribute stores cost twice as much). _key:
+        # the op-cache signature of this tensor, fixed at creation (wrapper metadata never
         # changes; ``.data = x`` refreshes it): one attribute lookup instead of three C calls.
-        t._key = (tuple(shape), tuple(stride), offset, dtype, dev)
-        t._ts = self
+        t.__dict__ = {"_dev": dev, "_block": block, "_meta": None, "_shadow": None,
+                      "_key": (tuple(shape), tuple(stride), offset, dtype, dev), "_ts": self}
         return t
 
     def build(self, spec: tuple, emus: list, dev: int) -> Any:
@@ -348,8 +359,10 @@ class EmuTensor(torch.Tensor):
     def data(self, new: torch.Tensor) -> None:
         # ``param.data = x`` swaps the TensorImpl's metadata in C++; the Python-side state
         # (device index, memory block, shadow) must follow or the accounting goes wrong.
+        _unhide_grad(self)
         torch._C.TensorBase.data.__set__(self, new)
         self._ts.param_generation += 1
+        self._ts.shadow_writes += 1
         if isinstance(new, EmuTensor):
             self._dev = new._dev
             self._block = new._block
@@ -380,6 +393,35 @@ class EmuTensor(torch.Tensor):
         if self.__dict__.get("_is_param", False):
             ts.param_generation += 1
         return self
+
+    # .grad through Python: a gradient set given back by zero_grad keeps its wrappers attached
+    # to their parameters and reads as None (gpemu.fastpaths.gradients; the group's flags live
+    # on its memory block, see gpemu.memory.GroupBlock). Anything that hands a gradient to
+    # Python code marks its group exposed; setting a parameter's gradient detaches a hidden
+    # group for real first.
+    @property
+    def grad(self) -> "torch.Tensor | None":  # type: ignore[override]
+        g = _GRAD_GET(self)
+        if g is not None:
+            block = g.__dict__.get("_block")
+            group = block.parent if block is not None else None
+            if group is not None:
+                if group.hidden:
+                    return None
+                group.exposed = True
+        return g
+
+    @grad.setter
+    def grad(self, value: "torch.Tensor | None") -> None:
+        _unhide_grad(self)
+        _GRAD_SET(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _unhide_grad(self)
+        _GRAD_SET(self, None)
+
+    _grad = grad  # (torch's alias, as its C property)
 
     def record_stream(self, stream: Any) -> None:  # type: ignore[override]
         """No-op: emulated blocks are freed when the last tensor dies; stream-ordered reuse
@@ -466,21 +508,78 @@ class EmuTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         # Ops are keyed by id(): OpOverload.__hash__ is a Python method, and ops are singletons.
+        # An emulated op is the emulator's own host work (see TimeEngine.enter): the host's
+        # emulated time is frozen from here to the op's return.
         fid = id(func)
+        if fid == _DETACH:  # (hot inside autograd; a few attribute copies)
+            return _detach(func, args, kwargs)
         special = _SPECIAL.get(fid)
         if special is not None:
-            return special(func, args, kwargs or {})
+            ts = _owner(args)
+            host = ts.local.host if ts is not None and ts.local is not None else None
+            if host is None or host.depth:
+                return special(func, args, kwargs or {})
+            host.entry = ts.read_clock()
+            host.depth = 1
+            try:
+                return special(func, args, kwargs or {})
+            finally:
+                ts.leave()
         emus: list[EmuTensor] = []
         exact = fid in _FLOAT_SENSITIVE
         key = (fid, _sig(args, emus, exact), _sig_kw(kwargs, emus, exact) if kwargs else None)
         ts = emus[0]._ts if emus else _state()
+        local = ts.local
+        host = local.host if local is not None else None
+        if host is None or host.depth:
+            return _dispatch(ts, key, func, args, kwargs, emus)
+        host.entry = ts.read_clock()
+        host.depth = 1
         try:
-            entry = ts.cache.get(key)
-        except TypeError:  # an unhashable argument: no caching for this call
-            key = entry = None
-        if entry is None:
-            return _slow_path(ts, func, args, kwargs or {}, key)
-        return _fast_path(ts, entry, func, args, kwargs, emus)
+            return _dispatch(ts, key, func, args, kwargs, emus)
+        finally:
+            ts.leave()
+
+
+def _owner(args: tuple) -> TensorState | None:
+    """The tensor state of the first emulated tensor among the first two arguments (a copy's
+    source or destination), else the active run's (None when nothing is patched)."""
+    for a in args[:2]:
+        if isinstance(a, EmuTensor):
+            return a._ts
+    rt = current()
+    return rt.tensors if rt is not None else None
+
+
+def _dispatch(ts: TensorState, key: Any, func: Any, args: tuple, kwargs: dict | None, emus: list) -> Any:
+    """One emulated op: output metadata from the cache, or the meta kernel the first time."""
+    try:
+        entry = ts.cache.get(key)
+    except TypeError:  # an unhashable argument: no caching for this call
+        key = entry = None
+    if entry is None:
+        return _slow_path(ts, func, args, kwargs or {}, key)
+    return _fast_path(ts, entry, func, args, kwargs, emus)
+
+
+_GRAD_GET = torch._C.TensorBase.grad.__get__
+_GRAD_SET = torch._C.TensorBase.grad.__set__
+
+
+def _unhide_grad(t: torch.Tensor) -> None:
+    """Before ``t``'s gradient changes: if it is a share of a hidden group (see EmuTensor.grad),
+    detach the whole group for real; if of a live one, mark the group exposed."""
+    g = _GRAD_GET(t)
+    if g is not None:
+        block = g.__dict__.get("_block")
+        group = block.parent if block is not None else None
+        if group is not None:
+            if group.hidden:
+                owner = group.owner() if group.owner is not None else None
+                if owner is not None:
+                    owner.materialize()
+            else:
+                group.exposed = True
 
 
 def is_emulated(t: Any) -> bool:
@@ -703,7 +802,14 @@ def _to_meta_args(ts: TensorState, func: Any, args: Any, kwargs: dict) -> tuple[
 def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -> Any:
     handler = ts.op_handlers.get(id(func)) if ts.op_handlers else None
     if handler is not None:
-        return handler(func, args, kwargs)
+        # Another component's emulation (a collective meeting other ranks): its time counts.
+        engine = ts.engine
+        depth = engine.suspend() if engine is not None else 0
+        try:
+            return handler(func, args, kwargs)
+        finally:
+            if depth:
+                engine.resume(depth)
     margs, mkw, emus, out_dev = _to_meta_args(ts, func, args, kwargs)
     if not emus and out_dev is None:
         return func(*args, **kwargs)
@@ -871,6 +977,7 @@ def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
         t._shadow = None
         return False
     t._shadow = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
+    t._ts.shadow_writes += 1
     return True
 
 
@@ -906,6 +1013,8 @@ def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any
         if isinstance(o, EmuTensor) and isinstance(s, torch.Tensor):
             if s.shape == o.shape and s.numel() <= SHADOW_MAX_ELEMENTS and s.dtype == o.dtype:
                 o._shadow = s
+                if any(o is e for e in emus):  # an input got it (in place)
+                    o._ts.shadow_writes += 1
             else:
                 o._shadow = None
 
@@ -1049,6 +1158,7 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
             dst.copy_(values)
         return dst
     ts = dst._ts
+    ts.shadow_writes += 1  # (dst's value may become known below)
     if not isinstance(src, EmuTensor):
         if isinstance(src, torch.Tensor) and src.dim() > 0 and src.device.type == "cpu":
             _charge_h2d(ts, src, dst._dev, bool(kwargs.get("non_blocking", False) or (len(args) > 2 and args[2])))
@@ -1109,8 +1219,8 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+_DETACH = id(aten.detach.default)
 _SPECIAL: dict[int, Callable] = {id(op): handler for op, handler in {
-    aten.detach.default: _detach,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
@@ -1130,29 +1240,48 @@ def _charge_h2d(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool,
 
 
 def _emulate_plain(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
-    if t.is_contiguous() or _non_overlapping_dense(t):
-        stride = t.stride()
-    else:
-        stride = torch.empty(t.shape, device=_META).stride()
-    engine = ts.engine
-    # The copy is issued when the program asked for it, not after the emulator's book-keeping.
-    issued_at = engine.now() if engine is not None else None
-    nbytes = t.numel() * t.element_size()
-    block = ts.memory[dev].allocate(nbytes) if nbytes else None
+    """``t`` (a host tensor that needs no gradient) copied onto emulated device ``dev``: an
+    emulator entry (the copy is issued when the program asked for it; the emulator's own time
+    around it, before and after the wait of a pageable copy, is forgiven)."""
+    local = ts.local
+    host = local.host if local is not None else None
+    if host is None or host.depth:
+        return _copy_in(ts, t, dev, non_blocking)
+    host.entry = ts.read_clock()
+    host.depth = 1
+    try:
+        return _copy_in(ts, t, dev, non_blocking)
+    finally:
+        ts.leave()
+
+
+def _copy_in(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
     transfers = ts.rt.transfers
-    moving = transfers is not None and transfers.moving_model
-    if engine is not None:
-        engine.forget_wait()  # only a wait for THIS copy may be forgiven below
-    if not moving and nbytes:  # (torch copies nothing for an empty tensor: no transfer, no wait)
-        _charge_h2d(ts, t, dev, non_blocking, issued_at)
-    e = ts.wrap(t.shape, stride, 0, t.dtype, dev, block)
-    if not moving:
+    if transfers is None or transfers.moving_model or t.is_meta:
+        # Part of a whole-model move (charged once for the model), no transfers component, or
+        # a meta tensor: autograd's zeros for an unused output of a custom Function are made on
+        # the meta device (an emulated tensor's C++ device), where a real GPU would make them
+        # on the device itself: moving one onto the device copies nothing.
         # Model parameters/buffers get no shadows: their values are not what host code reads
         # back, and a shadow would add a host op to every step of the optimizer.
-        e._shadow = _small_shadow(t)
-    # A pageable copy returns when the copy ends; building the wrapper after that wait is the
-    # emulator's time, not the program's (as for .item()).
-    _settle(ts)
+        if t.is_contiguous() or _non_overlapping_dense(t):
+            stride = t.stride()
+        else:
+            stride = torch.empty(t.shape, device=_META).stride()
+        nbytes = t.numel() * t.element_size()
+        block = ts.memory[dev].allocate(nbytes) if nbytes else None
+        e = ts.wrap(t.shape, stride, 0, t.dtype, dev, block)
+        if transfers is None:
+            e._shadow = _small_shadow(t)
+        return e
+    plan = transfers.copy_plan(t, dev, non_blocking)
+    nbytes = plan.nbytes
+    block = ts.memory[dev].allocate(nbytes) if nbytes else None  # (an OOM changes nothing)
+    if nbytes:  # (torch copies nothing for an empty tensor: no transfer, no wait)
+        transfers.charge(plan, dev)
+    e = ts.wrap(plan.shape, plan.stride, 0, plan.dtype, dev, block)
+    if plan.host and plan.numel <= SHADOW_MAX_ELEMENTS:
+        e._shadow = t.detach().clone()  # the copy's values, known on the host (gpemu.hostvalues)
     return e
 
 
@@ -1181,7 +1310,7 @@ def to_emulated(t: torch.Tensor, device: int, non_blocking: bool = False) -> Emu
     """Copy a host tensor onto the active run's emulated GPU ``device``: counts memory, charges
     transfer time, keeps a shadow of small values. Keeps autograd when ``t`` requires grad."""
     ts = t._ts if isinstance(t, EmuTensor) else _state()
-    dev = ts.check(device)
+    dev = device if device.__class__ is int and device in ts.ordinals else ts.check(device)
     if isinstance(t, EmuTensor):
         return t if t._dev == dev else peer_copy(t, dev)
     if t.requires_grad and torch.is_grad_enabled():

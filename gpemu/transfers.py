@@ -49,6 +49,7 @@ __all__ = [
     "device_to_host_seconds",
     "install",
     "TransferState",
+    "CopyPlan",
 ]
 
 # Fixed cost of one cudaMemcpy (driver call + DMA set-up); ~10 us on PCIe GPUs.
@@ -65,6 +66,31 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class _MoveDepth(threading.local):
+    depth = 0  # whole-model moves open on this thread
+
+
+class CopyPlan:
+    """Everything one kind of host->device copy needs, worked out once (``TransferState.copy_plan``):
+    a copy of the same shape, strides, dtype, pinnedness and blocking to the same device costs
+    the same, so the hot path is a lookup and a charge (:meth:`TransferState.charge`)."""
+
+    __slots__ = ("shape", "stride", "dtype", "nbytes", "numel", "seconds", "name", "wait", "reason", "pinned",
+                 "host", "count", "__weakref__")
+
+    def __init__(self, shape: tuple, stride: tuple, dtype: torch.dtype, numel: int, nbytes: int, seconds: float,
+                 pinned: bool, non_blocking: bool, host: bool) -> None:
+        self.shape, self.stride, self.dtype, self.numel, self.nbytes = shape, stride, dtype, numel, nbytes
+        self.seconds = seconds
+        self.pinned = pinned
+        self.name = "h2d pinned" if pinned else "h2d pageable"
+        # Who waits, as in CUDA: pageable copies, and any copy that is not non_blocking.
+        self.wait = not (pinned and non_blocking)
+        self.reason = "pageable-copy" if not pinned else "blocking-copy"
+        self.host = host      # from host memory (its values can be kept: gpemu.hostvalues' policy)
+        self.count = 0        # copies charged with this plan (the recorder's h2d counters)
+
+
 class TransferState:
     """The transfers component of one run (``rt.transfers``): what copies cost and charging them."""
 
@@ -75,20 +101,25 @@ class TransferState:
         # seconds of one input copy by (shape, dtype, device, pinned); cleared when a model
         # moves (the model decides which measured copy time applies)
         self.h2d: dict[tuple, float] = {}
+        # copy plans by (shape, stride, dtype, host device?, device, pinned, non_blocking), cleared
+        # with h2d; the copies charged with retired plans are folded into the recorder's counters
+        self.plans: dict[tuple, CopyPlan] = {}
+        self._retired: dict[str, float] = {}  # counters of the copies of plans cleared since
+        rt.recorder.add_source(self._counters)
         # Is this host tensor page-locked? Set by the pinned-memory component.
         self.is_pinned: Callable[[torch.Tensor], bool] = _never_pinned
-        self._local = threading.local()
+        self._local = _MoveDepth()
 
     # ------------------------------------------------------------------ model moves
     @property
     def moving_model(self) -> bool:
         """True inside a whole-model move (its per-tensor copies are not charged)."""
-        return getattr(self._local, "depth", 0) > 0
+        return self._local.depth > 0
 
     @contextmanager
     def moving(self) -> Iterator[None]:
         """Copies made inside are part of one model move (charged once by the caller)."""
-        self._local.depth = getattr(self._local, "depth", 0) + 1
+        self._local.depth += 1
         try:
             yield
         finally:
@@ -146,26 +177,86 @@ class TransferState:
         return self._bandwidth_seconds(_nbytes(tensor), device, pinned), "estimated"
 
     # ------------------------------------------------------------------ charging
+    def copy_plan(self, tensor: torch.Tensor, device: int, non_blocking: bool) -> CopyPlan:
+        """The :class:`CopyPlan` of copying host ``tensor`` to ``device`` (made once per kind of copy)."""
+        pinned = self.is_pinned(tensor)
+        key = (tensor.shape, tensor.stride(), tensor.dtype, tensor.is_cpu, device, pinned, non_blocking)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self._make_plan(tensor, device, pinned, non_blocking, key)
+        return plan
+
+    def _make_plan(self, tensor: torch.Tensor, device: int, pinned: bool, non_blocking: bool, key: tuple) -> CopyPlan:
+        seconds_key = (tensor.shape, tensor.dtype, device, pinned)
+        seconds = self.h2d.get(seconds_key)
+        if seconds is None:
+            seconds = self.h2d[seconds_key] = self.host_to_device_seconds(tensor, device, pinned)[0]
+        if tensor.is_contiguous() or _non_overlapping_dense(tensor):
+            stride = tuple(tensor.stride())
+        else:  # the copy is dense: contiguous strides
+            stride = tuple(torch.empty(tensor.shape, device="meta").stride())
+        numel = tensor.numel()
+        plan = CopyPlan(tuple(tensor.shape), stride, tensor.dtype, numel, numel * tensor.element_size(), seconds,
+                        pinned, non_blocking, tensor.is_cpu)
+        if len(self.plans) >= 4096:  # ever new shapes: start again (their counts are kept)
+            self._retire_plans()
+        self.plans[key] = plan
+        return plan
+
+    def _retire_plans(self) -> None:
+        for name, value in self._counters():
+            self._retired[name] = value
+        self.plans.clear()
+
+    def charge(self, plan: CopyPlan, device: int) -> None:
+        """Charge one copy of ``plan`` onto ``device``'s current stream; the host waits for it
+        unless it is a pinned ``non_blocking`` copy."""
+        plan.count += 1
+        engine = self.rt.engine
+        stream = engine.stream(device)
+        if plan.wait:
+            engine.enqueue_wait(stream, plan.seconds, "transfer", plan.name, plan.reason)
+        else:
+            stream.enqueue(plan.seconds, "transfer", plan.name)
+
+    def _counters(self) -> list[tuple[str, float]]:
+        """The recorder's h2d counters of the copies charged with plans (a counter source)."""
+        retired = self._retired
+        copies, nbytes, seconds = retired.get("h2d_copies", 0.0), retired.get("h2d_bytes", 0.0), \
+            retired.get("h2d_seconds", 0.0)
+        pinned, pageable = retired.get("h2d_pinned_bytes", 0.0), retired.get("h2d_pageable_bytes", 0.0)
+        for plan in list(self.plans.values()):
+            n = plan.count
+            if n:
+                copies += n
+                nbytes += n * plan.nbytes
+                seconds += n * plan.seconds
+                if plan.pinned:
+                    pinned += n * plan.nbytes
+                else:
+                    pageable += n * plan.nbytes
+        if not copies:
+            return []
+        return [("h2d_bytes", nbytes), ("h2d_copies", copies), ("h2d_seconds", seconds),
+                ("h2d_pinned_bytes", pinned), ("h2d_pageable_bytes", pageable)]
+
     def copy_to_device(self, tensor: torch.Tensor, device: int, non_blocking: bool,
                        issued_at: float | None = None) -> None:
         """Charge one host->device copy of CPU ``tensor``: queue it on the device's current stream;
         the host waits for it unless it is a pinned ``non_blocking`` copy. ``issued_at``: the host
-        time (``engine.now()``) the program asked for the copy, before the emulator's own work."""
+        time (``engine.now()``) the program asked for the copy, before the emulator's own work
+        (inside an emulator entry the host's time is the entry's anyway)."""
         if self.moving_model:
             return  # charged once for the whole model by model_to_device
-        rt = self.rt
-        nbytes = _nbytes(tensor)
-        pinned = self.is_pinned(tensor)
-        key = (tensor.shape, tensor.dtype, device, pinned)
-        seconds = self.h2d.get(key)
-        if seconds is None:
-            seconds = self.h2d[key] = self.host_to_device_seconds(tensor, device, pinned)[0]
-        stream = rt.engine.stream(device)
-        rt.recorder.add_many(("h2d_bytes", nbytes), ("h2d_copies", 1), ("h2d_seconds", seconds),
-                             ("h2d_pinned_bytes" if pinned else "h2d_pageable_bytes", nbytes))
-        stream.enqueue(seconds, "transfer", "h2d pinned" if pinned else "h2d pageable", at=issued_at)
-        if not (pinned and non_blocking):
-            stream.synchronize("pageable-copy" if not pinned else "blocking-copy")
+        plan = self.copy_plan(tensor, device, non_blocking)
+        if issued_at is None:
+            self.charge(plan, device)
+            return
+        plan.count += 1
+        stream = self.rt.engine.stream(device)
+        stream.enqueue(plan.seconds, "transfer", plan.name, at=issued_at)
+        if plan.wait:
+            stream.synchronize(plan.reason)
 
     def copy_to_host(self, tensor: torch.Tensor, device: int) -> None:
         """Charge one device->host copy into ordinary (pageable) memory; the host waits for it."""
@@ -196,6 +287,7 @@ class TransferState:
         name = identify(rt, module).name
         self.models[device] = name
         self.h2d.clear()
+        self._retire_plans()
         found = self._lookup(device, name, 1, "model_transfer") if name is not None else None
         if found is not None:
             seconds, provenance = found
@@ -219,6 +311,13 @@ class TransferState:
         rt.recorder.add_many(("d2h_bytes", nbytes), ("d2h_seconds", seconds))
         stream.synchronize("model-copy")
         return seconds
+
+
+def _non_overlapping_dense(t: torch.Tensor) -> bool:
+    try:
+        return torch._C._is_non_overlapping_and_dense(t)  # type: ignore[attr-defined]
+    except Exception:
+        return False
 
 
 def _state(rt: "Runtime") -> TransferState:

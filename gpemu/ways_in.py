@@ -115,8 +115,13 @@ def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
 
 
 def _make_tensor_cuda(ts: TensorState) -> Callable:
+    rt = ts.rt
+    plain = torch.Tensor
+
     def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
              memory_format: Any = torch.preserve_format) -> torch.Tensor:
+        if device is None and self.__class__ is plain:  # the usual x.cuda() of a host batch
+            return to_emulated(self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
         if idx is None:
             raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
@@ -365,6 +370,9 @@ def install(rt: "Runtime") -> None:
     and let optimizers take their foreach path over emulated tensors."""
     p = rt.patcher
     ts = rt.tensors
+    # The installing thread's current device, set explicitly (device 0, as before): reading an
+    # unset per-thread value costs an AttributeError inside getattr on every x.cuda().
+    rt.current_device = rt.current_device
     T = torch.Tensor
     p.replace(T, "to", _make_tensor_to(ts, T.to))
     p.replace(T, "cuda", _make_tensor_cuda(ts))

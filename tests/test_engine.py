@@ -526,3 +526,87 @@ def test_a_device_sync_waits_for_a_cross_device_event_wait(eng):
     assert not a.query()
     eng.synchronize(0, "synchronize")       # as cudaDeviceSynchronize: waits for that wait too
     assert eng.clock.now() == pytest.approx(100.050) and a.query()
+
+
+# ------------------------------------------------------------------ the emulator's own host time
+# Inside an emulator entry (engine.enter ... leave) the host's emulated time is frozen at the
+# entry: what is enqueued inside is issued then, and the time spent inside is forgiven when the
+# outermost entry leaves. User code run from inside (suspend ... resume) counts; waits count.
+def test_work_inside_an_emulator_entry_is_issued_at_the_entry_and_its_time_forgiven():
+    eng = _allowance_engine(allowance=0.0)
+    s = eng.default_stream(0)
+    t0 = eng.now()
+    eng.enter()
+    eng.clock.advance(0.003)                                  # the emulator's own work
+    assert eng.now() == t0 and eng.in_emulator
+    s.enqueue(0.001, "op", "a")
+    eng.clock.advance(0.002)
+    eng.leave()
+    assert not eng.in_emulator
+    assert eng.recorder.spans[-1].start == t0 and eng.recorder.spans[-1].enqueued_at == t0
+    assert eng.now() == pytest.approx(t0, abs=1e-12)          # all 5 ms forgiven
+    eng.clock.advance(0.004)                                  # the program's own work counts
+    assert s.enqueue(0.001, "op", "b") == pytest.approx(t0 + 0.005, abs=1e-12)
+    assert eng.recorder.spans[-1].enqueued_at == pytest.approx(t0 + 0.004, abs=1e-12)
+
+
+def test_nested_entries_count_once_and_user_code_inside_counts():
+    eng = _allowance_engine(allowance=0.0)
+    s = eng.default_stream(0)
+    t0 = eng.now()
+    with eng.emulator_work():
+        eng.clock.advance(0.001)
+        with eng.emulator_work():                             # nested: still frozen
+            eng.clock.advance(0.001)
+            s.enqueue(0.0001, "op", "inner")
+        assert eng.now() == t0
+        with eng.program_work():                              # a hook, a module's own forward
+            assert not eng.in_emulator
+            eng.clock.advance(0.010)
+            s.enqueue(0.0001, "op", "user")
+        eng.clock.advance(0.002)
+        s.enqueue(0.0001, "op", "after")
+    inner, user, after = eng.recorder.spans[-3:]
+    assert inner.enqueued_at == t0
+    assert user.enqueued_at == pytest.approx(t0 + 0.010, abs=1e-12)   # the user's 10 ms count
+    assert after.enqueued_at == pytest.approx(t0 + 0.010, abs=1e-12)  # frozen again at resume
+    assert eng.now() == pytest.approx(t0 + 0.010, abs=1e-12)
+
+
+def test_a_wait_inside_an_entry_counts_and_restarts_it():
+    eng = _allowance_engine(allowance=0.0)
+    s = eng.default_stream(0)
+    deadline = s.enqueue(0.020, "forward", "m")
+    with eng.emulator_work():
+        eng.clock.advance(0.001)
+        eng.synchronize(0, "item")                            # waits until the deadline
+        assert eng.clock.now() == deadline
+        eng.clock.advance(0.003)                              # computing the value: the emulator's
+        assert eng.now() == deadline
+        s.enqueue(0.001, "op", "x")
+    assert eng.recorder.spans[-1].start == deadline
+    assert eng.now() == deadline
+
+
+def test_emulator_time_forgiven_per_entry_is_bounded_and_threads_are_separate():
+    from gpemu.engine import _MAX_FORGIVEN_WORK
+
+    eng = _allowance_engine(allowance=0.0)
+    t0 = eng.now()
+    eng.enter()
+    eng.clock.advance(1.0)                                    # far beyond emulator work: counts
+    eng.leave()
+    assert eng.now() == pytest.approx(t0 + 1.0 - _MAX_FORGIVEN_WORK, abs=1e-12)
+    eng.leave()                                               # unbalanced: ignored
+    assert not eng.in_emulator
+    seen = []
+
+    def other():
+        seen.append(eng.in_emulator)
+
+    eng.enter()
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    eng.leave()
+    assert seen == [False]

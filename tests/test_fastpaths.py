@@ -385,11 +385,11 @@ def _armed_set(model: nn.Module):
 def test_gradient_set_dropped_and_handed_out_whole(rt) -> None:
     model, opt, mem, x = _warm_conv_net(rt)
     gs = _armed_set(model)
-    assert gs.spares is not None  # released by the last zero_grad, wrappers kept
+    assert gs.state in ("hidden", "released")  # given back by the last zero_grad, wrappers kept
     base = mem.allocated
     model(x).sum().backward()
     grads = {p: weakref.ref(p.grad) for p in model.parameters()}
-    assert gs.spares is None and all(p.grad is not None for p in model.parameters())
+    assert gs.state == "armed" and all(p.grad is not None for p in model.parameters())
     grad_bytes = mem.allocated - base
     assert grad_bytes >= sum(p.numel() * 4 for p in model.parameters())
     # all gradients share one group block, taken again with one tracker call
@@ -411,16 +411,38 @@ def test_gradient_set_dropped_another_way_frees_memory_at_once(rt) -> None:
     base = mem.allocated
     model(x).sum().backward()
     old = {p: weakref.ref(p.grad) for p in model.parameters()}
-    model.zero_grad()  # nn.Module's own zero_grad: not the optimizer's fast path
+    for p in model.parameters():
+        p.grad = None  # a plain loop
     gc.collect()
     assert mem.allocated == base and all(r() is None for r in old.values())
     model(x).sum().backward()  # a new set is made
     assert all(p.grad is not None for p in model.parameters())
     for p in model.parameters():
-        p.grad = None  # a plain loop
+        p.grad = None
     assert mem.allocated == base
     _step(model, opt)
-    assert mem.allocated == base and _armed_set(model).spares is not None
+    assert mem.allocated == base and _armed_set(model).state in ("hidden", "released")
+
+
+def test_module_zero_grad_gives_a_gradient_set_back_whole(rt) -> None:
+    model, opt, mem, x = _warm_conv_net(rt)
+    base = mem.allocated
+    fast = ofp.fast_path_info()["module_zero_grad_fast"]
+    for _ in range(3):  # the accuracy benchmark's loop: model.zero_grad(), no optimizer
+        model(x).sum().backward()
+        grads = {p: p.grad for p in model.parameters()}
+        assert mem.allocated > base
+        del grads
+        model.zero_grad()
+        assert mem.allocated == base and all(p.grad is None for p in model.parameters())
+    assert ofp.fast_path_info()["module_zero_grad_fast"] == fast + 3
+    assert _armed_set(model).state == "hidden"
+    # set_to_none=False: torch's own, zeroing in place (the same gradients)
+    model(x).sum().backward()
+    before = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=False)
+    assert all(g is p.grad for g, p in zip(before, model.parameters()))
+    assert ofp.fast_path_info()["module_zero_grad_fast"] == fast + 3
 
 
 def test_gradient_set_with_a_held_gradient_is_given_up(rt) -> None:
@@ -449,7 +471,7 @@ def test_gradient_set_accumulates_in_place_and_refuses_marked_gradients(rt) -> N
     del first
     model[3].weight.grad.note = "mine"  # an attribute on a gradient: never handed out again
     opt.zero_grad()
-    assert gs.alive and gs.spares is None  # not released (checked before anything changed)...
+    assert gs.alive and gs.state == "armed"  # not given back (checked before anything changed)...
     assert all(p.grad is None for p in model.parameters())  # ...and dropped one by one instead
     model(x).sum().backward()
     assert not hasattr(model[3].weight.grad, "note")
@@ -464,7 +486,7 @@ def test_gradient_set_out_of_memory_at_reuse_changes_nothing(rt) -> None:
     with pytest.raises(torch.cuda.OutOfMemoryError):
         loss.backward()
     assert all(p.grad is None for p in model.parameters())
-    assert gs.alive and gs.spares is not None  # still released, wrappers kept for later
+    assert gs.alive and gs.state in ("hidden", "released")  # still given back, wrappers kept for later
     del hog, loss
     assert mem.allocated <= before
     _step(model, opt)  # and training goes on
@@ -802,3 +824,47 @@ def test_optimizer_step_wrapper_runs_hooks_and_keeps_torchs_range_under_a_profil
     finally:
         pre_handle.remove()
         post_handle.remove()
+
+
+def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch) -> None:
+    """The emulator's own host time in a replayed forward, a replayed loss and the engine-free
+    backward is not on the emulated host timeline (gpemu.engine.TimeEngine.enter); the program's
+    own time between them is."""
+    import gpemu.fastpaths.loss as lossfp
+    import gpemu.fastpaths.replay as replayfp
+
+    clock = rt.engine.clock
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.zeros(16, 32, device="cuda"), torch.zeros(16, dtype=torch.long, device="cuda")
+
+    def step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(4):
+        step()
+    assert replayfp.replay_info()["hub"] > 0 and lossfp.loss_info()["replayed"] > 0
+    slow = 0.010  # the emulator's own work, made slow
+
+    def slowed(fn):
+        def inner(*a, **k):
+            clock.advance(slow)
+            return fn(*a, **k)
+        return inner
+
+    monkeypatch.setattr(replayfp, "_new_outputs", slowed(replayfp._new_outputs))
+    monkeypatch.setattr(replayfp, "_replay_backward", slowed(replayfp._replay_backward))
+    monkeypatch.setattr(lossfp, "_replayed_backward", slowed(lossfp._replayed_backward))
+    torch.cuda.synchronize()
+    t0 = rt.engine.now()
+    out = model(x)
+    assert rt.engine.now() == pytest.approx(t0, abs=1e-12)  # forward: 10 ms of emulator time forgiven
+    clock.advance(0.001)                                     # the program's own time counts
+    loss = torch.nn.functional.cross_entropy(out, y)
+    assert rt.engine.now() == pytest.approx(t0 + 0.001, abs=1e-12)
+    direct = replayfp.replay_info()["direct_backward"]
+    loss.backward()
+    assert replayfp.replay_info()["direct_backward"] == direct + 1
+    assert rt.engine.now() == pytest.approx(t0 + 0.001, abs=1e-12)  # 20 ms in backward forgiven

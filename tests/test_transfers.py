@@ -182,3 +182,30 @@ def test_input_copy_cost_follows_the_model_moved_after_earlier_copies() -> None:
     before = clock.now()
     batch.cuda()
     assert clock.now() - before == pytest.approx(measured)
+
+
+def test_autograd_zeros_for_an_unused_function_output_move_without_a_copy() -> None:
+    """Autograd makes the zero gradient of an unused custom Function output on the emulated
+    tensor's C++ device (meta); a real GPU makes it on the device: `.to('cuda')` copies nothing."""
+    rt, clock = _patch()
+    seen = []
+
+    class Two(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, x * 3
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            seen.append(gb.device.type)
+            gb = gb.to("cuda")
+            return ga * 2 + gb * 3
+
+    x = torch.randn(64, 64).cuda().requires_grad_()
+    a, _b = Two.apply(x)
+    before = dict(rt.recorder.counters)
+    a.sum().backward()
+    assert seen and x.grad is not None and x.grad.is_cuda
+    after = rt.recorder.counters
+    assert after.get("h2d_copies", 0) == before.get("h2d_copies", 0)  # no host->device copy
+    assert not [w for w in rt.recorder.waits if w.reason == "pageable-copy"][1:]  # only x's own

@@ -198,8 +198,17 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
             rec = records[key] = _Record(state, input._dev)
         if _functorch_active():
             return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
-        # Function.apply without its per-argument functorch pass (as gpemu.replay does)
-        return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
+        # Function.apply without its per-argument functorch pass (as gpemu.replay does). A
+        # replayed loss runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter).
+        host = engine.local.host if engine is not None and rec.grad_spec is not None else None
+        if host is None or host.depth:
+            return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
+        host.entry = engine.read_clock()
+        host.depth = 1
+        try:
+            return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
+        finally:
+            engine.leave()
 
     cross_entropy.__wrapped__ = orig  # type: ignore[attr-defined]
     return cross_entropy

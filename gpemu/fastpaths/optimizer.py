@@ -67,10 +67,13 @@ class OptimizerFastPath:
 
     def __init__(self, rt: "Runtime") -> None:
         self.memory = rt.memory
+        self.ts = rt.tensors
+        self.engine = rt.engine
+        self.replay = rt.replay        # (module parameters for Module.zero_grad)
         self.gradients = rt.gradients  # None without the replay fast path: zero_grad is torch's
         self.enabled = True            # False once the run ended (optimizers made in it run plainly)
         self.plans: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
-        self.stats = {"fast": 0, "real": 0, "zero_grad_fast": 0}
+        self.stats = {"fast": 0, "real": 0, "zero_grad_fast": 0, "module_zero_grad_fast": 0}
 
 
 def fast_path_info() -> dict[str, int]:
@@ -111,7 +114,8 @@ def _state_keys(kind: str, extra: bool) -> tuple[str, ...]:
 class _Plan:
     """What one optimizer's skipped step does, built after a real step with complete state."""
 
-    __slots__ = ("state", "n_state", "groups", "group_sig", "params", "has_grad", "steps", "transient", "memory")
+    __slots__ = ("state", "n_state", "groups", "group_sig", "params", "has_grad", "steps", "transient", "memory",
+                 "cover_gen", "sets", "rest", "rest_has_grad", "shadow_gen")
 
     def __init__(self) -> None:
         self.state: Any = None
@@ -123,6 +127,13 @@ class _Plan:
         self.steps: list[torch.Tensor] = []  # CPU step counters of parameters with gradients
         self.transient = 0
         self.memory: Any = None
+        # Which parameters' gradients are whole gradient sets (checked in O(1), see _try_fast),
+        # valid while the gradient sets' generation is cover_gen; the rest, checked one by one.
+        self.cover_gen = -1
+        self.sets: list = []
+        self.rest: list = []
+        self.rest_has_grad: list[bool] = []
+        self.shadow_gen = -1  # the tensor state's shadow_writes when no parameter had a shadow
 
 
 def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[list, list, list, int] | None:
@@ -167,25 +178,50 @@ def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[lis
     return params, has_grad, steps, dev
 
 
-def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str) -> bool:
+def _cover(plan: _Plan, gradients: Any) -> None:
+    """Split the plan's parameters with gradients into whole gradient sets and the rest."""
+    plan.cover_gen = gradients.generation if gradients is not None else -1
+    with_grad = {id(p) for p, want in zip(plan.params, plan.has_grad) if want}
+    sets = []
+    if gradients is not None:
+        sets = [gs for gs in gradients.live_sets() if all(id(p) in with_grad for p in gs.params)]
+    covered = {id(p) for gs in sets for p in gs.params}
+    plan.sets = sets
+    plan.rest = [p for p in plan.params if id(p) not in covered]
+    plan.rest_has_grad = [want for p, want in zip(plan.params, plan.has_grad) if id(p) not in covered]
+
+
+def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str, fp: OptimizerFastPath) -> bool:
     if opt.state is not plan.state or len(opt.state) != plan.n_state or opt.param_groups is not plan.groups:
         return False
     if _group_signature(opt, kind) != plan.group_sig:
         return False
-    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+    attrs = opt.__dict__  # (a GradScaler with a fused optimizer sets these on the instance)
+    if attrs.get("grad_scale") is not None or attrs.get("found_inf") is not None:
         return False
-    params = plan.params
-    has_grad = plan.has_grad
-    for p, want in zip(params, has_grad):
-        grad = p.grad
-        if (grad is not None) is not want:
+    gradients = fp.gradients
+    if plan.cover_gen != (gradients.generation if gradients is not None else -1):
+        _cover(plan, gradients)
+    # A whole gradient set that nothing handed to Python code since it was armed holds exactly
+    # its own plain gradients (see gpemu.fastpaths.gradients): one look at its state.
+    for gs in plan.sets:
+        if gs.state != "armed":
             return False
-        if grad is not None and (grad.__class__ is not EmuTensor or grad._shadow is not None):
+        group = gs.parent_ref()
+        if group is None:
             return False
+        if group.exposed and not _grads_ok(gs.params, _ALL):
+            return False
+    if plan.rest and not _grads_ok(plan.rest, plan.rest_has_grad):
+        return False
     # Accepted: do what the real step would leave observable.
-    if not all(map(is_, map(_get_shadow, params), repeat(None))):  # (C-level pass: no shadows is usual)
-        for p in params:
-            p._shadow = None
+    ts = fp.ts
+    if plan.shadow_gen != ts.shadow_writes:  # some tensor got a known value since: look
+        params = plan.params
+        if not all(map(is_, map(_get_shadow, params), repeat(None))):
+            for p in params:
+                p._shadow = None
+        plan.shadow_gen = ts.shadow_writes
     if plan.steps:
         torch._foreach_add_(plan.steps, 1.0)
     if plan.transient:
@@ -193,36 +229,72 @@ def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str) -> bool:
     return True
 
 
+class _All:
+    """``want`` for every parameter of a set: it has a gradient."""
+
+    def __iter__(self) -> Any:
+        return repeat(True)
+
+
+_ALL = _All()
+_gget = torch._C.TensorBase.grad.__get__  # (C-level: the fast path's own look is no exposure)
+
+
+def _grads_ok(params: list, has_grad: Any) -> bool:
+    """Whether each parameter has a gradient exactly when the plan says, each a plain emulated
+    tensor without a known value."""
+    for p, want in zip(params, has_grad):
+        grad = p.grad
+        if (grad is not None) is not want:
+            return False
+        if grad is not None and (grad.__class__ is not EmuTensor or grad._shadow is not None):
+            return False
+    return True
+
+
 def _make_step(fp: OptimizerFastPath, inner: Callable, kinds: dict[type, str]) -> Callable:
     plans = fp.plans
     stats = fp.stats
+
+    engine = fp.engine
+
+    def real(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        # torch's (or a subclass's) step, with the closure that may come with it: not the
+        # emulator's own time (see gpemu.engine.TimeEngine.suspend)
+        if engine is None:
+            return inner(self, *args, **kwargs)
+        depth = engine.suspend()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            engine.resume(depth)
 
     @functools.wraps(inner)
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         kind = kinds.get(type(self))
         if kind is None or args or kwargs or not fp.enabled:
-            return inner(self, *args, **kwargs)
+            return real(self, *args, **kwargs)
         plan = plans.get(self)
         if plan is not None:
-            if _try_fast(self, plan, kind):
+            if _try_fast(self, plan, kind, fp):
                 stats["fast"] += 1
                 return None
             del plans[self]
         stats["real"] += 1
         group_sig = _group_signature(self, kind)
         found = None
-        if group_sig is not None and getattr(self, "grad_scale", None) is None \
-                and getattr(self, "found_inf", None) is None:
+        attrs = self.__dict__
+        if group_sig is not None and attrs.get("grad_scale") is None and attrs.get("found_inf") is None:
             found = _check(self, kind, group_sig)
         if found is None:
-            return inner(self, *args, **kwargs)
+            return real(self, *args, **kwargs)
         # State is complete: this real step is measured (transient memory), then later ones skip.
         params, has_grad, steps, dev = found
         mem = fp.memory[dev]
         before = mem.allocated
         n_state = len(self.state)
         with mem.peak_scope() as scope:
-            out = inner(self, *args, **kwargs)
+            out = real(self, *args, **kwargs)
         step_peak = scope.peak
         if mem.allocated == before and len(self.state) == n_state:
             plan = _Plan()
@@ -240,24 +312,50 @@ def _make_step(fp: OptimizerFastPath, inner: Callable, kinds: dict[type, str]) -
 _profiler_enabled = torch.autograd._profiler_enabled
 
 
-def _profile_hook_step(func: Callable) -> Callable:
+def _profile_hook_step(func: Callable, engine: Any) -> Callable:
     """Torch's ``Optimizer.profile_hook_step`` (step pre/post hooks around ``func``) without its
     ``record_function`` range while no profiler records: entering and leaving that range costs
     ~6 µs of every step even when nobody listens (measured: ``benchmarks/step_parts.py``). While
     a profiler records, torch's own wrapper runs, range included. The hook order and the
-    pre-hook result handling are torch's."""
+    pre-hook result handling are torch's.
+
+    It is an emulator entry (:meth:`gpemu.engine.TimeEngine.enter`): the emulator's own work
+    (gpemu's step hooks, a skipped step) is forgiven; hooks of other modules, and the real step
+    (see ``_make_step``), run as the program's own time."""
     from torch.optim.optimizer import Optimizer, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     with_range = Optimizer.profile_hook_step(func)
+    local = engine.local if engine is not None else None
+
+    def call_hook(hook: Callable, *args: Any) -> Any:
+        if getattr(hook, "__module__", "").startswith("gpemu."):
+            return hook(*args)  # the emulator's own (its time charge)
+        depth = engine.suspend()
+        try:
+            return hook(*args)
+        finally:
+            engine.resume(depth)
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _profiler_enabled():
             return with_range(*args, **kwargs)
+        host = local.host if local is not None else None
+        if host is None or host.depth:
+            return hooked(*args, **kwargs)
+        host.entry = engine.read_clock()
+        host.depth = 1
+        try:
+            return hooked(*args, **kwargs)
+        finally:
+            engine.leave()
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
         self = args[0]
+        run = call_hook if engine is not None else (lambda hook, *a: hook(*a))
         for hooks in (_global_optimizer_pre_hooks, self._optimizer_step_pre_hooks):
             for pre_hook in list(hooks.values()) if hooks else ():
-                result = pre_hook(self, args, kwargs)
+                result = run(pre_hook, self, args, kwargs)
                 if result is not None:
                     if isinstance(result, tuple) and len(result) == 2:
                         args, kwargs = result
@@ -268,7 +366,7 @@ def _profile_hook_step(func: Callable) -> Callable:
         self._optimizer_step_code()
         for hooks in (self._optimizer_step_post_hooks, _global_optimizer_post_hooks):
             for post_hook in list(hooks.values()) if hooks else ():
-                post_hook(self, args, kwargs)
+                run(post_hook, self, args, kwargs)
         return out
 
     wrapper._gpemu_fast = True  # type: ignore[attr-defined]
@@ -284,14 +382,53 @@ def _make_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
     records, and before the optimizer set up its profile name."""
     drop_gradients = fp.gradients.drop_gradients
     stats = fp.stats
+    engine = fp.engine
 
     @functools.wraps(inner)
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         if (not set_to_none or not fp.enabled or _profiler_enabled()
-                or not hasattr(self, "_zero_grad_profile_name")):
+                or "_zero_grad_profile_name" not in self.__dict__):
             return inner(self, set_to_none)
         stats["zero_grad_fast"] += 1
-        drop_gradients(self.param_groups, self)
+        if engine is None:
+            drop_gradients(self.param_groups, self)
+            return None
+        engine.enter()  # (the emulator's own work: forgiven)
+        try:
+            drop_gradients(self.param_groups, self)
+        finally:
+            engine.leave()
+        return None
+
+    zero_grad._gpemu_fast = True  # type: ignore[attr-defined]
+    return zero_grad
+
+
+def _make_module_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
+    """``Module.zero_grad(set_to_none=True)`` as the optimizer's fast one, over the module's
+    parameters (the replay fast path's cached walk of the module tree): a replayed module's
+    gradient set is given back whole. Torch's own runs for ``set_to_none=False``, replicas, and
+    while the torch profiler records."""
+    drop_gradients = fp.gradients.drop_gradients
+    params_of = fp.replay.params_of
+    stats = fp.stats
+    engine = fp.engine
+
+    @functools.wraps(inner)
+    def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+        if not set_to_none or not fp.enabled or _profiler_enabled() or self.__dict__.get("_is_replica"):
+            return inner(self, set_to_none)
+        params = params_of(self)
+        if params is None:
+            return inner(self, set_to_none)
+        stats["module_zero_grad_fast"] += 1
+        if engine is not None:
+            engine.enter()  # (the emulator's own work: forgiven)
+        try:
+            drop_gradients([{"params": params}], self)
+        finally:
+            if engine is not None:
+                engine.leave()
         return None
 
     zero_grad._gpemu_fast = True  # type: ignore[attr-defined]
@@ -314,7 +451,7 @@ def install(rt: "Runtime") -> None:
         inner = current.__wrapped__ if hooked else current
         # Hooked now even if torch had not hooked it yet (no instance made): torch would wrap
         # it at the first instance with its own wrapper, range and all.
-        new = _profile_hook_step(_make_step(fp, inner, kinds))
+        new = _profile_hook_step(_make_step(fp, inner, kinds), fp.engine)
         new.hooked = True  # type: ignore[attr-defined]
         rt.patcher.replace(cls, "step", new)
 
@@ -322,6 +459,9 @@ def install(rt: "Runtime") -> None:
 
     if fp.gradients is not None:
         rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(fp, Optimizer.zero_grad))
+        if fp.replay is not None:
+            M = torch.nn.Module
+            rt.patcher.replace(M, "zero_grad", _make_module_zero_grad(fp, M.zero_grad))
 
     def end() -> None:
         fp.enabled = False

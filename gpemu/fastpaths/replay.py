@@ -120,6 +120,14 @@ class ReplayState:
         """How many outermost-module calls were recorded, replayed, or ran the fallback path."""
         return {**self.stats, "fallback": self.model_time.stats["fallback"]}
 
+    def params_of(self, module: torch.nn.Module) -> list | None:
+        """The parameters of ``module``'s tree (each once), from the cached walk (None for a
+        module that cannot be cached)."""
+        try:
+            return _walk(self, module)[0]
+        except TypeError:
+            return None
+
     def register_direct_head(self, node_cls: type, ready: Any, run: Any) -> Any:
         """Let :func:`_direct_backward` start at nodes of ``node_cls``: ``ready(node)`` says
         whether it can (no side effects), ``run(node)`` charges the node's backward and returns its
@@ -147,7 +155,7 @@ class Recording(CallRecord):
     """What one recorded forward of a module needs for replay: what its op-by-op call measured
     (:class:`gpemu.model_time.CallRecord`) and the replay's own book-keeping."""
 
-    __slots__ = ("grad_specs", "hook_gen", "direct", "plain", "hub_direct", "state")
+    __slots__ = ("grad_specs", "hook_gen", "direct", "plain", "hub_direct", "state", "param_nodes")
 
     def __init__(self, state: ReplayState) -> None:
         super().__init__()
@@ -161,6 +169,9 @@ class Recording(CallRecord):
         # parameter accumulator ran); _NEVER once a targeted one (autograd.grad, inputs=) was seen.
         self.plain = 0
         self.hub_direct: "_Direct | None" = None
+        # The parameters' accumulator nodes, looked up (and watched by the gradient sets) once
+        # per recording: shared by its plain and hub-mode _Direct (see _Direct.__init__).
+        self.param_nodes: list | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +325,18 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
                                open_children=True)
     if rec is not None and (rec.params is params  # the cached walk's own list: nothing changed
                             or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))):
-        return _replay(rec, emus, params, t0)
+        # A replay runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter), its
+        # host time is not the program's.
+        engine = R.ts.engine
+        host = engine.local.host if engine is not None else None
+        if host is None or host.depth:
+            return _replay(rec, emus, params, t0)
+        host.entry = engine.read_clock()
+        host.depth = 1
+        try:
+            return _replay(rec, emus, params, t0)
+        finally:
+            engine.leave()
     rec = Recording(R)
     out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
     if rec.out_specs is not None and rec.treespec is not None:
@@ -370,14 +392,14 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
                 direct = rec.hub_direct
                 if direct is None or direct.n_inputs != len(emus):
                     hub = R.ts.wrap((0,), (1,), 0, torch.float32, rec.dev, None, requires_grad=True)
-                    direct = rec.hub_direct = _Direct(len(emus), grad_params, rec.dev, hub)
+                    direct = rec.hub_direct = _Direct(rec, len(emus), grad_params, rec.dev, hub)
                 R.hub_used = True
                 R.stats["hub"] = R.stats.get("hub", 0) + 1
                 outs = _apply_replay(rec, direct, t0, *emus, direct.hub)
                 return _unflatten(outs, rec.treespec)
             direct = rec.direct
             if direct is None or direct.n_inputs != len(emus):
-                direct = rec.direct = _Direct(len(emus), grad_params, rec.dev)
+                direct = rec.direct = _Direct(rec, len(emus), grad_params, rec.dev)
     if _functorch_active():
         outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
     else:
@@ -414,21 +436,45 @@ class _Direct:
     parameters of such a graph (``torch.autograd.grad``, ``backward(inputs=...)``) are answered
     by the patched functions (:func:`_grad`, :func:`_backward`), and hub mode ends for the run."""
 
-    __slots__ = ("n_inputs", "params", "node", "nodes", "hub", "pspecs", "param_bytes", "gradset")
+    __slots__ = ("n_inputs", "params", "node", "nodes", "param_nodes", "hub", "pspecs", "param_bytes", "gradset")
 
-    def __init__(self, n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
+    def __init__(self, rec: "Recording", n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
         self.n_inputs = n_inputs
         self.params = params
         self.hub = hub
-        # The accumulator nodes the graph will use (kept alive by these references).
-        self.nodes = [get_gradient_edge(t).node for t in ([hub] if hub is not None else params)]
+        # The parameters' accumulator nodes, kept alive by these references: the graph uses
+        # them unless in hub mode, and gradient sets watch them. Looked up once per recording
+        # (get_gradient_edge makes a leaf's accumulator with an emulated view_as: for a model
+        # with ~190 parameters, ~10-20 ms of host time at its first replay, and it was paid
+        # again when hub mode began).
+        param_nodes = rec.param_nodes
+        if param_nodes is None or len(param_nodes) != len(params):
+            param_nodes = rec.param_nodes = list(map(_accumulator, params))
+            rec.state.gradients.watch(params, param_nodes)
+        # The accumulator nodes the graph will use.
+        self.nodes = [_accumulator(hub)] if hub is not None else param_nodes
         self.node = self.nodes[0]
+        self.param_nodes = param_nodes
         self.pspecs = [_grad_spec(p, dev) for p in params]
         self.param_bytes = sum(spec[4] for spec in self.pspecs)
         self.gradset: Any = None  # gpemu.fastpaths.gradients' set of these parameters' gradients
 
 
 _will_execute = torch._C._will_engine_execute_node
+_NO_PYTHON_DISPATCH = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+
+
+def _accumulator(t: torch.Tensor) -> Any:
+    """``get_gradient_edge(t).node``: a leaf's AccumulateGrad node, made if it has none. For an
+    emulated leaf, torch's way (``t.view_as(t)``, whose graph node points at the accumulator)
+    runs with the Python dispatch key excluded: the view is then a throwaway meta tensor made by
+    the meta kernel, not an emulated op (the emulated ``view_as``, through the op cache's slow
+    path once per shape, cost ~0.1 ms per parameter at a recording's first replay)."""
+    if not isinstance(t, EmuTensor) or t.grad_fn is not None or not t.requires_grad:
+        return get_gradient_edge(t).node
+    with torch.enable_grad(), torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON_DISPATCH):
+        view = t.view_as(t)
+    return view.grad_fn.next_functions[0][0]
 
 
 def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
@@ -440,11 +486,23 @@ def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
     """(shape, contiguous strides, dtype, device, bytes, wrapper key, allocator-rounded bytes) of
     the gradient of ``t``."""
-    stride = torch.empty(t.shape, device="meta").stride() if t.dim() else ()
+    stride = _contiguous_stride(t.shape)
     gdev = t._dev if isinstance(t, EmuTensor) else dev
     nbytes = t.numel() * t.element_size()
     return (t.shape, stride, t.dtype, gdev, nbytes, (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
             round_size(nbytes) if nbytes else 0)
+
+
+def _contiguous_stride(shape: Any) -> tuple:
+    """Contiguous strides of ``shape``, as torch makes them (a size-0 or -1 dimension counts
+    as 1), without making a meta tensor (~20 us each, per parameter of a recording)."""
+    out = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        if n > 1:
+            acc *= n
+    return tuple(reversed(out))
 
 
 class _ReplayFunction(torch.autograd.Function):
@@ -692,12 +750,28 @@ def _implicit_grad(R: ReplayState, t: EmuTensor) -> EmuTensor:
 
 
 def _make_backward(R: ReplayState, orig: Any) -> Any:
+    engine = R.ts.engine
+
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         if (type(tensors) is EmuTensor and args and args[0] is None and not tensors._key[0]
                 and tensors._shadow is None and tensors.requires_grad and "grad_variables" not in kwargs):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
             defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
-            if defaults and _direct_backward(R, tensors):
+            if defaults and engine is not None:
+                # (the engine-free backward runs no user code: an emulator entry)
+                host = engine.local.host
+                outer = not host.depth
+                if outer:
+                    host.entry = engine.read_clock()
+                    host.depth = 1
+                try:
+                    done = _direct_backward(R, tensors)
+                finally:
+                    if outer:
+                        engine.leave()
+                if done:
+                    return None
+            elif defaults and _direct_backward(R, tensors):
                 return None
             grad = _implicit_grad(R, tensors)
             if defaults and _run_engine is not None and not _functorch_active():
@@ -733,8 +807,12 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
-def _bump_structure(R: ReplayState, orig: Any) -> Any:
+def _bump_structure(R: ReplayState, orig: Any, swaps: bool = False) -> Any:
+    gradients = R.gradients
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if swaps:  # (_apply may swap parameters, their C++ .grad with them: hidden sets go real)
+            gradients.materialize_all()
         R.structure_gen += 1
         try:
             return orig(*args, **kwargs)
@@ -767,7 +845,7 @@ def install(rt: "Runtime") -> None:
     # cached walk (_Tree): attribute sets/deletes (also `m.training = False`, `m.fc = Linear()`),
     # registrations that write the dicts directly, and _apply (it may swap parameters in place).
     for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
-        p.replace(M, name, _bump_structure(R, getattr(M, name)))
+        p.replace(M, name, _bump_structure(R, getattr(M, name), swaps=name == "_apply"))
     # Targeted gradients through a hub-mode replay are answered here (see _Direct).
     p.replace(torch.autograd, "grad", _make_grad(R, torch.autograd.grad))
     p.replace(torch.autograd, "backward", _make_backward(R, torch.autograd.backward))
