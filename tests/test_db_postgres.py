@@ -19,6 +19,7 @@ from gpemu.config import EmuConfig
 from gpemu.db import Measurement, open_profile_db
 from gpemu.db.build import open_url
 from gpemu.db.io import export_db, import_path
+from gpemu.db.schema import SCHEMA_VERSION
 
 pytest.importorskip("psycopg")
 
@@ -72,7 +73,7 @@ def test_postgres_holds_an_import_and_answers_like_sqlite(pg_url, sqlite_db, tmp
     src = tmp_path / "part.json"
     export_db(sqlite_db, src, gpus=["V100", "P100"], models=["resnet50"])
     pg = open_profile_db(EmuConfig(db_url=pg_url))
-    assert pg.count() == 0 and pg.meta()["schema_version"] == "1"
+    assert pg.count() == 0 and pg.meta()["schema_version"] == str(SCHEMA_VERSION)
 
     first = import_path(pg, src)
     assert first.rejected == [] and first.measurements == 2 * (5 * 256 + 1)

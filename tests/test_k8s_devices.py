@@ -102,4 +102,5 @@ def test_cli_bad_gpu_is_one_clear_line(tmp_path, capsys):
 
     assert main(["k8s", "devices", "create", "--gpu", "Z9", "--dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "unknown GPU 'Z9'; valid GPUs: A100, RTX6000" in err and "Traceback" not in err
+    assert "unknown GPU 'Z9'; valid GPUs: " in err and "A100, A100-80GB" in err and "Traceback" not in err
+    assert "gpemu gpus add" in err and len(err.strip().splitlines()) == 1
