@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "EmuTensor", "TensorState", "CostTap", "to_emulated", "to_host", "empty_emulated", "is_emulated",
+    "EmuTensor", "unhide_grad", "TensorState", "CostTap", "to_emulated", "to_host", "empty_emulated", "is_emulated",
     "device_index", "install", "cache_info", "host_shadow", "set_host_shadow", "peer_copy",
     "PeerCopy", "DTYPE_NAMES", "TYPE_NAMES",
 ]
@@ -359,7 +359,7 @@ class EmuTensor(torch.Tensor):
     def data(self, new: torch.Tensor) -> None:
         # ``param.data = x`` swaps the TensorImpl's metadata in C++; the Python-side state
         # (device index, memory block, shadow) must follow or the accounting goes wrong.
-        _unhide_grad(self)
+        unhide_grad(self)
         torch._C.TensorBase.data.__set__(self, new)
         self._ts.param_generation += 1
         self._ts.shadow_writes += 1
@@ -413,12 +413,12 @@ class EmuTensor(torch.Tensor):
 
     @grad.setter
     def grad(self, value: "torch.Tensor | None") -> None:
-        _unhide_grad(self)
+        unhide_grad(self)
         _GRAD_SET(self, value)
 
     @grad.deleter
     def grad(self) -> None:
-        _unhide_grad(self)
+        unhide_grad(self)
         _GRAD_SET(self, None)
 
     _grad = grad  # (torch's alias, as its C property)
@@ -566,7 +566,7 @@ _GRAD_GET = torch._C.TensorBase.grad.__get__
 _GRAD_SET = torch._C.TensorBase.grad.__set__
 
 
-def _unhide_grad(t: torch.Tensor) -> None:
+def unhide_grad(t: torch.Tensor) -> None:
     """Before ``t``'s gradient changes: if it is a share of a hidden group (see EmuTensor.grad),
     detach the whole group for real; if of a live one, mark the group exposed."""
     g = _GRAD_GET(t)

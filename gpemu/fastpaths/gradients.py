@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpemu.tensor import WRAPPER_ATTRIBUTES, EmuTensor
+from gpemu.tensor import WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.tensor import TensorState
@@ -413,16 +413,6 @@ def _accumulator_hook(p: Any) -> Any:
     def hook(grad_outputs: tuple) -> None:
         if grad_outputs and grad_outputs[0] is None:
             return None  # nothing to accumulate
-        g = _gget(p)
-        if g is not None:
-            block = g.__dict__.get("_block")
-            group = block.parent if block is not None else None
-            if group is not None:
-                if group.hidden:
-                    owner = group.owner() if group.owner is not None else None
-                    if owner is not None:
-                        owner.materialize()
-                else:
-                    group.exposed = True
+        unhide_grad(p)
         return None
     return hook
