@@ -70,7 +70,8 @@ def overhead_rows(out: str) -> dict[tuple, float]:
     rows = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 7 and parts[2].isdigit() and parts[6].endswith("%"):
+        # gpu, model, batch, host ms/iter, ..., a share in % (the table gained columns over time)
+        if len(parts) >= 7 and parts[2].isdigit() and any(x.endswith("%") for x in parts[4:]):
             try:
                 rows[(parts[0], parts[1], int(parts[2]))] = float(parts[3])
             except ValueError:
@@ -83,6 +84,10 @@ def main() -> None:
     p.add_argument("--old", required=True, help="git revision (or WORKTREE)")
     p.add_argument("--new", default="WORKTREE", help="git revision (default: the working tree)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--benchmark-from", choices=("each", "new"), default="each",
+                   help="run each revision's own copy of the benchmark script (default), or the new "
+                        "revision's on both (cases only the new script has, e.g. added models, get a "
+                        "before figure)")
     p.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [args]: path relative to the repository")
     a = p.parse_args()
     bench = [x for x in a.benchmark if x != "--"]
@@ -91,9 +96,12 @@ def main() -> None:
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
     print(f"machine: {machine()}")
-    print(f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)}", flush=True)
+    print(f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)} ({a.benchmark_from} revision's script)",
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="gpemu-ab-") as tmp:
         roots = {rev: stage(rev, Path(tmp) / tag) for tag, rev in (("old", a.old), ("new", a.new))}
+        if a.benchmark_from == "new":
+            shutil.copy(roots[a.new] / bench[0], roots[a.old] / bench[0])
         results: dict[str, list[dict]] = {a.old: [], a.new: []}
         try:
             for r in range(a.rounds):
