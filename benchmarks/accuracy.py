@@ -144,7 +144,7 @@ def main() -> None:
                    help="measured iterations per combination in the real-clock pass (the virtual pass "
                         "is deterministic and runs 1); a single wall-clock iteration carries the "
                         "scheduling noise of its first and last wake-up, more iterations average it")
-    p.add_argument("--gpus", default=None, help="comma-separated subset of GPUs (default: all in the database)")
+    p.add_argument("--gpus", default=None, help="comma-separated subset of GPUs (default: all the database has measurements for)")
     p.add_argument("--models", default=None, help="comma-separated subset of models (default: all)")
     p.add_argument("--show-worst", type=int, default=8)
     a = p.parse_args()
@@ -153,7 +153,9 @@ def main() -> None:
     from gpemu.db import open_profile_db
 
     db = open_profile_db(EmuConfig.from_env())
-    gpus = a.gpus.split(",") if a.gpus else [s.short_name for s in db.gpus()]
+    # Only GPUs with measurements: the database also lists datasheet-only GPUs (nothing to compare with).
+    measured = {g.name for g in db.measured_gpus()}
+    gpus = a.gpus.split(",") if a.gpus else [s.short_name for s in db.gpus() if s.name in measured]
     models = a.models.split(",") if a.models else [m.name for m in db.models()]
     inputs = {bs: torch.empty(bs, 3, 224, 224) for bs in BATCHES}  # values are never read
     standins = sorted(m for m in models if m not in tvmodels.MODELS)
