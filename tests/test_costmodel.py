@@ -408,3 +408,9 @@ def test_a_measured_time_carried_to_another_gpu_has_the_transfer_error(model):
     u = model.uncertainty("H100", transferred=True)
     assert u is not None and "carried" in u.basis and 0 < u.p50 <= u.p90
     assert model.uncertainty("V100", transferred=True).basis == u.basis  # any carried time: the same figure
+
+
+def test_uncertainty_of_a_kind_of_work_no_measured_model_is_dominated_by_says_so(model):
+    conv, gemm = model.uncertainty("A100", "dense_conv"), model.uncertainty("A100", "gemm")
+    assert "nothing checked" not in conv.basis
+    assert "nothing checked" in gemm.basis and gemm.p50 > 0  # a transformer: the CNNs' figure, flagged

@@ -423,10 +423,15 @@ class CostModel:
             name = "transferred_gpu"
         block = u.get(name) or {}
         entry = (block.get("by_mix") or {}).get(mix) if mix else None
+        basis = str(block.get("basis", ""))
+        if entry is None and mix:
+            # No calibration model is dominated by this kind of work (GEMM-heavy ones: the
+            # database holds CNNs): the overall figure stands in, and the basis says so.
+            basis += f"; no measured model is dominated by {mix} work, so nothing checked this kind"
         entry = entry or block.get("overall")
         if not entry:
             return None
-        return Uncertainty(float(entry["p50"]), float(entry["p90"]), str(block.get("basis", "")))
+        return Uncertainty(float(entry["p50"]), float(entry["p90"]), basis)
 
 
 _MIX_GROUPS = {"dense_conv": (OpClass.CONV,), "light_conv": (OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE),
