@@ -230,6 +230,13 @@ class _Problem:
             path = self.paths[k]
             e_lo, e_hi = _e_bounds(k, path)
             x0_hi, k0_hi, h_hi = 1e12, 1e4, 3e-4
+            if path == "memory" and not self.uses_k0[k]:
+                # Streaming kernels fill the GPU within KERNEL_RAMP_MAX of work at the datasheet
+                # bandwidth: else x0 absorbs the CNNs' per-op costs (their reductions and copies are
+                # tiny) and a large one - a transformer's bias-gradient sum over 8192 tokens - is
+                # priced at a tenth of the bandwidth. (Depthwise convolutions and pooling, priced
+                # by their intensity, keep the ramp the data gives them.)
+                x0_hi = KERNEL_RAMP_MAX * self.sheet.memory_bandwidth / self.sheet.sm_count
             if _is_gemm(k, path):
                 # Depth term: a GEMM's rate halves at K <= 64 at the latest (below that writing its
                 # output tile, not multiplying, bounds it; the roofline floor prices that). Unbounded,
