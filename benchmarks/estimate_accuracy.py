@@ -17,6 +17,7 @@ against the measured one (|error| = |estimate / measured - 1|):
     python benchmarks/estimate_accuracy.py             # LOMO + LOGO
     python benchmarks/estimate_accuracy.py --before    # and today's estimator beside it
     python benchmarks/estimate_accuracy.py --no-cache  # recompute everything
+    python benchmarks/estimate_accuracy.py --refit     # fit the full model again (default: the shipped file)
 
 Op lists, LOMO predictions and the --before figures are cached in ``~/.cache/gpemu/costmodel``
 (``$GPEMU_COSTMODEL_CACHE``) under keys that change with the code and the data, so a rerun takes
@@ -293,10 +294,68 @@ def by_family(title: str, data, preds: dict[str, np.ndarray], before: dict[str, 
         print("   " + line)
 
 
+def logo_analysis(data, full: dict, logo: dict) -> None:
+    """Two diagnostics of the leave-one-GPU-out error (printed, not shipped):
+
+    * every other generation as the donor, predictions averaged in log space: does what the
+      measured generations share (efficiency relative to their datasheet peaks) beat the nearest
+      relative alone?
+    * the same op-model predictions with one scale per GPU taken out (the median log error over
+      that GPU's cases): how much of the error is one number per GPU, which a single measured
+      model on that GPU would supply and a datasheet does not.
+    """
+    from gpemu.profiler.costfit import errors, model_of, predict, summary
+
+    everyone = model_of(full)
+    models = list(range(len(data.names)))
+    ens, scaled = {}, {}
+    for g, v in logo.items():
+        held = next(gen for gen, f in full.items() if f.gpu == g)
+        others = [gen for gen in full if gen != held]
+        logs = [np.log(predict(everyone.without(*[x for x in full if x != d]), data, g, models)) for d in others]
+        ens[g] = np.exp(np.mean(logs, axis=0))
+        e = errors(v["op model"], data.measured_eval[g])
+        shift = np.nanmedian(np.log1p(e))
+        scaled[g] = v["op model"] * np.exp(-shift)
+    print("\n== leave-one-GPU-out diagnostics (not what ships)")
+    print("   " + HEADER)
+    for short_label, label, preds in (("all donors", "every other generation as donor, geometric mean", ens),
+                                      ("1 scale/GPU", "op model, one scale per GPU removed", scaled)):
+        for name, sel in (("all", list(preds)), ("no A100", [g for g in preds if "A100" not in g])):
+            err = np.stack([errors(preds[g], data.measured_eval[g]) for g in sel])
+            print("   " + row(f"{short_label}, {name}", summary(err)) + f"   {label}")
+    per = {short(g): f"{100 * (np.exp(np.nanmedian(np.log1p(errors(v['op model'], data.measured_eval[g])))) - 1):+.0f}%"
+           for g, v in logo.items()}
+    print("   median error per GPU (op model): " + ", ".join(f"{k} {v}" for k, v in per.items()))
+
+
+def shipped_fits(params: dict) -> dict:
+    """The shipped ``params.json`` as the fit's ``GenFit`` objects (what ``costfit`` wrote them
+    from, to 6 digits): LOGO and the warm starts of LOMO need the full fits, not a refit."""
+    import math
+
+    from gpemu.profiler.costfit import GenFit
+
+    out = {}
+    for gen, g in params["generations"].items():
+        keys = tuple(sorted(g["curves"]))
+        theta = []
+        for k in keys:
+            c = g["curves"][k]
+            theta += [math.log(c["e"]), math.log(c["x0"]), c["p"], math.log(c["h"]), math.log(c.get("k0", 1e-9))]
+        out[gen] = GenFit(generation=gen, gpu=g["gpu"], keys=keys, theta=np.array(theta),
+                          paths={k: g["curves"][k]["path"] for k in keys},
+                          uses_k0={k: "k0" in g["curves"][k] for k in keys})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", action="store_true", help="also today's estimator (gpemu.costs.estimate_module)")
     ap.add_argument("--no-cache", action="store_true", help="recompute op lists, LOMO and --before figures")
+    ap.add_argument("--refit", action="store_true",
+                    help="fit every GPU on all models again instead of reading the shipped params.json (which "
+                         "python -m gpemu.profiler.costfit wrote from the same fit; ~10 min on 2 cores)")
     ap.add_argument("--worst", type=int, default=10, help="worst cases listed per table (default 10)")
     args = ap.parse_args()
     print(f"machine: {machine()}")
@@ -316,12 +375,15 @@ def main() -> int:
         t_rec = pb.add_task("op lists (meta device, cached)", total=None)
         data = F.FitData.build(db, progress=lambda n: pb.update(t_rec, description=f"recording {n}"))
         pb.update(t_rec, total=1, completed=1)
-        t_fit = pb.add_task("fitting each GPU on all models", total=len(data.gpus))
-        full = {}
-        for g in data.gpus:
-            f = F.fit_generation(data, g)
-            full[f.generation] = f
-            pb.advance(t_fit)
+        if args.refit:
+            t_fit = pb.add_task("fitting each GPU on all models", total=len(data.gpus))
+            full = {}
+            for g in data.gpus:
+                f = F.fit_generation(data, g)
+                full[f.generation] = f
+                pb.advance(t_fit)
+        else:
+            full = shipped_fits(CostModel.load().params)
         t_cv = pb.add_task("leave-one-model-out fits", total=len(data.gpus) * len(data.names))
 
         def lomo_progress(g: str, n: str) -> None:
@@ -351,6 +413,7 @@ def main() -> int:
     worst_cases("leave-one-GPU-out, op model", data, {g: v["op model"] for g, v in logo.items()}, args.worst)
     table("leave-one-GPU-out, transfer: the model's time measured on the donor GPU x the op model's ratio", data,
           {g: v["transfer"] for g, v in logo.items()}, None, donors)
+    logo_analysis(data, full, logo)
     if before:
         worst_cases("today's estimator (estimate_module)", data, before, args.worst)
     print("\nnote: LOGO for the A100 has no donor with tensor-core measurements (every other measured GPU ran "

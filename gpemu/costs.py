@@ -201,11 +201,14 @@ def backward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, de
     return (times.backward, times.provenance) if times is not None else (0.0, "estimated")
 
 
-def uncertainty(rt: "Runtime", device: int, mix: dict[str, float] | None = None) -> Uncertainty | None:
+def uncertainty(rt: "Runtime", device: int, mix: dict[str, float] | None = None,
+                transferred: bool = False) -> Uncertainty | None:
     """The cost model's cross-validated error for an estimate on ``device``'s GPU; ``mix``: GPU
-    seconds per kind of work of the ops priced (the dominant kind narrows the figure)."""
+    seconds per kind of work of the ops priced (the dominant kind narrows the figure);
+    ``transferred``: a measured time carried from another GPU by the cost model's ratio
+    (provenance ``scaled``), whose error is the leave-one-GPU-out error of such transfers."""
     dominant = max(mix, key=lambda k: mix[k]) if mix else None
-    return default_model().uncertainty(_device(rt, device).sheet, dominant)
+    return default_model().uncertainty(_device(rt, device).sheet, dominant, transferred=transferred)
 
 
 # --------------------------------------------------------------------------------- single ops

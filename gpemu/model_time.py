@@ -288,9 +288,10 @@ def _say_measured(mt: ModelTime, ident: Any, dev: int, times: "costs.ModelTimes"
     if ratio != 1.0 and (torch.is_autocast_enabled("cuda") or prec.allow_tf32_matmul or not prec.allow_tf32_cudnn
                          or not other_gpu):
         what.append("this precision vs fp32")
-    # Carried to another GPU: the cost model's cross-GPU error applies; a precision ratio alone has
-    # no AMP measurements to check it against.
-    u = costs.uncertainty(rt, dev, mix) if other_gpu else None
+    # Carried to another GPU: the cross-validated error of carrying a measured time from one GPU to
+    # another by the cost model's ratio applies; a precision ratio alone has no AMP measurements to
+    # check it against, so it carries no figure (and says so).
+    u = costs.uncertainty(rt, dev, mix, transferred=True) if other_gpu else None
     source[kind] = "scaled"
     source["scaled_for"] = " and ".join(
         (["precision"] if "this precision vs fp32" in what else []) + ([f"GPU, from {rt.db.gpu(times.gpu).short_name}"]

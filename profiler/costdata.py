@@ -184,4 +184,6 @@ def load_measurements(db: "ProfileDB", models: Sequence[str] | None = None) -> M
                 if pts:
                     xs, ys = zip(*pts)
                     series[(g, m, phase)] = (np.asarray(xs, dtype=float), np.asarray(ys, dtype=float))
+    # The database also lists datasheet-only GPUs (no measurements): not calibration data.
+    gpus = tuple(g for g in gpus if any(k[0] == g for k in series))
     return Measurements(gpus=gpus, models=names, series=series)

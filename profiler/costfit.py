@@ -12,7 +12,11 @@ forward (backward) ops' times (:mod:`~gpemu.costmodel.curve`). For each measured
 generation — the curves of every curve key plus the overlap exponent ``q`` are fitted by robust
 non-linear least squares (``scipy.optimize.least_squares``, soft-L1 loss on log(predicted /
 measured), analytic Jacobian) over batch sizes 1-256, with weak priors keeping parameters of
-rarely seen keys sane. The measurements ran in fp32 with PyTorch's default TF32 switches
+rarely seen keys sane. GEMM curves are the exception to "data decides": their plateau is fixed to
+the published large-GEMM rate (:mod:`gpemu.costmodel.published`; the CNNs' GEMMs are classifier
+layers too small to show it) and their ramp is bounded (``KERNEL_RAMP_MAX``), so the fit sets only
+how fast they get there, their depth term and host time; they are priced with the roofline floor
+the model applies (:func:`~gpemu.costmodel.model.floor_seconds`). The measurements ran in fp32 with PyTorch's default TF32 switches
 (:data:`~gpemu.costmodel.precision.FP32`), so the A100's convolution curves are calibrated against
 its TF32 tensor-core peak, every other compute curve against the FP32 peak.
 
@@ -42,8 +46,10 @@ import numpy as np
 from gpemu.costmodel import curve as C
 from gpemu.costmodel.classify import COMPUTE_CLASSES
 from gpemu.costmodel.gpus import DONORS, MEASURED_GENERATION_GPU, GpuSheet, gpu_sheet
-from gpemu.costmodel.model import INTENSITY_CLASSES, PARAMS_PATH, CostModel, dominant_mix, table_keys, work_and_shape
+from gpemu.costmodel.model import (INTENSITY_CLASSES, MATMUL_CLASSES, PARAMS_PATH, CostModel, depth_mask, dominant_mix,
+                                   floor_seconds, table_keys, work_and_shape)
 from gpemu.costmodel.precision import FP32, compute_peak
+from gpemu.costmodel.published import GEMM_PLATEAU_SIMT, KERNEL_RAMP_MAX
 from gpemu.costmodel.table import CLASSES, OpTable, concat_tables
 
 __all__ = ["FIT_BATCHES", "EVAL_BATCHES", "FitData", "GenFit", "fit_generation", "fit_all", "params_document",
@@ -142,6 +148,11 @@ def _e_bounds(key: str, path: str) -> tuple[float, float]:
     effective rate may exceed the peak, up to 2.5x.
     """
     base = key.split(".")[0]
+    if path == "memory" and base == "reduction":
+        # A large reduction (softmax, a loss over a vocabulary, a bias gradient) streams its input
+        # once: at least half the bandwidth. The CNNs' reductions are tiny (their losses), so
+        # without this bound the plateau sits wherever their per-op costs put it (0.2).
+        return 0.5, 1.0
     if path == "memory":
         return 0.2, 1.0          # streaming kernels: 20-100% of the datasheet bandwidth
     if path == "tensor":
@@ -153,6 +164,11 @@ def _e_bounds(key: str, path: str) -> tuple[float, float]:
     if base == "conv_grouped":
         return 0.01, 2.5
     return 0.2, 2.5
+
+
+def _is_gemm(key: str, path: str) -> bool:
+    """A GEMM curve fitted on SIMT work: its plateau is the published one."""
+    return key.split(".")[0] == "gemm" and path == "simt"
 
 
 class _Problem:
@@ -168,7 +184,8 @@ class _Problem:
         self.keys = tuple(sorted(set(keys.tolist())))
         self.kidx = np.searchsorted(np.array(self.keys), keys)
         is_comp = np.isin(tab.cls, _COMPUTE_CODES)
-        kinv = np.where(is_comp & (tab.reduction > 0), 1.0 / np.maximum(tab.reduction, 1), 0.0)
+        has_depth = depth_mask(tab, is_comp)
+        is_mm = np.isin(tab.cls, [CLASSES.index(c) for c in MATMUL_CLASSES])
         intensity = np.isin(tab.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
         # Calibration peaks: fp32 with PyTorch's default TF32 switches (A100 convolutions: TF32).
         self.peak = np.empty(len(tab))
@@ -185,9 +202,12 @@ class _Problem:
             self.peak[m] = pk
             self.paths[k] = path
         self.batches = np.asarray(batches, dtype=float)
-        shaped = [work_and_shape(tab, b, is_comp, kinv, intensity) for b in self.batches]
+        shaped = [work_and_shape(tab, b, is_comp, has_depth, intensity) for b in self.batches]
         self.work = [w for w, _ in shaped]
         self.z = [z for _, z in shaped]
+        # The matmul family's roofline floor, as the model prices it (0: none).
+        self.floor = [np.where(is_mm, floor_seconds(tab.nbytes(b), self.sheet.memory_bandwidth), 0.0)
+                      for b in self.batches]
         # Sequences: one per (training model, pass), contiguous in the table.
         train_idx = np.flatnonzero(train)
         local = np.searchsorted(train_idx, tab.model).astype(np.int64)
@@ -205,14 +225,39 @@ class _Problem:
         nk = len(self.keys)
         self.nfull = _NP * nk
         lo, hi, mu, pw = [], [], [], []
-        for k in self.keys:
+        fixed_e: dict[int, float] = {}
+        for i, k in enumerate(self.keys):
             path = self.paths[k]
             e_lo, e_hi = _e_bounds(k, path)
+            x0_hi, k0_hi, h_hi = 1e12, 1e4, 3e-4
+            if path == "memory" and not self.uses_k0[k]:
+                # Streaming kernels fill the GPU within KERNEL_RAMP_MAX of work at the datasheet
+                # bandwidth: else x0 absorbs the CNNs' per-op costs (their reductions and copies are
+                # tiny) and a large one - a transformer's bias-gradient sum over 8192 tokens - is
+                # priced at a tenth of the bandwidth. (Depthwise convolutions and pooling, priced
+                # by their intensity, keep the ramp the data gives them.)
+                x0_hi = KERNEL_RAMP_MAX * self.sheet.memory_bandwidth / self.sheet.sm_count
+            if _is_gemm(k, path):
+                # Depth term: a GEMM's rate halves at K <= 64 at the latest (below that writing its
+                # output tile, not multiplying, bounds it; the roofline floor prices that). Unbounded,
+                # the fit gives the classifier GEMMs k0 in the thousands (whole-model times cannot
+                # place their few microseconds) and a transformer's K = 768 GEMMs a 13x slowdown.
+                k0_hi = 64.0
+                # Host time: eager PyTorch issues a GEMM (or its backward) in tens of microseconds;
+                # unbounded, the CNNs' per-layer backward costs land on their one GEMM (0.3 ms),
+                # and a transformer, with four GEMMs a layer, would be host-bound on any GPU.
+                h_hi = 5e-5
+                # Plateau: the published rate (not identifiable here). Ramp: at most
+                # KERNEL_RAMP_MAX of work at that rate below x0, else x0 absorbs per-op costs
+                # that a transformer's many GEMMs would each be charged.
+                fixed_e[i] = GEMM_PLATEAU_SIMT
+                pk = float(self.peak[self.kidx == i][0])
+                x0_hi = KERNEL_RAMP_MAX * pk * GEMM_PLATEAU_SIMT / self.sheet.sm_count
             lo += [math.log(e_lo), math.log(1.0), 0.3, math.log(2e-6), math.log(0.01)]
-            hi += [math.log(e_hi), math.log(1e12), 1.0, math.log(3e-4), math.log(1e4)]
+            hi += [math.log(e_hi), math.log(x0_hi), 1.0, math.log(h_hi), math.log(k0_hi)]
             mu += [min(max(_PRIOR["le"][0], math.log(e_lo)), math.log(e_hi)),
-                   _PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], _PRIOR["p"][0], _PRIOR["lh"][0],
-                   _PRIOR["lk0" if path != "memory" else "lk0_intensity"][0]]
+                   min(_PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], math.log(x0_hi) - 0.1),
+                   _PRIOR["p"][0], min(_PRIOR["lh"][0], math.log(h_hi) - 0.1), min(_PRIOR["lk0" if path != "memory" else "lk0_intensity"][0], math.log(k0_hi) - 0.1)]
             pw += [_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]]
         self.lo_full, self.hi_full = np.array(lo), np.array(hi)
         self.mu_full, self.pw_full = np.array(mu), np.array(pw)
@@ -220,9 +265,14 @@ class _Problem:
         for i, k in enumerate(self.keys):
             if not self.uses_k0[k]:
                 free[_NP * i + 4] = False  # no shape term
+            if i in fixed_e:
+                free[_NP * i] = False
+                self.mu_full[_NP * i] = math.log(fixed_e[i])
         self.free = np.flatnonzero(free)
         self.template = self.mu_full.copy()
         self.template[~free] = math.log(1e-9)
+        for i, e in fixed_e.items():
+            self.template[_NP * i] = math.log(e)
 
     def full(self, x: np.ndarray) -> np.ndarray:
         th = self.template.copy()
@@ -245,6 +295,10 @@ class _Problem:
         cols = self.kidx * _NP
         for bi in range(self.nb):
             gout = C.kernel_arrays(self.work[bi], self.peak, self.sheet.sm_count, le, lx0, p, lk0, self.z[bi], grads=jac)
+            floored = self.floor[bi] > gout[0]
+            if floored.any():  # at the floor the curve's parameters do not matter
+                gout = tuple(np.where(floored, self.floor[bi], gout[0]) if j == 0 else np.where(floored, 0.0, d)
+                             for j, d in enumerate(gout))
             qout = C.queue_arrays(h, gout[0], self.seg_start, self.seg_id, grads=jac)
             rows = self.seg_row * self.nb + bi
             s[rows] = qout[0]
@@ -426,6 +480,11 @@ def uncertainty_block(data: FitData, full: dict[str, GenFit], lomo_pred: dict[st
                                          f"{len(lomo_pred)} GPUs x batch 16-256"),
         "datasheet_gpu": block(sheet_cases, f"leave-one-GPU-out (op model), fwd+bwd, {len(data.names)} models x "
                                             f"{len(sheet_cases)} GPUs (A100 left out) x batch 16-256"),
+        # A measured time carried to another GPU by the ratio of estimates (provenance 'scaled'):
+        # the same five cases, each model's measurement on the donor GPU carried over.
+        "transferred_gpu": block({g: logo_pred[g]["transfer"] for g in sheet_cases},
+                                 f"leave-one-GPU-out (a measured time carried from the donor GPU), fwd+bwd, "
+                                 f"{len(data.names)} models x {len(sheet_cases)} GPUs (A100 left out) x batch 16-256"),
         "model_mix": {data.names[i]: m for i, m in mixes.items()},
     }
 

@@ -225,3 +225,14 @@ def test_forward_and_backward_inside_an_optimizer_closure_are_charged(as_keyword
         iterations = sum(1 for mark in rt.recorder.iterations if mark.device == 0)
     assert busy.get("optimizer", 0) > 0 and iterations == 3
     assert busy.get("forward", 0) + busy.get("backward", 0) + busy.get("op", 0) > 5 * busy["optimizer"]
+
+
+def test_a_measured_time_carried_to_another_gpu_carries_the_transfer_error(rt):
+    """A measured model's time carried to another GPU by the cost model's ratio (provenance
+    'scaled', what gpemu.model_time asks for) has the cross-validated error of such transfers; an
+    estimate from the ops has the op model's."""
+    carried = costs.uncertainty(rt, 0, {"dense_conv": 1.0}, transferred=True)
+    estimated = costs.uncertainty(rt, 0, {"dense_conv": 1.0})
+    assert carried is not None and "carried" in carried.basis and 0 < carried.p50 <= carried.p90
+    assert estimated is not None and "carried" not in estimated.basis
+    assert str(carried).startswith("±")

@@ -15,9 +15,21 @@ measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 con
 donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
 op runs on*, with the requesting GPU's own peaks and SM count; this is how a datasheet-only GPU
 (H100, L4, ...) and fp16/bf16 tensor-core work (calibrated only on the A100) get numbers.
-Substitutes when no generation has a key on that path: a GEMM on tensor cores uses the 1x1
-convolution's tensor curve (a 1x1 convolution *is* a GEMM), attention uses the GEMM's, an
-embedding the copy's.
+Substitutes when no generation has a key on that path: an embedding uses the copy's curve, a
+reduction the elementwise one's, and so on (``_STANDINS``).
+
+GEMMs and fused attention (the **matmul family**) follow one rule on every path:
+
+* their curve is the generation's fitted GEMM curve, whose plateau is the published rate of large
+  SIMT GEMMs (:mod:`~gpemu.costmodel.published`: the CNN measurements cannot identify it);
+* on tensor cores (fp16/bf16, TF32 where allowed) the same curve with the tensor-core plateau for
+  the GPU's generation and its half-way point ``x0`` scaled by the speed-up, so that a kernel takes
+  the same *time* to fill the GPU on either unit (:meth:`CostModel.matmul_curve`);
+* attention is that curve times :data:`~gpemu.costmodel.published.ATTENTION_FACTOR` (forward /
+  backward), without a depth term;
+* a roofline floor: never faster than moving their bytes at
+  :data:`~gpemu.costmodel.published.MEMORY_PLATEAU` of the datasheet bandwidth (a GEMM with
+  M = 1-16 streams its weights; a shallow-K tensor-core GEMM is bound by writing its output).
 
 This module never imports the emulator (runtime, tensor, replay): it is a pure library.
 """
@@ -25,7 +37,7 @@ This module never imports the emulator (runtime, tensor, replay): it is a pure l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -36,18 +48,18 @@ from . import curve as C
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
 from .gpus import DONORS, GpuSheet, gpu_sheet
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
+from .published import ATTENTION_FACTOR, MEMORY_PLATEAU, tensor_plateau
 from .table import CLASSES, DTYPES, OpTable
 
 __all__ = ["CostModel", "default_model", "curve_key", "table_keys", "PARAMS_PATH", "Uncertainty", "StepSeconds",
-           "op_seconds", "dominant_mix", "dominant_mix_of", "INTENSITY_CLASSES", "work_and_shape"]
+           "op_seconds", "dominant_mix", "dominant_mix_of", "INTENSITY_CLASSES", "MATMUL_CLASSES", "work_and_shape",
+           "depth_mask", "floor_seconds"]
 
 PARAMS_PATH = Path(__file__).resolve().parent / "data" / "params.json"
 
 # Substitute keys (without the pass suffix), tried in order when no generation in the chain has
 # the op's own key on the path it runs on.
 _STANDINS: dict[str, tuple[str, ...]] = {
-    "gemm": ("conv1x1",),
-    "attention": ("gemm", "conv1x1"),
     "embedding": ("copy", "elementwise"),
     "conv_grouped": ("conv_spatial",),
     "conv_depthwise": ("conv_grouped",),
@@ -63,14 +75,32 @@ _STANDINS: dict[str, tuple[str, ...]] = {
 
 # Memory-priced classes whose shape term is their arithmetic intensity (see curve.py).
 INTENSITY_CLASSES = frozenset({OpClass.CONV_DEPTHWISE, OpClass.POOLING})
+# The matmul family: one GEMM curve per generation and pass, a roofline floor (module docstring).
+MATMUL_CLASSES = frozenset({OpClass.GEMM, OpClass.ATTENTION})
 
 
-def work_and_shape(table: OpTable, batch: float, is_comp: np.ndarray, kinv: np.ndarray, intensity: np.ndarray,
+def depth_mask(table: OpTable, is_comp: np.ndarray) -> np.ndarray:
+    """Ops whose curve has a reduction-depth term: compute ops with a K, attention excepted."""
+    att = table.cls == CLASSES.index(OpClass.ATTENTION)
+    return is_comp & ~att & ((table.reduction > 0) | (table.reduction1 > 0))
+
+
+def floor_seconds(nbytes: "np.ndarray | float", bandwidth: float) -> "np.ndarray | float":
+    """The matmul family's roofline floor: seconds to move ``nbytes`` at the best streaming rate
+    (:data:`~gpemu.costmodel.published.MEMORY_PLATEAU` of ``bandwidth``, bytes/s)."""
+    return nbytes / (bandwidth * MEMORY_PLATEAU)
+
+
+def work_and_shape(table: OpTable, batch: float, is_comp: np.ndarray, has_depth: np.ndarray, intensity: np.ndarray,
                    scale: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Per-op work (FLOPs or bytes x ``scale``) and shape term z at ``batch`` (see curve.py)."""
+    """Per-op work (FLOPs or bytes x ``scale``) and shape term z at ``batch`` (see curve.py):
+    1/K for ops with a reduction depth (``has_depth``, :func:`depth_mask`), FLOPs per byte for
+    ``intensity`` ops, else 0."""
     flops = table.flops(batch)
     nbytes = table.nbytes(batch) * scale
     work = np.where(is_comp, flops, nbytes)
+    depth = table.depth(batch)
+    kinv = np.where(has_depth & (depth > 0), 1.0 / np.maximum(depth, 1.0), 0.0)
     z = np.where(is_comp, kinv, np.where(intensity, flops / np.maximum(nbytes, 1e-30), 0.0))
     return work, z
 
@@ -132,6 +162,17 @@ class _Resolved:
     generation: str
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """How one kind of op is priced on one GPU: its curve, the peak it applies to, whether a
+    roofline floor applies (matmul family), the generation that supplied the curve."""
+
+    curve: C.Curve
+    peak: float
+    floor: bool
+    generation: str
+
+
 class CostModel:
     """Calibrated per-generation efficiency curves (see the module docstring).
 
@@ -146,6 +187,7 @@ class CostModel:
             self.generations[gen] = {k: C.Curve(e=v["e"], x0=v["x0"], p=v["p"], h=v["h"], k0=v.get("k0", 0.0),
                                                 path=v.get("path", "simt")) for k, v in g["curves"].items()}
         self._memo: dict[tuple, _Resolved] = {}
+        self._priced_memo: dict[tuple, _Priced] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -193,28 +235,62 @@ class CostModel:
         return found
 
     # ------------------------------------------------------------------ single ops
-    def _peak(self, sheet: GpuSheet, cls: OpClass, dtype: str, precision: Precision, key: str) -> tuple[_Resolved, float]:
-        # The curve and the peak it applies to. Without any tensor-core curve in reach (only when
-        # generations are removed, as in leave-one-GPU-out) a tensor-path op is priced as SIMT
-        # work: no evidence of how well tensor cores would run it, so no speed-up is assumed.
-        if cls in COMPUTE_CLASSES:
+    def matmul_curve(self, sheet: GpuSheet, op_class: OpClass, phase: str, path: str, peak: float) -> _Resolved:
+        """The curve of a GEMM (or fused attention) on ``path`` at ``peak`` for ``sheet``: the
+        generation's fitted GEMM curve for that pass (``phase``: ``"fwd"`` / ``"bwd"``); on tensor
+        cores, unless a tensor-core GEMM curve was fitted, that curve with the tensor-core plateau
+        of the GPU's generation and ``x0`` times the speed-up (plateau x peak over the SIMT
+        curve's), i.e. the same time to fill the GPU; for attention times its factor, no depth term."""
+        r = self.resolve(sheet, "gemm." + phase, path)
+        curve = r.curve
+        if path == "tensor" and curve.path != "tensor":
+            e_t = tensor_plateau(sheet.generation)
+            speed = (peak * e_t) / (simt_peak(sheet, "float32") * curve.e)
+            curve = replace(curve, e=e_t, x0=curve.x0 * max(speed, 1.0), path="tensor")
+        if op_class is OpClass.ATTENTION:
+            curve = replace(curve, e=curve.e * ATTENTION_FACTOR[phase], k0=0.0)
+        return _Resolved(curve, r.generation)
+
+    def priced(self, sheet: GpuSheet, op_class: OpClass, dtype: str, precision: Precision, key: str) -> _Priced:
+        """How ops of ``op_class`` / ``dtype`` / curve ``key`` are priced on ``sheet`` in ``precision``."""
+        memo_key = (sheet, op_class, dtype, precision, key)
+        hit = self._priced_memo.get(memo_key)
+        if hit is not None:
+            return hit
+        phase = key.partition(".")[2] or "fwd"
+        if op_class in COMPUTE_CLASSES:
             eff_dtype = effective_dtype(dtype, precision)
-            path, peak = compute_peak(sheet, cls, eff_dtype, precision)
-            r = self.resolve(sheet, key, path)
-            if path == "tensor" and r.curve.path == "simt":
-                peak = simt_peak(sheet, eff_dtype)
-            return r, peak
-        return self.resolve(sheet, key, "memory"), sheet.memory_bandwidth
+            path, peak = compute_peak(sheet, op_class, eff_dtype, precision)
+            if op_class in MATMUL_CLASSES:
+                r = self.matmul_curve(sheet, op_class, phase, path, peak)
+                hit = _Priced(r.curve, peak, True, r.generation)
+            else:
+                # Without any tensor-core curve in reach (only when generations are removed, as in
+                # leave-one-GPU-out) a tensor-path convolution is priced as SIMT work: no evidence
+                # of how well tensor cores would run it, so no speed-up is assumed.
+                r = self.resolve(sheet, key, path)
+                if path == "tensor" and r.curve.path == "simt":
+                    peak = simt_peak(sheet, eff_dtype)
+                hit = _Priced(r.curve, peak, False, r.generation)
+        else:
+            r = self.resolve(sheet, key, "memory")
+            hit = _Priced(r.curve, sheet.memory_bandwidth, False, r.generation)
+        self._priced_memo[memo_key] = hit
+        return hit
 
     def _price(self, op: OpFeatures, sheet: GpuSheet, precision: Precision) -> tuple[float, float]:
-        r, peak = self._peak(sheet, op.op_class, op.dtype, precision, curve_key(op))
+        pr = self.priced(sheet, op.op_class, op.dtype, precision, curve_key(op))
+        scale = byte_scale(op.dtype, precision)
         if op.op_class in COMPUTE_CLASSES:
             work = op.flops
-            z = 1.0 / op.reduction if op.reduction > 0 else 0.0
+            z = 1.0 / op.reduction if op.reduction > 0 and op.op_class is not OpClass.ATTENTION else 0.0
         else:
-            work = op.nbytes * byte_scale(op.dtype, precision)
+            work = op.nbytes * scale
             z = op.flops / work if op.op_class in INTENSITY_CLASSES and work > 0 else 0.0
-        return r.curve.h, C.kernel_seconds(work, peak, sheet.sm_count, r.curve, z)
+        g = C.kernel_seconds(work, pr.peak, sheet.sm_count, pr.curve, z)
+        if pr.floor:
+            g = max(g, float(floor_seconds(op.nbytes * scale, sheet.memory_bandwidth)))
+        return pr.curve.h, g
 
     def op_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
         """GPU seconds of one op's kernel(s) (0 for free ops). ``gpu``: a name / alias, a
@@ -243,14 +319,16 @@ class CostModel:
     # ------------------------------------------------------------------ many ops
     def table_terms(self, table: OpTable, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> dict[str, Any]:
         """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak,
-        scale, le, lx0, p, h, lk0, kinv (1/K of compute ops), intensity (1 for ops whose shape term
-        is their FLOPs per byte); and the generation that supplied each op's curve)."""
+        scale, le, lx0, p, h, lk0, has_depth (ops with a reduction-depth term), intensity (1 for
+        ops whose shape term is their FLOPs per byte), floor (matmul-family ops, which have a
+        roofline floor :func:`floor_seconds`); and the generation that supplied each op's curve)."""
         sheet = gpu_sheet(gpu)
         keys = table_keys(table)
         n = len(table)
         is_comp = np.isin(table.cls, [CLASSES.index(c) for c in COMPUTE_CLASSES])
         peak, scale = np.empty(n), np.ones(n)
         le, lx0, p, h, lk0 = (np.empty(n) for _ in range(5))
+        floor = np.zeros(n, dtype=bool)
         gens = np.empty(n, dtype=object)
         combos: dict[tuple, list[int]] = {}
         for i, (k, c, d) in enumerate(zip(keys, table.cls, table.dtype)):
@@ -258,26 +336,29 @@ class CostModel:
         for (k, c, d), idx_list in combos.items():
             idx = np.asarray(idx_list)
             cls, dtype = CLASSES[c], DTYPES[d]
-            r, pk = self._peak(sheet, cls, dtype, precision, k)
-            if cls not in COMPUTE_CLASSES:
-                scale[idx] = byte_scale(dtype, precision)
-            peak[idx] = pk
-            le[idx], lx0[idx], p[idx], h[idx] = np.log(r.curve.e), np.log(r.curve.x0), r.curve.p, r.curve.h
-            lk0[idx] = np.log(max(r.curve.k0, 1e-30))
-            gens[idx] = r.generation
-        kinv = np.where(is_comp & (table.reduction > 0), 1.0 / np.maximum(table.reduction, 1), 0.0)
+            pr = self.priced(sheet, cls, dtype, precision, k)
+            scale[idx] = byte_scale(dtype, precision)
+            peak[idx] = pr.peak
+            le[idx], lx0[idx], p[idx], h[idx] = np.log(pr.curve.e), np.log(pr.curve.x0), pr.curve.p, pr.curve.h
+            lk0[idx] = np.log(max(pr.curve.k0, 1e-30))
+            floor[idx] = pr.floor
+            gens[idx] = pr.generation
         intensity = np.isin(table.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
-        return {"sms": sheet.sm_count, "is_comp": is_comp, "peak": peak, "scale": scale, "le": le, "lx0": lx0,
-                "p": p, "h": h, "lk0": lk0, "kinv": kinv, "intensity": intensity, "gens": gens}
+        return {"sms": sheet.sm_count, "bw": sheet.memory_bandwidth, "is_comp": is_comp, "peak": peak,
+                "scale": scale, "le": le, "lx0": lx0, "p": p, "h": h, "lk0": lk0,
+                "has_depth": depth_mask(table, is_comp), "intensity": intensity, "floor": floor, "gens": gens}
 
     def table_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
                       precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
         """GPU seconds of every op of ``table`` at ``batch`` (pass ``terms`` from
         :meth:`table_terms` to price many batch sizes without resolving curves again)."""
         tm = terms if terms is not None else self.table_terms(table, gpu, precision)
-        work, z = work_and_shape(table, batch, tm["is_comp"], tm["kinv"], tm["intensity"], tm["scale"])
-        return C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], z,
-                               grads=False)[0]
+        work, z = work_and_shape(table, batch, tm["is_comp"], tm["has_depth"], tm["intensity"], tm["scale"])
+        g = C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], z, grads=False)[0]
+        fl = tm["floor"]
+        if fl.any():
+            g[fl] = np.maximum(g[fl], floor_seconds(table.nbytes(batch)[fl] * tm["scale"][fl], tm["bw"]))
+        return g
 
     def table_phase_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
                             precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
@@ -322,10 +403,14 @@ class CostModel:
         return measured * dst / src if src > 0 else dst
 
     # ------------------------------------------------------------------ uncertainty
-    def uncertainty(self, gpu: "str | GpuSheet | Any", mix: str | None = None) -> Uncertainty | None:
+    def uncertainty(self, gpu: "str | GpuSheet | Any", mix: str | None = None,
+                    transferred: bool = False) -> Uncertainty | None:
         """Cross-validated error of an estimate on ``gpu``: leave-one-model-out figures for a GPU
         whose curves were fitted on its own measurements, leave-one-GPU-out figures for any other
         (a datasheet GPU, even of a calibrated generation: the T4 takes the RTX 6000's curves);
+        ``transferred``: a measured time carried from another GPU by the ratio of estimates
+        (:meth:`transfer_seconds`, provenance ``scaled``), whose error is the leave-one-GPU-out
+        error of that transfer (falls back to the op model's where the fit did not record it);
         ``mix`` (see :func:`dominant_mix`) narrows to models whose time is dominated by that kind
         of op when the fit recorded it."""
         u = self.params.get("uncertainty")
@@ -333,12 +418,20 @@ class CostModel:
             return None
         sheet = gpu_sheet(gpu)
         measured = (self.params.get("generations", {}).get(sheet.generation, {}).get("gpu") == sheet.name)
-        block = u.get("measured_gpu" if measured else "datasheet_gpu") or {}
+        name = "measured_gpu" if measured else "datasheet_gpu"
+        if transferred and u.get("transferred_gpu"):
+            name = "transferred_gpu"
+        block = u.get(name) or {}
         entry = (block.get("by_mix") or {}).get(mix) if mix else None
+        basis = str(block.get("basis", ""))
+        if entry is None and mix:
+            # No calibration model is dominated by this kind of work (GEMM-heavy ones: the
+            # database holds CNNs): the overall figure stands in, and the basis says so.
+            basis += f"; no measured model is dominated by {mix} work, so nothing checked this kind"
         entry = entry or block.get("overall")
         if not entry:
             return None
-        return Uncertainty(float(entry["p50"]), float(entry["p90"]), str(block.get("basis", "")))
+        return Uncertainty(float(entry["p50"]), float(entry["p90"]), basis)
 
 
 _MIX_GROUPS = {"dense_conv": (OpClass.CONV,), "light_conv": (OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE),

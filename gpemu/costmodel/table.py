@@ -2,8 +2,9 @@
 
 Pricing one op at a time is what the emulator does at run time; fitting and benchmarking price
 every op of 36 models at many batch sizes thousands of times, so they use an :class:`OpTable`.
-For a CNN every op's FLOPs and bytes are ``a + b x batch`` (activations scale with the batch,
-weights do not), so a model recorded at two batch sizes is known at all of them:
+For a CNN or a transformer every op's FLOPs and bytes are ``a + b x batch`` (activations scale
+with the batch, weights do not), and so is a GEMM's reduction depth K (a weight gradient reduces
+over the batch: K = batch x tokens), so a model recorded at two batch sizes is known at all of them:
 :func:`affine_table` checks the two recordings have the same op sequence and derives ``a``/``b``.
 """
 
@@ -28,7 +29,8 @@ _DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 
 @dataclass
 class OpTable:
-    """Ops of one or many models; ``flops = flops0 + flops1 x batch`` (same for ``nbytes``).
+    """Ops of one or many models; ``flops = flops0 + flops1 x batch`` (same for ``nbytes`` and
+    the reduction depth K: ``reduction + reduction1 x batch``).
 
     ``model`` numbers the model each op belongs to (0 for a single model); ``backward`` is 1 for
     backward-pass ops. ``names`` holds the op names (``name`` indexes into it).
@@ -44,7 +46,8 @@ class OpTable:
     groups: np.ndarray     # int32
     kernel: np.ndarray     # int32
     stride: np.ndarray     # int32
-    reduction: np.ndarray  # int32
+    reduction: np.ndarray  # float64: K at batch 0 (the intercept)
+    reduction1: np.ndarray  # float64: K per sample (a weight gradient's K grows with the batch)
     name: np.ndarray       # int32 index into names
     model: np.ndarray      # int32
     names: tuple[str, ...] = ()
@@ -57,6 +60,10 @@ class OpTable:
 
     def nbytes(self, batch: float) -> np.ndarray:
         return self.bytes0 + self.bytes1 * batch
+
+    def depth(self, batch: float) -> np.ndarray:
+        """The reduction depth K of each op at ``batch`` (0 where the op has none)."""
+        return self.reduction + self.reduction1 * batch
 
     def select(self, mask: np.ndarray) -> "OpTable":
         """The ops where ``mask`` is true (same names list)."""
@@ -71,7 +78,10 @@ class OpTable:
 
     @classmethod
     def from_arrays(cls, d: dict[str, np.ndarray]) -> "OpTable":
-        kw = {f.name: np.asarray(d[f.name]) for f in fields(cls) if f.name != "names"}
+        kw = {f.name: np.asarray(d[f.name]) for f in fields(cls) if f.name != "names" and f.name in d}
+        if "reduction1" not in kw:  # tables written before K was affine in the batch
+            kw["reduction1"] = np.zeros(len(kw["cls"]))
+        kw["reduction"] = kw["reduction"].astype(np.float64)
         return cls(names=tuple(str(x) for x in d["names"]), **kw)
 
 
@@ -88,7 +98,7 @@ def _codes(ops: Sequence[OpFeatures], names: dict[str, int]) -> dict[str, np.nda
         "groups": np.array([o.groups for o in ops], dtype=np.int32),
         "kernel": np.array([o.kernel for o in ops], dtype=np.int32),
         "stride": np.array([o.stride for o in ops], dtype=np.int32),
-        "reduction": np.array([o.reduction for o in ops], dtype=np.int32),
+        "reduction": np.array([o.reduction for o in ops], dtype=np.float64),
         "name": np.array([names[o.name] for o in ops], dtype=np.int32),
     }
 
@@ -100,7 +110,8 @@ def table_from_ops(ops: Sequence[OpFeatures], model: int = 0) -> OpTable:
     zeros = np.zeros_like(c["flops"])
     return OpTable(cls=c["cls"], backward=c["backward"], flops0=c["flops"], flops1=zeros, bytes0=c["nbytes"],
                    bytes1=zeros.copy(), dtype=c["dtype"], groups=c["groups"], kernel=c["kernel"],
-                   stride=c["stride"], reduction=c["reduction"], name=c["name"],
+                   stride=c["stride"], reduction=c["reduction"], reduction1=np.zeros_like(c["reduction"]),
+                   name=c["name"],
                    model=np.full(len(c["cls"]), model, dtype=np.int32), names=tuple(names))
 
 
@@ -117,9 +128,11 @@ def affine_table(ops_a: Sequence[OpFeatures], batch_a: int, ops_b: Sequence[OpFe
         raise ValueError("the op sequence changes with the batch size; record at each batch size instead")
     slope_f = (b["flops"] - a["flops"]) / (batch_b - batch_a)
     slope_b = (b["nbytes"] - a["nbytes"]) / (batch_b - batch_a)
+    slope_k = (b["reduction"] - a["reduction"]) / (batch_b - batch_a)
     return OpTable(cls=a["cls"], backward=a["backward"], flops0=a["flops"] - slope_f * batch_a, flops1=slope_f,
                    bytes0=a["nbytes"] - slope_b * batch_a, bytes1=slope_b, dtype=a["dtype"], groups=a["groups"],
-                   kernel=a["kernel"], stride=a["stride"], reduction=a["reduction"], name=a["name"],
+                   kernel=a["kernel"], stride=a["stride"], reduction=a["reduction"] - slope_k * batch_a,
+                   reduction1=slope_k, name=a["name"],
                    model=np.full(len(a["cls"]), model, dtype=np.int32), names=tuple(names))
 
 
