@@ -414,3 +414,30 @@ def test_uncertainty_of_a_kind_of_work_no_measured_model_is_dominated_by_says_so
     conv, gemm = model.uncertainty("A100", "dense_conv"), model.uncertainty("A100", "gemm")
     assert "nothing checked" not in conv.basis
     assert "nothing checked" in gemm.basis and gemm.p50 > 0  # a transformer: the CNNs' figure, flagged
+
+
+def test_an_added_gpu_is_priced_with_its_own_generation_and_tensor_cores() -> None:
+    # A GPU added from its datasheet (gpemu gpus add) keeps its generation and tensor-core peaks:
+    # without them it was priced as an Ampere card with no tensor cores (bf16 no faster than fp32).
+    from gpemu.costmodel.gpus import sheet_from_spec
+    from gpemu.db import GpuSpec  # (a test may use the db: the layering rule is the library's)
+
+    h100 = gpu_sheet("H100")
+    spec = GpuSpec(name="My Hopper", aliases=("MYH",), memory_bytes=h100.memory_bytes, fp32_flops=h100.fp32_flops,
+                   fp16_flops=h100.fp16_flops, memory_bandwidth=h100.memory_bandwidth,
+                   host_link_bandwidth_pinned=h100.host_link_bandwidth_pinned,
+                   host_link_bandwidth_pageable=h100.host_link_bandwidth_pageable, sm_count=h100.sm_count,
+                   generation="hopper", compute_capability=(9, 0), tf32_tensor_flops=h100.tf32_tensor_flops,
+                   fp16_tensor_flops=h100.fp16_tensor_flops, bf16_tensor_flops=h100.bf16_tensor_flops)
+    sheet = sheet_from_spec(spec)
+    assert (sheet.generation, sheet.compute_capability) == ("hopper", (9, 0))
+    assert sheet.bf16_tensor_flops == h100.bf16_tensor_flops and sheet.tf32_tensor_flops == h100.tf32_tensor_flops
+    model = default_model()
+    layer, x = torch.nn.Linear(4096, 4096), (torch.empty(2048, 4096),)
+    bf16 = model.module_seconds(layer, x, sheet, Precision("bfloat16"))
+    fp32 = model.module_seconds(layer, x, sheet, Precision())
+    assert bf16.total < fp32.total / 4  # tensor cores, as for the shipped H100
+    # Unknown fields are still inferred: no generation given -> ampere, no tensor figures -> none.
+    bare = sheet_from_spec(GpuSpec(**{**spec.__dict__, "generation": None, "bf16_tensor_flops": None,
+                                      "compute_capability": None}))
+    assert bare.generation == "ampere" and bare.bf16_tensor_flops == 0.0 and bare.compute_capability == (0, 0)

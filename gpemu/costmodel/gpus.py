@@ -220,18 +220,30 @@ def gpu_sheet(gpu: "str | GpuSheet | object") -> GpuSheet:
 
 def sheet_from_spec(spec: object, generation: str | None = None) -> GpuSheet:
     """A sheet for a GPU the table does not know, from a ``gpemu.db.GpuSpec``-like object
-    (``fp32_flops``, ``fp16_flops``, ``memory_bandwidth``, ``sm_count``, ...). Its FP16 rate is
-    taken as tensor-core FP16 when it is more than 2x FP32; generation defaults to ``ampere``
-    (the only calibrated generation with tensor-core curves) unless given."""
+    (``fp32_flops``, ``fp16_flops``, ``memory_bandwidth``, ``sm_count``, ...). The spec's own
+    figures are used where it has them (``gpemu gpus add`` records generation, compute capability,
+    tensor-core peaks, PCIe generation, NVLink); what it leaves unknown (None) is inferred: FP16
+    above 2.5x FP32 is taken as tensor-core FP16, the generation defaults to ``ampere`` (the only
+    calibrated generation with tensor-core curves)."""
+
+    def own(attr: str, default: float) -> float:
+        v = getattr(spec, attr, None)
+        return default if v is None else float(v)
+
     fp32 = float(getattr(spec, "fp32_flops"))
     fp16 = float(getattr(spec, "fp16_flops", fp32))
-    tensor = fp16 if fp16 > 2.5 * fp32 else 0.0
+    guessed_tensor = fp16 if fp16 > 2.5 * fp32 else 0.0
+    cc = getattr(spec, "compute_capability", None)
     return GpuSheet(
         name=str(getattr(spec, "name", "unknown GPU")), aliases=tuple(getattr(spec, "aliases", ())),
-        generation=generation or "ampere", compute_capability=(0, 0), sm_count=int(getattr(spec, "sm_count", 80)),
+        generation=generation or getattr(spec, "generation", None) or "ampere",
+        compute_capability=tuple(cc) if cc else (0, 0), sm_count=int(getattr(spec, "sm_count", 80)),
         memory_bytes=int(getattr(spec, "memory_bytes", 16 * _GiB)), memory_bandwidth=float(getattr(spec, "memory_bandwidth")),
-        fp32_flops=fp32, fp64_flops=fp32 / 32, fp16_flops=fp16 if not tensor else 2 * fp32, tf32_tensor_flops=0.0,
-        fp16_tensor_flops=tensor, bf16_tensor_flops=0.0, pcie_gen=4,
+        fp32_flops=fp32, fp64_flops=own("fp64_flops", fp32 / 32),
+        fp16_flops=own("fp16_nontensor_flops", 2 * fp32 if guessed_tensor else fp16),
+        tf32_tensor_flops=own("tf32_tensor_flops", 0.0), fp16_tensor_flops=own("fp16_tensor_flops", guessed_tensor),
+        bf16_tensor_flops=own("bf16_tensor_flops", 0.0), pcie_gen=int(getattr(spec, "pcie_gen", None) or 4),
         host_link_bandwidth_pinned=float(getattr(spec, "host_link_bandwidth_pinned", _LINK[4] * 0.8)),
         host_link_bandwidth_pageable=float(getattr(spec, "host_link_bandwidth_pageable", _PAGEABLE_GEN4PLUS)),
-        source="built from a GpuSpec (not in the datasheet table)")
+        nvlink_bandwidth=own("nvlink_bandwidth", 0.0),
+        source=getattr(spec, "source", "") or "built from a GpuSpec (not in the datasheet table)")
