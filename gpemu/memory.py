@@ -171,6 +171,7 @@ class MemoryTracker:
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
+        self.sampled_peak = 0        # the highest allocation a memory sample has shown (see sample)
         self.num_allocs = 0          # live blocks
         self.num_alloc_calls = 0     # total allocations (memory_stats "allocation.all.allocated")
         self.num_frees = 0
@@ -280,6 +281,7 @@ class MemoryTracker:
         """Like torch.cuda.reset_peak_memory_stats(): the peaks restart from the current use."""
         self.peak_allocated = self.allocated
         self.peak_reserved = self.reserved
+        self.sampled_peak = self.allocated  # later peaks below the old one show in samples too
 
     def reset_accumulated(self) -> None:
         """Like torch.cuda.reset_accumulated_memory_stats(): the historical counters (allocations
@@ -294,9 +296,21 @@ class MemoryTracker:
         self.reserved = _round_segment(self.allocated)
 
     def sample(self) -> None:
-        """Append (allocated, reserved) now to the run's recorder (forward/backward boundaries)."""
-        if self.recorder is not None:
-            self.recorder.memory_sample(self.device, time.perf_counter(), self.allocated, self.reserved)
+        """Append (allocated, reserved) now to the run's recorder (forward/backward boundaries).
+
+        A peak reached since the previous sample and never shown by one (an optimizer's first
+        step makes its state and frees its temporaries between two samples) is appended first, at
+        the same time: otherwise the trace and its plot stay below the summary's peak. Read from
+        ``peak_allocated``, so the allocation paths pay nothing for it."""
+        rec = self.recorder
+        if rec is not None:
+            t = time.perf_counter()
+            peak = self.peak_allocated
+            if peak > self.sampled_peak:
+                self.sampled_peak = peak
+                if peak > self.allocated:
+                    rec.memory_sample(self.device, t, peak, max(self.reserved, peak))
+            rec.memory_sample(self.device, t, self.allocated, self.reserved)
 
     def stats(self) -> dict[str, int]:
         """A subset of torch.cuda.memory_stats() with the same key names."""

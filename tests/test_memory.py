@@ -120,6 +120,32 @@ def test_memory_samples_are_recorded_at_module_boundaries(rt):
     assert all(s.device == 0 for s in rt.recorder.memory[n:])
 
 
+def test_memory_samples_show_a_peak_reached_between_samples(rt):
+    # A transient allocation between two module calls (an optimizer's temporaries) is freed before
+    # the next sample: the samples (trace, plot) must still reach the summary's peak.
+    model = torch.nn.Linear(64, 64).cuda()
+    model(torch.empty(8, 64, device="cuda"))
+    n = len(rt.recorder.memory)
+    temp = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del temp
+    model(torch.empty(8, 64, device="cuda"))
+    mem = rt.memory[0]
+    shown = [s.allocated for s in rt.recorder.memory[n:] if s.device == 0]
+    assert max(shown) == mem.peak_allocated >= 64 << 20
+    assert shown[-1] < 64 << 20  # then the use at the sample (the transient is gone)
+    # Shown once: a later sample with no new peak adds only the current use.
+    k = len(rt.recorder.memory)
+    model(torch.empty(8, 64, device="cuda"))
+    assert max(s.allocated for s in rt.recorder.memory[k:]) < 64 << 20
+    # After reset_peak_memory_stats, a smaller transient peak shows too.
+    torch.cuda.reset_peak_memory_stats()
+    temp = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    del temp
+    k = len(rt.recorder.memory)
+    model(torch.empty(8, 64, device="cuda"))
+    assert max(s.allocated for s in rt.recorder.memory[k:]) >= 32 << 20
+
+
 def test_capacity_comes_from_the_gpu_spec_and_fraction_limits_it(rt):
     mem = rt.memory[0]
     assert mem.capacity == mem.total == rt.gpus[0].memory_bytes
