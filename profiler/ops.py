@@ -342,7 +342,9 @@ def measure_kernels(specs: Sequence[KernelSpec], sheet: GpuSheet, device: torch.
                 fn = spec.build(device)
                 t = time_kernel(fn, device, warmup, repeats, blocker)
                 del fn
+                # floor_bytes: what the matmul family's roofline floor moves (opsfit models it)
                 meta = {"inner": t.inner, "blocker_matmuls": t.blocker, "covered": t.covered,
+                        "floor_bytes": op.nbytes * byte_scale(op.dtype, SWEEP_PRECISION),
                         "tf32_matmul": SWEEP_PRECISION.allow_tf32_matmul, "tf32_cudnn": SWEEP_PRECISION.allow_tf32_cudnn,
                         "torch": torch.__version__, "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
                 rows.append(OpMeasurement(key=spec.key, path=path, dtype=op.dtype, shape=spec.label, op=op.name,

@@ -19,22 +19,29 @@ Kept from the shipped model's curve for that GPU and key (``model.resolve``):
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from gpemu.costmodel import CostModel, GpuSheet, default_model
 from gpemu.costmodel.curve import kernel_arrays
+from gpemu.costmodel.model import MATMUL_CLASSES, floor_seconds
 from gpemu.db.op_measurements import OpCurveRow, OpMeasurement
 
-__all__ = ["fit_curves", "fit_one", "MIN_ROWS"]
+__all__ = ["fit_curves", "fit_one", "floor_of", "MIN_ROWS"]
+
+# Curve keys (before the pass suffix) the cost model prices with a bytes floor under the curve.
+_FLOORED = frozenset(c.value for c in MATMUL_CLASSES)
 
 # A curve has three free parameters; fewer distinct sizes cannot pin them down.
 MIN_ROWS = 4
 
 
-def fit_one(rows: list[OpMeasurement], sms: int, k0: float, h: float, start: tuple[float, float, float]) -> OpCurveRow:
-    """Fit (e, x0, p) of one key's rows; ``start`` = (e, x0, p) to begin from (clipped to bounds)."""
+def fit_one(rows: list[OpMeasurement], sms: int, k0: float, h: float, start: tuple[float, float, float],
+            floor: Sequence[float] | None = None) -> OpCurveRow:
+    """Fit (e, x0, p) of one key's rows; ``start`` = (e, x0, p) to begin from (clipped to bounds).
+    ``floor``: per row, the seconds the cost model never prices the kernel below (the matmul
+    family's bytes floor): the fitted curve is the kernel's time above it, as the model prices it."""
     from scipy.optimize import least_squares
 
     work = np.array([r.work for r in rows], dtype=np.float64)
@@ -49,16 +56,19 @@ def fit_one(rows: list[OpMeasurement], sms: int, k0: float, h: float, start: tup
     hi = np.array([np.log(4.0), np.log(x.max()) + np.log(1e3), 1.0])
     theta0 = np.clip(np.array([np.log(start[0]), np.log(start[1]), start[2]]), lo + 1e-9, hi - 1e-9)
 
+    bound = np.zeros_like(work) if floor is None else np.asarray(floor, dtype=np.float64)
+
     def model(theta: np.ndarray, grads: bool):
         le, lx0, p = (np.full_like(work, v) for v in theta)
         return kernel_arrays(work, peak, float(sms), le, lx0, p, lk0, z, grads=grads)
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        return np.log(model(theta, False)[0]) - np.log(measured)
+        return np.log(np.maximum(model(theta, False)[0], bound)) - np.log(measured)
 
     def jacobian(theta: np.ndarray) -> np.ndarray:
         g, d_le, d_lx0, d_p, _ = model(theta, True)
-        return np.stack([d_le / g, d_lx0 / g, d_p / g], axis=1)
+        live = (g >= bound) / g  # a row held at the floor does not move with the curve
+        return np.stack([d_le * live, d_lx0 * live, d_p * live], axis=1)
 
     res = least_squares(residuals, theta0, jac=jacobian, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
                         x_scale="jac")
@@ -67,6 +77,14 @@ def fit_one(rows: list[OpMeasurement], sms: int, k0: float, h: float, start: tup
     return OpCurveRow(key=rows[0].key, path=rows[0].path, e=round(float(np.exp(le)), 6),
                       x0=float(f"{np.exp(lx0):.6g}"), p=round(p, 6), k0=k0, h=h, rows=len(rows),
                       rms_log_error=rms)
+
+
+def floor_of(rows: Sequence[OpMeasurement], sheet: GpuSheet) -> list[float] | None:
+    """Per row of one key, the seconds the cost model never prices it below (the matmul family's
+    bytes floor, from the bytes the profiler recorded), or None for keys priced without one."""
+    if not rows or rows[0].key.partition(".")[0] not in _FLOORED:
+        return None
+    return [float(floor_seconds(float(r.metadata.get("floor_bytes", 0.0)), sheet.memory_bandwidth)) for r in rows]
 
 
 def fit_curves(rows: Iterable[OpMeasurement], sheet: GpuSheet, base: CostModel | None = None) -> tuple[list[OpCurveRow], list[str]]:
@@ -83,5 +101,5 @@ def fit_curves(rows: Iterable[OpMeasurement], sheet: GpuSheet, base: CostModel |
             notes.append(f"{key} ({path}): {len(rs)} kernel(s), need {MIN_ROWS} sizes to fit; the shipped curve stays")
             continue
         ref = base.resolve(sheet, key, path).curve
-        curves.append(fit_one(rs, sheet.sm_count, ref.k0, ref.h, (ref.e, ref.x0, ref.p)))
+        curves.append(fit_one(rs, sheet.sm_count, ref.k0, ref.h, (ref.e, ref.x0, ref.p), floor_of(rs, sheet)))
     return curves, notes
