@@ -363,7 +363,12 @@ class TimeEngine:
         local = self.local.host
         local.wait_deadline = deadline
         local.floor = deadline
-        late = woke - deadline
+        # Lateness is the wake-up's only after a real sleep: a deadline the clock had already
+        # passed when the wait began (the emulated timeline behind the clock by forgiven emulator
+        # time) is no wake-up late, and forgiving that lag again would keep every later sync from
+        # waiting (a program syncing each step printed steps faster than the emulated GPU ran).
+        due = deadline if deadline > start else start
+        late = woke - due
         if late > 0:
             self.wake_late_s += late
         allowance = local.allowance = self.return_allowance[deadline - start >= _LONG_WAIT_S]
@@ -372,7 +377,7 @@ class TimeEngine:
         # a wait run with cold caches on a shared machine, ~5-10 us each: the book-keeping
         # above is done before the final reading, so it costs nothing.)
         last = clock_now()
-        late = last - deadline
+        late = last - due
         if late > _MAX_FORGIVEN_LATENESS:
             late = _MAX_FORGIVEN_LATENESS
         local.late = (late if late > 0 else 0.0) + allowance

@@ -610,3 +610,20 @@ def test_emulator_time_forgiven_per_entry_is_bounded_and_threads_are_separate():
     th.join()
     eng.leave()
     assert seen == [False]
+
+
+def test_forgiven_emulator_time_never_lets_a_later_sync_skip_its_wait(eng) -> None:
+    # 40 ms of the emulator's own work (a recording pass) is forgiven: the host's emulated time
+    # lags the clock by it. A sync whose deadline the clock has already passed must not forgive
+    # that lag again as wake-up lateness: every later step, GPU-bound, waits its full GPU time.
+    clock, s = eng.clock, eng.stream(0)
+    eng.enter()
+    clock.advance(0.040)
+    eng.leave()
+    s.enqueue(0.010, "forward", "recorded step")
+    eng.synchronize()
+    for _ in range(3):
+        t = clock.now()
+        s.enqueue(0.020, "forward", "step")
+        eng.synchronize()
+        assert clock.now() - t == pytest.approx(0.020, abs=1e-6)  # the script's clock sees the GPU's step
