@@ -38,15 +38,31 @@ def test_stop_signal_still_writes_summary_metrics_and_trace(signame, tmp_path: P
     script = tmp_path / "train.py"
     script.write_text(LONG_SCRIPT)
     metrics, trace = tmp_path / "m.json", tmp_path / "t.json"
+    sig = getattr(signal, signame)
+    # The behaviour under test is for a program whose action for the signal is the default: the
+    # child starts so whatever this test process inherited (a launcher that ignores or blocks
+    # SIGHUP, e.g. nohup) - gpemu rightly leaves an ignored signal alone.
+    parent = (signal.getsignal(sig), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+    def default_action() -> None:
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+
     proc = subprocess.Popen([*GPEMU, "run", "--gpu", "V100", "--metrics", str(metrics), "--trace", str(trace),
-                             "--", "python", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--", "python", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_action)
     try:
         assert proc.stdout.readline().strip() == "ready"  # `gpemu run` exec'd: this pid is the script
-        proc.send_signal(getattr(signal, signame))
-        _, err = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"{signame} did not stop the run in 60 s (this process: handler {parent[0]}, "
+                        f"blocked {sorted(parent[1])}); its stderr:\n{err[-3000:]}")
     finally:
         proc.kill()
-    sig = getattr(signal, signame)
     assert proc.returncode == -sig, err  # still dies of the signal, as without gpemu
     assert "gpemu summary: 1 emulated GPU(s)" in err and "3 iteration(s)" in err
     assert json.loads(metrics.read_text())["iterations"] == 3
