@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import configparser
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -27,21 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import machine
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def machine() -> str:
-    """CPU model, cores and load: figures from different machines are not comparable."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores, load {load}"
 
 
 def stage(rev: str, into: Path) -> Path:
@@ -100,8 +87,8 @@ def main() -> None:
           flush=True)
     with tempfile.TemporaryDirectory(prefix="gpemu-ab-") as tmp:
         roots = {rev: stage(rev, Path(tmp) / tag) for tag, rev in (("old", a.old), ("new", a.new))}
-        if a.benchmark_from == "new":
-            shutil.copy(roots[a.new] / bench[0], roots[a.old] / bench[0])
+        if a.benchmark_from == "new":  # the whole folder: a script imports its neighbours (machine.py)
+            shutil.copytree(roots[a.new] / "benchmarks", roots[a.old] / "benchmarks", dirs_exist_ok=True)
         results: dict[str, list[dict]] = {a.old: [], a.new: []}
         try:
             for r in range(a.rounds):

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
-from benchmarks.overhead import machine  # noqa: E402  (CPU model, cores, load average now)
+from machine import machine  # noqa: E402  (CPU model, cores, load average now)
 
 BATCHES = (16, 32, 64, 128, 256)
 

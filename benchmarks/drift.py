@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import time
 
 from gpemu.clock import RealClock
 from gpemu.engine import TimeEngine, calibrate_return_allowance
 from gpemu.recorder import Recorder
+from machine import machine
 
 
 def busy(seconds: float) -> None:
@@ -139,17 +139,6 @@ def run_headline(plan: list[tuple[float, float, bool]], host_work_ms: float,
             "allowance_s": engine.return_allowance, "gc_full": gcw.full, "gc_full_s": gcw.full_s,
             "error_pct": 100 * (elapsed - target) / target,
             "late_per_iter_us": 1e6 * (elapsed - target) / len(plan)}
-
-
-def _machine() -> str:
-    """CPU model, cores and load average now (as benchmarks/overhead.py prints them)."""
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
 def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
@@ -270,7 +259,7 @@ def main() -> None:
               f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
               f"(median {m['entry_med_us']:.2f} us); return+entry median {m['path_med_us']:.2f} us vs "
               f"long-wait allowance {1e6 * m['allowance_s'][1]:.2f} us", flush=True)
-    print(f"  machine: {_machine()}; what remains with a sync every "
+    print(f"  machine: {machine()}; what remains with a sync every "
           f"iteration is the loop's own time between a sync's return and its next enqueue (a real program pays "
           f"it too), the emulator's path beyond the allowance (colder caches after a long wait), and "
           f"preemption by other processes wherever it lands")

@@ -37,12 +37,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from machine import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -51,20 +51,6 @@ FAMILIES = (("alexnet", "AlexNet"), ("vgg", "VGG"), ("resnext", "ResNeXt"), ("wi
             ("resnet", "ResNet"), ("densenet", "DenseNet"), ("googlenet", "GoogLeNet"), ("squeezenet", "SqueezeNet"),
             ("mobilenet_v2", "MobileNetV2"), ("mobilenet_v3", "MobileNetV3"), ("mnasnet", "MNASNet"),
             ("shufflenet", "ShuffleNetV2"))
-
-
-def machine() -> str:
-    """CPU model, cores and load: timings from different machines are not comparable."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores, load {load}"
 
 
 def family(name: str) -> str:

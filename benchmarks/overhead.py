@@ -53,27 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
+from machine import machine  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
 
 DEFAULT_MODELS = ("alexnet", "resnet18", "resnet50", "resnet152", "vgg16", "mobilenet_v2", "squeezenet1_1",
                   "gpt2_small", "params1000")
 EXTRA_MODELS = ("gpt2_small", "params1000")
 TRANSFORMER_BATCH = 8  # --transformer-batch
-
-
-def machine() -> str:
-    """The machine a figure was taken on: CPU model, cores, load average now."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, load {load}"
 
 
 class _Block(torch.nn.Module):

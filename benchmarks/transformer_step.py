@@ -25,23 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
+from machine import machine
+
 PRECISIONS = {"fp32": None, "tf32": None, "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, load {load}"
 
 
 def _one(args: argparse.Namespace) -> None:
@@ -114,7 +104,7 @@ def main() -> None:
     ckpts = [x for x in args.checkpointing.split(",") if x]
     if bad or not precisions or any(c not in ("off", "on") for c in ckpts) or not ckpts:
         p.error(f"--precisions takes {', '.join(PRECISIONS)}; --checkpointing takes off, on")
-    print(f"# GPT-2 small ({args.batch} x {args.seq} tokens, AdamW) on an emulated {args.gpu}; machine: {_machine()}")
+    print(f"# GPT-2 small ({args.batch} x {args.seq} tokens, AdamW) on an emulated {args.gpu}; machine: {machine()}")
     print("| precision | checkpointing | step ms | GPU busy ms | peak GiB | time from |")
     print("|---|---|---|---|---|---|")
     for prec in precisions:
@@ -129,7 +119,7 @@ def main() -> None:
             r = json.loads(rows[-1])
             print(f"| {prec} | {ck} | {r['step_ms']:.1f} | {r['busy_ms']:.1f} | {r['peak_gib']:.2f} | {r['time_from']} |",
                   flush=True)
-    print(f"# machine after: {_machine()}")
+    print(f"# machine after: {machine()}")
 
 
 if __name__ == "__main__":
