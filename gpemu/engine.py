@@ -413,20 +413,15 @@ class TimeEngine:
 
     def synchronize(self, device: int | None = None, reason: str = "synchronize") -> None:
         """Host waits until every stream of ``device`` (all devices when None) is idle."""
-        local = self.local.host
-        outer = not local.depth
-        if outer:
-            local.entry = self.read_clock()
-            local.depth = 1
+        self.enter()
         try:
             devices = range(self.num_devices) if device is None else (self.check_device(device),)
             # settle() forgives only the time since a wait of THIS call (not since an older wait).
-            local.wait_deadline = None
+            self.local.host.wait_deadline = None
             for d in devices:
                 self._wait_device(d, self._device_busy[d], reason)
         finally:
-            if outer:
-                self.leave()
+            self.leave()
 
     def _wait_device(self, device: int, deadline: float, reason: str) -> None:
         """The host waits for ``device`` until ``deadline`` (or, with a backend, until its
@@ -471,19 +466,14 @@ class TimeEngine:
             stream.enqueue(seconds, kind, name)
             stream.synchronize(reason)
             return
-        local = self.local.host
-        outer = not local.depth
-        if outer:
-            local.entry = self.read_clock()
-            local.depth = 1
+        self.enter()
         try:
             end = self._enqueue(stream, seconds, kind, name, 0)
-            local.wait_deadline = None
+            self.local.host.wait_deadline = None
             if end > self.now():
                 self._wait_until(end, stream.device_index, reason)
         finally:
-            if outer:
-                self.leave()
+            self.leave()
 
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,

@@ -759,16 +759,11 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
             defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
             if defaults and engine is not None:
                 # (the engine-free backward runs no user code: an emulator entry)
-                host = engine.local.host
-                outer = not host.depth
-                if outer:
-                    host.entry = engine.read_clock()
-                    host.depth = 1
+                engine.enter()
                 try:
                     done = _direct_backward(R, tensors)
                 finally:
-                    if outer:
-                        engine.leave()
+                    engine.leave()
                 if done:
                     return None
             elif defaults and _direct_backward(R, tensors):
