@@ -328,11 +328,9 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
         # A replay runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter), its
         # host time is not the program's.
         engine = R.ts.engine
-        host = engine.local.host if engine is not None else None
-        if host is None or host.depth:
+        if engine is None:
             return _replay(rec, emus, params, t0)
-        host.entry = engine.read_clock()
-        host.depth = 1
+        engine.enter()
         try:
             return _replay(rec, emus, params, t0)
         finally:
