@@ -40,6 +40,7 @@ def _one(args: argparse.Namespace) -> None:
     import torch
 
     import gpemu
+    from gpemu.observe import model_source
 
     gpemu.patch(gpu=args.gpu)
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -75,14 +76,8 @@ def _one(args: argparse.Namespace) -> None:
         row = {"step_ms": 1e3 * step, "busy_ms": 1e3 * busy,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     models = gpemu.summary().get("models", [])
-    row["time_from"] = "; ".join(dict.fromkeys(_source(m) for m in models)) or "-"
+    row["time_from"] = "; ".join(dict.fromkeys(model_source(m) for m in models)) or "-"
     print("ROW " + json.dumps(row), flush=True)
-
-
-def _source(m: dict) -> str:
-    fwd, bwd = m.get("forward"), m.get("backward")
-    how = fwd if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
-    return f"{how} {m.get('uncertainty', '')}".strip()
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "RunRecords", "Timeline", "summary", "print_summary", "format_summary", "compute_summary",
-    "records_from_runtime", "json_safe", "CATEGORIES", "WINDOW_NAMES", "format_seconds", "format_size",
+    "records_from_runtime", "json_safe", "CATEGORIES", "WINDOW_NAMES", "format_seconds", "format_size", "model_source",
 ]
 
 # Categories of a device timeline, in display order.
@@ -394,7 +394,7 @@ def format_summary(s: dict[str, Any]) -> str:
                      + (f", {mem['ooms']} OOM(s)" if mem["ooms"] else ""))
     models = s.get("models") or []
     if models:
-        lines.append("model time".ljust(w + 2) + "; ".join(_model_source(m) for m in models))
+        lines.append("model time".ljust(w + 2) + "; ".join(model_source(m) for m in models))
     t = s["transfers"]
     lines.append("transfers".ljust(w + 2)
                  + f"host->GPU {format_size(t['h2d_bytes'])} ({t['h2d_copies']} copies, {format_seconds(t['h2d_seconds'])}; "
@@ -403,7 +403,7 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _model_source(m: dict[str, Any]) -> str:
+def model_source(m: dict[str, Any]) -> str:
     """``resnet50 on H100: scaled (GPU, from A100) ±19% (p90 52%)``: where a model's time came from."""
     fwd, bwd = m.get("forward"), m.get("backward")
     how = fwd if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
