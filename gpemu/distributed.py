@@ -700,14 +700,18 @@ class _C10d(_Comms):
                                   "all_reduce", group, _knows(tensor) and vop is not None)
         value = None
         if everyone:
-            value = _proxy(tensor)
-            work = _ORIG["all_reduce"](value, op=vop, group=group, async_op=True)
-            work.wait()
-            self.values()
-            if average:
-                value = value / world
+            value, work = self._reduced(tensor, vop, group, world if average else 1)
         _store(tensor, value)
         return _done(work, async_op)
+
+    def _reduced(self, tensor: torch.Tensor, vop: Any, group: Any, divide: int) -> tuple[torch.Tensor, Any]:
+        """The values every rank knows of ``tensor``, all-reduced for real over the gloo group
+        (``divide``: by the world for an average), and the real work object."""
+        value = _proxy(tensor)
+        work = _ORIG["all_reduce"](value, op=vop, group=group, async_op=True)
+        work.wait()
+        self.values()
+        return (value / divide if divide != 1 else value), work
 
     def all_reduce_coalesced(self, tensors: list, op: Any = dist.ReduceOp.SUM, group: Any = None,
                              async_op: bool = False) -> Any:
@@ -724,12 +728,7 @@ class _C10d(_Comms):
         for t in tensors:
             value = None
             if everyone:
-                value = _proxy(t)
-                work = _ORIG["all_reduce"](value, op=vop, group=group, async_op=True)
-                work.wait()
-                self.values()
-                if average:
-                    value = value / world
+                value, work = self._reduced(t, vop, group, world if average else 1)
             _store(t, value)
         return _done(work, async_op)
 
