@@ -368,7 +368,10 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             options=self._plugin_options(),
         )
         try:
-            with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+            # Its own subchannel: C-core shares one per target within a process, and one still
+            # backing off from the previous kubelet would fail this call fast with UNAVAILABLE.
+            with grpc.insecure_channel(f"unix://{self.kubelet_socket}",
+                                       options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
                 api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=5)
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

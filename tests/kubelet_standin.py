@@ -141,10 +141,19 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         return api_pb2.Empty()
 
     def _connect(self, request: api_pb2.RegisterRequest) -> None:
-        channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
+        # Dial like the kubelet: its own connection (grpc-go dials afresh; C-core would otherwise
+        # share a subchannel still backing off from a killed plugin on the same path and fail
+        # fast with UNAVAILABLE) and blocking until it is up (the kubelet dials WithBlock, 10 s).
+        channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}",
+                                        options=[("grpc.use_local_subchannel_pool", 1)])
         stub = api_pb2_grpc.DevicePluginStub(channel)
         try:
+            grpc.channel_ready_future(channel).result(timeout=10)
             options = stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=5)
+        except grpc.FutureTimeoutError:
+            self.log(f"dialing {request.endpoint} timed out after 10 s")
+            channel.close()
+            return
         except grpc.RpcError as exc:
             self.log(f"GetDevicePluginOptions on {request.endpoint} failed ({exc.code().name})")
             channel.close()
