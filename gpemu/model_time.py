@@ -33,9 +33,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import costs
 from .identify import identify
-from .tensor import EmuTensor
+from .tensor import EmuTensor, OwnNodes
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+_next_node = torch._C._autograd._get_sequence_nr  # the next autograd node's number on this thread
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -141,6 +142,7 @@ class ModelTime:
         ends = _mark_backward_end(self, args, kwargs)
         if ends is not None:
             args, kwargs = ends[0], ends[1]
+        first_node = _next_node()  # the call's own autograd nodes are numbered from here
         was_open = getattr(self.local, "open", False)
         self.local.open = open_children
         self.local.level = level + 1
@@ -157,7 +159,7 @@ class ModelTime:
                 fwd_s = ts.close_tap(tap)
                 self.local.open = was_open
                 self.local.level = level
-            fwd_s = tap.pass_seconds
+            fwd_s = _pass_seconds(tap, level > 0)
             ident.estimates[("forward", batch, dev)] = fwd_s
             _say_estimated(self, ident, dev, tap.mix, quiet=level > 0)
             bwd_s = None  # measured when the backward runs
@@ -237,6 +239,8 @@ class ModelTime:
                     record.backward_pending = True
                 info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev,
                                      ident if by_ops else None, batch, None if by_ops else (times, ident))
+                info.in_pass = level > 0
+                info.own = OwnNodes(first_node, _next_node(), params)
                 if ends is not None:
                     ends[2].info = info  # the backward window closes at the inputs' gradients
                 marked = _BackwardStart.apply(info, *grads)
@@ -254,6 +258,16 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 1
+
+
+def _pass_seconds(tap: Any, unit: bool) -> float:
+    """What a call priced by its ops costs per pass. An outermost call: its ops as one pass
+    started on an idle GPU (``tap.pass_seconds``, host issue time included: the cost model is
+    fitted to whole passes timed that way). A unit inside an op-by-op ancestor is issued behind
+    the ancestor's queued work, where its ops are charged one by one at their kernel time: its
+    replays must cost the same (``tap.seconds``), or a model replayed by units prices more GPU
+    time than the same step op by op (GPT-2 in bf16, each unit a pass from idle: +18%)."""
+    return tap.seconds if unit else tap.pass_seconds
 
 
 def _ratio(tap: Any) -> float:
@@ -359,7 +373,7 @@ def _params_reached(outputs: list) -> set[int]:
 # where the backward starts
 # ----------------------------------------------------------------------------------------------
 class _BackwardInfo:
-    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "times", "close")
+    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "times", "close", "in_pass", "own")
 
     def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float | None, label: str, dev: int,
                  ident: Any = None, batch: int = 1, times: "tuple[costs.ModelTimes, Any] | None" = None) -> None:
@@ -369,6 +383,8 @@ class _BackwardInfo:
         # at the forward's ratio, until the backward's own ops give its ratio)
         self.times = times
         self.close: Any = None  # ends the backward window (set when the backward starts)
+        self.in_pass = False  # a unit inside an op-by-op ancestor (priced behind queued work)
+        self.own: OwnNodes | None = None  # the call's autograd nodes (its backward's own ops)
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -399,6 +415,9 @@ class _BackwardStart(torch.autograd.Function):
         # By ops: the backward's ops are its price. Measured: what is charged besides the measured
         # time (a checkpointed block's recomputed forward) is part of this backward too.
         tap = ts.open_tap()
+        if info.own is not None:
+            info.own.task = _graph_task()
+            tap.own = info.own
         issued = None
         if engine is not None:
             engine.note_backward(info.dev)  # an iteration has a backward (see end_iteration)
@@ -415,9 +434,10 @@ class _BackwardStart(torch.autograd.Function):
             rec = info.rec
             ts.close_tap(tap)
             if by_ops:
-                info.ident.estimates[("backward", info.batch, info.dev)] = tap.pass_seconds
+                bwd = _pass_seconds(tap, info.in_pass)
+                info.ident.estimates[("backward", info.batch, info.dev)] = bwd
                 if rec is not None:
-                    rec.bwd_seconds = tap.pass_seconds
+                    rec.bwd_seconds = bwd
             else:
                 bwd = info.bwd_seconds
                 if info.times is not None:

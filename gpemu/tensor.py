@@ -89,16 +89,20 @@ class CostTap:
     part of it that was charged on its own (outside any such cover).
 
     It also runs the cost model's pass arithmetic over the same ops (:class:`gpemu.costs.OpPrice`):
-    ``pass_seconds``, the ops as one pass of a real program (each op issued after the host time
-    the calibration hosts took for it, the GPU running them in order: host and GPU overlapped),
+    ``pass_seconds``, the ops as one pass of a real program started on an idle GPU (each op issued
+    after the host time the calibration hosts took for it, the GPU running them in order: host and
+    GPU overlapped; how the database timed a model's forward and backward),
     and ``reference_seconds``, the same pass priced as the profile database measured (fp32 on the
     device's reference GPU) — their ratio carries a measured model's time to this GPU and precision.
     Work charged as a span (a replayed unit) counts as GPU time at both prices. ``mix``: GPU
     seconds per kind of work of the priced ops (the cost model's uncertainty depends on it)."""
 
-    __slots__ = ("seconds", "charged", "mix", "_host", "_finish", "_finish_ref")
+    __slots__ = ("seconds", "charged", "mix", "_host", "_finish", "_finish_ref", "own")
 
     def __init__(self) -> None:
+        # ``own``: for a module's backward window, which ops are its own (:class:`OwnNodes`);
+        # None: every op charged while the tap is open.
+        self.own: "OwnNodes | None" = None
         self.seconds = 0.0
         self.charged = 0.0
         self.mix: dict[str, float] = {}
@@ -120,6 +124,40 @@ class CostTap:
     @property
     def reference_seconds(self) -> float:
         return self._finish_ref
+
+
+_current_node = torch._C._current_autograd_node
+_current_task = torch._C._current_graph_task_id
+_ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
+
+
+class OwnNodes:
+    """The autograd nodes one module call made: sequence numbers ``lo <= n < hi`` (numbered in
+    creation order on the forward's thread) and its parameters' AccumulateGrad nodes.
+
+    A module's backward window (from its outputs' gradients to its inputs') also runs other
+    nodes the engine finds ready: the engine runs ready nodes newest first, and the node that
+    closes the window was made before the module's own, so a branch created later (a block's
+    cast weights, a sibling's weight gradients) runs inside the window. A cost tap with an
+    ``OwnNodes`` counts only ops run by the module's nodes, by a nested backward they start
+    (reentrant checkpointing), or outside any node."""
+
+    __slots__ = ("lo", "hi", "params", "task")
+
+    def __init__(self, lo: int, hi: int, params: Any) -> None:
+        self.lo, self.hi = lo, hi
+        self.params = frozenset(id(p) for p in params)
+        self.task = -1  # the graph task of the window (set when the backward starts)
+
+    def running(self) -> bool:
+        """True when the op being charged belongs to the module's backward."""
+        node = _current_node()
+        if node is None or _current_task() != self.task:
+            return True
+        seq = node._sequence_nr()
+        if self.lo <= seq < self.hi:
+            return True
+        return seq == _ACCUMULATE_SEQ and id(getattr(node, "variable", None)) in self.params
 
 
 class TensorState:
@@ -245,6 +283,8 @@ class TensorState:
         if self._tap_owner == threading.get_ident():
             host, reference = (price.host, price.reference) if price is not None else (0.0, cost)
             for tap in self._taps:
+                if tap.own is not None and not tap.own.running():
+                    continue
                 tap.seconds += cost
                 if charged:
                     tap.charged += cost

@@ -382,3 +382,61 @@ def test_object_arguments_new_at_every_call_are_not_replayed(rt):
     for _ in range(3):
         other(x, same).sum().backward()
     assert replay.replay_info()["replayed"] >= info["replayed"] + 2
+
+
+def test_units_of_an_op_by_op_model_cost_what_its_ops_cost():
+    """An HF-style model (a new cache object at every call) runs op by op and its submodules are
+    replayed as units of their own. A replayed unit must charge the GPU time its ops were charged
+    op by op: steps while the units are being recorded and steps that replay them cost the same.
+    Two ways this failed: a unit priced as a pass started on an idle GPU (host issue times of the
+    cost model's calibration added, +18% per GPT-2 step in bf16), and a unit's backward window
+    counting other nodes the autograd engine ran inside it (the position embedding's window
+    stayed open to the end of the backward and counted the token embedding's backward)."""
+    class Cache:
+        pass
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(64)
+            self.mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64))
+
+        def forward(self, h, cache):
+            return h + self.mlp(self.ln(h))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(1000, 64), nn.Embedding(128, 64)
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(64, 1000)
+
+        def forward(self, ids, cache):
+            h = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            for b in self.blocks:
+                h = b(h, cache)
+            return self.head(h), cache
+
+    rt = gpemu.patch(gpu="H100", summary=False, clock=VirtualClock())
+    try:
+        model = Model().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids = torch.zeros(8, 128, dtype=torch.long, device="cuda")
+        busy = []
+        for _ in range(7):
+            n0 = len(rt.recorder.spans)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits, _ = model(ids, Cache())
+            logits.float().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            spans = rt.recorder.spans[n0:]
+            busy.append((sum(s.end - s.start for s in spans), {s.kind for s in spans}))
+        assert busy[0][1] == {"op", "optimizer"}  # all op by op (the model is recorded)
+        assert {"forward", "backward"} <= busy[-1][1]  # its units replayed
+        assert replay.replay_info()["replayed"] > 0
+        for seconds, _ in busy[1:]:
+            assert seconds == pytest.approx(busy[0][0], rel=1e-6)
+    finally:
+        gpemu.unpatch()
