@@ -10,13 +10,13 @@ iteration waits for). Rank 0 writes each (model, world size, batch size) in one 
 from __future__ import annotations
 
 import gc
-import socket
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from gpemu.db import Measurement
+from gpemu.ports import free_port
 
 from .measure import summarize
 from .models import load_model, model_name_of
@@ -24,12 +24,6 @@ from .runner import Interrupted, ProfileOptions, ProfileReport
 from .store import ProfileStore, now_iso
 
 __all__ = ["profile_ddp"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def profile_ddp(store: ProfileStore, opts: ProfileOptions, world_sizes: Sequence[int], batch_sizes: Sequence[int],
@@ -62,7 +56,7 @@ def profile_ddp(store: ProfileStore, opts: ProfileOptions, world_sizes: Sequence
                     "spec": spec_text, "input_shape": opts.input_shape, "input_dtype": str(opts.input_dtype),
                     "num_classes": opts.num_classes, "warmup": opts.warmup, "iterations": opts.iterations,
                     "optimizer": opts.optimizer, "device_type": opts.device.type, "batch_sizes": todo,
-                    "world_size": ws, "port": _free_port(), "db_url": store.db.url, "gpu": gpu,
+                    "world_size": ws, "port": free_port(), "db_url": store.db.url, "gpu": gpu,
                     "model": name, "meta": meta,
                 }
                 mp.spawn(_worker, args=(job,), nprocs=ws, join=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from gpemu.distributed import (_overlapped_finish, all_to_all_seconds, allgather_seconds, allreduce_seconds,
                                broadcast_seconds, interconnect_bandwidth, map_backend, reduce_scatter_seconds)
+from gpemu.ports import free_port
 
 
 def test_backend_mapping() -> None:
@@ -127,12 +127,6 @@ def test_measured_ddp_iterations_decide_the_allreduce_time(tmp_path: Path, _gpem
 
 
 # ------------------------------------------------------------------ two real processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, out_dir: str, data_dir: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP  # imported before patching, on purpose
@@ -255,7 +249,7 @@ def _more_collectives(rt, rank: int, model, ddp, opt) -> dict:  # noqa: ANN001
 def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), str(_gpemu_data_dir)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path), str(_gpemu_data_dir)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(results):
         assert r["is_ddp"] and r["type"] == "EmulatedDDP" and r["module_is_model"]

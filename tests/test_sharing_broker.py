@@ -585,6 +585,10 @@ def test_every_port_of_the_broker_listens_on_loopback_only(broker):
     listening = [c.laddr for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port in ports]
     assert {a.port for a in listening} == ports  # each one is open...
     assert all(a.ip in ("127.0.0.1", "::1") for a in listening), listening  # ...on loopback only
+    # ...and below the kernel's ephemeral range: an outgoing connection made while the broker
+    # restarts (its clients reconnecting) can never take one of them (EADDRINUSE on restart)
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert max(ports) < low, (ports, low)
 
 
 def test_token_theft_forged_reply_and_hog_attacks_fail(broker, purge, jobs_url):

@@ -23,17 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpemu.ports import free_port
+
 __all__ = ["RabbitBroker", "BrokerUnavailable", "free_port", "ensure_installed"]
 
 
 class BrokerUnavailable(RuntimeError):
     """rabbitmq-server is not installed or did not start."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_installed() -> None:
