@@ -367,11 +367,17 @@ def test_object_arguments_new_at_every_call_are_not_replayed(rt):
     layer = Layer().cuda()
     x = torch.zeros(2, 8, device="cuda")
     refs = []
-    for _ in range(4):
+    for i in range(4):
         cache = Cache()
         refs.append(weakref.ref(cache))
         layer(x, cache).sum().backward()
         assert len(cache.tensors) == 1  # the call ran: the cache was updated every time
+        if i == 0:
+            # the first call is recorded; its key must not keep the cache (and the emulated
+            # memory of the tensors it holds) alive after the call
+            del cache
+            gc.collect()
+            assert refs[0]() is None
     del cache
     gc.collect()
     assert sum(r() is not None for r in refs) == 0  # no recording holds an old cache
