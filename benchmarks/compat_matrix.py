@@ -41,8 +41,11 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--keep", default="", help="run in this folder and keep each run's output and metrics")
     args = p.parse_args()
-    chosen = ([scenarios.by_name(n) for n in args.only.split(",")] if args.only
-              else [s for s in scenarios.SCENARIOS if s.matrix])
+    try:
+        chosen = ([scenarios.by_name(n) for n in args.only.split(",")] if args.only
+                  else [s for s in scenarios.SCENARIOS if s.matrix])
+    except KeyError as exc:
+        p.error(f"--only: {exc.args[0]}")
     try:
         load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
     except OSError:
