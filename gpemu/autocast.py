@@ -97,6 +97,10 @@ def _has_emulated(args: Any) -> bool:
 class AutocastMode(TorchFunctionMode):
     """Applies CUDA autocast's op lists to emulated tensors while autocast('cuda') is on."""
 
+    # Marks gpemu's own modes: a component that replaces a torch function (gpemu.rnn) still
+    # takes its fast path under this mode, and steps aside for anyone else's.
+    gpemu_mode = True
+
     def __init__(self) -> None:
         super().__init__()
         self.policy = _policy()

@@ -276,6 +276,43 @@ def attention_price(rt: "Runtime", device: int, batch_heads: int, length: int, s
                                          str(dtype).replace("torch.", "")))
 
 
+def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, input_size: int, hidden: int,
+              layers: int, directions: int, dtype: torch.dtype, backward: bool) -> OpPrice:
+    """A whole multi-layer RNN as cuDNN runs it (``_cudnn_rnn``; ``gates``: 4 LSTM, 3 GRU, 1 RNN):
+    per layer and direction one GEMM projecting every timestep's input, then per timestep one
+    recurrent GEMM of ``batch`` rows (small: latency-bound) and the gates' pointwise math. The
+    backward runs the recurrence back (the same GEMMs on the gradients), one GEMM for the input
+    gradient and one per weight matrix for the weight gradients over all timesteps."""
+    d = str(dtype).replace("torch.", "")
+    element = torch.empty((), dtype=dtype).element_size()
+    n = gates * hidden
+    gpu = host = reference = 0.0
+
+    def add(op: OpFeatures, times: int = 1) -> None:
+        nonlocal gpu, host, reference
+        p = _price(rt, device, op)
+        gpu += times * p.gpu
+        reference += times * p.reference
+        host = host or p.host  # one call from the host's side
+
+    def gemm(m: int, k: int, cols: int, times: int = 1) -> None:
+        add(OpFeatures("mm", OpClass.GEMM, backward, 2.0 * m * k * cols, float((m * k + k * cols + m * cols) * element),
+                       d, reduction=k), times)
+
+    rows = steps * batch
+    for layer in range(layers):
+        k_in = input_size if layer == 0 else hidden * directions
+        for _ in range(directions):
+            gemm(rows, k_in, n)                    # input projection (backward: the input's gradient)
+            gemm(batch, hidden, n, steps)          # the recurrence, one step at a time
+            add(OpFeatures("rnn_cell", OpClass.ELEMENTWISE, backward, float(batch * n),
+                           float(batch * (n + 4 * hidden) * element), d), steps)
+            if backward:
+                gemm(k_in, rows, n)                # weight gradients, over all timesteps at once
+                gemm(hidden, rows, n)
+    return OpPrice(gpu, host, reference, "gemm")
+
+
 # --------------------------------------------------------------------------------- optimizer
 # Optimizer state tensors per parameter (read and written every step).
 def _state_tensors(optimizer: torch.optim.Optimizer) -> int:

@@ -109,6 +109,13 @@ class Patcher:
                         pass
                     if rec.original is not MISSING and not isinstance(rec.owner, type):
                         setattr(rec.owner, rec.name, rec.original)
+                elif (not isinstance(rec.owner, type) and not rec.in_dict and not hasattr(type(rec.owner), rec.name)
+                      and rec.name in getattr(rec.owner, "__dict__", {})):
+                    # An instance that served the attribute through its __getattr__ (torch._VF):
+                    # removing ours restores it; setting the original would leave a copy behind.
+                    delattr(rec.owner, rec.name)
+                    if getattr(rec.owner, rec.name, MISSING) is not rec.original:
+                        setattr(rec.owner, rec.name, rec.original)
                 else:
                     setattr(rec.owner, rec.name, rec.original)
             except BaseException as exc:
