@@ -277,12 +277,13 @@ def attention_price(rt: "Runtime", device: int, batch_heads: int, length: int, s
 
 
 def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, input_size: int, hidden: int,
-              layers: int, directions: int, dtype: torch.dtype, backward: bool) -> OpPrice:
+              layers: int, directions: int, dtype: torch.dtype, backward: bool, rows: int | None = None) -> OpPrice:
     """A whole multi-layer RNN as cuDNN runs it (``_cudnn_rnn``; ``gates``: 4 LSTM, 3 GRU, 1 RNN):
     per layer and direction one GEMM projecting every timestep's input, then per timestep one
     recurrent GEMM of ``batch`` rows (small: latency-bound) and the gates' pointwise math. The
     backward runs the recurrence back (the same GEMMs on the gradients), one GEMM for the input
-    gradient and one per weight matrix for the weight gradients over all timesteps."""
+    gradient and one per weight matrix for the weight gradients over all timesteps. ``rows``: the
+    timesteps' rows in all (a packed sequence's; ``steps x batch`` otherwise)."""
     d = str(dtype).replace("torch.", "")
     element = torch.empty((), dtype=dtype).element_size()
     n = gates * hidden
@@ -299,7 +300,7 @@ def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, in
         add(OpFeatures("mm", OpClass.GEMM, backward, 2.0 * m * k * cols, float((m * k + k * cols + m * cols) * element),
                        d, reduction=k), times)
 
-    rows = steps * batch
+    rows = steps * batch if rows is None else rows
     for layer in range(layers):
         k_in = input_size if layer == 0 else hidden * directions
         for _ in range(directions):
@@ -311,6 +312,14 @@ def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, in
                 gemm(k_in, rows, n)                # weight gradients, over all timesteps at once
                 gemm(hidden, rows, n)
     return OpPrice(gpu, host, reference, "gemm")
+
+
+def copy_price(rt: "Runtime", device: int, nbytes: int, dtype: torch.dtype, backward: bool = False) -> OpPrice:
+    """A gather/scatter kernel that reads and writes ``nbytes`` in all (packing a sequence)."""
+    d = str(dtype).replace("torch.", "")
+    element = torch.empty((), dtype=dtype).element_size()
+    return _price(rt, device, OpFeatures("copy", OpClass.COPY, backward, float(nbytes // (2 * element)),
+                                         float(nbytes), d))
 
 
 # --------------------------------------------------------------------------------- optimizer

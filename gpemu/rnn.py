@@ -14,10 +14,12 @@ kept for the backward, gradients for the input, the initial state and every weig
 time of :func:`gpemu.costs.rnn_price`. Under ``autocast('cuda')`` the op runs in the autocast
 dtype, as CUDA's autocast casts cuDNN RNNs (inputs and flattened weights).
 
-torch's own path (op by op, as with cuDNN disabled on a GPU) runs for LSTMs with projections
-(``proj_size``), packed sequences (``batch_sizes``; ``pack_padded_sequence`` itself does not run
-on emulated tensors yet: its lengths are host values), tensor subclasses and calls the emulator
-cannot see whole (a torch function mode other than autocast's).
+Packed sequences run as on a GPU: ``pack_padded_sequence`` takes the lengths from the host and
+makes the batch sizes there (the CPU build's kernel would otherwise build them from, and its
+backward zeros on, the wrappers' meta metadata), ``pad_packed_sequence`` pads back, each one
+gather/scatter kernel; a packed RNN runs fused as well, over the packed rows. torch's own path (op by op, as with cuDNN disabled on a GPU) runs for LSTMs with
+projections (``proj_size``), tensor subclasses and calls the emulator cannot see whole (a torch
+function mode other than autocast's).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .costs import rnn_price
+from .costs import copy_price, rnn_price
 from .tensor import EmuTensor, TensorState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,17 +61,18 @@ class _FusedRNN(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ts: TensorState, mode: str, dims: tuple, dtype: torch.dtype, n_state: int,  # type: ignore[override]
                 input: EmuTensor, *rest: EmuTensor) -> tuple:
-        steps, batch, input_size, hidden, layers, directions, batch_first, for_backward = dims
+        steps, batch, rows, input_size, hidden, layers, directions, layout, for_backward = dims
         gates = _GATES[mode]
         # Final states a program ignores get no gradient (autograd would otherwise make zeros
         # from the wrappers' metadata: plain meta tensors).
         ctx.set_materialize_grads(False)
         dev = input._dev
         mem = ts.memory[dev]
-        price = rnn_price(ts.rt, dev, gates, steps, batch, input_size, hidden, layers, directions, dtype, False)
+        price = rnn_price(ts.rt, dev, gates, steps, batch, input_size, hidden, layers, directions, dtype, False, rows)
         ts.charge(price.gpu, dev, f"_cudnn_rnn ({mode})", price)
         element = torch.empty((), dtype=dtype).element_size()
-        out_shape = (batch, steps, hidden * directions) if batch_first else (steps, batch, hidden * directions)
+        width = hidden * directions
+        out_shape = {"packed": (rows, width), "batch_first": (batch, steps, width)}.get(layout, (steps, batch, width))
         out = ts.wrap(out_shape, _contiguous_strides(out_shape), 0, dtype, dev,
                       mem.allocate(_numel(out_shape) * element))
         state_shape = (layers * directions, batch, hidden)
@@ -80,24 +83,25 @@ class _FusedRNN(torch.autograd.Function):
         # reserve space) and, in a lower precision than the weights, their cast flat copy.
         keep = 0
         if for_backward:
-            keep = layers * directions * steps * batch * (gates + 2) * hidden * element
+            keep = layers * directions * rows * (gates + 2) * hidden * element
             keep += sum(w.numel() for w in weights if w.dtype != dtype) * element
         ctx.reserve = mem.allocate(keep) if keep else None
-        ctx.ts, ctx.mode, ctx.dims, ctx.dtype, ctx.n_state = ts, mode, dims, dtype, n_state
+        ctx.ts, ctx.mode, ctx.dims, ctx.dtype, ctx.n_state, ctx.dev = ts, mode, dims, dtype, n_state, dev
         ctx.specs = [(t.shape, t.dtype) for t in (input, *rest)]
         return (out, *states)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         ts: TensorState = ctx.ts
-        steps, batch, input_size, hidden, layers, directions, _, _ = ctx.dims
-        dev = next(g._dev for g in grads if isinstance(g, EmuTensor)) if any(
-            isinstance(g, EmuTensor) for g in grads) else None
-        if dev is None:
-            return (None,) * (6 + len(ctx.specs) - 1)
+        steps, batch, rows, input_size, hidden, layers, directions, _, _ = ctx.dims
+        if all(g is None for g in grads):
+            return (None,) * (5 + len(ctx.specs))
+        # (A gradient autograd assembled itself, e.g. from a padded view of the output, can be a
+        # plain meta tensor made from the wrapper's metadata: only its existence matters here.)
+        dev = ctx.dev
         mem = ts.memory[dev]
         price = rnn_price(ts.rt, dev, _GATES[ctx.mode], steps, batch, input_size, hidden, layers, directions,
-                          ctx.dtype, True)
+                          ctx.dtype, True, rows)
         ts.charge(price.gpu, dev, f"_cudnn_rnn_backward ({ctx.mode})", price)
         out = []
         for (shape, dt), needed in zip(ctx.specs, ctx.needs_input_grad[5:]):
@@ -110,20 +114,120 @@ class _FusedRNN(torch.autograd.Function):
         return (None, None, None, None, None, *out)
 
 
+def _new(ts: TensorState, shape: tuple, dtype: torch.dtype, dev: int) -> EmuTensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    return ts.wrap(shape, _contiguous_strides(shape), 0, dtype, dev, ts.memory[dev].allocate(_numel(shape) * size))
+
+
+def _charge_copy(ts: TensorState, dev: int, elements: int, dtype: torch.dtype, name: str, backward: bool) -> None:
+    nbytes = 2 * elements * torch.empty((), dtype=dtype).element_size()
+    price = copy_price(ts.rt, dev, nbytes, dtype, backward)
+    ts.charge(price.gpu, dev, name, price)
+
+
+class _Pack(torch.autograd.Function):
+    """``_pack_padded_sequence``: the packed rows of a padded batch, and its batch sizes (host)."""
+
+    @staticmethod
+    def forward(ctx: Any, ts: TensorState, batch_sizes: torch.Tensor, batch_first: bool,  # type: ignore[override]
+                input: EmuTensor) -> EmuTensor:
+        rows = int(batch_sizes.sum())
+        data = _new(ts, (rows, *input.shape[2:]), input.dtype, input._dev)
+        _charge_copy(ts, input._dev, data.numel(), input.dtype, "_pack_padded_sequence", False)
+        ctx.ts, ctx.spec = ts, (tuple(input.shape), input.dtype, input._dev)
+        return data
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        shape, dtype, dev = ctx.spec
+        out = _new(ctx.ts, shape, dtype, dev)  # zeros where the sequences were padded
+        _charge_copy(ctx.ts, dev, out.numel(), dtype, "_pack_padded_sequence_backward", True)
+        return None, None, None, out
+
+
+class _Pad(torch.autograd.Function):
+    """``_pad_packed_sequence``: a padded batch from packed rows."""
+
+    @staticmethod
+    def forward(ctx: Any, ts: TensorState, shape: tuple, data: EmuTensor) -> EmuTensor:  # type: ignore[override]
+        out = _new(ts, shape, data.dtype, data._dev)
+        _charge_copy(ts, data._dev, out.numel(), data.dtype, "_pad_packed_sequence", False)
+        ctx.ts, ctx.spec = ts, (tuple(data.shape), data.dtype, data._dev)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        shape, dtype, dev = ctx.spec
+        out = _new(ctx.ts, shape, dtype, dev)
+        _charge_copy(ctx.ts, dev, out.numel(), dtype, "_pad_packed_sequence_backward", True)
+        return None, None, out
+
+
+def _make_pack(rt: "Runtime", orig: Callable) -> Callable:
+    ts = rt.tensors
+
+    @functools.wraps(orig)
+    def _pack_padded_sequence(input: Any, lengths: Any, batch_first: bool) -> Any:
+        if type(input) is not EmuTensor or not isinstance(lengths, torch.Tensor) or lengths.device.type != "cpu" \
+                or input.dim() < 2 or _foreign_mode():
+            return orig(input, lengths, batch_first)
+        # What torch checks and computes from the host's lengths (sorted, decreasing).
+        values = lengths.tolist()
+        steps = input.shape[1] if batch_first else input.shape[0]
+        if values and (min(values) <= 0 or values[0] > steps or any(a < b for a, b in zip(values, values[1:]))):
+            return orig(input, lengths, batch_first)  # torch's own error for bad lengths
+        batch_sizes = torch.tensor([sum(1 for n in values if n > t) for t in range(values[0] if values else 0)],
+                                   dtype=torch.int64)
+        return _Pack.apply(ts, batch_sizes, bool(batch_first), input), batch_sizes
+
+    _pack_padded_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
+    return _pack_padded_sequence
+
+
+def _make_pad(rt: "Runtime", orig: Callable) -> Callable:
+    ts = rt.tensors
+
+    @functools.wraps(orig)
+    def _pad_packed_sequence(data: Any, batch_sizes: Any, batch_first: bool, padding_value: float,
+                             total_length: int) -> Any:
+        if type(data) is not EmuTensor or not isinstance(batch_sizes, torch.Tensor) \
+                or batch_sizes.device.type != "cpu" or data.dim() < 1 or _foreign_mode():
+            return orig(data, batch_sizes, batch_first, padding_value, total_length)
+        sizes = batch_sizes.tolist()
+        steps = len(sizes)
+        if total_length < steps and total_length != -1 or not sizes:  # (-1: torch's "not given")
+            return orig(data, batch_sizes, batch_first, padding_value, total_length)
+        steps = max(steps, total_length)
+        batch = sizes[0]
+        lengths = torch.tensor([sum(1 for s in sizes if s > b) for b in range(batch)], dtype=torch.int64)
+        shape = (batch, steps, *data.shape[1:]) if batch_first else (steps, batch, *data.shape[1:])
+        return _Pad.apply(ts, shape, data), lengths
+
+    _pad_packed_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
+    return _pad_packed_sequence
+
+
 def _make(rt: "Runtime", mode: str, orig: Callable) -> Callable:
     ts = rt.tensors
 
     @functools.wraps(orig)
     def rnn(*args: Any, **kwargs: Any) -> Any:
         # Unpacked: (input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-        # batch_first); packed sequences pass batch_sizes second and no batch_first.
-        if kwargs or len(args) != 9 or not isinstance(args[3], bool) or not torch.backends.cudnn.enabled \
-                or _foreign_mode():
+        # batch_first); packed: (data, batch_sizes, hx, params, has_biases, num_layers, dropout,
+        # train, bidirectional), batch_sizes a host tensor.
+        if kwargs or len(args) != 9 or not torch.backends.cudnn.enabled or _foreign_mode():
             return orig(*args, **kwargs)
-        input, hx, params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
+        if isinstance(args[3], bool):
+            input, hx, params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
+            batch_sizes, layout, dims_in = None, "batch_first" if batch_first else "time_first", 3
+        elif isinstance(args[4], bool) and isinstance(args[1], torch.Tensor) and args[1].device.type == "cpu":
+            input, batch_sizes, hx, params, has_biases, num_layers, _dropout, train, bidirectional = args
+            layout, dims_in = "packed", 2
+        else:
+            return orig(*args, **kwargs)
         states = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
         tensors = (input, *states, *params)
-        if not all(type(t) is EmuTensor for t in tensors) or input.dim() != 3 or not input.is_floating_point():
+        if not all(type(t) is EmuTensor for t in tensors) or input.dim() != dims_in or not input.is_floating_point():
             return orig(*args, **kwargs)
         directions = 2 if bidirectional else 1
         hidden = states[0].shape[-1]
@@ -133,11 +237,17 @@ def _make(rt: "Runtime", mode: str, orig: Callable) -> Callable:
         dtype = input.dtype
         if torch.is_autocast_enabled("cuda") and dtype in (torch.float32, torch.float16, torch.bfloat16):
             dtype = torch.get_autocast_dtype("cuda")
-        steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
+        if batch_sizes is not None:
+            steps, batch = len(batch_sizes), int(batch_sizes[0]) if len(batch_sizes) else 0
+        elif layout == "batch_first":
+            steps, batch = input.shape[1], input.shape[0]
+        else:
+            steps, batch = input.shape[0], input.shape[1]
+        rows = input.shape[0] if batch_sizes is not None else steps * batch
         # cuDNN keeps its reserve space for a training call that autograd will differentiate
         # (decided here: inside the Function's forward grad mode is off).
         for_backward = bool(train) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        dims = (steps, batch, input.shape[2], hidden, num_layers, directions, bool(batch_first), for_backward)
+        dims = (steps, batch, rows, input.shape[-1], hidden, num_layers, directions, layout, for_backward)
         result = _FusedRNN.apply(ts, mode, dims, dtype, len(states), input, *states, *params)
         return result[0], *result[1:]
 
@@ -155,7 +265,10 @@ def _foreign_mode() -> bool:
 
 def install(rt: "Runtime") -> None:
     """Replace ``torch._VF.lstm``, ``gru``, ``rnn_tanh`` and ``rnn_relu`` (what torch.nn's RNN
-    modules call)."""
+    modules call) and the packed-sequence ops ``pack_padded_sequence`` / ``pad_packed_sequence``
+    call."""
     vf = torch._VF
     for mode in _GATES:
         rt.patcher.replace(vf, mode, _make(rt, mode, getattr(vf, mode)))
+    rt.patcher.replace(vf, "_pack_padded_sequence", _make_pack(rt, vf._pack_padded_sequence))
+    rt.patcher.replace(vf, "_pad_packed_sequence", _make_pad(rt, vf._pad_packed_sequence))

@@ -104,3 +104,49 @@ def test_an_lstm_with_projections_runs_torchs_own_path(rt):
     assert out.shape == (6, 3, 8) and h.shape == (1, 3, 8) and c.shape == (1, 3, 32)
     assert not any(s.name.startswith("_cudnn_rnn") for s in spans)
     assert proj.weight_hr_l0.grad is not None
+
+
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_packed_sequences_pack_run_and_pad_as_on_a_gpu(rt, cudnn):
+    """pack_padded_sequence takes its lengths from the host, as on CUDA; the packed LSTM runs as
+    one cuDNN op (or torch's decomposition with cuDNN disabled); padding back and backward work,
+    with emulated gradients all the way to the input."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.backends.cudnn.enabled = cudnn
+    x = torch.zeros(6, 3, 16, device="cuda", requires_grad=True)
+    packed = pack_padded_sequence(x, [6, 4, 2])
+    assert packed.data.shape == (12, 16) and packed.data.device.type == "cuda"
+    assert packed.batch_sizes.tolist() == [3, 3, 2, 2, 1, 1]  # a host tensor, as torch makes it
+    lstm = nn.LSTM(16, 32, 2).cuda()
+    n0 = len(rt.recorder.spans)
+    out, (h, c) = lstm(packed)
+    assert out.data.shape == (12, 32) and h.shape == c.shape == (2, 3, 32)
+    padded, lengths = pad_packed_sequence(out)
+    assert padded.shape == (6, 3, 32) and lengths.tolist() == [6, 4, 2]
+    padded.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and x.grad.device.type == "cuda"
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())
+    fused = sum(s.name.startswith("_cudnn_rnn") for s in rt.recorder.spans[n0:])
+    assert fused == (2 if cudnn else 0)
+
+
+def test_a_packed_lstm_trains_an_embedding_before_it(rt):
+    """Unsorted lengths (enforce_sorted=False), an embedding in front and an optimizer after:
+    every parameter gets an emulated gradient, as from a GPU."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    emb, lstm, head = nn.Embedding(100, 16).cuda(), nn.LSTM(16, 32).cuda(), nn.Linear(32, 100).cuda()
+    params = [*emb.parameters(), *lstm.parameters(), *head.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for _ in range(3):
+        tokens = torch.zeros(7, 4, dtype=torch.long, device="cuda")
+        packed = pack_padded_sequence(emb(tokens), torch.tensor([3, 7, 1, 5]), enforce_sorted=False)
+        out, _ = lstm(packed)
+        padded, lengths = pad_packed_sequence(out, total_length=9)
+        assert padded.shape == (9, 4, 32) and lengths.tolist() == [3, 7, 1, 5]
+        head(padded).mean().backward()
+        assert all(type(p.grad) is type(padded) and p.grad.shape == p.shape for p in params)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
