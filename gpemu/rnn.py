@@ -41,11 +41,7 @@ _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
+    return torch.empty(shape, device="meta").stride()
 
 
 def _numel(shape: Any) -> int:
@@ -125,42 +121,23 @@ def _charge_copy(ts: TensorState, dev: int, elements: int, dtype: torch.dtype, n
     ts.charge(price.gpu, dev, name, price)
 
 
-class _Pack(torch.autograd.Function):
-    """``_pack_padded_sequence``: the packed rows of a padded batch, and its batch sizes (host)."""
+class _Gather(torch.autograd.Function):
+    """One gather/scatter kernel that lays ``source``'s rows out as ``shape`` (packing a padded
+    batch, padding a packed one); its backward lays the gradient back out (zeros where padded)."""
 
     @staticmethod
-    def forward(ctx: Any, ts: TensorState, batch_sizes: torch.Tensor, batch_first: bool,  # type: ignore[override]
-                input: EmuTensor) -> EmuTensor:
-        rows = int(batch_sizes.sum())
-        data = _new(ts, (rows, *input.shape[2:]), input.dtype, input._dev)
-        _charge_copy(ts, input._dev, data.numel(), input.dtype, "_pack_padded_sequence", False)
-        ctx.ts, ctx.spec = ts, (tuple(input.shape), input.dtype, input._dev)
-        return data
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
-        shape, dtype, dev = ctx.spec
-        out = _new(ctx.ts, shape, dtype, dev)  # zeros where the sequences were padded
-        _charge_copy(ctx.ts, dev, out.numel(), dtype, "_pack_padded_sequence_backward", True)
-        return None, None, None, out
-
-
-class _Pad(torch.autograd.Function):
-    """``_pad_packed_sequence``: a padded batch from packed rows."""
-
-    @staticmethod
-    def forward(ctx: Any, ts: TensorState, shape: tuple, data: EmuTensor) -> EmuTensor:  # type: ignore[override]
-        out = _new(ts, shape, data.dtype, data._dev)
-        _charge_copy(ts, data._dev, out.numel(), data.dtype, "_pad_packed_sequence", False)
-        ctx.ts, ctx.spec = ts, (tuple(data.shape), data.dtype, data._dev)
+    def forward(ctx: Any, ts: TensorState, name: str, shape: tuple, source: EmuTensor) -> EmuTensor:  # type: ignore[override]
+        out = _new(ts, shape, source.dtype, source._dev)
+        _charge_copy(ts, source._dev, out.numel(), source.dtype, name, False)
+        ctx.ts, ctx.name, ctx.spec = ts, name, (tuple(source.shape), source.dtype, source._dev)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
         shape, dtype, dev = ctx.spec
         out = _new(ctx.ts, shape, dtype, dev)
-        _charge_copy(ctx.ts, dev, out.numel(), dtype, "_pad_packed_sequence_backward", True)
-        return None, None, out
+        _charge_copy(ctx.ts, dev, out.numel(), dtype, ctx.name + "_backward", True)
+        return None, None, None, out
 
 
 def _make_pack(rt: "Runtime", orig: Callable) -> Callable:
@@ -178,7 +155,8 @@ def _make_pack(rt: "Runtime", orig: Callable) -> Callable:
             return orig(input, lengths, batch_first)  # torch's own error for bad lengths
         batch_sizes = torch.tensor([sum(1 for n in values if n > t) for t in range(values[0] if values else 0)],
                                    dtype=torch.int64)
-        return _Pack.apply(ts, batch_sizes, bool(batch_first), input), batch_sizes
+        rows = int(batch_sizes.sum())
+        return _Gather.apply(ts, "_pack_padded_sequence", (rows, *input.shape[2:]), input), batch_sizes
 
     _pack_padded_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
     return _pack_padded_sequence
@@ -201,7 +179,7 @@ def _make_pad(rt: "Runtime", orig: Callable) -> Callable:
         batch = sizes[0]
         lengths = torch.tensor([sum(1 for s in sizes if s > b) for b in range(batch)], dtype=torch.int64)
         shape = (batch, steps, *data.shape[1:]) if batch_first else (steps, batch, *data.shape[1:])
-        return _Pad.apply(ts, shape, data), lengths
+        return _Gather.apply(ts, "_pad_packed_sequence", shape, data), lengths
 
     _pad_packed_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
     return _pad_packed_sequence
