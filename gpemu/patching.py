@@ -107,8 +107,6 @@ class Patcher:
                         delattr(rec.owner, rec.name)
                     except AttributeError:
                         pass
-                    if rec.original is not MISSING and not isinstance(rec.owner, type):
-                        setattr(rec.owner, rec.name, rec.original)
                 elif (not isinstance(rec.owner, type) and not rec.in_dict and not hasattr(type(rec.owner), rec.name)
                       and rec.name in getattr(rec.owner, "__dict__", {})):
                     # An instance that served the attribute through its __getattr__ (torch._VF):

@@ -142,11 +142,13 @@ class OwnNodes:
     ``OwnNodes`` counts only ops run by the module's nodes, by a nested backward they start
     (reentrant checkpointing), or outside any node."""
 
-    __slots__ = ("lo", "hi", "params", "task")
+    __slots__ = ("lo", "hi", "params", "_ids", "task")
 
     def __init__(self, lo: int, hi: int, params: Any) -> None:
         self.lo, self.hi = lo, hi
-        self.params = frozenset(id(p) for p in params)
+        # (made for every op-by-op call with a backward: the id set waits for an AccumulateGrad)
+        self.params = params
+        self._ids: frozenset | None = None
         self.task = -1  # the graph task of the window (set when the backward starts)
 
     def running(self) -> bool:
@@ -157,7 +159,11 @@ class OwnNodes:
         seq = node._sequence_nr()
         if self.lo <= seq < self.hi:
             return True
-        return seq == _ACCUMULATE_SEQ and id(getattr(node, "variable", None)) in self.params
+        if seq != _ACCUMULATE_SEQ:
+            return False
+        if self._ids is None:
+            self._ids = frozenset(id(p) for p in self.params)
+        return id(getattr(node, "variable", None)) in self._ids
 
 
 class TensorState:

@@ -68,37 +68,31 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _RECORDS_PER_MODULE = 32
 
 
-def _holds_objects(sig: Any) -> bool:
-    """Whether a call signature holds an object keyed by identity (anything but the plain values
-    of gpemu.model_time.PLAIN_VALUES)."""
-    for item in sig:
-        if isinstance(item, tuple):
-            if _holds_objects(item):
-                return True
-        elif not isinstance(item, PLAIN_VALUES):
-            return True
-    return False
-
-
 def _weakened(sig: Any) -> Any:
-    """``sig`` with its objects held weakly (where they allow it): a recording's key must not keep
-    a call's object alive (an HF cache holding every layer's keys and values: 0.56 GiB of emulated
-    memory for GPT-2 small at 8 x 1024, kept for a step after its call). A weak reference compares
-    and hashes as its object while that lives; once dead it matches nothing new."""
+    """``sig`` with its objects (anything but the plain values of gpemu.model_time.PLAIN_VALUES,
+    keyed by identity) held weakly where they allow it; None when it holds no object. A
+    recording's key must not keep a call's object alive (an HF cache holding every layer's keys
+    and values: 0.56 GiB of emulated memory for GPT-2 small at 8 x 1024, kept for a step after its
+    call). A weak reference compares and hashes as its object while that lives; once dead it
+    matches nothing new."""
     out = []
+    held = False
     for item in sig:
         if isinstance(item, tuple):
-            out.append(_weakened(item))
-        elif isinstance(item, PLAIN_VALUES):
-            out.append(item)
-        else:
+            inner = _weakened(item)
+            if inner is not None:
+                held = True
+                item = inner
+        elif not isinstance(item, PLAIN_VALUES):
+            held = True
             try:
                 ref = _weakref(item)
                 hash(ref)
+                item = ref
             except TypeError:
-                ref = item
-            out.append(ref)
-    return tuple(out)
+                pass
+        out.append(item)
+    return tuple(out) if held else None
 
 
 _NEVER = -(1 << 60)
@@ -335,15 +329,15 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
     if table is None:
         table = R.records[module] = {}
     rec = table.get(key)
-    objects = rec is None and _holds_objects(in_sig)
-    if objects:
+    weak = _weakened(in_sig) if rec is None else None
+    if weak is not None:
         # An argument is an object (not a tensor or a plain value), keyed by identity: a new one
         # at every call (a KV cache an HF layer updates) never matches, and a replay would skip
         # what the call does to it. Twice new: op by op from now on, its submodules as units.
-        # Such a recording is kept under its objects' weak references (_weakened).
-        key = key[:5] + (_weakened(in_sig),) + key[6:]
+        # Such a recording is kept under its objects' weak references.
+        key = key[:5] + (weak,) + key[6:]
         rec = table.get(key)
-    if rec is None and objects:
+    if rec is None and weak is not None:
         misses = R.object_misses.get(module, 0) + 1
         R.object_misses[module] = misses
         if misses >= 2:
