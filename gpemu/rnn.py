@@ -14,12 +14,13 @@ kept for the backward, gradients for the input, the initial state and every weig
 time of :func:`gpemu.costs.rnn_price`. Under ``autocast('cuda')`` the op runs in the autocast
 dtype, as CUDA's autocast casts cuDNN RNNs (inputs and flattened weights).
 
-Packed sequences run as on a GPU: ``pack_padded_sequence`` takes the lengths from the host and
-makes the batch sizes there (the CPU build's kernel would otherwise build them from, and its
-backward zeros on, the wrappers' meta metadata), ``pad_packed_sequence`` pads back, each one
-gather/scatter kernel; a packed RNN runs fused as well, over the packed rows. torch's own path (op by op, as with cuDNN disabled on a GPU) runs for LSTMs with
-projections (``proj_size``), tensor subclasses and calls the emulator cannot see whole (a torch
-function mode other than autocast's).
+Packed sequences run as on a GPU: ``pack_padded_sequence`` and ``pad_packed_sequence`` are one
+gather/scatter kernel each way, with torch's own checks and sizes (computed on a meta stand-in
+from the host's lengths: run on the emulated tensors, the CPU build's kernels would build their
+outputs and their backward's zeros from the wrappers' meta metadata); a packed RNN runs fused
+too, over the packed rows. torch's own path (op by op, as with cuDNN disabled on a GPU) runs for
+LSTMs with projections (``proj_size``), tensor subclasses and calls the emulator cannot see
+whole (a torch function mode other than autocast's).
 """
 
 from __future__ import annotations
@@ -40,15 +41,10 @@ __all__ = ["install"]
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _new(ts: TensorState, shape: tuple, dtype: torch.dtype, dev: int) -> EmuTensor:
+    """A new emulated tensor of ``shape`` (contiguous) with its memory on ``dev``."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    return ts.wrap(shape, meta.stride(), 0, dtype, dev, ts.memory[dev].allocate(meta.numel() * meta.element_size()))
 
 
 class _FusedRNN(torch.autograd.Function):
@@ -69,11 +65,8 @@ class _FusedRNN(torch.autograd.Function):
         element = torch.empty((), dtype=dtype).element_size()
         width = hidden * directions
         out_shape = {"packed": (rows, width), "batch_first": (batch, steps, width)}.get(layout, (steps, batch, width))
-        out = ts.wrap(out_shape, _contiguous_strides(out_shape), 0, dtype, dev,
-                      mem.allocate(_numel(out_shape) * element))
-        state_shape = (layers * directions, batch, hidden)
-        states = [ts.wrap(state_shape, _contiguous_strides(state_shape), 0, dtype, dev,
-                          mem.allocate(_numel(state_shape) * element)) for _ in range(n_state)]
+        out = _new(ts, out_shape, dtype, dev)
+        states = [_new(ts, (layers * directions, batch, hidden), dtype, dev) for _ in range(n_state)]
         weights = rest[n_state:]
         # Kept for the backward: each layer's and step's gates and cell/hidden values (cuDNN's
         # reserve space) and, in a lower precision than the weights, their cast flat copy.
@@ -82,7 +75,7 @@ class _FusedRNN(torch.autograd.Function):
             keep = layers * directions * rows * (gates + 2) * hidden * element
             keep += sum(w.numel() for w in weights if w.dtype != dtype) * element
         ctx.reserve = mem.allocate(keep) if keep else None
-        ctx.ts, ctx.mode, ctx.dims, ctx.dtype, ctx.n_state, ctx.dev = ts, mode, dims, dtype, n_state, dev
+        ctx.ts, ctx.mode, ctx.dims, ctx.dtype, ctx.dev = ts, mode, dims, dtype, dev
         ctx.specs = [(t.shape, t.dtype) for t in (input, *rest)]
         return (out, *states)
 
@@ -95,24 +88,13 @@ class _FusedRNN(torch.autograd.Function):
         # (A gradient autograd assembled itself, e.g. from a padded view of the output, can be a
         # plain meta tensor made from the wrapper's metadata: only its existence matters here.)
         dev = ctx.dev
-        mem = ts.memory[dev]
         price = rnn_price(ts.rt, dev, _GATES[ctx.mode], steps, batch, input_size, hidden, layers, directions,
                           ctx.dtype, True, rows)
         ts.charge(price.gpu, dev, f"_cudnn_rnn_backward ({ctx.mode})", price)
-        out = []
-        for (shape, dt), needed in zip(ctx.specs, ctx.needs_input_grad[5:]):
-            if not needed:
-                out.append(None)
-                continue
-            size = torch.empty((), dtype=dt).element_size()
-            out.append(ts.wrap(shape, _contiguous_strides(tuple(shape)), 0, dt, dev, mem.allocate(_numel(shape) * size)))
+        out = [_new(ts, tuple(shape), dt, dev) if needed else None
+               for (shape, dt), needed in zip(ctx.specs, ctx.needs_input_grad[5:])]
         ctx.reserve = None
         return (None, None, None, None, None, *out)
-
-
-def _new(ts: TensorState, shape: tuple, dtype: torch.dtype, dev: int) -> EmuTensor:
-    size = torch.empty((), dtype=dtype).element_size()
-    return ts.wrap(shape, _contiguous_strides(shape), 0, dtype, dev, ts.memory[dev].allocate(_numel(shape) * size))
 
 
 def _charge_copy(ts: TensorState, dev: int, elements: int, dtype: torch.dtype, name: str, backward: bool) -> None:
@@ -140,23 +122,21 @@ class _Gather(torch.autograd.Function):
         return None, None, None, out
 
 
+def _stand_in(t: EmuTensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
 def _make_pack(rt: "Runtime", orig: Callable) -> Callable:
     ts = rt.tensors
 
     @functools.wraps(orig)
     def _pack_padded_sequence(input: Any, lengths: Any, batch_first: bool) -> Any:
         if type(input) is not EmuTensor or not isinstance(lengths, torch.Tensor) or lengths.device.type != "cpu" \
-                or input.dim() < 2 or _foreign_mode():
+                or _foreign_mode():
             return orig(input, lengths, batch_first)
-        # What torch checks and computes from the host's lengths (sorted, decreasing).
-        values = lengths.tolist()
-        steps = input.shape[1] if batch_first else input.shape[0]
-        if values and (min(values) <= 0 or values[0] > steps or any(a < b for a, b in zip(values, values[1:]))):
-            return orig(input, lengths, batch_first)  # torch's own error for bad lengths
-        batch_sizes = torch.tensor([sum(1 for n in values if n > t) for t in range(values[0] if values else 0)],
-                                   dtype=torch.int64)
-        rows = int(batch_sizes.sum())
-        return _Gather.apply(ts, "_pack_padded_sequence", (rows, *input.shape[2:]), input), batch_sizes
+        # torch's checks and batch sizes from the host's lengths, the data's shape on meta
+        data, batch_sizes = orig(_stand_in(input), lengths, batch_first)
+        return _Gather.apply(ts, "_pack_padded_sequence", tuple(data.shape), input), batch_sizes
 
     _pack_padded_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
     return _pack_padded_sequence
@@ -169,17 +149,10 @@ def _make_pad(rt: "Runtime", orig: Callable) -> Callable:
     def _pad_packed_sequence(data: Any, batch_sizes: Any, batch_first: bool, padding_value: float,
                              total_length: int) -> Any:
         if type(data) is not EmuTensor or not isinstance(batch_sizes, torch.Tensor) \
-                or batch_sizes.device.type != "cpu" or data.dim() < 1 or _foreign_mode():
+                or batch_sizes.device.type != "cpu" or _foreign_mode():
             return orig(data, batch_sizes, batch_first, padding_value, total_length)
-        sizes = batch_sizes.tolist()
-        steps = len(sizes)
-        if total_length < steps and total_length != -1 or not sizes:  # (-1: torch's "not given")
-            return orig(data, batch_sizes, batch_first, padding_value, total_length)
-        steps = max(steps, total_length)
-        batch = sizes[0]
-        lengths = torch.tensor([sum(1 for s in sizes if s > b) for b in range(batch)], dtype=torch.int64)
-        shape = (batch, steps, *data.shape[1:]) if batch_first else (steps, batch, *data.shape[1:])
-        return _Gather.apply(ts, "_pad_packed_sequence", shape, data), lengths
+        padded, lengths = orig(_stand_in(data), batch_sizes, batch_first, padding_value, total_length)
+        return _Gather.apply(ts, "_pad_packed_sequence", tuple(padded.shape), data), lengths
 
     _pad_packed_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
     return _pad_packed_sequence
@@ -226,8 +199,7 @@ def _make(rt: "Runtime", mode: str, orig: Callable) -> Callable:
         # (decided here: inside the Function's forward grad mode is off).
         for_backward = bool(train) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         dims = (steps, batch, rows, input.shape[-1], hidden, num_layers, directions, layout, for_backward)
-        result = _FusedRNN.apply(ts, mode, dims, dtype, len(states), input, *states, *params)
-        return result[0], *result[1:]
+        return _FusedRNN.apply(ts, mode, dims, dtype, len(states), input, *states, *params)
 
     rnn.__wrapped__ = orig  # type: ignore[attr-defined]
     return rnn

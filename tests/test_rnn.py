@@ -150,3 +150,11 @@ def test_a_packed_lstm_trains_an_embedding_before_it(rt):
         opt.step()
         opt.zero_grad()
     torch.cuda.synchronize()
+
+
+def test_bad_lengths_get_torchs_own_error(rt):
+    """Unsorted lengths with enforce_sorted=True: torch's message, not a device mismatch."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    with pytest.raises(RuntimeError, match="must be sorted in decreasing order"):
+        pack_padded_sequence(torch.zeros(6, 3, 16, device="cuda"), [2, 4, 6])
