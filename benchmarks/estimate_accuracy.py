@@ -403,8 +403,9 @@ def main() -> int:
     if before:
         worst_cases("today's estimator (estimate_module)", data, before, args.worst)
     print("\nnote: LOGO for the A100 has no donor with tensor-core measurements (every other measured GPU ran "
-          "fp32 on SIMT units), so its TF32 convolutions are priced as SIMT work there; datasheet GPUs of "
-          "Ampere and later take the A100's tensor-core curves instead.")
+          "fp32 on SIMT units), so its TF32 convolutions take the donor's SIMT curves carried to tensor cores "
+          "(gpemu.costmodel.model.tensor_from_simt); datasheet GPUs of Ampere and later take the A100's "
+          "tensor-core curves instead.")
     if before:
         print("note: --before's efficiency is calibrated on each GPU's own database models at batch 64 "
               "(the held-out model included), so it is not a leave-one-out figure; it is what gpemu does today.")

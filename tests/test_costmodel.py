@@ -441,3 +441,31 @@ def test_an_added_gpu_is_priced_with_its_own_generation_and_tensor_cores() -> No
     bare = sheet_from_spec(GpuSpec(**{**spec.__dict__, "generation": None, "bf16_tensor_flops": None,
                                       "compute_capability": None}))
     assert bare.generation == "ampere" and bare.bf16_tensor_flops == 0.0 and bare.compute_capability == (0, 0)
+
+
+def test_without_tensor_core_curves_a_convolution_keeps_its_standing_against_a_gemm(model):
+    """Leave-one-GPU-out for the A100 removes the only tensor-core curves: its TF32 convolutions
+    are then carried over from the donor's SIMT curves by the GEMM rule (same fraction of a large
+    GEMM's rate, capped at the tensor-core GEMM plateau), not priced as SIMT work."""
+    from gpemu.costmodel.model import tensor_from_simt
+    from gpemu.costmodel.published import tensor_plateau
+
+    sheet = gpu_sheet("A100")
+    blind = model.without("ampere")
+    conv = conv_ops(256, 256, 1, n=64, hw=28)[0]
+    tf32, fp32 = Precision(), Precision(allow_tf32_cudnn=False)
+    simt = blind.op_seconds(conv, sheet, fp32)
+    carried = blind.op_seconds(conv, sheet, tf32)
+    # faster than SIMT work, but by less than the 8x of the peaks (156 / 19.5 TFLOP/s)
+    assert simt / 8 < carried < simt / 1.5, (simt, carried)
+    # never faster than the A100's own calibrated tensor-core curve prices a dense convolution
+    # by more than the plateaus allow
+    assert carried > 0.5 * model.op_seconds(conv, sheet, tf32)
+    pr = blind.priced(sheet, conv.op_class, conv.dtype, tf32, curve_key(conv))
+    assert pr.curve.path == "tensor" and pr.curve.e <= tensor_plateau("ampere") and pr.floor
+    # a GEMM curve carried over gets the tensor-core GEMM plateau itself
+    gemm = blind.resolve(sheet, "gemm.fwd", "simt").curve
+    assert tensor_from_simt(gemm, sheet, 156e12).e == pytest.approx(tensor_plateau("ampere"))
+    # a weaker kernel stays weaker by the same factor
+    half = C.Curve(e=gemm.e / 2, x0=gemm.x0, p=gemm.p, h=gemm.h)
+    assert tensor_from_simt(half, sheet, 156e12).e == pytest.approx(tensor_plateau("ampere") / 2)

@@ -48,7 +48,7 @@ from . import curve as C
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
 from .gpus import DONORS, GpuSheet, gpu_sheet
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
-from .published import ATTENTION_FACTOR, MEMORY_PLATEAU, tensor_plateau
+from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, tensor_plateau
 from .table import CLASSES, DTYPES, OpTable
 
 __all__ = ["CostModel", "default_model", "curve_key", "table_keys", "PARAMS_PATH", "Uncertainty", "StepSeconds",
@@ -244,9 +244,7 @@ class CostModel:
         r = self.resolve(sheet, "gemm." + phase, path)
         curve = r.curve
         if path == "tensor" and curve.path != "tensor":
-            e_t = tensor_plateau(sheet.generation)
-            speed = (peak * e_t) / (simt_peak(sheet, "float32") * curve.e)
-            curve = replace(curve, e=e_t, x0=curve.x0 * max(speed, 1.0), path="tensor")
+            curve = tensor_from_simt(curve, sheet, peak)
         if op_class is OpClass.ATTENTION:
             curve = replace(curve, e=curve.e * ATTENTION_FACTOR[phase], k0=0.0)
         return _Resolved(curve, r.generation)
@@ -265,13 +263,14 @@ class CostModel:
                 r = self.matmul_curve(sheet, op_class, phase, path, peak)
                 hit = _Priced(r.curve, peak, True, r.generation)
             else:
-                # Without any tensor-core curve in reach (only when generations are removed, as in
-                # leave-one-GPU-out) a tensor-path convolution is priced as SIMT work: no evidence
-                # of how well tensor cores would run it, so no speed-up is assumed.
                 r = self.resolve(sheet, key, path)
                 if path == "tensor" and r.curve.path == "simt":
-                    peak = simt_peak(sheet, eff_dtype)
-                hit = _Priced(r.curve, peak, False, r.generation)
+                    # No tensor-core curve of this kind in reach (only when generations are
+                    # removed, as in leave-one-GPU-out): carried over from its SIMT curve as a
+                    # GEMM's is, with the GEMM family's bytes floor (8x the rate makes bytes matter).
+                    hit = _Priced(tensor_from_simt(r.curve, sheet, peak), peak, True, r.generation)
+                else:
+                    hit = _Priced(r.curve, peak, False, r.generation)
         else:
             r = self.resolve(sheet, key, "memory")
             hit = _Priced(r.curve, sheet.memory_bandwidth, False, r.generation)
@@ -436,6 +435,20 @@ class CostModel:
 
 _MIX_GROUPS = {"dense_conv": (OpClass.CONV,), "light_conv": (OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE),
                "gemm": (OpClass.GEMM, OpClass.ATTENTION)}
+
+
+def tensor_from_simt(curve: C.Curve, sheet: GpuSheet, peak: float) -> C.Curve:
+    """A tensor-core curve (against ``peak``) for work of which only a SIMT curve (against the FP32
+    rate) was calibrated. The kernel keeps its standing relative to a large GEMM on the same units:
+    its plateau is ``e`` x the tensor-core GEMM plateau of the generation (published) / the SIMT
+    one, never above the tensor-core GEMM plateau (cuDNN's Winograd and FFT algorithms, which lift
+    SIMT convolutions above 1, do not run on tensor cores); the same time to fill the GPU (``x0``
+    times the speed-up). For a GEMM curve (plateau = the SIMT GEMM plateau) this is the
+    tensor-core GEMM plateau itself."""
+    e_gemm = tensor_plateau(sheet.generation)
+    e_t = min(curve.e * e_gemm / GEMM_PLATEAU_SIMT, e_gemm)
+    speed = (peak * e_t) / (simt_peak(sheet, "float32") * curve.e)
+    return replace(curve, e=e_t, x0=curve.x0 * max(speed, 1.0), path="tensor")
 
 
 def dominant_mix(table: OpTable, seconds: np.ndarray) -> str:
