@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .calibration import model_for
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, Precision, classify, default_model, gpu_sheet
-from .costmodel.gpus import DONORS
 from .costmodel.model import Uncertainty, dominant_mix_of
 from .identify import ModelIdentity
+from .reference import reference_gpu as find_reference
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.db import GpuSpec
@@ -108,15 +108,9 @@ def _st(rt: "Runtime") -> CostState:
 
 
 # --------------------------------------------------------------------------------- GPUs
-def _has_measurements(rt: "Runtime", gpu: str) -> bool:
-    db = rt.db
-    return any(db.has(gpu, info.name, "forward") for info in db.models())
-
-
 def reference_gpu(rt: "Runtime", device: int) -> "GpuSpec | None":
-    """The database GPU whose measurements stand in for ``device``: its own GPU when the database
-    has measurements on it, else the first measured GPU along its generation's donor chain
-    (``gpemu.costmodel.gpus.DONORS``: an H100 takes the A100's); None without any."""
+    """The database GPU whose measurements stand in for ``device`` (:func:`gpemu.reference.reference_gpu`,
+    worked out once per device); None without any."""
     return _device(rt, device).reference
 
 
@@ -130,17 +124,7 @@ def _device(rt: "Runtime", device: int) -> _Device:
     reference = None
     if rt.db is not None:
         try:
-            if _has_measurements(rt, spec.name):
-                reference = spec
-            else:
-                by_generation: dict[str, list] = {}
-                for other in rt.db.gpus():
-                    by_generation.setdefault(gpu_sheet(other).generation, []).append(other)
-                for generation in DONORS.get(sheet.generation, DONORS["ampere"]):
-                    found = [g for g in by_generation.get(generation, ()) if _has_measurements(rt, g.name)]
-                    if found:
-                        reference = found[0]
-                        break
+            reference = find_reference(rt.db, spec)
         except Exception:  # a partial or unreachable database: price by ops
             reference = None
     hit = st.devices[device] = _Device(sheet, reference, gpu_sheet(reference) if reference is not None else sheet)

@@ -337,7 +337,11 @@ def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | Non
     if rt.config.memory != "profiled" or ident is None or ident.name is None:
         return None
     try:
-        found = rt.db.lookup(rt.gpus[dev].name, ident.name, batch, "peak_memory")
+        spec = rt.gpus[dev]
+        if not rt.db.has(spec.name, ident.name, "peak_memory"):
+            # a GPU without its own rows: its reference GPU's (gpemu.reference), as measured there
+            spec = costs.reference_gpu(rt, dev) or spec
+        found = rt.db.lookup(spec.name, ident.name, batch, "peak_memory")
     except Exception as exc:
         rt.say_once(f"memory=profiled: no peak memory for {ident.name} ({exc}); tracking allocations instead")
         return None

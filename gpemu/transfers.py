@@ -40,7 +40,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from .reference import reference_gpu
+
 if TYPE_CHECKING:  # pragma: no cover
+    from gpemu.db import GpuSpec
     from gpemu.runtime import Runtime
 
 __all__ = [
@@ -97,6 +100,7 @@ class TransferState:
     def __init__(self, rt: "Runtime") -> None:
         self.rt = rt
         self.cache: dict[tuple, tuple[float, str] | None] = {}  # db lookups, keyed by what decides them
+        self.references: dict[int, "GpuSpec | None"] = {}    # see _reference
         self.models: dict[int, str | None] = {}            # dataset model moved onto each device
         # seconds of one input copy by (shape, dtype, device, pinned); cleared when a model
         # moves (the model decides which measured copy time applies)
@@ -137,21 +141,36 @@ class TransferState:
         return name if name is not None else self.rt.config.model
 
     def _lookup(self, device: int, model: str, batch: int, kind: str) -> tuple[float, str] | None:
-        """A cached db lookup (None when the db has nothing for this GPU/model/kind)."""
+        """A cached db lookup (None when the db has nothing for this model/kind on the device's
+        GPU, nor on its reference GPU (:mod:`gpemu.reference`) when it has no measurements of
+        its own: an H100 copies as the A100 measured, provenance "measured on A100")."""
         rt = self.rt
-        gpu = rt.gpus[device].name
-        key = (gpu, model, batch, kind)
+        spec = rt.gpus[device]
+        key = (spec.name, model, batch, kind)
         if key in self.cache:
             return self.cache[key]
         result: tuple[float, str] | None = None
         try:
-            if rt.db.has(gpu, model, kind):
-                found = rt.db.lookup(gpu, model, batch, kind)
-                result = (float(found.value), str(found.provenance))
+            source = spec if rt.db.has(spec.name, model, kind) else self._reference(device)
+            if source is not None and rt.db.has(source.name, model, kind):
+                found = rt.db.lookup(source.name, model, batch, kind)
+                provenance = str(found.provenance)
+                result = (float(found.value), provenance if source is spec else f"{provenance} on {source.short_name}")
         except ValueError:  # unknown model / kind in a user's database: fall back to bandwidth
             result = None
         self.cache[key] = result
         return result
+
+    def _reference(self, device: int) -> "GpuSpec | None":
+        """The device's reference GPU when its own GPU has no measurements (None otherwise)."""
+        if device not in self.references:
+            spec = self.rt.gpus[device]
+            try:
+                found = reference_gpu(self.rt.db, spec)
+            except Exception:  # a partial or unreachable database: bandwidth estimates
+                found = None
+            self.references[device] = found if found is not None and found.name != spec.name else None
+        return self.references[device]
 
     def host_to_device_seconds(self, tensor: torch.Tensor, device: int, pinned: bool) -> tuple[float, str]:
         """Seconds one host->device copy of ``tensor`` takes on ``device``, and where that came from.

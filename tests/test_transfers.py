@@ -89,6 +89,26 @@ def test_input_batch_of_identified_model_uses_profiled_transfer() -> None:
     assert clock.now() - t0 == pytest.approx(measured.value)
 
 
+def test_a_datasheet_gpu_copies_as_its_reference_gpu_measured() -> None:
+    """An H100 has no rows: its input batches and model move cost what they cost on its reference
+    GPU, the A100 (what `gpemu show --gpu H100` prints), and a pinned copy uses the H100's link."""
+    clock = VirtualClock()
+    rt = gpemu.patch(gpu="H100", clock=clock, model="alexnet")
+    spec = rt.gpus[0]
+    assert not rt.db.has(spec.name, "alexnet", "h2d_transfer")
+    measured = rt.db.lookup("A100", "alexnet", 64, "h2d_transfer")
+    batch = torch.randn(64, 3, 224, 224)
+    pageable, prov = host_to_device_seconds(rt, batch, 0, pinned=False)
+    assert (pageable, prov) == (measured.value, f"{measured.provenance} on A100")
+    pinned, _ = host_to_device_seconds(rt, batch, 0, pinned=True)
+    assert pinned == pytest.approx(measured.value * spec.host_link_bandwidth_pageable / spec.host_link_bandwidth_pinned)
+    t0 = clock.now()
+    torch.nn.Linear(10, 10).cuda()
+    assert clock.now() - t0 == pytest.approx(rt.db.lookup("A100", "alexnet", 1, "model_transfer").value)
+    # other shapes than the dataset's inputs: bandwidth, as on any GPU
+    assert host_to_device_seconds(rt, torch.empty(8, 1000), 0, pinned=False)[1] == "estimated"
+
+
 def test_non_blocking_copy_is_ordered_on_its_stream_and_overlaps_on_another() -> None:
     rt, clock = _patch()
     engine = rt.engine

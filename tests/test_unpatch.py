@@ -94,6 +94,8 @@ def _exercise() -> None:
 def test_unpatch_restores_every_attribute() -> None:
     before = _snapshot()
     was_initialized = torch.cuda.is_initialized()
+    # (None on the CPU build; a CUDA build reports the accelerator it was built for, GPU or not)
+    accelerator = torch.accelerator.current_accelerator()
     gpemu.patch(gpu="V100", num_gpus=2)
     assert torch.cuda.is_available() and torch.cuda.device_count() == 2
     during = _snapshot()
@@ -105,7 +107,7 @@ def test_unpatch_restores_every_attribute() -> None:
     assert torch.cuda.is_available() is False
     assert torch.cuda.device_count() == 0
     assert torch.cuda.is_initialized() == was_initialized
-    assert torch.accelerator.current_accelerator() is None
+    assert torch.accelerator.current_accelerator() == accelerator
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
 

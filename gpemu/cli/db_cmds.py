@@ -280,8 +280,8 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
     if not measured:
         source = _reference_gpu(pdb, spec, info.name)
         if source is None:
-            raise UserError(f"no measurements for {info.name} on {spec.name} in {pdb}, nor on a GPU of a related "
-                            "generation to scale from")
+            raise UserError(f"no measurements for {info.name} on {spec.name} in {pdb}, nor on the GPU a run "
+                            "scales from; a run estimates its time from the ops it runs")
         measured = pdb.measured(source.name, info.name)
     # DDP iterations are per world size: one row each, labelled with it.
     rows = []
@@ -314,19 +314,15 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
 
 
 def _reference_gpu(pdb: Any, spec: Any, model: str) -> Any:
-    """The GPU whose measurements of ``model`` stand in for ``spec``'s: the first measured GPU
-    along its generation's donor chain (``gpemu.costmodel.gpus.DONORS``), as ``gpemu run``
-    picks it (gpemu.costs.reference_gpu). None: no related GPU has them."""
-    from gpemu.costmodel import DONORS, gpu_sheet
+    """The GPU whose measurements of ``model`` stand in for ``spec``'s, as ``gpemu run`` picks it
+    (:func:`gpemu.reference.reference_gpu`). None: that GPU has none of ``model``."""
+    from gpemu.reference import reference_gpu
 
-    generation = spec.generation or gpu_sheet(spec).generation
-    candidates = [g for g in pdb.measured_gpus() if g.name != spec.name and pdb.has(g.name, model, "forward")
-                  and pdb.has(g.name, model, "backward")]
-    for donor in DONORS.get(generation, DONORS["ampere"]):
-        for g in candidates:
-            if (g.generation or gpu_sheet(g).generation) == donor:
-                return g
-    return None
+    found = reference_gpu(pdb, spec)
+    if found is None or found.name == spec.name or not (pdb.has(found.name, model, "forward")
+                                                         and pdb.has(found.name, model, "backward")):
+        return None
+    return found
 
 
 def _scale_to(rows: list[list[Any]], info: Any, batch: int, source: Any, spec: Any) -> str | None:
