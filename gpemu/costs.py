@@ -227,10 +227,13 @@ def _price(rt: "Runtime", device: int, op: OpFeatures) -> OpPrice:
     return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)))
 
 
-def op_price(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> OpPrice:
+def op_price(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int,
+             backward: bool | None = None) -> OpPrice:
     """What one aten op costs on ``device`` (:class:`OpPrice`), whether or not a whole-module
-    charge covers it. Views and metadata cost nothing."""
-    return _price(rt, device, classify(func, args, kwargs or {}, out))
+    charge covers it. Views and metadata cost nothing. ``backward``: True for an op of a
+    backward pass (priced with the backward curves, as the cost model was calibrated), None to
+    tell by its name (``*_backward``)."""
+    return _price(rt, device, classify(func, args, kwargs or {}, out, backward=backward))
 
 
 def op_seconds(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:

@@ -25,6 +25,7 @@ per thread (``nn.DataParallel`` replicas run in threads).
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from contextlib import nullcontext as _nothing
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -153,7 +154,8 @@ class ModelTime:
                 # (uncharged during a backward pass: a checkpointed block recomputed inside a
                 # measured model's backward is charged by its ops all the same)
                 uncharged = engine.uncharged() if engine is not None and in_backward else _nothing()
-                with mem.peak_scope() as scope, uncharged:
+                again = _forward_again(ts) if in_backward else _nothing()
+                with mem.peak_scope() as scope, uncharged, again:
                     out = orig_call(module, *args, **kwargs)
             finally:
                 fwd_s = ts.close_tap(tap)
@@ -168,7 +170,7 @@ class ModelTime:
             # forward dispatches (they run here anyway, uncharged: the measurement covers them).
             tap = ts.open_tap()
             try:
-                with mem.peak_scope() as scope:
+                with mem.peak_scope() as scope, _forward_again(ts) if in_backward else _nothing():
                     if engine is not None:
                         with engine.charged_scope():
                             out = orig_call(module, *args, **kwargs)
@@ -331,6 +333,18 @@ def _say_estimated(mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], q
         source["uncertainty"] = str(u)
     rt.say_once(f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
                 f"by the cost model from the ops they run" + (f", {u} ({u.basis})" if u is not None else ""))
+
+
+@contextmanager
+def _forward_again(ts: Any) -> Iterator[None]:
+    """A module's forward recomputed inside a backward pass (activation checkpointing): its ops
+    are forward work, priced with the forward curves (``gpemu.tensor.backward_pass``)."""
+    r = ts.recompute
+    r.depth = getattr(r, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        r.depth -= 1
 
 
 def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | None:

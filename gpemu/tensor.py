@@ -128,6 +128,14 @@ class CostTap:
 
 _current_node = torch._C._current_autograd_node
 _current_task = torch._C._current_graph_task_id
+
+
+def backward_pass(ts: "TensorState") -> bool:
+    """Whether an op dispatched now is backward work: the autograd engine is running a backward
+    pass on this thread, and it is not a module's forward recomputed inside it. The cost model
+    was calibrated so (gpemu.costmodel.record marks every op of ``loss.backward()``), and its
+    ``.bwd`` curves price such ops whatever their name (autograd's ``mm``, ``add``, ``clone``)."""
+    return _current_task() != -1 and not getattr(ts.recompute, "depth", 0)
 _ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
 
 
@@ -180,7 +188,10 @@ class TensorState:
         self.leave = rt.engine.leave if rt.engine is not None else None
         self.ordinals = frozenset(range(rt.num_devices))  # valid device indices (ints)
         self.memory: "list[MemoryTracker]" = rt.memory
-        self.cache: dict = {}      # op signature -> _Entry
+        self.cache: dict = {}      # op signature and pass (see backward_pass) -> _Entry
+        # Per thread: > 0 while a module's forward runs again inside a backward pass (activation
+        # checkpointing's recomputation, gpemu.model_time): its ops are forward work.
+        self.recompute = threading.local()
         self.warned: set[str] = set()
         # Bumped when a parameter's dtype/device/requires_grad changes (gpemu.fastpaths.replay
         # keys recordings on it instead of reading every parameter on every call).
@@ -573,8 +584,10 @@ class EmuTensor(torch.Tensor):
                 ts.leave()
         emus: list[EmuTensor] = []
         exact = fid in _FLOAT_SENSITIVE
-        key = (fid, _sig(args, emus, exact), _sig_kw(kwargs, emus, exact) if kwargs else None)
+        sig = (fid, _sig(args, emus, exact), _sig_kw(kwargs, emus, exact) if kwargs else None)
         ts = emus[0]._ts if emus else _state()
+        # (one op's price differs between the passes: see backward_pass)
+        key = (sig, _current_task() != -1 and backward_pass(ts))
         local = ts.local
         host = local.host if local is not None else None
         if host is None or host.depth:
@@ -963,7 +976,7 @@ def _op_price(ts: TensorState, func: Any, margs: Any, mkw: dict, mout: Any, dev:
 
     try:
         # The cache needs the op's own cost, also inside a charged scope (where nothing is charged).
-        return op_price(ts.rt, func, margs, mkw, mout, dev)
+        return op_price(ts.rt, func, margs, mkw, mout, dev, backward=backward_pass(ts) or None)
     except Exception as exc:  # a cost model gap must not break the user's op
         ts.say_once(f"no GPU-time estimate for {func} ({exc!r}); counted as 0")
         return None
@@ -1186,7 +1199,8 @@ def _generic(ts: TensorState, func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` through the normal cached path (used by special handlers)."""
     emus: list = []
     try:
-        key = (id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None)
+        key = ((id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None),
+               backward_pass(ts))
         entry = ts.cache.get(key)
     except TypeError:
         key, entry = None, None

@@ -236,3 +236,34 @@ def test_a_measured_time_carried_to_another_gpu_carries_the_transfer_error(rt):
     assert carried is not None and "carried" in carried.basis and 0 < carried.p50 <= carried.p90
     assert estimated is not None and "carried" not in estimated.basis
     assert str(carried).startswith("±")
+
+
+def test_an_unknown_model_is_charged_what_the_cost_model_prices_for_it():
+    """A model the database does not know runs op by op and each op is charged as the cost model
+    prices it; the backward's ops (autograd's adds, copies and sums included) with the backward
+    curves, as the model was calibrated (gpemu.tensor.backward_pass). So a run charges the
+    forward and backward the cross-validated figures describe (CostModel.module_seconds)."""
+    import gpemu
+    from gpemu.costmodel import default_model
+
+    with torch.device("meta"):
+        net = tvmodels.resnet18()
+    net.__class__ = type("UnknownResNet", (type(net),), {})  # its structure matches no dataset model
+    expected = default_model().module_seconds(net, (torch.empty(64, 3, 224, 224, device="meta"),), "V100")
+    net = net.to_empty(device="cpu")
+    with gpemu.emulate(gpu="V100", clock=VirtualClock(), summary=False):
+        model, x = net.cuda(), torch.empty(64, 3, 224, 224).cuda()
+        for _ in range(2):  # recorded op by op, then replayed as the recorded pass
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            out = model(x)
+            mid.record()
+            out.sum().backward()
+            end.record()
+            torch.cuda.synchronize()
+            model.zero_grad()
+        # (the replayed pass is the cost model's queue of host issue and kernel times; the
+        # recording step itself is charged kernel by kernel as issued, on this virtual clock
+        # with no host time between them)
+        assert start.elapsed_time(mid) / 1e3 == pytest.approx(expected.forward, rel=0.002)
+        assert mid.elapsed_time(end) / 1e3 == pytest.approx(expected.backward, rel=0.002)
