@@ -31,9 +31,10 @@ from gpemu.profiler import ops
 from gpemu.profiler.opsfit import fit_curves, fit_one, floor_of
 from gpemu.profiler.store import ProfileStore
 
-# Kernels the emulator cannot tell are backward work (it classifies an op by its name, and
-# autograd's matrix products and copies are plain mm / clone): the emulated GPU charges them at
-# the forward curve, so their fitted .bwd curve reproduces that, not the model's .bwd curve.
+# Kernels the profiler times as backward work but launches outside a backward pass (autograd's
+# matrix products and copies, run as plain mm / clone): the emulated GPU prices an op of no
+# backward pass by its name, at the forward curve, so their fitted .bwd curve reproduces that,
+# not the model's .bwd curve (a real GPU runs the same kernel either way).
 NAMELESS_PASS = {"gemm.bwd", "copy.bwd"}
 
 
