@@ -100,9 +100,14 @@ def run_command(argv: Sequence[str], env: Mapping[str, str]) -> None:
     resolved = shutil.which(program, path=env.get("PATH")) if os.sep not in program else program
     if resolved is None or not os.path.exists(resolved):
         raise ConfigError(f"command not found: {program!r} (is it installed and on PATH?)")
+    env = dict(env)
+    # For the bootstrap (not settings): the command keeps this process id through exec, so a
+    # Python without gpemu can tell it is the command itself and name the Python to use instead.
+    env["GPEMU_RUN_PID"] = str(os.getpid())
+    env["GPEMU_RUN_PYTHON"] = sys.executable
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(resolved, list(argv), dict(env))
+    os.execve(resolved, list(argv), env)
 
 
 def bootstrap() -> None:

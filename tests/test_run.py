@@ -100,6 +100,25 @@ def test_bootstrap_failure_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Fatal Python error" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_python_without_gpemu_is_refused_as_the_command_and_warned_about_below(tmp_path: Path) -> None:
+    """`python` on PATH may not be the Python gpemu is installed in (a venv not activated): run as
+    the command it would train on the CPU as if no GPU were asked for. It stops with one line
+    naming the right Python; a foreign Python some script starts runs on, with a warning."""
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)  # a Python with nothing installed
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    proc = _run(["run", "--gpu", "V100", "--no-summary", "--", bare, "-c", "print('script ran')"], tmp_path)
+    assert proc.returncode == 2 and "script ran" not in proc.stdout
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert line.startswith(f"[gpemu] error: this Python ({bare}) cannot import gpemu")
+    assert sys.executable in line and "Traceback" not in proc.stderr
+    nested = f"import subprocess, sys; sys.exit(subprocess.run([{bare!r}, '-c', 'print(7)']).returncode)"
+    proc = _run(["run", "--gpu", "V100", "--no-summary", "--", sys.executable, "-c", nested], tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "7", proc.stderr
+    assert f"[gpemu] warning: this Python ({bare}) cannot import gpemu" in proc.stderr
+
+
 def test_bootstrap_does_nothing_without_enable(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="0", GPEMU_GPU="Z9000")
     proc = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env,

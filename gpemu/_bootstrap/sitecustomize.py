@@ -29,8 +29,9 @@ def _emulate() -> None:
 
     try:
         from gpemu.launcher import bootstrap
-    except ImportError:
-        return  # another interpreter without gpemu installed: leave it alone
+    except ImportError as exc:
+        _cannot_emulate(exc)
+        return
     try:
         bootstrap()
     except Exception as exc:  # one clear line, not a half-emulated run that silently uses the CPU
@@ -38,6 +39,26 @@ def _emulate() -> None:
         # SystemExit inside site's import is reported as a fatal interpreter error; nothing has
         # run yet, so ending here with gpemu's status for bad settings loses nothing.
         os._exit(2)
+
+
+def _cannot_emulate(exc: ImportError) -> None:
+    """An interpreter without gpemu in an emulated run (a `python` on PATH that is not the one
+    gpemu is installed in): it would run on the CPU as if no GPU were asked for. The command
+    ``gpemu run`` started (its process id, kept by exec) stops with one line naming the Python
+    to use; a deeper process (a tool some script starts) runs on, with a warning."""
+    import os
+    import sys
+
+    if os.environ.get("GPEMU_ENABLE") != "1":
+        return  # not an emulated run: nothing was asked of this interpreter
+    what = f"this Python ({sys.executable}) cannot import gpemu ({exc})"
+    if os.environ.get("GPEMU_RUN_PID") != str(os.getpid()):
+        print(f"[gpemu] warning: {what}: it runs without emulated GPUs", file=sys.stderr, flush=True)
+        return
+    print(f"[gpemu] error: {what}, so it would run without emulated GPUs; run the command with the Python gpemu is installed in "
+          f"({os.environ.get('GPEMU_RUN_PYTHON', 'see `which gpemu`')}), or give the script itself "
+          "(`gpemu run -- train.py`), which uses it", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 _chain_to_shadowed_sitecustomize()
