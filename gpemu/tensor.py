@@ -128,6 +128,7 @@ class CostTap:
 
 _current_node = torch._C._current_autograd_node
 _current_task = torch._C._current_graph_task_id
+_ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
 
 
 def backward_pass(ts: "TensorState") -> bool:
@@ -136,7 +137,6 @@ def backward_pass(ts: "TensorState") -> bool:
     was calibrated so (gpemu.costmodel.record marks every op of ``loss.backward()``), and its
     ``.bwd`` curves price such ops whatever their name (autograd's ``mm``, ``add``, ``clone``)."""
     return _current_task() != -1 and not getattr(ts.recompute, "depth", 0)
-_ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
 
 
 class OwnNodes:
