@@ -229,17 +229,30 @@ class Result:
         return "+".join(found) or "unknown"
 
 
+# A race in torch's c10d/gloo teardown, outside gpemu: a rank that has finished (its result
+# printed, its metrics written, the process group destroyed) aborts in the interpreter's
+# finalization with this C++ message and SIGABRT. Plain accelerate on the CPU under torchrun,
+# without gpemu, does it about once in ten runs on a loaded 2-core machine (2 of 20 measured;
+# compare pytorch/pytorch#179291). Such a run is made once more; a second one fails the scenario.
+EXIT_RACE = "terminate called without an active exception"
+
+
 def run(s: Scenario, workdir: Path, python: str = sys.executable) -> Result:
-    """Run a scenario in ``workdir`` (its metrics files land there)."""
+    """Run a scenario in ``workdir`` (its metrics files land there); once more if the first run
+    finished its work and then hit :data:`EXIT_RACE` at exit."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.json"
     env = dict(os.environ, **s.env)
     env.pop("GPEMU_METRICS", None)
-    t0 = time.perf_counter()
-    proc = subprocess.run(command(s, metrics, python), cwd=workdir, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=s.timeout)
-    wall = time.perf_counter() - t0
-    cases = {m["case"]: (int(m["steps"]), float(m["ms"])) for m in RESULT_LINE.finditer(proc.stdout)}
+    for attempt in (1, 2):
+        t0 = time.perf_counter()
+        proc = subprocess.run(command(s, metrics, python), cwd=workdir, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=s.timeout)
+        wall = time.perf_counter() - t0
+        cases = {m["case"]: (int(m["steps"]), float(m["ms"])) for m in RESULT_LINE.finditer(proc.stdout)}
+        finished = all(cases.get(c.name, (None,))[0] == c.steps for c in s.cases)
+        if proc.returncode == 0 or not finished or EXIT_RACE not in proc.stdout or attempt == 2:
+            break
     ranks = []
     for rank in range(s.world):
         path = metrics if rank == 0 else workdir / f"metrics.rank{rank}.json"
