@@ -100,22 +100,11 @@ class _FusedAttention(torch.autograd.Function):
         ts.charge(price.gpu, dev, f"{ctx.kernel}_attention_backward", price)
         # Workspace: an fp32 accumulator for dQ (and the softmax row sums), for the kernel's run.
         mem.touch(bh * length * head_dim * 4 + bh * length * 4)
-        grads = []
-        for shape, dt in ctx.shapes:
-            n = 1
-            for d in shape:
-                n *= d
-            grads.append(ts.wrap(shape, torch.empty(shape, device="meta").stride(), 0, dt, dev,
-                                 mem.allocate(n * torch.empty((), dtype=dt).element_size())))
+        grads = [ts.new(shape, dt, dev) for shape, dt in ctx.shapes]
         ctx.kept = None
         mask_grad = None
         if ctx.mask_spec is not None and ctx.needs_input_grad[6]:
-            shape, dt = ctx.mask_spec
-            n = 1
-            for d in shape:
-                n *= d
-            mask_grad = ts.wrap(shape, torch.empty(shape, device="meta").stride(), 0, dt, dev,
-                                mem.allocate(n * torch.empty((), dtype=dt).element_size()))
+            mask_grad = ts.new(*ctx.mask_spec, dev)
         return None, None, None, grads[0], grads[1], grads[2], mask_grad
 
 

@@ -254,7 +254,7 @@ def attention_price(rt: "Runtime", device: int, batch_heads: int, length: int, s
         flops *= 2.5
     if causal:
         flops *= 0.5
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     nbytes = batch_heads * (length * head_dim + source * (head_dim + value_dim) + length * value_dim) * element
     if backward:
         nbytes *= 2
@@ -272,7 +272,7 @@ def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, in
     gradient and one per weight matrix for the weight gradients over all timesteps. ``rows``: the
     timesteps' rows in all (a packed sequence's; ``steps x batch`` otherwise)."""
     d = str(dtype).replace("torch.", "")
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     n = gates * hidden
     gpu = host = reference = 0.0
 
@@ -304,7 +304,7 @@ def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, in
 def copy_price(rt: "Runtime", device: int, nbytes: int, dtype: torch.dtype, backward: bool = False) -> OpPrice:
     """A gather/scatter kernel that reads and writes ``nbytes`` in all (packing a sequence)."""
     d = str(dtype).replace("torch.", "")
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     return _price(rt, device, OpFeatures("copy", OpClass.COPY, backward, float(nbytes // (2 * element)),
                                          float(nbytes), d))
 

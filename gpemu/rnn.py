@@ -41,12 +41,6 @@ __all__ = ["install"]
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
-def _new(ts: TensorState, shape: tuple, dtype: torch.dtype, dev: int) -> EmuTensor:
-    """A new emulated tensor of ``shape`` (contiguous) with its memory on ``dev``."""
-    meta = torch.empty(shape, dtype=dtype, device="meta")
-    return ts.wrap(shape, meta.stride(), 0, dtype, dev, ts.memory[dev].allocate(meta.numel() * meta.element_size()))
-
-
 class _FusedRNN(torch.autograd.Function):
     """One cuDNN RNN call: outputs, final states, reserve space, gradients and time; no math."""
 
@@ -62,11 +56,11 @@ class _FusedRNN(torch.autograd.Function):
         mem = ts.memory[dev]
         price = rnn_price(ts.rt, dev, gates, steps, batch, input_size, hidden, layers, directions, dtype, False, rows)
         ts.charge(price.gpu, dev, f"_cudnn_rnn ({mode})", price)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         width = hidden * directions
         out_shape = {"packed": (rows, width), "batch_first": (batch, steps, width)}.get(layout, (steps, batch, width))
-        out = _new(ts, out_shape, dtype, dev)
-        states = [_new(ts, (layers * directions, batch, hidden), dtype, dev) for _ in range(n_state)]
+        out = ts.new(out_shape, dtype, dev)
+        states = [ts.new((layers * directions, batch, hidden), dtype, dev) for _ in range(n_state)]
         weights = rest[n_state:]
         # Kept for the backward: each layer's and step's gates and cell/hidden values (cuDNN's
         # reserve space) and, in a lower precision than the weights, their cast flat copy.
@@ -91,14 +85,14 @@ class _FusedRNN(torch.autograd.Function):
         price = rnn_price(ts.rt, dev, _GATES[ctx.mode], steps, batch, input_size, hidden, layers, directions,
                           ctx.dtype, True, rows)
         ts.charge(price.gpu, dev, f"_cudnn_rnn_backward ({ctx.mode})", price)
-        out = [_new(ts, tuple(shape), dt, dev) if needed else None
+        out = [ts.new(tuple(shape), dt, dev) if needed else None
                for (shape, dt), needed in zip(ctx.specs, ctx.needs_input_grad[5:])]
         ctx.reserve = None
         return (None, None, None, None, None, *out)
 
 
 def _charge_copy(ts: TensorState, dev: int, elements: int, dtype: torch.dtype, name: str, backward: bool) -> None:
-    nbytes = 2 * elements * torch.empty((), dtype=dtype).element_size()
+    nbytes = 2 * elements * dtype.itemsize
     price = copy_price(ts.rt, dev, nbytes, dtype, backward)
     ts.charge(price.gpu, dev, name, price)
 
@@ -109,7 +103,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, ts: TensorState, name: str, shape: tuple, source: EmuTensor) -> EmuTensor:  # type: ignore[override]
-        out = _new(ts, shape, source.dtype, source._dev)
+        out = ts.new(shape, source.dtype, source._dev)
         _charge_copy(ts, source._dev, out.numel(), source.dtype, name, False)
         ctx.ts, ctx.name, ctx.spec = ts, name, (tuple(source.shape), source.dtype, source._dev)
         return out
@@ -117,7 +111,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
         shape, dtype, dev = ctx.spec
-        out = _new(ctx.ts, shape, dtype, dev)
+        out = ctx.ts.new(shape, dtype, dev)
         _charge_copy(ctx.ts, dev, out.numel(), dtype, ctx.name + "_backward", True)
         return None, None, None, out
 

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_unflatten
 
 from gpemu.memory import round_size
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
-from gpemu.tensor import EmuTensor
+from gpemu.tensor import EmuTensor, contiguous_stride
 
 from .gradients import GradientState
 
@@ -506,23 +506,11 @@ def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) 
 def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
     """(shape, contiguous strides, dtype, device, bytes, wrapper key, allocator-rounded bytes) of
     the gradient of ``t``."""
-    stride = _contiguous_stride(t.shape)
+    stride = contiguous_stride(t.shape)
     gdev = t._dev if isinstance(t, EmuTensor) else dev
     nbytes = t.numel() * t.element_size()
     return (t.shape, stride, t.dtype, gdev, nbytes, (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
             round_size(nbytes) if nbytes else 0)
-
-
-def _contiguous_stride(shape: Any) -> tuple:
-    """Contiguous strides of ``shape``, as torch makes them (a size-0 or -1 dimension counts
-    as 1), without making a meta tensor (~20 us each, per parameter of a recording)."""
-    out = []
-    acc = 1
-    for n in reversed(shape):
-        out.append(acc)
-        if n > 1:
-            acc *= n
-    return tuple(reversed(out))
 
 
 class _ReplayFunction(torch.autograd.Function):
