@@ -148,17 +148,18 @@ class ModelTime:
         self.local.open = open_children
         self.local.level = level + 1
         in_backward = _graph_task() != -1
+        # (a module's forward run again inside a backward pass is forward work: see _forward_again)
+        again = _forward_again(ts) if in_backward else _nothing()
         if by_ops:
             tap = ts.open_tap()
             try:
                 # (uncharged during a backward pass: a checkpointed block recomputed inside a
                 # measured model's backward is charged by its ops all the same)
                 uncharged = engine.uncharged() if engine is not None and in_backward else _nothing()
-                again = _forward_again(ts) if in_backward else _nothing()
                 with mem.peak_scope() as scope, uncharged, again:
                     out = orig_call(module, *args, **kwargs)
             finally:
-                fwd_s = ts.close_tap(tap)
+                ts.close_tap(tap)
                 self.local.open = was_open
                 self.local.level = level
             fwd_s = _pass_seconds(tap, level > 0)
@@ -170,7 +171,7 @@ class ModelTime:
             # forward dispatches (they run here anyway, uncharged: the measurement covers them).
             tap = ts.open_tap()
             try:
-                with mem.peak_scope() as scope, _forward_again(ts) if in_backward else _nothing():
+                with mem.peak_scope() as scope, again:
                     if engine is not None:
                         with engine.charged_scope():
                             out = orig_call(module, *args, **kwargs)
