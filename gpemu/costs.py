@@ -34,6 +34,7 @@ from .calibration import model_for
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, Precision, classify, default_model, gpu_sheet
 from .costmodel.model import Uncertainty, dominant_mix_of
 from .identify import ModelIdentity
+from .reference import measured_on
 from .reference import reference_gpu as find_reference
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -160,15 +161,12 @@ def _lookup_times(rt: "Runtime", identity: ModelIdentity, batch: int, device: in
                           prov, parts[0].gpu)  # type: ignore[union-attr]
     if identity.name is None or rt.db is None:
         return None
-    spec = rt.gpus[device]
-    for gpu in (spec, reference_gpu(rt, device)):
-        if gpu is None or not (rt.db.has(gpu.name, identity.name, "forward")
-                               and rt.db.has(gpu.name, identity.name, "backward")):
-            continue
-        fwd = rt.db.lookup(gpu.name, identity.name, batch, "forward")
-        bwd = rt.db.lookup(gpu.name, identity.name, batch, "backward")
-        return ModelTimes(fwd.value, bwd.value, _worst(fwd.provenance, bwd.provenance), gpu.name)
-    return None
+    gpu = measured_on(rt.db, (rt.gpus[device], reference_gpu(rt, device)), identity.name, "forward", "backward")
+    if gpu is None:
+        return None
+    fwd = rt.db.lookup(gpu.name, identity.name, batch, "forward")
+    bwd = rt.db.lookup(gpu.name, identity.name, batch, "backward")
+    return ModelTimes(fwd.value, bwd.value, _worst(fwd.provenance, bwd.provenance), gpu.name)
 
 
 def forward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import costs
 from .identify import identify
+from .reference import measured_on
 from .tensor import EmuTensor, OwnNodes
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
@@ -352,10 +353,9 @@ def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | Non
     if rt.config.memory != "profiled" or ident is None or ident.name is None:
         return None
     try:
-        spec = rt.gpus[dev]
-        if not rt.db.has(spec.name, ident.name, "peak_memory"):
-            # a GPU without its own rows: its reference GPU's (gpemu.reference), as measured there
-            spec = costs.reference_gpu(rt, dev) or spec
+        # a GPU without its own rows takes its reference GPU's (gpemu.reference), as measured there
+        own = rt.gpus[dev]
+        spec = measured_on(rt.db, (own, costs.reference_gpu(rt, dev)), ident.name, "peak_memory") or own
         found = rt.db.lookup(spec.name, ident.name, batch, "peak_memory")
     except Exception as exc:
         rt.say_once(f"memory=profiled: no peak memory for {ident.name} ({exc}); tracking allocations instead")

@@ -12,7 +12,7 @@ and ``gpemu show`` make the same choice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .costmodel import gpu_sheet
 from .costmodel.gpus import DONORS
@@ -20,7 +20,7 @@ from .costmodel.gpus import DONORS
 if TYPE_CHECKING:
     from .db import GpuSpec
 
-__all__ = ["reference_gpu"]
+__all__ = ["reference_gpu", "measured_on"]
 
 
 def reference_gpu(db: Any, spec: "GpuSpec") -> "GpuSpec | None":
@@ -35,4 +35,14 @@ def reference_gpu(db: Any, spec: "GpuSpec") -> "GpuSpec | None":
         for g in measured:
             if (g.generation or gpu_sheet(g).generation) == donor:
                 return g
+    return None
+
+
+def measured_on(db: Any, gpus: "Iterable[GpuSpec | None]", model: str, *kinds: str) -> "GpuSpec | None":
+    """The first of ``gpus`` (a device's GPU, then its reference GPU) whose database rows hold
+    every one of ``kinds`` for ``model``: where a run takes those measurements from. None: none
+    of them has them."""
+    for gpu in gpus:
+        if gpu is not None and all(db.has(gpu.name, model, kind) for kind in kinds):
+            return gpu
     return None

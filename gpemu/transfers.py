@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from .reference import reference_gpu
+from .reference import measured_on, reference_gpu
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.db import GpuSpec
@@ -151,8 +151,8 @@ class TransferState:
             return self.cache[key]
         result: tuple[float, str] | None = None
         try:
-            source = spec if rt.db.has(spec.name, model, kind) else self._reference(device)
-            if source is not None and rt.db.has(source.name, model, kind):
+            source = measured_on(rt.db, (spec, self._reference(device)), model, kind)
+            if source is not None:
                 found = rt.db.lookup(source.name, model, batch, kind)
                 provenance = str(found.provenance)
                 result = (float(found.value), provenance if source is spec else f"{provenance} on {source.short_name}")
