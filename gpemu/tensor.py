@@ -605,10 +605,11 @@ class EmuTensor(torch.Tensor):
                 ts.leave()
         emus: list[EmuTensor] = []
         exact = fid in _FLOAT_SENSITIVE
-        sig = (fid, _sig(args, emus, exact), _sig_kw(kwargs, emus, exact) if kwargs else None)
+        arg_sig = _sig(args, emus, exact)
+        kw_sig = _sig_kw(kwargs, emus, exact) if kwargs else None
         ts = emus[0]._ts if emus else _state()
         # (one op's price differs between the passes: see backward_pass)
-        key = (sig, _current_task() != -1 and backward_pass(ts))
+        key = (fid, arg_sig, kw_sig, _current_task() != -1 and backward_pass(ts))
         local = ts.local
         host = local.host if local is not None else None
         if host is None or host.depth:
@@ -1220,7 +1221,7 @@ def _generic(ts: TensorState, func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` through the normal cached path (used by special handlers)."""
     emus: list = []
     try:
-        key = ((id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None),
+        key = (id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None,
                backward_pass(ts))
         entry = ts.cache.get(key)
     except TypeError:
