@@ -316,13 +316,12 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
 def _reference_gpu(pdb: Any, spec: Any, model: str) -> Any:
     """The GPU whose measurements of ``model`` stand in for ``spec``'s, as ``gpemu run`` picks it
     (:func:`gpemu.reference.reference_gpu`). None: that GPU has none of ``model``."""
-    from gpemu.reference import reference_gpu
+    from gpemu.reference import measured_on, reference_gpu
 
     found = reference_gpu(pdb, spec)
-    if found is None or found.name == spec.name or not (pdb.has(found.name, model, "forward")
-                                                         and pdb.has(found.name, model, "backward")):
+    if found is None or found.name == spec.name:
         return None
-    return found
+    return measured_on(pdb, (found,), model, "forward", "backward")
 
 
 def _scale_to(rows: list[list[Any]], info: Any, batch: int, source: Any, spec: Any) -> str | None:
