@@ -14,7 +14,8 @@ Speed: meta kernels are slow (many are Python). The output metadata of an op dep
 the op, its inputs' shapes/strides/dtypes/devices and its non-tensor arguments, so the first
 call of each such signature runs the meta kernel and stores an :class:`_Entry` (output specs,
 which outputs alias which inputs, and the op's estimated GPU time); later calls build outputs
-from the entry (a few microseconds). Python floats enter the key by type only (an optimizer's
+from the entry (a few microseconds). The key also holds the pass and PyTorch's TF32 switches
+(they change the price, not the outputs). Python floats enter the key by type only (an optimizer's
 changing step size must not miss the cache), except for the few ops where a float decides a
 shape (``arange``, ``linspace``, interpolation scales).
 
@@ -140,6 +141,11 @@ def contiguous_stride(shape: Any) -> tuple:
 
 _current_node = torch._C._current_autograd_node
 _current_task = torch._C._current_graph_task_id
+# What torch.backends.cuda.matmul.allow_tf32 (also set by set_float32_matmul_precision) and
+# torch.backends.cudnn.allow_tf32 read, without their Python property layers: part of every
+# cached price's key, since they put fp32 GEMMs and convolutions on tensor cores or FMA units.
+tf32_matmul = torch._C._get_cublas_allow_tf32
+tf32_cudnn = torch._C._get_cudnn_allow_tf32
 _ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
 
 
@@ -608,8 +614,8 @@ class EmuTensor(torch.Tensor):
         arg_sig = _sig(args, emus, exact)
         kw_sig = _sig_kw(kwargs, emus, exact) if kwargs else None
         ts = emus[0]._ts if emus else _state()
-        # (one op's price differs between the passes: see backward_pass)
-        key = (fid, arg_sig, kw_sig, _current_task() != -1 and backward_pass(ts))
+        # (one op's price differs between the passes: see backward_pass; and with the TF32 switches)
+        key = (fid, arg_sig, kw_sig, _current_task() != -1 and backward_pass(ts), tf32_matmul(), tf32_cudnn())
         local = ts.local
         host = local.host if local is not None else None
         if host is None or host.depth:
@@ -1222,7 +1228,7 @@ def _generic(ts: TensorState, func: Any, args: tuple, kwargs: dict) -> Any:
     emus: list = []
     try:
         key = (id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None,
-               backward_pass(ts))
+               backward_pass(ts), tf32_matmul(), tf32_cudnn())
         entry = ts.cache.get(key)
     except TypeError:
         key, entry = None, None

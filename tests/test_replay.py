@@ -446,3 +446,34 @@ def test_units_of_an_op_by_op_model_cost_what_its_ops_cost():
             assert seconds == pytest.approx(busy[0][0], rel=1e-6)
     finally:
         gpemu.unpatch()
+
+
+def test_tf32_switches_are_part_of_the_situation():
+    """A recording priced with TF32 GEMMs (tensor cores on an A100) is not replayed once the
+    program turns TF32 off: the step is recorded again and priced on the FMA units."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    r = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096)).cuda()
+        x = torch.randn(8192, 4096).cuda()
+
+        def gpu_seconds() -> float:
+            torch.cuda.synchronize()
+            n = len(r.recorder.spans)
+            model(x).sum().backward()
+            torch.cuda.synchronize()
+            return sum(s.end - s.start for s in list(r.recorder.spans)[n:] if s.kind != "copy")
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        gpu_seconds()
+        tf32 = gpu_seconds()  # replayed
+        torch.backends.cuda.matmul.allow_tf32 = False
+        fp32 = gpu_seconds()
+        fp32_again = gpu_seconds()
+        info = replay.replay_info()
+    finally:
+        gpemu.unpatch()
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert info["recorded"] == 2 and info["replayed"] == 2
+    assert fp32 > 3 * tf32  # 19.5 TFLOP/s on FMA units against 156 TFLOP/s on TF32 tensor cores
+    assert fp32_again == pytest.approx(fp32, rel=0.02)

@@ -13,7 +13,7 @@ and runs it op by op. This fast path patches ``nn.Module.__call__`` over it:
   inputs/parameters, frees the saved memory and charges the recorded backward time.
 
 The "situation" (cache key) is: the module's and all submodules' training flags, grad mode,
-inference mode, autocast state, the input specs (shapes/strides/dtypes/devices, non-tensor
+inference mode, autocast state, the TF32 switches, the input specs (shapes/strides/dtypes/devices, non-tensor
 arguments), and each parameter's requires_grad/dtype/device.
 
 Fallback (the op-by-op path, time still charged per module; said once per reason):
@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_unflatten
 
 from gpemu.memory import round_size
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
-from gpemu.tensor import EmuTensor, contiguous_stride
+from gpemu.tensor import EmuTensor, contiguous_stride, tf32_cudnn, tf32_matmul
 
 from .gradients import GradientState
 
@@ -292,6 +292,10 @@ def _walk_tree(module: torch.nn.Module) -> tuple[list, tuple, bool, list]:
     return params, tuple(flags), hooks, mods
 
 
+# Where the input signature sits in a recording's key (_outer_call).
+_IN_SIG = 5
+
+
 def _global_hooks() -> bool:
     return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
                 or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
@@ -318,9 +322,11 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
     sig = R.ts.call_signature
     try:
         in_sig = (sig(args, emus), sig(tuple(kwargs.items()), emus) if kwargs else None)
+        # The TF32 switches choose tensor cores or FMA units for fp32 GEMMs and convolutions,
+        # so a recording's price holds only under the switches it was recorded with.
         key = (flags, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), in_sig,
-               R.ts.param_generation)
+               R.ts.param_generation, tf32_matmul(), tf32_cudnn())
         hash(key)
     except TypeError:
         return run_charged(orig_call, module, args, kwargs, dev, params, None, "a module argument is not hashable",
@@ -335,7 +341,7 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
         # at every call (a KV cache an HF layer updates) never matches, and a replay would skip
         # what the call does to it. Twice new: op by op from now on, its submodules as units.
         # Such a recording is kept under its objects' weak references.
-        key = key[:5] + (weak,) + key[6:]
+        key = key[:_IN_SIG] + (weak,) + key[_IN_SIG + 1:]
         rec = table.get(key)
     if rec is None and weak is not None:
         misses = R.object_misses.get(module, 0) + 1
