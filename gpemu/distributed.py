@@ -52,6 +52,7 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .costmodel.gpus import find_gpu
 from .hostvalues import SHADOW_MAX_ELEMENTS
 from .runtime import current
 from .tensor import EmuTensor, from_meta, host_shadow, peer_copy, set_host_shadow
@@ -63,9 +64,13 @@ __all__ = ["install", "EmulatedDDP", "EmulatedReducer", "EmulatedLogger", "map_b
            "allgather_seconds", "reduce_scatter_seconds", "broadcast_seconds", "all_to_all_seconds",
            "interconnect_bandwidth"]
 
-# NCCL bus bandwidth between GPUs of one node (bytes/s) where the GPUs have NVLink; PCIe GPUs
-# exchange data over PCIe at about their host-link bandwidth.
-_NVLINK_BUS_BANDWIDTH = (("SXM4", 230e9), ("SXM5", 360e9), ("H100", 360e9), ("H200", 360e9), ("SXM2", 130e9))
+# NCCL's all-reduce bus bandwidth within a node reaches about 80% of the NVLink bandwidth per
+# direction (the datasheet's total / 2): nccl-tests on DGX A100 ~230 of 300 GB/s, on H100 SXM
+# ~360-370 of 450 GB/s.
+_NCCL_NVLINK_FRACTION = 0.8
+# For a GPU whose datasheet NVLink figure is unknown (a database row without it): by the name's
+# form factor.
+_NVLINK_BUS_BANDWIDTH = (("SXM4", 230e9), ("SXM5", 360e9), ("SXM2", 130e9))
 _RING_STEP_LATENCY = 8e-6  # seconds per ring step (NCCL's small-message latency within a node)
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -102,15 +107,21 @@ def map_backend(backend: Any) -> Any:
 
 
 def interconnect_bandwidth(spec: Any) -> float:
-    """Bus bandwidth of the GPU-to-GPU path of this GPU model (bytes/s)."""
+    """Bus bandwidth of the GPU-to-GPU path of this GPU model (bytes/s): NVLink where it joins
+    every GPU of a node (SXM boards), else PCIe at the host link's pinned rate. A bridge joins
+    two cards only (H100 PCIe, Quadro RTX 6000): a ring over more GPUs crosses PCIe, so PCIe."""
     own = getattr(spec, "interconnect_bandwidth", None)
     if own:
         return float(own)
-    name = str(getattr(spec, "name", "")).upper()
-    for fragment, bandwidth in _NVLINK_BUS_BANDWIDTH:
-        if fragment in name:
-            return bandwidth
-    return float(getattr(spec, "host_link_bandwidth_pinned", 12e9) or 12e9)
+    pcie = float(getattr(spec, "host_link_bandwidth_pinned", 12e9) or 12e9)
+    nvlink = getattr(spec, "nvlink_bandwidth", None)
+    if nvlink is None:
+        name = str(getattr(spec, "name", "")).upper()
+        return next((bw for fragment, bw in _NVLINK_BUS_BANDWIDTH if fragment in name), pcie)
+    sheet = find_gpu(str(getattr(spec, "name", "")))
+    if not nvlink or (sheet is not None and sheet.nvlink_bridge):
+        return pcie
+    return max(_NCCL_NVLINK_FRACTION * float(nvlink) / 2, pcie)
 
 
 def allreduce_seconds(nbytes: int, world_size: int, bus_bandwidth: float) -> float:

@@ -55,6 +55,12 @@ def test_interconnect_of_shipped_gpus() -> None:
     by_name = {s.short_name: s for s in SHIPPED_GPUS}
     assert interconnect_bandwidth(by_name["A100"]) > 100e9  # SXM4: NVLink
     assert interconnect_bandwidth(by_name["V100"]) == by_name["V100"].host_link_bandwidth_pinned  # PCIe card
+    # From each datasheet's NVLink figure: the H100 SXM's 900 GB/s is 1.5x the A100's 600; an
+    # H100 PCIe's NVLink is a bridge between two cards, so a ring over a node crosses PCIe Gen5.
+    h100, pcie = by_name["H100"], by_name["H100-PCIe"]
+    assert interconnect_bandwidth(h100) == pytest.approx(1.5 * interconnect_bandwidth(by_name["A100"]))
+    assert interconnect_bandwidth(pcie) == pcie.host_link_bandwidth_pinned < interconnect_bandwidth(h100) / 5
+    assert interconnect_bandwidth(by_name["RTX6000"]) == by_name["RTX6000"].host_link_bandwidth_pinned
 
 
 def test_bucket_overlap_hides_communication_behind_backward() -> None:

@@ -21,6 +21,8 @@ GiB, as gpemu.db.specs does; CUDA reports a few hundred MiB less).
   others (see :data:`_PAGEABLE_GEN3` / :data:`_PAGEABLE_GEN4PLUS`).
 * ``nvlink_bandwidth``: the datasheet's total NVLink bandwidth per GPU (both directions, all
   links), 0 without NVLink; the "bus bandwidth" a ring all-reduce can approach is about half.
+  ``nvlink_bridge``: that NVLink is a bridge joining two cards (PCIe cards: Quadro RTX 6000,
+  H100 PCIe), not a switch or mesh joining every GPU of a node (SXM boards).
 * ``generation``: architecture (``kepler`` ... ``blackwell``); :data:`DONORS` says whose calibrated
   curves a generation without measurements uses.
 
@@ -90,6 +92,7 @@ class GpuSheet:
     host_link_bandwidth_pageable: float
     nvlink_bandwidth: float = 0.0
     measured: bool = False         # in the shipped profile database
+    nvlink_bridge: bool = False    # NVLink joins pairs of cards only
     source: str = field(default="", compare=False)
 
     @property
@@ -100,14 +103,14 @@ class GpuSheet:
 def _sheet(name: str, aliases: tuple[str, ...], gen: str, cc: tuple[int, int], sms: int, mem_gb: float,
            bw_gbs: float, fp32: float, fp64: float, fp16: float, tf32_tc: float, fp16_tc: float, bf16_tc: float,
            pcie: int, nvlink_gbs: float = 0.0, pageable: float | None = None, measured: bool = False,
-           source: str = "") -> GpuSheet:
+           source: str = "", bridge: bool = False) -> GpuSheet:
     return GpuSheet(
         name=name, aliases=aliases, generation=gen, compute_capability=cc, sm_count=sms,
         memory_bytes=int(mem_gb * _GiB), memory_bandwidth=bw_gbs * _GB, fp32_flops=fp32 * _T,
         fp64_flops=fp64 * _T, fp16_flops=fp16 * _T, tf32_tensor_flops=tf32_tc * _T, fp16_tensor_flops=fp16_tc * _T,
         bf16_tensor_flops=bf16_tc * _T, pcie_gen=pcie, host_link_bandwidth_pinned=_LINK[pcie] * 0.8,
         host_link_bandwidth_pageable=pageable if pageable is not None else (_PAGEABLE_GEN3 if pcie <= 3 else _PAGEABLE_GEN4PLUS),
-        nvlink_bandwidth=nvlink_gbs * _GB, measured=measured, source=source)
+        nvlink_bandwidth=nvlink_gbs * _GB, measured=measured, source=source, nvlink_bridge=bridge)
 
 
 GPUS: tuple[GpuSheet, ...] = (
@@ -130,7 +133,8 @@ GPUS: tuple[GpuSheet, ...] = (
     # Turing Quadro RTX 6000: 16.3 TF FP32, 0.51 FP64 (1/32), 130.5 FP16 tensor (full-rate FP32
     # accumulate on Quadro; no BF16/TF32), 672 GB/s, 72 SMs, NVLink bridge 100 GB/s. (Quadro RTX 6000 datasheet)
     _sheet("Quadro RTX 6000", ("RTX6000", "Quadro_RTX_6000"), "turing", (7, 5), 72, 24, 672, 16.3, 16.3 / 32, 32.6,
-           0, 130.5, 0, 3, nvlink_gbs=100, pageable=4.18e9, measured=True, source="Quadro RTX 6000 datasheet"),
+           0, 130.5, 0, 3, nvlink_gbs=100, pageable=4.18e9, measured=True, source="Quadro RTX 6000 datasheet",
+           bridge=True),
     # Ampere A100 SXM4 40GB: 19.5 TF FP32, 9.7 FP64, 156 TF32 / 312 FP16 / 312 BF16 tensor (dense),
     # 1,555 GB/s, 108 SMs, NVLink 600 GB/s, PCIe Gen4. (NVIDIA A100 Tensor Core GPU datasheet)
     _sheet("NVIDIA A100-SXM4-40GB", ("A100", "A100-40GB", "A100-SXM4-40GB", "NVIDIA_A100-SXM4-40GB"), "ampere",
@@ -170,7 +174,8 @@ GPUS: tuple[GpuSheet, ...] = (
     # HBM2e 2.0 TB/s, 114 SMs, NVLink bridge 600 GB/s, PCIe Gen5. (NVIDIA H100 datasheet (PCIe) /
     # H100 PCIe product brief PB-11133-001)
     _sheet("NVIDIA H100 PCIe", ("H100-PCIe", "H100-PCIE-80GB"), "hopper", (9, 0), 114, 80, 2000, 51.0, 26.0, 102.0,
-           378, 756, 756, 5, nvlink_gbs=600, source="NVIDIA H100 datasheet (PCIe), product brief PB-11133-001"),
+           378, 756, 756, 5, nvlink_gbs=600, source="NVIDIA H100 datasheet (PCIe), product brief PB-11133-001",
+           bridge=True),
     # Hopper H200 SXM 141GB: compute as H100 SXM; HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s, PCIe
     # Gen5. (NVIDIA H200 datasheet)
     _sheet("NVIDIA H200", ("H200", "H200-SXM", "H200-SXM-141GB"), "hopper", (9, 0), 132, 141, 4800, 67.0, 34.0, 133.8,
