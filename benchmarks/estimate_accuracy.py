@@ -295,11 +295,13 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
     everyone = model_of(full)
     models = list(range(len(data.names)))
     ens, scaled = {}, {}
+    single: dict[tuple[str, str], np.ndarray] = {}  # (held-out GPU, donor generation) -> predictions
     for g, v in logo.items():
         held = next(gen for gen, f in full.items() if f.gpu == g)
         others = [gen for gen in full if gen != held]
-        logs = [np.log(predict(everyone.without(*[x for x in full if x != d]), data, g, models)) for d in others]
-        ens[g] = np.exp(np.mean(logs, axis=0))
+        for d in others:
+            single[(g, d)] = predict(everyone.without(*[x for x in full if x != d]), data, g, models)
+        ens[g] = np.exp(np.mean([np.log(single[(g, d)]) for d in others], axis=0))
         e = errors(v["op model"], data.measured_eval[g])
         shift = np.nanmedian(np.log1p(e))
         scaled[g] = v["op model"] * np.exp(-shift)
@@ -313,6 +315,19 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
     per = {short(g): f"{100 * (np.exp(np.nanmedian(np.log1p(errors(v['op model'], data.measured_eval[g])))) - 1):+.0f}%"
            for g, v in logo.items()}
     print("   median error per GPU (op model): " + ", ".join(f"{k} {v}" for k, v in per.items()))
+    # Each generation alone as the donor: is the error one scale per GPU (a row or column off the
+    # same way whatever the donor) or the choice of donor? (The A100's curves are tensor-core
+    # ones: as a donor for an FMA-only GPU they say little.)
+    gens = list(full)
+    print("\n   median error, each GPU (row) priced from one other generation's curves (column):")
+    print("   " + f"{'':10}" + "".join(f"{short(full[d].gpu):>10}" for d in gens))
+    for g in logo:
+        cells = []
+        for d in gens:
+            p = single.get((g, d))
+            cells.append(f"{'-':>10}" if p is None else
+                         f"{100 * (np.exp(np.nanmedian(np.log1p(errors(p, data.measured_eval[g])))) - 1):+9.0f}%")
+        print("   " + f"{short(g):10}" + "".join(cells))
 
 
 def shipped_fits(params: dict) -> dict:
