@@ -5,9 +5,9 @@ Used by the fit (:mod:`gpemu.profiler.costfit`) and the accuracy benchmark only,
 pricing path. The op lists come from ``examples/tvmodels.py`` of the repository (plain-PyTorch
 copies of the 36 torchvision architectures; found through ``sys.path``, the working directory or
 this file's checkout), built on the meta device in train mode, input ``N x 3 x 224 x 224``,
-forward then backward of the sum of the outputs, recorded at two batch sizes and stored as
-:class:`~gpemu.costmodel.table.OpTable` (features affine in the batch size). Recording all 36
-takes ~40 s on one core; the result is cached in ``$GPEMU_COSTMODEL_CACHE`` (default
+one step of the loop the database measured (:mod:`gpemu.costmodel.measured_loop`), recorded at
+two batch sizes and stored as :class:`~gpemu.costmodel.table.OpTable` (features affine in the
+batch size). Recording all 36 takes ~40 s on one core; the result is cached in ``$GPEMU_COSTMODEL_CACHE`` (default
 ``~/.cache/gpemu/costmodel``) under a key that changes whenever the recording code or torch
 changes.
 """
@@ -33,7 +33,7 @@ __all__ = ["RECORD_BATCHES", "cache_dir", "record_model", "model_tables", "Measu
            "repo_models", "code_key", "load_arrays", "save_arrays"]
 
 RECORD_BATCHES = (2, 4)
-_SOURCES = ("classify.py", "flops.py", "record.py", "table.py")
+_SOURCES = ("classify.py", "flops.py", "record.py", "table.py", "measured_loop.py")
 
 
 def cache_dir() -> Path:
@@ -109,19 +109,19 @@ def repo_models() -> dict[str, Callable[[], "object"]]:
 
 def record_model(builder: Callable[[], "object"], batches: Sequence[int] = RECORD_BATCHES,
                  image: int = 224, model: int = 0) -> OpTable:
-    """Forward + backward ops of ``builder()`` (an ``nn.Module``) as an affine table."""
+    """Forward + backward ops of ``builder()`` (an ``nn.Module``) in the loop the database measured
+    (:func:`gpemu.costmodel.measured_loop.record_measured_step`) as an affine table."""
     import torch
 
-    from gpemu.costmodel.record import record_step
+    from gpemu.costmodel.measured_loop import record_measured_step
 
     with torch.device("meta"):
         module = builder()
-    module.train()
+    module.train()  # type: ignore[attr-defined]
     recs = []
     for n in batches[:2]:
-        # The measurements predate autograd's saved-input clones (see OpRecorder): leave them out.
-        step = record_step(module, (torch.empty(n, 3, image, image, device="meta"),), saved_input_clones=False)
-        recs.append(step.forward + step.backward)
+        fwd, bwd = record_measured_step(module, torch.empty(n, 3, image, image, device="meta"))
+        recs.append(fwd + bwd)
     return affine_table(recs[0], batches[0], recs[1], batches[1], model=model)
 
 

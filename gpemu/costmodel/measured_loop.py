@@ -1,0 +1,97 @@
+"""The training loop behind the shipped database's times, and what its "backward" holds besides the
+model's backward pass.
+
+The GPEmu artifact's profiler (``profiler/time-compute/gpu_compute_time_profiler.py`` in the
+authors' repository, torch 1.7, SGD with momentum 0.9 and weight decay 1e-4) times
+``outputs = model(inputs)`` as the forward and, as the backward, everything from the loss to the
+optimizer step::
+
+    loss = criterion(outputs, targets)     # cross entropy; GoogLeNet: its main logits only
+    optimizer.zero_grad()                  # torch 1.7: every gradient zeroed in place
+    loss.backward()                        # gradients added into the zeroed ones
+    optimizer.step()                       # SGD, one parameter at a time
+
+So that column holds, per parameter tensor, six memory-bound kernels on top of the model's own
+backward (zeroing; accumulating; the weight decay's ``add``; the momentum's ``mul_`` and
+``add_``; the update): AlexNet's 61 M parameters make them ~4 GB of traffic, most of its
+measured backward at small batch sizes. A program of today (``zero_grad(set_to_none=True)``,
+a foreach or fused optimizer) does not run them inside its backward pass, and its optimizer step
+is charged on its own; so the fit records them as part of the measured backward
+(:func:`record_measured_step`), and a measured model's backward is charged without them
+(:func:`parameter_bookkeeping_ops`, priced by the fitted model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from .classify import OpFeatures
+from .record import OpRecorder
+
+__all__ = ["SGD_MOMENTUM", "SGD_WEIGHT_DECAY", "record_measured_step", "parameter_bookkeeping_ops"]
+
+SGD_MOMENTUM = 0.9
+SGD_WEIGHT_DECAY = 1e-4
+_LR = 0.1
+
+
+def _sgd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                buffers: Sequence[torch.Tensor]) -> None:
+    """torch 1.7's SGD step for one group, one parameter at a time."""
+    with torch.no_grad():
+        for p, g, buf in zip(params, grads, buffers):
+            d_p = g.add(p, alpha=SGD_WEIGHT_DECAY)
+            buf.mul_(SGD_MOMENTUM).add_(d_p)
+            p.add_(d_p, alpha=-_LR)
+
+
+def record_measured_step(module: Any, inputs: torch.Tensor) -> tuple[list[OpFeatures], list[OpFeatures]]:
+    """(forward ops, "backward" ops) of one step of the measured loop for ``module`` (built on the
+    meta device, in training mode), past its first step (gradients and momentum buffers exist).
+    The backward list holds the loss, the gradients' zeroing and accumulation and the SGD step,
+    as the database's backward column timed them."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    buffers = [torch.empty_like(p) for p in params]
+    targets = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
+    # The measurements predate autograd's saved-input clones (see OpRecorder): leave them out.
+    forward = OpRecorder(saved_input_clones=False)
+    with forward:
+        outputs = module(inputs)
+    backward = OpRecorder(saved_input_clones=False)
+    backward.backward = True
+    try:
+        with backward:
+            logits = outputs[0] if isinstance(outputs, tuple) else outputs
+            loss = F.cross_entropy(logits, targets)
+            with torch.no_grad():
+                for p in params:
+                    p.grad.zero_()
+            loss.backward()
+            _sgd_update(params, [p.grad for p in params], buffers)
+    finally:
+        for p in params:
+            p.grad = None
+    return forward.ops, backward.ops
+
+
+def parameter_bookkeeping_ops(shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> list[OpFeatures]:
+    """The kernels the measured loop's backward column holds for parameters of these shapes besides
+    the model's backward: each gradient zeroed and accumulated into, and the SGD step (as
+    :func:`record_measured_step` records them; the loss's few kernels are not included)."""
+    params = [torch.empty(tuple(s), dtype=dtype, device="meta") for s in shapes]
+    grads = [torch.empty_like(p) for p in params]
+    new = [torch.empty_like(p) for p in params]
+    buffers = [torch.empty_like(p) for p in params]
+    rec = OpRecorder()
+    rec.backward = True
+    with rec, torch.no_grad():
+        for g, n in zip(grads, new):
+            g.zero_()
+            g.add_(n)  # what autograd's AccumulateGrad does with an existing gradient
+        _sgd_update(params, grads, buffers)
+    return rec.ops
