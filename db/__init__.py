@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .records import (
+    ARTIFACT_SOURCE,
     BATCH_INDEPENDENT,
     KIND_UNITS,
     KINDS,
@@ -47,6 +48,7 @@ __all__ = [
     "MEMORY_KINDS",
     "BATCH_INDEPENDENT",
     "PROVENANCES",
+    "ARTIFACT_SOURCE",
 ]
 
 

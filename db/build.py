@@ -41,7 +41,7 @@ from sqlalchemy.pool import NullPool, StaticPool
 
 from . import schema as S
 from .lookup import ProfileDB, gpu_row, model_row, upsert
-from .records import KIND_UNITS, ModelInfo, normalize_name
+from .records import ARTIFACT_SOURCE, KIND_UNITS, ModelInfo, normalize_name
 from .specs import gpu_facts_digest, shipped_gpus
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
 DEFAULT_DB_NAME = "profiles.sqlite"
 _DATA_FILES = ("measurements.csv.gz", "models.csv", "distributions.json.gz")
 # Per row a short tag (277k copies); the full citation is stored once, in the meta table.
-_ROW_SOURCE = "gpemu-artifact"
+_ROW_SOURCE = ARTIFACT_SOURCE
 _SOURCE = "GPEmu artifact (Wang et al., PVLDB 18(6), 2025, doi:10.14778/3725688.3725716)"
 
 

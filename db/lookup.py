@@ -60,6 +60,7 @@ class ProfileDB:
         self._lock = threading.Lock()
         self._names_cache: _Names | None = None
         self._series: dict[tuple[int, int, str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._sources: dict[tuple[int, int, str, int], set[str]] = {}
         # (series key, above range?) -> (slope, intercept) of the extrapolation line
         self._fits: dict[tuple[tuple[int, int, str, int], bool], tuple[float, float]] = {}
         self._dists: dict[str, np.ndarray] = {}
@@ -102,6 +103,7 @@ class ProfileDB:
         with self._lock:
             self._names_cache = None
             self._series.clear()
+            self._sources.clear()
             self._fits.clear()
             self._dists.clear()
 
@@ -201,6 +203,27 @@ class ProfileDB:
                 select(m.c.kind, m.c.world_size).where(m.c.gpu_id == gid, m.c.model_id == mid).distinct()
             ).all()
         return sorted(((k, int(w)) for k, w in present if k in KIND_UNITS), key=lambda kw: (KINDS.index(kw[0]), kw[1]))
+
+    def sources(self, gpu: str, model: str, kind: str, world_size: int = 1) -> set[str]:
+        """The source tags of the measurements of ``kind`` for this GPU and model (see
+        :data:`~gpemu.db.records.ARTIFACT_SOURCE`); empty when none."""
+        check_kind(kind)
+        gid, mid = self._gpu_id(gpu), self._model_id(model)
+        key = (gid, mid, kind, world_size)
+        hit = self._sources.get(key)
+        if hit is not None:
+            return hit
+        m = S.measurements
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(m.c.source)
+                .where(m.c.gpu_id == gid, m.c.model_id == mid, m.c.kind == kind, m.c.world_size == world_size)
+                .distinct()
+            ).all()
+        found = {r[0] or "" for r in rows}
+        if found:
+            self._sources[key] = found
+        return found
 
     def lookup(self, gpu: str, model: str, batch_size: int, kind: str, world_size: int = 1) -> Lookup:
         """Value of ``kind`` for ``model`` on ``gpu`` at ``batch_size``, with its provenance.

@@ -54,6 +54,10 @@ MEMORY_KINDS = tuple(k for k, u in KIND_UNITS.items() if u == "bytes")
 # Kinds measured once per (GPU, model), stored with batch_size 0 and valid at any batch size.
 BATCH_INDEPENDENT = ("model_transfer", "max_batch_size")
 PROVENANCES = ("measured", "interpolated", "extrapolated")
+# The source tag of the shipped measurements (the GPEmu artifact). Their "backward" is everything
+# the authors' profiler timed after the forward: the loss, zero_grad, backward and an SGD step
+# (gpemu.costmodel.measured_loop); a "backward" measured by `gpemu profile` is the backward pass.
+ARTIFACT_SOURCE = "gpemu-artifact"
 
 
 class UnknownNameError(ValueError):

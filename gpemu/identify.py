@@ -52,6 +52,7 @@ class ModelIdentity:
     # Models priced by their ops: per-(kind, batch, device) seconds of the calls that ran.
     estimates: dict[tuple[str, int, int], float] = field(default_factory=dict, repr=False)
     param_bytes: int = 0
+    param_shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     @property
     def label(self) -> str:
@@ -104,16 +105,19 @@ def identify(rt: "Runtime", module: nn.Module, quiet: bool = False) -> ModelIden
     return ident
 
 
-def _counts(module: nn.Module) -> tuple[int, int]:
+def _counts(module: nn.Module) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
+    """Parameter count, bytes and shapes."""
     n = b = 0
+    shapes = []
     for p in module.parameters():
         n += p.numel()
         b += p.numel() * p.element_size()
-    return n, b
+        shapes.append(tuple(p.shape))
+    return n, b, tuple(shapes)
 
 
 def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool = False) -> ModelIdentity:
-    count, nbytes = _counts(module)
+    count, nbytes, shapes = _counts(module)
     cls = type(module).__name__
     fp = structural_fingerprint(module)
     configured = rt.config.model
@@ -124,10 +128,11 @@ def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool =
             st.configured_taken = True
             rt.say_once(f"model {cls} ({count:,} parameters): GPU time of dataset model "
                         f"{info.name!r} (configured)")
-            return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes)
+            return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes,
+                                 param_shapes=shapes)
     if match is not None:
         rt.say_once(f"model {cls} ({count:,} parameters) identified as {match.name!r} by its structure")
-        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes)
+        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes, param_shapes=shapes)
     parts = tuple(_identified_children(rt, module, st))
     if parts:
         names = "+".join(p.name or "?" for p in parts)
@@ -185,14 +190,15 @@ def _identified_children(rt: "Runtime", module: nn.Module, st: IdentifyState) ->
 
     def visit(mod: nn.Module) -> None:
         for child in mod.children():
-            count, nbytes = _counts(child)
+            count, nbytes, shapes = _counts(child)
             if count == 0:
                 continue
             cls = type(child).__name__
             fp = structural_fingerprint(child)
             info = _match_structure(rt, child, cls, count, fp)
             if info is not None:
-                ident = ModelIdentity(info.name, "fingerprint", cls, count, fp, info, param_bytes=nbytes)
+                ident = ModelIdentity(info.name, "fingerprint", cls, count, fp, info, param_bytes=nbytes,
+                                      param_shapes=shapes)
                 try:
                     st.cache[child] = ident
                 except TypeError:

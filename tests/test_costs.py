@@ -38,16 +38,55 @@ def rt(db):
     r.patcher.restore_all()
 
 
+def _bookkeeping(model: nn.Module, gpu: str) -> float:
+    """The cost model's price of the measured loop's per-parameter kernels (zeroing, accumulating,
+    SGD) for ``model``'s parameters on ``gpu``."""
+    from gpemu.costmodel import default_model, gpu_sheet
+    from gpemu.costmodel.measured_loop import parameter_bookkeeping_ops
+
+    ops = parameter_bookkeeping_ops([tuple(p.shape) for p in model.parameters()])
+    return default_model().ops_seconds(ops, gpu_sheet(gpu))
+
+
 def test_identified_model_takes_database_time_with_provenance(rt, db):
     with torch.device("meta"):
-        ident = identify(rt, tvmodels.resnet50())
+        model = tvmodels.resnet50()
+    ident = identify(rt, model)
     gpu = rt.gpus[0].name
     s, prov = costs.forward_seconds(rt, ident, 128, 0)
     assert (s, prov) == (db.lookup(gpu, "resnet50", 128, "forward").value, "measured")
+    # The shipped backward also timed its loop's gradient zeroing, accumulation and SGD step
+    # (gpemu.costmodel.measured_loop): the model's backward is charged without them.
     b, prov_b = costs.backward_seconds(rt, ident, 128, 0)
-    assert b == db.lookup(gpu, "resnet50", 128, "backward").value and prov_b == "measured"
+    measured = db.lookup(gpu, "resnet50", 128, "backward").value
+    assert b == pytest.approx(measured - _bookkeeping(model, "V100")) and prov_b == "measured"
+    assert 0.8 * measured < b < measured
     big, prov_big = costs.forward_seconds(rt, ident, 512, 0)
     assert prov_big == "extrapolated" and big > s * 1.5
+
+
+def test_only_the_shipped_loop_s_backward_loses_its_optimizer_part(db, tmp_path):
+    """A backward measured by ``gpemu profile`` (a source other than the shipped artifact's) is the
+    backward pass alone and is charged as it is; AlexNet's 61 M parameters are most of the shipped
+    backward at a small batch, and what comes off never takes it below its forward."""
+    from gpemu.db import ARTIFACT_SOURCE, Measurement
+    from gpemu.db.build import open_url
+
+    with torch.device("meta"):
+        model = tvmodels.alexnet()
+    rows = {k: db.lookup("V100", "alexnet", 16, k).value for k in ("forward", "backward")}
+    for source, expect in ((ARTIFACT_SOURCE, max(rows["backward"] - _bookkeeping(model, "V100"), rows["forward"])),
+                           ("gpemu profile", rows["backward"])):
+        own = open_url(f"sqlite:///{tmp_path / (source.replace(' ', '-') + '.sqlite')}")
+        own.add_gpu(db.gpu("V100"))
+        own.add_model(db.model("alexnet"))
+        own.add_measurements([Measurement(gpu="V100", model="alexnet", kind=k, batch_size=16, value=v, source=source)
+                              for k, v in rows.items()])
+        r = Runtime(config=EmuConfig.from_env(gpu="V100"), db=own, gpus=[own.gpu("V100")])
+        b, _ = costs.backward_seconds(r, identify(r, model), 16, 0)
+        assert b == pytest.approx(expect)
+        own.close()
+    assert max(rows["backward"] - _bookkeeping(model, "V100"), rows["forward"]) < 0.6 * rows["backward"]
 
 
 def test_costs_differ_by_gpu(db):

@@ -265,12 +265,18 @@ def test_training_step_runs_ahead_then_item_waits_for_the_gpu():
             assert eng.now() < queued_until        # host ran ahead of the emulated GPU
             loss.item()                            # sync point
             assert eng.now() == pytest.approx(queued_until)
+        from gpemu import costs
+        from gpemu.identify import identify
+
         fwd = rt.db.lookup(rt.gpus[0].name, "resnet50", 32, "forward").value
         bwd = rt.db.lookup(rt.gpus[0].name, "resnet50", 32, "backward").value
+        # (the shipped backward less its loop's per-parameter kernels, for this module's parameters)
+        times = costs.model_times(rt, identify(rt, model), 32, 0)
+        assert times.forward == fwd and 0.99 * bwd < times.backward < bwd
         step_kinds = {s.kind for s in rt.recorder.spans if s.start >= t0}
         assert {"forward", "backward", "optimizer"} <= step_kinds
         charged = sum(s.end - s.start for s in rt.recorder.spans if s.start >= t0 and s.kind in ("forward", "backward"))
-        assert charged == pytest.approx(fwd + bwd)
+        assert charged == pytest.approx(times.forward + times.backward)
         assert [m.index for m in rt.recorder.iterations] == [0, 1]
 
 
