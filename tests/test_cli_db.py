@@ -78,6 +78,8 @@ def test_show_measured_values(runner):
     assert lines["forward"][1:3] == ["0.1193", "s"] and lines["forward"][-1] == "measured"
     assert lines["backward"][1:3] == ["0.2655", "s"] and lines["backward"][-1] == "measured"
     assert {"h2d_transfer", "model_transfer", "peak_memory", "persistent_memory"} <= set(lines)
+    # the shipped backward is its loop's, optimizer step included; a run charges less (costs.model_times)
+    assert "SGD step" in res.output and "a run charges it less" in " ".join(res.output.split())
 
 
 def test_show_provenance_beyond_and_between(runner, tmp_path):

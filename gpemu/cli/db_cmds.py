@@ -273,6 +273,8 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
     `gpemu run` uses: the measurements of its reference GPU (the nearest measured generation),
     forward and backward scaled to this GPU by the cost model (provenance `scaled`, with its
     cross-validated ±), the other kinds as measured there."""
+    from gpemu.db import ARTIFACT_SOURCE
+
     pdb = _open(db_url)
     spec, info = pdb.gpu(gpu), pdb.model(model)  # UnknownNameError -> one line with suggestions
     measured = pdb.measured(gpu, model)
@@ -290,6 +292,10 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
         rows.append([k if w == 1 else f"{k}[world_size={w}]", r.value, r.unit, r.provenance, None])
     if source is not spec:
         note = _scale_to(rows, info, batch_size, source, spec)
+    if ("backward", 1) in measured and ARTIFACT_SOURCE in pdb.sources(source.name, info.name, "backward"):
+        loop = ("The backward row is the shipped loop's: loss, zero_grad, backward and an SGD step; a run charges it less "
+                "that loop's per-parameter kernels, which its own optimizer step replaces (docs/time.md)")
+        note = f"{note}\n{loop}" if note else loop
     if as_json:
         out: dict[str, Any] = {"model": info.name, "gpu": spec.name, "batch_size": batch_size}
         if source is not spec:
