@@ -170,13 +170,14 @@ class ProfileDB:
         m = S.measurements
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(m.c.batch_size, m.c.value)
+                select(m.c.batch_size, m.c.value, m.c.source)
                 .where(m.c.gpu_id == gid, m.c.model_id == mid, m.c.kind == kind, m.c.world_size == world_size)
                 .order_by(m.c.batch_size)
             ).all()
         series = (np.array([r[0] for r in rows], dtype=float), np.array([r[1] for r in rows], dtype=float))
         if rows:  # absent series are not cached: the profiler may add them later
             self._series[key] = series
+            self._sources[key] = {r[2] or "" for r in rows}
         return series
 
     def series(self, gpu: str, model: str, kind: str, world_size: int = 1) -> list[tuple[float, float]]:
@@ -208,22 +209,9 @@ class ProfileDB:
         """The source tags of the measurements of ``kind`` for this GPU and model (see
         :data:`~gpemu.db.records.ARTIFACT_SOURCE`); empty when none."""
         check_kind(kind)
-        gid, mid = self._gpu_id(gpu), self._model_id(model)
-        key = (gid, mid, kind, world_size)
-        hit = self._sources.get(key)
-        if hit is not None:
-            return hit
-        m = S.measurements
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(m.c.source)
-                .where(m.c.gpu_id == gid, m.c.model_id == mid, m.c.kind == kind, m.c.world_size == world_size)
-                .distinct()
-            ).all()
-        found = {r[0] or "" for r in rows}
-        if found:
-            self._sources[key] = found
-        return found
+        key = (self._gpu_id(gpu), self._model_id(model), kind, world_size)
+        self._load_series(*key)
+        return set(self._sources.get(key, ()))
 
     def lookup(self, gpu: str, model: str, batch_size: int, kind: str, world_size: int = 1) -> Lookup:
         """Value of ``kind`` for ``model`` on ``gpu`` at ``batch_size``, with its provenance.

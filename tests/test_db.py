@@ -270,6 +270,21 @@ def test_add_measurements_upserts_and_refreshes_cache(empty_db):
     assert empty_db.count("forward") == 2
 
 
+def test_sources_say_where_a_series_came_from(empty_db, pdb):
+    """Each row keeps its source tag; the shipped rows carry the artifact's (whose backward holds
+    its loop's optimizer step: gpemu.costs)."""
+    from gpemu.db import ARTIFACT_SOURCE
+
+    assert pdb.sources("V100", "resnet50", "backward") == {ARTIFACT_SOURCE}
+    assert empty_db.sources("TG8", "tinynet", "backward") == set()
+    empty_db.add_measurements([Measurement(gpu="TG8", model="tinynet", kind="backward", batch_size=8, value=1.0,
+                                           source="gpemu profile")])
+    assert empty_db.sources("TG8", "tinynet", "backward") == {"gpemu profile"}
+    empty_db.add_measurements([Measurement(gpu="TG8", model="tinynet", kind="backward", batch_size=16, value=2.0,
+                                           source="imported")])
+    assert empty_db.sources("TG8", "tinynet", "backward") == {"gpemu profile", "imported"}
+
+
 def test_add_measurements_is_atomic_and_names_the_bad_row(empty_db):
     rows = [
         {"gpu": "TG8", "model": "tinynet", "kind": "forward", "batch_size": 8, "value": 1.0},
