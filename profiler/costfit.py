@@ -493,7 +493,7 @@ def params_document(data: FitData, full: dict[str, GenFit], uncertainty: dict[st
     """The content of ``params.json``."""
     return {
         "format": 1,
-        "form": ("per op: g = work / (peak * eff), eff = e / (1 + (x0 / x)^p) / (1 + k0 z), x = work / SMs, "
+        "form": ("per op: g = work / (peak * eff), eff = e / (1 + k0 z + (x0 / x)^p), x = work / SMs, "
                  "z = 1/K (GEMM, conv) or FLOPs per byte (depthwise conv, pooling); "
                  "a pass: queue of (h, g) ops, finish_i = max(h_1 + ... + h_i, finish_(i-1)) + g_i"),
         "calibration": {

@@ -3,7 +3,7 @@
 Per (curve key, path) the measured kernels give (work, z, peak, seconds); the curve form is the
 cost model's own (:func:`gpemu.costmodel.curve.kernel_arrays`, with its derivatives)::
 
-    seconds = work / (peak e) x (1 + (x0 SMs / work)^p) x (1 + k0 z)
+    seconds = work / (peak e) x (1 + k0 z + (x0 SMs / work)^p)
 
 Fitted: ``e`` (plateau), ``x0`` (half-way point, work per SM) and ``p`` (ramp shape, kept in
 [0.3, 1] as costfit keeps it), by robust least squares on log(predicted / measured) — soft-L1,
