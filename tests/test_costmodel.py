@@ -507,3 +507,23 @@ def test_without_tensor_core_curves_a_convolution_keeps_its_standing_against_a_g
     # a weaker kernel stays weaker by the same factor
     half = C.Curve(e=gemm.e / 2, x0=gemm.x0, p=gemm.p, h=gemm.h)
     assert tensor_from_simt(half, sheet, 156e12).e == pytest.approx(tensor_plateau("ampere") / 2)
+
+
+def test_parameter_bookkeeping_ops_are_those_the_measured_loop_records():
+    """The per-parameter kernels that come off a shipped backward (scaled from one recorded
+    parameter) are the ops the measured loop records for those parameters: zero, accumulate, then
+    the SGD step's add / mul_ / add_ / add_, each moving bytes in proportion to the parameter."""
+    from gpemu.costmodel.measured_loop import parameter_bookkeeping_ops, record_measured_step
+
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10))
+    shapes = [tuple(p.shape) for p in net.parameters()]
+    ops = parameter_bookkeeping_ops(shapes)
+    _, recorded = record_measured_step(net, torch.empty(2, 3, 32, 32, device="meta"))
+    names = [o.name for o in recorded]
+    # the loop's backward holds exactly these kernels besides the loss and the model's backward
+    for o in ops:
+        assert o in recorded, o
+    assert names.count("zero") == len(shapes) and names.count("mul") >= len(shapes)
+    sizes = [math.prod(s) for s in shapes]
+    assert [o.nbytes for o in ops[: 2 * len(shapes)]] == [b * n * 4 for n in sizes for b in (2, 3)]
