@@ -294,6 +294,11 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
 
     everyone = model_of(full)
     models = list(range(len(data.names)))
+
+    def median_log_error(pred: np.ndarray, g: str) -> float:
+        """The median of log(estimate / measured) over ``g``'s cases: its one scale."""
+        return float(np.nanmedian(np.log1p(errors(pred, data.measured_eval[g]))))
+
     ens, scaled = {}, {}
     single: dict[tuple[str, str], np.ndarray] = {}  # (held-out GPU, donor generation) -> predictions
     for g, v in logo.items():
@@ -302,9 +307,7 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
         for d in others:
             single[(g, d)] = predict(everyone.without(*[x for x in full if x != d]), data, g, models)
         ens[g] = np.exp(np.mean([np.log(single[(g, d)]) for d in others], axis=0))
-        e = errors(v["op model"], data.measured_eval[g])
-        shift = np.nanmedian(np.log1p(e))
-        scaled[g] = v["op model"] * np.exp(-shift)
+        scaled[g] = v["op model"] * np.exp(-median_log_error(v["op model"], g))
     print("\n== leave-one-GPU-out diagnostics (not what ships)")
     print("   " + HEADER)
     for short_label, label, preds in (("all donors", "every other generation as donor, geometric mean", ens),
@@ -312,8 +315,7 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
         for name, sel in (("all", list(preds)), ("no A100", [g for g in preds if "A100" not in g])):
             err = np.stack([errors(preds[g], data.measured_eval[g]) for g in sel])
             print("   " + row(f"{short_label}, {name}", summary(err)) + f"   {label}")
-    per = {short(g): f"{100 * (np.exp(np.nanmedian(np.log1p(errors(v['op model'], data.measured_eval[g])))) - 1):+.0f}%"
-           for g, v in logo.items()}
+    per = {short(g): f"{100 * np.expm1(median_log_error(v['op model'], g)):+.0f}%" for g, v in logo.items()}
     print("   median error per GPU (op model): " + ", ".join(f"{k} {v}" for k, v in per.items()))
     # Each generation alone as the donor: is the error one scale per GPU (a row or column off the
     # same way whatever the donor) or the choice of donor? (The A100's curves are tensor-core
@@ -325,8 +327,7 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
         cells = []
         for d in gens:
             p = single.get((g, d))
-            cells.append(f"{'-':>10}" if p is None else
-                         f"{100 * (np.exp(np.nanmedian(np.log1p(errors(p, data.measured_eval[g])))) - 1):+9.0f}%")
+            cells.append(f"{'-':>10}" if p is None else f"{100 * np.expm1(median_log_error(p, g)):+9.0f}%")
         print("   " + f"{short(g):10}" + "".join(cells))
 
 
