@@ -224,8 +224,7 @@ def uncertainty(rt: "Runtime", device: int, mix: dict[str, float] | None = None,
 def precision() -> Precision:
     """The process's precision switches now: PyTorch's TF32 flags (ops carry their own dtype;
     autocast has already cast them when they are dispatched)."""
-    return Precision(allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
-                     allow_tf32_cudnn=bool(torch.backends.cudnn.allow_tf32))
+    return Precision.from_torch()
 
 
 def _as_fp32(op: OpFeatures) -> OpFeatures:

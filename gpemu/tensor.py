@@ -15,9 +15,9 @@ the op, its inputs' shapes/strides/dtypes/devices and its non-tensor arguments, 
 call of each such signature runs the meta kernel and stores an :class:`_Entry` (output specs,
 which outputs alias which inputs, and the op's estimated GPU time); later calls build outputs
 from the entry (a few microseconds). The key also holds the pass and PyTorch's TF32 switches
-(they change the price, not the outputs). Python floats enter the key by type only (an optimizer's
-changing step size must not miss the cache), except for the few ops where a float decides a
-shape (``arange``, ``linspace``, interpolation scales).
+(they change the price, not the outputs). Python floats enter the key by type only (an
+optimizer's changing step size must not miss the cache), except for the few ops where a float
+decides a shape (``arange``, ``linspace``, interpolation scales).
 
 Memory: each storage holds one :class:`gpemu.memory.Block`; views and in-place results share
 their input's block (found on the meta device: an output whose storage is an input's storage).
@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import hostvalues
+from .costmodel.precision import tf32_cudnn, tf32_matmul
 from .devices import cuda_index
 from .hostvalues import SHADOW_MAX_ELEMENTS
 from .runtime import current
@@ -141,11 +142,6 @@ def contiguous_stride(shape: Any) -> tuple:
 
 _current_node = torch._C._current_autograd_node
 _current_task = torch._C._current_graph_task_id
-# What torch.backends.cuda.matmul.allow_tf32 (also set by set_float32_matmul_precision) and
-# torch.backends.cudnn.allow_tf32 read, without their Python property layers: part of every
-# cached price's key, since they put fp32 GEMMs and convolutions on tensor cores or FMA units.
-tf32_matmul = torch._C._get_cublas_allow_tf32
-tf32_cudnn = torch._C._get_cudnn_allow_tf32
 _ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
 
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .classify import COMPUTE_CLASSES, OpClass
 from .gpus import GpuSheet
 
-__all__ = ["Precision", "FP32", "compute_peak", "simt_peak", "effective_dtype", "byte_scale", "HALF"]
+__all__ = ["Precision", "FP32", "compute_peak", "simt_peak", "effective_dtype", "byte_scale", "HALF", "tf32_matmul",
+           "tf32_cudnn"]
 
 HALF = ("float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -56,10 +59,15 @@ class Precision:
     @classmethod
     def from_torch(cls, dtype: Any = None) -> "Precision":
         """The current process's TF32 switches (``torch.backends``), with ``dtype`` (default fp32)."""
-        import torch
+        return cls(dtype=str(dtype or torch.float32), allow_tf32_matmul=tf32_matmul(), allow_tf32_cudnn=tf32_cudnn())
 
-        return cls(dtype=str(dtype or torch.float32), allow_tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
-                   allow_tf32_cudnn=bool(torch.backends.cudnn.allow_tf32))
+
+# What torch.backends.cuda.matmul.allow_tf32 (also set by set_float32_matmul_precision) and
+# torch.backends.cudnn.allow_tf32 read, without their Python property layers: the emulator keys
+# every cached price on them (~60 ns a call), since they put fp32 GEMMs and convolutions on
+# tensor cores or FMA units.
+tf32_matmul = torch._C._get_cublas_allow_tf32
+tf32_cudnn = torch._C._get_cudnn_allow_tf32
 
 
 FP32 = Precision()

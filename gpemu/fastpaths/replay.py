@@ -13,8 +13,8 @@ and runs it op by op. This fast path patches ``nn.Module.__call__`` over it:
   inputs/parameters, frees the saved memory and charges the recorded backward time.
 
 The "situation" (cache key) is: the module's and all submodules' training flags, grad mode,
-inference mode, autocast state, the TF32 switches, the input specs (shapes/strides/dtypes/devices, non-tensor
-arguments), and each parameter's requires_grad/dtype/device.
+inference mode, autocast state, the TF32 switches, the input specs (shapes/strides/dtypes/devices,
+non-tensor arguments), and each parameter's requires_grad/dtype/device.
 
 Fallback (the op-by-op path, time still charged per module; said once per reason):
 forward/backward hooks on any submodule (or global module hooks), outputs that are not
@@ -51,7 +51,8 @@ from torch.utils._pytree import tree_unflatten
 
 from gpemu.memory import round_size
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
-from gpemu.tensor import EmuTensor, contiguous_stride, tf32_cudnn, tf32_matmul
+from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
+from gpemu.tensor import EmuTensor, contiguous_stride
 
 from .gradients import GradientState
 
