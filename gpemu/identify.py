@@ -132,7 +132,8 @@ def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool =
                                  param_shapes=shapes)
     if match is not None:
         rt.say_once(f"model {cls} ({count:,} parameters) identified as {match.name!r} by its structure")
-        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes, param_shapes=shapes)
+        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes,
+                             param_shapes=shapes)
     parts = tuple(_identified_children(rt, module, st))
     if parts:
         names = "+".join(p.name or "?" for p in parts)

@@ -7,9 +7,9 @@ copies of the 36 torchvision architectures; found through ``sys.path``, the work
 this file's checkout), built on the meta device in train mode, input ``N x 3 x 224 x 224``,
 one step of the loop the database measured (:mod:`gpemu.costmodel.measured_loop`), recorded at
 two batch sizes and stored as :class:`~gpemu.costmodel.table.OpTable` (features affine in the
-batch size). Recording all 36 takes ~40 s on one core; the result is cached in ``$GPEMU_COSTMODEL_CACHE`` (default
-``~/.cache/gpemu/costmodel``) under a key that changes whenever the recording code or torch
-changes.
+batch size). Recording all 36 takes ~40 s on one core; the result is cached in
+``$GPEMU_COSTMODEL_CACHE`` (default ``~/.cache/gpemu/costmodel``) under a key that changes whenever
+the recording code or torch changes.
 """
 
 from __future__ import annotations

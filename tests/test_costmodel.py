@@ -247,7 +247,8 @@ def test_the_shape_term_slows_the_work_not_the_filling():
     import numpy as np
 
     work, z = np.array([1e6, 1e9, 1e12]), np.array([shallow, 0.01, deep])
-    args = dict(le=np.log(np.full(3, 0.8)), lx0=np.log(np.full(3, 1e6)), p=np.full(3, 0.7), lk0=np.log(np.full(3, 300.0)))
+    args = dict(le=np.log(np.full(3, 0.8)), lx0=np.log(np.full(3, 1e6)), p=np.full(3, 0.7),
+                lk0=np.log(np.full(3, 300.0)))
     g, *grads = C.kernel_arrays(work, np.full(3, peak), sms, args["le"], args["lx0"], args["p"], args["lk0"], z)
     scalar = [C.kernel_seconds(w, peak, sms, C.Curve(0.8, 1e6, 0.7, 0.0, 300.0), zz) for w, zz in zip(work, z)]
     assert np.allclose(g, scalar, rtol=1e-12)

@@ -293,8 +293,9 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
     if source is not spec:
         note = _scale_to(rows, info, batch_size, source, spec)
     if ("backward", 1) in measured and ARTIFACT_SOURCE in pdb.sources(source.name, info.name, "backward"):
-        loop = ("The backward row is the shipped loop's: loss, zero_grad, backward and an SGD step; a run charges it less "
-                "that loop's per-parameter kernels, which its own optimizer step replaces (docs/time.md)")
+        loop = ("The backward row is the shipped loop's: loss, zero_grad, backward and an SGD step; a run "
+                "charges it less that loop's per-parameter kernels, which its own optimizer step replaces "
+                "(docs/time.md)")
         note = f"{note}\n{loop}" if note else loop
     if as_json:
         out: dict[str, Any] = {"model": info.name, "gpu": spec.name, "batch_size": batch_size}
