@@ -1,6 +1,12 @@
 """The machine a benchmark figure was taken on: every benchmark prints it beside its figures,
 because timings from different machines differ 2-4x and must not be compared by mistake.
 
+The CPU's marketing name is not enough: cloud VMs report "AMD EPYC" for every generation from
+Zen 2 to Zen 5, and the same host-time benchmark ran 2.4-2.9x faster on one such VM than on
+another. So the line also carries the CPU's family / model numbers, its clock, and the time of a
+fixed reference loop of interpreter work (:func:`reference_loop_ms`): a host time divided by it
+is comparable across machines, to first order.
+
 Imported by the scripts in this folder as ``from machine import machine`` (a script's own
 folder is first on ``sys.path``)."""
 
@@ -8,17 +14,69 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 
-__all__ = ["machine"]
+__all__ = ["machine", "reference_loop_ms"]
+
+_REFERENCE: list[float] = []
+
+
+class _Point:
+    __slots__ = ("x", "y")
+
+    def __init__(self, x: int, y: int) -> None:
+        self.x, self.y = x, y
+
+
+def _reference_work(n: int = 20_000) -> int:
+    # The kinds of work the emulator's host path does: calls, attribute reads, dict look-ups,
+    # small tuples and objects. Fixed, so its time measures the interpreter's speed here.
+    table: dict[tuple[int, int], int] = {}
+    acc = 0
+    for i in range(n):
+        p = _Point(i, i & 7)
+        key = (p.y, i & 63)
+        table[key] = table.get(key, 0) + p.x
+        acc += len(key) + (p.x >> 3)
+    return acc + len(table)
+
+
+def reference_loop_ms() -> float:
+    """Median of 7 timings of a fixed loop of interpreter work, in ms (measured once per process)."""
+    if not _REFERENCE:
+        _reference_work(2_000)  # warm up
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            _reference_work()
+            times.append(time.perf_counter() - t0)
+        _REFERENCE.append(1e3 * statistics.median(times))
+    return _REFERENCE[0]
+
+
+def _cpu() -> str:
+    cpu = platform.processor() or platform.machine() or "unknown CPU"
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                k, _, v = line.partition(":")
+                fields.setdefault(k.strip(), v.strip())
+    except OSError:
+        return cpu
+    cpu = fields.get("model name", cpu)
+    ident = [f"family {fields['cpu family']}" if "cpu family" in fields else "",
+             f"model {fields['model']}" if "model" in fields else "",
+             f"{float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else ""]
+    ident = [s for s in ident if s]
+    return f"{cpu} ({', '.join(ident)})" if ident else cpu
 
 
 def machine() -> str:
-    """CPU model, cores and load average now, e.g. ``AMD EPYC, 2 cores, load 0.31 0.70 1.02``."""
-    cpu = platform.processor() or platform.machine() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    """CPU (name, family/model, clock), cores, load average now and the reference loop's time, e.g.
+    ``AMD EPYC (family 26, model 2, 2596 MHz), 2 cores, load 0.31 0.70 1.02, reference loop 3.10 ms``."""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, load {load}"
+    return f"{_cpu()}, {os.cpu_count()} cores, load {load}, reference loop {reference_loop_ms():.2f} ms"
