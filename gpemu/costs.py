@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .calibration import model_for
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, Precision, classify, default_model, gpu_sheet
-from .costmodel.measured_loop import parameter_bookkeeping_ops
+from .costmodel.measured_loop import measured_loss_ops, parameter_bookkeeping_ops
 from .costmodel.model import Uncertainty, dominant_mix_of
 from .db.records import ARTIFACT_SOURCE
 from .identify import ModelIdentity
@@ -98,7 +98,7 @@ class CostState:
     """What one run has worked out about costs (``rt.costs``, made on first use)."""
 
     memo: dict = field(default_factory=dict)   # (identity, batch, device) -> ModelTimes | None
-    # (parameter shapes, sheet) -> seconds of the measured loop's per-parameter kernels there
+    # (parameter shapes, sheet, batch) -> seconds of the measured loop's loss and per-parameter kernels there
     bookkeeping: dict = field(default_factory=dict)
     devices: dict = field(default_factory=dict)  # device -> _Device
     # optimizer -> (its parameter lists' key, (seconds, provenance))
@@ -172,27 +172,28 @@ def _lookup_times(rt: "Runtime", identity: ModelIdentity, batch: int, device: in
     bwd = rt.db.lookup(gpu.name, identity.name, batch, "backward")
     backward = bwd.value
     if ARTIFACT_SOURCE in rt.db.sources(gpu.name, identity.name, "backward"):
-        backward = _model_backward(rt, identity, gpu, device, fwd.value, backward)
+        backward = _model_backward(rt, identity, gpu, device, batch, fwd.value, backward)
     return ModelTimes(fwd.value, backward, _worst(fwd.provenance, bwd.provenance), gpu.name)
 
 
-def _model_backward(rt: "Runtime", identity: ModelIdentity, gpu: "GpuSpec", device: int, forward: float,
-                    measured: float) -> float:
+def _model_backward(rt: "Runtime", identity: ModelIdentity, gpu: "GpuSpec", device: int, batch: int,
+                    forward: float, measured: float) -> float:
     """The model's own backward pass in a backward the shipped database measured: that loop's
-    backward also zeroed and accumulated every gradient and ran an SGD step
+    backward also computed the loss, zeroed and accumulated every gradient and ran an SGD step
     (:mod:`gpemu.costmodel.measured_loop`), which an emulated program runs, and is charged for,
     as its own ops and optimizer step. Their price on the GPU the time was measured on comes off;
     never below the forward (a backward pass does at least its forward's work)."""
-    if not identity.param_shapes:
-        return measured
     d = _device(rt, device)
     sheet = d.sheet if gpu.name == rt.gpus[device].name else d.reference_sheet
     st = _st(rt)
-    key = (identity.param_shapes, sheet)
+    key = (identity.param_shapes, sheet, batch)
     extra = st.bookkeeping.get(key)
     if extra is None:
-        ops = parameter_bookkeeping_ops(identity.param_shapes)
-        extra = st.bookkeeping[key] = model_for(rt.db, sheet).ops_seconds(ops, sheet, FP32)
+        model = model_for(rt.db, sheet)
+        extra = model.ops_seconds(measured_loss_ops(batch), sheet, FP32)
+        if identity.param_shapes:
+            extra += model.ops_seconds(parameter_bookkeeping_ops(identity.param_shapes), sheet, FP32)
+        st.bookkeeping[key] = extra
     return max(measured - extra, forward)
 
 

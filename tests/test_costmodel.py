@@ -528,3 +528,23 @@ def test_parameter_bookkeeping_ops_are_those_the_measured_loop_records():
     assert names.count("zero") == len(shapes) and names.count("mul") >= len(shapes)
     sizes = [math.prod(s) for s in shapes]
     assert [o.nbytes for o in ops[: 2 * len(shapes)]] == [b * n * 4 for n in sizes for b in (2, 3)]
+
+
+def test_measured_loss_ops_are_the_loss_the_measured_loop_records():
+    """The loss that comes off a shipped backward (the program's own loss is charged on its own) is
+    the cross entropy the measured loop records over the model's 1000 ImageNet logits: its forward
+    ops open the loop's backward column, and its backward ops are in it too."""
+    from gpemu.costmodel.measured_loop import MEASURED_CLASSES, measured_loss_ops, record_measured_step
+
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, MEASURED_CLASSES))
+    _, recorded = record_measured_step(net, torch.empty(8, 3, 4, 4, device="meta"))
+    loss = measured_loss_ops(8)
+    assert loss and all(o.backward for o in loss)
+    for o in loss:
+        assert o in recorded, o
+    # the loss's forward comes first in the column, before any gradient is zeroed
+    assert recorded[0] == loss[0]
+    # it grows with the batch (one row of 1000 logits per sample)
+    assert sum(o.nbytes for o in measured_loss_ops(64)) > 4 * sum(o.nbytes for o in loss)
+

@@ -18,7 +18,8 @@ measured backward at small batch sizes. A program of today (``zero_grad(set_to_n
 a foreach or fused optimizer) does not run them inside its backward pass, and its optimizer step
 is charged on its own; so the fit records them as part of the measured backward
 (:func:`record_measured_step`), and a measured model's backward is charged without them
-(:func:`parameter_bookkeeping_ops`, priced by the fitted model).
+(:func:`parameter_bookkeeping_ops`, priced by the fitted model) — and without the loss the column
+also timed (:func:`measured_loss_ops`), which a program's own loss is charged for.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ from torch.nn import functional as F
 from .classify import OpFeatures
 from .record import OpRecorder
 
-__all__ = ["SGD_MOMENTUM", "SGD_WEIGHT_DECAY", "record_measured_step", "parameter_bookkeeping_ops"]
+__all__ = ["SGD_MOMENTUM", "SGD_WEIGHT_DECAY", "MEASURED_CLASSES", "record_measured_step", "parameter_bookkeeping_ops",
+           "measured_loss_ops"]
 
 SGD_MOMENTUM = 0.9
 SGD_WEIGHT_DECAY = 1e-4
 _LR = 0.1
+# The measured models are torchvision's ImageNet classifiers: their loss is over 1000 logits.
+MEASURED_CLASSES = 1000
 
 
 def _sgd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -95,6 +99,21 @@ def parameter_bookkeeping_ops(shapes: Sequence[Sequence[int]], dtype: torch.dtyp
 
 
 _TEMPLATE_SIZE = 1024
+
+
+@lru_cache(maxsize=64)
+def measured_loss_ops(batch: int) -> tuple[OpFeatures, ...]:
+    """The loss's kernels in the measured loop's backward column at ``batch``: the cross entropy
+    over :data:`MEASURED_CLASSES` logits and its gradient, recorded as :func:`record_measured_step`
+    records them (every op of the column as backward work). A program's own loss is charged as its
+    own ops, so a shipped backward is charged without these too."""
+    logits = torch.empty(batch, MEASURED_CLASSES, device="meta", requires_grad=True)
+    targets = torch.zeros(batch, dtype=torch.long, device="meta")
+    rec = OpRecorder(saved_input_clones=False)
+    rec.backward = True
+    with rec:
+        F.cross_entropy(logits, targets).backward()
+    return tuple(rec.ops)
 
 
 @lru_cache(maxsize=None)
