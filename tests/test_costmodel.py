@@ -548,3 +548,32 @@ def test_measured_loss_ops_are_the_loss_the_measured_loop_records():
     # it grows with the batch (one row of 1000 logits per sample)
     assert sum(o.nbytes for o in measured_loss_ops(64)) > 4 * sum(o.nbytes for o in loss)
 
+
+def test_a_kepler_gpu_priced_with_another_generation_s_curves_delivers_its_share():
+    """Curves carried to a GPU of another generation price it against its own datasheet peaks,
+    scaled by what each SM generation delivers of them (gpemu.costmodel.published.DELIVERED_SHARE):
+    a Kepler lane delivers 1/1.35 of a Maxwell one, so the K80 priced with Maxwell's curves is
+    1.35x slower than the same datasheet would be as a Maxwell GPU, for arithmetic and for
+    memory-bound work alike; with its own curves, or between later generations, nothing changes."""
+    from dataclasses import replace
+
+    from gpemu.costmodel.classify import OpFeatures
+    from gpemu.costmodel.published import carried_share
+
+    conv = OpFeatures("convolution", OpClass.CONV, False, 2e10, 5e7, kernel=3, stride=1, reduction=576)
+    relu = OpFeatures("relu", OpClass.ELEMENTWISE, False, 1e7, 8e7)
+    k80 = gpu_sheet("K80")
+    blind = default_model().without("kepler")
+    as_maxwell = replace(k80, generation="maxwell", name="K80 as a Maxwell GPU", aliases=())
+    for op in (conv, relu):
+        assert blind.op_seconds(op, k80) == pytest.approx(1.35 * blind.op_seconds(op, as_maxwell), rel=1e-9)
+        # its own generation's curves: its datasheet as it is
+        assert default_model().priced(k80, op.op_class, "float32", Precision(), curve_key(op)).generation == "kepler"
+    own = default_model().priced(k80, OpClass.CONV, "float32", Precision(), curve_key(conv))
+    assert own.peak == k80.fp32_flops and own.bandwidth == k80.memory_bandwidth
+    # later generations deliver alike: the V100 priced with Turing's curves keeps its datasheet
+    v100 = gpu_sheet("V100")
+    carried = default_model().without("volta").priced(v100, OpClass.CONV, "float32", Precision(), curve_key(conv))
+    assert carried.generation == "turing" and carried.peak == v100.fp32_flops
+    assert carried_share("kepler", "calibrated:Tesla K80") == 1.0
+    assert carried_share("maxwell", "kepler") == pytest.approx(1.35)

@@ -14,7 +14,10 @@ measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 con
 ``memory`` for bandwidth-bound classes). A request is served by the first generation in the GPU's
 donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
 op runs on*, with the requesting GPU's own peaks and SM count; this is how a datasheet-only GPU
-(H100, L4, ...) and fp16/bf16 tensor-core work (calibrated only on the A100) get numbers.
+(H100, L4, ...) and fp16/bf16 tensor-core work (calibrated only on the A100) get numbers. A curve
+carried to another generation's GPU prices it against that GPU's peaks scaled by what the two SM
+generations deliver of their datasheets (:func:`~gpemu.costmodel.published.carried_share`: a
+Kepler SM 1/1.35 of Maxwell's and every later one's).
 Substitutes when no generation has a key on that path: an embedding uses the copy's curve, a
 reduction the elementwise one's, and so on (``_STANDINS``).
 
@@ -48,7 +51,7 @@ from . import curve as C
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
 from .gpus import DONORS, GpuSheet, gpu_sheet
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
-from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, tensor_plateau
+from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, carried_share, tensor_plateau
 from .table import CLASSES, DTYPES, OpTable
 
 __all__ = ["CostModel", "default_model", "curve_key", "table_keys", "PARAMS_PATH", "Uncertainty", "StepSeconds",
@@ -165,12 +168,15 @@ class _Resolved:
 @dataclass(frozen=True)
 class _Priced:
     """How one kind of op is priced on one GPU: its curve, the peak it applies to, whether a
-    roofline floor applies (matmul family), the generation that supplied the curve."""
+    roofline floor applies (matmul family) and the bandwidth it is taken at, the generation that
+    supplied the curve. Peak and bandwidth are the GPU's datasheet figures, scaled by
+    :func:`~gpemu.costmodel.published.carried_share` when the curve is another generation's."""
 
     curve: C.Curve
     peak: float
     floor: bool
     generation: str
+    bandwidth: float
 
 
 class CostModel:
@@ -261,19 +267,20 @@ class CostModel:
             path, peak = compute_peak(sheet, op_class, eff_dtype, precision)
             if op_class in MATMUL_CLASSES:
                 r = self.matmul_curve(sheet, op_class, phase, path, peak)
-                hit = _Priced(r.curve, peak, True, r.generation)
+                curve, floor = r.curve, True
             else:
                 r = self.resolve(sheet, key, path)
+                curve, floor = r.curve, False
                 if path == "tensor" and r.curve.path == "simt":
                     # No tensor-core curve of this kind in reach (only when generations are
                     # removed, as in leave-one-GPU-out): carried over from its SIMT curve as a
                     # GEMM's is, with the GEMM family's bytes floor (8x the rate makes bytes matter).
-                    hit = _Priced(tensor_from_simt(r.curve, sheet, peak), peak, True, r.generation)
-                else:
-                    hit = _Priced(r.curve, peak, False, r.generation)
+                    curve, floor = tensor_from_simt(r.curve, sheet, peak), True
         else:
             r = self.resolve(sheet, key, "memory")
-            hit = _Priced(r.curve, sheet.memory_bandwidth, False, r.generation)
+            curve, floor, peak = r.curve, False, sheet.memory_bandwidth
+        share = carried_share(sheet.generation, r.generation)
+        hit = _Priced(curve, peak * share, floor, r.generation, sheet.memory_bandwidth * share)
         self._priced_memo[memo_key] = hit
         return hit
 
@@ -288,7 +295,7 @@ class CostModel:
             z = op.flops / work if op.op_class in INTENSITY_CLASSES and work > 0 else 0.0
         g = C.kernel_seconds(work, pr.peak, sheet.sm_count, pr.curve, z)
         if pr.floor:
-            g = max(g, float(floor_seconds(op.nbytes * scale, sheet.memory_bandwidth)))
+            g = max(g, float(floor_seconds(op.nbytes * scale, pr.bandwidth)))
         return pr.curve.h, g
 
     def op_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
@@ -317,15 +324,15 @@ class CostModel:
 
     # ------------------------------------------------------------------ many ops
     def table_terms(self, table: OpTable, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> dict[str, Any]:
-        """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak,
-        scale, le, lx0, p, h, lk0, has_depth (ops with a reduction-depth term), intensity (1 for
+        """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak, bw
+        (the bandwidth of a roofline floor), scale, le, lx0, p, h, lk0, has_depth (ops with a reduction-depth term), intensity (1 for
         ops whose shape term is their FLOPs per byte), floor (matmul-family ops, which have a
         roofline floor :func:`floor_seconds`); and the generation that supplied each op's curve)."""
         sheet = gpu_sheet(gpu)
         keys = table_keys(table)
         n = len(table)
         is_comp = np.isin(table.cls, [CLASSES.index(c) for c in COMPUTE_CLASSES])
-        peak, scale = np.empty(n), np.ones(n)
+        peak, scale, bw = np.empty(n), np.ones(n), np.empty(n)
         le, lx0, p, h, lk0 = (np.empty(n) for _ in range(5))
         floor = np.zeros(n, dtype=bool)
         gens = np.empty(n, dtype=object)
@@ -338,12 +345,13 @@ class CostModel:
             pr = self.priced(sheet, cls, dtype, precision, k)
             scale[idx] = byte_scale(dtype, precision)
             peak[idx] = pr.peak
+            bw[idx] = pr.bandwidth
             le[idx], lx0[idx], p[idx], h[idx] = np.log(pr.curve.e), np.log(pr.curve.x0), pr.curve.p, pr.curve.h
             lk0[idx] = np.log(max(pr.curve.k0, 1e-30))
             floor[idx] = pr.floor
             gens[idx] = pr.generation
         intensity = np.isin(table.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
-        return {"sms": sheet.sm_count, "bw": sheet.memory_bandwidth, "is_comp": is_comp, "peak": peak,
+        return {"sms": sheet.sm_count, "bw": bw, "is_comp": is_comp, "peak": peak,
                 "scale": scale, "le": le, "lx0": lx0, "p": p, "h": h, "lk0": lk0,
                 "has_depth": depth_mask(table, is_comp), "intensity": intensity, "floor": floor, "gens": gens}
 
@@ -356,7 +364,7 @@ class CostModel:
         g = C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], z, grads=False)[0]
         fl = tm["floor"]
         if fl.any():
-            g[fl] = np.maximum(g[fl], floor_seconds(table.nbytes(batch)[fl] * tm["scale"][fl], tm["bw"]))
+            g[fl] = np.maximum(g[fl], floor_seconds(table.nbytes(batch)[fl] * tm["scale"][fl], tm["bw"][fl]))
         return g
 
     def table_phase_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",

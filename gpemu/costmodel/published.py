@@ -12,10 +12,13 @@ datasheet peak the op is priced against (:mod:`gpemu.costmodel.precision`).
 
 from __future__ import annotations
 
-__all__ = ["GEMM_PLATEAU_SIMT", "TENSOR_PLATEAU", "TENSOR_PLATEAU_DEFAULT", "tensor_plateau",
+__all__ = ["GEMM_PLATEAU_SIMT", "TENSOR_PLATEAU", "TENSOR_PLATEAU_DEFAULT", "tensor_plateau", "DELIVERED_SHARE",
+           "carried_share",
            "ATTENTION_FACTOR", "KERNEL_RAMP_MAX", "MEMORY_PLATEAU", "PUBLISHED_GEMMS", "PublishedGemm"]
 
 from dataclasses import dataclass
+
+from .gpus import GENERATIONS
 
 # Large FP32 GEMMs on the FMA (SIMT) units: cuBLAS / torch.matmul reach 72-90% of the datasheet
 # FP32 peak on large square matrices:
@@ -53,6 +56,31 @@ ATTENTION_FACTOR = {"fwd": 0.85, "bwd": 0.58}
 # best case, so the top of that range. (The fitted elementwise curves are no floor: a backward
 # elementwise pass fits to 20-50% of the bandwidth, because it also carries autograd's bookkeeping.)
 MEMORY_PLATEAU = 0.9
+
+# What an SM generation delivers of its datasheet figures, relative to Maxwell's SM and every later
+# one (1.0). Curves calibrated on one generation price another generation's GPU (a datasheet GPU,
+# or leave-one-GPU-out) against that GPU's own datasheet peaks; where the two SMs turn datasheet
+# figures into delivered work differently, the peak is scaled by the ratio (:func:`carried_share`).
+# Kepler's SMX has 192 FP32 lanes behind 4 schedulers, 128 lanes a clock without dual issue; Maxwell
+# cut the SM to 128 lanes (4 x 32, one instruction a clock each) and NVIDIA puts the difference at
+# "135% performance per core" (GeForce GTX 750 Ti whitepaper, 2014) and "performance per SM usually
+# within 10% of Kepler" with two thirds of the cores (Maxwell Tuning Guide, Instruction Scheduling):
+# a Kepler lane delivers 1/1.35 of a Maxwell lane. From Maxwell on every SM's lanes are those its
+# schedulers fill issuing one instruction a clock, and NVIDIA's later per-core claims (Turing: 50%
+# per core over Pascal) come from running integer instructions beside floating-point ones in
+# graphics shaders, which CNN and GEMM kernels hardly issue: not used. A delivered-work figure of
+# the whole SM, so it scales memory-bound kernels (issued by the same SMs) as well as arithmetic.
+DELIVERED_SHARE = {"kepler": 1 / 1.35}
+
+
+def carried_share(gpu_generation: str, curve_generation: str) -> float:
+    """Factor on a GPU's datasheet peaks when ops of its ``gpu_generation`` are priced with a curve
+    calibrated on ``curve_generation`` (1 for its own generation's curves, or a GPU's own calibration,
+    whose generation is not a generation name)."""
+    if curve_generation == gpu_generation or curve_generation not in GENERATIONS:
+        return 1.0
+    return DELIVERED_SHARE.get(gpu_generation, 1.0) / DELIVERED_SHARE.get(curve_generation, 1.0)
+
 
 # How long a kernel may take to fill the GPU: at most this much work *at the plateau rate* lies
 # below the curve's half-way point x0 (a bound for the fit, in seconds). A kernel launch and its
