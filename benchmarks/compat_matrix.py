@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "compat"))
 import scenarios  # noqa: E402
+from machine import machine  # noqa: E402
 
 
 def torch_build(python: str) -> str:
@@ -46,12 +47,7 @@ def main() -> None:
                   else [s for s in scenarios.SCENARIOS if s.matrix])
     except KeyError as exc:
         p.error(f"--only: {exc.args[0]}")
-    try:
-        load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
-    except OSError:
-        load = "?"
-    print(f"# torch {torch_build(args.python)}; python {platform.python_version()}; "
-          f"{__import__('os').cpu_count()} cores, load {load}", flush=True)
+    print(f"# torch {torch_build(args.python)}; python {platform.python_version()}; {machine()}", flush=True)
     header = ("client", "scenario", "GPU", "works", "wall ms/step", "GPU ms/step", "host/GPU", "provenance",
               "expected", "run s")
     print("| " + " | ".join(header) + " |")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
+from machine import machine  # noqa: E402
 
 PHASES = ("input copy", "forward", "label copy", "loss", "backward", "optimizer step", "zero_grad", "synchronize")
 
@@ -97,6 +98,7 @@ def main() -> None:
         print(f"{k:16}" + "".join(f"{1e6 * statistics.median(times[m][k]):16.1f}" for m in modes))
     print(f"{'sum of medians':16}" + "".join(
         f"{1e6 * sum(statistics.median(times[m][k]) for k in PHASES):16.1f}" for m in modes))
+    print(f"machine: {machine()}")
 
 
 if __name__ == "__main__":
