@@ -294,8 +294,8 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
         note = _scale_to(rows, info, batch_size, source, spec)
     if ("backward", 1) in measured and ARTIFACT_SOURCE in pdb.sources(source.name, info.name, "backward"):
         loop = ("The backward row is the shipped loop's: loss, zero_grad, backward and an SGD step; a run "
-                "charges it less that loop's per-parameter kernels, which its own optimizer step replaces "
-                "(docs/time.md)")
+                "charges it less that loop's loss and per-parameter kernels, which its own loss and optimizer "
+                "step replace (docs/time.md)")
         note = f"{note}\n{loop}" if note else loop
     if as_json:
         out: dict[str, Any] = {"model": info.name, "gpu": spec.name, "batch_size": batch_size}
