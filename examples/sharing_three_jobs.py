@@ -7,7 +7,8 @@
 Job k starts ``k * spacing`` seconds after the first and trains for a fixed number of
 iterations (``--durations``, later jobs shorter); they finish in reverse order. Each iteration asks the sharing manager for one
 iteration of GPU time (forward + backward of ResNet-50 at the batch size on a P100, from the
-profile database) and blocks until served. The figure shows each job's throughput over time:
+profile database, whose backward column is the rest of a whole training iteration: loss,
+zero_grad, backward and the SGD step, see gpemu.costmodel.measured_loop) and blocks until served. The figure shows each job's throughput over time:
 alone a job gets the whole GPU, with N jobs each gets 1/N (round-robin policy).
 
 By default jobs are driven through ``SharingClient`` directly, so this needs only the profile
@@ -31,7 +32,8 @@ from pathlib import Path
 
 
 def iteration_cost(batch_size: int) -> tuple[float, int, int]:
-    """(seconds, peak bytes, persistent bytes) of one ResNet-50 iteration on a P100."""
+    """(seconds, peak bytes, persistent bytes) of one ResNet-50 training iteration on a P100: the
+    database's forward + backward, which together are the measured loop's whole iteration."""
     from gpemu.config import EmuConfig
     from gpemu.db import open_profile_db
 
