@@ -141,14 +141,18 @@ class Measurer:
         raise ValueError(f"unknown optimizer {self.optimizer_name!r}; valid: sgd, adam, adamw")
 
     def flops_per_sample(self) -> tuple[float | None, float | None]:
-        """Forward and forward+backward FLOPs of one sample (FlopCounterMode, batch 1)."""
+        """Forward and forward+backward FLOPs of one sample (FlopCounterMode, batch 1; a
+        convolution's backward counted as the cost model counts it, not by torch's formula, which
+        overcounts grouped convolutions: gpemu.costmodel.flops)."""
         try:
             from torch.utils.flop_counter import FlopCounterMode
         except ImportError:  # pragma: no cover - old torch
             return None, None
+        from gpemu.costmodel.flops import flop_counter_mapping
+
         inputs, targets = self.model.make_batch(1)
         inputs = inputs.to(self.device)
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=flop_counter_mapping())
         try:
             with counter:
                 out = self.module(inputs)

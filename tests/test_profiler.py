@@ -42,6 +42,9 @@ FACTORIES = textwrap.dedent('''
     def small():
         return nn.Sequential(nn.Linear(16, 4)), torch.randn(2, 16)
 
+    def depthwise():
+        return nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.Flatten()), torch.randn(2, 8, 6, 6)
+
     class Slow(nn.Module):
         """Slow enough that a run of many batch sizes can be interrupted in the middle."""
         def __init__(self):
@@ -138,6 +141,18 @@ def test_model_specs(factories: Path) -> None:
     else:
         tv = load_model("resnet50")
         assert tv.name == "resnet50" and sum(p.numel() for p in tv.module.parameters()) == 25_557_032
+
+
+def test_a_grouped_convolution_s_backward_flops_are_two_forwards(factories: Path) -> None:
+    """The FLOPs a profiled model is stored with count a convolution's backward as one
+    forward-sized convolution per gradient (input, weight), grouped or not: torch's own formula
+    counts a depthwise convolution's weight gradient ``groups`` times over (9x its forward here)."""
+    from gpemu.profiler.measure import Measurer
+
+    fwd, total = Measurer(load_model("profmodels:depthwise", None), torch.device("cpu")).flops_per_sample()
+    assert fwd == 2 * 8 * 6 * 6 * 9  # 2 x outputs x (1 input channel x 3 x 3) per output
+    # the input needs no gradient: only the weight's, one forward's worth
+    assert total == pytest.approx(2 * fwd)
 
 
 def test_cpu_memory_estimate_counts_activations_once(factories: Path) -> None:

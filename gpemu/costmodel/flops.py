@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 __all__ = [
     "gemm_flops", "bmm_flops", "conv_forward_flops", "conv_backward_flops",
-    "attention_forward_flops", "attention_backward_flops",
+    "attention_forward_flops", "attention_backward_flops", "flop_counter_mapping",
 ]
 
 
@@ -76,3 +76,20 @@ def attention_backward_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_s
 def shape(x: Any) -> tuple[int, ...]:
     """A tensor's shape as plain ints (meta / fake tensors included)."""
     return tuple(int(d) for d in x.shape)
+
+
+def _counter_conv_backward(grad_out_shape: Sequence[int], x_shape: Sequence[int], w_shape: Sequence[int],
+                           _bias: Any, _stride: Any, _padding: Any, _dilation: Any, transposed: bool,
+                           _output_padding: Any, _groups: Any, output_mask: Sequence[bool], out_shape: Any = None,
+                           **kwargs: Any) -> int:
+    # torch's argument order for aten.convolution_backward's formula (shapes, not tensors)
+    return int(conv_backward_flops(grad_out_shape, x_shape, w_shape, transposed, output_mask))
+
+
+def flop_counter_mapping() -> dict[Any, Any]:
+    """``custom_mapping`` for ``torch.utils.flop_counter.FlopCounterMode`` that counts a
+    convolution's backward as :func:`conv_backward_flops` does (torch's own formula overcounts a
+    grouped convolution's weight gradient by its group count, see the module docstring)."""
+    import torch
+
+    return {torch.ops.aten.convolution_backward: _counter_conv_backward}
