@@ -344,8 +344,11 @@ class RebuildReport:
         kept = ", ".join(f"{n} {label.get(table, table)}" for table, n in self.kept.items() if n) or "no rows of your own"
         out = f"{head}: kept {kept}"
         if self.shadowed:
-            out += (f"; the new shipped data replaces your versions of {', '.join(self.shadowed[:5])}"
-                    + (f" and {len(self.shadowed) - 5} more" if len(self.shadowed) > 5 else ""))
+            # (the old file's row differs from the new shipped one: the user changed it, or the
+            # shipped facts changed since; gpus and models rows carry no source to tell which)
+            out += (f"; the new shipped data replaces the old file's rows for {', '.join(self.shadowed[:5])}"
+                    + (f" and {len(self.shadowed) - 5} more" if len(self.shadowed) > 5 else "")
+                    + " (your changes, or facts an earlier gpemu shipped)")
         if self.conflicts:
             out += "; the alias " + "; the alias ".join(self.conflicts)
         return out + (f"; the old file is kept as {self.backup}" if self.backup else "")

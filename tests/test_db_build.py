@@ -231,7 +231,7 @@ def test_changed_shipped_gpu_is_replaced_and_named(tmp_path, capsys):
     con.close()
     ensure_default_db(tmp_path)
     err = capsys.readouterr().err
-    assert "replaces your versions of Tesla V100-PCIE-32GB" in err and "kept no rows of your own" in err
+    assert "replaces the old file's rows for Tesla V100-PCIE-32GB" in err and "kept no rows of your own" in err
     assert open_profile_db(EmuConfig(data_dir=str(tmp_path))).gpu("V100").sm_count == 80
 
 
