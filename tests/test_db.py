@@ -108,6 +108,17 @@ def test_resnet50_v100_reference_values(pdb):
     assert peak.unit == "bytes" and peak.value > pdb.lookup("V100", "resnet50", 128, "persistent_memory").value
 
 
+def test_shipped_models_backward_flops_are_at_most_two_forwards(pdb):
+    """A backward pass computes at most two forward-sized products per layer (the input's and the
+    weight's gradient), grouped and depthwise convolutions too: torch's FlopCounterMode counts a
+    grouped convolution's weight gradient once per group (MobileNetV2: backward 19x its forward),
+    which the shipped model facts must not carry."""
+    models = pdb.models()
+    assert len(models) == 36
+    for m in models:
+        assert m.fwd_flops_per_sample < m.fwd_bwd_flops_per_sample <= 3.0 * m.fwd_flops_per_sample, m.name
+
+
 def test_distributions_shipped(pdb):
     dali = pdb.distribution("decode-dali")
     assert dali.ndim == 1 and len(dali) > 600 and (dali >= 0).all()
