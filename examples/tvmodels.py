@@ -2,7 +2,7 @@
 
 torchvision cannot be imported with the CPU build of torch on these machines, so tests, examples
 and benchmarks build their models from here. Class names, submodule names and parameter counts
-equal torchvision's (checked against ``torchvision_models.csv`` by tests/test_identify.py), so a
+equal torchvision's (checked against the shipped db/data/models.csv by tests/test_identify.py), so a
 model from here is recognised exactly like the real one. No gpemu import: this is ordinary user
 code.
 
