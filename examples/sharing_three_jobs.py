@@ -4,12 +4,13 @@
     python examples/sharing_three_jobs.py --spacing 4 --durations 12,6,2 --out quick.png
     python examples/sharing_three_jobs.py --amqp amqp://guest:guest@localhost/ --out sharing.png
 
-Job k starts ``k * spacing`` seconds after the first and trains for a fixed number of
-iterations (``--durations``, later jobs shorter); they finish in reverse order. Each iteration asks the sharing manager for one
-iteration of GPU time (forward + backward of ResNet-50 at the batch size on a P100, from the
-profile database, whose backward column is the rest of a whole training iteration: loss,
-zero_grad, backward and the SGD step, see gpemu.costmodel.measured_loop) and blocks until served. The figure shows each job's throughput over time:
-alone a job gets the whole GPU, with N jobs each gets 1/N (round-robin policy).
+Job k starts ``k * spacing`` seconds after the first and trains for a fixed number of iterations
+(``--durations``, later jobs shorter); they finish in reverse order. Each iteration asks the
+sharing manager for one iteration of GPU time (forward + backward of ResNet-50 at the batch size on
+a P100, from the profile database, whose backward column is the rest of a whole training iteration:
+loss, zero_grad, backward and the SGD step, see gpemu.costmodel.measured_loop) and blocks until
+served. The figure shows each job's throughput over time: alone a job gets the whole GPU, with N
+jobs each gets 1/N (round-robin policy).
 
 By default jobs are driven through ``SharingClient`` directly, so this needs only the profile
 database (no emulated PyTorch). ``--full`` runs every job as its own Python process training a

@@ -325,9 +325,10 @@ class CostModel:
     # ------------------------------------------------------------------ many ops
     def table_terms(self, table: OpTable, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> dict[str, Any]:
         """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak, bw
-        (the bandwidth of a roofline floor), scale, le, lx0, p, h, lk0, has_depth (ops with a reduction-depth term), intensity (1 for
-        ops whose shape term is their FLOPs per byte), floor (matmul-family ops, which have a
-        roofline floor :func:`floor_seconds`); and the generation that supplied each op's curve)."""
+        (the bandwidth of a roofline floor), scale, le, lx0, p, h, lk0, has_depth (ops with a
+        reduction-depth term), intensity (1 for ops whose shape term is their FLOPs per byte), floor
+        (matmul-family ops, which have a roofline floor :func:`floor_seconds`); and the generation
+        that supplied each op's curve)."""
         sheet = gpu_sheet(gpu)
         keys = table_keys(table)
         n = len(table)
