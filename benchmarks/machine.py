@@ -12,14 +12,12 @@ folder is first on ``sys.path``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
 
 __all__ = ["machine", "reference_loop_ms"]
-
-_REFERENCE: list[float] = []
-
 
 class _Point:
     __slots__ = ("x", "y")
@@ -41,19 +39,18 @@ def _reference_work(n: int = 20_000) -> int:
     return acc + len(table)
 
 
+@functools.cache
 def reference_loop_ms() -> float:
     """The fastest of 15 timings of a fixed loop of interpreter work, in ms (measured once per
     process). The fastest, as ``timeit`` advises: slower ones measure other processes, not this
     machine's speed."""
-    if not _REFERENCE:
-        _reference_work(5_000)  # warm up
-        times = []
-        for _ in range(15):
-            t0 = time.perf_counter()
-            _reference_work()
-            times.append(time.perf_counter() - t0)
-        _REFERENCE.append(1e3 * min(times))
-    return _REFERENCE[0]
+    _reference_work(5_000)  # warm up
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        _reference_work()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
 
 
 def _cpu() -> str:

@@ -95,12 +95,13 @@ def _make_step(n_params: int, engine: bool) -> Callable[[], None]:
 def _median_us(step: Callable[[], None], iterations: int) -> float:
     for _ in range(min(500, iterations)):
         step()
+    per_round = iterations // 30  # (main: --iterations >= 30)
     rounds = []
     for _ in range(30):
         t0 = time.perf_counter()
-        for _ in range(iterations // 30 or 1):
+        for _ in range(per_round):
             step()
-        rounds.append((time.perf_counter() - t0) / (iterations // 30 or 1))
+        rounds.append((time.perf_counter() - t0) / per_round)
     return 1e6 * statistics.median(rounds)
 
 
