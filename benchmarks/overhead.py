@@ -33,6 +33,15 @@ and CPU (``thread_time`` of the running thread: on a shared machine, less distur
 processes than wall time, though not by cache and core sharing).
 
     python benchmarks/overhead.py --gpus V100,A100 --models resnet50,alexnet,mobilenet_v3_small,shufflenet_v2_x0_5,resnet152,gpt2_small,params1000 --batches 32 --iterations 30
+
+``--real`` runs the same step unpatched on this machine's real CUDA GPU and prints what eager
+PyTorch's own host spends on it: **issue ms**, from the return of the (blocking, pageable) input
+copy to the call of ``synchronize`` (label copy, forward, loss, backward, SGD step, zero_grad:
+the launches, none of it waiting for the GPU unless its queue is full), and the real **step ms**.
+Run beside the emulated rows on the same machine, it says how the emulator's host time compares
+with the host time of the real thing it stands for.
+
+    python benchmarks/overhead.py --real --models alexnet,resnet50,gpt2_small --batches 32
 """
 
 from __future__ import annotations
@@ -162,6 +171,50 @@ def measure(gpu: str, name: str, bs: int, iterations: int,
     return statistics.median(host), host[int(0.9 * (len(host) - 1))], statistics.median(gpu_times), stats
 
 
+def measure_real(name: str, bs: int, iterations: int) -> tuple[float, float, float]:
+    """The same step on the real CUDA GPU, unpatched: (median issue s/iter, p90 issue s/iter,
+    median step s/iter); see ``--real``."""
+    build, x, y, bs = workload(name, bs)
+    model = build().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    issue, steps = [], []
+    for i in range(iterations + 5):  # five warm-ups: cuDNN's algorithm search, allocator, state
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        xd = x.cuda()
+        t1 = time.perf_counter()
+        out = model(xd)
+        if isinstance(out, tuple):
+            out = out[0]
+        if out.dim() == 3:
+            out = out.view(-1, out.shape[-1])
+        loss = torch.nn.functional.cross_entropy(out, y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if i >= 5:
+            issue.append(t2 - t1)
+            steps.append(t3 - t0)
+    issue.sort()
+    return statistics.median(issue), issue[int(0.9 * (len(issue) - 1))], statistics.median(steps)
+
+
+def _main_real(models: list[str], batches: list[int], iterations: int) -> None:
+    print(f"real GPU: {torch.cuda.get_device_name()}")
+    print(f"{'model':14} {'bs':>4} {'issue ms/iter':>14} {'p90':>8} {'step ms':>10} {'issue share':>12}")
+    for name in models:
+        for bs in batches:
+            med, p90, step_s = measure_real(name, bs, iterations)
+            bs_run = TRANSFORMER_BATCH if name == "gpt2_small" else bs
+            print(f"{name:14} {bs_run:4d} {1e3 * med:14.3f} {1e3 * p90:8.3f} {1e3 * step_s:10.2f} "
+                  f"{100 * med / step_s:11.2f}%", flush=True)
+            torch.cuda.empty_cache()
+    print(f"machine after: {machine()}")
+
+
 def main() -> None:
     global TRANSFORMER_BATCH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,6 +229,8 @@ def main() -> None:
                         "process (robust to machine load drifting) and print both medians")
     p.add_argument("--compare-hub", action="store_true",
                    help="the same interleaving for hub mode (one autograd input instead of every parameter)")
+    p.add_argument("--real", action="store_true",
+                   help="run the step unpatched on this machine's real CUDA GPU: eager PyTorch's own host time")
     p.add_argument("--transformer-batch", type=int, default=TRANSFORMER_BATCH,
                    help="gpt2_small's batch (sequences of 1024 tokens; --batches is for the other models)")
     a = p.parse_args()
@@ -188,6 +243,9 @@ def main() -> None:
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; valid: all, {', '.join((*tvmodels.MODELS, *EXTRA_MODELS))}")
     print(f"machine: {machine()}; torch {torch.__version__}, Python {platform.python_version()}", flush=True)
+    if a.real:
+        _main_real(a.models.split(","), [int(b) for b in a.batches.split(",")], a.iterations)
+        return
     # no spares, no gradient sets: every backward wraps new gradients
     tuning = {"spare_limit": 0} if a.no_grad_reuse else {}
     if a.compare_grad_reuse or a.compare_hub:

@@ -20,7 +20,8 @@ about one level per step) and its submodules are replayed as units from about th
 * **time from**: the model time's provenance as the run's summary gives it (``estimated``:
   priced op by op by the cost model, with its cross-validated uncertainty).
 
-No emulated time here was compared with a real GPU run of the same script (none was available).
+``--real`` runs the same steps on this machine's real CUDA GPU, unpatched (step ms and peak GiB
+only), so the emulated rows can be compared with a real run of the same script.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _one(args: argparse.Namespace) -> None:
     import gpemu
     from gpemu.observe import model_source
 
-    gpemu.patch(gpu=args.gpu)
+    if not args.real:
+        gpemu.patch(gpu=args.gpu)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if args.precision == "tf32":
@@ -61,12 +63,12 @@ def _one(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
     dtype = PRECISIONS[args.precision]
-    rt = gpemu.current()
+    rt = None if args.real else gpemu.current()
     row: dict = {}
     for _ in range(args.steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        n0 = len(rt.recorder.spans)
+        n0 = len(rt.recorder.spans) if rt else 0
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=getattr(torch, dtype) if dtype else torch.float32, enabled=dtype is not None):
             loss = model(input_ids=tokens, labels=tokens).loss
@@ -75,11 +77,14 @@ def _one(args: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         step = time.perf_counter() - t0
-        busy = sum(s.end - s.start for s in rt.recorder.spans[n0:])
+        busy = sum(s.end - s.start for s in rt.recorder.spans[n0:]) if rt else float("nan")
         row = {"step_ms": 1e3 * step, "busy_ms": 1e3 * busy,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    models = gpemu.summary().get("models", [])
-    row["time_from"] = "; ".join(dict.fromkeys(model_source(m) for m in models)) or "-"
+    if rt:
+        models = gpemu.summary().get("models", [])
+        row["time_from"] = "; ".join(dict.fromkeys(model_source(m) for m in models)) or "-"
+    else:
+        row["time_from"] = f"real {torch.cuda.get_device_name()}"
     print("ROW " + json.dumps(row), flush=True)
 
 
@@ -92,6 +97,8 @@ def main() -> None:
     p.add_argument("--precisions", default="fp32,tf32,bf16,fp16",
                    help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")
     p.add_argument("--checkpointing", default="off,on", help="off, on or off,on (default both)")
+    p.add_argument("--real", action="store_true",
+                   help="run unpatched on this machine's real CUDA GPU (to compare with the emulated rows)")
     p.add_argument("--precision", help=argparse.SUPPRESS)  # one configuration (internal)
     args = p.parse_args()
     if args.precision:
@@ -102,12 +109,14 @@ def main() -> None:
     ckpts = [x for x in args.checkpointing.split(",") if x]
     if bad or not precisions or any(c not in ("off", "on") for c in ckpts) or not ckpts:
         p.error(f"--precisions takes {', '.join(PRECISIONS)}; --checkpointing takes off, on")
-    print(f"# GPT-2 small ({args.batch} x {args.seq} tokens, AdamW) on an emulated {args.gpu}; machine: {machine()}")
+    where = "this machine's real GPU" if args.real else f"an emulated {args.gpu}"
+    print(f"# GPT-2 small ({args.batch} x {args.seq} tokens, AdamW) on {where}; machine: {machine()}")
     print("| precision | checkpointing | step ms | GPU busy ms | peak GiB | time from |")
     print("|---|---|---|---|---|---|")
     for prec in precisions:
         for ck in ckpts:
-            cmd = [sys.executable, __file__, "--gpu", args.gpu, "--batch", str(args.batch), "--seq", str(args.seq),
+            cmd = [sys.executable, __file__, *(["--real"] if args.real else []), "--gpu", args.gpu,
+                   "--batch", str(args.batch), "--seq", str(args.seq),
                    "--steps", str(args.steps), "--precision", prec, "--checkpointing", ck]
             out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             rows = [ln[4:] for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
