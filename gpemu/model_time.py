@@ -364,14 +364,18 @@ def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | Non
 
 
 def graph_nodes(roots: list) -> Iterator[Any]:
-    """Each autograd node reachable from ``roots`` (nodes or None), once."""
-    seen: set[int] = set()
+    """Each autograd node reachable from ``roots`` (nodes or None), once.
+
+    ``seen`` holds the nodes themselves, not only their ids: torch hands out a C++ node's Python
+    object on demand and (torch 2.11) frees it when nothing holds it, so a later node's object
+    can take a freed one's id and be skipped as seen; held, a node keeps its one Python object."""
+    seen: dict[int, Any] = {}
     stack = list(roots)
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         yield fn
         for nxt, _ in fn.next_functions:
             if nxt is not None:

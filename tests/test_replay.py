@@ -477,3 +477,28 @@ def test_tf32_switches_are_part_of_the_situation():
     assert info["recorded"] == 2 and info["replayed"] == 2
     assert fp32 > 3 * tf32  # 19.5 TFLOP/s on FMA units against 156 TFLOP/s on TF32 tensor cores
     assert fp32_again == pytest.approx(fp32, rel=0.02)
+
+
+class _OnDemandNode:
+    """An autograd node as torch 2.11 hands C++ nodes to Python: ``next_functions`` makes a new
+    Python object for each next node on every access and keeps none of them, so a freed one's
+    id is soon another's (torch 2.13 keeps them; this double stands in for the older torch)."""
+
+    def __init__(self, depth: int, fan: int) -> None:
+        self.depth, self.fan = depth, fan
+
+    @property
+    def next_functions(self) -> tuple:
+        if self.depth == 0:
+            return ()
+        return tuple((_OnDemandNode(self.depth - 1, self.fan), 0) for _ in range(self.fan))
+
+
+def test_graph_walk_sees_every_node_when_torch_makes_node_objects_on_demand():
+    from gpemu.model_time import graph_nodes
+
+    # A chain of 40 nodes: each one must be visited once, none skipped because a freed node
+    # object's id was taken by the next one made.
+    assert sum(1 for _ in graph_nodes([_OnDemandNode(39, 1)])) == 40
+    # Two edges per node (each access makes distinct objects): a tree of 2^8 - 1 nodes.
+    assert sum(1 for _ in graph_nodes([_OnDemandNode(7, 2)])) == 2 ** 8 - 1
