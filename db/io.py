@@ -2,8 +2,11 @@
 
 Formats (both carry every table, so an export imported into an empty database reproduces it):
 - JSON: one file ``{"format": "gpemu-profile-db", "schema_version", "gpus": [...], "models": [...],
-  "measurements": {"columns": [...], "rows": [[...], ...]}, "distributions": [...]}``.
-- CSV: a directory with ``gpus.csv``, ``models.csv``, ``measurements.csv``, ``distributions.csv``.
+  "measurements": {"columns": [...], "rows": [[...], ...]}, "distributions": [...],
+  "op_measurements": [...], "op_curves": [...]}`` (the last two: ``gpemu profile --ops``, a GPU's
+  own calibration, :mod:`gpemu.db.op_measurements`; keyed by GPU name).
+- CSV: a directory with ``gpus.csv``, ``models.csv``, ``measurements.csv``, ``distributions.csv``,
+  ``op_measurements.csv``, ``op_curves.csv``.
 Import also takes a single ``measurements.csv``-style file (columns gpu, model, kind,
 batch_size, value and optionally the rest) for GPUs and models the database already knows.
 
@@ -23,6 +26,8 @@ from typing import Any, Iterable
 from sqlalchemy import select
 
 from . import schema as S
+from .op_measurements import OpCurveRow, OpMeasurement, op_gpus, read_curves, read_measurements, stamps, write_curves
+from .op_measurements import write_measurements as write_op_measurements
 from .lookup import ProfileDB, check_generation, clean_measurement, gpu_row, measurement_row, model_row, upsert
 from .records import GpuSpec, Measurement, ModelInfo, normalize_name
 
@@ -34,6 +39,9 @@ _GPU_COLUMNS = [f.name for f in fields(GpuSpec)]
 _MODEL_COLUMNS = [f.name for f in fields(ModelInfo)]
 _DIST_COLUMNS = ["name", "unit", "samples", "source", "description"]
 _OPTIONAL_FLOATS = ("std", "p50", "p90", "p99")
+_OP_COLUMNS = ["gpu"] + [f.name for f in fields(OpMeasurement)] + ["measured_at"]
+_CURVE_COLUMNS = ["gpu"] + [f.name for f in fields(OpCurveRow)] + ["fitted_at"]
+_OP_PATHS = ("simt", "tensor", "memory")
 
 
 @dataclass
@@ -48,11 +56,13 @@ class ImportReport:
     models: int = 0
     measurements: int = 0
     distributions: int = 0
+    op_measurements: int = 0
+    op_curves: int = 0
     rejected: list[Rejected] = field(default_factory=list)
 
     @property
     def accepted(self) -> int:
-        return self.gpus + self.models + self.measurements + self.distributions
+        return self.gpus + self.models + self.measurements + self.distributions + self.op_measurements + self.op_curves
 
 
 # ---------------------------------------------------------------------------------- export
@@ -79,6 +89,14 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
                 r[2] = json.loads(r[2] or "{}")
                 rows.append([r[i] for i in order])
         dists = conn.execute(select(S.distributions).order_by(S.distributions.c.name)).mappings().all()
+    ops, curves = [], []
+    for gpu in op_gpus(db.engine):
+        if gpus and gpu not in gpu_names:
+            continue
+        measured, fitted = stamps(db.engine, gpu)
+        ops += [{"gpu": gpu, **asdict(r), "measured_at": measured.get((r.key, r.path, r.dtype, r.shape))}
+                for r in read_measurements(db.engine, gpu)]
+        curves += [{"gpu": gpu, **asdict(c), "fitted_at": fitted.get((c.key, c.path))} for c in read_curves(db.engine, gpu)]
     return {
         "format": FORMAT_NAME,
         "schema_version": S.SCHEMA_VERSION,
@@ -90,6 +108,8 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
              "source": d["source"], "description": d["description"]}
             for d in dists
         ],
+        "op_measurements": ops,
+        "op_curves": curves,
     }
 
 
@@ -130,8 +150,13 @@ def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
                     for r in data["measurements"]["rows"]])
         _write_csv(path / "distributions.csv", _DIST_COLUMNS,
                    [[json.dumps(d[c]) if c == "samples" else d[c] for c in _DIST_COLUMNS] for d in data["distributions"]])
+        _write_csv(path / "op_measurements.csv", _OP_COLUMNS,
+                   [[json.dumps(r[c], sort_keys=True) if c == "metadata" else r[c] for c in _OP_COLUMNS]
+                    for r in data["op_measurements"]])
+        _write_csv(path / "op_curves.csv", _CURVE_COLUMNS, [[r[c] for c in _CURVE_COLUMNS] for r in data["op_curves"]])
     return {"gpus": len(data["gpus"]), "models": len(data["models"]),
-            "measurements": len(data["measurements"]["rows"]), "distributions": len(data["distributions"])}
+            "measurements": len(data["measurements"]["rows"]), "distributions": len(data["distributions"]),
+            "op_measurements": len(data["op_measurements"]), "op_curves": len(data["op_curves"])}
 
 
 def _gpu_cell(column: str, value: Any) -> Any:
@@ -166,7 +191,8 @@ def import_path(db: ProfileDB, path: str | Path) -> ImportReport:
     elif path.suffix.lower() == ".json":
         sections = _read_json(path)
     elif path.suffix.lower() == ".csv":
-        sections = {"gpus": [], "models": [], "measurements": _csv_rows(path, _parse_measurement_cells), "distributions": []}
+        sections = {"gpus": [], "models": [], "measurements": _csv_rows(path, _parse_measurement_cells),
+                    "distributions": []}
     else:
         raise ValueError(f"cannot import {path}: expected a .json export, a CSV export directory, or a .csv file")
     return _import_sections(db, sections)
@@ -195,7 +221,7 @@ def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
                 if isinstance(version, int) and not isinstance(version, bool) and version > S.SCHEMA_VERSION
                 else f"this gpemu reads exports with schema_version 1 to {S.SCHEMA_VERSION}")
         raise ValueError(f"{path} has schema_version {_quote(version)}; {hint}")
-    for name in ("gpus", "models", "distributions"):
+    for name in ("gpus", "models", "distributions", "op_measurements", "op_curves"):
         if not isinstance(data.get(name, []), list):
             raise ValueError(f"{path}: \"{name}\" must be a list of objects, got {type(data[name]).__name__}")
     meas = data.get("measurements", {"columns": MEASUREMENT_COLUMNS, "rows": []})
@@ -212,6 +238,8 @@ def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
                           else ValueError(f"a row must be a list of {len(cols)} values (the columns), got {_quote(r)}"))
                          for i, r in enumerate(rows, 1)],
         "distributions": [(f"{path.name} distributions #{i}", d) for i, d in enumerate(data.get("distributions", []), 1)],
+        **{name: [(f"{path.name} {name} #{i}", d) for i, d in enumerate(data.get(name, []), 1)]
+           for name in ("op_measurements", "op_curves")},
     }
 
 
@@ -221,7 +249,8 @@ def _quote(value: Any) -> str:
 
 
 def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
-    expected = ("gpus.csv", "models.csv", "measurements.csv", "distributions.csv")
+    expected = ("gpus.csv", "models.csv", "measurements.csv", "distributions.csv", "op_measurements.csv",
+                "op_curves.csv")
     if not any((path / f).exists() for f in expected):
         raise ValueError(f"{path} holds none of {', '.join(expected)} (is it a `gpemu db export` directory?)")
 
@@ -233,6 +262,8 @@ def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
         "models": rows("models.csv", _parse_model_cells),
         "measurements": rows("measurements.csv", _parse_measurement_cells),
         "distributions": rows("distributions.csv", _parse_dist_cells),
+        "op_measurements": rows("op_measurements.csv", _parse_op_cells),
+        "op_curves": rows("op_curves.csv", _parse_op_cells),
     }
 
 
@@ -323,6 +354,80 @@ def _parse_model_cells(c: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _parse_op_cells(c: dict[str, str]) -> dict[str, Any]:
+    """A row of op_measurements.csv / op_curves.csv: numbers as numbers (checked on import)."""
+    out: dict[str, Any] = {}
+    for k, v in c.items():
+        v = (v or "").strip()
+        if k in ("samples", "sm_count", "rows"):
+            out[k] = _num(v, k.replace("_", " "), integer=True)
+        elif k in ("work", "z", "seconds", "peak", "e", "x0", "p", "k0", "h", "rms_log_error"):
+            out[k] = _num(v, k)
+        elif k in ("p10", "p90"):
+            out[k] = _num(v, k) if v else None
+        elif k == "metadata":
+            try:
+                out[k] = json.loads(v or "{}")
+            except json.JSONDecodeError:
+                raise ValueError(f"metadata must be a JSON object, got {v!r}") from None
+        else:
+            out[k] = v or None
+    return out
+
+
+def _finite(d: dict[str, Any], names: Iterable[str], low: float, strict: bool) -> None:
+    for k in names:
+        v = d.get(k)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and (v > low if strict else v >= low)):
+            raise ValueError(f"{k} must be a finite number {'>' if strict else '>='} {low:g}, got {_quote(v)}")
+
+
+def _op_fields(raw: Any, columns: list[str], what: str, stamp: str) -> tuple[str, str | None, dict[str, Any]]:
+    """(GPU name, time stamp, the rest) of an op_measurements / op_curves row, its key and path checked."""
+    d = dict(_only(raw, columns, what))
+    gpu, when = d.pop("gpu", None), d.pop(stamp, None)
+    if not isinstance(gpu, str) or not gpu.strip():
+        raise ValueError("needs the GPU's name (gpu)")
+    key = d.get("key")
+    if not (isinstance(key, str) and key.count(".") == 1 and key.split(".")[1] in ("fwd", "bwd") and key.split(".")[0]):
+        raise ValueError(f"key must be a curve key such as 'gemm.fwd' or 'norm.bwd', got {_quote(key)}")
+    if d.get("path") not in _OP_PATHS:
+        raise ValueError(f"path must be one of {', '.join(_OP_PATHS)}, got {_quote(d.get('path'))}")
+    if when is not None and not isinstance(when, str):
+        raise ValueError(f"{stamp} must be a time stamp string, got {_quote(when)}")
+    return gpu.strip(), when, d
+
+
+def _int_at_least(d: dict[str, Any], names: Iterable[str], low: int) -> None:
+    for k in names:
+        v = d.get(k)
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+            raise ValueError(f"{k} must be an integer >= {low}, got {_quote(v)}")
+
+
+def _op_measurement(raw: Any) -> tuple[str, str | None, OpMeasurement]:
+    gpu, when, d = _op_fields(raw, _OP_COLUMNS, "op measurement", "measured_at")
+    for k in ("dtype", "shape", "op"):
+        if not isinstance(d.get(k), str) or not d[k]:
+            raise ValueError(f"{k} must be a non-empty string, got {_quote(d.get(k))}")
+    _finite(d, ("work", "z"), 0.0, strict=False)
+    _finite(d, ("seconds", "peak"), 0.0, strict=True)
+    _finite(d, [k for k in ("p10", "p90") if d.get(k) is not None], 0.0, strict=False)
+    _int_at_least(d, ("samples", "sm_count"), 1)
+    if not isinstance(d.get("metadata", {}), dict):
+        raise ValueError(f"metadata must be an object, got {_quote(d.get('metadata'))}")
+    return gpu, when, OpMeasurement(**d)
+
+
+def _op_curve(raw: Any) -> tuple[str, str | None, OpCurveRow]:
+    gpu, when, d = _op_fields(raw, _CURVE_COLUMNS, "op curve", "fitted_at")
+    _finite(d, ("e", "x0", "p"), 0.0, strict=True)
+    _finite(d, ("k0", "h", "rms_log_error"), 0.0, strict=False)
+    _int_at_least(d, ("rows",), 1)
+    return gpu, when, OpCurveRow(**d)
+
+
 def _parse_dist_cells(c: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = dict(c)
     try:
@@ -402,9 +507,27 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
                               "source": d.get("source") or "", "description": d.get("description") or ""})
         except (TypeError, ValueError) as exc:
             report.rejected.append(Rejected(where, f"bad distribution: {exc}"))
+    # A GPU's own calibration (gpemu profile --ops): keyed by GPU name, like the tables themselves;
+    # written per (GPU, time stamp) so an import keeps when each row was measured or fitted.
+    ops: dict[tuple[str, str | None], list[OpMeasurement]] = {}
+    curves: dict[tuple[str, str | None], list[OpCurveRow]] = {}
+    for section, parse, into, what in (("op_measurements", _op_measurement, ops, "op measurement"),
+                                       ("op_curves", _op_curve, curves, "op curve")):
+        for where, raw in sections.get(section, []):
+            try:
+                if isinstance(raw, Exception):
+                    raise raw
+                gpu, when, row = parse(raw)
+                into.setdefault((gpu, when), []).append(row)  # type: ignore[arg-type]
+            except (TypeError, ValueError) as exc:
+                report.rejected.append(Rejected(where, f"bad {what}: {exc}"))
     with db.engine.begin() as conn:
         upsert(conn, S.measurements, prepared, ("gpu_id", "model_id", "kind", "batch_size", "world_size"))
         upsert(conn, S.distributions, dist_rows, ("name",))
+    for (gpu, when), op_rows in ops.items():
+        report.op_measurements += write_op_measurements(db.engine, gpu, op_rows, when)
+    for (gpu, when), curve_rows in curves.items():
+        report.op_curves += write_curves(db.engine, gpu, curve_rows, when)
     db._invalidate()
     report.measurements, report.distributions = len(prepared), len(dist_rows)
     return report

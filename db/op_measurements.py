@@ -31,7 +31,7 @@ from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, 
 from sqlalchemy.exc import SQLAlchemyError
 
 __all__ = ["OpMeasurement", "OpCurveRow", "op_measurements", "op_curves", "ensure_tables", "write_measurements",
-           "read_measurements", "write_curves", "read_curves", "calibrated_gpus"]
+           "read_measurements", "write_curves", "read_curves", "calibrated_gpus", "op_gpus", "stamps"]
 
 metadata = MetaData()
 
@@ -128,12 +128,13 @@ def _has(engine: Engine, table: Table) -> bool:
         return False
 
 
-def write_measurements(engine: Engine, gpu: str, rows: Iterable[OpMeasurement]) -> int:
-    """Store ``rows`` for ``gpu`` in one transaction, replacing rows of the same kernel."""
+def write_measurements(engine: Engine, gpu: str, rows: Iterable[OpMeasurement], stamp: str | None = None) -> int:
+    """Store ``rows`` for ``gpu`` in one transaction, replacing rows of the same kernel.
+    ``stamp``: when they were measured (default now; an import keeps the export's)."""
     ensure_tables(engine)
     t = op_measurements
     rows = list(rows)
-    stamp = _now()
+    stamp = stamp or _now()
     with engine.begin() as conn:
         for r in rows:
             conn.execute(t.delete().where(t.c.gpu == gpu, t.c.key == r.key, t.c.path == r.path,
@@ -151,18 +152,20 @@ def read_measurements(engine: Engine, gpu: str) -> list[OpMeasurement]:
         return []
     t = op_measurements
     with engine.connect() as conn:
-        found = conn.execute(select(t).where(t.c.gpu == gpu).order_by(t.c.key, t.c.path, t.c.work)).all()
+        found = conn.execute(select(t).where(t.c.gpu == gpu).order_by(t.c.key, t.c.path, t.c.work, t.c.dtype,
+                                                                       t.c.shape)).all()
     return [OpMeasurement(key=r.key, path=r.path, dtype=r.dtype, shape=r.shape, op=r.op, work=r.work, z=r.z,
                           seconds=r.seconds, samples=r.samples, peak=r.peak, sm_count=r.sm_count, p10=r.p10,
                           p90=r.p90, metadata=json.loads(r.metadata_json or "{}")) for r in found]
 
 
-def write_curves(engine: Engine, gpu: str, curves: Iterable[OpCurveRow]) -> int:
-    """Store ``gpu``'s fitted curves, replacing its older curves of the same (key, path)."""
+def write_curves(engine: Engine, gpu: str, curves: Iterable[OpCurveRow], stamp: str | None = None) -> int:
+    """Store ``gpu``'s fitted curves, replacing its older curves of the same (key, path).
+    ``stamp``: when they were fitted (default now; an import keeps the export's)."""
     ensure_tables(engine)
     t = op_curves
     curves = list(curves)
-    stamp = _now()
+    stamp = stamp or _now()
     with engine.begin() as conn:
         for c in curves:
             conn.execute(t.delete().where(t.c.gpu == gpu, t.c.key == c.key, t.c.path == c.path))
@@ -187,3 +190,31 @@ def calibrated_gpus(engine: Engine) -> list[str]:
         return []
     with engine.connect() as conn:
         return [r[0] for r in conn.execute(select(op_curves.c.gpu).distinct().order_by(op_curves.c.gpu))]
+
+
+def op_gpus(engine: Engine) -> list[str]:
+    """Names of the GPUs with stored kernels or curves."""
+    names: set[str] = set()
+    for t in (op_measurements, op_curves):
+        if _has(engine, t):
+            with engine.connect() as conn:
+                names.update(r[0] for r in conn.execute(select(t.c.gpu).distinct()))
+    return sorted(names)
+
+
+def stamps(engine: Engine, gpu: str) -> tuple[dict[tuple, str], dict[tuple, str]]:
+    """When each of ``gpu``'s kernels was measured ({(key, path, dtype, shape): time}) and each
+    curve fitted ({(key, path): time}): what an export carries beside the rows."""
+    measured: dict[tuple, str] = {}
+    fitted: dict[tuple, str] = {}
+    if _has(engine, op_measurements):
+        t = op_measurements
+        with engine.connect() as conn:
+            for r in conn.execute(select(t.c.key, t.c.path, t.c.dtype, t.c.shape, t.c.measured_at).where(t.c.gpu == gpu)):
+                measured[tuple(r[:4])] = r[4]
+    if _has(engine, op_curves):
+        t = op_curves
+        with engine.connect() as conn:
+            for r in conn.execute(select(t.c.key, t.c.path, t.c.fitted_at).where(t.c.gpu == gpu)):
+                fitted[tuple(r[:2])] = r[2]
+    return measured, fitted

@@ -156,3 +156,77 @@ def test_import_refuses_a_gpu_whose_alias_names_another_gpu(pdb, tmp_path):
     assert [r.reason for r in report.rejected] == [
         "bad GPU spec: 'H100' already names NVIDIA H100 80GB HBM3; give My Hopper another alias"]
     assert pdb.gpu("H100").name == "NVIDIA H100 80GB HBM3" and "My Hopper" not in {g.name for g in pdb.gpus()}
+
+
+def _calibrate(db, gpu: str) -> tuple[list, list]:
+    """What `gpemu profile --ops` stores for ``gpu``: two kernels and their curve."""
+    from gpemu.db.op_measurements import OpCurveRow, OpMeasurement, write_curves, write_measurements
+
+    ops = [OpMeasurement("norm.fwd", "memory", "float32", f"norm {n} elements", "native_batch_norm", 8.0 * n, 0.0,
+                         8.0 * n / 9e11, 10, 3.35e12, 132, p10=None if n == 4096 else 1e-5, p90=2e-5,
+                         metadata={"torch": "2.11.0"}) for n in (4096, 1 << 20)]
+    curves = [OpCurveRow("norm.fwd", "memory", 0.289, 25942.0, 1.0, 0.0, 3.5e-6, 2, 0.137)]
+    write_measurements(db.engine, gpu, ops)
+    write_curves(db.engine, gpu, curves)
+    return ops, curves
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_export_carries_a_gpus_own_calibration(fresh, tmp_path, fmt):
+    from gpemu.db.op_measurements import read_curves, read_measurements, stamps
+
+    ops, curves = _calibrate(fresh, "NVIDIA H100 80GB HBM3")
+    _calibrate(fresh, "Some Other GPU")
+    out = tmp_path / ("h100.json" if fmt == "json" else "h100_csv")
+    counts = export_db(fresh, out)
+    assert (counts["op_measurements"], counts["op_curves"]) == (4, 2)
+    target = open_url(f"sqlite:///{tmp_path / 'lab.sqlite'}")
+    report = import_path(target, out)
+    assert report.rejected == [] and (report.op_measurements, report.op_curves) == (4, 2)
+    # The calibration arrives as it was measured: rows, and when each was measured and fitted.
+    assert read_curves(target.engine, "NVIDIA H100 80GB HBM3") == curves
+    assert read_measurements(target.engine, "NVIDIA H100 80GB HBM3") == ops
+    assert stamps(target.engine, "NVIDIA H100 80GB HBM3") == stamps(fresh.engine, "NVIDIA H100 80GB HBM3")
+    # Re-exported, the calibration is the same text (rows in a fixed order, stamps kept).
+    export_db(target, tmp_path / "again.json")
+    export_db(fresh, tmp_path / "first.json")
+    again, first = (json.loads((tmp_path / f).read_text()) for f in ("again.json", "first.json"))
+    assert (again["op_measurements"], again["op_curves"]) == (first["op_measurements"], first["op_curves"])
+    # Importing again replaces, never duplicates.
+    import_path(target, out)
+    assert len(read_measurements(target.engine, "Some Other GPU")) == 2
+    target.close()
+
+
+def test_export_of_some_gpus_carries_only_their_calibration(pdb, fresh, tmp_path):
+    export_db(pdb, tmp_path / "v100.json", gpus=["V100"], models=["alexnet"])
+    import_path(fresh, tmp_path / "v100.json")
+    _calibrate(fresh, "Tesla V100-PCIE-32GB")
+    _calibrate(fresh, "NVIDIA H100 80GB HBM3")
+    data = export_db(fresh, tmp_path / "only.json", gpus=["V100"])
+    assert (data["op_measurements"], data["op_curves"]) == (2, 1)
+    rows = json.loads((tmp_path / "only.json").read_text())["op_curves"]
+    assert [r["gpu"] for r in rows] == ["Tesla V100-PCIE-32GB"]
+
+
+def test_import_rejects_bad_calibration_rows_with_their_reasons(fresh, tmp_path):
+    from gpemu.db.op_measurements import read_curves
+
+    _calibrate(fresh, "G")
+    export_db(fresh, tmp_path / "good.json")
+    data = json.loads((tmp_path / "good.json").read_text())
+    good = data["op_curves"][0]
+    data["op_curves"] = [good, {**good, "e": 0}, {**good, "path": "fast"}, {**good, "key": "norm"},
+                         {**good, "gpu": ""}, {**good, "rows": 1.5}, {**good, "color": "red"}]
+    data["op_measurements"] = [{**data["op_measurements"][0], "seconds": -1.0}]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    target = open_url(f"sqlite:///{tmp_path / 'lab.sqlite'}")
+    report = import_path(target, tmp_path / "bad.json")
+    reasons = [r.reason for r in report.rejected]
+    assert report.op_curves == 1 and report.op_measurements == 0 and len(reasons) == 7
+    for needle in ("e must be a finite number > 0", "path must be one of simt, tensor, memory",
+                   "key must be a curve key", "needs the GPU's name", "rows must be an integer >= 1",
+                   "unknown field(s) color", "seconds must be a finite number > 0"):
+        assert any(needle in r for r in reasons), (needle, reasons)
+    assert [c.e for c in read_curves(target.engine, "G")] == [good["e"]]  # the good row, and only it
+    target.close()

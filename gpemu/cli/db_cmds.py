@@ -438,7 +438,8 @@ def db_export(path: Path, fmt: str | None, gpu_names: tuple[str, ...], model_nam
 
     counts = export_db(_open(db_url), path, fmt, gpus=gpu_names or None, models=model_names or None)
     click.echo(f"exported {counts['gpus']} GPUs, {counts['models']} models, {counts['measurements']} "
-               f"measurements, {counts['distributions']} distributions to {path}")
+               f"measurements, {counts['distributions']} distributions, {counts['op_curves']} op curves "
+               f"({counts['op_measurements']} kernels) to {path}")
 
 
 @db.command("import")
@@ -456,7 +457,8 @@ def db_import(path: Path, show_rejected: int, db_url: str | None) -> None:
 
     report = import_path(_open(db_url), path)
     click.echo(f"imported {report.gpus} GPUs, {report.models} models, {report.measurements} measurements, "
-               f"{report.distributions} distributions from {path}")
+               f"{report.distributions} distributions, {report.op_curves} op curves ({report.op_measurements} "
+               f"kernels) from {path}")
     if report.rejected:
         click.echo(f"rejected {len(report.rejected)} rows:", err=True)
         for r in report.rejected[:show_rejected]:
