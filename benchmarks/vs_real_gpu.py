@@ -6,9 +6,10 @@ On the machine with the GPU (``--ops`` optional; it lets the second column below
     gpemu profile --model resnet50 --model alexnet --batch-sizes 32,128 --db sqlite:///real.sqlite
     gpemu profile --ops --db sqlite:///real.sqlite
 
-Anywhere::
+Anywhere (the database, or its `gpemu db export`)::
 
     python benchmarks/vs_real_gpu.py --db sqlite:///real.sqlite
+    python benchmarks/vs_real_gpu.py --db benchmarks/data/h100-2026-11-26.json
 
 For every (model, batch size) the database measured, the profiler's own loop (forward with its
 cross-entropy loss, backward into accumulating gradients, SGD-momentum step; every phase between
@@ -41,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
-from gpemu.db.build import ensure_default_db, make_engine, sqlite_url  # noqa: E402
+from gpemu.db.build import ensure_default_db, make_engine, open_url, sqlite_url  # noqa: E402
+from gpemu.db.io import import_path  # noqa: E402
 from gpemu.db.op_measurements import read_curves, write_curves  # noqa: E402
 from machine import machine  # noqa: E402
 
@@ -97,14 +99,26 @@ def emulated(gpu: str, db_url: str, name: str, batch: int, iterations: int = 4) 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--db", required=True, help="SQLAlchemy URL of the database `gpemu profile` wrote on the real GPU")
+    p.add_argument("--db", required=True, help="SQLAlchemy URL of the database `gpemu profile` wrote on the real GPU, "
+                                                "or a `gpemu db export` of it (JSON file or CSV directory)")
     p.add_argument("--gpu", help="the GPU's name in that database (default: its only GPU)")
     a = p.parse_args()
-    real = make_engine(a.db)
+    with tempfile.TemporaryDirectory() as tmp:
+        url = a.db
+        if "://" not in url:
+            if not Path(url).exists():
+                p.error(f"--db {url}: no such export file or directory (or give a SQLAlchemy URL)")
+            url = sqlite_url(Path(tmp) / "real.sqlite")
+            import_path(open_url(url), a.db)
+        return compare(p, make_engine(url), a.db, a.gpu)
+
+
+def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> int:
+    """Print the comparison for ``gpu`` of the real GPU's database ``real``."""
     from sqlalchemy import text
 
     names = [r[0] for r in real.connect().execute(text("select name from gpus")).all()]
-    gpu = a.gpu or (names[0] if len(names) == 1 else None)
+    gpu = gpu or (names[0] if len(names) == 1 else None)
     if gpu not in names:
         p.error(f"--gpu must name one of the database's GPUs: {', '.join(names) or 'none'}")
     cases = measured(real, gpu)
@@ -113,7 +127,7 @@ def main() -> int:
         p.error(f"the database holds no forward/backward/optimizer_step of a torchvision model on {gpu}")
     curves = read_curves(real, gpu)
     print(f"machine: {machine()}; torch {torch.__version__}")
-    print(f"real: {gpu} in {a.db} ({len(known)} cases; op curves: {len(curves) or 'none'})")
+    print(f"real: {gpu} in {where} ({len(known)} cases; op curves: {len(curves) or 'none'})")
     with tempfile.TemporaryDirectory() as tmp:
         variants = {"datasheet": sqlite_url(ensure_default_db(Path(tmp) / "datasheet"))}
         if curves:
