@@ -720,6 +720,10 @@ def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
     """n training steps of a small classifier; GPU spans (kind, duration, start offset), memory
     and gradient metadata of the last one."""
     rt.replay.direct_enabled = direct
+    # Earlier models (the other path's run, earlier tests) are freed by the garbage collector, as
+    # torch's own modules and optimizers are: collected now, not in the middle of a measured step
+    # (where freeing their memory would lower this step's peak).
+    gc.collect()
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).cuda()
