@@ -21,7 +21,7 @@ cost model's estimate:
 * **calibrated**: the same, with the GPU's own ``--ops`` curves from ``--db`` (when it has them).
 
 Each is printed beside the measured forward, backward and optimizer step and their sum, with the
-error of the sum. The real figures are what the profiler's CUDA events measured, so they include
+error of the sum; the summary adds the datasheet variant's error phase by phase. The real figures are what the profiler's CUDA events measured, so they include
 any time the GPU waited for the host to launch kernels: where the host is slow and the GPU fast
 (small models, small batches), a real forward can take longer at batch 32 than at 128. gpemu
 prices GPU time only; those cases show as large negative errors and are flagged ``host-bound?``.
@@ -140,6 +140,7 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
         print(head + f" | {'emulated peak':>13} {'error':>7}")
         errors: dict[str, list[float]] = {v: [] for v in variants}
         memory: list[float] = []
+        by_phase: dict[str, list[float]] = {ph: [] for ph in PHASES}  # datasheet, phase by phase
         for (name, bs), m in sorted(known.items()):
             total = sum(m[p] for p in PHASES)
             line = (f"{name:20} {bs:4d} {1e3 * m['forward']:9.2f} {1e3 * m['backward']:7.2f} "
@@ -147,6 +148,9 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
             peak = 0.0
             for v, url in variants.items():
                 e = emulated(gpu, url, name, bs)
+                if v == "datasheet":
+                    for ph in PHASES:
+                        by_phase[ph].append(e[ph] / m[ph] - 1)
                 err = sum(e[p] for p in PHASES) / total - 1
                 errors[v].append(err)
                 peak = e["peak_memory"]
@@ -158,7 +162,8 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
             if any(n == name and b > bs and c["forward"] < m["forward"] for (n, b), c in known.items()):
                 line += "  host-bound?"
             print(line, flush=True)
-    for v, errs in (*errors.items(), ("peak memory", memory)):
+    phases = [(f"datasheet, {ph.replace('_', ' ')} alone", errs) for ph, errs in by_phase.items()]
+    for v, errs in (*errors.items(), *phases, ("peak memory", memory)):
         if not errs:
             continue
         a_ = sorted(abs(e) for e in errs)
