@@ -21,8 +21,9 @@ cost model's estimate:
 * **calibrated**: the same, with the GPU's own ``--ops`` curves from ``--db`` (when it has them).
 
 Each is printed beside the measured forward, backward and optimizer step and their sum, with the
-error of the sum; the summary adds the datasheet variant's error phase by phase. The real figures are what the profiler's CUDA events measured, so they include
-any time the GPU waited for the host to launch kernels: where the host is slow and the GPU fast
+error of the sum; the summary adds the datasheet variant's error phase by phase. The real figures
+are what the profiler's CUDA events measured, so they include any time the GPU waited for the
+host to launch kernels: where the host is slow and the GPU fast
 (small models, small batches), a real forward can take longer at batch 32 than at 128. gpemu
 prices GPU time only; those cases show as large negative errors and are flagged ``host-bound?``.
 """

@@ -96,7 +96,8 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
         measured, fitted = stamps(db.engine, gpu)
         ops += [{"gpu": gpu, **asdict(r), "measured_at": measured.get((r.key, r.path, r.dtype, r.shape))}
                 for r in read_measurements(db.engine, gpu)]
-        curves += [{"gpu": gpu, **asdict(c), "fitted_at": fitted.get((c.key, c.path))} for c in read_curves(db.engine, gpu)]
+        curves += [{"gpu": gpu, **asdict(c), "fitted_at": fitted.get((c.key, c.path))}
+                   for c in read_curves(db.engine, gpu)]
     return {
         "format": FORMAT_NAME,
         "schema_version": S.SCHEMA_VERSION,

@@ -210,7 +210,8 @@ def stamps(engine: Engine, gpu: str) -> tuple[dict[tuple, str], dict[tuple, str]
     if _has(engine, op_measurements):
         t = op_measurements
         with engine.connect() as conn:
-            for r in conn.execute(select(t.c.key, t.c.path, t.c.dtype, t.c.shape, t.c.measured_at).where(t.c.gpu == gpu)):
+            q = select(t.c.key, t.c.path, t.c.dtype, t.c.shape, t.c.measured_at).where(t.c.gpu == gpu)
+            for r in conn.execute(q):
                 measured[tuple(r[:4])] = r[4]
     if _has(engine, op_curves):
         t = op_curves

@@ -342,8 +342,8 @@ def copy_price(rt: "Runtime", device: int, nbytes: int, dtype: torch.dtype, back
 def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
     # A subclass (a program's own SGD with logging) keeps its torch base class's state.
     known = ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
-    name = next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in known and c.__module__.startswith("torch.optim")),
-                type(optimizer).__name__)
+    name = next((c.__name__ for c in type(optimizer).__mro__
+                 if c.__name__ in known and c.__module__.startswith("torch.optim")), type(optimizer).__name__)
     g = optimizer.defaults
     if name == "SGD":
         return 1 if g.get("momentum", 0) else 0
@@ -456,7 +456,7 @@ def _implementation_traffic(optimizer: torch.optim.Optimizer, memo: dict) -> tup
         kernels = sum(1 for op in rec.ops if op.nbytes >= _PROBE_ELEMENTS * probe[0].element_size())
         if moved > 0 and kernels > 0:
             result = (moved / (2 * _PROBE_ELEMENTS * probe[0].element_size()), max(1, round(kernels / 2)))
-    except Exception:  # noqa: BLE001 - any optimizer torch or a library defines: the fused-pass count
+    except Exception:  # noqa: BLE001 - settings the meta device cannot run (capturable, ...): one pass
         result = None
     memo[key] = result
     return result

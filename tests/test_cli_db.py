@@ -129,8 +129,8 @@ def test_db_path_init_export_import_with_db_url(runner, tmp_path):
 
     csv_dir = tmp_path / "csv"
     assert runner.invoke(cli, ["db", "export", str(csv_dir), "--db", url]).exit_code == 0
-    assert sorted(p.name for p in csv_dir.iterdir()) == ["distributions.csv", "gpus.csv", "measurements.csv", "models.csv",
-                                                         "op_curves.csv", "op_measurements.csv"]
+    assert sorted(p.name for p in csv_dir.iterdir()) == ["distributions.csv", "gpus.csv", "measurements.csv",
+                                                         "models.csv", "op_curves.csv", "op_measurements.csv"]
 
 
 def test_db_import_reports_rejected_rows_and_fails(runner, tmp_path):
