@@ -26,9 +26,9 @@ from typing import Any, Iterable
 from sqlalchemy import select
 
 from . import schema as S
+from .lookup import ProfileDB, check_generation, clean_measurement, gpu_row, measurement_row, model_row, upsert
 from .op_measurements import OpCurveRow, OpMeasurement, op_gpus, read_curves, read_measurements, stamps, write_curves
 from .op_measurements import write_measurements as write_op_measurements
-from .lookup import ProfileDB, check_generation, clean_measurement, gpu_row, measurement_row, model_row, upsert
 from .records import GpuSpec, Measurement, ModelInfo, normalize_name
 
 __all__ = ["export_db", "import_path", "gpu_json", "ImportReport", "Rejected", "MEASUREMENT_COLUMNS", "FORMAT_NAME"]
