@@ -26,7 +26,8 @@ from typing import Any, Iterable
 from sqlalchemy import select
 
 from . import schema as S
-from .lookup import ProfileDB, check_generation, clean_measurement, gpu_row, measurement_row, model_row, upsert
+from .lookup import (ProfileDB, check_generation, clean_measurement, gpu_row, is_int, is_number, measurement_row,
+                     model_row, upsert)
 from .op_measurements import OpCurveRow, OpMeasurement, op_gpus, read_curves, read_measurements, stamps, write_curves
 from .op_measurements import write_measurements as write_op_measurements
 from .records import GpuSpec, Measurement, ModelInfo, normalize_name
@@ -379,8 +380,7 @@ def _parse_op_cells(c: dict[str, str]) -> dict[str, Any]:
 def _finite(d: dict[str, Any], names: Iterable[str], low: float, strict: bool) -> None:
     for k in names:
         v = d.get(k)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                and (v > low if strict else v >= low)):
+        if not (is_number(v) and math.isfinite(v) and (v > low if strict else v >= low)):
             raise ValueError(f"{k} must be a finite number {'>' if strict else '>='} {low:g}, got {_quote(v)}")
 
 
@@ -403,7 +403,7 @@ def _op_fields(raw: Any, columns: list[str], what: str, stamp: str) -> tuple[str
 def _int_at_least(d: dict[str, Any], names: Iterable[str], low: int) -> None:
     for k in names:
         v = d.get(k)
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+        if not (is_int(v) and v >= low):
             raise ValueError(f"{k} must be an integer >= {low}, got {_quote(v)}")
 
 
@@ -502,7 +502,7 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
             if d.get("unit") not in ("seconds", "bytes"):
                 raise ValueError(f"unit must be 'seconds' or 'bytes', got {d.get('unit')!r}")
             if (not isinstance(d.get("name"), str) or not d["name"].strip() or not isinstance(samples, list) or not samples
-                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in samples)):
+                    or not all(is_number(x) and math.isfinite(x) and x >= 0 for x in samples)):
                 raise ValueError("needs a name and a non-empty list of finite sample values >= 0")
             dist_rows.append({"name": d["name"], "unit": d["unit"], "samples_json": json.dumps(samples),
                               "source": d.get("source") or "", "description": d.get("description") or ""})

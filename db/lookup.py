@@ -34,7 +34,7 @@ from .records import (
 )
 
 __all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measurement_row", "gpu_row", "spec_from_row",
-           "check_generation", "model_row", "upsert"]
+           "check_generation", "model_row", "upsert", "is_int", "is_number"]
 
 # Said with every unknown-GPU error: how a GPU the database lacks gets in.
 ADD_GPU_HINT = "add one from its datasheet with `gpemu gpus add` (see docs/adding.md)"
@@ -367,12 +367,14 @@ def _extrapolation_line(xs: np.ndarray, ys: np.ndarray, above: bool) -> tuple[fl
     return float(slope), float(intercept)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An integer, not a bool (numpy integers too)."""
     # type() first: the ABC isinstance check is slow across an import's many rows.
     return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
-def _is_number(x: Any) -> bool:
+def is_number(x: Any) -> bool:
+    """A real number, not a bool (numpy scalars too)."""
     return type(x) is float or type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Real))
 
 
@@ -396,7 +398,7 @@ def clean_measurement(row: Measurement | Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"expected a Measurement or a mapping, got {type(row).__name__}")
     kind = check_kind(d["kind"])
     bs = d["batch_size"]
-    if not _is_int(bs):
+    if not is_int(bs):
         raise ValueError(f"batch_size must be an integer, got {bs!r}")
     if kind in BATCH_INDEPENDENT:
         if bs != 0:
@@ -404,20 +406,20 @@ def clean_measurement(row: Measurement | Mapping[str, Any]) -> dict[str, Any]:
     elif bs < 1:
         raise ValueError(f"batch_size must be >= 1 for {kind}, got {bs}")
     ws = d["world_size"]
-    if not _is_int(ws) or ws < 1:
+    if not is_int(ws) or ws < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {ws!r}")
     v = d["value"]
-    if not _is_number(v) or not math.isfinite(v) or v < 0:
+    if not is_number(v) or not math.isfinite(v) or v < 0:
         raise ValueError(f"value must be a finite number >= 0, got {v!r}")
     unit = KIND_UNITS[kind]
     if d["unit"] is not None and d["unit"] != unit:
         raise ValueError(f"{kind} is stored in {unit}, got unit {d['unit']!r}")
     for fname in ("std", "p50", "p90", "p99"):
         x = d[fname]
-        if x is not None and (not _is_number(x) or not math.isfinite(x) or x < 0):
+        if x is not None and (not is_number(x) or not math.isfinite(x) or x < 0):
             raise ValueError(f"{fname} must be a finite number >= 0 or empty, got {x!r}")
     n = d["samples"]
-    if n is not None and (not _is_int(n) or n < 1):
+    if n is not None and (not is_int(n) or n < 1):
         raise ValueError(f"samples must be an integer >= 1 or empty, got {n!r}")
     meta = d["metadata"]
     if meta is not None and not isinstance(meta, Mapping):
