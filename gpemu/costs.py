@@ -340,10 +340,10 @@ def copy_price(rt: "Runtime", device: int, nbytes: int, dtype: torch.dtype, back
 # --------------------------------------------------------------------------------- optimizer
 # Optimizer state tensors per parameter (read and written every step).
 def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
-    # A subclass (a program's own SGD with logging) keeps its torch base class's state.
-    known = ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
-    name = next((c.__name__ for c in type(optimizer).__mro__
-                 if c.__name__ in known and c.__module__.startswith("torch.optim")), type(optimizer).__name__)
+    # A subclass (a program's own SGD with logging) keeps its torch base class's state: the first
+    # class of its MRO that torch.optim defines.
+    name = next((c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")),
+                type(optimizer).__name__)
     g = optimizer.defaults
     if name == "SGD":
         return 1 if g.get("momentum", 0) else 0
