@@ -127,6 +127,15 @@ def workload(name: str, bs: int) -> tuple[Callable[[], torch.nn.Module], torch.T
     return tvmodels.MODELS[name], torch.empty(bs, 3, 224, 224), torch.zeros(bs, dtype=torch.long), bs
 
 
+def step_loss(out: "torch.Tensor | tuple", y: torch.Tensor) -> torch.Tensor:
+    """The step's cross entropy over a model's logits, whatever the workload returns."""
+    if isinstance(out, tuple):  # GoogLeNet/Inception in training mode: (logits, aux...)
+        out = out[0]
+    if out.dim() == 3:  # a language model's logits: (batch, tokens, vocabulary)
+        out = out.view(-1, out.shape[-1])
+    return torch.nn.functional.cross_entropy(out, y)
+
+
 def measure(gpu: str, name: str, bs: int, iterations: int,
             toggle: "Callable[[gpemu.runtime.Runtime, int], bool] | None" = None,
             tuning: dict | None = None) -> tuple[float, float, float, dict]:
@@ -148,12 +157,7 @@ def measure(gpu: str, name: str, bs: int, iterations: int,
         for i in range(iterations + 2):  # two warm-ups: recording, then optimizer state creation
             mode = toggle(rt, i) if toggle is not None else None
             h0, c0, g0 = time.perf_counter(), time.thread_time(), engine.now()
-            out = model(x.cuda())
-            if isinstance(out, tuple):  # GoogLeNet/Inception in training mode: (logits, aux...)
-                out = out[0]
-            if out.dim() == 3:  # a language model's logits: (batch, tokens, vocabulary)
-                out = out.view(-1, out.shape[-1])
-            loss = torch.nn.functional.cross_entropy(out, y.cuda())
+            loss = step_loss(model(x.cuda()), y.cuda())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -183,12 +187,7 @@ def measure_real(name: str, bs: int, iterations: int) -> tuple[float, float, flo
         t0 = time.perf_counter()
         xd = x.cuda()
         t1 = time.perf_counter()
-        out = model(xd)
-        if isinstance(out, tuple):
-            out = out[0]
-        if out.dim() == 3:
-            out = out.view(-1, out.shape[-1])
-        loss = torch.nn.functional.cross_entropy(out, y.cuda())
+        loss = step_loss(model(xd), y.cuda())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

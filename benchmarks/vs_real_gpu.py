@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
+from accuracy import build  # noqa: E402  (the model on uninitialised host memory, as accuracy.py builds it)
 from gpemu.clock import VirtualClock  # noqa: E402
 from gpemu.db.build import ensure_default_db, make_engine, open_url, sqlite_url  # noqa: E402
 from gpemu.db.io import import_path  # noqa: E402
@@ -70,9 +71,7 @@ def measured(engine, gpu: str) -> dict[tuple[str, int], dict[str, float]]:
 def emulated(gpu: str, db_url: str, name: str, batch: int, iterations: int = 4) -> dict[str, float]:
     """The profiler's loop for ``name`` at ``batch`` on an emulated ``gpu``: {phase: seconds}
     of the last iteration, on the emulated GPU's timeline, and its ``peak_memory`` (bytes)."""
-    with torch.device("meta"):
-        module = tvmodels.MODELS[name]()
-    module = module.to_empty(device="cpu")
+    module, _ = build(name)  # (a torchvision architecture: not a stand-in)
     x, y = torch.empty(batch, 3, 224, 224), torch.zeros(batch, dtype=torch.long)
     with gpemu.emulate(gpu=gpu, db_url=db_url, clock=VirtualClock(), summary=False) as rt:
         now = rt.engine.now
