@@ -171,7 +171,7 @@ def _memory(base: str, n: int, backward: bool) -> KernelSpec:
                 return lambda: F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
             inputs = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
             y = F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
-            go = torch.randn_like(y)
+            go = _rand(dev, y.shape)
             return lambda: torch.autograd.grad(y, inputs, go, retain_graph=True)
         if base == "elementwise":
             a, b = _rand(dev, (n,)), _rand(dev, (n,))
