@@ -243,6 +243,8 @@ def main() -> None:
         p.error(f"unknown model(s) {', '.join(unknown)}; valid: all, {', '.join((*tvmodels.MODELS, *EXTRA_MODELS))}")
     print(f"machine: {machine()}; torch {torch.__version__}, Python {platform.python_version()}", flush=True)
     if a.real:
+        if not torch.cuda.is_available():
+            p.error("--real runs the step on this machine's CUDA GPU, and torch sees none here")
         _main_real(a.models.split(","), [int(b) for b in a.batches.split(",")], a.iterations)
         return
     # no spares, no gradient sets: every backward wraps new gradients

@@ -109,6 +109,11 @@ def main() -> None:
     ckpts = [x for x in args.checkpointing.split(",") if x]
     if bad or not precisions or any(c not in ("off", "on") for c in ckpts) or not ckpts:
         p.error(f"--precisions takes {', '.join(PRECISIONS)}; --checkpointing takes off, on")
+    if args.real:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--real runs the steps on this machine's CUDA GPU, and torch sees none here")
     where = "this machine's real GPU" if args.real else f"an emulated {args.gpu}"
     print(f"# GPT-2 small ({args.batch} x {args.seq} tokens, AdamW) on {where}; machine: {machine()}")
     print("| precision | checkpointing | step ms | GPU busy ms | peak GiB | time from |")

@@ -109,7 +109,13 @@ def main() -> int:
             if not Path(url).exists():
                 p.error(f"--db {url}: no such export file or directory (or give a SQLAlchemy URL)")
             url = sqlite_url(Path(tmp) / "real.sqlite")
-            import_path(open_url(url), a.db)
+            try:
+                report = import_path(open_url(url), a.db)
+            except ValueError as exc:
+                p.error(f"--db {a.db}: {exc}")
+            if report.rejected:
+                print(f"# {len(report.rejected)} rows of {a.db} rejected (first: {report.rejected[0].where}: "
+                      f"{report.rejected[0].reason}); `gpemu db import` lists them")
         return compare(p, make_engine(url), a.db, a.gpu)
 
 
@@ -117,7 +123,12 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
     """Print the comparison for ``gpu`` of the real GPU's database ``real``."""
     from sqlalchemy import text
 
-    names = [r[0] for r in real.connect().execute(text("select name from gpus")).all()]
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        names = [r[0] for r in real.connect().execute(text("select name from gpus")).all()]
+    except SQLAlchemyError as exc:
+        p.error(f"--db {where}: not a readable profile database ({type(exc).__name__})")
     gpu = gpu or (names[0] if len(names) == 1 else None)
     if gpu not in names:
         p.error(f"--gpu must name one of the database's GPUs: {', '.join(names) or 'none'}")
