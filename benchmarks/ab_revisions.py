@@ -71,10 +71,14 @@ def main() -> None:
     p.add_argument("--old", required=True, help="git revision (or WORKTREE)")
     p.add_argument("--new", default="WORKTREE", help="git revision (default: the working tree)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--benchmark-from", choices=("each", "new"), default="each",
-                   help="run each revision's own copy of the benchmark script (default), or the new "
-                        "revision's on both (cases only the new script has, e.g. added models, get a "
-                        "before figure)")
+    p.add_argument(
+        "--benchmark-from",
+        choices=("each", "new"),
+        default="each",
+        help="run each revision's own copy of the benchmark script (default), or the new "
+        "revision's on both (cases only the new script has, e.g. added models, get a "
+        "before figure)",
+    )
     p.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [args]: path relative to the repository")
     a = p.parse_args()
     bench = [x for x in a.benchmark if x != "--"]
@@ -83,8 +87,10 @@ def main() -> None:
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
     print(f"machine: {machine()}")
-    print(f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)} ({a.benchmark_from} revision's script)",
-          flush=True)
+    print(
+        f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)} ({a.benchmark_from} revision's script)",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="gpemu-ab-") as tmp:
         roots = {rev: stage(rev, Path(tmp) / tag) for tag, rev in (("old", a.old), ("new", a.new))}
         if a.benchmark_from == "new":  # the whole folder: a script imports its neighbours (machine.py)
@@ -95,8 +101,13 @@ def main() -> None:
                 for rev in (a.old, a.new) if r % 2 == 0 else (a.new, a.old):
                     root = roots[rev]
                     env = dict(os.environ, PYTHONPATH=str(root))
-                    proc = subprocess.run([sys.executable, str(root / bench[0]), *bench[1:]], cwd=root, env=env,
-                                          capture_output=True, text=True)
+                    proc = subprocess.run(
+                        [sys.executable, str(root / bench[0]), *bench[1:]],
+                        cwd=root,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                    )
                     if proc.returncode != 0:
                         sys.exit(f"{rev}: the benchmark failed:\n{proc.stderr[-2000:]}")
                     results[rev].append(overhead_rows(proc.stdout))

@@ -45,12 +45,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import machine  # noqa: E402  (CPU model, cores, load average now)
+
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
 from gpemu import costs  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
 from gpemu.identify import identify  # noqa: E402
-from machine import machine  # noqa: E402  (CPU model, cores, load average now)
 
 BATCHES = (16, 32, 64, 128, 256)
 
@@ -78,13 +79,15 @@ def step(model: nn.Module, host_batch: torch.Tensor) -> None:
     torch.cuda.synchronize()
 
 
-def run_combo(gpu: str, model_name: str, batches: list[int], virtual: bool, inputs: dict[int, torch.Tensor],
-              iterations: int) -> list[tuple[int, float, float, bool]]:
+def run_combo(
+    gpu: str, model_name: str, batches: list[int], virtual: bool, inputs: dict[int, torch.Tensor], iterations: int
+) -> list[tuple[int, float, float, bool]]:
     """Returns (batch, emulated seconds/iteration, target seconds, stand-in?) per batch size."""
     module, standin = build(model_name)
     out = []
-    with gpemu.emulate(gpu=gpu, model=model_name if standin else None, summary=False,
-                       clock=VirtualClock() if virtual else None) as rt:
+    with gpemu.emulate(
+        gpu=gpu, model=model_name if standin else None, summary=False, clock=VirtualClock() if virtual else None
+    ) as rt:
         engine = rt.engine
         spec = rt.gpus[0]
         model = module.cuda()
@@ -120,7 +123,7 @@ def run_combo(gpu: str, model_name: str, batches: list[int], virtual: bool, inpu
             # GPU idle time inside the measured iterations: the host had not enqueued the next
             # work yet (its own Python time after a blocking copy, before the forward's enqueue).
             spans = sorted(rt.recorder.spans[first:], key=lambda sp: sp.start)
-            idle = sum(max(0.0, b.start - a.end) for a, b in zip(spans, spans[1:])) / iterations
+            idle = sum(max(0.0, b.start - a.end) for a, b in zip(spans, spans[1:], strict=False)) / iterations
             out.append((bs, elapsed, target, standin, idle))
     return out
 
@@ -128,18 +131,31 @@ def run_combo(gpu: str, model_name: str, batches: list[int], virtual: bool, inpu
 def stats(errors: list[float]) -> str:
     a = sorted(abs(e) for e in errors)
     p99 = a[min(len(a) - 1, math.ceil(0.99 * len(a)) - 1)]
-    return (f"n={len(a)}  mean |error| {100 * sum(a) / len(a):.3f}%  p99 {100 * p99:.3f}%  "
-            f"worst {100 * a[-1]:.3f}%")
+    return f"n={len(a)}  mean |error| {100 * sum(a) / len(a):.3f}%  p99 {100 * p99:.3f}%  worst {100 * a[-1]:.3f}%"
 
 
 def progress_bar():
     """A rich progress bar on stderr (removed when done, so the printed figures stay clean)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[now]}"), console=Console(stderr=True),
-                    transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[now]}"),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 def main() -> None:
@@ -149,11 +165,17 @@ def main() -> None:
     g.add_argument("--full", action="store_true", help="real-clock pass on all combinations")
     g.add_argument("--virtual-only", action="store_true")
     p.add_argument("--real-only", action="store_true", help="skip the virtual-clock pass")
-    p.add_argument("--iterations", type=int, default=3,
-                   help="measured iterations per combination in the real-clock pass (the virtual pass "
-                        "is deterministic and runs 1); a single wall-clock iteration carries the "
-                        "scheduling noise of its first and last wake-up, more iterations average it")
-    p.add_argument("--gpus", default=None, help="comma-separated subset of GPUs (default: all the database has measurements for)")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=3,
+        help="measured iterations per combination in the real-clock pass (the virtual pass "
+        "is deterministic and runs 1); a single wall-clock iteration carries the "
+        "scheduling noise of its first and last wake-up, more iterations average it",
+    )
+    p.add_argument(
+        "--gpus", default=None, help="comma-separated subset of GPUs (default: all the database has measurements for)"
+    )
     p.add_argument("--models", default=None, help="comma-separated subset of models (default: all)")
     p.add_argument("--show-worst", type=int, default=8)
     a = p.parse_args()
@@ -169,8 +191,10 @@ def main() -> None:
     inputs = {bs: torch.empty(bs, 3, 224, 224) for bs in BATCHES}  # values are never read
     standins = sorted(m for m in models if m not in tvmodels.MODELS)
     print(f"accuracy: {len(gpus)} GPUs x {len(models)} models x batch sizes {BATCHES}")
-    print(f"  * stand-in module + configured model (architecture not in examples/tvmodels.py): "
-          f"{', '.join(standins) or 'none'}")
+    print(
+        f"  * stand-in module + configured model (architecture not in examples/tvmodels.py): "
+        f"{', '.join(standins) or 'none'}"
+    )
 
     passes = [] if a.real_only else [("virtual clock, all combinations", True, None)]
     if not a.virtual_only:
@@ -189,7 +213,7 @@ def main() -> None:
             chosen = models
             if subset == "quick":  # 6 models per GPU spread over the list, batch sizes rotating
                 step_ = max(1, len(models) // 6)
-                chosen = models[gi % step_::step_][:6]
+                chosen = models[gi % step_ :: step_][:6]
             for mi, name in enumerate(chosen):
                 plan.append((gpu, name, list(BATCHES) if subset is None else [BATCHES[(gi + mi) % len(BATCHES)]]))
         with progress_bar() as progress:
@@ -208,18 +232,24 @@ def main() -> None:
         print(f"\n== {title}: {stats([r[-1] for r in rows])}  ({took:.1f} s wall; machine: {machine()})")
         if oom:
             print(f"   skipped, out of emulated GPU memory ({len(oom)}): {', '.join(oom)}")
-        for tag, sel in (("identified by structure", [r for r in rows if not r[5]]),
-                         ("configured stand-ins *", [r for r in rows if r[5]])):
+        for tag, sel in (
+            ("identified by structure", [r for r in rows if not r[5]]),
+            ("configured stand-ins *", [r for r in rows if r[5]]),
+        ):
             if sel:
                 print(f"   {tag:26} {stats([r[-1] for r in sel])}")
         mean_signed = sum(r[-1] for r in rows) / len(rows)
-        print(f"   mean signed error {100 * mean_signed:+.3f}% (positive: emulation slower than the real GPU); "
-              f"GPU idle waiting for the host inside iterations: mean {100 * sum(idles) / len(idles):.3f}% "
-              f"of the target")
+        print(
+            f"   mean signed error {100 * mean_signed:+.3f}% (positive: emulation slower than the real GPU); "
+            f"GPU idle waiting for the host inside iterations: mean {100 * sum(idles) / len(idles):.3f}% "
+            f"of the target"
+        )
         print(f"   worst {a.show_worst}:")
-        for gpu, name, bs, emu, target, standin, err in sorted(rows, key=lambda r: -abs(r[-1]))[:a.show_worst]:
-            print(f"     {gpu:8} {name + ('*' if standin else ''):20} bs{bs:<4} emulated {1e3 * emu:9.2f} ms  "
-                  f"target {1e3 * target:9.2f} ms  {100 * err:+.3f}%")
+        for gpu, name, bs, emu, target, standin, err in sorted(rows, key=lambda r: -abs(r[-1]))[: a.show_worst]:
+            print(
+                f"     {gpu:8} {name + ('*' if standin else ''):20} bs{bs:<4} emulated {1e3 * emu:9.2f} ms  "
+                f"target {1e3 * target:9.2f} ms  {100 * err:+.3f}%"
+            )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,11 @@ from machine import machine  # noqa: E402
 
 
 def torch_build(python: str) -> str:
-    out = subprocess.run([python, "-c", "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [python, "-c", "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"],
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
 
 
@@ -43,13 +46,26 @@ def main() -> None:
     p.add_argument("--keep", default="", help="run in this folder and keep each run's output and metrics")
     args = p.parse_args()
     try:
-        chosen = ([scenarios.by_name(n) for n in args.only.split(",")] if args.only
-                  else [s for s in scenarios.SCENARIOS if s.matrix])
+        chosen = (
+            [scenarios.by_name(n) for n in args.only.split(",")]
+            if args.only
+            else [s for s in scenarios.SCENARIOS if s.matrix]
+        )
     except KeyError as exc:
         p.error(f"--only: {exc.args[0]}")
     print(f"# torch {torch_build(args.python)}; python {platform.python_version()}; {machine()}", flush=True)
-    header = ("client", "scenario", "GPU", "works", "wall ms/step", "GPU ms/step", "host/GPU", "provenance",
-              "expected", "run s")
+    header = (
+        "client",
+        "scenario",
+        "GPU",
+        "works",
+        "wall ms/step",
+        "GPU ms/step",
+        "host/GPU",
+        "provenance",
+        "expected",
+        "run s",
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header), flush=True)
     rows = []
@@ -64,23 +80,44 @@ def main() -> None:
             (base / s.name / "output.txt").write_text(result.output)
         gpu_ms = result.gpu_ms_per_step() if result else None
         for case in s.cases:
-            steps, wall_ms = (result.cases.get(case.name, (None, None)) if result else (None, None))
+            steps, wall_ms = result.cases.get(case.name, (None, None)) if result else (None, None)
             works = bool(result and result.returncode == 0 and steps == case.steps)
-            row = {"client": case.client, "scenario": s.name, "case": case.name,
-                   "gpu": f"{s.gpus}x{s.gpu}" if s.world == 1 else f"{s.world} ranks x {s.gpu}",
-                   "works": works, "steps": steps, "wall_ms_per_step": wall_ms,
-                   # one GPU figure per command: for a command of several cases it is theirs together
-                   "gpu_ms_per_step": gpu_ms if len(s.cases) == 1 else None,
-                   "provenance": result.provenance() if result else None, "expected": s.provenance,
-                   "run_s": round(time.perf_counter() - t0, 1),
-                   "error": None if works else (result.output[-1500:] if result else "timeout")}
+            row = {
+                "client": case.client,
+                "scenario": s.name,
+                "case": case.name,
+                "gpu": f"{s.gpus}x{s.gpu}" if s.world == 1 else f"{s.world} ranks x {s.gpu}",
+                "works": works,
+                "steps": steps,
+                "wall_ms_per_step": wall_ms,
+                # one GPU figure per command: for a command of several cases it is theirs together
+                "gpu_ms_per_step": gpu_ms if len(s.cases) == 1 else None,
+                "provenance": result.provenance() if result else None,
+                "expected": s.provenance,
+                "run_s": round(time.perf_counter() - t0, 1),
+                "error": None if works else (result.output[-1500:] if result else "timeout"),
+            }
             rows.append(row)
-            ratio = (f"{wall_ms / row['gpu_ms_per_step']:.2f}" if wall_ms and row["gpu_ms_per_step"] else "-")
-            print("| " + " | ".join([
-                row["client"], s.name, row["gpu"], "yes" if works else "NO",
-                f"{wall_ms:.1f}" if wall_ms is not None else "-",
-                f"{row['gpu_ms_per_step']:.1f}" if row["gpu_ms_per_step"] is not None else "(with the others)",
-                ratio, str(row["provenance"]), s.provenance, f"{row['run_s']:.0f}"]) + " |", flush=True)
+            ratio = f"{wall_ms / row['gpu_ms_per_step']:.2f}" if wall_ms and row["gpu_ms_per_step"] else "-"
+            print(
+                "| "
+                + " | ".join(
+                    [
+                        row["client"],
+                        s.name,
+                        row["gpu"],
+                        "yes" if works else "NO",
+                        f"{wall_ms:.1f}" if wall_ms is not None else "-",
+                        f"{row['gpu_ms_per_step']:.1f}" if row["gpu_ms_per_step"] is not None else "(with the others)",
+                        ratio,
+                        str(row["provenance"]),
+                        s.provenance,
+                        f"{row['run_s']:.0f}",
+                    ]
+                )
+                + " |",
+                flush=True,
+            )
     for row in rows:
         if not row["works"]:
             print(f"\n## {row['scenario']} / {row['case']} failed:\n{row['error']}")

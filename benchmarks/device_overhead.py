@@ -27,17 +27,23 @@ def main() -> None:
     ap.add_argument("--gpu", default="V100")
     ap.add_argument("--no-replay", action="store_true")
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
-    ap.add_argument("--autograd-edges", type=int, default=0, metavar="N",
-                    help="instead: plain torch (no gpemu), the autograd engine's cost of a Function with N "
-                         "leaf inputs whose backward returns None for them (what a replayed backward pays "
-                         "per parameter)")
+    ap.add_argument(
+        "--autograd-edges",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: plain torch (no gpemu), the autograd engine's cost of a Function with N "
+        "leaf inputs whose backward returns None for them (what a replayed backward pays "
+        "per parameter)",
+    )
     args = ap.parse_args()
     if args.autograd_edges:
         autograd_edges(args.autograd_edges)
         return
 
-    import gpemu
     import tvmodels
+
+    import gpemu
     from gpemu import tensor
     from gpemu.fastpaths import replay
 
@@ -53,7 +59,7 @@ def main() -> None:
     y = torch.randint(0, 1000, (args.batch,)).cuda()
     host = []
     cpu = []
-    for i in range(args.iters):
+    for _ in range(args.iters):
         waits_before = sum(w.end - w.start for w in rt.recorder.waits)
         t0 = time.perf_counter()
         c0 = time.thread_time()
@@ -69,14 +75,20 @@ def main() -> None:
     steady = host[3:] if len(host) > 5 else host
     steady_cpu = cpu[3:] if len(cpu) > 5 else cpu
     mem = rt.memory[0]
-    print(f"model={args.model} batch={args.batch} gpu={args.gpu} replay={not args.no_replay} optimizer={args.optimizer}")
+    print(
+        f"model={args.model} batch={args.batch} gpu={args.gpu} replay={not args.no_replay} optimizer={args.optimizer}"
+    )
     print(f"first iteration (recording) host time: {host[0] * 1e3:.1f} ms")
-    print(f"steady host time per iteration: median {statistics.median(steady) * 1e3:.2f} ms, "
-          f"min {min(steady) * 1e3:.2f} ms over {len(steady)} iterations")
+    print(
+        f"steady host time per iteration: median {statistics.median(steady) * 1e3:.2f} ms, "
+        f"min {min(steady) * 1e3:.2f} ms over {len(steady)} iterations"
+    )
     # CPU time of this thread: unaffected by other processes competing for the cores (waits on
     # emulated GPU time spin at the end, so this is only clean when no sync point waited).
-    print(f"steady host CPU time per iteration (thread_time): median {statistics.median(steady_cpu) * 1e3:.2f} ms, "
-          f"min {min(steady_cpu) * 1e3:.2f} ms")
+    print(
+        f"steady host CPU time per iteration (thread_time): median {statistics.median(steady_cpu) * 1e3:.2f} ms, "
+        f"min {min(steady_cpu) * 1e3:.2f} ms"
+    )
     print(f"replay: {replay.replay_info()}, op-metadata cache entries: {tensor.cache_info()['entries']}")
     print(f"tracked memory: allocated {mem.allocated / 2**20:.0f} MiB, peak {mem.peak_allocated / 2**20:.0f} MiB")
     gpemu.unpatch()
@@ -104,9 +116,11 @@ def autograd_edges(n: int) -> None:
         return statistics.median(times)
 
     with_edges, without = timed(True), timed(False)
-    print(f"backward over a Function with {n} leaf inputs returning None: {with_edges * 1e6:.0f} us "
-          f"(inputs not requiring grad: {without * 1e6:.0f} us) = "
-          f"{(with_edges - without) / n * 1e6:.2f} us per parameter edge")
+    print(
+        f"backward over a Function with {n} leaf inputs returning None: {with_edges * 1e6:.0f} us "
+        f"(inputs not requiring grad: {without * 1e6:.0f} us) = "
+        f"{(with_edges - without) / n * 1e6:.2f} us per parameter edge"
+    )
 
 
 if __name__ == "__main__":

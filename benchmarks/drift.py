@@ -46,10 +46,11 @@ import gc
 import random
 import time
 
+from machine import machine
+
 from gpemu.clock import RealClock
 from gpemu.engine import TimeEngine, calibrate_return_allowance
 from gpemu.recorder import Recorder
-from machine import machine
 
 
 def busy(seconds: float) -> None:
@@ -71,11 +72,18 @@ class LoggingClock(RealClock):
         return t
 
 
-def make_plan(iterations: int, fwd_ms: float, bwd_ms: float, jitter: float, seed: int,
-              sync_every: int) -> list[tuple[float, float, bool]]:
+def make_plan(
+    iterations: int, fwd_ms: float, bwd_ms: float, jitter: float, seed: int, sync_every: int
+) -> list[tuple[float, float, bool]]:
     rng = random.Random(seed)
-    return [(fwd_ms * (1 + rng.uniform(-jitter, jitter)) / 1e3, bwd_ms * (1 + rng.uniform(-jitter, jitter)) / 1e3,
-             i % sync_every == 0 or i == iterations) for i in range(1, iterations + 1)]
+    return [
+        (
+            fwd_ms * (1 + rng.uniform(-jitter, jitter)) / 1e3,
+            bwd_ms * (1 + rng.uniform(-jitter, jitter)) / 1e3,
+            i % sync_every == 0 or i == iterations,
+        )
+        for i in range(1, iterations + 1)
+    ]
 
 
 class GcWatch:
@@ -95,7 +103,7 @@ class GcWatch:
             self.full += 1
             self.full_s += time.perf_counter() - self._t0
 
-    def __enter__(self) -> "GcWatch":
+    def __enter__(self) -> GcWatch:
         gc.collect()  # start from a collected heap (see the module docstring)
         gc.callbacks.append(self._cb)
         return self
@@ -106,11 +114,12 @@ class GcWatch:
 
 def _gaps(engine: TimeEngine) -> list[float]:
     spans = engine.recorder.spans
-    return sorted(b.start - a.end for a, b in zip(spans, spans[1:]) if b.start > a.end)
+    return sorted(b.start - a.end for a, b in zip(spans, spans[1:], strict=False) if b.start > a.end)
 
 
-def run_headline(plan: list[tuple[float, float, bool]], host_work_ms: float,
-                 allowance: tuple[float, float] | None) -> dict:
+def run_headline(
+    plan: list[tuple[float, float, bool]], host_work_ms: float, allowance: tuple[float, float] | None
+) -> dict:
     engine = TimeEngine(1, Recorder(), clock=RealClock(), return_allowance=allowance)
     enqueue = engine.default_stream(0).enqueue
     synchronize = engine.synchronize
@@ -129,20 +138,28 @@ def run_headline(plan: list[tuple[float, float, bool]], host_work_ms: float,
     target = sum(f + b for f, b, _ in plan)
     gaps = _gaps(engine)
     spans = engine.recorder.spans
-    return {"target_s": target, "elapsed_s": elapsed, "gaps_s": sum(gaps),
-            "big_gaps_s": sum(g for g in gaps if g > 1e-3),
-            "gap_median_us": 1e6 * gaps[len(gaps) // 2] if gaps else 0.0,
-            "gap_max_ms": 1e3 * gaps[-1] if gaps else 0.0, "gaps_over_1ms": sum(1 for g in gaps if g > 1e-3),
-            "first_start_s": spans[0].start - start if spans else 0.0,
-            "final_late_s": elapsed - (engine.device_busy_until(0) - start),
-            "forgiven_s": engine.recorder.counters.get("wake_late_s", 0.0),
-            "allowance_s": engine.return_allowance, "gc_full": gcw.full, "gc_full_s": gcw.full_s,
-            "error_pct": 100 * (elapsed - target) / target,
-            "late_per_iter_us": 1e6 * (elapsed - target) / len(plan)}
+    return {
+        "target_s": target,
+        "elapsed_s": elapsed,
+        "gaps_s": sum(gaps),
+        "big_gaps_s": sum(g for g in gaps if g > 1e-3),
+        "gap_median_us": 1e6 * gaps[len(gaps) // 2] if gaps else 0.0,
+        "gap_max_ms": 1e3 * gaps[-1] if gaps else 0.0,
+        "gaps_over_1ms": sum(1 for g in gaps if g > 1e-3),
+        "first_start_s": spans[0].start - start if spans else 0.0,
+        "final_late_s": elapsed - (engine.device_busy_until(0) - start),
+        "forgiven_s": engine.recorder.counters.get("wake_late_s", 0.0),
+        "allowance_s": engine.return_allowance,
+        "gc_full": gcw.full,
+        "gc_full_s": gcw.full_s,
+        "error_pct": 100 * (elapsed - target) / target,
+        "late_per_iter_us": 1e6 * (elapsed - target) / len(plan),
+    }
 
 
-def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
-                     allowance: tuple[float, float] | None) -> dict:
+def run_instrumented(
+    plan: list[tuple[float, float, bool]], host_work_ms: float, allowance: tuple[float, float] | None
+) -> dict:
     clock = LoggingClock()
     engine = TimeEngine(1, Recorder(), clock=clock, return_allowance=allowance)
     enqueue = engine.default_stream(0).enqueue
@@ -179,7 +196,7 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
     gcw.__exit__()
     target = sum(f + b for f, b, _ in plan)
     spans = engine.recorder.spans
-    by_end = {a.end: b.start for a, b in zip(spans, spans[1:])}
+    by_end = {a.end: b.start for a, b in zip(spans, spans[1:], strict=False)}
     ret_s, loop_s, entry_s, gap_after_sync = [], [], [], 0.0
     for deadline, settled, ret, call, read in marks:
         ret_s.append(ret - settled)
@@ -193,15 +210,27 @@ def run_instrumented(plan: list[tuple[float, float, bool]], host_work_ms: float,
         return 1e6 * sorted(xs)[len(xs) // 2] if xs else 0.0
 
     gaps = _gaps(engine)
-    return {"target_s": target, "elapsed_s": elapsed, "error_pct": 100 * (elapsed - target) / target,
-            "late_per_iter_us": 1e6 * (elapsed - target) / len(plan), "syncs": len(marks),
-            "gaps_s": sum(gaps), "gaps_after_sync_s": gap_after_sync,
-            "big_gaps_s": sum(g for g in gaps if g > 1e-3), "big_gaps": sum(1 for g in gaps if g > 1e-3),
-            "return_s": sum(ret_s), "loop_s": sum(loop_s), "entry_s": sum(entry_s),
-            "return_med_us": med(ret_s), "loop_med_us": med(loop_s), "entry_med_us": med(entry_s),
-            "path_med_us": med([r + e for r, e in zip(ret_s, entry_s)]),
-            "gc_full": gcw.full, "gc_full_s": gcw.full_s,
-            "allowance_s": engine.return_allowance}
+    return {
+        "target_s": target,
+        "elapsed_s": elapsed,
+        "error_pct": 100 * (elapsed - target) / target,
+        "late_per_iter_us": 1e6 * (elapsed - target) / len(plan),
+        "syncs": len(marks),
+        "gaps_s": sum(gaps),
+        "gaps_after_sync_s": gap_after_sync,
+        "big_gaps_s": sum(g for g in gaps if g > 1e-3),
+        "big_gaps": sum(1 for g in gaps if g > 1e-3),
+        "return_s": sum(ret_s),
+        "loop_s": sum(loop_s),
+        "entry_s": sum(entry_s),
+        "return_med_us": med(ret_s),
+        "loop_med_us": med(loop_s),
+        "entry_med_us": med(entry_s),
+        "path_med_us": med([r + e for r, e in zip(ret_s, entry_s, strict=False)]),
+        "gc_full": gcw.full,
+        "gc_full_s": gcw.full_s,
+        "allowance_s": engine.return_allowance,
+    }
 
 
 def main() -> None:
@@ -210,13 +239,24 @@ def main() -> None:
     p.add_argument("--fwd-ms", type=float, default=0.8)
     p.add_argument("--bwd-ms", type=float, default=1.7)
     p.add_argument("--jitter", type=float, default=0.3, help="relative +- spread of each target")
-    p.add_argument("--host-work-ms", type=float, default=0.0,
-                   help="host busy time per iteration between enqueue and sync (hidden if < GPU time)")
+    p.add_argument(
+        "--host-work-ms",
+        type=float,
+        default=0.0,
+        help="host busy time per iteration between enqueue and sync (hidden if < GPU time)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sync-every", default="1,10,100",
-                   help="comma-separated: sync (loss.item()) every N iterations; each value is one run")
-    p.add_argument("--allowance-us", type=float, default=None,
-                   help="engine return_allowance in us (default: calibrated; 0 = the old engine behaviour)")
+    p.add_argument(
+        "--sync-every",
+        default="1,10,100",
+        help="comma-separated: sync (loss.item()) every N iterations; each value is one run",
+    )
+    p.add_argument(
+        "--allowance-us",
+        type=float,
+        default=None,
+        help="engine return_allowance in us (default: calibrated; 0 = the old engine behaviour)",
+    )
     p.add_argument("--no-instrumented", action="store_true", help="headline pass only")
     a = p.parse_args()
     if a.iterations < 1 or a.fwd_ms < 0 or a.bwd_ms < 0:
@@ -224,45 +264,65 @@ def main() -> None:
     # Both passes use the same allowance (the instrumented pass's logging clock is not a RealClock,
     # so the engine would not calibrate it itself).
     allowance = calibrate_return_allowance() if a.allowance_us is None else (a.allowance_us / 1e6,) * 2
-    print(f"drift: {a.iterations} iterations, fwd {a.fwd_ms} ms + bwd {a.bwd_ms} ms (+-{a.jitter:.0%}), "
-          f"host work {a.host_work_ms} ms/iter", flush=True)
+    print(
+        f"drift: {a.iterations} iterations, fwd {a.fwd_ms} ms + bwd {a.bwd_ms} ms (+-{a.jitter:.0%}), "
+        f"host work {a.host_work_ms} ms/iter",
+        flush=True,
+    )
     for k in (int(v) for v in a.sync_every.split(",")):
         plan = make_plan(a.iterations, a.fwd_ms, a.bwd_ms, a.jitter, a.seed, k)
         r = run_headline(plan, a.host_work_ms, allowance)
-        print(f"  sync every {k:3d}: sum of targets {r['target_s']:.4f} s, elapsed {r['elapsed_s']:.4f} s, "
-              f"error {r['error_pct']:+.4f}% ({r['late_per_iter_us']:+.2f} us/iteration)  "
-              f"[target |error| <= 0.1%: {'met' if abs(r['error_pct']) <= 0.1 else 'NOT met'}]", flush=True)
+        print(
+            f"  sync every {k:3d}: sum of targets {r['target_s']:.4f} s, elapsed {r['elapsed_s']:.4f} s, "
+            f"error {r['error_pct']:+.4f}% ({r['late_per_iter_us']:+.2f} us/iteration)  "
+            f"[target |error| <= 0.1%: {'met' if abs(r['error_pct']) <= 0.1 else 'NOT met'}]",
+            flush=True,
+        )
         err_ms = 1e3 * (r["elapsed_s"] - r["target_s"])
-        print(f"      error {err_ms:+.2f} ms = GPU idle gaps {1e3 * r['gaps_s']:.2f} ms (median {r['gap_median_us']:.1f} "
-              f"us, {r['gaps_over_1ms']} over 1 ms, longest {r['gap_max_ms']:.1f} ms) + last wake-up late "
-              f"{1e3 * r['final_late_s']:.3f} ms + first enqueue {1e3 * r['first_start_s']:.3f} ms; "
-              f"allowance {1e6 * r['allowance_s'][1]:.2f} us per long wait ({1e6 * r['allowance_s'][0]:.2f} short), wake-up lateness forgiven "
-              f"{1e3 * r['forgiven_s']:.1f} ms; full garbage collections in the loop: {r['gc_full']} "
-              f"({1e3 * r['gc_full_s']:.1f} ms)", flush=True)
+        print(
+            f"      error {err_ms:+.2f} ms = GPU idle gaps {1e3 * r['gaps_s']:.2f} ms (median {r['gap_median_us']:.1f} "
+            f"us, {r['gaps_over_1ms']} over 1 ms, longest {r['gap_max_ms']:.1f} ms) + last wake-up late "
+            f"{1e3 * r['final_late_s']:.3f} ms + first enqueue {1e3 * r['first_start_s']:.3f} ms; "
+            f"allowance {1e6 * r['allowance_s'][1]:.2f} us per long wait "
+            f"({1e6 * r['allowance_s'][0]:.2f} short), wake-up lateness forgiven "
+            f"{1e3 * r['forgiven_s']:.1f} ms; full garbage collections in the loop: {r['gc_full']} "
+            f"({1e3 * r['gc_full_s']:.1f} ms)",
+            flush=True,
+        )
         # Diagnostic only (not the figure): a gap over 1 ms is the whole process held (preempted by
         # another process on this shared machine, or a garbage collection), which would idle a
         # real GPU too.
-        print(f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (process held: preemption, GC) "
-              f"the error would be {100 * (r['elapsed_s'] - r['target_s'] - r['big_gaps_s']) / r['target_s']:+.4f}%",
-              flush=True)
+        print(
+            f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (process held: preemption, GC) "
+            f"the error would be {100 * (r['elapsed_s'] - r['target_s'] - r['big_gaps_s']) / r['target_s']:+.4f}%",
+            flush=True,
+        )
         if a.no_instrumented:
             continue
         m = run_instrumented(plan, a.host_work_ms, allowance)
-        print(f"      instrumented pass (marks in the loop; old definition): error {m['error_pct']:+.4f}% "
-              f"({m['late_per_iter_us']:+.2f} us/iteration), GPU idle gaps {1e3 * m['gaps_s']:.2f} ms "
-              f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited; without its "
-              f"{m['big_gaps']} gap(s) over 1 ms: "
-              f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%; full garbage "
-              f"collections in the loop: {m['gc_full']} ({1e3 * m['gc_full_s']:.1f} ms))", flush=True)
-        print(f"      raw host time after those syncs: emulator return path {1e3 * m['return_s']:.2f} ms "
-              f"(median {m['return_med_us']:.2f} us), loop's own Python {1e3 * m['loop_s']:.2f} ms "
-              f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
-              f"(median {m['entry_med_us']:.2f} us); return+entry median {m['path_med_us']:.2f} us vs "
-              f"long-wait allowance {1e6 * m['allowance_s'][1]:.2f} us", flush=True)
-    print(f"  machine: {machine()}; what remains with a sync every "
-          f"iteration is the loop's own time between a sync's return and its next enqueue (a real program pays "
-          f"it too), the emulator's path beyond the allowance (colder caches after a long wait), and "
-          f"preemption by other processes wherever it lands")
+        print(
+            f"      instrumented pass (marks in the loop; old definition): error {m['error_pct']:+.4f}% "
+            f"({m['late_per_iter_us']:+.2f} us/iteration), GPU idle gaps {1e3 * m['gaps_s']:.2f} ms "
+            f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited; without its "
+            f"{m['big_gaps']} gap(s) over 1 ms: "
+            f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%; full garbage "
+            f"collections in the loop: {m['gc_full']} ({1e3 * m['gc_full_s']:.1f} ms))",
+            flush=True,
+        )
+        print(
+            f"      raw host time after those syncs: emulator return path {1e3 * m['return_s']:.2f} ms "
+            f"(median {m['return_med_us']:.2f} us), loop's own Python {1e3 * m['loop_s']:.2f} ms "
+            f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
+            f"(median {m['entry_med_us']:.2f} us); return+entry median {m['path_med_us']:.2f} us vs "
+            f"long-wait allowance {1e6 * m['allowance_s'][1]:.2f} us",
+            flush=True,
+        )
+    print(
+        f"  machine: {machine()}; what remains with a sync every "
+        f"iteration is the loop's own time between a sync's return and its next enqueue (a real program pays "
+        f"it too), the emulator's path beyond the allowance (colder caches after a long wait), and "
+        f"preemption by other processes wherever it lands"
+    )
 
 
 if __name__ == "__main__":

@@ -47,10 +47,20 @@ from machine import machine  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-FAMILIES = (("alexnet", "AlexNet"), ("vgg", "VGG"), ("resnext", "ResNeXt"), ("wide_resnet", "Wide ResNet"),
-            ("resnet", "ResNet"), ("densenet", "DenseNet"), ("googlenet", "GoogLeNet"), ("squeezenet", "SqueezeNet"),
-            ("mobilenet_v2", "MobileNetV2"), ("mobilenet_v3", "MobileNetV3"), ("mnasnet", "MNASNet"),
-            ("shufflenet", "ShuffleNetV2"))
+FAMILIES = (
+    ("alexnet", "AlexNet"),
+    ("vgg", "VGG"),
+    ("resnext", "ResNeXt"),
+    ("wide_resnet", "Wide ResNet"),
+    ("resnet", "ResNet"),
+    ("densenet", "DenseNet"),
+    ("googlenet", "GoogLeNet"),
+    ("squeezenet", "SqueezeNet"),
+    ("mobilenet_v2", "MobileNetV2"),
+    ("mobilenet_v3", "MobileNetV3"),
+    ("mnasnet", "MNASNet"),
+    ("shufflenet", "ShuffleNetV2"),
+)
 
 
 def family(name: str) -> str:
@@ -63,10 +73,24 @@ def family(name: str) -> str:
 def progress_bar():
     """A rich progress bar on stderr, removed when done (the printed figures stay clean)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    return Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    return Progress(
+        TextColumn("{task.description:<44}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 def pct(x: float) -> str:
@@ -89,8 +113,19 @@ HEADER = f"{'':<26}{'n':>6} {'mean':>7} {'median':>7} {'p90':>7} {'worst':>7}"
 # While the original existed this copy matched it to < 1e-9 relative on resnet50/64 and
 # mobilenet_v2/16 on all six GPUs, and its 1080 results are the ones that run cached.
 _OLD_LAUNCH, _OLD_BW_EFF, _OLD_DEFAULT_EFF = 4e-6, 0.7, 0.5
-_OLD_FREE = {"detach", "alias", "lift_fresh", "_to_copy_meta", "size", "stride", "sym_size", "empty",
-             "empty_strided", "empty_like", "_local_scalar_dense"}
+_OLD_FREE = {
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_to_copy_meta",
+    "size",
+    "stride",
+    "sym_size",
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "_local_scalar_dense",
+}
 
 
 def _old_efficiency(db, spec, flops_per_sample: dict[str, float]) -> float:
@@ -160,14 +195,19 @@ def _roofline_inputs(module, batch: int):
             self.ops.append((flops, acc[0], half[0]))
             return out
 
-    state = {n: torch.empty(tuple(p.shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
-             for n, p in module.named_parameters()}
+    state = {
+        n: torch.empty(tuple(p.shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
+        for n, p in module.named_parameters()
+    }
     state.update({n: torch.empty(tuple(b.shape), dtype=b.dtype, device="meta") for n, b in module.named_buffers()})
     fwd, bwd = Inputs(), Inputs()
     with fwd:
         out = torch.func.functional_call(module, state, (torch.empty(batch, 3, 224, 224, device="meta"),), {})
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
-              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    leaves = [
+        t
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
     inputs = [p for p in state.values() if p.requires_grad]
     with bwd:
         torch.autograd.grad([t.sum() for t in leaves], inputs, allow_unused=True)
@@ -183,9 +223,15 @@ def before_predictions(data, db, gpus: list[str], use_cache: bool, progress) -> 
     from gpemu.profiler.costfit import EVAL_BATCHES
 
     # The key of the run made while gpemu.costs still had the original (same arithmetic).
-    key = "899f5c818085" if torch.__version__ == "2.13.0+cpu" else hashlib.sha1(
-        torch.__version__.encode() + db.meta().get("data_version", "").encode()
-        + json.dumps([gpus, list(data.names), list(EVAL_BATCHES)]).encode()).hexdigest()[:12]
+    key = (
+        "899f5c818085"
+        if torch.__version__ == "2.13.0+cpu"
+        else hashlib.sha1(
+            torch.__version__.encode()
+            + db.meta().get("data_version", "").encode()
+            + json.dumps([gpus, list(data.names), list(EVAL_BATCHES)]).encode()
+        ).hexdigest()[:12]
+    )
     name = f"before-{key}"
     hit = load_arrays(name) if use_cache else None
     task = progress.add_task("today's estimator", total=len(data.names) * len(EVAL_BATCHES))
@@ -207,7 +253,7 @@ def before_predictions(data, db, gpus: list[str], use_cache: bool, progress) -> 
     out = {g: np.full((len(data.names), 2, len(EVAL_BATCHES)), np.nan) for g in gpus}
     for mi, model_name in enumerate(data.names):
         for bi, b in enumerate(EVAL_BATCHES):
-            for g, spec, eff in zip(gpus, specs, effs):
+            for g, spec, eff in zip(gpus, specs, effs, strict=False):
                 for ph, ops in enumerate(passes[model_name, b]):
                     out[g][mi, ph, bi] = sum(_old_roofline(f, n, spec, eff, h) for f, n, h in ops)
     if use_cache:
@@ -230,8 +276,10 @@ def worst_cases(title: str, data, preds: dict[str, np.ndarray], k: int = 10) -> 
     cases.sort(key=lambda c: -abs(c[0]))
     print(f"\n   worst {k}, {title}:")
     for err, g, name, b, m, p in cases[:k]:
-        print(f"     {short(g):9} {name:20} bs{b:<4} measured {1e3 * m:9.2f} ms  estimated {1e3 * p:9.2f} ms  "
-              f"{100 * err:+7.1f}%")
+        print(
+            f"     {short(g):9} {name:20} bs{b:<4} measured {1e3 * m:9.2f} ms  estimated {1e3 * p:9.2f} ms  "
+            f"{100 * err:+7.1f}%"
+        )
 
 
 def short(gpu: str) -> str:
@@ -240,12 +288,17 @@ def short(gpu: str) -> str:
     return gpu_sheet(gpu).short_name
 
 
-def table(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.ndarray] | None,
-          extra: dict[str, str] | None = None) -> None:
+def table(
+    title: str,
+    data,
+    preds: dict[str, np.ndarray],
+    before: dict[str, np.ndarray] | None,
+    extra: dict[str, str] | None = None,
+) -> None:
     from gpemu.profiler.costfit import errors, summary
 
     print(f"\n== {title}")
-    head = HEADER + ("   | before:" + HEADER[26 + 6:] if before else "")
+    head = HEADER + ("   | before:" + HEADER[26 + 6 :] if before else "")
     print("   " + head)
     rows_all, rows_before = [], []
     for g, p in preds.items():
@@ -255,19 +308,19 @@ def table(title: str, data, preds: dict[str, np.ndarray], before: dict[str, np.n
         if before:
             eb = errors(before[g], data.measured_eval[g])
             rows_before.append(eb)
-            line += "   |        " + row("", summary(eb))[26 + 6:]
+            line += "   |        " + row("", summary(eb))[26 + 6 :]
         print("   " + line)
     allp = np.stack(rows_all)
     line = row("all (fwd+bwd)", summary(allp))
     if before:
-        line += "   |        " + row("", summary(np.stack(rows_before)))[26 + 6:]
+        line += "   |        " + row("", summary(np.stack(rows_before)))[26 + 6 :]
     print("   " + line)
     for ph, label in ((0, "forward only"), (1, "backward only")):
         e = np.stack([errors(p, data.measured_eval[g], total=False)[:, ph] for g, p in preds.items()])
         line = row(label, summary(e))
         if before:
             eb = np.stack([errors(before[g], data.measured_eval[g], total=False)[:, ph] for g in preds])
-            line += "   |        " + row("", summary(eb))[26 + 6:]
+            line += "   |        " + row("", summary(eb))[26 + 6 :]
         print("   " + line)
 
 
@@ -279,8 +332,10 @@ def by_family(title: str, data, preds: dict[str, np.ndarray], before: dict[str, 
     fams: dict[str, list[int]] = {}
     for i, n in enumerate(data.names):
         fams.setdefault(family(n), []).append(i)
-    for fam, idx in sorted(fams.items(), key=lambda kv: -summary(np.stack([errors(p, data.measured_eval[g])[kv[1]]
-                                                                            for g, p in preds.items()]))["mean"]):
+    for fam, idx in sorted(
+        fams.items(),
+        key=lambda kv: -summary(np.stack([errors(p, data.measured_eval[g])[kv[1]] for g, p in preds.items()]))["mean"],
+    ):
         e = np.stack([errors(p, data.measured_eval[g])[idx] for g, p in preds.items()])
         line = row(f"{fam} ({len(idx)})", summary(e))
         if before:
@@ -319,8 +374,10 @@ def logo_analysis(data, full: dict, logo: dict) -> None:
         scaled[g] = v["op model"] * np.exp(-median_log_error(v["op model"], g))
     print("\n== leave-one-GPU-out diagnostics (not what ships)")
     print("   " + HEADER)
-    for short_label, label, preds in (("all donors", "every other generation as donor, geometric mean", ens),
-                                      ("1 scale/GPU", "op model, one scale per GPU removed", scaled)):
+    for short_label, label, preds in (
+        ("all donors", "every other generation as donor, geometric mean", ens),
+        ("1 scale/GPU", "op model, one scale per GPU removed", scaled),
+    ):
         for name, sel in (("all", list(preds)), ("no A100", [g for g in preds if "A100" not in g])):
             err = np.stack([errors(preds[g], data.measured_eval[g]) for g in sel])
             print("   " + row(f"{short_label}, {name}", summary(err)) + f"   {label}")
@@ -354,9 +411,14 @@ def shipped_fits(params: dict) -> dict:
         for k in keys:
             c = g["curves"][k]
             theta += [math.log(c["e"]), math.log(c["x0"]), c["p"], math.log(c["h"]), math.log(c.get("k0", 1e-9))]
-        out[gen] = GenFit(generation=gen, gpu=g["gpu"], keys=keys, theta=np.array(theta),
-                          paths={k: g["curves"][k]["path"] for k in keys},
-                          uses_k0={k: "k0" in g["curves"][k] for k in keys})
+        out[gen] = GenFit(
+            generation=gen,
+            gpu=g["gpu"],
+            keys=keys,
+            theta=np.array(theta),
+            paths={k: g["curves"][k]["path"] for k in keys},
+            uses_k0={k: "k0" in g["curves"][k] for k in keys},
+        )
     return out
 
 
@@ -364,19 +426,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", action="store_true", help="also today's estimator (gpemu.costs.estimate_module)")
     ap.add_argument("--no-cache", action="store_true", help="recompute op lists, LOMO and --before figures")
-    ap.add_argument("--refit", action="store_true",
-                    help="fit every GPU on all models again instead of reading the shipped params.json (which "
-                         "python -m gpemu.profiler.costfit wrote from the same fit; ~10 min on 2 cores)")
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="fit every GPU on all models again instead of reading the shipped params.json (which "
+        "python -m gpemu.profiler.costfit wrote from the same fit; ~10 min on 2 cores)",
+    )
     ap.add_argument("--worst", type=int, default=10, help="worst cases listed per table (default 10)")
     args = ap.parse_args()
     print(f"machine: {machine()}")
     import torch
 
     import gpemu
-    from gpemu.profiler import costfit as F
-    from gpemu.profiler.costdata import cache_dir
     from gpemu.costmodel.model import CostModel
     from gpemu.db import open_profile_db
+    from gpemu.profiler import costfit as F
+    from gpemu.profiler.costdata import cache_dir
 
     print(f"torch {torch.__version__}, numpy {np.__version__}; cache {cache_dir()}")
     db = open_profile_db(gpemu.EmuConfig.from_env())
@@ -405,9 +470,11 @@ def main() -> int:
         logo = F.logo(data, full)
         before = before_predictions(data, db, list(data.gpus), not args.no_cache, pb) if args.before else None
     took = time.perf_counter() - started
-    print(f"database: {meta.get('source', '')} (data {meta.get('data_version', '')}); "
-          f"{len(data.names)} models x {len(data.gpus)} GPUs x batch {', '.join(map(str, F.EVAL_BATCHES))} "
-          f"= {len(data.names) * len(data.gpus) * len(F.EVAL_BATCHES)} cases; {took:.0f} s")
+    print(
+        f"database: {meta.get('source', '')} (data {meta.get('data_version', '')}); "
+        f"{len(data.names)} models x {len(data.gpus)} GPUs x batch {', '.join(map(str, F.EVAL_BATCHES))} "
+        f"= {len(data.names) * len(data.gpus) * len(F.EVAL_BATCHES)} cases; {took:.0f} s"
+    )
 
     shipped = CostModel.load()
     in_sample = {g: F.predict(shipped, data, g, list(range(len(data.names)))) for g in data.gpus}
@@ -416,24 +483,43 @@ def main() -> int:
     worst_cases("leave-one-model-out", data, lomo, args.worst)
     by_family("leave-one-model-out", data, lomo, before)
     donors = {g: f"<- {short(v['donor'])}" for g, v in logo.items()}
-    table("leave-one-GPU-out, op model: each GPU from its datasheet + the donor generation's curves", data,
-          {g: v["op model"] for g, v in logo.items()}, None, donors)
+    table(
+        "leave-one-GPU-out, op model: each GPU from its datasheet + the donor generation's curves",
+        data,
+        {g: v["op model"] for g, v in logo.items()},
+        None,
+        donors,
+    )
     no_a100 = {g: v["op model"] for g, v in logo.items() if "A100" not in g}
-    print("   " + row("all but A100 (see note)", F.summary(np.stack([F.errors(p, data.measured_eval[g])
-                                                                     for g, p in no_a100.items()]))))
+    print(
+        "   "
+        + row(
+            "all but A100 (see note)",
+            F.summary(np.stack([F.errors(p, data.measured_eval[g]) for g, p in no_a100.items()])),
+        )
+    )
     worst_cases("leave-one-GPU-out, op model", data, {g: v["op model"] for g, v in logo.items()}, args.worst)
-    table("leave-one-GPU-out, transfer: the model's time measured on the donor GPU x the op model's ratio", data,
-          {g: v["transfer"] for g, v in logo.items()}, None, donors)
+    table(
+        "leave-one-GPU-out, transfer: the model's time measured on the donor GPU x the op model's ratio",
+        data,
+        {g: v["transfer"] for g, v in logo.items()},
+        None,
+        donors,
+    )
     logo_analysis(data, full, logo)
     if before:
         worst_cases("today's estimator (estimate_module)", data, before, args.worst)
-    print("\nnote: LOGO for the A100 has no donor with tensor-core measurements (every other measured GPU ran "
-          "fp32 on SIMT units), so its TF32 convolutions take the donor's SIMT curves carried to tensor cores "
-          "(gpemu.costmodel.model.tensor_from_simt); datasheet GPUs of Ampere and later take the A100's "
-          "tensor-core curves instead.")
+    print(
+        "\nnote: LOGO for the A100 has no donor with tensor-core measurements (every other measured GPU ran "
+        "fp32 on SIMT units), so its TF32 convolutions take the donor's SIMT curves carried to tensor cores "
+        "(gpemu.costmodel.model.tensor_from_simt); datasheet GPUs of Ampere and later take the A100's "
+        "tensor-core curves instead."
+    )
     if before:
-        print("note: --before's efficiency is calibrated on each GPU's own database models at batch 64 "
-              "(the held-out model included), so it is not a leave-one-out figure; it is what gpemu does today.")
+        print(
+            "note: --before's efficiency is calibrated on each GPU's own database models at batch 64 "
+            "(the held-out model included), so it is not a leave-one-out figure; it is what gpemu does today."
+        )
     return 0
 
 

@@ -19,6 +19,7 @@ import time
 
 __all__ = ["machine", "reference_loop_ms"]
 
+
 class _Point:
     __slots__ = ("x", "y")
 
@@ -66,9 +67,11 @@ def _cpu() -> str:
     except OSError:
         return cpu
     cpu = fields.get("model name", cpu)
-    ident = [f"family {fields['cpu family']}" if "cpu family" in fields else "",
-             f"model {fields['model']}" if "model" in fields else "",
-             f"{float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else ""]
+    ident = [
+        f"family {fields['cpu family']}" if "cpu family" in fields else "",
+        f"model {fields['model']}" if "model" in fields else "",
+        f"{float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else "",
+    ]
     ident = [s for s in ident if s]
     return f"{cpu} ({', '.join(ident)})" if ident else cpu
 

@@ -27,13 +27,16 @@ def main() -> None:
     ap.add_argument("--gpu", default="V100")
     ap.add_argument("--cases", default=DEFAULT)
     args = ap.parse_args()
-    import gpemu
     import tvmodels
+
+    import gpemu
     from gpemu.clock import VirtualClock
 
-    MiB = 2 ** 20
-    print(f"{'model':<14}{'batch':>6}{'tracked peak':>14}{'db peak':>10}{'ratio':>7}"
-          f"{'tracked persist':>17}{'db persist':>12}{'ratio':>7}   (MiB)")
+    MiB = 2**20
+    print(
+        f"{'model':<14}{'batch':>6}{'tracked peak':>14}{'db peak':>10}{'ratio':>7}"
+        f"{'tracked persist':>17}{'db persist':>12}{'ratio':>7}   (MiB)"
+    )
     for case in args.cases.split(","):
         name, batch = case.split(":")
         batch = int(batch)
@@ -56,9 +59,11 @@ def main() -> None:
                 del loss
             gc.collect()
             persistent = mem.allocated - x.numel() * 4 - y.numel() * 8
-            print(f"{name:<14}{batch:>6}{mem.peak_allocated / MiB:>14.0f}{db_peak.value / MiB:>10.0f}"
-                  f"{mem.peak_allocated / db_peak.value:>7.2f}{persistent / MiB:>17.0f}{db_pers.value / MiB:>12.0f}"
-                  f"{persistent / db_pers.value:>7.2f}   ({db_peak.provenance})")
+            print(
+                f"{name:<14}{batch:>6}{mem.peak_allocated / MiB:>14.0f}{db_peak.value / MiB:>10.0f}"
+                f"{mem.peak_allocated / db_peak.value:>7.2f}{persistent / MiB:>17.0f}{db_pers.value / MiB:>12.0f}"
+                f"{persistent / db_pers.value:>7.2f}   ({db_peak.provenance})"
+            )
         finally:
             gpemu.unpatch()
 

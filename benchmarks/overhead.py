@@ -32,7 +32,8 @@ moment) and two host times per iteration: wall (``perf_counter``, what the targe
 and CPU (``thread_time`` of the running thread: on a shared machine, less disturbed by other
 processes than wall time, though not by cache and core sharing).
 
-    python benchmarks/overhead.py --gpus V100,A100 --models resnet50,alexnet,mobilenet_v3_small,shufflenet_v2_x0_5,resnet152,gpt2_small,params1000 --batches 32 --iterations 30
+    python benchmarks/overhead.py --gpus V100,A100 --batches 32 --iterations 30 \
+        --models resnet50,alexnet,mobilenet_v3_small,shufflenet_v2_x0_5,resnet152,gpt2_small,params1000
 
 ``--real`` runs the same step unpatched on this machine's real CUDA GPU and prints what eager
 PyTorch's own host spends on it: **issue ms**, from the return of the (blocking, pageable) input
@@ -50,23 +51,33 @@ import argparse
 import gc
 import os
 import platform
-from typing import Callable
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import machine, reference_loop_ms  # noqa: E402
+
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
-from machine import machine, reference_loop_ms  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
 
-DEFAULT_MODELS = ("alexnet", "resnet18", "resnet50", "resnet152", "vgg16", "mobilenet_v2", "squeezenet1_1",
-                  "gpt2_small", "params1000")
+DEFAULT_MODELS = (
+    "alexnet",
+    "resnet18",
+    "resnet50",
+    "resnet152",
+    "vgg16",
+    "mobilenet_v2",
+    "squeezenet1_1",
+    "gpt2_small",
+    "params1000",
+)
 EXTRA_MODELS = ("gpt2_small", "params1000")
 TRANSFORMER_BATCH = 8  # --transformer-batch
 
@@ -96,8 +107,9 @@ class _Block(torch.nn.Module):
 class GPT2Small(torch.nn.Module):
     """GPT-2 small's shapes: 148 parameter tensors (the LM head tied to the token embedding)."""
 
-    def __init__(self, vocab: int = 50257, positions: int = 1024, d: int = 768, layers: int = 12,
-                 heads: int = 12) -> None:
+    def __init__(
+        self, vocab: int = 50257, positions: int = 1024, d: int = 768, layers: int = 12, heads: int = 12
+    ) -> None:
         super().__init__()
         self.wte = torch.nn.Embedding(vocab, d)
         self.wpe = torch.nn.Embedding(positions, d)
@@ -127,7 +139,7 @@ def workload(name: str, bs: int) -> tuple[Callable[[], torch.nn.Module], torch.T
     return tvmodels.MODELS[name], torch.empty(bs, 3, 224, 224), torch.zeros(bs, dtype=torch.long), bs
 
 
-def step_loss(out: "torch.Tensor | tuple", y: torch.Tensor) -> torch.Tensor:
+def step_loss(out: torch.Tensor | tuple, y: torch.Tensor) -> torch.Tensor:
     """The step's cross entropy over a model's logits, whatever the workload returns."""
     if isinstance(out, tuple):  # GoogLeNet/Inception in training mode: (logits, aux...)
         out = out[0]
@@ -136,9 +148,14 @@ def step_loss(out: "torch.Tensor | tuple", y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out, y)
 
 
-def measure(gpu: str, name: str, bs: int, iterations: int,
-            toggle: "Callable[[gpemu.runtime.Runtime, int], bool] | None" = None,
-            tuning: dict | None = None) -> tuple[float, float, float, dict]:
+def measure(
+    gpu: str,
+    name: str,
+    bs: int,
+    iterations: int,
+    toggle: Callable[[gpemu.runtime.Runtime, int], bool] | None = None,
+    tuning: dict | None = None,
+) -> tuple[float, float, float, dict]:
     """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats). ``toggle(rt, i)``
     is called before iteration i (for interleaved comparisons, see ``--compare-grad-reuse``); the
     stats then hold ``host_by_mode`` (the host times for each mode it returned). ``tuning``: the
@@ -208,8 +225,11 @@ def _main_real(models: list[str], batches: list[int], iterations: int) -> None:
         for bs in batches:
             med, p90, step_s = measure_real(name, bs, iterations)
             bs_run = TRANSFORMER_BATCH if name == "gpt2_small" else bs
-            print(f"{name:14} {bs_run:4d} {1e3 * med:14.3f} {1e3 * p90:8.3f} {1e3 * step_s:10.2f} "
-                  f"{100 * med / step_s:11.2f}%", flush=True)
+            print(
+                f"{name:14} {bs_run:4d} {1e3 * med:14.3f} {1e3 * p90:8.3f} {1e3 * step_s:10.2f} "
+                f"{100 * med / step_s:11.2f}%",
+                flush=True,
+            )
             torch.cuda.empty_cache()
     print(f"machine after: {machine()}")
 
@@ -221,17 +241,33 @@ def main() -> None:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
     p.add_argument("--batches", default="32,128")
     p.add_argument("--iterations", type=int, default=40)
-    p.add_argument("--no-grad-reuse", action="store_true",
-                   help="create new gradient wrappers every backward (for before/after comparisons)")
-    p.add_argument("--compare-grad-reuse", action="store_true",
-                   help="alternate blocks of 5 iterations with and without gradient wrapper reuse in one "
-                        "process (robust to machine load drifting) and print both medians")
-    p.add_argument("--compare-hub", action="store_true",
-                   help="the same interleaving for hub mode (one autograd input instead of every parameter)")
-    p.add_argument("--real", action="store_true",
-                   help="run the step unpatched on this machine's real CUDA GPU: eager PyTorch's own host time")
-    p.add_argument("--transformer-batch", type=int, default=TRANSFORMER_BATCH,
-                   help="gpt2_small's batch (sequences of 1024 tokens; --batches is for the other models)")
+    p.add_argument(
+        "--no-grad-reuse",
+        action="store_true",
+        help="create new gradient wrappers every backward (for before/after comparisons)",
+    )
+    p.add_argument(
+        "--compare-grad-reuse",
+        action="store_true",
+        help="alternate blocks of 5 iterations with and without gradient wrapper reuse in one "
+        "process (robust to machine load drifting) and print both medians",
+    )
+    p.add_argument(
+        "--compare-hub",
+        action="store_true",
+        help="the same interleaving for hub mode (one autograd input instead of every parameter)",
+    )
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="run the step unpatched on this machine's real CUDA GPU: eager PyTorch's own host time",
+    )
+    p.add_argument(
+        "--transformer-batch",
+        type=int,
+        default=TRANSFORMER_BATCH,
+        help="gpt2_small's batch (sequences of 1024 tokens; --batches is for the other models)",
+    )
     a = p.parse_args()
     TRANSFORMER_BATCH = a.transformer_batch
     if a.models == "all":
@@ -253,7 +289,7 @@ def main() -> None:
         what = "reuse" if a.compare_grad_reuse else "hub"
         print(f"{'gpu':6} {'model':14} {'bs':>4} {what + ' ms':>9} {'no ' + what + ' ms':>12} {'saved':>7}")
 
-        def toggle(rt: "gpemu.runtime.Runtime", i: int) -> bool:
+        def toggle(rt: gpemu.runtime.Runtime, i: int) -> bool:
             on = (i // 5) % 2 == 0
             if a.compare_grad_reuse:
                 rt.replay.gradients.spare_limit = 100_000 if on else 0
@@ -267,11 +303,15 @@ def main() -> None:
                     *_, stats = measure(gpu, name, bs, a.iterations, toggle)
                     on = statistics.median(stats["host_by_mode"][True])
                     off = statistics.median(stats["host_by_mode"][False])
-                    print(f"{gpu:6} {name:14} {bs:4d} {1e3 * on:9.2f} {1e3 * off:12.2f} {100 * (off - on) / off:6.0f}%",
-                          flush=True)
+                    print(
+                        f"{gpu:6} {name:14} {bs:4d} {1e3 * on:9.2f} {1e3 * off:12.2f} {100 * (off - on) / off:6.0f}%",
+                        flush=True,
+                    )
         return
-    print(f"{'gpu':6} {'model':14} {'bs':>4} {'host ms/iter':>13} {'p90':>8} {'cpu ms/iter':>12} {'emulated ms':>12} "
-          f"{'share':>8} {'cpu share':>9}  load")
+    print(
+        f"{'gpu':6} {'model':14} {'bs':>4} {'host ms/iter':>13} {'p90':>8} {'cpu ms/iter':>12} {'emulated ms':>12} "
+        f"{'share':>8} {'cpu share':>9}  load"
+    )
     worst_share = 0.0
     rows = []
     for gpu in a.gpus.split(","):
@@ -280,8 +320,9 @@ def main() -> None:
                 try:
                     med, p90, emu, stats = measure(gpu, name, bs, a.iterations, tuning=tuning)
                 except torch.cuda.OutOfMemoryError:
-                    print(f"{gpu:6} {name:14} {bs:4d}  out of memory on the emulated GPU (as on the real one)",
-                          flush=True)
+                    print(
+                        f"{gpu:6} {name:14} {bs:4d}  out of memory on the emulated GPU (as on the real one)", flush=True
+                    )
                     continue
                 share = med / emu
                 cpu = stats["cpu"]
@@ -290,23 +331,35 @@ def main() -> None:
                 if bs_run >= 32 or name == "gpt2_small":
                     worst_share = max(worst_share, share)
                 load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-                print(f"{gpu:6} {name:14} {bs_run:4d} {1e3 * med:13.3f} {1e3 * p90:8.3f} {1e3 * cpu:12.3f} {1e3 * emu:12.2f} "
-                      f"{100 * share:7.3f}% {100 * cpu / emu:8.3f}%  {load}", flush=True)
+                print(
+                    f"{gpu:6} {name:14} {bs_run:4d} {1e3 * med:13.3f} {1e3 * p90:8.3f} {1e3 * cpu:12.3f} "
+                    f"{1e3 * emu:12.2f} "
+                    f"{100 * share:7.3f}% {100 * cpu / emu:8.3f}%  {load}",
+                    flush=True,
+                )
     big = [r for r in rows if r[3] >= 32]
     if len(big) > 5:
-        print("worst cases at batch >= 32: " + "; ".join(
-            f"{g}/{n}/{b} {100 * sh:.2f}% ({1e3 * m:.2f} of {1e3 * e:.1f} ms)" for sh, g, n, b, m, e in
-            sorted(big, reverse=True)[:5]))
+        print(
+            "worst cases at batch >= 32: "
+            + "; ".join(
+                f"{g}/{n}/{b} {100 * sh:.2f}% ({1e3 * m:.2f} of {1e3 * e:.1f} ms)"
+                for sh, g, n, b, m, e in sorted(big, reverse=True)[:5]
+            )
+        )
         print(f"cases at batch >= 32 within 1%: {sum(1 for r in big if r[0] <= 0.01)} of {len(big)}")
-    print(f"worst host share of the emulated step at batch >= 32 (and gpt2_small): {100 * worst_share:.2f}% "
-          f"(target <= 1%: {'met' if worst_share <= 0.01 else 'NOT met'}); machine: {machine()}")
+    print(
+        f"worst host share of the emulated step at batch >= 32 (and gpt2_small): {100 * worst_share:.2f}% "
+        f"(target <= 1%: {'met' if worst_share <= 0.01 else 'NOT met'}); machine: {machine()}"
+    )
     if big:
         # Host time in units of the machine's reference loop: comparable across machines (to first
         # order), so a figure from a faster machine can be carried to a slower one.
         sh, g, n, b, m, e = max(big)
         ref = reference_loop_ms() * 1e-3
-        print(f"worst case {g}/{n}/{b}: host {1e6 * m:.1f} us = {m / ref:.4f} reference loops; it stays within 1% "
-              f"on any machine whose reference loop takes <= {1e3 * 0.01 * e / (m / ref):.2f} ms")
+        print(
+            f"worst case {g}/{n}/{b}: host {1e6 * m:.1f} us = {m / ref:.4f} reference loops; it stays within 1% "
+            f"on any machine whose reference loop takes <= {1e3 * 0.01 * e / (m / ref):.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -42,19 +42,23 @@ def dataloader_epochs(epochs: int, batch: int) -> None:
     loader = DataLoader(Batches(8, batch), batch_size=None, num_workers=2, pin_memory=True)
     pool = host_pool()
     vm0 = locked_bytes()
-    print(f"DataLoader(pin_memory=True, num_workers=2), {batch}x3x224x224 batches, 8 per epoch; "
-          f"VmLck at start {vm0 / 2**20:.0f} MiB")
+    print(
+        f"DataLoader(pin_memory=True, num_workers=2), {batch}x3x224x224 batches, 8 per epoch; "
+        f"VmLck at start {vm0 / 2**20:.0f} MiB"
+    )
     for epoch in range(epochs):
         before = pool.stats()
         pinned = 0
-        for i, (x, y) in enumerate(loader):
+        for x, y in loader:
             pinned += int(x.is_pinned() and y.is_pinned())
             if epoch == 0:
                 time.sleep(0.05)  # let the loader run ahead as far as it may (fills the pool)
         after = pool.stats()
-        print(f"  epoch {epoch}: pinned batches {pinned}/8, pool misses {after.misses - before.misses}, "
-              f"hits {after.hits - before.hits}, blocks {after.blocks}, reserved {after.bytes_reserved / 2**20:.0f} MiB, "
-              f"locked {after.bytes_locked / 2**20:.0f} MiB, VmLck {locked_bytes() / 2**20:.0f} MiB")
+        print(
+            f"  epoch {epoch}: pinned batches {pinned}/8, pool misses {after.misses - before.misses}, "
+            f"hits {after.hits - before.hits}, blocks {after.blocks}, reserved {after.bytes_reserved / 2**20:.0f} MiB, "
+            f"locked {after.bytes_locked / 2**20:.0f} MiB, VmLck {locked_bytes() / 2**20:.0f} MiB"
+        )
     gpemu.unpatch()
 
 
@@ -73,9 +77,14 @@ def main() -> None:
         # Open the database and import what DataLoader workers need as root first: here
         # `nobody` cannot read root's data directory nor /root, where Python lives.
         gpemu.patch(gpu="V100", summary=False)
-        import multiprocessing.connection, multiprocessing.popen_fork, multiprocessing.queues  # noqa: E401,F401
-        import multiprocessing.resource_sharer, multiprocessing.synchronize  # noqa: E401,F401
-        import numpy.random, torch.utils.data._utils.worker  # noqa: E401,F401
+        import multiprocessing.connection  # noqa: E401,F401
+        import multiprocessing.popen_fork
+        import multiprocessing.queues
+        import multiprocessing.resource_sharer  # noqa: E401,F401
+
+        import numpy.random  # noqa: E401,F401
+        import torch.utils.data._utils.worker
+
         try:
             import torch.profiler._cupti_monitor  # noqa: F401  (DataLoader.__next__ imports it)
         except Exception:
@@ -112,10 +121,15 @@ def main() -> None:
     ms = 1e3
     print(f"batch {args.batch}x3x224x224 fp32 = {nbytes / 2**20:.2f} MiB -> block {s.bytes_reserved / 2**20:.0f} MiB")
     print(f"first pin (miss: mmap+mlock+copy)   {first * ms:8.2f} ms")
-    print(f"steady pin (hit: copy), median      {statistics.median(hits) * ms:8.2f} ms   (min {min(hits) * ms:.2f}, max {max(hits) * ms:.2f})")
+    print(
+        f"steady pin (hit: copy), median      {statistics.median(hits) * ms:8.2f} ms   "
+        f"(min {min(hits) * ms:.2f}, max {max(hits) * ms:.2f})"
+    )
     print(f"pageable clone, median              {statistics.median(clones) * ms:8.2f} ms")
-    print(f"pool: blocks {s.blocks}, hits {s.hits}, misses {s.misses}, locked {s.bytes_locked / 2**20:.0f} MiB, "
-          f"lock failures {s.lock_failures}")
+    print(
+        f"pool: blocks {s.blocks}, hits {s.hits}, misses {s.misses}, locked {s.bytes_locked / 2**20:.0f} MiB, "
+        f"lock failures {s.lock_failures}"
+    )
     print(f"VmLck grew by {(locked_bytes() - vm0) / 2**20:.0f} MiB")
     if args.epochs:
         dataloader_epochs(args.epochs, args.batch)

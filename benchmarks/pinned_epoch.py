@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -75,8 +74,14 @@ def run_one(setting: str, batches: int, workers: int, gpu_seconds: float | None)
     from tvmodels import alexnet
 
     torch.set_num_threads(1)
-    loader = DataLoader(Images(batches), batch_size=None, num_workers=workers, pin_memory=True,
-                        persistent_workers=False, prefetch_factor=2 if workers else None)
+    loader = DataLoader(
+        Images(batches),
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=True,
+        persistent_workers=False,
+        prefetch_factor=2 if workers else None,
+    )
     rt = None
     if setting in ("on", "off"):
         import gpemu
@@ -125,15 +130,20 @@ def run_one(setting: str, batches: int, workers: int, gpu_seconds: float | None)
     elapsed = time.perf_counter() - start
     gc.callbacks.remove(watch)
     out = {
-        "setting": setting, "batches": n, "epoch_s": elapsed, "data_wait_s": data_wait,
-        "gc_counts": watch.count, "gc_s": watch.seconds,
+        "setting": setting,
+        "batches": n,
+        "epoch_s": elapsed,
+        "data_wait_s": data_wait,
+        "gc_counts": watch.count,
+        "gc_s": watch.seconds,
         "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0,
     }
     if rt is not None:
         spans = [s for s in rt.recorder.spans]
         out["gpu_s_per_iter"] = sum(s.end - s.start for s in spans if not s.name.startswith("model")) / max(n, 1)
-        out["transfer_s_per_iter"] = sum(s.end - s.start for s in spans if s.kind == "transfer"
-                                         and not s.name.startswith("model")) / max(n, 1)
+        out["transfer_s_per_iter"] = sum(
+            s.end - s.start for s in spans if s.kind == "transfer" and not s.name.startswith("model")
+        ) / max(n, 1)
         waits: dict[str, float] = {}
         for w in rt.recorder.waits:
             waits[w.reason] = waits.get(w.reason, 0.0) + (w.end - w.start)
@@ -158,8 +168,16 @@ def main() -> None:
         return
     results = {}
     for setting in ("on", "off", "reference"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--setting", setting, "--batches", str(args.batches),
-               "--workers", str(args.workers)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--setting",
+            setting,
+            "--batches",
+            str(args.batches),
+            "--workers",
+            str(args.workers),
+        ]
         if setting == "reference":
             cmd += ["--gpu-seconds", str(results["on"]["gpu_s_per_iter"])]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -167,16 +185,22 @@ def main() -> None:
             sys.exit(f"setting {setting} failed:\n{proc.stderr[-3000:]}")
         results[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
     ref = results["reference"]["epoch_s"]
-    print(f"AlexNet / P100 timings, {args.batches} batches of 64, {args.workers} workers; "
-          f"GPU time per iteration {results['on']['gpu_s_per_iter'] * 1e3:.2f} ms "
-          f"(transfer {results['on']['transfer_s_per_iter'] * 1e3:.2f} ms pinned, "
-          f"{results['off']['transfer_s_per_iter'] * 1e3:.2f} ms pageable)")
-    print(f"{'setting':10s} {'epoch s':>9s} {'vs ref':>8s} {'data wait s':>12s} {'GC gen0/1/2':>14s} "
-          f"{'GC s':>7s} {'minor faults':>13s} {'pin s':>7s}")
+    print(
+        f"AlexNet / P100 timings, {args.batches} batches of 64, {args.workers} workers; "
+        f"GPU time per iteration {results['on']['gpu_s_per_iter'] * 1e3:.2f} ms "
+        f"(transfer {results['on']['transfer_s_per_iter'] * 1e3:.2f} ms pinned, "
+        f"{results['off']['transfer_s_per_iter'] * 1e3:.2f} ms pageable)"
+    )
+    print(
+        f"{'setting':10s} {'epoch s':>9s} {'vs ref':>8s} {'data wait s':>12s} {'GC gen0/1/2':>14s} "
+        f"{'GC s':>7s} {'minor faults':>13s} {'pin s':>7s}"
+    )
     for setting, r in results.items():
         gcs = "/".join(str(c) for c in r["gc_counts"])
-        print(f"{setting:10s} {r['epoch_s']:9.2f} {100 * (r['epoch_s'] - ref) / ref:+7.1f}% {r['data_wait_s']:12.2f} "
-              f"{gcs:>14s} {r['gc_s']:7.3f} {r['minor_faults']:13d} {r.get('pin_s', 0.0):7.2f}")
+        print(
+            f"{setting:10s} {r['epoch_s']:9.2f} {100 * (r['epoch_s'] - ref) / ref:+7.1f}% {r['data_wait_s']:12.2f} "
+            f"{gcs:>14s} {r['gc_s']:7.3f} {r['minor_faults']:13d} {r.get('pin_s', 0.0):7.2f}"
+        )
     for setting in ("on", "off"):
         r = results[setting]
         waits = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(r["host_waits_s"].items()))

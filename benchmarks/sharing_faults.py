@@ -57,9 +57,24 @@ c.run(60.0, 12 << 30)
 
 
 def manager(url: str, log: Path, lease: float) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "share-manager", "--amqp", url, "--device", "0=P100:16GiB", "--policy",
-                             "round-robin", "--lease", str(lease), "--status-interval", "0.5"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [
+            *CLI,
+            "share-manager",
+            "--amqp",
+            url,
+            "--device",
+            "0=P100:16GiB",
+            "--policy",
+            "round-robin",
+            "--lease",
+            str(lease),
+            "--status-interval",
+            "0.5",
+        ],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def status(url: str) -> dict:
@@ -83,8 +98,12 @@ def start_jobs(url: str, work: Path, tag: str, jobs: int, requests: int, seconds
     procs = []
     for i in range(jobs):
         out = work / f"{tag}-{i}.json"
-        p = subprocess.Popen([sys.executable, "-c", JOB, url, f"{tag}-{i}", str(requests), str(seconds), str(out)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", JOB, url, f"{tag}-{i}", str(requests), str(seconds), str(out)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append((p, out))
     for p, _ in procs:
         assert p.stdout.readline().strip() == "ready"
@@ -128,9 +147,11 @@ def scenario_kill_job(url: str, work: Path) -> str:
         served = time.monotonic() - killed
         survivor.close()
         snap = status(url)
-        return (f"kill -9 of a job holding 12 GiB of 16 GiB mid-request (lease 10 s): a 10 GiB job registered "
-                f"{registered:.2f} s later ({refusals} refusals before), its request ran {served:.2f} s after the kill; "
-                f"manager: {snap['disconnected']} dropped on connection close, {snap['expired']} lease expiries")
+        return (
+            f"kill -9 of a job holding 12 GiB of 16 GiB mid-request (lease 10 s): a 10 GiB job registered "
+            f"{registered:.2f} s later ({refusals} refusals before), its request ran {served:.2f} s after the kill; "
+            f"manager: {snap['disconnected']} dropped on connection close, {snap['expired']} lease expiries"
+        )
     finally:
         mgr.terminate()
         mgr.wait(10)
@@ -153,10 +174,12 @@ def scenario_kill_manager(url: str, work: Path, jobs: int, requests: int, second
         rows = [r for res in results for r in res["rows"]]
         after = sum(t >= restarted for _, t in rows)
         served = snap["devices"][0]["served_requests"]
-        return (f"kill -9 of the manager mid-stream, restarted 1 s later: {len(rows)}/{jobs * requests} run() calls "
-                f"returned, {len(set(r for r, _ in rows))} distinct request ids; the new manager served {served} "
-                f"requests and {after} grants reached jobs after it started: {served - after} doubled; jobs resent "
-                f"{sum(r['resends'] for r in results)} request(s)")
+        return (
+            f"kill -9 of the manager mid-stream, restarted 1 s later: {len(rows)}/{jobs * requests} run() calls "
+            f"returned, {len(set(r for r, _ in rows))} distinct request ids; the new manager served {served} "
+            f"requests and {after} grants reached jobs after it started: {served - after} doubled; jobs resent "
+            f"{sum(r['resends'] for r in results)} request(s)"
+        )
     finally:
         mgr.terminate()
         mgr.wait(10)
@@ -180,14 +203,19 @@ def scenario_broker_restart(broker, work: Path, jobs: int, requests: int, second
         dev = snap["devices"][0]
         # `rabbitmqctl stop` can take many seconds to act on a loaded host: if the jobs were done by
         # then, nothing was interrupted and the figure says nothing.
-        verdict = "" if after else (" -- NOT mid-stream: every run() returned before the broker came back "
-                                    "(rerun with more --requests)")
-        return (f"broker restart mid-stream ({down:.1f} s from the stop command to the broker back; {after} run() "
-                f"calls returned after it was back){verdict}: {len(rows)}/{jobs * requests} run() calls returned, "
-                f"{len(set(r for r, _ in rows))} distinct ids; the manager served {dev['served_requests']} requests, "
-                f"{dev['busy_s']:.4f} s of GPU time (= {jobs * requests} x {seconds * 1e3:g} ms: "
-                f"{abs(dev['busy_s'] - jobs * requests * seconds) < 1e-6}); jobs reconnected "
-                f"{sum(r['reconnects'] for r in results)} time(s), resent {sum(r['resends'] for r in results)}")
+        verdict = (
+            ""
+            if after
+            else (" -- NOT mid-stream: every run() returned before the broker came back (rerun with more --requests)")
+        )
+        return (
+            f"broker restart mid-stream ({down:.1f} s from the stop command to the broker back; {after} run() "
+            f"calls returned after it was back){verdict}: {len(rows)}/{jobs * requests} run() calls returned, "
+            f"{len(set(r for r, _ in rows))} distinct ids; the manager served {dev['served_requests']} requests, "
+            f"{dev['busy_s']:.4f} s of GPU time (= {jobs * requests} x {seconds * 1e3:g} ms: "
+            f"{abs(dev['busy_s'] - jobs * requests * seconds) < 1e-6}); jobs reconnected "
+            f"{sum(r['reconnects'] for r in results)} time(s), resent {sum(r['resends'] for r in results)}"
+        )
     finally:
         mgr.terminate()
         mgr.wait(10)
@@ -198,8 +226,12 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=0.01)
-    ap.add_argument("--only", choices=["kill-job", "kill-manager", "broker-restart"], action="append",
-                    help="run only this scenario (repeatable); default: all three")
+    ap.add_argument(
+        "--only",
+        choices=["kill-job", "kill-manager", "broker-restart"],
+        action="append",
+        help="run only this scenario (repeatable); default: all three",
+    )
     args = ap.parse_args()
     only = set(args.only or ["kill-job", "kill-manager", "broker-restart"])
 
@@ -208,8 +240,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="gpemu-faults-"))
     broker = RabbitBroker.start()
     try:
-        print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.jobs} jobs x {args.requests} "
-              f"requests of {args.seconds * 1e3:g} ms, each job and the manager a process; loopback broker")
+        print(
+            f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.jobs} jobs x {args.requests} "
+            f"requests of {args.seconds * 1e3:g} ms, each job and the manager a process; loopback broker"
+        )
 
         if "kill-job" in only:
             print(scenario_kill_job(broker.url, work), flush=True)

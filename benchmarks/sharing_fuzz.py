@@ -57,7 +57,7 @@ def hostile(rng: random.Random) -> tuple[bytes, dict]:
         if kind == 1:
             return rng.choice([True, False])
         if kind == 2:
-            return rng.randint(-2**70, 2**70)
+            return rng.randint(-(2**70), 2**70)
         if kind == 3:
             return float(f"{rng.random()}e{rng.randint(-5, 400)}")  # up to inf
         if kind == 4:
@@ -70,8 +70,14 @@ def hostile(rng: random.Random) -> tuple[bytes, dict]:
             return {str(rng.randrange(99)): junk(depth + 1) for _ in range(rng.randrange(3))}
         return "good"
 
-    good_fields = {"v": P.PROTOCOL_VERSION, "job_id": "good", "request_id": f"x{rng.randrange(10**9)}",
-                   "device": "0", "seconds": 0.5, "peak_bytes": 0}
+    good_fields = {
+        "v": P.PROTOCOL_VERSION,
+        "job_id": "good",
+        "request_id": f"x{rng.randrange(10**9)}",
+        "device": "0",
+        "seconds": 0.5,
+        "peak_bytes": 0,
+    }
     kind = rng.randrange(10)
     if kind == 0:
         body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
@@ -81,8 +87,24 @@ def hostile(rng: random.Random) -> tuple[bytes, dict]:
     elif kind == 2:
         body = b'{"v":2,"type":"request","job_id":"' + b"x" * rng.randrange(P.MAX_BODY, 4 * P.MAX_BODY) + b'"}'
     elif kind == 3:  # every field with a value of any type
-        fields = ["v", "type", "job_id", "request_id", "device", "seconds", "peak_bytes", "key", "presence",
-                  "persistent_bytes", "grant", "sent_at", "weight", "host", "kind", "token"]
+        fields = [
+            "v",
+            "type",
+            "job_id",
+            "request_id",
+            "device",
+            "seconds",
+            "peak_bytes",
+            "key",
+            "presence",
+            "persistent_bytes",
+            "grant",
+            "sent_at",
+            "weight",
+            "host",
+            "kind",
+            "token",
+        ]
         body = json.dumps({f: junk() for f in rng.sample(fields, rng.randrange(1, len(fields)))}).encode()
     elif kind in (4, 5):  # a well-formed message for the good job, signed with a wrong key
         msg = {**good_fields, "type": rng.choice(["request", "heartbeat", "deregister"])}
@@ -92,27 +114,58 @@ def hostile(rng: random.Random) -> tuple[bytes, dict]:
             msg = {"v": msg["v"], "type": "deregister", "job_id": "good", "request_id": msg["request_id"]}
         body = json.dumps(msg).encode()
     elif kind == 6:  # registrations whose signature does not match their key
-        body = json.dumps({"v": P.PROTOCOL_VERSION, "type": "register", "job_id": rng.choice(["good", "intruder"]),
-                           "request_id": "r", "device": "0", "persistent_bytes": rng.randrange(2**40),
-                           "key": os.urandom(32).hex()}).encode()
+        body = json.dumps(
+            {
+                "v": P.PROTOCOL_VERSION,
+                "type": "register",
+                "job_id": rng.choice(["good", "intruder"]),
+                "request_id": "r",
+                "device": "0",
+                "persistent_bytes": rng.randrange(2**40),
+                "key": os.urandom(32).hex(),
+            }
+        ).encode()
     elif kind == 7:  # a status request whose answer would go into the request queue or a stranger's queue
         return json.dumps({"v": P.PROTOCOL_VERSION, "type": "status"}).encode(), {
-            "reply_to": rng.choice([P.REQUEST_QUEUE, "amq.gen-x", "some.other.queue"])}
+            "reply_to": rng.choice([P.REQUEST_QUEUE, "amq.gen-x", "some.other.queue"])
+        }
     else:
         body = json.dumps({**good_fields, "type": "request", "seconds": junk()}).encode()  # bad GPU time
+
     # Header values of the types AMQP tables carry (pika cannot encode floats or huge ints).
     def header_value():
-        return rng.choice([None, True, rng.randint(-2**63, 2**63 - 1), os.urandom(8).hex(),
-                           "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(0, 80))),
-                           [rng.randrange(9) for _ in range(rng.randrange(4))], {"k": "v" * rng.randrange(50)}])
+        return rng.choice(
+            [
+                None,
+                True,
+                rng.randint(-(2**63), 2**63 - 1),
+                os.urandom(8).hex(),
+                "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(0, 80))),
+                [rng.randrange(9) for _ in range(rng.randrange(4))],
+                {"k": "v" * rng.randrange(50)},
+            ]
+        )
 
     headers = {str(rng.randrange(10**6)): header_value() for _ in range(rng.randrange(4))}
     if rng.random() < 0.7:
         headers[P.SIG_HEADER] = rng.choice([os.urandom(32).hex(), "", "z" * 64, header_value()])
-    reply_to = rng.choice([None, P.REQUEST_QUEUE, "amq.gen-x", P.reply_queue_name(), "gpemu.sharing.reply.../../",
-                           "".join(chr(rng.randrange(33, 127)) for _ in range(rng.randrange(1, 200)))])
-    props = {"headers": headers, "reply_to": reply_to, "priority": rng.randrange(10),
-             "correlation_id": str(rng.random()), "content_type": rng.choice(["application/json", "text/x", "\x00"])}
+    reply_to = rng.choice(
+        [
+            None,
+            P.REQUEST_QUEUE,
+            "amq.gen-x",
+            P.reply_queue_name(),
+            "gpemu.sharing.reply.../../",
+            "".join(chr(rng.randrange(33, 127)) for _ in range(rng.randrange(1, 200))),
+        ]
+    )
+    props = {
+        "headers": headers,
+        "reply_to": reply_to,
+        "priority": rng.randrange(10),
+        "correlation_id": str(rng.random()),
+        "content_type": rng.choice(["application/json", "text/x", "\x00"]),
+    }
     return body, props
 
 
@@ -145,25 +198,46 @@ def main() -> None:
     url = broker.url
     log = work / "manager.log"
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-    manager = subprocess.Popen([sys.executable, "-c", code, "share-manager", "--amqp", url, "--device", "0=P100:16GiB",
-                                "--policy", "round-robin"], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    manager = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "share-manager",
+            "--amqp",
+            url,
+            "--device",
+            "0=P100:16GiB",
+            "--policy",
+            "round-robin",
+        ],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     job = None
     try:
         time.sleep(3.0)
         stop_file, out = work / "stop", work / "job.json"
-        job = subprocess.Popen([sys.executable, "-c", JOB, url, str(stop_file), str(out)], stdout=subprocess.PIPE,
-                               text=True)
+        job = subprocess.Popen(
+            [sys.executable, "-c", JOB, url, str(stop_file), str(out)], stdout=subprocess.PIPE, text=True
+        )
         assert job.stdout.readline().strip() == "ready"
         time.sleep(3.0)
         before = {"rss": rss_kib(manager.pid), "log": log.stat().st_size, "status": status(url)}
-        print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f}; "
-              f"manager pid {manager.pid}; {args.messages} generated messages (seed {args.seed}) after the poison one")
+        print(
+            f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f}; "
+            f"manager pid {manager.pid}; {args.messages} generated messages (seed {args.seed}) after the poison one"
+        )
         conn = pika.BlockingConnection(pika.URLParameters(url))
         ch = conn.channel()
         rng = random.Random(args.seed)
         flood_start = time.time()
-        ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, b"[" * 5000 + b"]" * 5000,
-                         pika.BasicProperties(reply_to=P.reply_queue_name()))
+        ch.basic_publish(
+            P.REQUEST_EXCHANGE,
+            P.REQUEST_ROUTING_KEY,
+            b"[" * 5000 + b"]" * 5000,
+            pika.BasicProperties(reply_to=P.reply_queue_name()),
+        )
         published, unencodable, statuses = 1, 0, 0
         while published < args.messages + 1:
             body, props = hostile(rng)
@@ -173,8 +247,9 @@ def main() -> None:
                 unencodable += 1  # pika cannot encode these properties: they never reach the broker
                 continue
             published += 1
-            statuses += body == json.dumps({"v": P.PROTOCOL_VERSION, "type": "status"}).encode() and \
-                P.valid_queue_name(props.get("reply_to"))
+            statuses += body == json.dumps({"v": P.PROTOCOL_VERSION, "type": "status"}).encode() and P.valid_queue_name(
+                props.get("reply_to")
+            )
         published_at = time.time()
         target = before["status"]["rejected"] + published - statuses
         deadline = time.time() + 600
@@ -194,25 +269,36 @@ def main() -> None:
         during = [w for t, w in result["samples"] if flood_start <= t <= handled_at]
         quiet = [w for t, w in result["samples"] if t < flood_start]
         text = log.read_text(errors="replace")
-        print(f"published {published} (+{unencodable} pika could not encode), of them {statuses} well-formed status "
-              f"requests; published in {published_at - flood_start:.1f} s, all handled "
-              f"{handled_at - flood_start:.1f} s after the first")
-        print(f"rejected by the manager: {after['status']['rejected'] - before['status']['rejected']} "
-              f"(expected {published - statuses}); internal errors: {text.count('handling it failed')}; "
-              f"request queue afterwards: {queued} message(s); manager connected {text.count('connected to')} time(s), "
-              f"still running: {manager.poll() is None}")
-        print(f"good job: {len(result['samples'])} requests served in all, {len(during)} during the flood; "
-              f"longest wait beyond its 5 ms: {max(quiet) * 1e3:.1f} ms before the flood, "
-              f"{max(during) * 1e3:.1f} ms during it; replies it dropped as forged: {result['forged_replies']}; "
-              f"still registered: {[j['job_id'] for j in after['status']['jobs']]}")
+        print(
+            f"published {published} (+{unencodable} pika could not encode), of them {statuses} well-formed status "
+            f"requests; published in {published_at - flood_start:.1f} s, all handled "
+            f"{handled_at - flood_start:.1f} s after the first"
+        )
+        print(
+            f"rejected by the manager: {after['status']['rejected'] - before['status']['rejected']} "
+            f"(expected {published - statuses}); internal errors: {text.count('handling it failed')}; "
+            f"request queue afterwards: {queued} message(s); manager connected {text.count('connected to')} time(s), "
+            f"still running: {manager.poll() is None}"
+        )
+        print(
+            f"good job: {len(result['samples'])} requests served in all, {len(during)} during the flood; "
+            f"longest wait beyond its 5 ms: {max(quiet) * 1e3:.1f} ms before the flood, "
+            f"{max(during) * 1e3:.1f} ms during it; replies it dropped as forged: {result['forged_replies']}; "
+            f"still registered: {[j['job_id'] for j in after['status']['jobs']]}"
+        )
         print(f"manager memory (VmRSS): {before['rss'] / 1024:.1f} MiB before, {after['rss'] / 1024:.1f} MiB after")
-        print(f"manager log: {before['log']} bytes before, {after['log']} bytes after "
-              f"({text.count('rejected message')} rejection lines, {text.count('more message(s) rejected')} summary lines)")
+        print(
+            f"manager log: {before['log']} bytes before, {after['log']} bytes after "
+            f"({text.count('rejected message')} rejection lines, "
+            f"{text.count('more message(s) rejected')} summary lines)"
+        )
         manager.terminate()  # SIGTERM: the manager logs the rejections its log budget left out
         manager.wait(10)
         tail = [line for line in log.read_text(errors="replace").splitlines() if "more message(s) rejected" in line]
-        print(f"manager stopped (exit {manager.returncode}); its log, {log.stat().st_size} bytes, ends the flood with: "
-              f"{tail[-1].split(' WARNING ')[-1] if tail else 'no summary line'}")
+        print(
+            f"manager stopped (exit {manager.returncode}); its log, {log.stat().st_size} bytes, ends the flood with: "
+            f"{tail[-1].split(' WARNING ')[-1] if tail else 'no summary line'}"
+        )
         print(f"# load average {os.getloadavg()[0]:.2f} at the end; log: {log}")
     finally:
         if job is not None and job.poll() is None:

@@ -51,8 +51,16 @@ import threading
 import time
 
 
-def job(url: str, name: str, requests: int, seconds: float, start_at: float, legacy: bool,
-        spin: float | None, out: "mp.Queue | queue.Queue") -> None:
+def job(
+    url: str,
+    name: str,
+    requests: int,
+    seconds: float,
+    start_at: float,
+    legacy: bool,
+    spin: float | None,
+    out: mp.Queue | queue.Queue,
+) -> None:
     from gpemu.integrations.sharing.client import SharingClient
 
     if spin is not None:
@@ -72,8 +80,11 @@ def job(url: str, name: str, requests: int, seconds: float, start_at: float, leg
             if r.granted_at is not None:
                 # Where added time comes from: the grant reached the job after the slot ended;
                 # the job woke up late from its local wait; the emuGPU idled while it travelled.
-                parts = (max(0.0, r.granted_at - r.scheduled_end),
-                         max(0.0, r.resumed_at - max(r.scheduled_end, r.granted_at)), r.idle_s)
+                parts = (
+                    max(0.0, r.granted_at - r.scheduled_end),
+                    max(0.0, r.resumed_at - max(r.scheduled_end, r.granted_at)),
+                    r.idle_s,
+                )
             rows.append((r.added_s, r.elapsed_s - r.seconds - r.waited_s, parts))
         t1 = time.monotonic()
     out.put((rows, t0, t1))
@@ -94,14 +105,25 @@ def main() -> None:
     ap.add_argument("--jobs", default="1,4,16", help="comma-separated concurrent job counts")
     ap.add_argument("--requests", type=int, default=200, help="requests per job")
     ap.add_argument("--seconds", type=float, default=0.002, help="GPU time per request")
-    ap.add_argument("--mode", choices=["processes", "threads"], default="processes",
-                    help="each job its own process, or all jobs as connections of one process")
-    ap.add_argument("--legacy", action="store_true",
-                    help="clients ask for a 'done' reply when the work has ended (no grants, no local wait)")
+    ap.add_argument(
+        "--mode",
+        choices=["processes", "threads"],
+        default="processes",
+        help="each job its own process, or all jobs as connections of one process",
+    )
+    ap.add_argument(
+        "--legacy",
+        action="store_true",
+        help="clients ask for a 'done' reply when the work has ended (no grants, no local wait)",
+    )
     ap.add_argument("--lookahead", type=float, default=None, help="manager --lookahead (seconds)")
     ap.add_argument("--backdate", type=float, default=None, help="manager --backdate (seconds)")
-    ap.add_argument("--client-spin", type=float, default=None,
-                    help="jobs spin this long before a slot's end after sleeping (SharingClient.SPIN_MARGIN_S)")
+    ap.add_argument(
+        "--client-spin",
+        type=float,
+        default=None,
+        help="jobs spin this long before a slot's end after sleeping (SharingClient.SPIN_MARGIN_S)",
+    )
     args = ap.parse_args()
 
     broker = None
@@ -117,25 +139,46 @@ def main() -> None:
         extra += ["--lookahead", str(args.lookahead)]
     if args.backdate is not None:
         extra += ["--backdate", str(args.backdate)]
-    manager = subprocess.Popen([sys.executable, "-c", code, "share-manager", "--amqp", url, "--device",
-                                "0=V100:32GiB", "--policy", "round-robin", "--log-level", "warning", *extra])
+    manager = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "share-manager",
+            "--amqp",
+            url,
+            "--device",
+            "0=V100:32GiB",
+            "--policy",
+            "round-robin",
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+    )
     ctx = mp.get_context("spawn")
     try:
         time.sleep(2.0)
-        print(f"# {os.cpu_count()} CPUs, load average {load()} (1/5/15 min) at start; {args.requests} requests/job "
-              f"of {args.seconds * 1e3:g} ms GPU time, one shared emuGPU, loopback broker; "
-              f"jobs as {'one process each' if args.mode == 'processes' else 'connections of one process'}; "
-              f"{'legacy done replies' if args.legacy else 'deadline grants'}; manager options {extra or 'default'}"
-              + (f"; client spin {args.client_spin * 1e3:g} ms" if args.client_spin is not None else ""))
-        print(f"{'jobs':>5} {'mode':>10} {'requests':>9} {'added p50':>10} {'added p99':>10} {'mean':>7} "
-              f"{'old p50':>8} {'old p99':>8} {'old mean':>9} {'gpu busy':>9}   (ms)   "
-              f"p99 of: grant late / wake late / idle (ms), % grants late")
+        print(
+            f"# {os.cpu_count()} CPUs, load average {load()} (1/5/15 min) at start; {args.requests} requests/job "
+            f"of {args.seconds * 1e3:g} ms GPU time, one shared emuGPU, loopback broker; "
+            f"jobs as {'one process each' if args.mode == 'processes' else 'connections of one process'}; "
+            f"{'legacy done replies' if args.legacy else 'deadline grants'}; manager options {extra or 'default'}"
+            + (f"; client spin {args.client_spin * 1e3:g} ms" if args.client_spin is not None else "")
+        )
+        print(
+            f"{'jobs':>5} {'mode':>10} {'requests':>9} {'added p50':>10} {'added p99':>10} {'mean':>7} "
+            f"{'old p50':>8} {'old p99':>8} {'old mean':>9} {'gpu busy':>9}   (ms)   "
+            f"p99 of: grant late / wake late / idle (ms), % grants late"
+        )
         for n in [int(x) for x in args.jobs.split(",")]:
             start_at = time.time() + 3.0 + 0.3 * n
-            jobs_args = [(url, f"bench-{n}-{i}", args.requests, args.seconds, start_at, args.legacy, args.client_spin)
-                         for i in range(n)]
+            jobs_args = [
+                (url, f"bench-{n}-{i}", args.requests, args.seconds, start_at, args.legacy, args.client_spin)
+                for i in range(n)
+            ]
             if args.mode == "processes":
-                out: "mp.Queue | queue.Queue" = ctx.Queue()
+                out: mp.Queue | queue.Queue = ctx.Queue()
                 workers = [ctx.Process(target=job, args=(*a, out)) for a in jobs_args]
             else:
                 out = queue.Queue()
@@ -159,11 +202,17 @@ def main() -> None:
                     return "n/a"
                 return f"{(percentile(xs, q) if q is not None else sum(xs) / len(xs)) * 1e3:.3f}"
 
-            print(f"{n:>5} {args.mode:>10} {len(rows):>9} {ms(added, 0.5):>10} {ms(added, 0.99):>10} "
-                  f"{ms(added, None):>7} {ms(old, 0.5):>8} {ms(old, 0.99):>8} {ms(old, None):>9} {busy:>9}"
-                  + (f"        {ms([p[0] for p in parts], 0.99)} / {ms([p[1] for p in parts], 0.99)} / "
-                     f"{ms([p[2] for p in parts], 0.99)}, {100 * sum(p[0] > 0 for p in parts) / len(parts):.1f}%"
-                     if parts else ""), flush=True)
+            print(
+                f"{n:>5} {args.mode:>10} {len(rows):>9} {ms(added, 0.5):>10} {ms(added, 0.99):>10} "
+                f"{ms(added, None):>7} {ms(old, 0.5):>8} {ms(old, 0.99):>8} {ms(old, None):>9} {busy:>9}"
+                + (
+                    f"        {ms([p[0] for p in parts], 0.99)} / {ms([p[1] for p in parts], 0.99)} / "
+                    f"{ms([p[2] for p in parts], 0.99)}, {100 * sum(p[0] > 0 for p in parts) / len(parts):.1f}%"
+                    if parts
+                    else ""
+                ),
+                flush=True,
+            )
         print(f"# load average {load()} at the end")
     finally:
         manager.terminate()

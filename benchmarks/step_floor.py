@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from machine import machine
@@ -37,9 +38,10 @@ class _Wrapper(torch.Tensor):
     """A tensor with metadata and no storage (what an emulated tensor is to torch)."""
 
     @staticmethod
-    def __new__(cls, shape: tuple, requires_grad: bool = False) -> "_Wrapper":
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device="meta",
-                                                   requires_grad=requires_grad)
+    def __new__(cls, shape: tuple, requires_grad: bool = False) -> _Wrapper:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=torch.float32, device="meta", requires_grad=requires_grad
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -58,7 +60,7 @@ def _make_step(n_params: int, engine: bool) -> Callable[[], None]:
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=False):
                 p.grad = g
             return (None,) * (1 + (n_params if engine else 1))
 
@@ -89,6 +91,7 @@ def _make_step(n_params: int, engine: bool) -> Callable[[], None]:
             pass
         for p in params:  # zero_grad(set_to_none=True)
             p.grad = None
+
     return step
 
 
@@ -106,8 +109,9 @@ def _median_us(step: Callable[[], None], iterations: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--params", type=int, default=16, help="parameter tensors (default 16, AlexNet's)")
     p.add_argument("--iterations", type=int, default=6000, help="steps timed per floor (default 6000)")
     a = p.parse_args()
@@ -116,8 +120,10 @@ def main() -> None:
     print(f"machine: {machine()}; torch {torch.__version__}")
     for engine in (True, False):
         label = "engine (every parameter an input)" if engine else "engine-free (one hub input)"
-        print(f"floor, {label:36} {_median_us(_make_step(a.params, engine), a.iterations):7.1f} us per step, "
-              f"{a.params} parameter tensors")
+        print(
+            f"floor, {label:36} {_median_us(_make_step(a.params, engine), a.iterations):7.1f} us per step, "
+            f"{a.params} parameter tensors"
+        )
 
 
 if __name__ == "__main__":

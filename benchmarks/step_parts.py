@@ -26,10 +26,11 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import machine  # noqa: E402
+
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
 from gpemu.clock import VirtualClock  # noqa: E402
-from machine import machine  # noqa: E402
 
 PHASES = ("input copy", "forward", "label copy", "loss", "backward", "optimizer step", "zero_grad", "synchronize")
 
@@ -40,11 +41,17 @@ def main() -> None:
     p.add_argument("--gpu", default="A100")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--iterations", type=int, default=500)
-    p.add_argument("--compare-loss", action="store_true",
-                   help="alternate blocks of 10 iterations with the cross-entropy fast path on and off")
-    p.add_argument("--compare-direct", action="store_true",
-                   help="alternate blocks of 10 iterations with loss.backward() run with and without the "
-                        "autograd engine (gpemu.fastpaths.replay._direct_backward)")
+    p.add_argument(
+        "--compare-loss",
+        action="store_true",
+        help="alternate blocks of 10 iterations with the cross-entropy fast path on and off",
+    )
+    p.add_argument(
+        "--compare-direct",
+        action="store_true",
+        help="alternate blocks of 10 iterations with loss.backward() run with and without the "
+        "autograd engine (gpemu.fastpaths.replay._direct_backward)",
+    )
     a = p.parse_args()
     if a.batch_size < 1 or a.iterations < 10:
         p.error("--batch-size must be >= 1 and --iterations >= 10")
@@ -85,19 +92,22 @@ def main() -> None:
             t8 = pc()
             if i >= 5:  # recording, optimizer state creation, fast-path plans
                 marks = (t0, t1, t2, t3, t4, t5, t6, t7, t8)
-                for k, (s, e) in zip(PHASES, zip(marks, marks[1:])):
+                for k, (s, e) in zip(PHASES, zip(marks, marks[1:], strict=False), strict=False):
                     times[fast][k].append(e - s)
     modes = (True, False) if a.compare_loss or a.compare_direct else (True,)
-    names = {True: "engine-free" if a.compare_direct else "loss fast path",
-             False: "engine" if a.compare_direct else "loss op by op"}
+    names = {
+        True: "engine-free" if a.compare_direct else "loss fast path",
+        False: "engine" if a.compare_direct else "loss op by op",
+    }
     header = f"{'phase':16}" + "".join(f"{names[m]:>16}" for m in modes)
-    print(f"{a.model} / {a.gpu} / batch {a.batch_size}: median host time per phase (us), "
-          f"{a.iterations} iterations")
+    print(f"{a.model} / {a.gpu} / batch {a.batch_size}: median host time per phase (us), {a.iterations} iterations")
     print(header)
     for k in PHASES:
         print(f"{k:16}" + "".join(f"{1e6 * statistics.median(times[m][k]):16.1f}" for m in modes))
-    print(f"{'sum of medians':16}" + "".join(
-        f"{1e6 * sum(statistics.median(times[m][k]) for k in PHASES):16.1f}" for m in modes))
+    print(
+        f"{'sum of medians':16}"
+        + "".join(f"{1e6 * sum(statistics.median(times[m][k]) for k in PHASES):16.1f}" for m in modes)
+    )
     print(f"machine: {machine()}")
 
 

@@ -41,8 +41,10 @@ def main() -> None:
     xp = x.pin_memory()
     pageable, prov = host_to_device_seconds(rt, x, 0, pinned=False)
     pinned, _ = host_to_device_seconds(rt, xp, 0, pinned=True)
-    print(f"{args.model} on {args.gpu}, batch {args.batch}: forward+backward {compute * 1e3:.2f} ms; "
-          f"copy pageable {pageable * 1e3:.2f} ms ({prov}), pinned {pinned * 1e3:.2f} ms")
+    print(
+        f"{args.model} on {args.gpu}, batch {args.batch}: forward+backward {compute * 1e3:.2f} ms; "
+        f"copy pageable {pageable * 1e3:.2f} ms ({prov}), pinned {pinned * 1e3:.2f} ms"
+    )
 
     def step() -> None:
         engine.stream(0).enqueue(compute, "forward", "fwd+bwd")
@@ -54,8 +56,10 @@ def main() -> None:
             body()
         torch.cuda.synchronize()
         per = (time.perf_counter() - t) / args.iters
-        print(f"{name:22s} {per * 1e3:8.3f} ms/iter   expected {expected * 1e3:8.3f}   "
-              f"error {100 * (per - expected) / expected:+6.2f}%")
+        print(
+            f"{name:22s} {per * 1e3:8.3f} ms/iter   expected {expected * 1e3:8.3f}   "
+            f"error {100 * (per - expected) / expected:+6.2f}%"
+        )
 
     run("pageable", lambda: (x.cuda(), step()), pageable + compute)
     run("pinned", lambda: (xp.cuda(), step()), pinned + compute)
@@ -71,8 +75,10 @@ def main() -> None:
 
     run("side stream (overlap)", overlapped, max(pinned, compute))
     c = rt.recorder.counters
-    print(f"h2d copies {int(c['h2d_copies'])}, {c['h2d_bytes'] / 2**30:.2f} GiB "
-          f"({c.get('h2d_pinned_bytes', 0) / 2**30:.2f} GiB pinned)")
+    print(
+        f"h2d copies {int(c['h2d_copies'])}, {c['h2d_bytes'] / 2**30:.2f} GiB "
+        f"({c.get('h2d_pinned_bytes', 0) / 2**30:.2f} GiB pinned)"
+    )
     gpemu.unpatch()
 
 

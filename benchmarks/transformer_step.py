@@ -78,8 +78,7 @@ def _one(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         step = time.perf_counter() - t0
         busy = sum(s.end - s.start for s in rt.recorder.spans[n0:]) if rt else float("nan")
-        row = {"step_ms": 1e3 * step, "busy_ms": 1e3 * busy,
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        row = {"step_ms": 1e3 * step, "busy_ms": 1e3 * busy, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     if rt:
         models = gpemu.summary().get("models", [])
         row["time_from"] = "; ".join(dict.fromkeys(model_source(m) for m in models)) or "-"
@@ -94,11 +93,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--steps", type=int, default=8, help="steps per configuration; the last is reported (default 8)")
-    p.add_argument("--precisions", default="fp32,tf32,bf16,fp16",
-                   help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")
+    p.add_argument(
+        "--precisions", default="fp32,tf32,bf16,fp16", help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)"
+    )
     p.add_argument("--checkpointing", default="off,on", help="off, on or off,on (default both)")
-    p.add_argument("--real", action="store_true",
-                   help="run unpatched on this machine's real CUDA GPU (to compare with the emulated rows)")
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="run unpatched on this machine's real CUDA GPU (to compare with the emulated rows)",
+    )
     p.add_argument("--precision", help=argparse.SUPPRESS)  # one configuration (internal)
     args = p.parse_args()
     if args.precision:
@@ -120,17 +123,35 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for prec in precisions:
         for ck in ckpts:
-            cmd = [sys.executable, __file__, *(["--real"] if args.real else []), "--gpu", args.gpu,
-                   "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--steps", str(args.steps), "--precision", prec, "--checkpointing", ck]
+            cmd = [
+                sys.executable,
+                __file__,
+                *(["--real"] if args.real else []),
+                "--gpu",
+                args.gpu,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--steps",
+                str(args.steps),
+                "--precision",
+                prec,
+                "--checkpointing",
+                ck,
+            ]
             out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             rows = [ln[4:] for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
             if out.returncode or not rows:
-                print(f"| {prec} | {ck} | failed (exit {out.returncode}) | | | {out.stdout.strip().splitlines()[-1:]} |")
+                print(
+                    f"| {prec} | {ck} | failed (exit {out.returncode}) | | | {out.stdout.strip().splitlines()[-1:]} |"
+                )
                 continue
             r = json.loads(rows[-1])
-            print(f"| {prec} | {ck} | {r['step_ms']:.1f} | {r['busy_ms']:.1f} | {r['peak_gib']:.2f} | {r['time_from']} |",
-                  flush=True)
+            print(
+                f"| {prec} | {ck} | {r['step_ms']:.1f} | {r['busy_ms']:.1f} | {r['peak_gib']:.2f} | {r['time_from']} |",
+                flush=True,
+            )
     print(f"# machine after: {machine()}")
 
 

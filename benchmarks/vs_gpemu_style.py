@@ -73,8 +73,12 @@ def main() -> None:
             target = (fwd + bwd) * a.iterations
             old = gpemu_style(fwd, bwd, a.iterations, host_ms / 1e3)
             new = deadline_engine(fwd, bwd, a.iterations, host_ms / 1e3)
-            fmt = lambda t: f"{t:8.3f} s ({100 * (t - target) / target:+6.3f}%)"  # noqa: E731
-            print(f"{model}/{gpu}/bs{bs} x{a.iterations:<5} {target:9.3f} {fmt(old):>22} {fmt(new):>22}")
+            case = f"{model}/{gpu}/bs{bs} x{a.iterations:<5}"
+            print(f"{case} {target:9.3f} {_vs(old, target):>22} {_vs(new, target):>22}")
+
+
+def _vs(t: float, target: float) -> str:
+    return f"{t:8.3f} s ({100 * (t - target) / target:+6.3f}%)"
 
 
 if __name__ == "__main__":

@@ -40,14 +40,15 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from accuracy import build  # noqa: E402  (the model on uninitialised host memory, as accuracy.py builds it)
+from machine import machine  # noqa: E402
+
 import gpemu  # noqa: E402
 from examples import tvmodels  # noqa: E402
-from accuracy import build  # noqa: E402  (the model on uninitialised host memory, as accuracy.py builds it)
 from gpemu.clock import VirtualClock  # noqa: E402
 from gpemu.db.build import ensure_default_db, make_engine, open_url, sqlite_url  # noqa: E402
 from gpemu.db.io import import_path  # noqa: E402
 from gpemu.db.op_measurements import read_curves, write_curves  # noqa: E402
-from machine import machine  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer_step")
 
@@ -56,12 +57,19 @@ def measured(engine, gpu: str) -> dict[tuple[str, int], dict[str, float]]:
     """{(model, batch): {phase: median seconds}} of ``gpu`` in the profile database."""
     from sqlalchemy import text
 
-    rows = engine.connect().execute(text(
-        "select m.name, me.batch_size, me.kind, coalesce(me.p50, me.value) from measurements me "
-        "join models m on m.id = me.model_id join gpus g on g.id = me.gpu_id "
-        "where g.name = :gpu and me.world_size = 1 "
-        "and me.kind in ('forward', 'backward', 'optimizer_step', 'peak_memory')"),
-        {"gpu": gpu}).all()
+    rows = (
+        engine.connect()
+        .execute(
+            text(
+                "select m.name, me.batch_size, me.kind, coalesce(me.p50, me.value) from measurements me "
+                "join models m on m.id = me.model_id join gpus g on g.id = me.gpu_id "
+                "where g.name = :gpu and me.world_size = 1 "
+                "and me.kind in ('forward', 'backward', 'optimizer_step', 'peak_memory')"
+            ),
+            {"gpu": gpu},
+        )
+        .all()
+    )
     out: dict[tuple[str, int], dict[str, float]] = {}
     for name, bs, kind, value in rows:
         out.setdefault((name, bs), {})[kind] = value
@@ -92,15 +100,23 @@ def emulated(gpu: str, db_url: str, name: str, batch: int, iterations: int = 4) 
             t2 = now()
             opt.step()
             torch.cuda.synchronize()
-            times = {"forward": t1 - t0, "backward": t2 - t1, "optimizer_step": now() - t2,
-                     "peak_memory": torch.cuda.max_memory_allocated()}
+            times = {
+                "forward": t1 - t0,
+                "backward": t2 - t1,
+                "optimizer_step": now() - t2,
+                "peak_memory": torch.cuda.max_memory_allocated(),
+            }
     return times
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--db", required=True, help="SQLAlchemy URL of the database `gpemu profile` wrote on the real GPU, "
-                                                "or a `gpemu db export` of it (JSON file or CSV directory)")
+    p.add_argument(
+        "--db",
+        required=True,
+        help="SQLAlchemy URL of the database `gpemu profile` wrote on the real GPU, "
+        "or a `gpemu db export` of it (JSON file or CSV directory)",
+    )
     p.add_argument("--gpu", help="the GPU's name in that database (default: its only GPU)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,15 +130,16 @@ def main() -> int:
             except ValueError as exc:
                 p.error(f"--db {a.db}: {exc}")
             if report.rejected:
-                print(f"# {len(report.rejected)} rows of {a.db} rejected (first: {report.rejected[0].where}: "
-                      f"{report.rejected[0].reason}); `gpemu db import` lists them")
+                print(
+                    f"# {len(report.rejected)} rows of {a.db} rejected (first: {report.rejected[0].where}: "
+                    f"{report.rejected[0].reason}); `gpemu db import` lists them"
+                )
         return compare(p, make_engine(url), a.db, a.gpu)
 
 
 def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> int:
     """Print the comparison for ``gpu`` of the real GPU's database ``real``."""
     from sqlalchemy import text
-
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
@@ -154,8 +171,10 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
         by_phase: dict[str, list[float]] = {ph: [] for ph in PHASES}  # datasheet, phase by phase
         for (name, bs), m in sorted(known.items()):
             total = sum(m[p] for p in PHASES)
-            line = (f"{name:20} {bs:4d} {1e3 * m['forward']:9.2f} {1e3 * m['backward']:7.2f} "
-                    f"{1e3 * m['optimizer_step']:6.2f} {1e3 * total:8.2f} {m.get('peak_memory', 0) / 2**30:9.2f}")
+            line = (
+                f"{name:20} {bs:4d} {1e3 * m['forward']:9.2f} {1e3 * m['backward']:7.2f} "
+                f"{1e3 * m['optimizer_step']:6.2f} {1e3 * total:8.2f} {m.get('peak_memory', 0) / 2**30:9.2f}"
+            )
             peak = 0.0
             for v, url in variants.items():
                 e = emulated(gpu, url, name, bs)
@@ -178,8 +197,10 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
         if not errs:
             continue
         a_ = sorted(abs(e) for e in errs)
-        print(f"{v}: n={len(errs)}, mean |error| {100 * sum(a_) / len(a_):.1f}%, median {100 * a_[len(a_) // 2]:.1f}%, "
-              f"worst {100 * a_[-1]:.1f}%, mean signed {100 * sum(errs) / len(errs):+.1f}%")
+        print(
+            f"{v}: n={len(errs)}, mean |error| {100 * sum(a_) / len(a_):.1f}%, median {100 * a_[len(a_) // 2]:.1f}%, "
+            f"worst {100 * a_[-1]:.1f}%, mean signed {100 * sum(errs) / len(errs):+.1f}%"
+        )
     return 0
 
 

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-def db_location(config: "EmuConfig") -> str:
+def db_location(config: EmuConfig) -> str:
     """The SQLAlchemy URL the config names: ``config.db_url`` or the per-user SQLite default."""
     if config.db_url:
         return config.db_url
@@ -61,7 +61,7 @@ def db_location(config: "EmuConfig") -> str:
     return sqlite_url(default_db_path(config.default_data_dir))
 
 
-def open_profile_db(config: "EmuConfig") -> "ProfileDB":
+def open_profile_db(config: EmuConfig) -> ProfileDB:
     """Open the profile database ``config`` names.
 
     Without ``config.db_url`` this is the default SQLite file in ``config.default_data_dir``,

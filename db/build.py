@@ -31,9 +31,10 @@ import os
 import sqlite3
 import sys
 import tempfile
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, insert, select
 from sqlalchemy.engine import URL, make_url
@@ -130,8 +131,10 @@ def describe_error(url: str, exc: BaseException) -> str:
         text = text.replace(str(password), "***")
     text = text.replace(url, where)[:300]
     if isinstance(exc, sa.NoSuchModuleError) or "Can't load plugin" in text:
-        hint = ("--db takes a SQLAlchemy URL such as sqlite:////path/to/profiles.sqlite or "
-                "postgresql+psycopg://user@host/db (PostgreSQL needs the psycopg driver)")
+        hint = (
+            "--db takes a SQLAlchemy URL such as sqlite:////path/to/profiles.sqlite or "
+            "postgresql+psycopg://user@host/db (PostgreSQL needs the psycopg driver)"
+        )
     elif isinstance(exc, (sa.ArgumentError, ValueError, TypeError)):
         hint = "--db takes a SQLAlchemy URL such as sqlite:////path/to/profiles.sqlite or postgresql+psycopg://user@host/db"
     elif "not a database" in text or "malformed" in text:
@@ -168,7 +171,8 @@ def open_url(url: str) -> ProfileDB:
                     raise ValueError(
                         f"profile database {where} has schema version {found}, this gpemu uses {S.SCHEMA_VERSION}; "
                         "export it with the gpemu that made it (`gpemu db export FILE.json`), then import it into "
-                        "a new database")
+                        "a new database"
+                    )
                 _migrate(conn, int(found), where)
     except SQLAlchemyError as exc:
         engine.dispose()
@@ -193,9 +197,11 @@ def _migrate(conn: Any, version: int, where: str) -> None:
         conn.execute(update(S.meta).where(S.meta.c.key == "schema_version").values(value=str(S.SCHEMA_VERSION)))
     except (SQLAlchemyError, KeyError) as exc:
         cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
-        raise ValueError(f"profile database {where} has schema version {version}; upgrading it to "
-                         f"{S.SCHEMA_VERSION} failed ({cause}): it needs write access, or export it with the gpemu "
-                         "that made it and import it into a new database") from None
+        raise ValueError(
+            f"profile database {where} has schema version {version}; upgrading it to "
+            f"{S.SCHEMA_VERSION} failed ({cause}): it needs write access, or export it with the gpemu "
+            "that made it and import it into a new database"
+        ) from None
 
 
 def load_shipped(engine: Engine) -> dict[str, int]:
@@ -213,13 +219,29 @@ def load_shipped(engine: Engine) -> dict[str, int]:
                 gpu_ids.setdefault(a, gid)
         model_ids = dict((n, i) for i, n in conn.execute(select(S.models.c.id, S.models.c.name)))
         rows = _measurement_rows(gpu_ids, model_ids)
-        upsert(conn, S.measurements, rows, ("gpu_id", "model_id", "kind", "batch_size", "world_size"),
-               columns=_MEASUREMENT_COLUMNS)
+        upsert(
+            conn,
+            S.measurements,
+            rows,
+            ("gpu_id", "model_id", "kind", "batch_size", "world_size"),
+            columns=_MEASUREMENT_COLUMNS,
+        )
         dists = json.loads(gzip.decompress(_data_path("distributions.json.gz").read_bytes()))
-        upsert(conn, S.distributions, [{
-            "name": d["name"], "unit": d["unit"], "samples_json": json.dumps(d["samples"]),
-            "source": d["source"], "description": d["description"],
-        } for d in dists], ("name",))
+        upsert(
+            conn,
+            S.distributions,
+            [
+                {
+                    "name": d["name"],
+                    "unit": d["unit"],
+                    "samples_json": json.dumps(d["samples"]),
+                    "source": d["source"],
+                    "description": d["description"],
+                }
+                for d in dists
+            ],
+            ("name",),
+        )
         meta = {
             "schema_version": str(S.SCHEMA_VERSION),
             "data_version": data_version(),
@@ -234,17 +256,33 @@ def _read_models() -> list[ModelInfo]:
     text = _data_path("models.csv").read_text()
     out = []
     for r in csv.DictReader(io.StringIO(text)):
-        out.append(ModelInfo(
-            name=r["model"], class_name=r["class"], param_count=int(r["params"]),
-            param_bytes=int(r["param_bytes"]), buffer_bytes=int(r["buffer_bytes"]),
-            fwd_flops_per_sample=float(r["fwd_flops_bs1"]), fwd_bwd_flops_per_sample=float(r["fwd_bwd_flops_bs1"]),
-            fingerprint=None, input_size=int(r["input_size"]),
-        ))
+        out.append(
+            ModelInfo(
+                name=r["model"],
+                class_name=r["class"],
+                param_count=int(r["params"]),
+                param_bytes=int(r["param_bytes"]),
+                buffer_bytes=int(r["buffer_bytes"]),
+                fwd_flops_per_sample=float(r["fwd_flops_bs1"]),
+                fwd_bwd_flops_per_sample=float(r["fwd_bwd_flops_bs1"]),
+                fingerprint=None,
+                input_size=int(r["input_size"]),
+            )
+        )
     return out
 
 
-_MEASUREMENT_COLUMNS = ("gpu_id", "model_id", "kind", "batch_size", "world_size", "value", "unit", "source",
-                        "metadata_json")
+_MEASUREMENT_COLUMNS = (
+    "gpu_id",
+    "model_id",
+    "kind",
+    "batch_size",
+    "world_size",
+    "value",
+    "unit",
+    "source",
+    "metadata_json",
+)
 
 
 def _measurement_rows(gpu_ids: dict[str, int], model_ids: dict[str, int]) -> list[tuple[Any, ...]]:
@@ -310,13 +348,17 @@ def ensure_default_db(data_dir: Path, *, force: bool = False) -> Path:
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"cannot create the gpemu data directory {data_dir}: {exc}; set GPEMU_DATA_DIR "
-                         "to a writable directory or GPEMU_DB to a database URL") from None
+        raise ValueError(
+            f"cannot create the gpemu data directory {data_dir}: {exc}; set GPEMU_DATA_DIR "
+            "to a writable directory or GPEMU_DB to a database URL"
+        ) from None
     try:
         path, report = _build_locked(data_dir, path, force)
     except PermissionError as exc:
-        raise ValueError(f"cannot build the profile database in {data_dir}: {exc}; set GPEMU_DATA_DIR to a "
-                         "writable directory or GPEMU_DB to a database URL") from None
+        raise ValueError(
+            f"cannot build the profile database in {data_dir}: {exc}; set GPEMU_DATA_DIR to a "
+            "writable directory or GPEMU_DB to a database URL"
+        ) from None
     if report is not None:
         print(f"[gpemu] {report.message()}", file=sys.stderr, flush=True)
     return path
@@ -337,18 +379,28 @@ class RebuildReport:
     def message(self) -> str:
         head = f"profile database {self.path} rebuilt ({self.why})"
         if self.unreadable is not None:
-            return (f"{head}: the old file could not be read ({self.unreadable}); it is kept as {self.backup}, "
-                    "nothing was carried over from it")
-        label = {"gpus": "GPU(s)", "models": "model(s)", "measurements": "measurement(s)",
-                 "distributions": "distribution(s)"}
-        kept = ", ".join(f"{n} {label.get(table, table)}" for table, n in self.kept.items() if n) or "no rows of your own"
+            return (
+                f"{head}: the old file could not be read ({self.unreadable}); it is kept as {self.backup}, "
+                "nothing was carried over from it"
+            )
+        label = {
+            "gpus": "GPU(s)",
+            "models": "model(s)",
+            "measurements": "measurement(s)",
+            "distributions": "distribution(s)",
+        }
+        kept = (
+            ", ".join(f"{n} {label.get(table, table)}" for table, n in self.kept.items() if n) or "no rows of your own"
+        )
         out = f"{head}: kept {kept}"
         if self.shadowed:
             # (the old file's row differs from the new shipped one: the user changed it, or the
             # shipped facts changed since; gpus and models rows carry no source to tell which)
-            out += (f"; the new shipped data replaces the old file's rows for {', '.join(self.shadowed[:5])}"
-                    + (f" and {len(self.shadowed) - 5} more" if len(self.shadowed) > 5 else "")
-                    + " (your changes, or facts an earlier gpemu shipped)")
+            out += (
+                f"; the new shipped data replaces the old file's rows for {', '.join(self.shadowed[:5])}"
+                + (f" and {len(self.shadowed) - 5} more" if len(self.shadowed) > 5 else "")
+                + " (your changes, or facts an earlier gpemu shipped)"
+            )
         if self.conflicts:
             out += "; the alias " + "; the alias ".join(self.conflicts)
         return out + (f"; the old file is kept as {self.backup}" if self.backup else "")
@@ -448,16 +500,23 @@ def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str], conflicts: lis
             continue
         cols = [c for c in _columns(con, "main", table) if c != "id" and c in _columns(con, "old", table)]
         names = ", ".join(cols)
-        cur = con.execute(f"INSERT INTO main.{table} ({names}) SELECT {names} FROM old.{table} "
-                          f"WHERE name NOT IN (SELECT name FROM main.{table})")
+        cur = con.execute(
+            f"INSERT INTO main.{table} ({names}) SELECT {names} FROM old.{table} "
+            f"WHERE name NOT IN (SELECT name FROM main.{table})"
+        )
         kept[table] = cur.rowcount
         # Shipped names the user had changed: the shipped version wins; say so.
         cmp = " OR ".join(f"o.{c} IS NOT n.{c}" for c in cols if c != "name")
-        shadowed += [r[0] for r in con.execute(
-            f"SELECT o.name FROM old.{table} o JOIN main.{table} n ON n.name = o.name WHERE {cmp}")]
+        shadowed += [
+            r[0]
+            for r in con.execute(f"SELECT o.name FROM old.{table} o JOIN main.{table} n ON n.name = o.name WHERE {cmp}")
+        ]
     # Measurements not from the shipped data, matched to the new ids by GPU and model name.
-    cols = [c for c in _columns(con, "main", "measurements") if c not in ("id", "gpu_id", "model_id")
-            and c in _columns(con, "old", "measurements")]
+    cols = [
+        c
+        for c in _columns(con, "main", "measurements")
+        if c not in ("id", "gpu_id", "model_id") and c in _columns(con, "old", "measurements")
+    ]
     src = ", ".join(f"m.{c}" for c in cols)
     sets = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in ("kind", "batch_size", "world_size"))
     cur = con.execute(
@@ -466,7 +525,9 @@ def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str], conflicts: lis
         "JOIN old.gpus og ON og.id = m.gpu_id JOIN old.models om ON om.id = m.model_id "
         "JOIN main.gpus ng ON ng.name = og.name JOIN main.models nm ON nm.name = om.name "
         "WHERE m.source IS NOT ? "
-        f"ON CONFLICT (gpu_id, model_id, kind, batch_size, world_size) DO UPDATE SET {sets}", (_ROW_SOURCE,))
+        f"ON CONFLICT (gpu_id, model_id, kind, batch_size, world_size) DO UPDATE SET {sets}",
+        (_ROW_SOURCE,),
+    )
     kept["measurements"] = cur.rowcount
     # A kept GPU's alias that now names a shipped GPU (e.g. your "H100" before gpemu shipped one).
     shipped: dict[str, str] = {}
@@ -482,8 +543,9 @@ def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str], conflicts: lis
         if table in _SHIPPED_TABLES or table.startswith("sqlite_") or not sql:
             continue
         con.execute(sql)
-        for (index_sql,) in con.execute("SELECT sql FROM old.sqlite_master WHERE type='index' AND tbl_name=? "
-                                        "AND sql IS NOT NULL", (table,)).fetchall():
+        for (index_sql,) in con.execute(
+            "SELECT sql FROM old.sqlite_master WHERE type='index' AND tbl_name=? AND sql IS NOT NULL", (table,)
+        ).fetchall():
             con.execute(index_sql)
         kept[f"row(s) of {table}"] = con.execute(f'INSERT INTO main."{table}" SELECT * FROM old."{table}"').rowcount
     return kept

@@ -48,10 +48,14 @@ def _batch(text: str) -> int | None:
 def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
     prof = shared_data / "gpemu-artifact" / "profiled_data"
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts: dict[str, int] = {"dropped_fractional_memory_rows": 0, "dropped_negative_memory_rows": 0,
-                              "dropped_persistent_below_params_rows": 0}
-    param_bytes = {r["model"]: int(r["param_bytes"])
-                   for r in csv.DictReader((shared_data / "torchvision_models.csv").open())}
+    counts: dict[str, int] = {
+        "dropped_fractional_memory_rows": 0,
+        "dropped_negative_memory_rows": 0,
+        "dropped_persistent_below_params_rows": 0,
+    }
+    param_bytes = {
+        r["model"]: int(r["param_bytes"]) for r in csv.DictReader((shared_data / "torchvision_models.csv").open())
+    }
     rows: list[tuple[str, str, str, int, str]] = []
 
     def add(gpu_folder: str, model: str, kind: str, bs: int, value: str) -> None:
@@ -134,18 +138,28 @@ def _distributions(meas: Path) -> list[dict]:
             labels = [h.replace("cpu2gpu_time", "transfer").replace("gpu_time", "gpu") for h in header]
         else:
             labels = list(names3[: len(cols)]) if len(cols) == 3 else [f"col{i}" for i in range(len(cols))]
-        for label, col in zip(labels, cols):
-            out.append({
-                "name": f"iter-{stem}-{label}", "unit": "seconds", "samples": col, "source": src,
-                "description": f"{label} seconds of each of {len(col)} real training iterations ({stem})",
-            })
+        for label, col in zip(labels, cols, strict=False):
+            out.append(
+                {
+                    "name": f"iter-{stem}-{label}",
+                    "unit": "seconds",
+                    "samples": col,
+                    "source": src,
+                    "description": f"{label} seconds of each of {len(col)} real training iterations ({stem})",
+                }
+            )
     prep_mem = meas / "mem_consump_prep_mem-b64-t4.txt"
     if prep_mem.exists():
         _, cols = _column_floats(prep_mem)
-        out.append({
-            "name": "prep-mem-dali-b64-t4", "unit": "bytes", "samples": cols[1], "source": src,
-            "description": "GPU memory of DALI preprocessing sampled over time, batch 64, T4 (Fig. 3b)",
-        })
+        out.append(
+            {
+                "name": "prep-mem-dali-b64-t4",
+                "unit": "bytes",
+                "samples": cols[1],
+                "source": src,
+                "description": "GPU memory of DALI preprocessing sampled over time, batch 64, T4 (Fig. 3b)",
+            }
+        )
     return out
 
 

@@ -14,14 +14,22 @@ import json
 import math
 import numbers
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .records import GpuSpec, normalize_name, parse_compute_capability
 
-__all__ = ["FIELDS", "Field", "spec_from_datasheet", "read_datasheet_file", "datasheet_of", "check_names_free",
-           "pcie_link_rate"]
+__all__ = [
+    "FIELDS",
+    "Field",
+    "spec_from_datasheet",
+    "read_datasheet_file",
+    "datasheet_of",
+    "check_names_free",
+    "pcie_link_rate",
+]
 
 _GiB = 1 << 30
 
@@ -38,32 +46,88 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("name", "text", "what torch.cuda.get_device_name() reports on the real GPU, e.g. 'NVIDIA GeForce RTX 3090'",
-          required=True),
+    Field(
+        "name",
+        "text",
+        "what torch.cuda.get_device_name() reports on the real GPU, e.g. 'NVIDIA GeForce RTX 3090'",
+        required=True,
+    ),
     Field("aliases", "names", "short names for --gpu, the first shown in tables (e.g. RTX3090)"),
     Field("generation", "generation", "architecture; decides which calibrated curves price it", required=True),
     Field("compute_capability", "cc", "MAJOR.MINOR, e.g. 8.6 [default: the generation's usual one]"),
     Field("sms", "int", "streaming multiprocessors (SMs)", 1, 1024, required=True),
-    Field("memory_gb", "float", "memory as the datasheet says it, in GB (24 for a 24 GB card; stored as GiB, as "
-          "every shipped GPU is)", 0.25, 4096, required=True, scale=_GiB),
+    Field(
+        "memory_gb",
+        "float",
+        "memory as the datasheet says it, in GB (24 for a 24 GB card; stored as GiB, as every shipped GPU is)",
+        0.25,
+        4096,
+        required=True,
+        scale=_GiB,
+    ),
     Field("bandwidth_gbs", "float", "memory bandwidth, GB/s", 1, 100_000, required=True, scale=1e9),
     Field("fp32_tflops", "float", "FP32 peak (non-tensor), TFLOP/s", 0.01, 10_000, required=True, scale=1e12),
-    Field("fp64_tflops", "float", "FP64 peak, TFLOP/s [default: not known; the cost model assumes 1/32 of FP32]",
-          0, 10_000, scale=1e12),
-    Field("fp16_tflops", "float", "FP16 peak without tensor cores, TFLOP/s [default: not known]", 0, 10_000, scale=1e12),
-    Field("tf32_tensor_tflops", "float", "TF32 tensor-core peak, dense (NVIDIA's 'with sparsity' figure / 2), "
-          "TFLOP/s; 0: none [default: 0 before Ampere]", 0, 100_000, scale=1e12),
-    Field("fp16_tensor_tflops", "float", "FP16 tensor-core peak with FP32 accumulate, dense, TFLOP/s; 0: none "
-          "[default: 0 before Volta]", 0, 100_000, scale=1e12),
-    Field("bf16_tensor_tflops", "float", "BF16 tensor-core peak, dense, TFLOP/s; 0: none [default: 0 before Ampere]",
-          0, 100_000, scale=1e12),
+    Field(
+        "fp64_tflops",
+        "float",
+        "FP64 peak, TFLOP/s [default: not known; the cost model assumes 1/32 of FP32]",
+        0,
+        10_000,
+        scale=1e12,
+    ),
+    Field(
+        "fp16_tflops", "float", "FP16 peak without tensor cores, TFLOP/s [default: not known]", 0, 10_000, scale=1e12
+    ),
+    Field(
+        "tf32_tensor_tflops",
+        "float",
+        "TF32 tensor-core peak, dense (NVIDIA's 'with sparsity' figure / 2), "
+        "TFLOP/s; 0: none [default: 0 before Ampere]",
+        0,
+        100_000,
+        scale=1e12,
+    ),
+    Field(
+        "fp16_tensor_tflops",
+        "float",
+        "FP16 tensor-core peak with FP32 accumulate, dense, TFLOP/s; 0: none [default: 0 before Volta]",
+        0,
+        100_000,
+        scale=1e12,
+    ),
+    Field(
+        "bf16_tensor_tflops",
+        "float",
+        "BF16 tensor-core peak, dense, TFLOP/s; 0: none [default: 0 before Ampere]",
+        0,
+        100_000,
+        scale=1e12,
+    ),
     Field("pcie_gen", "int", "PCIe generation of the x16 host link [default: 4]", 1, 7),
-    Field("nvlink_gbs", "float", "total NVLink bandwidth per GPU, GB/s (all links, both directions); 0: none "
-          "[default: 0]", 0, 100_000, scale=1e9),
-    Field("host_pinned_gbs", "float", "host->GPU copies from pinned memory, GB/s [default: 0.8 x the PCIe link]",
-          0.1, 10_000, scale=1e9),
-    Field("host_pageable_gbs", "float", "host->GPU copies from pageable memory, GB/s [default: what the shipped "
-          "GPUs with that PCIe generation have]", 0.1, 10_000, scale=1e9),
+    Field(
+        "nvlink_gbs",
+        "float",
+        "total NVLink bandwidth per GPU, GB/s (all links, both directions); 0: none [default: 0]",
+        0,
+        100_000,
+        scale=1e9,
+    ),
+    Field(
+        "host_pinned_gbs",
+        "float",
+        "host->GPU copies from pinned memory, GB/s [default: 0.8 x the PCIe link]",
+        0.1,
+        10_000,
+        scale=1e9,
+    ),
+    Field(
+        "host_pageable_gbs",
+        "float",
+        "host->GPU copies from pageable memory, GB/s [default: what the shipped GPUs with that PCIe generation have]",
+        0.1,
+        10_000,
+        scale=1e9,
+    ),
     Field("source", "text", "where the numbers come from (datasheet title or URL)"),
 )
 _BY_KEY = {f.key: f for f in FIELDS}
@@ -143,8 +207,10 @@ def spec_from_datasheet(values: Mapping[str, Any], *, provenance: str = "user") 
     unknown = sorted(k for k in values if k not in _BY_KEY)
     if unknown:
         if _EXPORT_KEYS & set(values):
-            raise ValueError("this is a GPU entry of the `gpemu db export` format (memory_bytes, fp32_flops, ...): "
-                             "import such a file with `gpemu db import FILE`")
+            raise ValueError(
+                "this is a GPU entry of the `gpemu db export` format (memory_bytes, fp32_flops, ...): "
+                "import such a file with `gpemu db import FILE`"
+            )
         raise ValueError(f"unknown field(s) {', '.join(unknown)}; valid fields: {', '.join(_BY_KEY)}")
     v: dict[str, Any] = {}
     for f in FIELDS:
@@ -159,19 +225,26 @@ def spec_from_datasheet(values: Mapping[str, Any], *, provenance: str = "user") 
 
     gen = v["generation"]
     later = GENERATIONS.index(gen)
-    for key, attr in (("tf32_tensor_tflops", "tf32_tensor_flops"), ("fp16_tensor_tflops", "fp16_tensor_flops"),
-                      ("bf16_tensor_tflops", "bf16_tensor_flops")):
+    for key, attr in (
+        ("tf32_tensor_tflops", "tf32_tensor_flops"),
+        ("fp16_tensor_tflops", "fp16_tensor_flops"),
+        ("bf16_tensor_tflops", "bf16_tensor_flops"),
+    ):
         first = _first_generation_with(attr)
         if later < GENERATIONS.index(first):
             if v[key]:
-                raise ValueError(f"{key} (--{key.replace('_', '-')}): {gen} GPUs have no such tensor cores (the "
-                                 f"first generation with them is {first}); give 0 or leave it out")
+                raise ValueError(
+                    f"{key} (--{key.replace('_', '-')}): {gen} GPUs have no such tensor cores (the "
+                    f"first generation with them is {first}); give 0 or leave it out"
+                )
             v[key] = 0.0
     fp32 = v["fp32_tflops"]
     for key in ("fp16_tensor_tflops", "bf16_tensor_tflops", "tf32_tensor_tflops"):
         if v[key] and v[key] < fp32 / 4:
-            raise ValueError(f"{key} (--{key.replace('_', '-')}) = {v[key]:g} TFLOP/s is under a quarter of the FP32 "
-                             f"peak ({fp32:g}): give TFLOP/s (not FLOP/s or GFLOP/s), or 0 for none")
+            raise ValueError(
+                f"{key} (--{key.replace('_', '-')}) = {v[key]:g} TFLOP/s is under a quarter of the FP32 "
+                f"peak ({fp32:g}): give TFLOP/s (not FLOP/s or GFLOP/s), or 0 for none"
+            )
     pcie = v["pcie_gen"] or 4
     link = pcie_link_rate(pcie)
     pinned = v["host_pinned_gbs"] * 1e9 if v["host_pinned_gbs"] else 0.8 * link
@@ -188,33 +261,56 @@ def spec_from_datasheet(values: Mapping[str, Any], *, provenance: str = "user") 
     tensor16 = scaled("fp16_tensor_tflops") or 0.0
     fp16_plain = scaled("fp16_tflops")
     return GpuSpec(
-        name=v["name"], aliases=v["aliases"] or (), memory_bytes=int(round(v["memory_gb"] * _GiB)),
-        fp32_flops=fp32 * 1e12, fp16_flops=max(tensor16, fp16_plain or 0.0) or fp32 * 1e12,
-        memory_bandwidth=scaled("bandwidth_gbs"), host_link_bandwidth_pinned=pinned,  # type: ignore[arg-type]
-        host_link_bandwidth_pageable=pageable, sm_count=v["sms"], generation=gen,
-        compute_capability=v["compute_capability"], fp64_flops=scaled("fp64_tflops"), fp16_nontensor_flops=fp16_plain,
-        tf32_tensor_flops=scaled("tf32_tensor_tflops"), fp16_tensor_flops=scaled("fp16_tensor_tflops"),
-        bf16_tensor_flops=scaled("bf16_tensor_tflops"), pcie_gen=pcie, nvlink_bandwidth=scaled("nvlink_gbs") or 0.0,
-        source=v["source"] or "entered with `gpemu gpus add`", provenance=provenance,
+        name=v["name"],
+        aliases=v["aliases"] or (),
+        memory_bytes=int(round(v["memory_gb"] * _GiB)),
+        fp32_flops=fp32 * 1e12,
+        fp16_flops=max(tensor16, fp16_plain or 0.0) or fp32 * 1e12,
+        memory_bandwidth=scaled("bandwidth_gbs"),
+        host_link_bandwidth_pinned=pinned,  # type: ignore[arg-type]
+        host_link_bandwidth_pageable=pageable,
+        sm_count=v["sms"],
+        generation=gen,
+        compute_capability=v["compute_capability"],
+        fp64_flops=scaled("fp64_tflops"),
+        fp16_nontensor_flops=fp16_plain,
+        tf32_tensor_flops=scaled("tf32_tensor_tflops"),
+        fp16_tensor_flops=scaled("fp16_tensor_tflops"),
+        bf16_tensor_flops=scaled("bf16_tensor_tflops"),
+        pcie_gen=pcie,
+        nvlink_bandwidth=scaled("nvlink_gbs") or 0.0,
+        source=v["source"] or "entered with `gpemu gpus add`",
+        provenance=provenance,
     )
 
 
 def datasheet_of(spec: GpuSpec) -> dict[str, Any]:
     """A GpuSpec back in datasheet units and :data:`FIELDS` keys (unknown facts left out)."""
+
     def per(x: float | None, scale: float) -> float | None:
         return None if x is None else round(x / scale, 6)
 
     out: dict[str, Any] = {
-        "name": spec.name, "aliases": list(spec.aliases), "generation": spec.generation,
+        "name": spec.name,
+        "aliases": list(spec.aliases),
+        "generation": spec.generation,
         "compute_capability": f"{spec.compute_capability[0]}.{spec.compute_capability[1]}"
-        if spec.compute_capability else None,
-        "sms": spec.sm_count, "memory_gb": per(spec.memory_bytes, _GiB), "bandwidth_gbs": per(spec.memory_bandwidth, 1e9),
-        "fp32_tflops": per(spec.fp32_flops, 1e12), "fp64_tflops": per(spec.fp64_flops, 1e12),
-        "fp16_tflops": per(spec.fp16_nontensor_flops, 1e12), "tf32_tensor_tflops": per(spec.tf32_tensor_flops, 1e12),
-        "fp16_tensor_tflops": per(spec.fp16_tensor_flops, 1e12), "bf16_tensor_tflops": per(spec.bf16_tensor_flops, 1e12),
-        "pcie_gen": spec.pcie_gen, "nvlink_gbs": per(spec.nvlink_bandwidth, 1e9),
+        if spec.compute_capability
+        else None,
+        "sms": spec.sm_count,
+        "memory_gb": per(spec.memory_bytes, _GiB),
+        "bandwidth_gbs": per(spec.memory_bandwidth, 1e9),
+        "fp32_tflops": per(spec.fp32_flops, 1e12),
+        "fp64_tflops": per(spec.fp64_flops, 1e12),
+        "fp16_tflops": per(spec.fp16_nontensor_flops, 1e12),
+        "tf32_tensor_tflops": per(spec.tf32_tensor_flops, 1e12),
+        "fp16_tensor_tflops": per(spec.fp16_tensor_flops, 1e12),
+        "bf16_tensor_tflops": per(spec.bf16_tensor_flops, 1e12),
+        "pcie_gen": spec.pcie_gen,
+        "nvlink_gbs": per(spec.nvlink_bandwidth, 1e9),
         "host_pinned_gbs": per(spec.host_link_bandwidth_pinned, 1e9),
-        "host_pageable_gbs": per(spec.host_link_bandwidth_pageable, 1e9), "source": spec.source or None,
+        "host_pageable_gbs": per(spec.host_link_bandwidth_pageable, 1e9),
+        "source": spec.source or None,
     }
     return {k: x for k, x in out.items() if x is not None}
 
@@ -249,8 +345,10 @@ def read_datasheet_file(path: str | Path) -> list[dict[str, Any]]:
     out = []
     for i, e in enumerate(entries, 1):
         if not isinstance(e, dict):
-            raise ValueError(f"{path}: GPU #{i} must be a mapping of datasheet fields (name, generation, sms, "
-                             f"memory_gb, ...), got {type(e).__name__}")
+            raise ValueError(
+                f"{path}: GPU #{i} must be a mapping of datasheet fields (name, generation, sms, "
+                f"memory_gb, ...), got {type(e).__name__}"
+            )
         out.append(e)
     if not out:
         raise ValueError(f"{path} holds no GPU")

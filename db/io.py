@@ -19,15 +19,25 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from sqlalchemy import select
 
 from . import schema as S
-from .lookup import (ProfileDB, check_generation, clean_measurement, gpu_row, is_int, is_number, measurement_row,
-                     model_row, upsert)
+from .lookup import (
+    ProfileDB,
+    check_generation,
+    clean_measurement,
+    gpu_row,
+    is_int,
+    is_number,
+    measurement_row,
+    model_row,
+    upsert,
+)
 from .op_measurements import OpCurveRow, OpMeasurement, op_gpus, read_curves, read_measurements, stamps, write_curves
 from .op_measurements import write_measurements as write_op_measurements
 from .records import GpuSpec, Measurement, ModelInfo, normalize_name
@@ -77,7 +87,8 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
     cols = [m.c[c] for c in MEASUREMENT_COLUMNS if c not in ("gpu", "model", "metadata")]
     q = (
         select(g.c.name, mo.c.name, m.c.metadata_json, *cols)
-        .join(g, g.c.id == m.c.gpu_id).join(mo, mo.c.id == m.c.model_id)
+        .join(g, g.c.id == m.c.gpu_id)
+        .join(mo, mo.c.id == m.c.model_id)
         .order_by(g.c.name, mo.c.name, m.c.kind, m.c.world_size, m.c.batch_size)
     )
     rows = []
@@ -95,10 +106,13 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
         if gpus and gpu not in gpu_names:
             continue
         measured, fitted = stamps(db.engine, gpu)
-        ops += [{"gpu": gpu, **asdict(r), "measured_at": measured.get((r.key, r.path, r.dtype, r.shape))}
-                for r in read_measurements(db.engine, gpu)]
-        curves += [{"gpu": gpu, **asdict(c), "fitted_at": fitted.get((c.key, c.path))}
-                   for c in read_curves(db.engine, gpu)]
+        ops += [
+            {"gpu": gpu, **asdict(r), "measured_at": measured.get((r.key, r.path, r.dtype, r.shape))}
+            for r in read_measurements(db.engine, gpu)
+        ]
+        curves += [
+            {"gpu": gpu, **asdict(c), "fitted_at": fitted.get((c.key, c.path))} for c in read_curves(db.engine, gpu)
+        ]
     return {
         "format": FORMAT_NAME,
         "schema_version": S.SCHEMA_VERSION,
@@ -106,8 +120,13 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
         "models": [asdict(mi) for mi in model_infos],
         "measurements": {"columns": MEASUREMENT_COLUMNS, "rows": rows},
         "distributions": [
-            {"name": d["name"], "unit": d["unit"], "samples": json.loads(d["samples_json"]),
-             "source": d["source"], "description": d["description"]}
+            {
+                "name": d["name"],
+                "unit": d["unit"],
+                "samples": json.loads(d["samples_json"]),
+                "source": d["source"],
+                "description": d["description"],
+            }
             for d in dists
         ],
         "op_measurements": ops,
@@ -123,8 +142,14 @@ def gpu_json(spec: GpuSpec) -> dict[str, Any]:
     return d
 
 
-def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
-              gpus: Iterable[str] | None = None, models: Iterable[str] | None = None) -> dict[str, int]:
+def export_db(
+    db: ProfileDB,
+    path: str | Path,
+    fmt: str | None = None,
+    *,
+    gpus: Iterable[str] | None = None,
+    models: Iterable[str] | None = None,
+) -> dict[str, int]:
     """Write the database (or only some GPUs / models) to ``path``; returns row counts.
 
     ``fmt`` is "json" or "csv"; by default a path ending in .json gets JSON, anything else a
@@ -140,25 +165,44 @@ def export_db(db: ProfileDB, path: str | Path, fmt: str | None = None, *,
         path.write_text(json.dumps(data, separators=(",", ":")))
     else:
         if path.exists() and not path.is_dir():
-            raise ValueError(f"CSV export writes a directory of CSV files, but {path} is a file; "
-                             "name a directory, or a .json file for JSON")
+            raise ValueError(
+                f"CSV export writes a directory of CSV files, but {path} is a file; "
+                "name a directory, or a .json file for JSON"
+            )
         path.mkdir(parents=True, exist_ok=True)
-        _write_csv(path / "gpus.csv", _GPU_COLUMNS,
-                   [[_gpu_cell(c, g[c]) for c in _GPU_COLUMNS] for g in data["gpus"]])
+        _write_csv(path / "gpus.csv", _GPU_COLUMNS, [[_gpu_cell(c, g[c]) for c in _GPU_COLUMNS] for g in data["gpus"]])
         _write_csv(path / "models.csv", _MODEL_COLUMNS, [[m[c] for c in _MODEL_COLUMNS] for m in data["models"]])
         meta_i = MEASUREMENT_COLUMNS.index("metadata")
-        _write_csv(path / "measurements.csv", MEASUREMENT_COLUMNS,
-                   [[json.dumps(v, sort_keys=True) if i == meta_i else v for i, v in enumerate(r)]
-                    for r in data["measurements"]["rows"]])
-        _write_csv(path / "distributions.csv", _DIST_COLUMNS,
-                   [[json.dumps(d[c]) if c == "samples" else d[c] for c in _DIST_COLUMNS] for d in data["distributions"]])
-        _write_csv(path / "op_measurements.csv", _OP_COLUMNS,
-                   [[json.dumps(r[c], sort_keys=True) if c == "metadata" else r[c] for c in _OP_COLUMNS]
-                    for r in data["op_measurements"]])
+        _write_csv(
+            path / "measurements.csv",
+            MEASUREMENT_COLUMNS,
+            [
+                [json.dumps(v, sort_keys=True) if i == meta_i else v for i, v in enumerate(r)]
+                for r in data["measurements"]["rows"]
+            ],
+        )
+        _write_csv(
+            path / "distributions.csv",
+            _DIST_COLUMNS,
+            [[json.dumps(d[c]) if c == "samples" else d[c] for c in _DIST_COLUMNS] for d in data["distributions"]],
+        )
+        _write_csv(
+            path / "op_measurements.csv",
+            _OP_COLUMNS,
+            [
+                [json.dumps(r[c], sort_keys=True) if c == "metadata" else r[c] for c in _OP_COLUMNS]
+                for r in data["op_measurements"]
+            ],
+        )
         _write_csv(path / "op_curves.csv", _CURVE_COLUMNS, [[r[c] for c in _CURVE_COLUMNS] for r in data["op_curves"]])
-    return {"gpus": len(data["gpus"]), "models": len(data["models"]),
-            "measurements": len(data["measurements"]["rows"]), "distributions": len(data["distributions"]),
-            "op_measurements": len(data["op_measurements"]), "op_curves": len(data["op_curves"])}
+    return {
+        "gpus": len(data["gpus"]),
+        "models": len(data["models"]),
+        "measurements": len(data["measurements"]["rows"]),
+        "distributions": len(data["distributions"]),
+        "op_measurements": len(data["op_measurements"]),
+        "op_curves": len(data["op_curves"]),
+    }
 
 
 def _gpu_cell(column: str, value: Any) -> Any:
@@ -186,15 +230,21 @@ def import_path(db: ProfileDB, path: str | Path) -> ImportReport:
     readable file every bad row is rejected on its own (see :class:`ImportReport`)."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"nothing to import: {path} does not exist (give a .json export, a CSV export "
-                         "directory, or a measurements .csv file)")
+        raise ValueError(
+            f"nothing to import: {path} does not exist (give a .json export, a CSV export "
+            "directory, or a measurements .csv file)"
+        )
     if path.is_dir():
         sections = _read_csv_dir(path)
     elif path.suffix.lower() == ".json":
         sections = _read_json(path)
     elif path.suffix.lower() == ".csv":
-        sections = {"gpus": [], "models": [], "measurements": _csv_rows(path, _parse_measurement_cells),
-                    "distributions": []}
+        sections = {
+            "gpus": [],
+            "models": [],
+            "measurements": _csv_rows(path, _parse_measurement_cells),
+            "distributions": [],
+        }
     else:
         raise ValueError(f"cannot import {path}: expected a .json export, a CSV export directory, or a .csv file")
     return _import_sections(db, sections)
@@ -214,34 +264,47 @@ def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
     except RecursionError:
         raise ValueError(f"{path} nests JSON arrays or objects too deeply to be a gpemu export") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise ValueError(f"{path} is not a gpemu profile database export (expected \"format\": \"{FORMAT_NAME}\")")
+        raise ValueError(f'{path} is not a gpemu profile database export (expected "format": "{FORMAT_NAME}")')
     version = data.get("schema_version", S.SCHEMA_VERSION)
     # Older exports are read as they are (fields added since have defaults); newer ones are refused.
     if not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= S.SCHEMA_VERSION):
-        hint = ("it was written by a newer gpemu: upgrade gpemu (pip install -U gpemu) to import it, or export "
-                "it again with that gpemu as CSV (`gpemu db export DIR --format csv`), which this one reads"
-                if isinstance(version, int) and not isinstance(version, bool) and version > S.SCHEMA_VERSION
-                else f"this gpemu reads exports with schema_version 1 to {S.SCHEMA_VERSION}")
+        hint = (
+            "it was written by a newer gpemu: upgrade gpemu (pip install -U gpemu) to import it, or export "
+            "it again with that gpemu as CSV (`gpemu db export DIR --format csv`), which this one reads"
+            if isinstance(version, int) and not isinstance(version, bool) and version > S.SCHEMA_VERSION
+            else f"this gpemu reads exports with schema_version 1 to {S.SCHEMA_VERSION}"
+        )
         raise ValueError(f"{path} has schema_version {_quote(version)}; {hint}")
     for name in ("gpus", "models", "distributions", "op_measurements", "op_curves"):
         if not isinstance(data.get(name, []), list):
-            raise ValueError(f"{path}: \"{name}\" must be a list of objects, got {type(data[name]).__name__}")
+            raise ValueError(f'{path}: "{name}" must be a list of objects, got {type(data[name]).__name__}')
     meas = data.get("measurements", {"columns": MEASUREMENT_COLUMNS, "rows": []})
     cols = meas.get("columns") if isinstance(meas, dict) else None
     rows = meas.get("rows", []) if isinstance(meas, dict) else None
     if not (isinstance(cols, list) and all(isinstance(c, str) for c in cols) and isinstance(rows, list)):
-        raise ValueError(f"{path}: \"measurements\" must be an object with \"columns\" (a list of column names) "
-                         f"and \"rows\" (a list of value lists), got {_quote(meas)}")
+        raise ValueError(
+            f'{path}: "measurements" must be an object with "columns" (a list of column names) '
+            f'and "rows" (a list of value lists), got {_quote(meas)}'
+        )
     return {
         "gpus": [(f"{path.name} gpus #{i}", g) for i, g in enumerate(data.get("gpus", []), 1)],
         "models": [(f"{path.name} models #{i}", m) for i, m in enumerate(data.get("models", []), 1)],
-        "measurements": [(f"{path.name} measurements #{i}",
-                          dict(zip(cols, r)) if isinstance(r, list) and len(r) == len(cols)
-                          else ValueError(f"a row must be a list of {len(cols)} values (the columns), got {_quote(r)}"))
-                         for i, r in enumerate(rows, 1)],
-        "distributions": [(f"{path.name} distributions #{i}", d) for i, d in enumerate(data.get("distributions", []), 1)],
-        **{name: [(f"{path.name} {name} #{i}", d) for i, d in enumerate(data.get(name, []), 1)]
-           for name in ("op_measurements", "op_curves")},
+        "measurements": [
+            (
+                f"{path.name} measurements #{i}",
+                dict(zip(cols, r, strict=False))
+                if isinstance(r, list) and len(r) == len(cols)
+                else ValueError(f"a row must be a list of {len(cols)} values (the columns), got {_quote(r)}"),
+            )
+            for i, r in enumerate(rows, 1)
+        ],
+        "distributions": [
+            (f"{path.name} distributions #{i}", d) for i, d in enumerate(data.get("distributions", []), 1)
+        ],
+        **{
+            name: [(f"{path.name} {name} #{i}", d) for i, d in enumerate(data.get(name, []), 1)]
+            for name in ("op_measurements", "op_curves")
+        },
     }
 
 
@@ -251,8 +314,14 @@ def _quote(value: Any) -> str:
 
 
 def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
-    expected = ("gpus.csv", "models.csv", "measurements.csv", "distributions.csv", "op_measurements.csv",
-                "op_curves.csv")
+    expected = (
+        "gpus.csv",
+        "models.csv",
+        "measurements.csv",
+        "distributions.csv",
+        "op_measurements.csv",
+        "op_curves.csv",
+    )
     if not any((path / f).exists() for f in expected):
         raise ValueError(f"{path} holds none of {', '.join(expected)} (is it a `gpemu db export` directory?)")
 
@@ -280,12 +349,20 @@ def _csv_rows(path: Path, parse: Any) -> list[tuple[str, Any]]:
                 try:
                     out.append((where, parse({k: v for k, v in cells.items() if k is not None})))
                 except (ValueError, RecursionError) as exc:
-                    out.append((where, exc if isinstance(exc, ValueError) else
-                                ValueError("a JSON cell nests arrays or objects too deeply")))  # reported as rejected
+                    out.append(
+                        (
+                            where,
+                            exc
+                            if isinstance(exc, ValueError)
+                            else ValueError("a JSON cell nests arrays or objects too deeply"),
+                        )
+                    )  # reported as rejected
     except csv.Error as exc:
         # The reader cannot resynchronise after this (e.g. a field over its 128 KiB limit).
-        raise ValueError(f"{path.name}:{line_no + 1}: not a readable CSV file ({exc}); a gpemu export has no "
-                         "field longer than 128 KiB and no NUL bytes") from None
+        raise ValueError(
+            f"{path.name}:{line_no + 1}: not a readable CSV file ({exc}); a gpemu export has no "
+            "field longer than 128 KiB and no NUL bytes"
+        ) from None
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not UTF-8 text, so not a gpemu CSV export") from None
     return out
@@ -328,14 +405,26 @@ def _parse_gpu_cells(c: dict[str, str]) -> dict[str, Any]:
     try:
         out["aliases"] = json.loads(c.get("aliases") or "[]")
     except json.JSONDecodeError:
-        raise ValueError(f"aliases must be a JSON list of names such as [\"V100\"], got {c.get('aliases')!r}") from None
+        raise ValueError(f'aliases must be a JSON list of names such as ["V100"], got {c.get("aliases")!r}') from None
     for k in ("memory_bytes", "sm_count"):
         out[k] = _num(c.get(k, ""), k, integer=True)
-    for k in ("fp32_flops", "fp16_flops", "memory_bandwidth", "host_link_bandwidth_pinned", "host_link_bandwidth_pageable"):
+    for k in (
+        "fp32_flops",
+        "fp16_flops",
+        "memory_bandwidth",
+        "host_link_bandwidth_pinned",
+        "host_link_bandwidth_pageable",
+    ):
         out[k] = _num(c.get(k, ""), k)
     # Optional since schema 2: an empty cell (or a missing column) is "not known".
-    for k in ("fp64_flops", "fp16_nontensor_flops", "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops",
-              "nvlink_bandwidth"):
+    for k in (
+        "fp64_flops",
+        "fp16_nontensor_flops",
+        "tf32_tensor_flops",
+        "fp16_tensor_flops",
+        "bf16_tensor_flops",
+        "nvlink_bandwidth",
+    ):
         out[k] = _num(out[k], k) if out.get(k) else None
     out["pcie_gen"] = _num(out["pcie_gen"], "pcie_gen", integer=True) if out.get("pcie_gen") else None
     for k in ("generation", "compute_capability"):
@@ -501,19 +590,33 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
             samples = d.get("samples")
             if d.get("unit") not in ("seconds", "bytes"):
                 raise ValueError(f"unit must be 'seconds' or 'bytes', got {d.get('unit')!r}")
-            if (not isinstance(d.get("name"), str) or not d["name"].strip() or not isinstance(samples, list) or not samples
-                    or not all(is_number(x) and math.isfinite(x) and x >= 0 for x in samples)):
+            if (
+                not isinstance(d.get("name"), str)
+                or not d["name"].strip()
+                or not isinstance(samples, list)
+                or not samples
+                or not all(is_number(x) and math.isfinite(x) and x >= 0 for x in samples)
+            ):
                 raise ValueError("needs a name and a non-empty list of finite sample values >= 0")
-            dist_rows.append({"name": d["name"], "unit": d["unit"], "samples_json": json.dumps(samples),
-                              "source": d.get("source") or "", "description": d.get("description") or ""})
+            dist_rows.append(
+                {
+                    "name": d["name"],
+                    "unit": d["unit"],
+                    "samples_json": json.dumps(samples),
+                    "source": d.get("source") or "",
+                    "description": d.get("description") or "",
+                }
+            )
         except (TypeError, ValueError) as exc:
             report.rejected.append(Rejected(where, f"bad distribution: {exc}"))
     # A GPU's own calibration (gpemu profile --ops): keyed by GPU name, like the tables themselves;
     # written per (GPU, time stamp) so an import keeps when each row was measured or fitted.
     ops: dict[tuple[str, str | None], list[OpMeasurement]] = {}
     curves: dict[tuple[str, str | None], list[OpCurveRow]] = {}
-    for section, parse, into, what in (("op_measurements", _op_measurement, ops, "op measurement"),
-                                       ("op_curves", _op_curve, curves, "op curve")):
+    for section, parse, into, what in (
+        ("op_measurements", _op_measurement, ops, "op measurement"),
+        ("op_curves", _op_curve, curves, "op curve"),
+    ):
         for where, raw in sections.get(section, []):
             try:
                 if isinstance(raw, Exception):

@@ -10,8 +10,9 @@ import json
 import math
 import numbers
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from sqlalchemy import Engine, Table, func, insert, select, update
@@ -33,8 +34,19 @@ from .records import (
     normalize_name,
 )
 
-__all__ = ["ProfileDB", "validate_measurement", "clean_measurement", "measurement_row", "gpu_row", "spec_from_row",
-           "check_generation", "model_row", "upsert", "is_int", "is_number"]
+__all__ = [
+    "ProfileDB",
+    "validate_measurement",
+    "clean_measurement",
+    "measurement_row",
+    "gpu_row",
+    "spec_from_row",
+    "check_generation",
+    "model_row",
+    "upsert",
+    "is_int",
+    "is_number",
+]
 
 # Said with every unknown-GPU error: how a GPU the database lacks gets in.
 ADD_GPU_HINT = "add one from its datasheet with `gpemu gpus add` (see docs/adding.md)"
@@ -69,7 +81,7 @@ class ProfileDB:
         return f"ProfileDB({self.engine.url.render_as_string(hide_password=True)!r})"
 
     # ------------------------------------------------------------------ names
-    def _names(self) -> "_Names":
+    def _names(self) -> _Names:
         """GPUs and models by id and by lookup key, swapped in as one object so a write on
         another thread (which drops it) never leaves a reader with half a cache."""
         names = self._names_cache
@@ -89,10 +101,15 @@ class ProfileDB:
                     names.gpu_keys.setdefault(normalize_name(n), r["id"])
             for r in mrows:
                 info = ModelInfo(
-                    name=r["name"], class_name=r["class_name"], param_count=int(r["param_count"]),
-                    param_bytes=int(r["param_bytes"]), buffer_bytes=int(r["buffer_bytes"]),
-                    fwd_flops_per_sample=r["fwd_flops_per_sample"], fwd_bwd_flops_per_sample=r["fwd_bwd_flops_per_sample"],
-                    fingerprint=r["fingerprint"], input_size=r["input_size"],
+                    name=r["name"],
+                    class_name=r["class_name"],
+                    param_count=int(r["param_count"]),
+                    param_bytes=int(r["param_bytes"]),
+                    buffer_bytes=int(r["buffer_bytes"]),
+                    fwd_flops_per_sample=r["fwd_flops_per_sample"],
+                    fwd_bwd_flops_per_sample=r["fwd_bwd_flops_per_sample"],
+                    fingerprint=r["fingerprint"],
+                    input_size=r["input_size"],
                 )
                 names.models[r["id"]] = info
                 names.model_keys[info.name.lower()] = r["id"]
@@ -117,7 +134,9 @@ class ProfileDB:
         if gid is None:
             specs = list(names.gpus.values())
             if not specs:
-                raise UnknownNameError("GPU", name, [f"(none: the database {self._where()} is empty; run `gpemu db init`)"])
+                raise UnknownNameError(
+                    "GPU", name, [f"(none: the database {self._where()} is empty; run `gpemu db init`)"]
+                )
             every = [n for s in specs for n in (s.name, *s.aliases)]
             raise UnknownNameError("GPU", name, [s.short_name for s in specs], extra_keys=every, hint=ADD_GPU_HINT)
         return gid
@@ -156,8 +175,11 @@ class ProfileDB:
     def models_by_structure(self, class_name: str, param_count: int) -> list[ModelInfo]:
         """Models whose nn.Module class name and parameter count both match exactly."""
         return sorted(
-            (m for m in self._names().models.values()
-             if m.class_name == class_name and m.param_count == int(param_count)),
+            (
+                m
+                for m in self._names().models.values()
+                if m.class_name == class_name and m.param_count == int(param_count)
+            ),
             key=lambda m: m.name,
         )
 
@@ -184,7 +206,7 @@ class ProfileDB:
         """The measured (batch size, value) points, by batch size; empty when none."""
         check_kind(kind)
         b, v = self._load_series(self._gpu_id(gpu), self._model_id(model), kind, world_size)
-        return [(float(x), float(y)) for x, y in zip(b, v)]
+        return [(float(x), float(y)) for x, y in zip(b, v, strict=False)]
 
     def has(self, gpu: str, model: str, kind: str, world_size: int = 1) -> bool:
         check_kind(kind)
@@ -192,8 +214,9 @@ class ProfileDB:
 
     def kinds(self, gpu: str, model: str, world_size: int | None = 1) -> list[str]:
         """The kinds measured for this GPU and model (at this world size; None: any), KINDS order."""
-        return sorted({k for k, _ in self.measured(gpu, model) if world_size is None or _ == world_size},
-                      key=KINDS.index)
+        return sorted(
+            {k for k, _ in self.measured(gpu, model) if world_size is None or _ == world_size}, key=KINDS.index
+        )
 
     def measured(self, gpu: str, model: str) -> list[tuple[str, int]]:
         """Every (kind, world_size) with measurements for this GPU and model, KINDS order."""
@@ -334,8 +357,9 @@ class ProfileDB:
         self._fits.clear()
         return len(prepared)
 
-    def add_distribution(self, name: str, unit: str, samples: Sequence[float], *,
-                         source: str = "", description: str = "") -> None:
+    def add_distribution(
+        self, name: str, unit: str, samples: Sequence[float], *, source: str = "", description: str = ""
+    ) -> None:
         """Insert or replace a named sampled distribution."""
         if not isinstance(name, str) or not name.strip():
             raise ValueError("distribution name must be a non-empty string such as 'decode-dali'")
@@ -345,10 +369,20 @@ class ProfileDB:
         if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise ValueError(f"distribution {name!r} needs a non-empty list of finite values >= 0")
         with self.engine.begin() as conn:
-            upsert(conn, S.distributions, [{
-                "name": name, "unit": unit, "samples_json": json.dumps(arr.tolist()),
-                "source": source, "description": description,
-            }], ("name",))
+            upsert(
+                conn,
+                S.distributions,
+                [
+                    {
+                        "name": name,
+                        "unit": unit,
+                        "samples_json": json.dumps(arr.tolist()),
+                        "source": source,
+                        "description": description,
+                    }
+                ],
+                ("name",),
+            )
         self._dists.pop(name, None)
 
     def close(self) -> None:
@@ -389,7 +423,9 @@ def clean_measurement(row: Measurement | Mapping[str, Any]) -> dict[str, Any]:
     elif isinstance(row, Mapping):
         unknown = [k for k in row if k not in Measurement.__dataclass_fields__]
         if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}; valid fields: {', '.join(MEASUREMENT_FIELDS)}")
+            raise ValueError(
+                f"unknown field(s) {', '.join(sorted(unknown))}; valid fields: {', '.join(MEASUREMENT_FIELDS)}"
+            )
         missing = [f for f in ("gpu", "model", "kind", "batch_size", "value") if row.get(f) in (None, "")]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
@@ -427,8 +463,15 @@ def clean_measurement(row: Measurement | Mapping[str, Any]) -> dict[str, Any]:
     for fname in ("gpu", "model"):
         if not isinstance(d[fname], str):
             raise ValueError(f"{fname} must be a name (string), got {d[fname]!r}")
-    d.update(kind=kind, unit=unit, batch_size=int(bs), world_size=int(ws), value=float(v),
-             source=d["source"] or "", metadata=dict(meta) if meta else {})
+    d.update(
+        kind=kind,
+        unit=unit,
+        batch_size=int(bs),
+        world_size=int(ws),
+        value=float(v),
+        source=d["source"] or "",
+        metadata=dict(meta) if meta else {},
+    )
     return d
 
 
@@ -456,21 +499,32 @@ def gpu_row(s: GpuSpec) -> dict[str, Any]:
 
 def spec_from_row(r: Mapping[str, Any]) -> GpuSpec:
     """A gpus-table row (a mapping of its columns) as a GpuSpec; columns a row lacks are unknown."""
+
     def opt(col: str) -> Any:
         v = r.get(col)
         return None if v is None else float(v)
 
     return GpuSpec(
-        name=r["name"], aliases=tuple(json.loads(r["aliases"] or "[]")),
-        memory_bytes=int(r["memory_bytes"]), fp32_flops=r["fp32_flops"], fp16_flops=r["fp16_flops"],
-        memory_bandwidth=r["memory_bandwidth"], host_link_bandwidth_pinned=r["host_link_bandwidth_pinned"],
-        host_link_bandwidth_pageable=r["host_link_bandwidth_pageable"], sm_count=int(r["sm_count"]),
-        generation=r.get("generation") or None, compute_capability=r.get("compute_capability") or None,
-        fp64_flops=opt("fp64_flops"), fp16_nontensor_flops=opt("fp16_nontensor_flops"),
-        tf32_tensor_flops=opt("tf32_tensor_flops"), fp16_tensor_flops=opt("fp16_tensor_flops"),
+        name=r["name"],
+        aliases=tuple(json.loads(r["aliases"] or "[]")),
+        memory_bytes=int(r["memory_bytes"]),
+        fp32_flops=r["fp32_flops"],
+        fp16_flops=r["fp16_flops"],
+        memory_bandwidth=r["memory_bandwidth"],
+        host_link_bandwidth_pinned=r["host_link_bandwidth_pinned"],
+        host_link_bandwidth_pageable=r["host_link_bandwidth_pageable"],
+        sm_count=int(r["sm_count"]),
+        generation=r.get("generation") or None,
+        compute_capability=r.get("compute_capability") or None,
+        fp64_flops=opt("fp64_flops"),
+        fp16_nontensor_flops=opt("fp16_nontensor_flops"),
+        tf32_tensor_flops=opt("tf32_tensor_flops"),
+        fp16_tensor_flops=opt("fp16_tensor_flops"),
         bf16_tensor_flops=opt("bf16_tensor_flops"),
-        pcie_gen=None if r.get("pcie_gen") is None else int(r["pcie_gen"]), nvlink_bandwidth=opt("nvlink_bandwidth"),
-        source=r.get("source") or "", provenance=r.get("provenance") or "user",
+        pcie_gen=None if r.get("pcie_gen") is None else int(r["pcie_gen"]),
+        nvlink_bandwidth=opt("nvlink_bandwidth"),
+        source=r.get("source") or "",
+        provenance=r.get("provenance") or "user",
     )
 
 
@@ -482,8 +536,9 @@ def check_generation(spec: GpuSpec) -> GpuSpec:
 
         valid = generations()
         if spec.generation not in valid:
-            raise ValueError(f"GpuSpec.generation of {spec.name!r} must be one of {', '.join(valid)}, "
-                             f"got {spec.generation!r}")
+            raise ValueError(
+                f"GpuSpec.generation of {spec.name!r} must be one of {', '.join(valid)}, got {spec.generation!r}"
+            )
     return spec
 
 
@@ -491,8 +546,9 @@ def model_row(m: ModelInfo) -> dict[str, Any]:
     return asdict(m)
 
 
-def upsert(conn: Connection, table: Table, rows: Sequence[Any], key: Sequence[str],
-           columns: Sequence[str] | None = None) -> None:
+def upsert(
+    conn: Connection, table: Table, rows: Sequence[Any], key: Sequence[str], columns: Sequence[str] | None = None
+) -> None:
     """Insert rows, updating those whose ``key`` columns already exist (idempotent writes).
 
     Rows are dicts, or tuples in ``columns`` order (cheaper for bulk loads).
@@ -510,21 +566,25 @@ def upsert(conn: Connection, table: Table, rows: Sequence[Any], key: Sequence[st
         # One prepared statement through the DB-API: ~10x faster than SQLAlchemy's executemany
         # for the hundreds of thousands of rows an import carries.
         sets = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in key)
-        sql = (f"INSERT INTO {table.name} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
-               f"ON CONFLICT ({', '.join(key)}) DO " + (f"UPDATE SET {sets}" if sets else "NOTHING"))
+        sql = (
+            f"INSERT INTO {table.name} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+            f"ON CONFLICT ({', '.join(key)}) DO " + (f"UPDATE SET {sets}" if sets else "NOTHING")
+        )
         if tuples is None:
             tuples = [tuple(r[c] for c in cols) for r in rows]
         conn.connection.driver_connection.executemany(sql, tuples)
         return
     if tuples is not None:
-        rows = [dict(zip(cols, t)) for t in tuples]
+        rows = [dict(zip(cols, t, strict=False)) for t in tuples]
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
         for start in range(0, len(rows), 5000):
             stmt = pg_insert(table)
-            stmt = stmt.on_conflict_do_update(index_elements=list(key), set_={c: stmt.excluded[c] for c in cols if c not in key})
-            conn.execute(stmt, rows[start:start + 5000])
+            stmt = stmt.on_conflict_do_update(
+                index_elements=list(key), set_={c: stmt.excluded[c] for c in cols if c not in key}
+            )
+            conn.execute(stmt, rows[start : start + 5000])
         return
     # Portable fallback for other databases: one lookup per row.
     for row in rows:

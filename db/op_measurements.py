@@ -24,14 +24,27 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, inspect, select
 from sqlalchemy.exc import SQLAlchemyError
 
-__all__ = ["OpMeasurement", "OpCurveRow", "op_measurements", "op_curves", "ensure_tables", "write_measurements",
-           "read_measurements", "write_curves", "read_curves", "calibrated_gpus", "op_gpus", "stamps"]
+__all__ = [
+    "OpMeasurement",
+    "OpCurveRow",
+    "op_measurements",
+    "op_curves",
+    "ensure_tables",
+    "write_measurements",
+    "read_measurements",
+    "write_curves",
+    "read_curves",
+    "calibrated_gpus",
+    "op_gpus",
+    "stamps",
+]
 
 metadata = MetaData()
 
@@ -40,18 +53,18 @@ op_measurements = Table(
     metadata,
     Column("id", Integer, primary_key=True),
     Column("gpu", String(128), nullable=False),
-    Column("key", String(64), nullable=False),    # curve key: gemm.fwd, conv_spatial.bwd, norm.fwd, ...
-    Column("path", String(16), nullable=False),   # simt | tensor | memory
+    Column("key", String(64), nullable=False),  # curve key: gemm.fwd, conv_spatial.bwd, norm.fwd, ...
+    Column("path", String(16), nullable=False),  # simt | tensor | memory
     Column("dtype", String(16), nullable=False),
     Column("shape", String(128), nullable=False),  # what was run, e.g. "mm 1024x1024x1024"
-    Column("op", String(64), nullable=False),      # the aten op's name
-    Column("work", Float, nullable=False),         # FLOPs (compute classes) or bytes (the rest)
-    Column("z", Float, nullable=False),            # shape term (1/K, or FLOPs per byte; 0: none)
-    Column("seconds", Float, nullable=False),      # median kernel time
+    Column("op", String(64), nullable=False),  # the aten op's name
+    Column("work", Float, nullable=False),  # FLOPs (compute classes) or bytes (the rest)
+    Column("z", Float, nullable=False),  # shape term (1/K, or FLOPs per byte; 0: none)
+    Column("seconds", Float, nullable=False),  # median kernel time
     Column("p10", Float, nullable=True),
     Column("p90", Float, nullable=True),
     Column("samples", Integer, nullable=False),
-    Column("peak", Float, nullable=False),         # FLOP/s or bytes/s the work is divided by
+    Column("peak", Float, nullable=False),  # FLOP/s or bytes/s the work is divided by
     Column("sm_count", Integer, nullable=False),
     Column("measured_at", String(40), nullable=False),
     Column("metadata_json", Text, nullable=False, default="{}"),
@@ -137,12 +150,20 @@ def write_measurements(engine: Engine, gpu: str, rows: Iterable[OpMeasurement], 
     stamp = stamp or _now()
     with engine.begin() as conn:
         for r in rows:
-            conn.execute(t.delete().where(t.c.gpu == gpu, t.c.key == r.key, t.c.path == r.path,
-                                          t.c.dtype == r.dtype, t.c.shape == r.shape))
+            conn.execute(
+                t.delete().where(
+                    t.c.gpu == gpu, t.c.key == r.key, t.c.path == r.path, t.c.dtype == r.dtype, t.c.shape == r.shape
+                )
+            )
             values = {k: v for k, v in asdict(r).items() if k != "metadata"}
-            conn.execute(t.insert().values(gpu=gpu, measured_at=stamp,
-                                           metadata_json=json.dumps(r.metadata, sort_keys=True, default=str),
-                                           **values))
+            conn.execute(
+                t.insert().values(
+                    gpu=gpu,
+                    measured_at=stamp,
+                    metadata_json=json.dumps(r.metadata, sort_keys=True, default=str),
+                    **values,
+                )
+            )
     return len(rows)
 
 
@@ -152,11 +173,28 @@ def read_measurements(engine: Engine, gpu: str) -> list[OpMeasurement]:
         return []
     t = op_measurements
     with engine.connect() as conn:
-        found = conn.execute(select(t).where(t.c.gpu == gpu).order_by(t.c.key, t.c.path, t.c.work, t.c.dtype,
-                                                                       t.c.shape)).all()
-    return [OpMeasurement(key=r.key, path=r.path, dtype=r.dtype, shape=r.shape, op=r.op, work=r.work, z=r.z,
-                          seconds=r.seconds, samples=r.samples, peak=r.peak, sm_count=r.sm_count, p10=r.p10,
-                          p90=r.p90, metadata=json.loads(r.metadata_json or "{}")) for r in found]
+        found = conn.execute(
+            select(t).where(t.c.gpu == gpu).order_by(t.c.key, t.c.path, t.c.work, t.c.dtype, t.c.shape)
+        ).all()
+    return [
+        OpMeasurement(
+            key=r.key,
+            path=r.path,
+            dtype=r.dtype,
+            shape=r.shape,
+            op=r.op,
+            work=r.work,
+            z=r.z,
+            seconds=r.seconds,
+            samples=r.samples,
+            peak=r.peak,
+            sm_count=r.sm_count,
+            p10=r.p10,
+            p90=r.p90,
+            metadata=json.loads(r.metadata_json or "{}"),
+        )
+        for r in found
+    ]
 
 
 def write_curves(engine: Engine, gpu: str, curves: Iterable[OpCurveRow], stamp: str | None = None) -> int:
@@ -180,8 +218,12 @@ def read_curves(engine: Engine, gpu: str) -> list[OpCurveRow]:
     t = op_curves
     with engine.connect() as conn:
         found = conn.execute(select(t).where(t.c.gpu == gpu).order_by(t.c.key, t.c.path)).all()
-    return [OpCurveRow(key=r.key, path=r.path, e=r.e, x0=r.x0, p=r.p, k0=r.k0, h=r.h, rows=r.rows,
-                       rms_log_error=r.rms_log_error) for r in found]
+    return [
+        OpCurveRow(
+            key=r.key, path=r.path, e=r.e, x0=r.x0, p=r.p, k0=r.k0, h=r.h, rows=r.rows, rms_log_error=r.rms_log_error
+        )
+        for r in found
+    ]
 
 
 def calibrated_gpus(engine: Engine) -> list[str]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "GpuSpec",
@@ -63,8 +64,9 @@ ARTIFACT_SOURCE = "gpemu-artifact"
 class UnknownNameError(ValueError):
     """A GPU or model name the database does not know; the message lists close matches."""
 
-    def __init__(self, what: str, name: Any, valid: Iterable[str], extra_keys: Iterable[str] = (),
-                 hint: str = "") -> None:
+    def __init__(
+        self, what: str, name: Any, valid: Iterable[str], extra_keys: Iterable[str] = (), hint: str = ""
+    ) -> None:
         valid = list(valid)
         keys = {v.lower(): v for v in list(valid) + list(extra_keys)}
         close = difflib.get_close_matches(str(name).lower(), list(keys), n=3, cutoff=0.5)
@@ -95,14 +97,35 @@ class MissingMeasurementError(LookupError, ValueError):
 # numbers a user entered (`gpemu gpus add`, an imported file), or rates `gpemu profile` measured.
 SPEC_PROVENANCES = ("datasheet", "user", "profiled")
 # Facts a GPU may leave unknown (None): the cost model then infers them from the required ones.
-OPTIONAL_GPU_FIELDS = ("generation", "compute_capability", "fp64_flops", "fp16_nontensor_flops",
-                       "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops", "pcie_gen",
-                       "nvlink_bandwidth")
-_POSITIVE_GPU_FIELDS = ("memory_bytes", "fp32_flops", "fp16_flops", "memory_bandwidth",
-                        "host_link_bandwidth_pinned", "host_link_bandwidth_pageable", "sm_count")
+OPTIONAL_GPU_FIELDS = (
+    "generation",
+    "compute_capability",
+    "fp64_flops",
+    "fp16_nontensor_flops",
+    "tf32_tensor_flops",
+    "fp16_tensor_flops",
+    "bf16_tensor_flops",
+    "pcie_gen",
+    "nvlink_bandwidth",
+)
+_POSITIVE_GPU_FIELDS = (
+    "memory_bytes",
+    "fp32_flops",
+    "fp16_flops",
+    "memory_bandwidth",
+    "host_link_bandwidth_pinned",
+    "host_link_bandwidth_pageable",
+    "sm_count",
+)
 # 0 means "this GPU has no such unit" (no TF32 before Ampere, no NVLink on a PCIe card).
-_NON_NEGATIVE_GPU_FIELDS = ("fp64_flops", "fp16_nontensor_flops", "tf32_tensor_flops", "fp16_tensor_flops",
-                            "bf16_tensor_flops", "nvlink_bandwidth")
+_NON_NEGATIVE_GPU_FIELDS = (
+    "fp64_flops",
+    "fp16_nontensor_flops",
+    "tf32_tensor_flops",
+    "fp16_tensor_flops",
+    "bf16_tensor_flops",
+    "nvlink_bandwidth",
+)
 
 
 def parse_compute_capability(value: Any) -> tuple[int, int] | None:
@@ -173,26 +196,33 @@ class GpuSpec:
                 raise ValueError(f"GpuSpec.{fname} of {self.name!r} must be a positive number, got {v!r}")
         for fname in _NON_NEGATIVE_GPU_FIELDS:
             v = getattr(self, fname)
-            if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v)
-                                  or v < 0):
-                raise ValueError(f"GpuSpec.{fname} of {self.name!r} must be a number >= 0 (0: the GPU has none) "
-                                 f"or empty (not known), got {v!r}")
+            if v is not None and (
+                not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+            ):
+                raise ValueError(
+                    f"GpuSpec.{fname} of {self.name!r} must be a number >= 0 (0: the GPU has none) "
+                    f"or empty (not known), got {v!r}"
+                )
         try:
             object.__setattr__(self, "compute_capability", parse_compute_capability(self.compute_capability))
         except ValueError as exc:
             raise ValueError(f"GpuSpec.compute_capability of {self.name!r}: {exc}") from None
         g = self.generation
         if g is not None and (not isinstance(g, str) or not g.isalpha() or not g.islower()):
-            raise ValueError(f"GpuSpec.generation of {self.name!r} must be an architecture name such as "
-                             f"'ampere' or 'hopper', got {g!r}")
+            raise ValueError(
+                f"GpuSpec.generation of {self.name!r} must be an architecture name such as "
+                f"'ampere' or 'hopper', got {g!r}"
+            )
         p = self.pcie_gen
         if p is not None and (not _is_whole(p) or not 1 <= p <= 9):
             raise ValueError(f"GpuSpec.pcie_gen of {self.name!r} must be a PCIe generation from 1 to 9, got {p!r}")
         if not isinstance(self.source, str):
             raise ValueError(f"GpuSpec.source of {self.name!r} must be text, got {self.source!r}")
         if self.provenance not in SPEC_PROVENANCES:
-            raise ValueError(f"GpuSpec.provenance of {self.name!r} must be one of {', '.join(SPEC_PROVENANCES)}, "
-                             f"got {self.provenance!r}")
+            raise ValueError(
+                f"GpuSpec.provenance of {self.name!r} must be one of {', '.join(SPEC_PROVENANCES)}, "
+                f"got {self.provenance!r}"
+            )
 
     @property
     def short_name(self) -> str:
@@ -267,9 +297,7 @@ def check_kind(kind: Any) -> str:
 def check_batch_size(batch_size: Any) -> int:
     """A batch size must be a whole number >= 1 (bools, floats and strings are refused)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise ValueError(
-            f"batch size must be an integer >= 1, got {batch_size!r} ({type(batch_size).__name__})"
-        )
+        raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r} ({type(batch_size).__name__})")
     if batch_size < 1:
         raise ValueError(f"batch size must be an integer >= 1, got {batch_size}")
     return int(batch_size)

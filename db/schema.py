@@ -118,11 +118,19 @@ distributions = Table(
 # brings the database to the next version). Tables new in a version are made by create_all.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: tuple(
-        f"ALTER TABLE gpus ADD COLUMN {name} {sql}" for name, sql in (
-            ("generation", "VARCHAR(32)"), ("compute_capability", "VARCHAR(8)"), ("fp64_flops", "FLOAT"),
-            ("fp16_nontensor_flops", "FLOAT"), ("tf32_tensor_flops", "FLOAT"), ("fp16_tensor_flops", "FLOAT"),
-            ("bf16_tensor_flops", "FLOAT"), ("pcie_gen", "INTEGER"), ("nvlink_bandwidth", "FLOAT"),
-            ("source", "TEXT NOT NULL DEFAULT ''"), ("provenance", "VARCHAR(16) NOT NULL DEFAULT 'user'"),
+        f"ALTER TABLE gpus ADD COLUMN {name} {sql}"
+        for name, sql in (
+            ("generation", "VARCHAR(32)"),
+            ("compute_capability", "VARCHAR(8)"),
+            ("fp64_flops", "FLOAT"),
+            ("fp16_nontensor_flops", "FLOAT"),
+            ("tf32_tensor_flops", "FLOAT"),
+            ("fp16_tensor_flops", "FLOAT"),
+            ("bf16_tensor_flops", "FLOAT"),
+            ("pcie_gen", "INTEGER"),
+            ("nvlink_bandwidth", "FLOAT"),
+            ("source", "TEXT NOT NULL DEFAULT ''"),
+            ("provenance", "VARCHAR(16) NOT NULL DEFAULT 'user'"),
         )
     ),
 }

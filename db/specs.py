@@ -26,25 +26,40 @@ from .records import GpuSpec
 if TYPE_CHECKING:
     from gpemu.costmodel.gpus import GpuSheet
 
-__all__ = ["shipped_gpus", "spec_from_sheet", "generations", "generation_capability", "gpu_facts_digest",
-           "ARTIFACT_FOLDER_NAMES"]
+__all__ = [
+    "shipped_gpus",
+    "spec_from_sheet",
+    "generations",
+    "generation_capability",
+    "gpu_facts_digest",
+    "ARTIFACT_FOLDER_NAMES",
+]
 
 
-def spec_from_sheet(sheet: "GpuSheet", provenance: str = "datasheet") -> GpuSpec:
+def spec_from_sheet(sheet: GpuSheet, provenance: str = "datasheet") -> GpuSpec:
     """The database row of one datasheet (every fact the cost model needs, losslessly)."""
     return GpuSpec(
-        name=sheet.name, aliases=tuple(sheet.aliases), memory_bytes=int(sheet.memory_bytes),
+        name=sheet.name,
+        aliases=tuple(sheet.aliases),
+        memory_bytes=int(sheet.memory_bytes),
         fp32_flops=float(sheet.fp32_flops),
         # The legacy single FP16 figure: tensor cores where the GPU has them.
         fp16_flops=float(max(sheet.fp16_tensor_flops, sheet.fp16_flops)),
         memory_bandwidth=float(sheet.memory_bandwidth),
         host_link_bandwidth_pinned=float(sheet.host_link_bandwidth_pinned),
-        host_link_bandwidth_pageable=float(sheet.host_link_bandwidth_pageable), sm_count=int(sheet.sm_count),
-        generation=sheet.generation, compute_capability=tuple(sheet.compute_capability),  # type: ignore[arg-type]
-        fp64_flops=float(sheet.fp64_flops), fp16_nontensor_flops=float(sheet.fp16_flops),
-        tf32_tensor_flops=float(sheet.tf32_tensor_flops), fp16_tensor_flops=float(sheet.fp16_tensor_flops),
-        bf16_tensor_flops=float(sheet.bf16_tensor_flops), pcie_gen=int(sheet.pcie_gen),
-        nvlink_bandwidth=float(sheet.nvlink_bandwidth), source=sheet.source, provenance=provenance,
+        host_link_bandwidth_pageable=float(sheet.host_link_bandwidth_pageable),
+        sm_count=int(sheet.sm_count),
+        generation=sheet.generation,
+        compute_capability=tuple(sheet.compute_capability),  # type: ignore[arg-type]
+        fp64_flops=float(sheet.fp64_flops),
+        fp16_nontensor_flops=float(sheet.fp16_flops),
+        tf32_tensor_flops=float(sheet.tf32_tensor_flops),
+        fp16_tensor_flops=float(sheet.fp16_tensor_flops),
+        bf16_tensor_flops=float(sheet.bf16_tensor_flops),
+        pcie_gen=int(sheet.pcie_gen),
+        nvlink_bandwidth=float(sheet.nvlink_bandwidth),
+        source=sheet.source,
+        provenance=provenance,
     )
 
 

@@ -45,9 +45,16 @@ class SmallConvNet(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
-            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1),
+            nn.BatchNorm2d(128),
+            nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Linear(128, classes)
@@ -78,8 +85,11 @@ def train_steps(model, loader, sgd, adam, scaler, device, steps: int, first_step
         scaler.update()
         end.record()
         end.synchronize()
-        print(f"step {step}: loss {loss.item():.3f}  GPU time {start.elapsed_time(end):.2f} ms  "
-              f"scale {scaler.get_scale():.0f}", flush=True)
+        print(
+            f"step {step}: loss {loss.item():.3f}  GPU time {start.elapsed_time(end):.2f} ms  "
+            f"scale {scaler.get_scale():.0f}",
+            flush=True,
+        )
         step += 1
     return step
 
@@ -94,8 +104,7 @@ def largest_batch_that_fits(model: nn.Module, device: torch.device, start_batch:
             model.zero_grad(set_to_none=True)
             return batch
         except torch.cuda.OutOfMemoryError as exc:
-            print(f"out of memory at batch {batch} ({str(exc).split('.')[0]}); retrying with {batch // 2}",
-                  flush=True)
+            print(f"out of memory at batch {batch} ({str(exc).split('.')[0]}); retrying with {batch // 2}", flush=True)
             del exc
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
@@ -113,20 +122,28 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("this example needs an NVIDIA GPU (or `gpemu run --gpu V100 -- python ...`)")
-    print(f"GPUs: {torch.cuda.device_count()}  ({', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))})")
+    print(
+        f"GPUs: {torch.cuda.device_count()}  "
+        f"({', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))})"
+    )
     props = torch.cuda.get_device_properties(0)
-    print(f"device 0: compute capability {props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB, "
-          f"{props.multi_processor_count} SMs")
+    print(
+        f"device 0: compute capability {props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB, "
+        f"{props.multi_processor_count} SMs"
+    )
     acc = torch.accelerator.current_accelerator()
-    print(f"accelerator: {acc} (available: {torch.accelerator.is_available()}, "
-          f"count: {torch.accelerator.device_count()}, current index: {torch.accelerator.current_device_index()})")
+    print(
+        f"accelerator: {acc} (available: {torch.accelerator.is_available()}, "
+        f"count: {torch.accelerator.device_count()}, current index: {torch.accelerator.current_device_index()})"
+    )
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda:0")
 
     dataset = SyntheticImages(size=args.batch_size * (args.steps + 4))
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        pin_memory=True, drop_last=True)
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, pin_memory=True, drop_last=True
+    )
     model = SmallConvNet().cuda()
     sgd = torch.optim.SGD(model.features.parameters(), lr=0.05, momentum=0.9)
     adam = torch.optim.Adam(model.head.parameters(), lr=1e-3)
@@ -138,8 +155,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "checkpoint.pt")
-        torch.save({"model": model.state_dict(), "sgd": sgd.state_dict(), "adam": adam.state_dict(),
-                    "scaler": scaler.state_dict(), "step": step}, path)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "sgd": sgd.state_dict(),
+                "adam": adam.state_dict(),
+                "scaler": scaler.state_dict(),
+                "step": step,
+            },
+            path,
+        )
         print(f"checkpoint saved at step {step} ({os.path.getsize(path) / 2**20:.2f} MiB)")
         checkpoint = torch.load(path, map_location="cuda:0")
     resumed = SmallConvNet().cuda()
@@ -155,16 +180,20 @@ def main() -> None:
 
     fits = largest_batch_that_fits(resumed, device, args.oom_batch, 224)
     print(f"largest batch that fits at 224x224: {fits}")
-    print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB allocated, "
-          f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB reserved")
+    print(
+        f"peak memory: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB allocated, "
+        f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB reserved"
+    )
 
     if torch.cuda.device_count() > 1:
         with torch.cuda.device(1):
             x = torch.ones(1024, 1024, device="cuda")
             y = (x @ x).sum()
             torch.cuda.synchronize()
-            print(f"second GPU: {x.device}, {torch.cuda.memory_allocated(1) / 2**20:.1f} MiB allocated, "
-                  f"result on {y.device}")
+            print(
+                f"second GPU: {x.device}, {torch.cuda.memory_allocated(1) / 2**20:.1f} MiB allocated, "
+                f"result on {y.device}"
+            )
     print("done")
 
 

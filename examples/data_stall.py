@@ -85,8 +85,15 @@ def train(arch: str, workers: int, batch_size: int, iterations: int, threads: in
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     criterion = torch.nn.CrossEntropyLoss()
     data = JpegDataset(synthetic_jpegs(32), length=batch_size * iterations)
-    loader = DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=True,
-                        drop_last=True, persistent_workers=False)
+    loader = DataLoader(
+        data,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=True,
+        drop_last=True,
+        persistent_workers=False,
+    )
     model.train()
     start = time.perf_counter()
     for step, (images, target) in enumerate(loader):
@@ -100,8 +107,11 @@ def train(arch: str, workers: int, batch_size: int, iterations: int, threads: in
             print(f"step {step:3d}  loss {loss.item():.3f}", flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    print(f"{arch}, {workers} worker(s): {iterations} iterations in {time.perf_counter() - start:.2f} s on "
-          f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}", flush=True)
+    print(
+        f"{arch}, {workers} worker(s): {iterations} iterations in {time.perf_counter() - start:.2f} s on "
+        f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}",
+        flush=True,
+    )
 
 
 def _gpemu() -> list[str]:
@@ -115,18 +125,43 @@ def sweep(gpu: str, archs: list[str], workers: list[int], batch_size: int, itera
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     rows = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
     with tempfile.TemporaryDirectory() as tmp, progress:
         task = progress.add_task("runs", total=len(archs) * len(workers))
         for arch in archs:
             for w in workers:
                 metrics = os.path.join(tmp, f"{arch}-{w}.json")
-                cmd = _gpemu() + ["run", "--gpu", gpu, "--no-summary", "--metrics", metrics, "--",
-                                  sys.executable, os.path.abspath(__file__), "--arch", arch, "--workers", str(w),
-                                  "--batch-size", str(batch_size), "--iterations", str(iterations)]
-                progress.console.print(f"$ gpemu run --gpu {gpu} --metrics {os.path.basename(metrics)} -- python "
-                                       f"examples/data_stall.py --arch {arch} --workers {w}", highlight=False)
+                cmd = _gpemu() + [
+                    "run",
+                    "--gpu",
+                    gpu,
+                    "--no-summary",
+                    "--metrics",
+                    metrics,
+                    "--",
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--arch",
+                    arch,
+                    "--workers",
+                    str(w),
+                    "--batch-size",
+                    str(batch_size),
+                    "--iterations",
+                    str(iterations),
+                ]
+                progress.console.print(
+                    f"$ gpemu run --gpu {gpu} --metrics {os.path.basename(metrics)} -- python "
+                    f"examples/data_stall.py --arch {arch} --workers {w}",
+                    highlight=False,
+                )
                 progress.update(task, description=f"{arch}, {w} worker(s)")
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 progress.advance(task)
@@ -137,11 +172,21 @@ def sweep(gpu: str, archs: list[str], workers: list[int], batch_size: int, itera
                     m = json.load(f)
                 dev = m["devices"][0]
                 win = dev["steady"] or dev["whole"]
-                rows.append((arch, w, dev["iteration_time"]["mean_s"] * 1e3, win["busy_s"] / max(1, dev["iterations"] - 1) * 1e3,
-                             win["data_stall_share"], dev["au"]))
+                rows.append(
+                    (
+                        arch,
+                        w,
+                        dev["iteration_time"]["mean_s"] * 1e3,
+                        win["busy_s"] / max(1, dev["iterations"] - 1) * 1e3,
+                        win["data_stall_share"],
+                        dev["au"],
+                    )
+                )
     print()
-    print(f"Data stall on an emulated {gpu}, batch {batch_size}, {iterations} iterations "
-          f"(steady state: iterations 1..{iterations - 1})")
+    print(
+        f"Data stall on an emulated {gpu}, batch {batch_size}, {iterations} iterations "
+        f"(steady state: iterations 1..{iterations - 1})"
+    )
     print(f"{'model':<10} {'workers':>7} {'iter (ms)':>10} {'GPU busy/iter (ms)':>19} {'data stall':>11} {'AU':>7}")
     for arch, w, it, busy, stall, au in rows:
         print(f"{arch:<10} {w:>7} {it:>10.1f} {busy:>19.1f} {100 * stall:>10.1f}% {100 * au:>6.1f}%")
@@ -160,8 +205,13 @@ def main() -> None:
     args = p.parse_args()
     try:
         if args.sweep:
-            sweep(args.gpu, ["alexnet", "resnet50"], [int(w) for w in args.sweep_workers.split(",")],
-                  args.batch_size, args.iterations)
+            sweep(
+                args.gpu,
+                ["alexnet", "resnet50"],
+                [int(w) for w in args.sweep_workers.split(",")],
+                args.batch_size,
+                args.iterations,
+            )
         else:
             train(args.arch, args.workers, args.batch_size, args.iterations, args.threads)
     except KeyboardInterrupt:

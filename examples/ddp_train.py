@@ -17,11 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import tvmodels
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-
-import tvmodels
 
 
 def main() -> None:
@@ -66,8 +65,12 @@ def main() -> None:
     dist.all_reduce(correct)
     torch.cuda.synchronize()
     if rank == 0:
-        print(f"world {world}: {args.steps} steps in {time.perf_counter() - t0:.2f} s, "
-              f"{int(totals.item())} samples, accuracy {correct.item() / totals.item():.3f}, on {torch.cuda.get_device_name(device)}", flush=True)
+        print(
+            f"world {world}: {args.steps} steps in {time.perf_counter() - t0:.2f} s, "
+            f"{int(totals.item())} samples, accuracy {correct.item() / totals.item():.3f}, "
+            f"on {torch.cuda.get_device_name(device)}",
+            flush=True,
+        )
     print(f"rank {rank} on {device} (current device {torch.cuda.current_device()})", flush=True)
     # DDP sits in reference cycles; collect it before tearing the process group down, or gloo's
     # threads may be stopped during interpreter shutdown and abort. Then leave together.

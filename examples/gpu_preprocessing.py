@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> None:
     if own:
         rt = gpemu.patch(gpu=args.gpu or "V100", summary=False)
     elif args.gpu and rt.db.gpu(args.gpu).name != rt.gpus[0].name:
-        sys.exit(f"--gpu {args.gpu} differs from the emulated GPU of this run ({rt.gpus[0].name}); "
-                 "drop --gpu or pass it to `gpemu run`")
+        sys.exit(
+            f"--gpu {args.gpu} differs from the emulated GPU of this run ({rt.gpus[0].name}); "
+            "drop --gpu or pass it to `gpemu run`"
+        )
     gpu = rt.gpus[0].name
     model = resnet18().cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -80,8 +82,15 @@ def run(args: argparse.Namespace) -> None:
     total_at: dict[int, int] = {}  # everything allocated beyond the model's parameters
     first_span = len(rt.recorder.spans)
     start = time.perf_counter()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
     with progress:
         task = progress.add_task(f"training on emulated {gpu}", total=args.batches)
         for i, (images, target) in enumerate(prep.wrap(loader)):
@@ -98,8 +107,10 @@ def run(args: argparse.Namespace) -> None:
     wall = time.perf_counter() - start
     spans = np.array([s.end - s.start for s in rt.recorder.spans[first_span:] if s.kind == "preprocess"])
     stored = rt.db.distribution(args.dist)
-    print(f"{args.batches} batches on emulated {gpu}: {wall:.2f} s wall, "
-          f"preprocessing {spans.sum():.2f} s of GPU time ({args.dist}), cpu share {args.cpu_share}")
+    print(
+        f"{args.batches} batches on emulated {gpu}: {wall:.2f} s wall, "
+        f"preprocessing {spans.sum():.2f} s of GPU time ({args.dist}), cpu share {args.cpu_share}"
+    )
     try:
         from scipy.stats import ks_2samp
 
@@ -108,11 +119,16 @@ def run(args: argparse.Namespace) -> None:
     except ImportError:
         pass
     for q in (10, 50, 90, 99):
-        print(f"  p{q:<2d} emulated {np.percentile(spans, q) * 1e3:7.3f} ms   stored {np.percentile(stored, q) * 1e3:7.3f} ms")
+        print(
+            f"  p{q:<2d} emulated {np.percentile(spans, q) * 1e3:7.3f} ms   "
+            f"stored {np.percentile(stored, q) * 1e3:7.3f} ms"
+        )
     print("GPU memory after each batch (torch.cuda.memory_allocated() counts the preprocessing):")
     for i in sorted(memory_at):
-        print(f"  after batch {i:4d}: preprocessing {memory_at[i] / 2**20:8.1f} MiB, "
-              f"all beyond the model {total_at[i] / 2**20:8.1f} MiB")
+        print(
+            f"  after batch {i:4d}: preprocessing {memory_at[i] / 2**20:8.1f} MiB, "
+            f"all beyond the model {total_at[i] / 2**20:8.1f} MiB"
+        )
     prep.close()
     if own:
         gpemu.unpatch()

@@ -18,9 +18,8 @@ import time
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
-
 import tvmodels
+from torch.utils.data import DataLoader, Dataset
 
 
 class SyntheticImageNet(Dataset):
@@ -47,13 +46,22 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"{args.arch} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
-          f"batch {args.batch_size}, {args.workers} workers", flush=True)
+    print(
+        f"{args.arch} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+        f"batch {args.batch_size}, {args.workers} workers",
+        flush=True,
+    )
     model = getattr(tvmodels, args.arch)().to(device)
     criterion = nn.CrossEntropyLoss().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    loader = DataLoader(SyntheticImageNet(args.batch_size * args.steps), batch_size=args.batch_size,
-                        shuffle=True, num_workers=args.workers, pin_memory=True, drop_last=True)
+    loader = DataLoader(
+        SyntheticImageNet(args.batch_size * args.steps),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=True,
+        drop_last=True,
+    )
 
     model.train()
     times = []
@@ -67,14 +75,20 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         top1 = (output.argmax(1) == target).float().mean()
-        print(f"iter {i}: loss {loss.item():.3f}  acc@1 {top1.item() * 100:.1f}%  "
-              f"time {(time.perf_counter() - end) * 1000:.1f} ms", flush=True)
+        print(
+            f"iter {i}: loss {loss.item():.3f}  acc@1 {top1.item() * 100:.1f}%  "
+            f"time {(time.perf_counter() - end) * 1000:.1f} ms",
+            flush=True,
+        )
         times.append(time.perf_counter() - end)
         end = time.perf_counter()
     if len(times) > 1:
         steady = times[1:]
-        print(f"mean iteration time (after the first): {sum(steady) / len(steady) * 1000:.1f} ms, "
-              f"{args.batch_size * len(steady) / sum(steady):.1f} images/s", flush=True)
+        print(
+            f"mean iteration time (after the first): {sum(steady) / len(steady) * 1000:.1f} ms, "
+            f"{args.batch_size * len(steady) / sum(steady):.1f} images/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

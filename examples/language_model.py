@@ -78,8 +78,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.context, args.width, args.layers, args.heads).to(device)
     params = sum(p.numel() for p in model.parameters())
-    print(f"GPT with {params / 1e6:.1f}M parameters on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}",
-          flush=True)
+    print(
+        f"GPT with {params / 1e6:.1f}M parameters on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}",
+        flush=True,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     use_bf16 = device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     dtype = torch.bfloat16 if use_bf16 else torch.float16
@@ -99,8 +101,11 @@ def main() -> None:
         scaler.update()
         value = loss.item()
         seconds = time.perf_counter() - t0
-        print(f"step {step}: loss {value:.3f} (ppl {math.exp(min(value, 20)):.1f})  {seconds * 1000:.1f} ms  "
-              f"{args.batch_size * args.context / seconds:.0f} tokens/s", flush=True)
+        print(
+            f"step {step}: loss {value:.3f} (ppl {math.exp(min(value, 20)):.1f})  {seconds * 1000:.1f} ms  "
+            f"{args.batch_size * args.context / seconds:.0f} tokens/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ def iteration_cost(batch_size: int) -> tuple[float, int, int]:
     from gpemu.db import open_profile_db
 
     db = open_profile_db(EmuConfig.from_env())
-    seconds = (db.lookup("P100", "resnet50", batch_size, "forward").value
-               + db.lookup("P100", "resnet50", batch_size, "backward").value)
+    seconds = (
+        db.lookup("P100", "resnet50", batch_size, "forward").value
+        + db.lookup("P100", "resnet50", batch_size, "backward").value
+    )
     peak = int(db.lookup("P100", "resnet50", batch_size, "peak_memory").value)
     persistent = int(db.lookup("P100", "resnet50", batch_size, "persistent_memory").value)
     return seconds, peak, persistent
@@ -53,7 +55,8 @@ import sys, time
 import torch
 import gpemu
 
-url, job_id, iterations, start_at, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+url, job_id = sys.argv[1], sys.argv[2]
+iterations, start_at, batch = int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
 gpemu.patch(gpu="P100", sharing=url, model="resnet50", job_id=job_id, summary=False)
 model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
                             torch.nn.Flatten(), torch.nn.Linear(16, 1000)).cuda()
@@ -78,12 +81,25 @@ def progress_bar():
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
-def run_full_jobs(url: str, counts: list[int], spacing: float, batch_size: int, t0: float,
-                  marks: dict[str, list[float]], advance=lambda: None) -> None:
+def run_full_jobs(
+    url: str,
+    counts: list[int],
+    spacing: float,
+    batch_size: int,
+    t0: float,
+    marks: dict[str, list[float]],
+    advance=lambda: None,
+) -> None:
     """--full: every job a process training under gpemu.patch(sharing=url); all start at once
     (importing torch takes seconds) and begin training at their start time."""
     import tempfile
@@ -94,8 +110,11 @@ def run_full_jobs(url: str, counts: list[int], spacing: float, batch_size: int, 
     for k, n in enumerate(counts):
         name = f"job{k + 1}"
         marks[name] = []
-        procs[name] = subprocess.Popen([sys.executable, str(script), url, name, str(n), str(t0 + k * spacing),
-                                        str(batch_size)], stdout=subprocess.PIPE, text=True)
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(script), url, name, str(n), str(t0 + k * spacing), str(batch_size)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def collect(name: str, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -115,14 +134,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--amqp", help="broker URL (default: start a private broker)")
     ap.add_argument("--spacing", type=float, default=30.0, help="seconds between job starts")
-    ap.add_argument("--durations", default="90,45,15",
-                    help="GPU seconds of work of each job (alone it would take this long); with 30 s spacing, "
-                         "90,45,15 makes them finish in reverse order in ~2.5 minutes")
+    ap.add_argument(
+        "--durations",
+        default="90,45,15",
+        help="GPU seconds of work of each job (alone it would take this long); with 30 s spacing, "
+        "90,45,15 makes them finish in reverse order in ~2.5 minutes",
+    )
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--policy", default="round-robin")
     ap.add_argument("--out", default="sharing_three_jobs.png", help="figure path (PNG/PDF)")
-    ap.add_argument("--full", action="store_true",
-                    help="run each job as a PyTorch training process under gpemu.patch(sharing=...)")
+    ap.add_argument(
+        "--full", action="store_true", help="run each job as a PyTorch training process under gpemu.patch(sharing=...)"
+    )
     args = ap.parse_args()
 
     from gpemu.integrations.sharing.client import SharingClient
@@ -143,8 +166,22 @@ def main() -> None:
         broker = RabbitBroker.start()
         url = broker.url
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-    manager = subprocess.Popen([sys.executable, "-c", code, "share-manager", "--amqp", url, "--device", "0=P100",
-                                "--policy", args.policy, "--log-level", "warning"])
+    manager = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "share-manager",
+            "--amqp",
+            url,
+            "--device",
+            "0=P100",
+            "--policy",
+            args.policy,
+            "--log-level",
+            "warning",
+        ]
+    )
     marks: dict[str, list[float]] = {}
     t0 = time.monotonic() + (20.0 if args.full else 2.0)  # --full: time for the processes to start
 
@@ -197,7 +234,7 @@ def main() -> None:
         # Each iteration is spread over the time between its end and the previous one's (the
         # first, whose start is unknown, is left out): counting whole iteration ends per window
         # swung by one iteration (+-8% at 163 ms a window of 2 s) and drew a job above "alone".
-        spans = [(a, b) for a, b in zip(ts, ts[1:]) if b > a]
+        spans = [(a, b) for a, b in zip(ts, ts[1:], strict=False) if b > a]
         xs, ys = [], []
         t = 0.0
         while t < end:

@@ -12,23 +12,62 @@ code.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "AlexNet", "alexnet",
-    "ResNet", "BasicBlock", "Bottleneck", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    "resnext50_32x4d", "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2",
-    "VGG", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn",
-    "MobileNetV2", "mobilenet_v2",
-    "SqueezeNet", "squeezenet1_0", "squeezenet1_1",
-    "DenseNet", "densenet121", "densenet161", "densenet169", "densenet201",
-    "ShuffleNetV2", "shufflenet_v2_x0_5", "shufflenet_v2_x1_0", "shufflenet_v2_x1_5", "shufflenet_v2_x2_0",
-    "MNASNet", "mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3",
-    "MobileNetV3", "mobilenet_v3_large", "mobilenet_v3_small",
-    "GoogLeNet", "GoogLeNetOutputs", "googlenet",
+    "AlexNet",
+    "alexnet",
+    "ResNet",
+    "BasicBlock",
+    "Bottleneck",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "resnext101_32x8d",
+    "wide_resnet50_2",
+    "wide_resnet101_2",
+    "VGG",
+    "vgg11",
+    "vgg11_bn",
+    "vgg13",
+    "vgg13_bn",
+    "vgg16",
+    "vgg16_bn",
+    "vgg19",
+    "vgg19_bn",
+    "MobileNetV2",
+    "mobilenet_v2",
+    "SqueezeNet",
+    "squeezenet1_0",
+    "squeezenet1_1",
+    "DenseNet",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "ShuffleNetV2",
+    "shufflenet_v2_x0_5",
+    "shufflenet_v2_x1_0",
+    "shufflenet_v2_x1_5",
+    "shufflenet_v2_x2_0",
+    "MNASNet",
+    "mnasnet0_5",
+    "mnasnet0_75",
+    "mnasnet1_0",
+    "mnasnet1_3",
+    "MobileNetV3",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
+    "GoogLeNet",
+    "GoogLeNetOutputs",
+    "googlenet",
     "MODELS",
 ]
 
@@ -38,19 +77,28 @@ class AlexNet(nn.Module):
     def __init__(self, num_classes: int = 1000, dropout: float = 0.5) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),
-            nn.Conv2d(64, 192, kernel_size=5, padding=2), nn.ReLU(inplace=True),
+            nn.Conv2d(64, 192, kernel_size=5, padding=2),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),
-            nn.Conv2d(192, 384, kernel_size=3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(384, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(256, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(192, 384, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),
         )
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
         self.classifier = nn.Sequential(
-            nn.Dropout(p=dropout), nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True),
-            nn.Dropout(p=dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+            nn.Dropout(p=dropout),
+            nn.Linear(256 * 6 * 6, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(p=dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(inplace=True),
             nn.Linear(4096, num_classes),
         )
 
@@ -75,8 +123,15 @@ def _conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
 class BasicBlock(nn.Module):
     expansion = 1
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
-                 groups: int = 1, base_width: int = 64) -> None:
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: nn.Module | None = None,
+        groups: int = 1,
+        base_width: int = 64,
+    ) -> None:
         super().__init__()
         self.conv1 = _conv3x3(inplanes, planes, stride)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -95,8 +150,15 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
-                 groups: int = 1, base_width: int = 64) -> None:
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: nn.Module | None = None,
+        groups: int = 1,
+        base_width: int = 64,
+    ) -> None:
         super().__init__()
         width = int(planes * (base_width / 64.0)) * groups
         self.conv1 = _conv1x1(inplanes, width)
@@ -117,8 +179,14 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int], num_classes: int = 1000,
-                 groups: int = 1, width_per_group: int = 64) -> None:
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: list[int],
+        num_classes: int = 1000,
+        groups: int = 1,
+        width_per_group: int = 64,
+    ) -> None:
         super().__init__()
         self.inplanes = 64
         self.groups = groups
@@ -137,12 +205,14 @@ class ResNet(nn.Module):
     def _make_layer(self, block, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
-            downsample = nn.Sequential(_conv1x1(self.inplanes, planes * block.expansion, stride),
-                                       nn.BatchNorm2d(planes * block.expansion))
+            downsample = nn.Sequential(
+                _conv1x1(self.inplanes, planes * block.expansion, stride), nn.BatchNorm2d(planes * block.expansion)
+            )
         layers = [block(self.inplanes, planes, stride, downsample, self.groups, self.base_width)]
         self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes, groups=self.groups, base_width=self.base_width)
-                   for _ in range(1, blocks)]
+        layers += [
+            block(self.inplanes, planes, groups=self.groups, base_width=self.base_width) for _ in range(1, blocks)
+        ]
         return nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -192,8 +262,7 @@ _VGG_CFGS: dict[str, list[int | str]] = {
     "A": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "B": [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "D": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
-    "E": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
-          512, 512, 512, 512, "M"],
+    "E": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"],
 }
 
 
@@ -203,8 +272,12 @@ class VGG(nn.Module):
         self.features = features
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
-            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
-            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(p=dropout),
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(True),
+            nn.Dropout(p=dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(True),
+            nn.Dropout(p=dropout),
             nn.Linear(4096, num_classes),
         )
 
@@ -231,6 +304,7 @@ def _vgg_features(cfg: list[int | str], batch_norm: bool) -> nn.Sequential:
 def _vgg(cfg: str, batch_norm: bool) -> Callable[..., VGG]:
     def build(num_classes: int = 1000) -> VGG:
         return VGG(_vgg_features(_VGG_CFGS[cfg], batch_norm), num_classes)
+
     return build
 
 
@@ -238,8 +312,16 @@ vgg11, vgg11_bn = _vgg("A", False), _vgg("A", True)
 vgg13, vgg13_bn = _vgg("B", False), _vgg("B", True)
 vgg16, vgg16_bn = _vgg("D", False), _vgg("D", True)
 vgg19, vgg19_bn = _vgg("E", False), _vgg("E", True)
-for _name, _fn in (("vgg11", vgg11), ("vgg11_bn", vgg11_bn), ("vgg13", vgg13), ("vgg13_bn", vgg13_bn),
-                   ("vgg16", vgg16), ("vgg16_bn", vgg16_bn), ("vgg19", vgg19), ("vgg19_bn", vgg19_bn)):
+for _name, _fn in (
+    ("vgg11", vgg11),
+    ("vgg11_bn", vgg11_bn),
+    ("vgg13", vgg13),
+    ("vgg13_bn", vgg13_bn),
+    ("vgg16", vgg16),
+    ("vgg16_bn", vgg16_bn),
+    ("vgg19", vgg19),
+    ("vgg19_bn", vgg19_bn),
+):
     _fn.__name__ = _fn.__qualname__ = _name
 
 
@@ -255,7 +337,8 @@ class _ConvBNReLU6(nn.Sequential):
     def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1) -> None:
         super().__init__(
             nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
-            nn.BatchNorm2d(cout), nn.ReLU6(inplace=True),
+            nn.BatchNorm2d(cout),
+            nn.ReLU6(inplace=True),
         )
 
 
@@ -267,8 +350,11 @@ class InvertedResidual(nn.Module):
         layers: list[nn.Module] = []
         if expand_ratio != 1:
             layers.append(_ConvBNReLU6(cin, hidden, kernel_size=1))
-        layers += [_ConvBNReLU6(hidden, hidden, stride=stride, groups=hidden),
-                   nn.Conv2d(hidden, cout, 1, 1, 0, bias=False), nn.BatchNorm2d(cout)]
+        layers += [
+            _ConvBNReLU6(hidden, hidden, stride=stride, groups=hidden),
+            nn.Conv2d(hidden, cout, 1, 1, 0, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
         self.conv = nn.Sequential(*layers)
         self.out_channels = cout
 
@@ -279,8 +365,15 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(nn.Module):
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, dropout: float = 0.2) -> None:
         super().__init__()
-        settings = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2],
-                    [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1]]
+        settings = [
+            [1, 16, 1, 1],
+            [6, 24, 2, 2],
+            [6, 32, 3, 2],
+            [6, 64, 4, 2],
+            [6, 96, 3, 1],
+            [6, 160, 3, 2],
+            [6, 320, 1, 1],
+        ]
         cin = _make_divisible(32 * width_mult)
         self.last_channel = _make_divisible(1280 * max(1.0, width_mult))
         features: list[nn.Module] = [_ConvBNReLU6(3, cin, stride=2)]
@@ -315,8 +408,9 @@ class Fire(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.squeeze_activation(self.squeeze(x))
-        return torch.cat([self.expand1x1_activation(self.expand1x1(x)),
-                          self.expand3x3_activation(self.expand3x3(x))], 1)
+        return torch.cat(
+            [self.expand1x1_activation(self.expand1x1(x)), self.expand3x3_activation(self.expand3x3(x))], 1
+        )
 
 
 class SqueezeNet(nn.Module):
@@ -326,23 +420,42 @@ class SqueezeNet(nn.Module):
         pool = lambda: nn.MaxPool2d(kernel_size=3, stride=2, ceil_mode=True)  # noqa: E731
         if version == "1_0":
             self.features = nn.Sequential(
-                nn.Conv2d(3, 96, kernel_size=7, stride=2), nn.ReLU(inplace=True), pool(),
-                Fire(96, 16, 64, 64), Fire(128, 16, 64, 64), Fire(128, 32, 128, 128), pool(),
-                Fire(256, 32, 128, 128), Fire(256, 48, 192, 192), Fire(384, 48, 192, 192),
-                Fire(384, 64, 256, 256), pool(), Fire(512, 64, 256, 256),
+                nn.Conv2d(3, 96, kernel_size=7, stride=2),
+                nn.ReLU(inplace=True),
+                pool(),
+                Fire(96, 16, 64, 64),
+                Fire(128, 16, 64, 64),
+                Fire(128, 32, 128, 128),
+                pool(),
+                Fire(256, 32, 128, 128),
+                Fire(256, 48, 192, 192),
+                Fire(384, 48, 192, 192),
+                Fire(384, 64, 256, 256),
+                pool(),
+                Fire(512, 64, 256, 256),
             )
         elif version == "1_1":
             self.features = nn.Sequential(
-                nn.Conv2d(3, 64, kernel_size=3, stride=2), nn.ReLU(inplace=True), pool(),
-                Fire(64, 16, 64, 64), Fire(128, 16, 64, 64), pool(),
-                Fire(128, 32, 128, 128), Fire(256, 32, 128, 128), pool(),
-                Fire(256, 48, 192, 192), Fire(384, 48, 192, 192), Fire(384, 64, 256, 256),
+                nn.Conv2d(3, 64, kernel_size=3, stride=2),
+                nn.ReLU(inplace=True),
+                pool(),
+                Fire(64, 16, 64, 64),
+                Fire(128, 16, 64, 64),
+                pool(),
+                Fire(128, 32, 128, 128),
+                Fire(256, 32, 128, 128),
+                pool(),
+                Fire(256, 48, 192, 192),
+                Fire(384, 48, 192, 192),
+                Fire(384, 64, 256, 256),
                 Fire(512, 64, 256, 256),
             )
         else:
             raise ValueError(f"SqueezeNet version must be '1_0' or '1_1', got {version!r}")
         self.classifier = nn.Sequential(
-            nn.Dropout(p=dropout), nn.Conv2d(512, num_classes, kernel_size=1), nn.ReLU(inplace=True),
+            nn.Dropout(p=dropout),
+            nn.Conv2d(512, num_classes, kernel_size=1),
+            nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d((1, 1)),
         )
 
@@ -379,7 +492,9 @@ class _DenseBlock(nn.ModuleDict):
     def __init__(self, num_layers: int, num_input_features: int, bn_size: int, growth_rate: int) -> None:
         super().__init__()
         for i in range(num_layers):
-            self.add_module(f"denselayer{i + 1}", _DenseLayer(num_input_features + i * growth_rate, growth_rate, bn_size))
+            self.add_module(
+                f"denselayer{i + 1}", _DenseLayer(num_input_features + i * growth_rate, growth_rate, bn_size)
+            )
 
     def forward(self, init_features: Tensor) -> Tensor:
         features = [init_features]
@@ -398,11 +513,19 @@ class _Transition(nn.Sequential):
 
 
 class DenseNet(nn.Module):
-    def __init__(self, growth_rate: int = 32, block_config: tuple[int, ...] = (6, 12, 24, 16),
-                 num_init_features: int = 64, bn_size: int = 4, num_classes: int = 1000) -> None:
+    def __init__(
+        self,
+        growth_rate: int = 32,
+        block_config: tuple[int, ...] = (6, 12, 24, 16),
+        num_init_features: int = 64,
+        bn_size: int = 4,
+        num_classes: int = 1000,
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential()
-        self.features.add_module("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False))
+        self.features.add_module(
+            "conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)
+        )
         self.features.add_module("norm0", nn.BatchNorm2d(num_init_features))
         self.features.add_module("relu0", nn.ReLU(inplace=True))
         self.features.add_module("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
@@ -455,14 +578,24 @@ class _ShuffleUnit(nn.Module):
         self.stride = stride
         bf = oup // 2
         if stride > 1:
-            self.branch1 = nn.Sequential(_depthwise(inp, inp, stride), nn.BatchNorm2d(inp),
-                                         nn.Conv2d(inp, bf, 1, 1, 0, bias=False), nn.BatchNorm2d(bf), nn.ReLU(inplace=True))
+            self.branch1 = nn.Sequential(
+                _depthwise(inp, inp, stride),
+                nn.BatchNorm2d(inp),
+                nn.Conv2d(inp, bf, 1, 1, 0, bias=False),
+                nn.BatchNorm2d(bf),
+                nn.ReLU(inplace=True),
+            )
         else:
             self.branch1 = nn.Sequential()
         self.branch2 = nn.Sequential(
-            nn.Conv2d(inp if stride > 1 else bf, bf, 1, 1, 0, bias=False), nn.BatchNorm2d(bf), nn.ReLU(inplace=True),
-            _depthwise(bf, bf, stride), nn.BatchNorm2d(bf),
-            nn.Conv2d(bf, bf, 1, 1, 0, bias=False), nn.BatchNorm2d(bf), nn.ReLU(inplace=True),
+            nn.Conv2d(inp if stride > 1 else bf, bf, 1, 1, 0, bias=False),
+            nn.BatchNorm2d(bf),
+            nn.ReLU(inplace=True),
+            _depthwise(bf, bf, stride),
+            nn.BatchNorm2d(bf),
+            nn.Conv2d(bf, bf, 1, 1, 0, bias=False),
+            nn.BatchNorm2d(bf),
+            nn.ReLU(inplace=True),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -478,15 +611,20 @@ class ShuffleNetV2(nn.Module):
     def __init__(self, stages_repeats: list[int], stages_out_channels: list[int], num_classes: int = 1000) -> None:
         super().__init__()
         cin, cout = 3, stages_out_channels[0]
-        self.conv1 = nn.Sequential(nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+        self.conv1 = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+        )
         cin = cout
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        for name, repeats, cout in zip(("stage2", "stage3", "stage4"), stages_repeats, stages_out_channels[1:]):
+        stages = zip(("stage2", "stage3", "stage4"), stages_repeats, stages_out_channels[1:], strict=True)
+        for name, repeats, cout in stages:
             units = [_ShuffleUnit(cin, cout, 2)] + [_ShuffleUnit(cout, cout, 1) for _ in range(repeats - 1)]
             setattr(self, name, nn.Sequential(*units))
             cin = cout
         cout = stages_out_channels[-1]
-        self.conv5 = nn.Sequential(nn.Conv2d(cin, cout, 1, 1, 0, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+        self.conv5 = nn.Sequential(
+            nn.Conv2d(cin, cout, 1, 1, 0, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+        )
         self.fc = nn.Linear(cout, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -522,10 +660,14 @@ class _MnasResidual(nn.Module):
         self.apply_residual = cin == cout and stride == 1
         m = _MNAS_BN_MOMENTUM
         self.layers = nn.Sequential(
-            nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid, momentum=m), nn.ReLU(inplace=True),
+            nn.Conv2d(cin, mid, 1, bias=False),
+            nn.BatchNorm2d(mid, momentum=m),
+            nn.ReLU(inplace=True),
             nn.Conv2d(mid, mid, kernel_size, padding=kernel_size // 2, stride=stride, groups=mid, bias=False),
-            nn.BatchNorm2d(mid, momentum=m), nn.ReLU(inplace=True),
-            nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout, momentum=m),
+            nn.BatchNorm2d(mid, momentum=m),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(mid, cout, 1, bias=False),
+            nn.BatchNorm2d(cout, momentum=m),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -533,8 +675,10 @@ class _MnasResidual(nn.Module):
 
 
 def _mnas_stack(cin: int, cout: int, k: int, stride: int, expansion: int, repeats: int) -> nn.Sequential:
-    return nn.Sequential(_MnasResidual(cin, cout, k, stride, expansion),
-                         *[_MnasResidual(cout, cout, k, 1, expansion) for _ in range(1, repeats)])
+    return nn.Sequential(
+        _MnasResidual(cin, cout, k, stride, expansion),
+        *[_MnasResidual(cout, cout, k, 1, expansion) for _ in range(1, repeats)],
+    )
 
 
 def _round_to_multiple_of(val: float, divisor: int, round_up_bias: float = 0.9) -> int:
@@ -548,14 +692,22 @@ class MNASNet(nn.Module):
         d = [_round_to_multiple_of(x * alpha, 8) for x in (32, 16, 24, 40, 80, 96, 192, 320)]
         m = _MNAS_BN_MOMENTUM
         self.layers = nn.Sequential(
-            nn.Conv2d(3, d[0], 3, padding=1, stride=2, bias=False), nn.BatchNorm2d(d[0], momentum=m), nn.ReLU(inplace=True),
-            nn.Conv2d(d[0], d[0], 3, padding=1, stride=1, groups=d[0], bias=False), nn.BatchNorm2d(d[0], momentum=m),
+            nn.Conv2d(3, d[0], 3, padding=1, stride=2, bias=False),
+            nn.BatchNorm2d(d[0], momentum=m),
             nn.ReLU(inplace=True),
-            nn.Conv2d(d[0], d[1], 1, padding=0, stride=1, bias=False), nn.BatchNorm2d(d[1], momentum=m),
-            _mnas_stack(d[1], d[2], 3, 2, 3, 3), _mnas_stack(d[2], d[3], 5, 2, 3, 3),
-            _mnas_stack(d[3], d[4], 5, 2, 6, 3), _mnas_stack(d[4], d[5], 3, 1, 6, 2),
-            _mnas_stack(d[5], d[6], 5, 2, 6, 4), _mnas_stack(d[6], d[7], 3, 1, 6, 1),
-            nn.Conv2d(d[7], 1280, 1, padding=0, stride=1, bias=False), nn.BatchNorm2d(1280, momentum=m),
+            nn.Conv2d(d[0], d[0], 3, padding=1, stride=1, groups=d[0], bias=False),
+            nn.BatchNorm2d(d[0], momentum=m),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(d[0], d[1], 1, padding=0, stride=1, bias=False),
+            nn.BatchNorm2d(d[1], momentum=m),
+            _mnas_stack(d[1], d[2], 3, 2, 3, 3),
+            _mnas_stack(d[2], d[3], 5, 2, 3, 3),
+            _mnas_stack(d[3], d[4], 5, 2, 6, 3),
+            _mnas_stack(d[4], d[5], 3, 1, 6, 2),
+            _mnas_stack(d[5], d[6], 5, 2, 6, 4),
+            _mnas_stack(d[6], d[7], 3, 1, 6, 1),
+            nn.Conv2d(d[7], 1280, 1, padding=0, stride=1, bias=False),
+            nn.BatchNorm2d(1280, momentum=m),
             nn.ReLU(inplace=True),
         )
         self.classifier = nn.Sequential(nn.Dropout(p=dropout, inplace=True), nn.Linear(1280, num_classes))
@@ -582,8 +734,15 @@ def mnasnet1_3(num_classes: int = 1000) -> MNASNet:
 
 # ----------------------------------------------------------------------------- MobileNetV3
 class _ConvNormAct(nn.Sequential):
-    def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1,
-                 activation: type[nn.Module] | None = nn.ReLU) -> None:
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        groups: int = 1,
+        activation: type[nn.Module] | None = nn.ReLU,
+    ) -> None:
         layers: list[nn.Module] = [
             nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
             nn.BatchNorm2d(cout, eps=0.001, momentum=0.01),
@@ -626,15 +785,36 @@ class _InvertedResidualV3(nn.Module):
         return x + self.block(x) if self.use_res_connect else self.block(x)
 
 
-_V3_LARGE = [(16, 3, 16, 16, False, "RE", 1), (16, 3, 64, 24, False, "RE", 2), (24, 3, 72, 24, False, "RE", 1),
-             (24, 5, 72, 40, True, "RE", 2), (40, 5, 120, 40, True, "RE", 1), (40, 5, 120, 40, True, "RE", 1),
-             (40, 3, 240, 80, False, "HS", 2), (80, 3, 200, 80, False, "HS", 1), (80, 3, 184, 80, False, "HS", 1),
-             (80, 3, 184, 80, False, "HS", 1), (80, 3, 480, 112, True, "HS", 1), (112, 3, 672, 112, True, "HS", 1),
-             (112, 5, 672, 160, True, "HS", 2), (160, 5, 960, 160, True, "HS", 1), (160, 5, 960, 160, True, "HS", 1)]
-_V3_SMALL = [(16, 3, 16, 16, True, "RE", 2), (16, 3, 72, 24, False, "RE", 2), (24, 3, 88, 24, False, "RE", 1),
-             (24, 5, 96, 40, True, "HS", 2), (40, 5, 240, 40, True, "HS", 1), (40, 5, 240, 40, True, "HS", 1),
-             (40, 5, 120, 48, True, "HS", 1), (48, 5, 144, 48, True, "HS", 1), (48, 5, 288, 96, True, "HS", 2),
-             (96, 5, 576, 96, True, "HS", 1), (96, 5, 576, 96, True, "HS", 1)]
+_V3_LARGE = [
+    (16, 3, 16, 16, False, "RE", 1),
+    (16, 3, 64, 24, False, "RE", 2),
+    (24, 3, 72, 24, False, "RE", 1),
+    (24, 5, 72, 40, True, "RE", 2),
+    (40, 5, 120, 40, True, "RE", 1),
+    (40, 5, 120, 40, True, "RE", 1),
+    (40, 3, 240, 80, False, "HS", 2),
+    (80, 3, 200, 80, False, "HS", 1),
+    (80, 3, 184, 80, False, "HS", 1),
+    (80, 3, 184, 80, False, "HS", 1),
+    (80, 3, 480, 112, True, "HS", 1),
+    (112, 3, 672, 112, True, "HS", 1),
+    (112, 5, 672, 160, True, "HS", 2),
+    (160, 5, 960, 160, True, "HS", 1),
+    (160, 5, 960, 160, True, "HS", 1),
+]
+_V3_SMALL = [
+    (16, 3, 16, 16, True, "RE", 2),
+    (16, 3, 72, 24, False, "RE", 2),
+    (24, 3, 88, 24, False, "RE", 1),
+    (24, 5, 96, 40, True, "HS", 2),
+    (40, 5, 240, 40, True, "HS", 1),
+    (40, 5, 240, 40, True, "HS", 1),
+    (40, 5, 120, 48, True, "HS", 1),
+    (48, 5, 144, 48, True, "HS", 1),
+    (48, 5, 288, 96, True, "HS", 2),
+    (96, 5, 576, 96, True, "HS", 1),
+    (96, 5, 576, 96, True, "HS", 1),
+]
 
 
 class MobileNetV3(nn.Module):
@@ -647,7 +827,9 @@ class MobileNetV3(nn.Module):
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Sequential(
-            nn.Linear(6 * last_in, last_channel), nn.Hardswish(inplace=True), nn.Dropout(p=dropout, inplace=True),
+            nn.Linear(6 * last_in, last_channel),
+            nn.Hardswish(inplace=True),
+            nn.Dropout(p=dropout, inplace=True),
             nn.Linear(last_channel, num_classes),
         )
 
@@ -681,17 +863,22 @@ class _BasicConv2d(nn.Module):
 
 
 class _Inception(nn.Module):
-    def __init__(self, cin: int, ch1x1: int, ch3x3red: int, ch3x3: int, ch5x5red: int, ch5x5: int,
-                 pool_proj: int) -> None:
+    def __init__(
+        self, cin: int, ch1x1: int, ch3x3red: int, ch3x3: int, ch5x5red: int, ch5x5: int, pool_proj: int
+    ) -> None:
         super().__init__()
         self.branch1 = _BasicConv2d(cin, ch1x1, kernel_size=1)
-        self.branch2 = nn.Sequential(_BasicConv2d(cin, ch3x3red, kernel_size=1),
-                                     _BasicConv2d(ch3x3red, ch3x3, kernel_size=3, padding=1))
+        self.branch2 = nn.Sequential(
+            _BasicConv2d(cin, ch3x3red, kernel_size=1), _BasicConv2d(ch3x3red, ch3x3, kernel_size=3, padding=1)
+        )
         # torchvision uses a 3x3 kernel in the "5x5" branch (a known quirk kept for its weights)
-        self.branch3 = nn.Sequential(_BasicConv2d(cin, ch5x5red, kernel_size=1),
-                                     _BasicConv2d(ch5x5red, ch5x5, kernel_size=3, padding=1))
-        self.branch4 = nn.Sequential(nn.MaxPool2d(kernel_size=3, stride=1, padding=1, ceil_mode=True),
-                                     _BasicConv2d(cin, pool_proj, kernel_size=1))
+        self.branch3 = nn.Sequential(
+            _BasicConv2d(cin, ch5x5red, kernel_size=1), _BasicConv2d(ch5x5red, ch5x5, kernel_size=3, padding=1)
+        )
+        self.branch4 = nn.Sequential(
+            nn.MaxPool2d(kernel_size=3, stride=1, padding=1, ceil_mode=True),
+            _BasicConv2d(cin, pool_proj, kernel_size=1),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.cat([self.branch1(x), self.branch2(x), self.branch3(x), self.branch4(x)], 1)
@@ -715,8 +902,9 @@ class GoogLeNet(nn.Module):
     """With auxiliary classifiers (torchvision's default without weights): in training mode the
     forward returns ``GoogLeNetOutputs(logits, aux_logits2, aux_logits1)``, in eval the logits."""
 
-    def __init__(self, num_classes: int = 1000, aux_logits: bool = True, dropout: float = 0.2,
-                 dropout_aux: float = 0.7) -> None:
+    def __init__(
+        self, num_classes: int = 1000, aux_logits: bool = True, dropout: float = 0.2, dropout_aux: float = 0.7
+    ) -> None:
         super().__init__()
         self.aux_logits = aux_logits
         self.conv1 = _BasicConv2d(3, 64, kernel_size=7, stride=2, padding=3)
@@ -777,13 +965,43 @@ _InceptionAux.__name__ = _InceptionAux.__qualname__ = "InceptionAux"
 
 # name -> builder, for tests and benchmarks that iterate over what exists here
 MODELS: dict[str, Callable[..., nn.Module]] = {
-    fn.__name__: fn for fn in (
-        alexnet, resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, resnext101_32x8d,
-        wide_resnet50_2, wide_resnet101_2, vgg11, vgg11_bn, vgg13, vgg13_bn, vgg16, vgg16_bn, vgg19,
-        vgg19_bn, mobilenet_v2, squeezenet1_0, squeezenet1_1,
-        densenet121, densenet161, densenet169, densenet201,
-        shufflenet_v2_x0_5, shufflenet_v2_x1_0, shufflenet_v2_x1_5, shufflenet_v2_x2_0,
-        mnasnet0_5, mnasnet0_75, mnasnet1_0, mnasnet1_3, mobilenet_v3_large, mobilenet_v3_small,
+    fn.__name__: fn
+    for fn in (
+        alexnet,
+        resnet18,
+        resnet34,
+        resnet50,
+        resnet101,
+        resnet152,
+        resnext50_32x4d,
+        resnext101_32x8d,
+        wide_resnet50_2,
+        wide_resnet101_2,
+        vgg11,
+        vgg11_bn,
+        vgg13,
+        vgg13_bn,
+        vgg16,
+        vgg16_bn,
+        vgg19,
+        vgg19_bn,
+        mobilenet_v2,
+        squeezenet1_0,
+        squeezenet1_1,
+        densenet121,
+        densenet161,
+        densenet169,
+        densenet201,
+        shufflenet_v2_x0_5,
+        shufflenet_v2_x1_0,
+        shufflenet_v2_x1_5,
+        shufflenet_v2_x2_0,
+        mnasnet0_5,
+        mnasnet0_75,
+        mnasnet1_0,
+        mnasnet1_3,
+        mobilenet_v3_large,
+        mobilenet_v3_small,
         googlenet,
     )
 }

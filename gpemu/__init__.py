@@ -13,4 +13,15 @@ from .observe import print_summary, summary
 from .runtime import current, emulate, is_patched, patch, unpatch
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "emulate", "is_patched", "current", "summary", "print_summary", "EmuConfig", "ConfigError", "__version__"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "emulate",
+    "is_patched",
+    "current",
+    "summary",
+    "print_summary",
+    "EmuConfig",
+    "ConfigError",
+    "__version__",
+]

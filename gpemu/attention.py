@@ -22,7 +22,8 @@ inputs' gradients with the kernel's workspace, and its GPU time (:func:`gpemu.co
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -39,20 +40,39 @@ __all__ = ["install", "choose_kernel"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def choose_kernel(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, value_dim: int, has_mask: bool,
-                  same_heads: bool, enabled: tuple[bool, bool, bool]) -> str:
+def choose_kernel(
+    capability: tuple[int, int],
+    dtype: torch.dtype,
+    head_dim: int,
+    value_dim: int,
+    has_mask: bool,
+    same_heads: bool,
+    enabled: tuple[bool, bool, bool],
+) -> str:
     """``"flash"``, ``"efficient"`` or ``"math"``: the kernel torch's CUDA dispatcher would run.
     ``enabled``: whether flash, memory-efficient and math attention are enabled (torch's flags)."""
     flash_on, efficient_on, _ = enabled
     if not same_heads:
         return "math"  # grouped-query attention: the fused kernels want equal head counts here
-    if (flash_on and dtype in _HALF and capability >= (8, 0) and head_dim == value_dim and head_dim <= 256
-            and head_dim % 8 == 0 and not has_mask):
+    if (
+        flash_on
+        and dtype in _HALF
+        and capability >= (8, 0)
+        and head_dim == value_dim
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and not has_mask
+    ):
         return "flash"
     align = 4 if dtype == torch.float32 else 8
-    if (efficient_on and dtype in (torch.float32, *_HALF) and capability >= (5, 0)
-            and not (dtype == torch.bfloat16 and capability < (8, 0))
-            and head_dim % align == 0 and value_dim % align == 0):
+    if (
+        efficient_on
+        and dtype in (torch.float32, *_HALF)
+        and capability >= (5, 0)
+        and not (dtype == torch.bfloat16 and capability < (8, 0))
+        and head_dim % align == 0
+        and value_dim % align == 0
+    ):
         return "efficient"
     return "math"
 
@@ -61,8 +81,16 @@ class _FusedAttention(torch.autograd.Function):
     """One fused attention kernel: outputs, kept statistics, gradients and time; no math."""
 
     @staticmethod
-    def forward(ctx: Any, ts: TensorState, kernel: str, causal: bool, q: EmuTensor, k: EmuTensor,  # type: ignore[override]
-                v: EmuTensor, mask: Any) -> EmuTensor:
+    def forward(
+        ctx: Any,
+        ts: TensorState,
+        kernel: str,
+        causal: bool,
+        q: EmuTensor,
+        k: EmuTensor,  # type: ignore[override]
+        v: EmuTensor,
+        mask: Any,
+    ) -> EmuTensor:
         *batch, length, heads_dim = q.shape  # (B, H, L, D)
         source = k.shape[-2]
         value_dim = v.shape[-1]
@@ -118,61 +146,121 @@ def _held(t: Any) -> EmuTensor | None:
     return None
 
 
-def _fused_op(capability: tuple[int, int], q: Any, k: Any, v: Any, mask: Any, dropout_p: float, causal: bool,
-              scale: Any, orig: Callable) -> Any:
+def _fused_op(
+    capability: tuple[int, int],
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    dropout_p: float,
+    causal: bool,
+    scale: Any,
+    orig: Callable,
+) -> Any:
     """SDPA over tensor subclasses that hold emulated tensors (DTensor): the fused aten op a GPU
     picks, dispatched through the subclass (its sharding rules), so each shard runs that op on its
     emulated tensors. The CPU build's choice for meta-backed inputs is the math composite, which a
     DTensor cannot run (it builds a plain mask tensor)."""
-    kernel = choose_kernel(capability, q.dtype, q.shape[-1], v.shape[-1], mask is not None,
-                           q.shape[1] == k.shape[1] == v.shape[1] and q.dtype == k.dtype == v.dtype,
-                           (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                            torch.backends.cuda.math_sdp_enabled()))
+    kernel = choose_kernel(
+        capability,
+        q.dtype,
+        q.shape[-1],
+        v.shape[-1],
+        mask is not None,
+        q.shape[1] == k.shape[1] == v.shape[1] and q.dtype == k.dtype == v.dtype,
+        (
+            torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.math_sdp_enabled(),
+        ),
+    )
     if kernel == "flash":
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, bool(causal), scale=scale)[0]
     if kernel == "efficient":
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, need_lse, dropout_p,
-                                                                      bool(causal), scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, need_lse, dropout_p, bool(causal), scale=scale
+        )[0]
     return orig(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
 
 
-def _make_sdpa(rt: "Runtime", orig: Callable) -> Callable:
+def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
     ts = rt.tensors
     capabilities = [compute_capability(spec) for spec in rt.gpus]
 
     @functools.wraps(orig)
-    def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
-                                     dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
-                                     enable_gqa: bool = False) -> Any:
-        if not (type(query) is EmuTensor and type(key) is EmuTensor and type(value) is EmuTensor) \
-                or query.dim() < 3 or torch._C._len_torch_function_stack():
+    def scaled_dot_product_attention(
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: Any = None,
+        enable_gqa: bool = False,
+    ) -> Any:
+        if (
+            not (type(query) is EmuTensor and type(key) is EmuTensor and type(value) is EmuTensor)
+            or query.dim() < 3
+            or torch._C._len_torch_function_stack()
+        ):
             inner = _held(query)
-            if inner is not None and query.dim() == 4 and _held(key) is not None and _held(value) is not None \
-                    and not enable_gqa:
-                return _fused_op(capabilities[inner._dev], query, key, value, attn_mask, dropout_p, is_causal,
-                                 scale, orig)
-            return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+            if (
+                inner is not None
+                and query.dim() == 4
+                and _held(key) is not None
+                and _held(value) is not None
+                and not enable_gqa
+            ):
+                return _fused_op(
+                    capabilities[inner._dev], query, key, value, attn_mask, dropout_p, is_causal, scale, orig
+                )
+            return orig(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         q, k, v = query, key, value
         if torch.is_autocast_enabled("cuda"):  # what autocast would do to this op's inputs
             dtype = torch.get_autocast_dtype("cuda")
             q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
         same_heads = q.dim() != 4 or (q.shape[1] == k.shape[1] == v.shape[1])
-        kernel = choose_kernel(capabilities[q._dev], q.dtype, q.shape[-1], v.shape[-1], attn_mask is not None,
-                               same_heads and q.dtype == k.dtype == v.dtype,
-                               (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                                torch.backends.cuda.math_sdp_enabled()))
+        kernel = choose_kernel(
+            capabilities[q._dev],
+            q.dtype,
+            q.shape[-1],
+            v.shape[-1],
+            attn_mask is not None,
+            same_heads and q.dtype == k.dtype == v.dtype,
+            (
+                torch.backends.cuda.flash_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.math_sdp_enabled(),
+            ),
+        )
         if kernel == "math":
-            return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+            return orig(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask)
 
     scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Replace ``torch.nn.functional.scaled_dot_product_attention`` (every reference under torch)."""
     F = torch.nn.functional
     orig = F.scaled_dot_product_attention

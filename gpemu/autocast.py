@@ -35,23 +35,112 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["install", "AutocastMode", "LOWER_PRECISION", "FP32", "PROMOTE"]
 
 LOWER_PRECISION = (
-    "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "chain_matmul", "linear",
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
-    "scaled_dot_product_attention", "_convolution", "convolution", "conv_tbc", "lstm_cell", "gru_cell",
-    "rnn_tanh_cell", "rnn_relu_cell", "__matmul__", "__rmatmul__",
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "addbmm",
+    "baddbmm",
+    "addmv",
+    "addr",
+    "mv",
+    "chain_matmul",
+    "linear",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "prelu",
+    "scaled_dot_product_attention",
+    "_convolution",
+    "convolution",
+    "conv_tbc",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+    "__matmul__",
+    "__rmatmul__",
 )
 FP32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "group_norm", "norm", "frobenius_norm",
-    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
-    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-    "softmax", "log_softmax", "softmin", "cross_entropy", "cross_entropy_loss", "cumprod", "cumsum", "prod",
-    "sum", "normalize", "_softmax", "_log_softmax",
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "__pow__",
+    "__rpow__",
+    "softplus",
+    "layer_norm",
+    "group_norm",
+    "norm",
+    "frobenius_norm",
+    "nuclear_norm",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "softmax",
+    "log_softmax",
+    "softmin",
+    "cross_entropy",
+    "cross_entropy_loss",
+    "cumprod",
+    "cumsum",
+    "prod",
+    "sum",
+    "normalize",
+    "_softmax",
+    "_log_softmax",
 )
-PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "grid_sample", "index_put",
-           "scatter_add", "tensordot", "cat", "stack", "concat", "concatenate", "vdot")
+PROMOTE = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "grid_sampler",
+    "grid_sample",
+    "index_put",
+    "scatter_add",
+    "tensordot",
+    "cat",
+    "stack",
+    "concat",
+    "concatenate",
+    "vdot",
+)
 
 _NAMESPACES = (torch, torch.Tensor, torch._C._nn, torch.nn.functional, torch._C._VariableFunctions)
 
@@ -121,7 +210,8 @@ class AutocastMode(TorchFunctionMode):
         except TypeError:  # unhashable callable
             return func(*args, **kwargs)
         if not (in_lower or in_fp32 or in_promote or unsafe) or not (
-                _has_emulated(args) or _has_emulated(tuple(kwargs.values()))):
+            _has_emulated(args) or _has_emulated(tuple(kwargs.values()))
+        ):
             return func(*args, **kwargs)
         if unsafe:
             raise RuntimeError(
@@ -129,7 +219,8 @@ class AutocastMode(TorchFunctionMode):
                 "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
                 "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
                 "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
-                "safe to autocast.")
+                "safe to autocast."
+            )
         if in_lower:
             target = torch.get_autocast_dtype("cuda")
         elif in_fp32:
@@ -173,7 +264,7 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     return out
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Wrap autocast's __enter__/__exit__ so an enabled autocast('cuda') region pushes the mode."""
     from torch.amp.autocast_mode import autocast
 

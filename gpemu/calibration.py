@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -60,11 +61,11 @@ def curves_of(rows: Iterable[OpCurveRow]) -> dict[tuple[str, str], Curve]:
 
 # Per database object, per GPU name: the model to use. The emulator prices every op through
 # model_for, so the database is read once per (database, GPU), not per op.
-_CACHE: "weakref.WeakKeyDictionary[Any, dict[str, CostModel]]" = weakref.WeakKeyDictionary()
-_last: "tuple[weakref.ref, str, CostModel] | None" = None  # the last answer: one GPU per run is usual
+_CACHE: weakref.WeakKeyDictionary[Any, dict[str, CostModel]] = weakref.WeakKeyDictionary()
+_last: tuple[weakref.ref, str, CostModel] | None = None  # the last answer: one GPU per run is usual
 
 
-def model_for(db: "ProfileDB | None", gpu: GpuSheet) -> CostModel:
+def model_for(db: ProfileDB | None, gpu: GpuSheet) -> CostModel:
     """The cost model pricing ops on ``gpu``: :func:`gpemu.costmodel.default_model` unless the
     profile database has op curves fitted for this GPU (by its name or an alias)."""
     if db is None:
@@ -105,7 +106,7 @@ def _remember(db: Any, gpu: GpuSheet, model: CostModel) -> None:
         _last = None
 
 
-def forget(db: "ProfileDB | None" = None) -> None:
+def forget(db: ProfileDB | None = None) -> None:
     """Drop cached models (of ``db``, or all): call after writing new curves in this process."""
     global _last
     _last = None

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .units import redact_url
 
@@ -69,7 +70,7 @@ class Tuning:
             raise ConfigError(f"tuning spin_margin must be seconds in [0, 0.1], got {self.spin_margin!r}")
 
     @classmethod
-    def parse(cls, text: str) -> "Tuning":
+    def parse(cls, text: str) -> Tuning:
         """``"hub_after=-1, spare_limit=0"`` (the ``GPEMU_TUNING`` form) -> Tuning."""
         values: dict[str, Any] = {}
         known = {f.name: f for f in fields(cls)}
@@ -169,11 +170,11 @@ class EmuConfig:
     tuning: Tuning = field(default_factory=Tuning)
     # The host clock of the run (default: the real one). Tests and overhead benchmarks pass a
     # gpemu.clock.VirtualClock. Not an environment setting: child processes use the real clock.
-    clock: "Clock | None" = field(default=None, compare=False)
+    clock: Clock | None = field(default=None, compare=False)
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "EmuConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> EmuConfig:
         """Build from the environment (``os.environ`` when ``env`` is None), then overrides.
 
         Overrides whose value is None are ignored, so CLI flags left unset fall through to the
@@ -195,9 +196,7 @@ class EmuConfig:
             if value is None:
                 continue
             if key not in known:
-                raise ConfigError(
-                    f"unknown setting {key!r}; valid settings: {', '.join(sorted(known))}"
-                )
+                raise ConfigError(f"unknown setting {key!r}; valid settings: {', '.join(sorted(known))}")
             values[key] = value
         return cls(**{k: _coerce(k, v) for k, v in values.items()})
 
@@ -214,17 +213,26 @@ class EmuConfig:
             )
         if self.sharing is not None and not self.sharing.startswith(("amqp://", "amqps://")):
             raise ConfigError(f"sharing must be an amqp:// or amqps:// URL, got {redact_url(self.sharing)!r}")
-        if not isinstance(self.sharing_weight, (int, float)) or isinstance(self.sharing_weight, bool) \
-                or not 0 < self.sharing_weight <= 1e6:
+        if (
+            not isinstance(self.sharing_weight, (int, float))
+            or isinstance(self.sharing_weight, bool)
+            or not 0 < self.sharing_weight <= 1e6
+        ):
             raise ConfigError(f"sharing_weight must be a number above 0 (at most 1e6), got {self.sharing_weight!r}")
-        if not isinstance(self.sharing_lease_s, (int, float)) or isinstance(self.sharing_lease_s, bool) \
-                or not 0.5 <= self.sharing_lease_s <= 3600:
+        if (
+            not isinstance(self.sharing_lease_s, (int, float))
+            or isinstance(self.sharing_lease_s, bool)
+            or not 0.5 <= self.sharing_lease_s <= 3600
+        ):
             raise ConfigError(f"sharing_lease_s must be seconds from 0.5 to 3600, got {self.sharing_lease_s!r}")
         if self.sharing_persistent_bytes is not None and (
-                not isinstance(self.sharing_persistent_bytes, int) or isinstance(self.sharing_persistent_bytes, bool)
-                or self.sharing_persistent_bytes < 0):
-            raise ConfigError("sharing_persistent_bytes must be a byte count >= 0, got "
-                              f"{self.sharing_persistent_bytes!r}")
+            not isinstance(self.sharing_persistent_bytes, int)
+            or isinstance(self.sharing_persistent_bytes, bool)
+            or self.sharing_persistent_bytes < 0
+        ):
+            raise ConfigError(
+                f"sharing_persistent_bytes must be a byte count >= 0, got {self.sharing_persistent_bytes!r}"
+            )
         if not isinstance(self.tuning, Tuning):
             raise ConfigError(f"tuning must be a gpemu.config.Tuning, got {type(self.tuning).__name__}")
         if self.device_gpus is not None and len(self.device_gpus) == 0:
@@ -245,7 +253,7 @@ class EmuConfig:
             return Path(self.data_dir).expanduser()
         return Path.home() / ".local" / "share" / "gpemu"
 
-    def replace(self, **changes: Any) -> "EmuConfig":
+    def replace(self, **changes: Any) -> EmuConfig:
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
 
     def to_env(self) -> dict[str, str]:
@@ -332,7 +340,9 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, Mapping):
             unknown = set(value) - {f.name for f in fields(Tuning)}
             if unknown:
-                raise ConfigError(f"unknown tuning knob(s) {', '.join(sorted(unknown))}; valid: "
-                                  f"{', '.join(f.name for f in fields(Tuning))}")
+                raise ConfigError(
+                    f"unknown tuning knob(s) {', '.join(sorted(unknown))}; valid: "
+                    f"{', '.join(f.name for f in fields(Tuning))}"
+                )
             return Tuning(**value)
     return value

@@ -45,9 +45,22 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "CostState", "OpPrice", "ModelTimes", "forward_seconds", "backward_seconds", "model_times", "reference_gpu",
-    "optimizer_step_seconds", "op_price", "op_seconds", "attention_price", "uncertainty", "precision",
-    "PROVENANCE_ORDER", "LAUNCH_LATENCY", "BANDWIDTH_EFFICIENCY",
+    "CostState",
+    "OpPrice",
+    "ModelTimes",
+    "forward_seconds",
+    "backward_seconds",
+    "model_times",
+    "reference_gpu",
+    "optimizer_step_seconds",
+    "op_price",
+    "op_seconds",
+    "attention_price",
+    "uncertainty",
+    "precision",
+    "PROVENANCE_ORDER",
+    "LAUNCH_LATENCY",
+    "BANDWIDTH_EFFICIENCY",
 ]
 
 # Per-kernel cost floor of an optimizer's kernels: a CUDA kernel launch + minimal execution.
@@ -65,10 +78,10 @@ def _worst(a: str, b: str) -> str:
 class OpPrice(NamedTuple):
     """What one op costs (:func:`op_price`)."""
 
-    gpu: float        # its kernel's seconds on this GPU, in the precision it ran in
-    host: float       # seconds the cost model's calibration hosts took to issue it
+    gpu: float  # its kernel's seconds on this GPU, in the precision it ran in
+    host: float  # seconds the cost model's calibration hosts took to issue it
     reference: float  # its kernel's seconds as the database measured: fp32 on the reference GPU
-    mix: str          # the kind of work: dense_conv, light_conv, gemm or memory (uncertainty)
+    mix: str  # the kind of work: dense_conv, light_conv, gemm or memory (uncertainty)
 
 
 _NOTHING = OpPrice(0.0, 0.0, 0.0, "memory")
@@ -80,35 +93,35 @@ class ModelTimes:
 
     forward: float
     backward: float
-    provenance: str   # the database's: measured / interpolated / extrapolated
-    gpu: str          # the GPU they were measured on: the device's own, or its reference GPU
+    provenance: str  # the database's: measured / interpolated / extrapolated
+    gpu: str  # the GPU they were measured on: the device's own, or its reference GPU
 
 
 @dataclass
 class _Device:
     """How one emulated device's ops are priced."""
 
-    sheet: GpuSheet              # its datasheet (the cost model's view of the GPU)
-    reference: "GpuSpec | None"  # the database GPU its measured times come from (None: none)
-    reference_sheet: GpuSheet    # that GPU's datasheet (the device's own when None)
+    sheet: GpuSheet  # its datasheet (the cost model's view of the GPU)
+    reference: GpuSpec | None  # the database GPU its measured times come from (None: none)
+    reference_sheet: GpuSheet  # that GPU's datasheet (the device's own when None)
 
 
 @dataclass
 class CostState:
     """What one run has worked out about costs (``rt.costs``, made on first use)."""
 
-    memo: dict = field(default_factory=dict)   # (identity, batch, device) -> ModelTimes | None
+    memo: dict = field(default_factory=dict)  # (identity, batch, device) -> ModelTimes | None
     # (parameter shapes, sheet, batch) -> seconds of the measured loop's loss and per-parameter kernels there
     bookkeeping: dict = field(default_factory=dict)
     devices: dict = field(default_factory=dict)  # device -> _Device
     # optimizer -> (its parameter lists' key, (seconds, provenance))
-    optimizers: "weakref.WeakKeyDictionary[Any, tuple]" = field(default_factory=weakref.WeakKeyDictionary)
+    optimizers: weakref.WeakKeyDictionary[Any, tuple] = field(default_factory=weakref.WeakKeyDictionary)
     # (optimizer class, dtype, first group's settings) -> what its own step moves (see
     # _implementation_traffic)
     traffic: dict = field(default_factory=dict)
 
 
-def _st(rt: "Runtime") -> CostState:
+def _st(rt: Runtime) -> CostState:
     st = rt.costs
     if st is None:
         st = rt.costs = CostState()
@@ -116,13 +129,13 @@ def _st(rt: "Runtime") -> CostState:
 
 
 # --------------------------------------------------------------------------------- GPUs
-def reference_gpu(rt: "Runtime", device: int) -> "GpuSpec | None":
+def reference_gpu(rt: Runtime, device: int) -> GpuSpec | None:
     """The database GPU whose measurements stand in for ``device`` (:func:`gpemu.reference.reference_gpu`,
     worked out once per device); None without any."""
     return _device(rt, device).reference
 
 
-def _device(rt: "Runtime", device: int) -> _Device:
+def _device(rt: Runtime, device: int) -> _Device:
     st = _st(rt)
     hit = st.devices.get(device)
     if hit is not None:
@@ -140,7 +153,7 @@ def _device(rt: "Runtime", device: int) -> _Device:
 
 
 # --------------------------------------------------------------------------------- models
-def model_times(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> ModelTimes | None:
+def model_times(rt: Runtime, identity: ModelIdentity, batch_size: int, device: int) -> ModelTimes | None:
     """The database's forward/backward seconds of ``identity`` at ``batch_size`` for ``device``:
     measured on its own GPU, else on its reference GPU (:func:`reference_gpu`; the caller scales
     them by the ops' ratio). None: the database cannot say (unknown model, or not measured
@@ -156,7 +169,7 @@ def model_times(rt: "Runtime", identity: ModelIdentity, batch_size: int, device:
     return result
 
 
-def _lookup_times(rt: "Runtime", identity: ModelIdentity, batch: int, device: int) -> ModelTimes | None:
+def _lookup_times(rt: Runtime, identity: ModelIdentity, batch: int, device: int) -> ModelTimes | None:
     if identity.parts:
         parts = [_lookup_times(rt, p, batch, device) for p in identity.parts]
         if any(p is None for p in parts) or len({p.gpu for p in parts}) != 1:  # type: ignore[union-attr]
@@ -164,8 +177,12 @@ def _lookup_times(rt: "Runtime", identity: ModelIdentity, batch: int, device: in
         prov = "measured"
         for p in parts:
             prov = _worst(prov, p.provenance)  # type: ignore[union-attr]
-        return ModelTimes(sum(p.forward for p in parts), sum(p.backward for p in parts),  # type: ignore[union-attr]
-                          prov, parts[0].gpu)  # type: ignore[union-attr]
+        return ModelTimes(
+            sum(p.forward for p in parts),
+            sum(p.backward for p in parts),  # type: ignore[union-attr]
+            prov,
+            parts[0].gpu,
+        )  # type: ignore[union-attr]
     if identity.name is None or rt.db is None:
         return None
     gpu = measured_on(rt.db, (rt.gpus[device], reference_gpu(rt, device)), identity.name, "forward", "backward")
@@ -179,8 +196,9 @@ def _lookup_times(rt: "Runtime", identity: ModelIdentity, batch: int, device: in
     return ModelTimes(fwd.value, backward, _worst(fwd.provenance, bwd.provenance), gpu.name)
 
 
-def _model_backward(rt: "Runtime", identity: ModelIdentity, gpu: "GpuSpec", device: int, batch: int,
-                    forward: float, measured: float) -> float:
+def _model_backward(
+    rt: Runtime, identity: ModelIdentity, gpu: GpuSpec, device: int, batch: int, forward: float, measured: float
+) -> float:
     """The model's own backward pass in a backward the shipped database measured: that loop's
     backward also computed the loss, zeroed and accumulated every gradient and ran an SGD step
     (:mod:`gpemu.costmodel.measured_loop`), which an emulated program runs, and is charged for,
@@ -200,7 +218,7 @@ def _model_backward(rt: "Runtime", identity: ModelIdentity, gpu: "GpuSpec", devi
     return max(measured - extra, forward)
 
 
-def forward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
+def forward_seconds(rt: Runtime, identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
     """The database's seconds of one forward pass of ``identity`` at ``batch_size`` for
     ``device`` and their provenance (see :func:`model_times`; ``(0.0, "estimated")`` when it has
     none: the model is priced by the ops it runs)."""
@@ -208,14 +226,15 @@ def forward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, dev
     return (times.forward, times.provenance) if times is not None else (0.0, "estimated")
 
 
-def backward_seconds(rt: "Runtime", identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
+def backward_seconds(rt: Runtime, identity: ModelIdentity, batch_size: int, device: int) -> tuple[float, str]:
     """As :func:`forward_seconds`, for the backward pass."""
     times = model_times(rt, identity, batch_size, device)
     return (times.backward, times.provenance) if times is not None else (0.0, "estimated")
 
 
-def uncertainty(rt: "Runtime", device: int, mix: dict[str, float] | None = None,
-                transferred: bool = False) -> Uncertainty | None:
+def uncertainty(
+    rt: Runtime, device: int, mix: dict[str, float] | None = None, transferred: bool = False
+) -> Uncertainty | None:
     """The cost model's cross-validated error for an estimate on ``device``'s GPU; ``mix``: GPU
     seconds per kind of work of the ops priced (the dominant kind narrows the figure);
     ``transferred``: a measured time carried from another GPU by the cost model's ratio
@@ -239,7 +258,7 @@ def _as_fp32(op: OpFeatures) -> OpFeatures:
     return replace(op, dtype="float32", nbytes=op.nbytes * 2)
 
 
-def _price(rt: "Runtime", device: int, op: OpFeatures) -> OpPrice:
+def _price(rt: Runtime, device: int, op: OpFeatures) -> OpPrice:
     if op.op_class is OpClass.FREE:
         return _NOTHING
     d = _device(rt, device)
@@ -255,8 +274,9 @@ def _price(rt: "Runtime", device: int, op: OpFeatures) -> OpPrice:
     return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)))
 
 
-def op_price(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int,
-             backward: bool | None = None) -> OpPrice:
+def op_price(
+    rt: Runtime, func: Any, args: tuple, kwargs: dict | None, out: Any, device: int, backward: bool | None = None
+) -> OpPrice:
     """What one aten op costs on ``device`` (:class:`OpPrice`), whether or not a whole-module
     charge covers it. Views and metadata cost nothing. ``backward``: True for an op of a
     backward pass (priced with the backward curves, as the cost model was calibrated), None to
@@ -264,7 +284,7 @@ def op_price(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: An
     return _price(rt, device, classify(func, args, kwargs or {}, out, backward=backward))
 
 
-def op_seconds(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:
+def op_seconds(rt: Runtime, func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:
     """GPU seconds of one aten op on ``device`` (0 inside a module/optimizer charge: covered)."""
     engine = rt.engine
     if engine is not None and engine.in_charged_scope:
@@ -272,8 +292,18 @@ def op_seconds(rt: "Runtime", func: Any, args: tuple, kwargs: dict | None, out: 
     return op_price(rt, func, args, kwargs, out, device).gpu
 
 
-def attention_price(rt: "Runtime", device: int, batch_heads: int, length: int, source: int, head_dim: int,
-                    value_dim: int, dtype: torch.dtype, causal: bool, backward: bool) -> OpPrice:
+def attention_price(
+    rt: Runtime,
+    device: int,
+    batch_heads: int,
+    length: int,
+    source: int,
+    head_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    backward: bool,
+) -> OpPrice:
     """One fused attention kernel (flash or memory-efficient) over ``batch_heads`` heads of
     ``length`` queries and ``source`` keys: two matrix products forward, five backward (the
     scores are recomputed); a causal mask skips half of the blocks."""
@@ -287,12 +317,27 @@ def attention_price(rt: "Runtime", device: int, batch_heads: int, length: int, s
     if backward:
         nbytes *= 2
     name = "_scaled_dot_product_flash_attention" + ("_backward" if backward else "")
-    return _price(rt, device, OpFeatures(name, OpClass.ATTENTION, backward, flops, float(nbytes),
-                                         str(dtype).replace("torch.", "")))
+    return _price(
+        rt,
+        device,
+        OpFeatures(name, OpClass.ATTENTION, backward, flops, float(nbytes), str(dtype).replace("torch.", "")),
+    )
 
 
-def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, input_size: int, hidden: int,
-              layers: int, directions: int, dtype: torch.dtype, backward: bool, rows: int | None = None) -> OpPrice:
+def rnn_price(
+    rt: Runtime,
+    device: int,
+    gates: int,
+    steps: int,
+    batch: int,
+    input_size: int,
+    hidden: int,
+    layers: int,
+    directions: int,
+    dtype: torch.dtype,
+    backward: bool,
+    rows: int | None = None,
+) -> OpPrice:
     """A whole multi-layer RNN as cuDNN runs it (``_cudnn_rnn``; ``gates``: 4 LSTM, 3 GRU, 1 RNN):
     per layer and direction one GEMM projecting every timestep's input, then per timestep one
     recurrent GEMM of ``batch`` rows (small: latency-bound) and the gates' pointwise math. The
@@ -312,29 +357,49 @@ def rnn_price(rt: "Runtime", device: int, gates: int, steps: int, batch: int, in
         host = host or p.host  # one call from the host's side
 
     def gemm(m: int, k: int, cols: int, times: int = 1) -> None:
-        add(OpFeatures("mm", OpClass.GEMM, backward, 2.0 * m * k * cols, float((m * k + k * cols + m * cols) * element),
-                       d, reduction=k), times)
+        add(
+            OpFeatures(
+                "mm",
+                OpClass.GEMM,
+                backward,
+                2.0 * m * k * cols,
+                float((m * k + k * cols + m * cols) * element),
+                d,
+                reduction=k,
+            ),
+            times,
+        )
 
     rows = steps * batch if rows is None else rows
     for layer in range(layers):
         k_in = input_size if layer == 0 else hidden * directions
         for _ in range(directions):
-            gemm(rows, k_in, n)                    # input projection (backward: the input's gradient)
-            gemm(batch, hidden, n, steps)          # the recurrence, one step at a time
-            add(OpFeatures("rnn_cell", OpClass.ELEMENTWISE, backward, float(batch * n),
-                           float(batch * (n + 4 * hidden) * element), d), steps)
+            gemm(rows, k_in, n)  # input projection (backward: the input's gradient)
+            gemm(batch, hidden, n, steps)  # the recurrence, one step at a time
+            add(
+                OpFeatures(
+                    "rnn_cell",
+                    OpClass.ELEMENTWISE,
+                    backward,
+                    float(batch * n),
+                    float(batch * (n + 4 * hidden) * element),
+                    d,
+                ),
+                steps,
+            )
             if backward:
-                gemm(k_in, rows, n)                # weight gradients, over all timesteps at once
+                gemm(k_in, rows, n)  # weight gradients, over all timesteps at once
                 gemm(hidden, rows, n)
     return OpPrice(gpu, host, reference, "gemm")
 
 
-def copy_price(rt: "Runtime", device: int, nbytes: int, dtype: torch.dtype, backward: bool = False) -> OpPrice:
+def copy_price(rt: Runtime, device: int, nbytes: int, dtype: torch.dtype, backward: bool = False) -> OpPrice:
     """A gather/scatter kernel that reads and writes ``nbytes`` in all (packing a sequence)."""
     d = str(dtype).replace("torch.", "")
     element = dtype.itemsize
-    return _price(rt, device, OpFeatures("copy", OpClass.COPY, backward, float(nbytes // (2 * element)),
-                                         float(nbytes), d))
+    return _price(
+        rt, device, OpFeatures("copy", OpClass.COPY, backward, float(nbytes // (2 * element)), float(nbytes), d)
+    )
 
 
 # --------------------------------------------------------------------------------- optimizer
@@ -342,8 +407,10 @@ def copy_price(rt: "Runtime", device: int, nbytes: int, dtype: torch.dtype, back
 def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
     # A subclass (a program's own SGD with logging) keeps its torch base class's state: the first
     # class of its MRO that torch.optim defines.
-    name = next((c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")),
-                type(optimizer).__name__)
+    name = next(
+        (c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")),
+        type(optimizer).__name__,
+    )
     g = optimizer.defaults
     if name == "SGD":
         return 1 if g.get("momentum", 0) else 0
@@ -356,7 +423,7 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
     return 2
 
 
-def optimizer_step_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, device: int) -> tuple[float, str]:
+def optimizer_step_seconds(rt: Runtime, optimizer: torch.optim.Optimizer, device: int) -> tuple[float, str]:
     """GPU seconds of one ``optimizer.step()`` over its parameters on ``device``."""
     cache = _st(rt).optimizers
     # Keyed on the groups' parameter lists (identity and length), not on every parameter: this
@@ -374,7 +441,7 @@ def optimizer_step_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, devi
     return result
 
 
-def _optimizer_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, params: list, device: int) -> tuple[float, str]:
+def _optimizer_seconds(rt: Runtime, optimizer: torch.optim.Optimizer, params: list, device: int) -> tuple[float, str]:
     spec = rt.gpus[device]
     # A sharded parameter (DTensor under FSDP2 / tensor parallelism) is updated shard by shard:
     # each rank's step touches its local tensor only.
@@ -402,8 +469,10 @@ def _optimizer_seconds(rt: "Runtime", optimizer: torch.optim.Optimizer, params: 
     else:  # None: CUDA picks the foreach path
         kernels = per_param_kernels * max(1, math.ceil(len(params) / 32))
     seconds = touched / (spec.memory_bandwidth * BANDWIDTH_EFFICIENCY) + kernels * LAUNCH_LATENCY
-    rt.say_once(f"{type(optimizer).__name__} step on {spec.short_name}: time estimated from the "
-                f"{touched / 1e6:.0f} MB it reads and writes (no optimizer_step measurement)")
+    rt.say_once(
+        f"{type(optimizer).__name__} step on {spec.short_name}: time estimated from the "
+        f"{touched / 1e6:.0f} MB it reads and writes (no optimizer_step measurement)"
+    )
     return seconds, "estimated"
 
 
@@ -470,7 +539,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def _identities_seen(rt: "Runtime") -> list[ModelIdentity]:
+def _identities_seen(rt: Runtime) -> list[ModelIdentity]:
     st = rt.identities
     if st is None:
         return []

@@ -25,8 +25,9 @@ import random
 import struct
 import threading
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,10 +69,12 @@ class EmuDeviceProperties:
     gcnArchName: str = "NVIDIA CUDA"
 
     def __repr__(self) -> str:
-        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
-                f"total_memory={self.total_memory // (1024 * 1024)}MB, "
-                f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
-                f"L2_cache_size={self.L2_cache_size // (1024 * 1024)}MB)")
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+            f"total_memory={self.total_memory // (1024 * 1024)}MB, "
+            f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
+            f"L2_cache_size={self.L2_cache_size // (1024 * 1024)}MB)"
+        )
 
 
 def _properties(spec: Any, index: int) -> EmuDeviceProperties:
@@ -79,15 +82,33 @@ def _properties(spec: Any, index: int) -> EmuDeviceProperties:
     name = getattr(spec, "full_name", None) or getattr(spec, "name", "GPU")
     l2 = getattr(spec, "l2_cache_bytes", None) or (40 if major >= 8 else 6) * 1024 * 1024
     return EmuDeviceProperties(
-        name=str(name), major=major, minor=minor, total_memory=int(spec.memory_bytes),
-        multi_processor_count=int(getattr(spec, "sm_count", 0) or 0), L2_cache_size=int(l2),
-        uuid=f"GPU-e0e0e0e0-{index:04x}-4000-8000-{zlib.crc32(str(name).encode()):012x}", pci_bus_id=index,
+        name=str(name),
+        major=major,
+        minor=minor,
+        total_memory=int(spec.memory_bytes),
+        multi_processor_count=int(getattr(spec, "sm_count", 0) or 0),
+        L2_cache_size=int(l2),
+        uuid=f"GPU-e0e0e0e0-{index:04x}-4000-8000-{zlib.crc32(str(name).encode()):012x}",
+        pci_bus_id=index,
     )
 
 
-_ACCELERATOR_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int16,
-                                 torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-                                 torch.bfloat16))
+_ACCELERATOR_DTYPES = frozenset(
+    (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.bfloat16,
+    )
+)
 _SYNC_DEBUG_MODES = {"default": 0, "warn": 1, "error": 2}
 
 
@@ -98,7 +119,7 @@ class CudaSurface:
     behaves as that function does on a machine with these GPUs; it can be called directly on an
     instance (tests do) without patching anything."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.initialized = False
         self._lock = threading.Lock()
@@ -136,7 +157,7 @@ class CudaSurface:
             raise ValueError(f"Expected a cuda device, but got: {device}")
         return rt.check_device(index)
 
-    def _memory(self, device: Any = None) -> "MemoryTracker":
+    def _memory(self, device: Any = None) -> MemoryTracker:
         return self.rt.memory[self.device_index(device)]
 
     # ------------------------------------------------------------ initialisation / lazy calls
@@ -270,7 +291,7 @@ class CudaSurface:
     def set_sync_debug_mode(self, debug_mode: int | str) -> None:
         if isinstance(debug_mode, str):
             if debug_mode not in _SYNC_DEBUG_MODES:
-                raise RuntimeError('invalid value of debug_mode, expected one of `default`, `warn`, `error`')
+                raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
             debug_mode = _SYNC_DEBUG_MODES[debug_mode]
         self._sync_debug_mode = int(debug_mode)
 
@@ -337,12 +358,19 @@ class CudaSurface:
 
     def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
         i = self.device_index(device)
-        rows = [("Allocated memory", self.memory_allocated(i), self.max_memory_allocated(i)),
-                ("Reserved memory", self.memory_reserved(i), self.max_memory_reserved(i))]
+        rows = [
+            ("Allocated memory", self.memory_allocated(i), self.max_memory_allocated(i)),
+            ("Reserved memory", self.memory_reserved(i), self.max_memory_reserved(i)),
+        ]
         free, total = self.mem_get_info(i)
         title = f"PyTorch CUDA memory summary, device ID {i} (gpemu: emulated {self._properties[i].name})"
-        lines = ["|" + "=" * 75 + "|", f"|{title:^75}|", "|" + "-" * 75 + "|",
-                 f"| {'Metric':<35}| {'Cur Usage':>17} | {'Peak Usage':>17} |", "|" + "-" * 75 + "|"]
+        lines = [
+            "|" + "=" * 75 + "|",
+            f"|{title:^75}|",
+            "|" + "-" * 75 + "|",
+            f"| {'Metric':<35}| {'Cur Usage':>17} | {'Peak Usage':>17} |",
+            "|" + "-" * 75 + "|",
+        ]
         for label, cur, peak in rows:
             lines.append(f"| {label:<35}| {format_bytes(cur):>17} | {format_bytes(peak):>17} |")
         lines.append("|" + "-" * 75 + "|")
@@ -392,8 +420,9 @@ class CudaSurface:
     def set_rng_state(self, new_state: torch.Tensor, device: Any = "cuda") -> None:
         i = self.device_index(device)
         if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8 or new_state.numel() != 16:
-            raise ValueError("RNG state must be a torch.ByteTensor of 16 bytes (as returned by "
-                             "torch.cuda.get_rng_state())")
+            raise ValueError(
+                "RNG state must be a torch.ByteTensor of 16 bytes (as returned by torch.cuda.get_rng_state())"
+            )
         seed_value, offset = struct.unpack("<QQ", bytes(new_state.cpu().contiguous().numpy().tobytes()))
         self._seeds[i], self._offsets[i] = seed_value, offset
 
@@ -456,8 +485,10 @@ def _bound_classes(surface: CudaSurface) -> tuple[type, type, type]:
 
         def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
             if kwargs:
-                raise TypeError(f"gpemu streams do not support {', '.join(sorted(kwargs))} "
-                                "(external/foreign CUDA streams cannot exist in emulation)")
+                raise TypeError(
+                    f"gpemu streams do not support {', '.join(sorted(kwargs))} "
+                    "(external/foreign CUDA streams cannot exist in emulation)"
+                )
             engine = surface.rt.engine
             index = surface.device_index(device)
             self._init(engine, index, priority, engine.next_stream_id(index))
@@ -465,8 +496,13 @@ def _bound_classes(surface: CudaSurface) -> tuple[type, type, type]:
     class Event(EmuEvent):
         """``torch.cuda.Event(enable_timing=False, blocking=False, interprocess=False)``."""
 
-        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                     external: bool = False) -> None:
+        def __init__(
+            self,
+            enable_timing: bool = False,
+            blocking: bool = False,
+            interprocess: bool = False,
+            external: bool = False,
+        ) -> None:
             super().__init__(surface.rt.engine, enable_timing, blocking, interprocess, external)
 
     class StreamContext:
@@ -513,35 +549,92 @@ def _accelerator_device_index(surface: CudaSurface) -> type:
 # torch attribute -> CudaSurface attribute, per torch module (a bare name: the same on both sides).
 SURFACE: dict[str, tuple[str | tuple[str, str], ...]] = {
     "torch.cuda": (
-        "is_initialized", "_lazy_init", "init", "_lazy_call", "is_available", "device_count", "current_device",
-        "set_device", "_exchange_device", "_maybe_exchange_device", "get_device_name", "get_device_capability",
-        "get_device_properties", "can_device_access_peer", "get_arch_list", "is_bf16_supported",
-        "is_tf32_supported", "synchronize", "ipc_collect", "utilization", "device_memory_used",
-        "set_sync_debug_mode", "get_sync_debug_mode",
-        "Stream", "Event", "StreamContext", "current_stream", "default_stream", "set_stream", "stream",
+        "is_initialized",
+        "_lazy_init",
+        "init",
+        "_lazy_call",
+        "is_available",
+        "device_count",
+        "current_device",
+        "set_device",
+        "_exchange_device",
+        "_maybe_exchange_device",
+        "get_device_name",
+        "get_device_capability",
+        "get_device_properties",
+        "can_device_access_peer",
+        "get_arch_list",
+        "is_bf16_supported",
+        "is_tf32_supported",
+        "synchronize",
+        "ipc_collect",
+        "utilization",
+        "device_memory_used",
+        "set_sync_debug_mode",
+        "get_sync_debug_mode",
+        "Stream",
+        "Event",
+        "StreamContext",
+        "current_stream",
+        "default_stream",
+        "set_stream",
+        "stream",
         "is_current_stream_capturing",
-        "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-        ("memory_cached", "memory_reserved"), ("max_memory_cached", "max_memory_reserved"),
-        "reset_peak_memory_stats", ("reset_max_memory_allocated", "reset_peak_memory_stats"),
-        ("reset_max_memory_cached", "reset_peak_memory_stats"), "reset_accumulated_memory_stats", "mem_get_info",
-        "memory_stats", "memory_summary", "empty_cache", "set_per_process_memory_fraction",
-        "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
-        "get_rng_state_all", "set_rng_state", "set_rng_state_all",
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+        ("memory_cached", "memory_reserved"),
+        ("max_memory_cached", "max_memory_reserved"),
+        "reset_peak_memory_stats",
+        ("reset_max_memory_allocated", "reset_peak_memory_stats"),
+        ("reset_max_memory_cached", "reset_peak_memory_stats"),
+        "reset_accumulated_memory_stats",
+        "mem_get_info",
+        "memory_stats",
+        "memory_summary",
+        "empty_cache",
+        "set_per_process_memory_fraction",
+        "manual_seed",
+        "manual_seed_all",
+        "seed",
+        "seed_all",
+        "initial_seed",
+        "get_rng_state",
+        "get_rng_state_all",
+        "set_rng_state",
+        "set_rng_state_all",
     ),
     "torch.cuda.nvtx": ("range_push", "range_pop", "mark"),
     "torch.accelerator": (
-        "current_accelerator", ("current_device_index", "current_device"), ("current_device_idx", "current_device"),
-        ("set_device_index", "set_device"), ("set_device_idx", "set_device"), "current_stream", "set_stream",
-        "synchronize", ("get_device_capability", "accelerator_device_capability"),
-        ("device_index", "device_index_context"), "empty_cache", ("get_memory_info", "mem_get_info"),
-        "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-        "reset_peak_memory_stats", "reset_accumulated_memory_stats",
+        "current_accelerator",
+        ("current_device_index", "current_device"),
+        ("current_device_idx", "current_device"),
+        ("set_device_index", "set_device"),
+        ("set_device_idx", "set_device"),
+        "current_stream",
+        "set_stream",
+        "synchronize",
+        ("get_device_capability", "accelerator_device_capability"),
+        ("device_index", "device_index_context"),
+        "empty_cache",
+        ("get_memory_info", "mem_get_info"),
+        "memory_stats",
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+        "reset_peak_memory_stats",
+        "reset_accumulated_memory_stats",
     ),
     "torch.accelerator.memory": ("empty_host_cache",),
     # torch.backends.cudnn is a PropModule forwarding to the real module in ``.m``: that one is
     # patched, so nothing is left in the wrapper's own __dict__ after unpatching.
-    "torch.backends.cudnn": (("is_available", "cudnn_is_available"), ("version", "cudnn_version"),
-                             ("is_acceptable", "cudnn_is_acceptable")),
+    "torch.backends.cudnn": (
+        ("is_available", "cudnn_is_available"),
+        ("version", "cudnn_version"),
+        ("is_acceptable", "cudnn_is_acceptable"),
+    ),
     "torch.backends.cuda": ("is_built",),
 }
 
@@ -553,7 +646,7 @@ def _module(name: str) -> Any:
     return getattr(obj, "m", obj) if name == "torch.backends.cudnn" else obj
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Make the run's surface (``rt.cuda``) and apply :data:`SURFACE` through ``rt.patcher``."""
     surface = rt.cuda = CudaSurface(rt)
     rt.engine.set_stream_type(surface.Stream)

@@ -25,8 +25,9 @@ def cuda_index(device: Any, current: int) -> int | None:
     if device is None:
         return None
     if isinstance(device, bool):  # (bool is an int subclass; torch rejects it too)
-        raise InvalidDeviceError(f"a device must be an int, a string such as 'cuda:0' or a torch.device, "
-                                 f"got {device!r}")
+        raise InvalidDeviceError(
+            f"a device must be an int, a string such as 'cuda:0' or a torch.device, got {device!r}"
+        )
     if isinstance(device, int):
         return device
     # (torch is imported by whoever passes a device; this module must not import it itself:
@@ -39,8 +40,9 @@ def cuda_index(device: Any, current: int) -> int | None:
         try:
             device = torch.device(device)
         except RuntimeError as exc:
-            raise InvalidDeviceError(f"invalid device string {device!r}; expected e.g. 'cuda', 'cuda:1' "
-                                     "or 'cpu'") from exc
+            raise InvalidDeviceError(
+                f"invalid device string {device!r}; expected e.g. 'cuda', 'cuda:1' or 'cpu'"
+            ) from exc
     if isinstance(device, torch.device):
         if device.type != "cuda":
             return None
@@ -48,13 +50,36 @@ def cuda_index(device: Any, current: int) -> int | None:
     idx = getattr(device, "idx", None)  # a torch.cuda.device(...) context object
     if isinstance(idx, int) and not isinstance(idx, bool):
         return idx
-    raise InvalidDeviceError(f"a device must be an int, a string such as 'cuda:0' or a torch.device, "
-                             f"got {type(device).__name__} {device!r}")
+    raise InvalidDeviceError(
+        f"a device must be an int, a string such as 'cuda:0' or a torch.device, got {type(device).__name__} {device!r}"
+    )
 
 
 # Device types torch knows besides CUDA (strings of these are "not CUDA", not errors).
-_OTHER_TYPES = frozenset(("cpu", "meta", "mps", "xpu", "xla", "hpu", "ipu", "mtia", "privateuseone", "lazy",
-                          "vulkan", "ort", "ve", "fpga", "maia", "hip", "opengl", "opencl", "ideep", "mkldnn"))
+_OTHER_TYPES = frozenset(
+    (
+        "cpu",
+        "meta",
+        "mps",
+        "xpu",
+        "xla",
+        "hpu",
+        "ipu",
+        "mtia",
+        "privateuseone",
+        "lazy",
+        "vulkan",
+        "ort",
+        "ve",
+        "fpga",
+        "maia",
+        "hip",
+        "opengl",
+        "opencl",
+        "ideep",
+        "mkldnn",
+    )
+)
 
 
 def check_ordinal(index: Any, count: int) -> int:

@@ -43,7 +43,8 @@ import importlib.util
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -60,9 +61,19 @@ from .tensor import EmuTensor, from_meta, host_shadow, peer_copy, set_host_shado
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "EmulatedDDP", "EmulatedReducer", "EmulatedLogger", "map_backend", "allreduce_seconds",
-           "allgather_seconds", "reduce_scatter_seconds", "broadcast_seconds", "all_to_all_seconds",
-           "interconnect_bandwidth"]
+__all__ = [
+    "install",
+    "EmulatedDDP",
+    "EmulatedReducer",
+    "EmulatedLogger",
+    "map_backend",
+    "allreduce_seconds",
+    "allgather_seconds",
+    "reduce_scatter_seconds",
+    "broadcast_seconds",
+    "all_to_all_seconds",
+    "interconnect_bandwidth",
+]
 
 # NCCL's all-reduce bus bandwidth within a node reaches about 80% of the NVLink bandwidth per
 # direction (the datasheet's total / 2): nccl-tests on DGX A100 ~230 of 300 GB/s, on H100 SXM
@@ -75,12 +86,35 @@ _RING_STEP_LATENCY = 8e-6  # seconds per ring step (NCCL's small-message latency
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 # The unpatched c10d functions (this module is imported before install patches them).
-_ORIG = {name: getattr(_c10d, name) for name in
-         ("init_process_group", "new_group", "all_reduce", "all_reduce_coalesced", "broadcast", "reduce",
-          "all_gather", "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_single",
-          "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter", "scatter", "gather",
-          "all_to_all_single", "all_to_all", "barrier", "isend", "irecv", "send", "recv")
-         if hasattr(_c10d, name)}
+_ORIG = {
+    name: getattr(_c10d, name)
+    for name in (
+        "init_process_group",
+        "new_group",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "_all_gather_base",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "reduce_scatter",
+        "scatter",
+        "gather",
+        "all_to_all_single",
+        "all_to_all",
+        "barrier",
+        "isend",
+        "irecv",
+        "send",
+        "recv",
+    )
+    if hasattr(_c10d, name)
+}
 # The single-tensor all-gather and reduce-scatter every other name calls (``all_gather_single``
 # since torch 2.13; ``all_gather_into_tensor`` calls it). Host tensors go to these, never to a
 # name that would call back into a patched one.
@@ -179,8 +213,12 @@ def _lockstep(group: Any, value: float) -> float:
 
 def _knows(t: Any) -> bool:
     # (complex values would need two reals per element on the wire: left unknown)
-    return (isinstance(t, EmuTensor) and t.numel() <= SHADOW_MAX_ELEMENTS and not t.dtype.is_complex
-            and host_shadow(t) is not None)
+    return (
+        isinstance(t, EmuTensor)
+        and t.numel() <= SHADOW_MAX_ELEMENTS
+        and not t.dtype.is_complex
+        and host_shadow(t) is not None
+    )
 
 
 def _proxy_dtype(t: torch.Tensor) -> torch.dtype:
@@ -220,9 +258,16 @@ def _values_op(op: Any) -> tuple[Any, bool]:
     return None, False
 
 
-_FUNCOL_OPS = {"sum": ("SUM", False), "avg": ("SUM", True), "max": ("MAX", False), "min": ("MIN", False),
-               "product": ("PRODUCT", False), "band": ("BAND", False), "bor": ("BOR", False),
-               "bxor": ("BXOR", False)}
+_FUNCOL_OPS = {
+    "sum": ("SUM", False),
+    "avg": ("SUM", True),
+    "max": ("MAX", False),
+    "min": ("MIN", False),
+    "product": ("PRODUCT", False),
+    "band": ("BAND", False),
+    "bor": ("BOR", False),
+    "bxor": ("BXOR", False),
+}
 
 
 def _outside(group: Any) -> bool:
@@ -237,7 +282,7 @@ def _group_rank(group: Any) -> int:
 class _Comms:
     """Charging emulated collectives of one run (closed over by the patched functions)."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
     def bandwidth(self, dev: int) -> float:
@@ -292,33 +337,55 @@ class EmulatedLogger:
     communication time of the emulated timeline in ns), errors; ``_get_ddp_logging_data`` keys as
     the real one's."""
 
-    def __init__(self, reducer: "EmulatedReducer") -> None:
+    def __init__(self, reducer: EmulatedReducer) -> None:
         self.reducer = reducer
         self.strs: dict[str, str] = {}
         self.ints: dict[str, int] = {}
 
-    def set_construction_data_and_log(self, module_name: str, device_ids: Any, output_device: int,
-                                      broadcast_buffers: bool, has_sync_bn: bool = False,
-                                      static_graph: bool = False) -> None:
+    def set_construction_data_and_log(
+        self,
+        module_name: str,
+        device_ids: Any,
+        output_device: int,
+        broadcast_buffers: bool,
+        has_sync_bn: bool = False,
+        static_graph: bool = False,
+    ) -> None:
         r = self.reducer
-        self.strs.update(module_name=module_name, device_ids=", ".join(str(d) for d in device_ids),
-                         backend_name=str(dist.get_backend(r.process_group)),
-                         dtypes=", ".join(sorted({str(p.dtype).replace("torch.", "") for p in r.params})),
-                         bucket_sizes=", ".join(str(b) for b in r.bucket_bytes))
-        self.ints.update(world_size=r.world, rank=_group_rank(r.process_group), output_device=int(output_device),
-                         broadcast_buffers=int(bool(broadcast_buffers)), has_sync_bn=int(bool(has_sync_bn)),
-                         static_graph=int(bool(static_graph)), bucket_cap_bytes=int(r.bucket_cap),
-                         find_unused_parameters=int(r.find_unused), gradient_as_bucket_view=int(r.as_view),
-                         is_multi_device_module=0, num_parameter_tensors=len(r.params),
-                         total_parameter_size_bytes=int(sum(r.bucket_bytes)), iteration=0)
+        self.strs.update(
+            module_name=module_name,
+            device_ids=", ".join(str(d) for d in device_ids),
+            backend_name=str(dist.get_backend(r.process_group)),
+            dtypes=", ".join(sorted({str(p.dtype).replace("torch.", "") for p in r.params})),
+            bucket_sizes=", ".join(str(b) for b in r.bucket_bytes),
+        )
+        self.ints.update(
+            world_size=r.world,
+            rank=_group_rank(r.process_group),
+            output_device=int(output_device),
+            broadcast_buffers=int(bool(broadcast_buffers)),
+            has_sync_bn=int(bool(has_sync_bn)),
+            static_graph=int(bool(static_graph)),
+            bucket_cap_bytes=int(r.bucket_cap),
+            find_unused_parameters=int(r.find_unused),
+            gradient_as_bucket_view=int(r.as_view),
+            is_multi_device_module=0,
+            num_parameter_tensors=len(r.params),
+            total_parameter_size_bytes=int(sum(r.bucket_bytes)),
+            iteration=0,
+        )
 
     def set_runtime_stats_and_log(self) -> None:
         r = self.reducer
         self.ints["iteration"] = r.iterations
         if r.iterations:
-            self.ints.update(num_buckets_reduced=len(r.bucket_bytes), unused_parameter_size=0,
-                             has_rebuilt_buckets=0, backward_comm_time=int(r.last_comm_seconds * 1e9),
-                             avg_backward_comm_time=int(r.comm_seconds / r.iterations * 1e9))
+            self.ints.update(
+                num_buckets_reduced=len(r.bucket_bytes),
+                unused_parameter_size=0,
+                has_rebuilt_buckets=0,
+                backward_comm_time=int(r.last_comm_seconds * 1e9),
+                avg_backward_comm_time=int(r.comm_seconds / r.iterations * 1e9),
+            )
             if r.find_unused and not r.static_graph:
                 # The emulated reducer always sees every parameter used: the graph is static.
                 self.ints["can_set_static_graph"] = 1
@@ -350,8 +417,9 @@ class EmulatedReducer:
     their gradients are ready) and the ranks meet once. The flat gradient buckets are allocated
     on the GPU (a second copy of the gradients unless ``gradient_as_bucket_view``)."""
 
-    def __init__(self, ddp: "EmulatedDDP", params: list[torch.Tensor], bucket_cap: int, find_unused: bool,
-                 as_view: bool) -> None:
+    def __init__(
+        self, ddp: EmulatedDDP, params: list[torch.Tensor], bucket_cap: int, find_unused: bool, as_view: bool
+    ) -> None:
         rt = ddp._gpemu_rt
         self.rt = rt
         self._ddp = weakref.ref(ddp)
@@ -426,8 +494,7 @@ class EmulatedReducer:
 
     def _check_reducer_finalized(self) -> None:
         if self._queued:
-            raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a "
-                               "new one.")
+            raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
 
     def _reset_state(self) -> None:
         self.expect_sync = False
@@ -456,7 +523,8 @@ class EmulatedReducer:
         if stream is not None:
             engine = self.rt.engine
             finish = max(stream.busy_until, engine.now()) + allreduce_seconds(
-                self.grad_bytes, self.world, self._bandwidth())
+                self.grad_bytes, self.world, self._bandwidth()
+            )
         _lockstep(self.process_group, finish)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([torch.zeros(0)])
@@ -518,8 +586,7 @@ class EmulatedReducer:
         if measured is not None:
             finish = backward_end + measured
         else:
-            finish = _overlapped_finish(backward_start, backward_end, self.bucket_bytes, self.world,
-                                        self._bandwidth())
+            finish = _overlapped_finish(backward_start, backward_end, self.bucket_bytes, self.world, self._bandwidth())
         # Ranks wait for the slowest one: the all-reduce ends when the last rank's ends. (Issued
         # when the backward ended: the message's own host time is the emulator's.)
         finish = _lockstep(self.process_group, finish)
@@ -543,35 +610,43 @@ class EmulatedDDP(_TorchDDP):
         object.__setattr__(self, "_gpemu_batch", None)
         object.__setattr__(self, "_gpemu_measured", {})  # per-GPU batch -> exposed comm seconds
         super().__init__(*args, **kwargs)
-        rt.say_once("DistributedDataParallel is emulated: gradient all-reduce time is a ring estimate "
-                    "over the GPUs' interconnect; ranks stay in lock-step through real gloo messages")
+        rt.say_once(
+            "DistributedDataParallel is emulated: gradient all-reduce time is a ring estimate "
+            "over the GPUs' interconnect; ranks stay in lock-step through real gloo messages"
+        )
 
     # ---------------------------------------------------------------- the C++ parts, emulated
     def _ddp_init_helper(self, parameters: list, *args: Any, **kwargs: Any) -> None:
         cap = int(getattr(self, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES) or _DEFAULT_BUCKET_BYTES)
-        self.reducer = EmulatedReducer(self, list(parameters), cap, bool(self.find_unused_parameters),
-                                       bool(self.gradient_as_bucket_view))
+        self.reducer = EmulatedReducer(
+            self, list(parameters), cap, bool(self.find_unused_parameters), bool(self.gradient_as_bucket_view)
+        )
         self.logger = EmulatedLogger(self.reducer)
         self.reducer.set_logger(self.logger)
         has_sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())
         self.logger.set_construction_data_and_log(
-            type(self.module).__name__, [] if self.device_ids is None else self.device_ids,
+            type(self.module).__name__,
+            [] if self.device_ids is None else self.device_ids,
             -1 if self.output_device is None else self.output_device,
-            bool(getattr(self, "forward_sync_buffers", getattr(self, "broadcast_buffers", True))), has_sync_bn,
-            bool(args[2] if len(args) > 2 else kwargs.get("static_graph", False)))
+            bool(getattr(self, "forward_sync_buffers", getattr(self, "broadcast_buffers", True))),
+            has_sync_bn,
+            bool(args[2] if len(args) > 2 else kwargs.get("static_graph", False)),
+        )
         self._passing_sync_batchnorm_handle(self.module)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         self._check_comm_hook(hook)
         self.logger._set_comm_hook_name(getattr(hook, "__qualname__", repr(hook)))
         self._comm_hooks.append((hook, state))
-        self._gpemu_rt.say_once("DDP communication hooks are accepted but not run: the all-reduce is emulated "
-                                "at full size")
+        self._gpemu_rt.say_once(
+            "DDP communication hooks are accepted but not run: the all-reduce is emulated at full size"
+        )
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         self.logger._set_comm_hook_name(str(comm_hook_type))
-        self._gpemu_rt.say_once("DDP communication hooks are accepted but not run: the all-reduce is emulated "
-                                "at full size")
+        self._gpemu_rt.say_once(
+            "DDP communication hooks are accepted but not run: the all-reduce is emulated at full size"
+        )
 
     def _match_unused_params_allreduce(self) -> None:
         pass  # the emulated reducer sends no used-parameter map a joined rank would have to mirror
@@ -630,11 +705,16 @@ class EmulatedDDP(_TorchDDP):
                 iteration = rt.db.lookup(gpu, identity.name, batch, "ddp_iteration", world)
                 fwd, _ = forward_seconds(rt, identity, batch, device)
                 bwd, _ = backward_seconds(rt, identity, batch, device)
-                step = (rt.db.lookup(gpu, identity.name, batch, "optimizer_step").value
-                        if rt.db.has(gpu, identity.name, "optimizer_step") else 0.0)
+                step = (
+                    rt.db.lookup(gpu, identity.name, batch, "optimizer_step").value
+                    if rt.db.has(gpu, identity.name, "optimizer_step")
+                    else 0.0
+                )
                 value = max(0.0, iteration.value - fwd - bwd - step)
-                rt.say_once(f"DDP all-reduce of {identity.name} on {world} x {gpu}: from the database's "
-                            f"ddp_iteration ({iteration.provenance}) minus forward, backward and step")
+                rt.say_once(
+                    f"DDP all-reduce of {identity.name} on {world} x {gpu}: from the database's "
+                    f"ddp_iteration ({iteration.provenance}) minus forward, backward and step"
+                )
         except Exception as exc:  # the estimate below still applies
             if rt.config.debug:
                 rt.say_once(f"DDP: measured all-reduce time unavailable ({exc!r}); using the ring estimate")
@@ -699,16 +779,22 @@ class _C10d(_Comms):
     def dev(self, t: torch.Tensor) -> int:
         return t.device.index or 0
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+    ) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["all_reduce"](tensor, op=op, group=group, async_op=async_op)
         if _outside(group):
             return None
         dev, world = self.dev(tensor), self.world(group)
         vop, average = _values_op(op)
-        everyone, work = self.run(dev, allreduce_seconds(_tensor_bytes(tensor), world, self.bandwidth(dev)),
-                                  "all_reduce", group, _knows(tensor) and vop is not None)
+        everyone, work = self.run(
+            dev,
+            allreduce_seconds(_tensor_bytes(tensor), world, self.bandwidth(dev)),
+            "all_reduce",
+            group,
+            _knows(tensor) and vop is not None,
+        )
         value = None
         if everyone:
             value, work = self._reduced(tensor, vop, group, world if average else 1)
@@ -724,8 +810,9 @@ class _C10d(_Comms):
         self.values()
         return (value / divide if divide != 1 else value), work
 
-    def all_reduce_coalesced(self, tensors: list, op: Any = dist.ReduceOp.SUM, group: Any = None,
-                             async_op: bool = False) -> Any:
+    def all_reduce_coalesced(
+        self, tensors: list, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+    ) -> Any:
         tensors = list(tensors)
         if not any(_is_emulated(t) for t in tensors):
             return _ORIG["all_reduce_coalesced"](tensors, op=op, group=group, async_op=async_op)
@@ -734,8 +821,13 @@ class _C10d(_Comms):
         dev, world = self.dev(next(t for t in tensors if _is_emulated(t))), self.world(group)
         vop, average = _values_op(op)
         nbytes = sum(_tensor_bytes(t) for t in tensors)
-        everyone, work = self.run(dev, allreduce_seconds(nbytes, world, self.bandwidth(dev)), "all_reduce_coalesced",
-                                  group, all(_knows(t) or not _is_emulated(t) for t in tensors) and vop is not None)
+        everyone, work = self.run(
+            dev,
+            allreduce_seconds(nbytes, world, self.bandwidth(dev)),
+            "all_reduce_coalesced",
+            group,
+            all(_knows(t) or not _is_emulated(t) for t in tensors) and vop is not None,
+        )
         for t in tensors:
             value = None
             if everyone:
@@ -746,8 +838,14 @@ class _C10d(_Comms):
     def p2p_seconds(self, t: torch.Tensor, dev: int) -> float:
         return _tensor_bytes(t) / self.bandwidth(dev) + _RING_STEP_LATENCY
 
-    def isend(self, tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
-              group_dst: int | None = None) -> Any:
+    def isend(
+        self,
+        tensor: torch.Tensor,
+        dst: int | None = None,
+        group: Any = None,
+        tag: int = 0,
+        group_dst: int | None = None,
+    ) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["isend"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
         if _outside(group):
@@ -769,8 +867,14 @@ class _C10d(_Comms):
         self.rt.recorder.add_many(("comm_collectives", 1.0), ("comm_messages", 1.0))
         return work
 
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
-              group_src: int | None = None) -> Any:
+    def irecv(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: Any = None,
+        tag: int = 0,
+        group_src: int | None = None,
+    ) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["irecv"](tensor, src=src, group=group, tag=tag, group_src=group_src)
         if _outside(group):
@@ -795,8 +899,14 @@ class _C10d(_Comms):
         _store(tensor, value)
         return work
 
-    def send(self, tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
-             group_dst: int | None = None) -> None:
+    def send(
+        self,
+        tensor: torch.Tensor,
+        dst: int | None = None,
+        group: Any = None,
+        tag: int = 0,
+        group_dst: int | None = None,
+    ) -> None:
         if not _is_emulated(tensor):
             return _ORIG["send"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
         if _outside(group):
@@ -804,8 +914,14 @@ class _C10d(_Comms):
         self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
         return None
 
-    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
-             group_src: int | None = None) -> int:
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: Any = None,
+        tag: int = 0,
+        group_src: int | None = None,
+    ) -> int:
         if not _is_emulated(tensor):
             return _ORIG["recv"](tensor, src=src, group=group, tag=tag, group_src=group_src)
         if _outside(group):
@@ -815,16 +931,27 @@ class _C10d(_Comms):
             return work._source_rank()
         return src if src is not None else dist.get_global_rank(group or dist.group.WORLD, group_src)
 
-    def broadcast(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, async_op: bool = False,
-                  group_src: int | None = None) -> Any:
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: Any = None,
+        async_op: bool = False,
+        group_src: int | None = None,
+    ) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["broadcast"](tensor, src=src, group=group, async_op=async_op, group_src=group_src)
         if _outside(group):
             return None
         dev = self.dev(tensor)
         is_src = (_group_rank(group) == group_src) if group_src is not None else (dist.get_rank() == src)
-        everyone, work = self.run(dev, broadcast_seconds(_tensor_bytes(tensor), self.world(group), self.bandwidth(dev)),
-                                  "broadcast", group, _knows(tensor) if is_src else True)
+        everyone, work = self.run(
+            dev,
+            broadcast_seconds(_tensor_bytes(tensor), self.world(group), self.bandwidth(dev)),
+            "broadcast",
+            group,
+            _knows(tensor) if is_src else True,
+        )
         value = None
         if everyone:
             value = _proxy(tensor) if is_src else torch.zeros(tensor.numel(), dtype=_proxy_dtype(tensor))
@@ -834,8 +961,15 @@ class _C10d(_Comms):
         _store(tensor, value)
         return _done(work, async_op)
 
-    def reduce(self, tensor: torch.Tensor, dst: int | None = None, op: Any = dist.ReduceOp.SUM, group: Any = None,
-               async_op: bool = False, group_dst: int | None = None) -> Any:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int | None = None,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+        group_dst: int | None = None,
+    ) -> Any:
         if not _is_emulated(tensor):
             return _ORIG["reduce"](tensor, dst=dst, op=op, group=group, async_op=async_op, group_dst=group_dst)
         if _outside(group):
@@ -843,8 +977,13 @@ class _C10d(_Comms):
         dev, world = self.dev(tensor), self.world(group)
         vop, average = _values_op(op)
         is_dst = (_group_rank(group) == group_dst) if group_dst is not None else (dist.get_rank() == dst)
-        everyone, work = self.run(dev, broadcast_seconds(_tensor_bytes(tensor), world, self.bandwidth(dev)),
-                                  "reduce", group, _knows(tensor) and vop is not None)
+        everyone, work = self.run(
+            dev,
+            broadcast_seconds(_tensor_bytes(tensor), world, self.bandwidth(dev)),
+            "reduce",
+            group,
+            _knows(tensor) and vop is not None,
+        )
         if everyone:
             value = _proxy(tensor)
             work = _ORIG["all_reduce"](value, op=vop, group=group, async_op=True)
@@ -862,32 +1001,41 @@ class _C10d(_Comms):
         if _outside(group):
             return None
         dev, world = self.dev(tensor if _is_emulated(tensor) else tensor_list[0]), self.world(group)
-        everyone, work = self.run(dev, allgather_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
-                                  "all_gather", group, _knows(tensor) or not _is_emulated(tensor))
+        everyone, work = self.run(
+            dev,
+            allgather_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
+            "all_gather",
+            group,
+            _knows(tensor) or not _is_emulated(tensor),
+        )
         if everyone:
             proxy = _proxy(tensor)
             outs = [torch.zeros_like(proxy) for _ in tensor_list]
             work = _ORIG["all_gather"](outs, proxy, group=group, async_op=True)
             work.wait()
             self.values()
-            for dst, value in zip(tensor_list, outs):
+            for dst, value in zip(tensor_list, outs, strict=False):
                 _store(dst, value)
         else:
             for dst in tensor_list:
                 _store(dst, None)
         return _done(work, async_op)
 
-    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
-                               async_op: bool = False) -> Any:
+    def all_gather_into_tensor(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
         if not (_is_emulated(input_tensor) or _is_emulated(output_tensor)):
             return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
         if _outside(group):
             return None
         dev = self.dev(output_tensor if _is_emulated(output_tensor) else input_tensor)
-        everyone, work = self.run(dev, allgather_seconds(_tensor_bytes(output_tensor), self.world(group),
-                                                         self.bandwidth(dev)),
-                                  "all_gather_into_tensor", group,
-                                  _knows(input_tensor) and output_tensor.numel() <= SHADOW_MAX_ELEMENTS)
+        everyone, work = self.run(
+            dev,
+            allgather_seconds(_tensor_bytes(output_tensor), self.world(group), self.bandwidth(dev)),
+            "all_gather_into_tensor",
+            group,
+            _knows(input_tensor) and output_tensor.numel() <= SHADOW_MAX_ELEMENTS,
+        )
         value = None
         if everyone:
             proxy = _proxy(input_tensor)
@@ -898,29 +1046,50 @@ class _C10d(_Comms):
         _store(output_tensor, value)
         return _done(work, async_op)
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                              group: Any = None, async_op: bool = False) -> Any:
+    def reduce_scatter_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         if not (_is_emulated(input) or _is_emulated(output)):
             return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
         if _outside(group):
             return None
         return self._reduce_scatter(output, input, op, group, async_op, "reduce_scatter_tensor")
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list, op: Any = dist.ReduceOp.SUM, group: Any = None,
-                       async_op: bool = False) -> Any:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         if not (_is_emulated(output) or any(_is_emulated(t) for t in input_list)):
             return _ORIG["reduce_scatter"](output, input_list, op=op, group=group, async_op=async_op)
         if _outside(group):
             return None
         values = [host_shadow(t) if isinstance(t, EmuTensor) else t for t in input_list]
         known = all(v is not None for v in values) and sum(t.numel() for t in input_list) <= SHADOW_MAX_ELEMENTS
-        joined = torch.cat([_proxy(t, v) for t, v in zip(input_list, values)]) if known else None
+        joined = torch.cat([_proxy(t, v) for t, v in zip(input_list, values, strict=False)]) if known else None
         nbytes = sum(_tensor_bytes(t) for t in input_list)
         return self._reduce_scatter(output, None, op, group, async_op, "reduce_scatter", joined, nbytes, known)
 
-    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor | None, op: Any, group: Any, async_op: bool,
-                        name: str, joined: torch.Tensor | None = None, nbytes: int | None = None,
-                        known: bool | None = None) -> Any:
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor | None,
+        op: Any,
+        group: Any,
+        async_op: bool,
+        name: str,
+        joined: torch.Tensor | None = None,
+        nbytes: int | None = None,
+        known: bool | None = None,
+    ) -> Any:
         dev = self.dev(output if _is_emulated(output) else input)
         world = self.world(group)
         vop, average = _values_op(op)
@@ -928,8 +1097,13 @@ class _C10d(_Comms):
             nbytes = _tensor_bytes(input)
             known = _knows(input)
             joined = _proxy(input) if known else None
-        everyone, work = self.run(dev, reduce_scatter_seconds(nbytes, world, self.bandwidth(dev)), name, group,
-                                  bool(known) and vop is not None)
+        everyone, work = self.run(
+            dev,
+            reduce_scatter_seconds(nbytes, world, self.bandwidth(dev)),
+            name,
+            group,
+            bool(known) and vop is not None,
+        )
         value = None
         if everyone:
             # (gloo has no reduce-scatter of every dtype: an all-reduce, then this rank's share)
@@ -937,14 +1111,21 @@ class _C10d(_Comms):
             work.wait()
             self.values()
             rank, share = _group_rank(group), output.numel()
-            value = joined[rank * share:(rank + 1) * share]
+            value = joined[rank * share : (rank + 1) * share]
             if average:
                 value = value / world
         _store(output, value)
         return _done(work, async_op)
 
-    def scatter(self, tensor: torch.Tensor, scatter_list: list | None = None, src: int | None = None,
-                group: Any = None, async_op: bool = False, group_src: int | None = None) -> Any:
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list | None = None,
+        src: int | None = None,
+        group: Any = None,
+        async_op: bool = False,
+        group_src: int | None = None,
+    ) -> Any:
         if not (_is_emulated(tensor) or any(_is_emulated(t) for t in scatter_list or ())):
             return _ORIG["scatter"](tensor, scatter_list, src=src, group=group, async_op=async_op, group_src=group_src)
         if _outside(group):
@@ -954,10 +1135,14 @@ class _C10d(_Comms):
         share = tensor.numel()
         knows = True
         if is_src:
-            knows = bool(scatter_list) and all(_knows(t) or not _is_emulated(t) for t in scatter_list) \
+            knows = (
+                bool(scatter_list)
+                and all(_knows(t) or not _is_emulated(t) for t in scatter_list)
                 and share * world <= SHADOW_MAX_ELEMENTS
-        everyone, work = self.run(dev, broadcast_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
-                                  "scatter", group, knows)
+            )
+        everyone, work = self.run(
+            dev, broadcast_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)), "scatter", group, knows
+        )
         value = None
         if everyone:
             dtype = _proxy_dtype(tensor)
@@ -966,19 +1151,31 @@ class _C10d(_Comms):
             work.wait()
             self.values()
             rank = _group_rank(group)
-            value = joined[rank * share:(rank + 1) * share]
+            value = joined[rank * share : (rank + 1) * share]
         _store(tensor, value)
         return _done(work, async_op)
 
-    def gather(self, tensor: torch.Tensor, gather_list: list | None = None, dst: int | None = None, group: Any = None,
-               async_op: bool = False, group_dst: int | None = None) -> Any:
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list | None = None,
+        dst: int | None = None,
+        group: Any = None,
+        async_op: bool = False,
+        group_dst: int | None = None,
+    ) -> Any:
         if not (_is_emulated(tensor) or any(_is_emulated(t) for t in gather_list or ())):
             return _ORIG["gather"](tensor, gather_list, dst=dst, group=group, async_op=async_op, group_dst=group_dst)
         if _outside(group):
             return None
         dev, world = self.dev(tensor), self.world(group)
-        everyone, work = self.run(dev, broadcast_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
-                                  "gather", group, _knows(tensor))
+        everyone, work = self.run(
+            dev,
+            broadcast_seconds(_tensor_bytes(tensor) * world, world, self.bandwidth(dev)),
+            "gather",
+            group,
+            _knows(tensor),
+        )
         outs = None
         if everyone:
             proxy = _proxy(tensor)
@@ -990,21 +1187,35 @@ class _C10d(_Comms):
             _store(t, outs[i] if outs is not None else None)
         return _done(work, async_op)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
-                          input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         if not (_is_emulated(input) or _is_emulated(output)):
-            return _ORIG["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group,
-                                              async_op=async_op)
+            return _ORIG["all_to_all_single"](
+                output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+            )
         if _outside(group):
             return None
         dev = self.dev(output if _is_emulated(output) else input)
-        _, work = self.run(dev, all_to_all_seconds(_tensor_bytes(input), self.world(group), self.bandwidth(dev)),
-                           "all_to_all_single", group, False)
+        _, work = self.run(
+            dev,
+            all_to_all_seconds(_tensor_bytes(input), self.world(group), self.bandwidth(dev)),
+            "all_to_all_single",
+            group,
+            False,
+        )
         _store(output, None)
         return _done(work, async_op)
 
-    def all_to_all(self, output_tensor_list: list, input_tensor_list: list, group: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_to_all(
+        self, output_tensor_list: list, input_tensor_list: list, group: Any = None, async_op: bool = False
+    ) -> Any:
         if not any(_is_emulated(t) for t in (*output_tensor_list, *input_tensor_list)):
             return _ORIG["all_to_all"](output_tensor_list, input_tensor_list, group=group, async_op=async_op)
         if _outside(group):
@@ -1012,8 +1223,9 @@ class _C10d(_Comms):
         first = next(t for t in (*output_tensor_list, *input_tensor_list) if _is_emulated(t))
         dev = self.dev(first)
         nbytes = sum(_tensor_bytes(t) for t in input_tensor_list)
-        _, work = self.run(dev, all_to_all_seconds(nbytes, self.world(group), self.bandwidth(dev)), "all_to_all",
-                           group, False)
+        _, work = self.run(
+            dev, all_to_all_seconds(nbytes, self.world(group), self.bandwidth(dev)), "all_to_all", group, False
+        )
         for t in output_tensor_list:
             _store(t, None)
         return _done(work, async_op)
@@ -1033,9 +1245,15 @@ class _C10d(_Comms):
             # are never known, so the ranks meet once and the time is charged.
             dev = self.dev(emulated[0])
             nbytes = sum(_tensor_bytes(t) for t in emulated)
-            self.run(dev, broadcast_seconds(nbytes, dist.get_world_size(process_group), self.bandwidth(dev)),
-                     "broadcast parameters and buffers", process_group, False)
+            self.run(
+                dev,
+                broadcast_seconds(nbytes, dist.get_world_size(process_group), self.bandwidth(dev)),
+                "broadcast parameters and buffers",
+                process_group,
+                False,
+            )
             return None
+
         return _broadcast_coalesced
 
     def verify_params(self, original: Callable) -> Callable:
@@ -1051,12 +1269,15 @@ class _C10d(_Comms):
             t = torch.tensor([count, digest, -count, -digest], dtype=torch.float64)
             _ORIG["all_reduce"](t, op=_MAX, group=process_group)
             if t[0] != -t[2] or t[1] != -t[3]:
-                message = ("DDP expects same model across all ranks, but ranks have different parameters "
-                           f"(this rank: {len(tensors)} parameters; the largest count among ranks: {int(t[0])})")
+                message = (
+                    "DDP expects same model across all ranks, but ranks have different parameters "
+                    f"(this rank: {len(tensors)} parameters; the largest count among ranks: {int(t[0])})"
+                )
                 if logger is not None:
                     logger.set_error_and_log(message)
                 raise RuntimeError(message)
             return None
+
         return _verify_params_across_processes
 
 
@@ -1102,11 +1323,12 @@ class _Functional(_Comms):
         dev = inputs[0].device.index or 0
         world = dist.get_world_size(group)
         seconds = sum(allreduce_seconds(_tensor_bytes(t), world, self.bandwidth(dev)) for t in inputs)
-        everyone, _ = self.run(dev, seconds, "all_reduce", group,
-                               reduce_op in _FUNCOL_OPS and all(_knows(t) for t in inputs))
-        out = (args[0] if inplace else self.outputs(func, args, kwargs, dev))
+        everyone, _ = self.run(
+            dev, seconds, "all_reduce", group, reduce_op in _FUNCOL_OPS and all(_knows(t) for t in inputs)
+        )
+        out = args[0] if inplace else self.outputs(func, args, kwargs, dev)
         outs = out if isinstance(out, (list, tuple)) else [out]
-        for src, dst in zip(inputs, outs):
+        for src, dst in zip(inputs, outs, strict=False):
             _store(dst, self.reduce(_proxy(src), reduce_op, group) if everyone else None)
         return out
 
@@ -1115,11 +1337,16 @@ class _Functional(_Comms):
         world, group = int(args[1]), _resolve_group(args[2])
         dev = inputs[0].device.index or 0
         seconds = sum(allgather_seconds(_tensor_bytes(t) * world, world, self.bandwidth(dev)) for t in inputs)
-        everyone, _ = self.run(dev, seconds, "all_gather_into_tensor", group,
-                               all(_knows(t) and t.numel() * world <= SHADOW_MAX_ELEMENTS for t in inputs))
+        everyone, _ = self.run(
+            dev,
+            seconds,
+            "all_gather_into_tensor",
+            group,
+            all(_knows(t) and t.numel() * world <= SHADOW_MAX_ELEMENTS for t in inputs),
+        )
         out = kwargs["out"] if "out" in kwargs else self.outputs(func, args, kwargs, dev)
         outs = out if isinstance(out, (list, tuple)) else [out]
-        for src, dst in zip(inputs, outs):
+        for src, dst in zip(inputs, outs, strict=False):
             value = None
             if everyone:
                 proxy = _proxy(src)
@@ -1136,34 +1363,44 @@ class _Functional(_Comms):
         world = dist.get_world_size(group)
         dev = inputs[0].device.index or 0
         seconds = sum(reduce_scatter_seconds(_tensor_bytes(t), world, self.bandwidth(dev)) for t in inputs)
-        everyone, _ = self.run(dev, seconds, "reduce_scatter_tensor", group,
-                               reduce_op in _FUNCOL_OPS and all(_knows(t) for t in inputs))
+        everyone, _ = self.run(
+            dev, seconds, "reduce_scatter_tensor", group, reduce_op in _FUNCOL_OPS and all(_knows(t) for t in inputs)
+        )
         out = self.outputs(func, args, kwargs, dev)
         outs = out if isinstance(out, (list, tuple)) else [out]
         rank = _group_rank(group)
-        for src, dst in zip(inputs, outs):
+        for src, dst in zip(inputs, outs, strict=False):
             value = None
             if everyone:
                 full = self.reduce(_proxy(src), reduce_op, group)
                 share = dst.numel()
-                value = full[rank * share:(rank + 1) * share]
+                value = full[rank * share : (rank + 1) * share]
             _store(dst, value)
         return out
 
     def all_to_all(self, func: Any, args: tuple, kwargs: dict) -> Any:
         group = _resolve_group(args[3])
         dev = args[0].device.index or 0
-        self.run(dev, all_to_all_seconds(_tensor_bytes(args[0]), dist.get_world_size(group), self.bandwidth(dev)),
-                 "all_to_all_single", group, False)
+        self.run(
+            dev,
+            all_to_all_seconds(_tensor_bytes(args[0]), dist.get_world_size(group), self.bandwidth(dev)),
+            "all_to_all_single",
+            group,
+            False,
+        )
         return self.outputs(func, args, kwargs, dev)
 
     def broadcast(self, func: Any, args: tuple, kwargs: dict, inplace: bool = False) -> Any:
         tensor, src, group = args[0], int(args[1]), _resolve_group(args[2])
         dev = tensor.device.index or 0
         is_src = _group_rank(group) == src
-        everyone, _ = self.run(dev, broadcast_seconds(_tensor_bytes(tensor), dist.get_world_size(group),
-                                                      self.bandwidth(dev)),
-                               "broadcast", group, _knows(tensor) if is_src else True)
+        everyone, _ = self.run(
+            dev,
+            broadcast_seconds(_tensor_bytes(tensor), dist.get_world_size(group), self.bandwidth(dev)),
+            "broadcast",
+            group,
+            _knows(tensor) if is_src else True,
+        )
         out = tensor if inplace else self.outputs(func, args, kwargs, dev)
         value = None
         if everyone:
@@ -1237,7 +1474,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _patch_dtensor(rt: "Runtime", module: Any) -> None:
+def _patch_dtensor(rt: Runtime, module: Any) -> None:
     """``DTensor`` reports the device of an emulated local tensor (its C-level wrapper is made on
     the local tensor's real device, ``meta``), so parameters sharded by FSDP2 or tensor
     parallelism are CUDA parameters to optimizers, ``Module.to``, FSDP's checks and the user."""
@@ -1278,11 +1515,16 @@ def _patch_dtensor(rt: "Runtime", module: Any) -> None:
 # --------------------------------------------------------------------------------------------
 def _has_hooks(module: nn.Module) -> bool:
     g = torch.nn.modules.module
-    if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-            or g._global_backward_pre_hooks):
+    if (
+        g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    ):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in module.modules())
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in module.modules()
+    )
 
 
 def _leaf_spec(x: Any) -> Any:
@@ -1296,8 +1538,9 @@ class _MirrorPlan:
 
     __slots__ = ("rt", "dev", "dev0", "spans", "names", "since", "out_specs", "saved", "progress")
 
-    def __init__(self, rt: "Runtime", dev: int, dev0: int, spans: list, since: int, out_specs: list, saved: int,
-                 progress: dict) -> None:
+    def __init__(
+        self, rt: Runtime, dev: int, dev0: int, spans: list, since: int, out_specs: list, saved: int, progress: dict
+    ) -> None:
         self.rt, self.dev, self.dev0, self.spans, self.since = rt, dev, dev0, spans, since
         self.names = {name for _, name, _ in spans}
         self.out_specs, self.saved, self.progress = out_specs, saved, progress
@@ -1322,9 +1565,9 @@ class _Mirror(torch.autograd.Function):
         ctx.shapes = [(t.shape, t.dtype) for t in tensors]
         ts = rt.tensors
         outs = []
-        for shape, stride, offset, dtype, nbytes, grad in plan.out_specs:
+        for shape, stride, offset, dtype, nbytes, _grad in plan.out_specs:
             outs.append(ts.wrap(shape, stride, offset, dtype, plan.dev, mem.allocate(nbytes) if nbytes else None))
-        ctx.mark_non_differentiable(*[o for o, spec in zip(outs, plan.out_specs) if not spec[5]])
+        ctx.mark_non_differentiable(*[o for o, spec in zip(outs, plan.out_specs, strict=False) if not spec[5]])
         return tuple(outs)
 
     @staticmethod
@@ -1347,7 +1590,7 @@ class _Mirror(torch.autograd.Function):
         torch.autograd.Variable._execution_engine.queue_callback(charge)
         ts = rt.tensors
         out = [None]
-        for (shape, dtype), needed in zip(ctx.shapes, ctx.needs_input_grad[1:]):
+        for (shape, dtype), needed in zip(ctx.shapes, ctx.needs_input_grad[1:], strict=False):
             out.append(from_meta(ts, torch.empty(shape, dtype=dtype, device="meta"), plan.dev) if needed else None)
         return tuple(out)
 
@@ -1362,7 +1605,7 @@ class _Replicas(list):
         self.module, self.devices, self.detach = module, devices, detach
 
 
-def _install_data_parallel(rt: "Runtime") -> None:
+def _install_data_parallel(rt: Runtime) -> None:
     """torch.nn.DataParallel across emulated GPUs.
 
     Its scatter/broadcast/gather/reduce primitives are C functions of the CUDA build; here they
@@ -1386,7 +1629,7 @@ def _install_data_parallel(rt: "Runtime") -> None:
     parallel_apply_module = importlib.import_module("torch.nn.parallel.parallel_apply")
 
     device_index = rt.cuda.device_index
-    progress: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+    progress: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
     def cuda(index: int) -> torch.device:
         return torch.device("cuda", index)
@@ -1403,17 +1646,24 @@ def _install_data_parallel(rt: "Runtime") -> None:
     def broadcast_coalesced(tensors: Any, devices: Any, buffer_size: int = 10485760) -> list:
         return [[copy_to(t, d) for t in tensors] for d in indices(devices)]
 
-    def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None, dim: int = 0,
-                streams: Any = None, *, out: Any = None) -> tuple:
+    def scatter(
+        tensor: torch.Tensor,
+        devices: Any = None,
+        chunk_sizes: Any = None,
+        dim: int = 0,
+        streams: Any = None,
+        *,
+        out: Any = None,
+    ) -> tuple:
         if out is not None:
             chunks = tensor.split([o.shape[dim] for o in out], dim)
-            for o, c in zip(out, chunks):
+            for o, c in zip(out, chunks, strict=False):
                 o.copy_(c, non_blocking=True)
             return tuple(out)
         devs = indices(devices)
         chunks = tensor.split(list(chunk_sizes), dim) if chunk_sizes else tensor.chunk(len(devs), dim)
         outputs = []
-        for i, (c, d) in enumerate(zip(chunks, devs)):
+        for i, (c, d) in enumerate(zip(chunks, devs, strict=False)):
             with torch.cuda.stream(streams[i]) if streams else contextlib.nullcontext():
                 outputs.append(c.to(cuda(d), non_blocking=True) if c.device != cuda(d) else c.contiguous())
         return tuple(outputs)
@@ -1430,7 +1680,7 @@ def _install_data_parallel(rt: "Runtime") -> None:
     def reduce_add_coalesced(inputs: Any, destination: Any = None, buffer_size: int = 10485760) -> tuple:
         target = device_index(destination)
         result = []
-        for group in zip(*inputs):
+        for group in zip(*inputs, strict=False):
             total = None
             for t in group:
                 t = copy_to(t, target)
@@ -1453,23 +1703,23 @@ def _install_data_parallel(rt: "Runtime") -> None:
             return False
         leaves0, spec0 = tree_flatten((inputs[0], kwargs_tup[0]))
         key0 = [_leaf_spec(x) for x in leaves0]
-        for args, kwargs in zip(inputs[1:], kwargs_tup[1:]):
+        for args, kwargs in zip(inputs[1:], kwargs_tup[1:], strict=False):
             leaves, spec = tree_flatten((args, kwargs))
             if spec != spec0 or [_leaf_spec(x) for x in leaves] != key0:
                 return False
         return True
 
-    def replicas_of(deferred: "_Replicas") -> list:
+    def replicas_of(deferred: _Replicas) -> list:
         """torch's replicas for the devices after the first (the same as DataParallel makes)."""
         return torch_replicate(deferred.module, deferred.devices[1:], deferred.detach)
 
-    def apply_deferred(deferred: "_Replicas", inputs: Any, kwargs_tup: Any, devices: list) -> list:
+    def apply_deferred(deferred: _Replicas, inputs: Any, kwargs_tup: Any, devices: list) -> list:
         origin = deferred.module
         devs = [device_index(d) for d in devices]
         dev0 = devs[0]
         if not mirrorable(origin, inputs, kwargs_tup):
             replicas = [origin, *replicas_of(deferred)]
-            return [run_replica(m, a, k, d) for m, a, k, d in zip(replicas, inputs, kwargs_tup, devs)]
+            return [run_replica(m, a, k, d) for m, a, k, d in zip(replicas, inputs, kwargs_tup, devs, strict=False)]
         spans = rt.recorder.spans
         mem0 = rt.memory[dev0]
         before_spans, before_mem = len(spans), mem0.allocated
@@ -1480,26 +1730,31 @@ def _install_data_parallel(rt: "Runtime") -> None:
         if not own or any(s.kind != "forward" for s in own) or not all(isinstance(o, EmuTensor) for o in tensors):
             # Device 0's work was priced op by op (a first call): the replicas run as they are.
             replicas = replicas_of(deferred)
-            return [out0] + [run_replica(m, a, k, d) for m, a, k, d in zip(replicas, inputs[1:], kwargs_tup[1:],
-                                                                           devs[1:])]
+            return [out0] + [
+                run_replica(m, a, k, d)
+                for m, a, k, d in zip(replicas, inputs[1:], kwargs_tup[1:], devs[1:], strict=False)
+            ]
         # The parameters and buffers are broadcast as replicate() does (the parameter copies carry
         # each replica's gradients back); the replica modules themselves are not needed.
         # (Buffer copies, which replicate() also makes, would be dropped at once: not made.)
         copies = _broadcast_coalesced_reshape(list(origin.parameters()), devs[1:], deferred.detach)
-        out_specs = [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, _tensor_bytes(o), o.requires_grad)
-                     for o in tensors]
+        out_specs = [
+            (tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, _tensor_bytes(o), o.requires_grad)
+            for o in tensors
+        ]
         saved = max(0, mem0.allocated - before_mem - sum(spec[4] for spec in out_specs))
         plan_spans = [(s.kind, s.name, s.end - s.start) for s in own]
         done = progress.setdefault(origin, {})
         since = len(spans)
         outputs = [out0]
-        for j, (args, kwargs, dev) in enumerate(zip(inputs[1:], kwargs_tup[1:], devs[1:])):
+        for j, (args, kwargs, dev) in enumerate(zip(inputs[1:], kwargs_tup[1:], devs[1:], strict=False)):
             plan = _MirrorPlan(rt, dev, dev0, plan_spans, since, out_specs, saved, done)
             grads_from = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
             grads_from += [p for p in copies[j] if isinstance(p, torch.Tensor)]
             mirrored_out = iter(_Mirror.apply(plan, *grads_from))
-            outputs.append(tree_unflatten([next(mirrored_out) if isinstance(o, torch.Tensor) else o
-                                           for o in out_leaves], out_spec))
+            outputs.append(
+                tree_unflatten([next(mirrored_out) if isinstance(o, torch.Tensor) else o for o in out_leaves], out_spec)
+            )
         rt.recorder.add("dp_mirrored_replicas", float(len(devs) - 1))
         return outputs
 
@@ -1510,13 +1765,18 @@ def _install_data_parallel(rt: "Runtime") -> None:
             return apply_deferred(modules, inputs, kwargs_tup, list(devices or modules.devices))
         if devices is None:
             devices = [None] * len(modules)
-        return [run_replica(m, a, k, d) for m, a, k, d in zip(modules, inputs, kwargs_tup, devices)]
+        return [run_replica(m, a, k, d) for m, a, k, d in zip(modules, inputs, kwargs_tup, devices, strict=False)]
 
     rt.patcher.replace_everywhere_many(
         (getattr(module, name), new)
-        for module, name, new in ((comm, "broadcast_coalesced", broadcast_coalesced), (comm, "scatter", scatter),
-                                  (comm, "gather", gather), (comm, "reduce_add_coalesced", reduce_add_coalesced),
-                                  (parallel_apply_module, "parallel_apply", parallel_apply)))
+        for module, name, new in (
+            (comm, "broadcast_coalesced", broadcast_coalesced),
+            (comm, "scatter", scatter),
+            (comm, "gather", gather),
+            (comm, "reduce_add_coalesced", reduce_add_coalesced),
+            (parallel_apply_module, "parallel_apply", parallel_apply),
+        )
+    )
     # The background copy streams of torch's Scatter, one per device (as torch keeps them): a
     # batch copied from the host does not wait for the device's compute stream.
     side_streams: dict[int, Any] = {}
@@ -1537,7 +1797,7 @@ def _install_data_parallel(rt: "Runtime") -> None:
         streams = [get_stream(d) for d in target_gpus] if ctx.input_device == -1 else None
         outputs = scatter(input, target_gpus, chunk_sizes, dim, streams)
         if streams is not None:  # the compute streams wait for the copies (GPU side)
-            for d, stream in zip(target_gpus, streams):
+            for d, stream in zip(target_gpus, streams, strict=False):
                 with torch.cuda.device(d):
                     torch.cuda.current_stream().wait_stream(stream)
         return outputs
@@ -1564,7 +1824,7 @@ def _install_data_parallel(rt: "Runtime") -> None:
 # --------------------------------------------------------------------------------------------
 # install
 # --------------------------------------------------------------------------------------------
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     original_init = _ORIG["init_process_group"]
     original_new_group = _ORIG["new_group"]
 
@@ -1592,29 +1852,52 @@ def install(rt: "Runtime") -> None:
 
     c10d = _C10d(rt)
     replacements: dict[str, Any] = {
-        "init_process_group": init_process_group, "new_group": new_group, "is_nccl_available": is_nccl_available,
+        "init_process_group": init_process_group,
+        "new_group": new_group,
+        "is_nccl_available": is_nccl_available,
     }
-    for name in ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-                 "reduce_scatter_tensor", "reduce_scatter", "scatter", "gather", "all_to_all_single", "all_to_all",
-                 "barrier", "isend", "irecv", "send", "recv"):
+    for name in (
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "reduce_scatter",
+        "scatter",
+        "gather",
+        "all_to_all_single",
+        "all_to_all",
+        "barrier",
+        "isend",
+        "irecv",
+        "send",
+        "recv",
+    ):
         replacements[name] = getattr(c10d, name)
     # Other names of the single-tensor all-gather and reduce-scatter, where this torch has them.
-    for name, ours in (("all_gather_single", c10d.all_gather_into_tensor),
-                       ("_all_gather_base", c10d.all_gather_into_tensor),
-                       ("reduce_scatter_single", c10d.reduce_scatter_tensor),
-                       ("_reduce_scatter_base", c10d.reduce_scatter_tensor)):
+    for name, ours in (
+        ("all_gather_single", c10d.all_gather_into_tensor),
+        ("_all_gather_base", c10d.all_gather_into_tensor),
+        ("reduce_scatter_single", c10d.reduce_scatter_tensor),
+        ("_reduce_scatter_base", c10d.reduce_scatter_tensor),
+    ):
         if name in _ORIG:
             replacements[name] = ours
     # One pass over torch's modules replaces every by-name copy (torch.distributed re-exports
     # c10d's functions; other modules import them by name).
-    rt.patcher.replace_everywhere_many([(getattr(_c10d, name), new) for name, new in replacements.items()
-                                        if getattr(_c10d, name, None) is not None])
+    rt.patcher.replace_everywhere_many(
+        [(getattr(_c10d, name), new) for name, new in replacements.items() if getattr(_c10d, name, None) is not None]
+    )
     for name, new in replacements.items():
         if getattr(dist, name, None) is not new:
             rt.patcher.replace(dist, name, new)
     # The C++ collectives DDP's Python calls at construction and for buffer syncs.
-    for name, make in (("_broadcast_coalesced", c10d.broadcast_coalesced),
-                       ("_verify_params_across_processes", c10d.verify_params)):
+    for name, make in (
+        ("_broadcast_coalesced", c10d.broadcast_coalesced),
+        ("_verify_params_across_processes", c10d.verify_params),
+    ):
         original = getattr(dist, name, None)
         if original is not None:
             rt.patcher.replace(dist, name, make(original))

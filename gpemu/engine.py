@@ -23,8 +23,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,7 +40,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "TimeEngine", "VirtualStream", "EmuEvent", "GpuTimeBackend", "install", "calibrate_return_allowance",
+    "TimeEngine",
+    "VirtualStream",
+    "EmuEvent",
+    "GpuTimeBackend",
+    "install",
+    "calibrate_return_allowance",
 ]
 # A wake-up later than this is not forgiven (something other than scheduling noise held us).
 _MAX_FORGIVEN_LATENESS = 0.05
@@ -50,13 +56,13 @@ _MAX_FORGIVEN_WORK = 0.05
 # The return allowance (see calibrate_return_allowance). On a shared VM the first microseconds
 # after a wait of a millisecond or more run with cold caches (here: a return + call path of
 # 0.3 us warm takes 2-4 us), so it is calibrated for short and for long waits separately.
-_LONG_WAIT_S = 1e-3           # a wait at least this long gets the long-wait allowance
+_LONG_WAIT_S = 1e-3  # a wait at least this long gets the long-wait allowance
 # Calibration (rounds, wait length, quantile taken). Long waits: the lower quartile, because the
 # cold-cache cost varies with the machine's load (0.6-0.9 us median here when quiet, 1.2-2.6 us
 # under load): the allowance should not exceed what the program will really see.
-_CAL_SHORT = (200, 5e-6, 0.5)   # ~2 ms in all
-_CAL_LONG = (30, 2e-3, 0.25)    # ~60 ms in all, once per process
-_MAX_ALLOWANCE = 20e-6        # a sane bound when the machine is too loaded to measure
+_CAL_SHORT = (200, 5e-6, 0.5)  # ~2 ms in all
+_CAL_LONG = (30, 2e-3, 0.25)  # ~60 ms in all, once per process
+_MAX_ALLOWANCE = 20e-6  # a sane bound when the machine is too loaded to measure
 _calibrated: tuple[float, float] | None = None
 
 
@@ -68,18 +74,17 @@ class HostState:
     the host's time is frozen at the moment the program called the emulator. (A plain object
     with slots: an attribute of a ``threading.local`` costs ~0.5 us to read here.)"""
 
-    __slots__ = ("late", "floor", "wait_deadline", "allowance", "scope", "depth", "entry", "current",
-                 "enter_stack")
+    __slots__ = ("late", "floor", "wait_deadline", "allowance", "scope", "depth", "entry", "current", "enter_stack")
 
     def __init__(self) -> None:
-        self.late = 0.0                  # forgiven host time: engine.now() = clock - late
-        self.floor = float("-inf")       # engine.now() never reads below the last waited deadline
+        self.late = 0.0  # forgiven host time: engine.now() = clock - late
+        self.floor = float("-inf")  # engine.now() never reads below the last waited deadline
         self.wait_deadline: float | None = None  # the wait settle() may still forgive (None: none)
-        self.allowance = 0.0             # return allowance of that wait
-        self.scope = 0                   # charged_scope depth
-        self.depth = 0                   # emulator entries open (0: the program's own code)
-        self.entry = 0.0                 # clock reading when the outermost one began (or its last wait ended)
-        self.current: dict | None = None      # device -> this thread's current stream (None: defaults)
+        self.allowance = 0.0  # return allowance of that wait
+        self.scope = 0  # charged_scope depth
+        self.depth = 0  # emulator entries open (0: the program's own code)
+        self.entry = 0.0  # clock reading when the outermost one began (or its last wait ended)
+        self.current: dict | None = None  # device -> this thread's current stream (None: defaults)
         self.enter_stack: list | None = None  # streams replaced by `with stream:` blocks
 
 
@@ -111,8 +116,8 @@ def _measure_return_path(rounds: int, wait: float, quantile: float) -> float:
     for _ in range(rounds):
         deadline = enqueue(wait, "op", "calibration")
         synchronize(0, "calibration")
-        back = perf()           # the program has control again
-        call = perf()           # the program calls enqueue
+        back = perf()  # the program has control again
+        call = perf()  # the program calls enqueue
         enqueue(1e-9, "op", "calibration")
         if local.wait_deadline != deadline or local.late >= _MAX_FORGIVEN_LATENESS:
             continue  # it did not wait, or it was held too long to tell
@@ -149,11 +154,16 @@ def calibrate_return_allowance(refresh: bool = False) -> tuple[float, float]:
 class TimeEngine:
     """All streams of all emulated devices of one run, and the host's sync points."""
 
-    def __init__(self, num_devices: int, recorder: Recorder | None = None, clock: Clock | None = None,
-                 granularity: str = "iteration",
-                 return_allowance: float | tuple[float, float] | None = None,
-                 memory: Sequence[Any] | None = None,
-                 current_device: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        num_devices: int,
+        recorder: Recorder | None = None,
+        clock: Clock | None = None,
+        granularity: str = "iteration",
+        return_allowance: float | tuple[float, float] | None = None,
+        memory: Sequence[Any] | None = None,
+        current_device: Callable[[], int] | None = None,
+    ) -> None:
         """``return_allowance``: host seconds after each sync wait that are the emulator's own
         return path (from its last clock reading back to the program) plus its entry path (from
         the program's next enqueue call to the clock reading there); see :meth:`_waited`. One
@@ -169,8 +179,10 @@ class TimeEngine:
         if return_allowance is not None:
             pair = return_allowance if isinstance(return_allowance, tuple) else (return_allowance,) * 2
             if len(pair) != 2 or not all(isinstance(v, (int, float)) and 0 <= v <= _MAX_ALLOWANCE for v in pair):
-                raise ValueError(f"return_allowance must be seconds in [0, {_MAX_ALLOWANCE}] or a pair of "
-                                 f"them (short wait, long wait), got {return_allowance!r}")
+                raise ValueError(
+                    f"return_allowance must be seconds in [0, {_MAX_ALLOWANCE}] or a pair of "
+                    f"them (short wait, long wait), got {return_allowance!r}"
+                )
         self.num_devices = num_devices
         self.recorder = recorder if recorder is not None else Recorder()
         self.wake_late_s = 0.0  # wake-up lateness forgiven (the recorder's "wake_late_s")
@@ -202,7 +214,7 @@ class TimeEngine:
     def check_device(self, device: int) -> int:
         return check_ordinal(device, self.num_devices)
 
-    def set_stream_type(self, stream_type: "type[VirtualStream]") -> None:
+    def set_stream_type(self, stream_type: type[VirtualStream]) -> None:
         """Make every stream of this engine (the default streams too) an instance of
         ``stream_type``, a :class:`VirtualStream` subclass (the torch.cuda surface's
         ``torch.cuda.Stream``, so ``isinstance(torch.cuda.current_stream(), torch.cuda.Stream)``
@@ -212,7 +224,7 @@ class TimeEngine:
         self._stream_type = stream_type
         self._default = [VirtualStream.make(stream_type, self, d, 0, 0) for d in range(self.num_devices)]
 
-    def default_stream(self, device: int) -> "VirtualStream":
+    def default_stream(self, device: int) -> VirtualStream:
         return self._default[self.check_device(device)]
 
     def next_stream_id(self, device: int) -> int:
@@ -223,10 +235,10 @@ class TimeEngine:
             self._next_stream_id[device] = sid + 1
         return sid
 
-    def new_stream(self, device: int, priority: int = 0) -> "VirtualStream":
+    def new_stream(self, device: int, priority: int = 0) -> VirtualStream:
         return VirtualStream.make(self._stream_type, self, device, priority, self.next_stream_id(device))
 
-    def stream(self, device: int) -> "VirtualStream":
+    def stream(self, device: int) -> VirtualStream:
         """The calling thread's current stream on ``device`` (default stream unless set)."""
         current = self.local.host.current
         if current is not None:
@@ -235,7 +247,7 @@ class TimeEngine:
                 return s
         return self._default[device]
 
-    def set_stream(self, stream: "VirtualStream") -> "VirtualStream":
+    def set_stream(self, stream: VirtualStream) -> VirtualStream:
         """Make ``stream`` current on its device for this thread; returns the previous one."""
         if not isinstance(stream, VirtualStream) or stream._engine is not self:
             raise TypeError(f"expected a gpemu stream of this run, got {stream!r}")
@@ -247,7 +259,7 @@ class TimeEngine:
         return previous
 
     @contextmanager
-    def use_stream(self, stream: "VirtualStream | None") -> Iterator["VirtualStream | None"]:
+    def use_stream(self, stream: VirtualStream | None) -> Iterator[VirtualStream | None]:
         """``with engine.use_stream(s):`` work enqueued on s's device goes to s (torch.cuda.stream)."""
         if stream is None:  # torch.cuda.stream(None) is a no-op
             yield None
@@ -459,7 +471,7 @@ class TimeEngine:
             local.entry = last
             local.depth = depth
 
-    def enqueue_wait(self, stream: "VirtualStream", seconds: float, kind: str, name: str, reason: str) -> None:
+    def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
         """``stream.enqueue(seconds, kind, name)`` then ``stream.synchronize(reason)`` in one
         call: a blocking copy (every pageable input batch)."""
         if self._backend is not None:
@@ -476,8 +488,16 @@ class TimeEngine:
             self.leave()
 
     # ------------------------------------------------------------------ enqueue
-    def _enqueue(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
-                 peak_bytes: int, at: float | None = None, now: float | None = None) -> float:
+    def _enqueue(
+        self,
+        stream: VirtualStream,
+        seconds: float,
+        kind: str,
+        name: str,
+        peak_bytes: int,
+        at: float | None = None,
+        now: float | None = None,
+    ) -> float:
         if now is None:
             # Read the host's time first: the emulator's own checks below are not the program's.
             local = self.local.host
@@ -584,8 +604,9 @@ class TimeEngine:
         for w in workers.values():
             w.stop()
 
-    def _enqueue_backend(self, stream: "VirtualStream", seconds: float, kind: str, name: str,
-                         peak_bytes: int, now: float) -> float:
+    def _enqueue_backend(
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+    ) -> float:
         device = stream.device_index
         self._pending[device].append((stream.stream_id, seconds, kind, name, now, peak_bytes))
         if self.granularity == "forward-backward" and kind == "backward":
@@ -711,8 +732,7 @@ class VirtualStream:
         self._init(engine, device, priority, stream_id)
 
     @staticmethod
-    def make(cls: "type[VirtualStream]", engine: TimeEngine, device: int, priority: int,
-             stream_id: int) -> "VirtualStream":
+    def make(cls: type[VirtualStream], engine: TimeEngine, device: int, priority: int, stream_id: int) -> VirtualStream:
         """A stream of class ``cls`` (a subclass with its own constructor) without calling it."""
         s = cls.__new__(cls)
         s._init(engine, device, priority, stream_id)
@@ -768,7 +788,7 @@ class VirtualStream:
             return not eng._pending[self.device_index] and (w is None or w.done_ticket >= w.last_ticket)
         return self.busy_until <= eng.now()
 
-    def wait_event(self, event: "EmuEvent") -> None:
+    def wait_event(self, event: EmuEvent) -> None:
         """Work enqueued later on this stream starts only after ``event`` (GPU side; host goes on)."""
         if not isinstance(event, EmuEvent):
             raise TypeError(f"wait_event expects a torch.cuda.Event, got {type(event).__name__}")
@@ -789,11 +809,11 @@ class VirtualStream:
                 if event._time > eng._device_busy[self.device_index]:
                     eng._device_busy[self.device_index] = event._time
 
-    def wait_stream(self, stream: "VirtualStream") -> None:
+    def wait_stream(self, stream: VirtualStream) -> None:
         """Later work on this stream waits for all work already enqueued on ``stream``."""
         self.wait_event(stream.record_event())
 
-    def record_event(self, event: "EmuEvent | None" = None) -> "EmuEvent":
+    def record_event(self, event: EmuEvent | None = None) -> EmuEvent:
         event = EmuEvent(self._engine) if event is None else event
         event.record(self)
         return event
@@ -808,7 +828,7 @@ class VirtualStream:
     def device_type(self) -> int:
         return 1  # c10::DeviceType::CUDA
 
-    def __enter__(self) -> "VirtualStream":
+    def __enter__(self) -> VirtualStream:
         prev = self._engine.set_stream(self)
         stack = self._engine.local.host.enter_stack
         if stack is None:
@@ -824,8 +844,12 @@ class VirtualStream:
         return False
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, VirtualStream) and other._engine is self._engine
-                and other.device_index == self.device_index and other.stream_id == self.stream_id)
+        return (
+            isinstance(other, VirtualStream)
+            and other._engine is self._engine
+            and other.device_index == self.device_index
+            and other.stream_id == self.stream_id
+        )
 
     def __hash__(self) -> int:
         return hash((id(self._engine), self.device_index, self.stream_id))
@@ -842,19 +866,27 @@ class EmuEvent:
     code constructs ``torch.cuda.Event(...)``, a subclass the torch.cuda surface binds to its run).
     """
 
-    def __init__(self, home: TimeEngine, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False, external: bool = False) -> None:
+    def __init__(
+        self,
+        home: TimeEngine,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        external: bool = False,
+    ) -> None:
         if interprocess:
-            raise ValueError("gpemu: interprocess CUDA events cannot be shared between emulated "
-                             "processes; use enable_timing/blocking only")
+            raise ValueError(
+                "gpemu: interprocess CUDA events cannot be shared between emulated "
+                "processes; use enable_timing/blocking only"
+            )
         self.enable_timing = bool(enable_timing)
         self.blocking = bool(blocking)
         self.interprocess = False
         self._home = home
         self._engine: TimeEngine | None = None
         self._device: int | None = None
-        self._time: float | None = None   # GPU time the event completes (local mode)
-        self._ticket: int | None = None   # backend mode: worker ticket that completes it
+        self._time: float | None = None  # GPU time the event completes (local mode)
+        self._ticket: int | None = None  # backend mode: worker ticket that completes it
 
     def record(self, stream: VirtualStream | None = None) -> None:
         """Mark the point after all work currently enqueued on ``stream`` (current stream if None)."""
@@ -913,7 +945,7 @@ class EmuEvent:
             stream = home.stream(home.current_device())
         stream.wait_event(self)
 
-    def elapsed_time(self, end_event: "EmuEvent") -> float:
+    def elapsed_time(self, end_event: EmuEvent) -> float:
         """Milliseconds of emulated GPU time from this event to ``end_event``."""
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
@@ -921,8 +953,9 @@ class EmuEvent:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         if not (self.query() and end_event.query()):
             # as CUDA's cudaErrorNotReady: the caller must synchronize first
-            raise RuntimeError("CUDA error: device not ready (gpemu: synchronize the end event "
-                               "before calling elapsed_time)")
+            raise RuntimeError(
+                "CUDA error: device not ready (gpemu: synchronize the end event before calling elapsed_time)"
+            )
         if self._ticket is not None:
             self.synchronize()
         if end_event._ticket is not None:
@@ -948,14 +981,20 @@ class EmuEvent:
 # ---------------------------------------------------------------------------------------------
 # component install
 # ---------------------------------------------------------------------------------------------
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Create the run's engine (``rt.engine``) on the configured clock (``config.clock``: tests
     use :class:`gpemu.clock.VirtualClock`) with the configured return allowance and spin margin
     (``config.tuning``)."""
     tuning = rt.config.tuning
     clock = rt.config.clock if rt.config.clock is not None else RealClock(tuning.spin_margin)
-    engine = TimeEngine(rt.num_devices, rt.recorder, clock=clock, granularity=rt.config.sharing_granularity,
-                        return_allowance=tuning.return_allowance, memory=rt.memory,
-                        current_device=lambda: rt.current_device)
+    engine = TimeEngine(
+        rt.num_devices,
+        rt.recorder,
+        clock=clock,
+        granularity=rt.config.sharing_granularity,
+        return_allowance=tuning.return_allowance,
+        memory=rt.memory,
+        current_device=lambda: rt.current_device,
+    )
     rt.engine = engine
     rt.patcher.on_restore(engine.close)

@@ -37,14 +37,22 @@ class _ScaleMirror:
         self.growth = int(growth)
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Patch ``torch.amp.GradScaler`` (and so ``torch.cuda.amp.GradScaler``) for this run."""
     from torch.amp import grad_scaler as gs
 
     cls = gs.GradScaler
-    orig = {name: cls.__dict__[name] for name in
-            ("_unscale_grads_", "_maybe_opt_step", "update", "get_scale", "_get_growth_tracker",
-             "load_state_dict")}
+    orig = {
+        name: cls.__dict__[name]
+        for name in (
+            "_unscale_grads_",
+            "_maybe_opt_step",
+            "update",
+            "get_scale",
+            "_get_growth_tracker",
+            "load_state_dict",
+        )
+    }
 
     def emulated(self: Any) -> bool:
         return getattr(self, "_device", None) == "cuda" and getattr(self, "_enabled", False)
@@ -102,13 +110,14 @@ def install(rt: "Runtime") -> None:
                 m.scale = new_scale
             else:
                 if not (isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 and not new_scale.requires_grad):
-                    raise AssertionError("new_scale should be a float or a 1-element torch.cuda.FloatTensor "
-                                         "or torch.FloatTensor with requires_grad=False.")
+                    raise AssertionError(
+                        "new_scale should be a float or a 1-element torch.cuda.FloatTensor "
+                        "or torch.FloatTensor with requires_grad=False."
+                    )
                 m.scale = float(new_scale.item())
             m.growth = 0
         else:
-            found = [f for state in self._per_optimizer_states.values()
-                     for f in state["found_inf_per_device"].values()]
+            found = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
             if len(found) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
             m.growth += 1
@@ -137,9 +146,14 @@ def install(rt: "Runtime") -> None:
         if emulated(self):
             self.__dict__["_gpemu_mirror"] = _ScaleMirror(state_dict["scale"], state_dict["_growth_tracker"])
 
-    for name, fn in (("_unscale_grads_", _unscale_grads_), ("_maybe_opt_step", _maybe_opt_step),
-                     ("update", update), ("get_scale", get_scale), ("_get_growth_tracker", _get_growth_tracker),
-                     ("load_state_dict", load_state_dict)):
+    for name, fn in (
+        ("_unscale_grads_", _unscale_grads_),
+        ("_maybe_opt_step", _maybe_opt_step),
+        ("update", update),
+        ("get_scale", get_scale),
+        ("_get_growth_tracker", _get_growth_tracker),
+        ("load_state_dict", load_state_dict),
+    ):
         fn.__name__ = name
         fn.__qualname__ = f"GradScaler.{name}"
         rt.patcher.replace(cls, name, fn)

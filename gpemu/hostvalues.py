@@ -31,13 +31,21 @@ meta tensors only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = [
-    "SHADOW_MAX_ELEMENTS", "POLICY", "host_values", "scalar_value", "known_factory_value",
-    "data_dependent_shape", "DATA_DEPENDENT_OPS", "RANDOM_FACTORIES", "VALUE_INDEPENDENT_OPS",
+    "SHADOW_MAX_ELEMENTS",
+    "POLICY",
+    "host_values",
+    "scalar_value",
+    "known_factory_value",
+    "data_dependent_shape",
+    "DATA_DEPENDENT_OPS",
+    "RANDOM_FACTORIES",
+    "VALUE_INDEPENDENT_OPS",
 ]
 
 aten = torch.ops.aten
@@ -57,8 +65,22 @@ POLICY = (
 
 # Factories whose values are random or uninitialised: their values are unknown (uninitialised
 # memory reads as zeros either way; unknown, nothing is computed from it on the host).
-RANDOM_FACTORIES = frozenset(("rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
-                              "normal", "empty", "empty_like", "empty_strided", "empty_permuted"))
+RANDOM_FACTORIES = frozenset(
+    (
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "normal",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "empty_permuted",
+    )
+)
 
 
 def host_values(shape: torch.Size, dtype: torch.dtype, shadow: torch.Tensor | None) -> torch.Tensor:
@@ -86,14 +108,23 @@ def scalar_value(dtype: torch.dtype, shadow: torch.Tensor | None) -> bool | int 
 # is known even when the input's values are not. (``*_like`` factories are not among them: autograd makes every
 # implicit gradient with ``ones_like``, and gradients must stay unknown, see below.)
 VALUE_INDEPENDENT_OPS = frozenset(
-    op for op in (
-        aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.fill_.Scalar, aten.fill.Scalar, aten.zero_.default,
+    op
+    for op in (
+        aten.new_ones.default,
+        aten.new_zeros.default,
+        aten.new_full.default,
+        aten.fill_.Scalar,
+        aten.fill.Scalar,
+        aten.zero_.default,
         getattr(getattr(aten, "zero", None), "default", None),
-    ) if op is not None)
+    )
+    if op is not None
+)
 
 
-def known_factory_value(factory: Callable, name: str, host_args: tuple, kwargs: dict,
-                        meta: torch.Tensor) -> torch.Tensor | None:
+def known_factory_value(
+    factory: Callable, name: str, host_args: tuple, kwargs: dict, meta: torch.Tensor
+) -> torch.Tensor | None:
     """The shadow of a factory's emulated result (``torch.ones(3, device='cuda')``): its real
     values computed on the host when small and deterministic, zeros for ``empty*``, else None.
     ``host_args``: the factory's arguments with emulated tensors replaced by their host values."""
@@ -123,8 +154,7 @@ def _unique(func: Any, margs: list, mkw: dict) -> Any:
     name = func.overloadpacket.__name__
     n = x.numel()
     flat = torch.empty((n,), dtype=x.dtype, device=_META)
-    inverse = torch.empty(x.shape if name != "unique_dim" else (x.shape[margs[1]],), dtype=torch.int64,
-                          device=_META)
+    inverse = torch.empty(x.shape if name != "unique_dim" else (x.shape[margs[1]],), dtype=torch.int64, device=_META)
     counts = torch.empty((n,), dtype=torch.int64, device=_META)
     if name == "unique_dim":
         flat = torch.empty(x.shape, dtype=x.dtype, device=_META)
@@ -177,12 +207,14 @@ DATA_DEPENDENT_OPS: dict[Any, tuple[str, Callable[[Any, list, dict], Any]]] = {
 }
 # Ops whose result is computed from known values (shadows) when every input has one; boolean
 # assignment never is (it writes into a tensor whose other values may be unknown).
-_FROM_KNOWN_VALUES = frozenset(op for op in DATA_DEPENDENT_OPS
-                               if op not in (aten.index_put_, aten.index_put, aten._index_put_impl_))
+_FROM_KNOWN_VALUES = frozenset(
+    op for op in DATA_DEPENDENT_OPS if op not in (aten.index_put_, aten.index_put, aten._index_put_impl_)
+)
 
 
-def data_dependent_shape(func: Any, margs: list, mkw: dict, host_args: list | None,
-                         host_kwargs: dict | None) -> tuple[str, Any] | None:
+def data_dependent_shape(
+    func: Any, margs: list, mkw: dict, host_args: list | None, host_kwargs: dict | None
+) -> tuple[str, Any] | None:
     """How to emulate an op whose output shape depends on values (its meta kernel refused):
 
     * ``("host", result)`` — the real result, computed on the inputs' known values

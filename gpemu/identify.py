@@ -41,14 +41,14 @@ _DATASET_CLASSES = 1000  # the profiled torchvision models are ImageNet classifi
 class ModelIdentity:
     """What gpemu knows about one user module. Compared by identity (one object per module)."""
 
-    name: str | None                 # dataset model name (None when estimated)
-    source: str                      # "configured" | "fingerprint" | "estimated"
+    name: str | None  # dataset model name (None when estimated)
+    source: str  # "configured" | "fingerprint" | "estimated"
     class_name: str
     param_count: int
     fingerprint: str
-    info: "ModelInfo | None" = None
+    info: ModelInfo | None = None
     # Identified submodules of a wrapper: their times add up to the wrapper's.
-    parts: tuple["ModelIdentity", ...] = ()
+    parts: tuple[ModelIdentity, ...] = ()
     # Models priced by their ops: per-(kind, batch, device) seconds of the calls that ran.
     estimates: dict[tuple[str, int, int], float] = field(default_factory=dict, repr=False)
     param_bytes: int = 0
@@ -66,7 +66,7 @@ def structural_fingerprint(module: nn.Module) -> str:
     one from torchvision with the same architecture have the same fingerprint.
     """
     h = hashlib.sha1()
-    for name, sub in module.named_modules():
+    for _name, sub in module.named_modules():
         h.update(type(sub).__name__.encode())
         for pname, p in sub.named_parameters(recurse=False):
             h.update(f"|{pname}{tuple(p.shape)}".encode())
@@ -78,18 +78,18 @@ def structural_fingerprint(module: nn.Module) -> str:
 class IdentifyState:
     """Identities found in one run (``rt.identities``, made on first use)."""
 
-    cache: "weakref.WeakKeyDictionary[nn.Module, ModelIdentity]" = field(default_factory=weakref.WeakKeyDictionary)
+    cache: weakref.WeakKeyDictionary[nn.Module, ModelIdentity] = field(default_factory=weakref.WeakKeyDictionary)
     configured_taken: bool = False  # the configured model was given to a module
 
 
-def _state(rt: "Runtime") -> IdentifyState:
+def _state(rt: Runtime) -> IdentifyState:
     st = rt.identities
     if st is None:
         st = rt.identities = IdentifyState()
     return st
 
 
-def identify(rt: "Runtime", module: nn.Module, quiet: bool = False) -> ModelIdentity:
+def identify(rt: Runtime, module: nn.Module, quiet: bool = False) -> ModelIdentity:
     """The identity of ``module`` (cached per module object for the run). ``quiet``: do not say
     that it matches no dataset model (a part of a model that was already said so)."""
     st = _state(rt)
@@ -116,7 +116,7 @@ def _counts(module: nn.Module) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
     return n, b, tuple(shapes)
 
 
-def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool = False) -> ModelIdentity:
+def _identify(rt: Runtime, module: nn.Module, st: IdentifyState, quiet: bool = False) -> ModelIdentity:
     count, nbytes, shapes = _counts(module)
     cls = type(module).__name__
     fp = structural_fingerprint(module)
@@ -126,26 +126,25 @@ def _identify(rt: "Runtime", module: nn.Module, st: IdentifyState, quiet: bool =
         info = rt.db.model(configured)  # UnknownNameError lists valid names
         if match is not None and match.name == info.name or (count > 0 and not st.configured_taken):
             st.configured_taken = True
-            rt.say_once(f"model {cls} ({count:,} parameters): GPU time of dataset model "
-                        f"{info.name!r} (configured)")
-            return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes,
-                                 param_shapes=shapes)
+            rt.say_once(f"model {cls} ({count:,} parameters): GPU time of dataset model {info.name!r} (configured)")
+            return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes, param_shapes=shapes)
     if match is not None:
         rt.say_once(f"model {cls} ({count:,} parameters) identified as {match.name!r} by its structure")
-        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes,
-                             param_shapes=shapes)
+        return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes, param_shapes=shapes)
     parts = tuple(_identified_children(rt, module, st))
     if parts:
         names = "+".join(p.name or "?" for p in parts)
         rt.say_once(f"model {cls}: GPU time of its identified submodule(s) {names}")
         return ModelIdentity(names, parts[0].source, cls, count, fp, None, parts=parts, param_bytes=nbytes)
     if count > 0 and not quiet:
-        rt.say_once(f"model {cls} ({count:,} parameters) matches no dataset model: GPU time estimated "
-                    f"from the ops it runs (set GPEMU_MODEL / gpemu.patch(model=...) to use a measured model)")
+        rt.say_once(
+            f"model {cls} ({count:,} parameters) matches no dataset model: GPU time estimated "
+            f"from the ops it runs (set GPEMU_MODEL / gpemu.patch(model=...) to use a measured model)"
+        )
     return ModelIdentity(None, "estimated", cls, count, fp, None, param_bytes=nbytes)
 
 
-def _match_structure(rt: "Runtime", module: nn.Module, cls: str, count: int, fp: str) -> "ModelInfo | None":
+def _match_structure(rt: Runtime, module: nn.Module, cls: str, count: int, fp: str) -> ModelInfo | None:
     if count == 0:
         return None
     candidates = rt.db.models_by_structure(cls, count)
@@ -185,7 +184,7 @@ def _count_with_dataset_head(module: nn.Module, count: int) -> int | None:
     return count - out * (fan_in + bias) + _DATASET_CLASSES * (fan_in + bias)
 
 
-def _identified_children(rt: "Runtime", module: nn.Module, st: IdentifyState) -> list[ModelIdentity]:
+def _identified_children(rt: Runtime, module: nn.Module, st: IdentifyState) -> list[ModelIdentity]:
     """Outermost submodules that match a dataset model (depth-first, not below a match)."""
     found: list[ModelIdentity] = []
 
@@ -198,8 +197,9 @@ def _identified_children(rt: "Runtime", module: nn.Module, st: IdentifyState) ->
             fp = structural_fingerprint(child)
             info = _match_structure(rt, child, cls, count, fp)
             if info is not None:
-                ident = ModelIdentity(info.name, "fingerprint", cls, count, fp, info, param_bytes=nbytes,
-                                      param_shapes=shapes)
+                ident = ModelIdentity(
+                    info.name, "fingerprint", cls, count, fp, info, param_bytes=nbytes, param_shapes=shapes
+                )
                 try:
                     st.cache[child] = ident
                 except TypeError:

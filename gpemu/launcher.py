@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .config import ConfigError, EmuConfig
 
@@ -41,8 +42,11 @@ def build_config(gpu: str | None = None, gpus: str | int | None = None, **settin
         else:
             raise ConfigError("--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100)")
     config = EmuConfig.from_env(gpu=gpu, **overrides)
-    if (gpu is not None or "num_gpus" in overrides) and "device_gpus" not in overrides \
-            and config.device_gpus is not None:
+    if (
+        (gpu is not None or "num_gpus" in overrides)
+        and "device_gpus" not in overrides
+        and config.device_gpus is not None
+    ):
         # Explicit --gpu/--gpus flags win over a per-device list inherited from the environment.
         config = config.replace(device_gpus=None, num_gpus=overrides.get("num_gpus", config.num_gpus))
     _validate(config)
@@ -87,8 +91,9 @@ def command_argv(command: Sequence[str], module: str | None = None) -> list[str]
     if module:
         return [sys.executable, "-m", module, *args]
     if not args:
-        raise ConfigError("nothing to run: give a command after `--`, e.g. "
-                          "`gpemu run --gpu V100 -- python train.py`, or `-m module`")
+        raise ConfigError(
+            "nothing to run: give a command after `--`, e.g. `gpemu run --gpu V100 -- python train.py`, or `-m module`"
+        )
     if args[0].endswith(".py"):
         return [sys.executable, *args]
     return args

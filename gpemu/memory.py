@@ -20,8 +20,9 @@ boundaries by the replay path (never per op).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +31,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from .units import format_bytes
 
-__all__ = ["MemoryTracker", "Block", "GroupBlock", "SubBlock", "PeakScope", "install", "round_size", "MIN_BLOCK",
-           "SEGMENT"]
+__all__ = [
+    "MemoryTracker",
+    "Block",
+    "GroupBlock",
+    "SubBlock",
+    "PeakScope",
+    "install",
+    "round_size",
+    "MIN_BLOCK",
+    "SEGMENT",
+]
 
 MIN_BLOCK = 512
 SEGMENT = 2 * 1024 * 1024
@@ -54,7 +64,7 @@ class Block:
     __slots__ = ("tracker", "size", "__weakref__")
     parent = None  # a share of a group allocation has one (SubBlock)
 
-    def __init__(self, tracker: "MemoryTracker", size: int) -> None:
+    def __init__(self, tracker: MemoryTracker, size: int) -> None:
         self.tracker = tracker
         self.size = size
 
@@ -72,7 +82,7 @@ class Block:
         except Exception:  # interpreter shutdown: nothing left to account for
             pass
 
-    def __deepcopy__(self, memo: dict) -> "Block":
+    def __deepcopy__(self, memo: dict) -> Block:
         # A copy of a tensor needs its own storage: new allocation of the same size.
         return self.tracker.allocate(self.size)
 
@@ -89,7 +99,7 @@ class GroupBlock(Block):
 
     __slots__ = ("held", "hidden", "exposed", "owner")
 
-    def __init__(self, tracker: "MemoryTracker", size: int) -> None:
+    def __init__(self, tracker: MemoryTracker, size: int) -> None:
         super().__init__(tracker, size)
         self.held = True
         # Kept here for the gradient sets (read by the emulated tensor's ``grad`` property, which
@@ -138,7 +148,7 @@ class SubBlock:
         return self.parent.address + self.offset
 
     @property
-    def tracker(self) -> "MemoryTracker":
+    def tracker(self) -> MemoryTracker:
         return self.parent.tracker
 
     def __deepcopy__(self, memo: dict) -> Block:
@@ -164,16 +174,16 @@ class MemoryTracker:
         if capacity <= 0:
             raise ValueError(f"GPU memory capacity must be positive, got {capacity!r} bytes")
         self.device = device
-        self.total = int(capacity)      # the GPU's memory
-        self.capacity = int(capacity)   # what this process may use (set_fraction lowers it)
+        self.total = int(capacity)  # the GPU's memory
+        self.capacity = int(capacity)  # what this process may use (set_fraction lowers it)
         self.recorder = recorder
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
-        self.sampled_peak = 0        # the highest allocation a memory sample has shown (see sample)
-        self.num_allocs = 0          # live blocks
-        self.num_alloc_calls = 0     # total allocations (memory_stats "allocation.all.allocated")
+        self.sampled_peak = 0  # the highest allocation a memory sample has shown (see sample)
+        self.num_allocs = 0  # live blocks
+        self.num_alloc_calls = 0  # total allocations (memory_stats "allocation.all.allocated")
         self.num_frees = 0
         self.num_ooms = 0
         self.num_alloc_retries = 0
@@ -251,7 +261,7 @@ class MemoryTracker:
         self._release(size)
 
     @contextmanager
-    def peak_scope(self) -> Iterator["PeakScope"]:
+    def peak_scope(self) -> Iterator[PeakScope]:
         """``with tracker.peak_scope() as scope:`` measures the peak of the work inside alone:
         the peak restarts at what is allocated on entry; on exit ``scope.peak`` holds the inside's
         peak and the tracker's peak is the larger of it and the peak before (fast paths record
@@ -350,12 +360,14 @@ class MemoryTracker:
         )
 
     def __repr__(self) -> str:
-        return (f"MemoryTracker(cuda:{self.device}, allocated={format_bytes(self.allocated)}, "
-                f"reserved={format_bytes(self.reserved)}, peak={format_bytes(self.peak_allocated)}, "
-                f"capacity={format_bytes(self.capacity)})")
+        return (
+            f"MemoryTracker(cuda:{self.device}, allocated={format_bytes(self.allocated)}, "
+            f"reserved={format_bytes(self.reserved)}, peak={format_bytes(self.peak_allocated)}, "
+            f"capacity={format_bytes(self.capacity)})"
+        )
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """One tracker per emulated device (``rt.memory``), sized from the GPU spec
     (``rt.gpus[i].memory_bytes``)."""
     rt.memory = [MemoryTracker(i, int(spec.memory_bytes), rt.recorder) for i, spec in enumerate(rt.gpus)]

@@ -25,9 +25,10 @@ per thread (``nn.DataParallel`` replicas run in threads).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextlib import nullcontext as _nothing
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -46,18 +47,50 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["install", "ModelTime", "CallRecord", "graph_nodes", "emulated_device", "PLAIN_VALUES"]
 
 # Values a replay can give back as they are (immutable, compared by value).
-PLAIN_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size, torch.memory_format,
-                torch.layout, slice, type(Ellipsis))
+PLAIN_VALUES = (
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.memory_format,
+    torch.layout,
+    slice,
+    type(Ellipsis),
+)
 
 
 class CallRecord:
     """What one op-by-op call of an outermost module measured (filled by
     :meth:`ModelTime.run_charged` when given one; the replay fast path keeps them)."""
 
-    __slots__ = ("out_specs", "treespec", "out_requires_grad", "all_diff", "saved_bytes", "fwd_extra",
-                 "bwd_extra", "fwd_seconds", "bwd_seconds", "label", "params", "grad_params", "grad_param_list",
-                 "batch", "ident", "dev", "profiled_peak", "not_replayable", "backward_pending", "owed",
-                 "__weakref__")
+    __slots__ = (
+        "out_specs",
+        "treespec",
+        "out_requires_grad",
+        "all_diff",
+        "saved_bytes",
+        "fwd_extra",
+        "bwd_extra",
+        "fwd_seconds",
+        "bwd_seconds",
+        "label",
+        "params",
+        "grad_params",
+        "grad_param_list",
+        "batch",
+        "ident",
+        "dev",
+        "profiled_peak",
+        "not_replayable",
+        "backward_pending",
+        "owed",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.out_specs: list | None = []  # (shape, stride, offset, dtype, bytes) per output; None: unusable
@@ -65,14 +98,14 @@ class CallRecord:
         self.out_requires_grad: list[bool] = []
         self.all_diff = True  # every output requires grad (none to mark non-differentiable)
         self.saved_bytes = 0  # kept from forward until backward (saved activations)
-        self.fwd_extra = 0    # used for a moment during forward, above what it ends with
-        self.bwd_extra = 0    # used for a moment during backward (set when the backward ends)
+        self.fwd_extra = 0  # used for a moment during forward, above what it ends with
+        self.bwd_extra = 0  # used for a moment during backward (set when the backward ends)
         self.fwd_seconds = 0.0
         self.bwd_seconds = 0.0
         self.label = ""
         self.params: list = []
         self.grad_params: list[bool] = []  # per parameter: does the outputs' graph reach it
-        self.grad_param_list: list = []    # the parameters that receive gradients
+        self.grad_param_list: list = []  # the parameters that receive gradients
         self.batch = 1
         self.ident: Any = None
         self.dev = 0
@@ -88,7 +121,7 @@ class CallRecord:
 class ModelTime:
     """The model-time component of one run (``rt.model_time``)."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.ts = rt.tensors
         # Per thread: nn.DataParallel runs replicas in threads, each its own outermost call.
@@ -115,9 +148,19 @@ class ModelTime:
     def leave(self) -> None:
         self.local.depth = 0
 
-    def run_charged(self, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int,
-                    params: list, record: CallRecord | None = None, fallback_reason: str | None = None,
-                    t0: float | None = None, open_children: bool = False) -> Any:
+    def run_charged(
+        self,
+        orig_call: Any,
+        module: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        dev: int,
+        params: list,
+        record: CallRecord | None = None,
+        fallback_reason: str | None = None,
+        t0: float | None = None,
+        open_children: bool = False,
+    ) -> Any:
         """Call ``module`` op by op with its forward time charged and its backward marked.
         ``record``: filled with what the call measured (see :class:`CallRecord`);
         ``fallback_reason``: why a fast path could not replay the call (said once);
@@ -129,8 +172,10 @@ class ModelTime:
         self.stats["op_by_op"] += 1
         if fallback_reason is not None:
             self.stats["fallback"] += 1
-            rt.say_once(f"replay off for {type(module).__name__}: {fallback_reason}; running op by op "
-                        "(slower host side, same GPU time)")
+            rt.say_once(
+                f"replay off for {type(module).__name__}: {fallback_reason}; running op by op "
+                "(slower host side, same GPU time)"
+            )
         engine = rt.engine
         ts = self.ts
         mem = ts.memory[dev]
@@ -198,23 +243,33 @@ class ModelTime:
         # Plain values among the outputs (None for attention weights not returned, flags) are
         # replayed as they are; anything else (a cache object) makes the call unreplayable.
         ok = any(isinstance(x, EmuTensor) for x in leaves) and all(
-            isinstance(x, EmuTensor) or isinstance(x, PLAIN_VALUES) for x in leaves)
+            isinstance(x, EmuTensor) or isinstance(x, PLAIN_VALUES) for x in leaves
+        )
         input_blocks = {id(t._block) for t in tree_flatten((args, kwargs))[0] if isinstance(t, EmuTensor)}
         input_blocks.update(id(p._block) for p in params if isinstance(p, EmuTensor))
-        if ok and any(id(x._block) in input_blocks for x in leaves if isinstance(x, EmuTensor) and x._block is not None):
+        if ok and any(
+            id(x._block) in input_blocks for x in leaves if isinstance(x, EmuTensor) and x._block is not None
+        ):
             ok = False
             if record is not None:
                 record.not_replayable = "its outputs alias its inputs or parameters"
         elif not ok and record is not None:
-            record.not_replayable = ("its outputs are not (tuples/lists/dicts of) emulated tensors and plain values"
-                                     if leaves else "it returns no tensor")
+            record.not_replayable = (
+                "its outputs are not (tuples/lists/dicts of) emulated tensors and plain values"
+                if leaves
+                else "it returns no tensor"
+            )
         if record is not None and ok:
             out_blocks: dict[int, int] = {}
             for x in leaves:
                 if isinstance(x, EmuTensor) and x._block is not None:
                     out_blocks[id(x._block)] = x._block.size
-            record.out_specs = [(x.shape, x.stride(), x.storage_offset(), x.dtype, x._block.size if x._block else 0)
-                                if isinstance(x, EmuTensor) else (x, None, None, None, 0) for x in leaves]
+            record.out_specs = [
+                (x.shape, x.stride(), x.storage_offset(), x.dtype, x._block.size if x._block else 0)
+                if isinstance(x, EmuTensor)
+                else (x, None, None, None, 0)
+                for x in leaves
+            ]
             record.out_requires_grad = [isinstance(x, EmuTensor) and x.requires_grad for x in leaves]
             record.all_diff = all(record.out_requires_grad)
             record.treespec = treespec
@@ -229,7 +284,7 @@ class ModelTime:
             record.profiled_peak = peak
             reached = _params_reached(leaves)
             record.grad_params = [id(p) in reached for p in params]
-            record.grad_param_list = [p for p, g in zip(params, record.grad_params) if g]
+            record.grad_param_list = [p for p, g in zip(params, record.grad_params, strict=False) if g]
             for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
                 if isinstance(x, EmuTensor):
                     x._shadow = None
@@ -241,8 +296,16 @@ class ModelTime:
             if grads:
                 if record is not None and ok:
                     record.backward_pending = True
-                info = _BackwardInfo(self, record if ok else None, bwd_s, label, dev,
-                                     ident if by_ops else None, batch, None if by_ops else (times, ident))
+                info = _BackwardInfo(
+                    self,
+                    record if ok else None,
+                    bwd_s,
+                    label,
+                    dev,
+                    ident if by_ops else None,
+                    batch,
+                    None if by_ops else (times, ident),
+                )
                 info.in_pass = level > 0
                 info.own = OwnNodes(first_node, _next_node(), params)
                 if ends is not None:
@@ -286,8 +349,16 @@ def _source(mt: ModelTime, name: str, dev: int) -> dict[str, Any]:
     return mt.sources.setdefault((name, dev), {"model": name, "gpu": rt.gpus[dev].short_name})
 
 
-def _say_measured(mt: ModelTime, ident: Any, dev: int, times: "costs.ModelTimes", ratio: float, kind: str,
-                  mix: dict[str, float], quiet: bool = False) -> None:
+def _say_measured(
+    mt: ModelTime,
+    ident: Any,
+    dev: int,
+    times: costs.ModelTimes,
+    ratio: float,
+    kind: str,
+    mix: dict[str, float],
+    quiet: bool = False,
+) -> None:
     """Say (once) and keep where a measured model's ``kind`` time comes from."""
     if quiet:
         return
@@ -303,8 +374,9 @@ def _say_measured(mt: ModelTime, ident: Any, dev: int, times: "costs.ModelTimes"
     if other_gpu:
         what.append(f"{spec.short_name} vs {rt.db.gpu(times.gpu).short_name}")
     prec = costs.precision()
-    if ratio != 1.0 and (torch.is_autocast_enabled("cuda") or prec.allow_tf32_matmul or not prec.allow_tf32_cudnn
-                         or not other_gpu):
+    if ratio != 1.0 and (
+        torch.is_autocast_enabled("cuda") or prec.allow_tf32_matmul or not prec.allow_tf32_cudnn or not other_gpu
+    ):
         what.append("this precision vs fp32")
     # Carried to another GPU: the cross-validated error of carrying a measured time from one GPU to
     # another by the cost model's ratio applies; a precision ratio alone has no AMP measurements to
@@ -312,14 +384,18 @@ def _say_measured(mt: ModelTime, ident: Any, dev: int, times: "costs.ModelTimes"
     u = costs.uncertainty(rt, dev, mix, transferred=True) if other_gpu else None
     source[kind] = "scaled"
     source["scaled_for"] = " and ".join(
-        (["precision"] if "this precision vs fp32" in what else []) + ([f"GPU, from {rt.db.gpu(times.gpu).short_name}"]
-                                                                      if other_gpu else []))
+        (["precision"] if "this precision vs fp32" in what else [])
+        + ([f"GPU, from {rt.db.gpu(times.gpu).short_name}"] if other_gpu else [])
+    )
     if u is not None:
         source["uncertainty"] = str(u)
-    rt.say_once(f"{ident.name} on {spec.short_name}: {kind} time scaled from the profile database's "
-                f"{rt.db.gpu(times.gpu).short_name} measurement ({times.provenance}) by the cost model's ratio "
-                f"for {' and '.join(what) or 'these ops'}: x{ratio:.3f} (provenance: scaled"
-                + (f", {u}" if u is not None else ", a ratio no measurement checks") + ")")
+    rt.say_once(
+        f"{ident.name} on {spec.short_name}: {kind} time scaled from the profile database's "
+        f"{rt.db.gpu(times.gpu).short_name} measurement ({times.provenance}) by the cost model's ratio "
+        f"for {' and '.join(what) or 'these ops'}: x{ratio:.3f} (provenance: scaled"
+        + (f", {u}" if u is not None else ", a ratio no measurement checks")
+        + ")"
+    )
 
 
 def _say_estimated(mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], quiet: bool = False) -> None:
@@ -333,8 +409,10 @@ def _say_estimated(mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], q
     source["forward"] = source["backward"] = "estimated"
     if u is not None:
         source["uncertainty"] = str(u)
-    rt.say_once(f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
-                f"by the cost model from the ops they run" + (f", {u} ({u.basis})" if u is not None else ""))
+    rt.say_once(
+        f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
+        f"by the cost model from the ops they run" + (f", {u} ({u.basis})" if u is not None else "")
+    )
 
 
 @contextmanager
@@ -349,7 +427,7 @@ def _forward_again(ts: Any) -> Iterator[None]:
         r.depth -= 1
 
 
-def _profiled_peak(rt: "Runtime", ident: Any, batch: int, dev: int) -> int | None:
+def _profiled_peak(rt: Runtime, ident: Any, batch: int, dev: int) -> int | None:
     if rt.config.memory != "profiled" or ident is None or ident.name is None:
         return None
     try:
@@ -398,8 +476,17 @@ def _params_reached(outputs: list) -> set[int]:
 class _BackwardInfo:
     __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "times", "close", "in_pass", "own")
 
-    def __init__(self, owner: ModelTime, rec: CallRecord | None, bwd_seconds: float | None, label: str, dev: int,
-                 ident: Any = None, batch: int = 1, times: "tuple[costs.ModelTimes, Any] | None" = None) -> None:
+    def __init__(
+        self,
+        owner: ModelTime,
+        rec: CallRecord | None,
+        bwd_seconds: float | None,
+        label: str,
+        dev: int,
+        ident: Any = None,
+        batch: int = 1,
+        times: tuple[costs.ModelTimes, Any] | None = None,
+    ) -> None:
         self.owner, self.rec, self.bwd_seconds, self.label, self.dev = owner, rec, bwd_seconds, label, dev
         self.ident, self.batch = ident, batch  # ident: priced by its ops (bwd_seconds None)
         # A measured model: the database's times and its identity (bwd_seconds is their backward
@@ -498,6 +585,7 @@ def _once(fn: Any) -> Any:
         if not done:
             done.append(True)
             fn()
+
     return call
 
 
@@ -540,10 +628,10 @@ def _mark_backward_end(owner: ModelTime, args: tuple, kwargs: dict) -> tuple | N
     holder = _EndHolder()
     marked = _BackwardEnd.apply(holder, *[args[i] for i in idx], *[kwargs[k] for k in keys])
     new_args = list(args)
-    for i, t in zip(idx, marked):
+    for i, t in zip(idx, marked, strict=False):
         new_args[i] = t
     new_kwargs = dict(kwargs)
-    for k, t in zip(keys, marked[len(idx):]):
+    for k, t in zip(keys, marked[len(idx) :], strict=False):
         new_kwargs[k] = t
     return tuple(new_args), new_kwargs, holder
 
@@ -586,11 +674,12 @@ def _make_call(mt: ModelTime, orig_call: Any) -> Any:
             return mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)
         finally:
             mt.leave()
+
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Patch ``nn.Module.__call__`` to charge outermost modules (the replay fast path, when on,
     patches over it)."""
     mt = rt.model_time = ModelTime(rt)

@@ -31,8 +31,9 @@ import bisect
 import math
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
 from .units import format_bytes
@@ -41,8 +42,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "RunRecords", "Timeline", "summary", "print_summary", "format_summary", "compute_summary",
-    "records_from_runtime", "json_safe", "CATEGORIES", "WINDOW_NAMES", "format_seconds", "format_size", "model_source",
+    "RunRecords",
+    "Timeline",
+    "summary",
+    "print_summary",
+    "format_summary",
+    "compute_summary",
+    "records_from_runtime",
+    "json_safe",
+    "CATEGORIES",
+    "WINDOW_NAMES",
+    "format_seconds",
+    "format_size",
+    "model_source",
 ]
 
 # Categories of a device timeline, in display order.
@@ -57,15 +69,15 @@ METRICS_FORMAT = "gpemu-metrics/1"
 class RunRecords:
     """Everything a summary needs, detached from the live runtime (a trace file holds the same)."""
 
-    gpus: list[str]                                   # GPU model of each device
+    gpus: list[str]  # GPU model of each device
     spans: list[GpuSpan] = field(default_factory=list)
     waits: list[HostWait] = field(default_factory=list)
     memory: list[MemorySample] = field(default_factory=list)
     iterations: list[IterationMark] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    started_at: float = 0.0                           # patch time (engine clock seconds)
-    ended_at: float = 0.0                             # when the records were taken
+    started_at: float = 0.0  # patch time (engine clock seconds)
+    ended_at: float = 0.0  # when the records were taken
     # Per device, from the memory tracker: capacity, peak_allocated, peak_reserved, allocated,
     # reserved, ooms (missing keys fall back to the memory samples).
     memory_stats: list[dict[str, int]] = field(default_factory=list)
@@ -78,22 +90,34 @@ class RunRecords:
         return len(self.gpus)
 
 
-def records_from_runtime(rt: "Runtime") -> RunRecords:
+def records_from_runtime(rt: Runtime) -> RunRecords:
     """Snapshot of a live run (copies of the recorder's lists; appends may go on meanwhile)."""
     rec = rt.recorder
     stats: list[dict[str, int]] = []
     for tracker in rt.memory:
-        stats.append({
-            "capacity": int(tracker.capacity), "peak_allocated": int(tracker.peak_allocated),
-            "peak_reserved": int(tracker.peak_reserved), "allocated": int(tracker.allocated),
-            "reserved": int(tracker.reserved), "ooms": int(getattr(tracker, "num_ooms", 0)),
-        })
+        stats.append(
+            {
+                "capacity": int(tracker.capacity),
+                "peak_allocated": int(tracker.peak_allocated),
+                "peak_reserved": int(tracker.peak_reserved),
+                "allocated": int(tracker.allocated),
+                "reserved": int(tracker.reserved),
+                "ooms": int(getattr(tracker, "num_ooms", 0)),
+            }
+        )
     engine = rt.engine
     now = engine.clock.now() if engine is not None else time.perf_counter()
     return RunRecords(
-        gpus=[g.name for g in rt.gpus], spans=list(rec.spans), waits=list(rec.waits),
-        memory=list(rec.memory), iterations=list(rec.iterations), counters=dict(rec.counters),
-        notes=list(rec.notes), started_at=rec.started_at, ended_at=now, memory_stats=stats,
+        gpus=[g.name for g in rt.gpus],
+        spans=list(rec.spans),
+        waits=list(rec.waits),
+        memory=list(rec.memory),
+        iterations=list(rec.iterations),
+        counters=dict(rec.counters),
+        notes=list(rec.notes),
+        started_at=rec.started_at,
+        ended_at=now,
+        memory_stats=stats,
         config=rt.config.describe(),
         models=[dict(m) for m in rt.model_time.sources.values()] if rt.model_time is not None else [],
     )
@@ -196,7 +220,9 @@ def _window(timeline: Timeline, spans: Sequence[GpuSpan], a: float, b: float, t0
     }
 
 
-def iteration_breakdown(timeline: Timeline, marks: Sequence[float], start: float | None = None) -> list[dict[str, float]]:
+def iteration_breakdown(
+    timeline: Timeline, marks: Sequence[float], start: float | None = None
+) -> list[dict[str, float]]:
     """Per iteration (between consecutive iteration marks; the first from ``start``, default the
     device's first work): its duration and busy / data stall / other idle seconds."""
     out: list[dict[str, float]] = []
@@ -205,8 +231,15 @@ def iteration_breakdown(timeline: Timeline, marks: Sequence[float], start: float
         return out
     for i, t in enumerate(marks):
         parts = timeline.between(prev, t)
-        out.append({"index": i, "start": prev, "end": t, "duration_s": max(0.0, t - prev),
-                    **{f"{c}_s": parts[c] for c in CATEGORIES}})
+        out.append(
+            {
+                "index": i,
+                "start": prev,
+                "end": t,
+                "duration_s": max(0.0, t - prev),
+                **{f"{c}_s": parts[c] for c in CATEGORIES},
+            }
+        )
         prev = t
     return out
 
@@ -239,9 +272,12 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
             dev["whole"] = _window(timeline, spans, a, b, t0)
             # A mark can fall after the last span's end (the host was behind): clip to the work.
             steady = [m for m in marks if m >= a]
-            dev["steady"] = (_window(timeline, spans, steady[0], min(steady[-1], b), t0)
-                             if len(steady) >= 2 and min(steady[-1], b) > steady[0] else None)
-            dev["iteration_time"] = _stats([y - x for x, y in zip(marks, marks[1:])])
+            dev["steady"] = (
+                _window(timeline, spans, steady[0], min(steady[-1], b), t0)
+                if len(steady) >= 2 and min(steady[-1], b) > steady[0]
+                else None
+            )
+            dev["iteration_time"] = _stats([y - x for x, y in zip(marks, marks[1:], strict=False)])
         else:
             dev["whole"] = None
             dev["steady"] = None
@@ -252,8 +288,11 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         by_reason: dict[str, float] = {}
         for w in waits:
             by_reason[w.reason] = by_reason.get(w.reason, 0.0) + max(0.0, w.end - w.start)
-        dev["host_waits"] = {"total_s": sum(by_reason.values()), "count": len(waits),
-                             "by_reason_s": dict(sorted(by_reason.items(), key=lambda kv: -kv[1]))}
+        dev["host_waits"] = {
+            "total_s": sum(by_reason.values()),
+            "count": len(waits),
+            "by_reason_s": dict(sorted(by_reason.items(), key=lambda kv: -kv[1])),
+        }
         dev["memory"] = _memory(records, d, samples, marks)
         devices.append(dev)
 
@@ -281,7 +320,8 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         "iterations": max((d["iterations"] for d in devices), default=0),
         "au": (sum(d["au"] for d in active) / len(active)) if active else 0.0,
         "data_stall_share": (sum((d["steady"] or d["whole"])["data_stall_share"] for d in active) / len(active))
-        if active else 0.0,
+        if active
+        else 0.0,
         "devices": devices,
         "transfers": transfers,
         "counters": dict(sorted(counters.items())),
@@ -303,8 +343,9 @@ def _memory(records: RunRecords, d: int, samples: Sequence[MemorySample], marks:
         "peak_allocated_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,
         "persistent_bytes": persistent,
-        "allocated_bytes": int(stats["allocated"]) if "allocated" in stats else
-        (samples[-1].allocated if samples else 0),
+        "allocated_bytes": int(stats["allocated"])
+        if "allocated" in stats
+        else (samples[-1].allocated if samples else 0),
         "ooms": int(stats.get("ooms", 0)),
         "samples": len(samples),
     }
@@ -347,59 +388,83 @@ def format_summary(s: dict[str, Any]) -> str:
     rank = s.get("rank")
     active = [dev for dev in s["devices"] if dev["whole"] is not None]
     shown = active if rank is not None and active else s["devices"]
-    gpus = (f"{len(shown)} of {s['num_gpus']} emulated GPU(s) [{', '.join(d['gpu'] for d in shown)}]"
-            if len(shown) != s["num_gpus"] else f"{s['num_gpus']} emulated GPU(s) [{', '.join(s['gpus'])}]")
-    lines = [f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {format_seconds(s['run_s'])}"
-             + (f"  ({s['config']})" if s.get("config") else "")]
+    gpus = (
+        f"{len(shown)} of {s['num_gpus']} emulated GPU(s) [{', '.join(d['gpu'] for d in shown)}]"
+        if len(shown) != s["num_gpus"]
+        else f"{s['num_gpus']} emulated GPU(s) [{', '.join(s['gpus'])}]"
+    )
+    lines = [
+        f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {format_seconds(s['run_s'])}"
+        + (f"  ({s['config']})" if s.get("config") else "")
+    ]
     w = 34
     for dev in shown:
         whole, steady = dev["whole"], dev["steady"]
         mem = dev["memory"]
         if whole is None:
-            lines.append(f"GPU {dev['device']} ({dev['gpu']}): no GPU work recorded"
-                         + (f"; peak {format_size(mem['peak_allocated_bytes'])} allocated"
-                            if mem["peak_allocated_bytes"] else ""))
+            lines.append(
+                f"GPU {dev['device']} ({dev['gpu']}): no GPU work recorded"
+                + (
+                    f"; peak {format_size(mem['peak_allocated_bytes'])} allocated"
+                    if mem["peak_allocated_bytes"]
+                    else ""
+                )
+            )
             continue
         lines.append(f"GPU {dev['device']} ({dev['gpu']})")
         cols = [("whole run", whole)] + ([("steady state", steady)] if steady else [])
         lines.append("  " + "".ljust(w) + "".join(name.ljust(26) for name, _ in cols))
 
-        def row(label: str, fn: Any) -> None:
+        def row(label: str, fn: Any, cols: list = cols) -> None:
             lines.append("  " + label.ljust(w) + "".join(fn(win).ljust(26) for _, win in cols))
 
         row("window (since patch)", lambda x: f"{x['start_s']:.3f}-{x['end_s']:.3f} s")
         row("wall time", lambda x: format_seconds(x["wall_s"]))
         row("GPU busy", lambda x: f"{format_seconds(x['busy_s'])} ({_pct(x['utilisation'])})")
-        row("data stall (host not ready)", lambda x: f"{format_seconds(x['data_stall_s'])} ({_pct(x['data_stall_share'])})")
+        row(
+            "data stall (host not ready)",
+            lambda x: f"{format_seconds(x['data_stall_s'])} ({_pct(x['data_stall_share'])})",
+        )
         row("other idle (deps, sharing)", lambda x: format_seconds(x["other_idle_s"]))
         window = WINDOW_NAMES.get(dev["au_window"] or "", "whole run")
         lines.append("  " + "accelerator utilisation (AU)".ljust(w) + f"{_pct(dev['au'])} ({window})")
         it = dev["iteration_time"]
         if it:
-            lines.append("  " + "iteration time".ljust(w)
-                         + f"mean {format_seconds(it['mean_s'])}, median {format_seconds(it['median_s'])}, "
-                           f"max {format_seconds(it['max_s'])}")
+            lines.append(
+                "  "
+                + "iteration time".ljust(w)
+                + f"mean {format_seconds(it['mean_s'])}, median {format_seconds(it['median_s'])}, "
+                f"max {format_seconds(it['max_s'])}"
+            )
         head = steady or whole
         lines.append("  " + f"GPU busy by kind ({window})".ljust(w) + _by(head["busy_by_kind_s"]))
         lines.append("  " + f"stall, waiting for ({window})".ljust(w) + _by(head["stall_before_s"]))
         hw = dev["host_waits"]
-        lines.append("  " + "host waited for GPU".ljust(w)
-                     + (f"{format_seconds(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})"
-                        if hw["count"] else "-"))
+        lines.append(
+            "  "
+            + "host waited for GPU".ljust(w)
+            + (
+                f"{format_seconds(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})"
+                if hw["count"]
+                else "-"
+            )
+        )
         cap = f" of {format_size(mem['capacity_bytes'])}" if mem["capacity_bytes"] else ""
-        lines.append("  " + "memory".ljust(w)
-                     + f"peak {format_size(mem['peak_allocated_bytes'])} allocated / "
-                       f"{format_size(mem['peak_reserved_bytes'])} reserved{cap}, "
-                       f"persistent {format_size(mem['persistent_bytes'])}"
-                     + (f", {mem['ooms']} OOM(s)" if mem["ooms"] else ""))
+        lines.append(
+            "  " + "memory".ljust(w) + f"peak {format_size(mem['peak_allocated_bytes'])} allocated / "
+            f"{format_size(mem['peak_reserved_bytes'])} reserved{cap}, "
+            f"persistent {format_size(mem['persistent_bytes'])}" + (f", {mem['ooms']} OOM(s)" if mem["ooms"] else "")
+        )
     models = s.get("models") or []
     if models:
         lines.append("model time".ljust(w + 2) + "; ".join(model_source(m) for m in models))
     t = s["transfers"]
-    lines.append("transfers".ljust(w + 2)
-                 + f"host->GPU {format_size(t['h2d_bytes'])} ({t['h2d_copies']} copies, {format_seconds(t['h2d_seconds'])}; "
-                   f"pinned {format_size(t['h2d_pinned_bytes'])}, model {format_size(t['model_transfer_bytes'])}), "
-                   f"GPU->host {format_size(t['d2h_bytes'])} ({t['d2h_copies']} copies)")
+    lines.append(
+        "transfers".ljust(w + 2)
+        + f"host->GPU {format_size(t['h2d_bytes'])} ({t['h2d_copies']} copies, {format_seconds(t['h2d_seconds'])}; "
+        f"pinned {format_size(t['h2d_pinned_bytes'])}, model {format_size(t['model_transfer_bytes'])}), "
+        f"GPU->host {format_size(t['d2h_bytes'])} ({t['d2h_copies']} copies)"
+    )
     return "\n".join(lines)
 
 
@@ -415,7 +480,7 @@ def model_source(m: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # public API on a live run
 # ---------------------------------------------------------------------------------------------
-def _runtime(rt: "Runtime | None") -> "Runtime":
+def _runtime(rt: Runtime | None) -> Runtime:
     if rt is None:
         from .runtime import current
 
@@ -425,14 +490,14 @@ def _runtime(rt: "Runtime | None") -> "Runtime":
     return rt
 
 
-def summary(rt: "Runtime | None" = None) -> dict[str, Any]:
+def summary(rt: Runtime | None = None) -> dict[str, Any]:
     """The current run's summary (as written to the metrics JSON); usable any time while patched.
 
     Work already enqueued but not yet finished on the emulated GPU counts as done."""
     return compute_summary(records_from_runtime(_runtime(rt)))
 
 
-def print_summary(rt: "Runtime | None" = None, file: Any = None) -> dict[str, Any]:
+def print_summary(rt: Runtime | None = None, file: Any = None) -> dict[str, Any]:
     """Print the current run's summary (stderr by default); returns it."""
     s = summary(rt)
     print(format_summary(s), file=file if file is not None else sys.stderr, flush=True)

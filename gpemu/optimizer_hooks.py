@@ -38,16 +38,18 @@ def optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
 
 def _uncovered(engine: Any, closure: Any) -> Any:
     """``closure`` run outside the optimizer step's charge (which covers the step's own ops)."""
+
     def run_closure() -> Any:
         engine.set_charged(False)
         try:
             return closure()
         finally:
             engine.set_charged(True)
+
     return run_closure
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Register the global step hooks for this run (removed by ``gpemu.unpatch()``)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 

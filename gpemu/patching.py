@@ -13,9 +13,10 @@ build), which must be restored as "absent" again.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 __all__ = ["Patcher", "MISSING"]
 
@@ -46,33 +47,41 @@ class Patcher:
     # ------------------------------------------------------------------ install
     def replace(self, owner: Any, name: str, new: Any) -> Any:
         """Set ``owner.name = new``; return the original (or MISSING)."""
-        in_dict = isinstance(owner, type) and name in owner.__dict__ or (
-            not isinstance(owner, type) and hasattr(owner, "__dict__") and name in vars(owner)
+        in_dict = (
+            isinstance(owner, type)
+            and name in owner.__dict__
+            or (not isinstance(owner, type) and hasattr(owner, "__dict__") and name in vars(owner))
         )
         original = owner.__dict__[name] if isinstance(owner, type) and in_dict else getattr(owner, name, MISSING)
         self._records.append(_Record(owner, name, original, in_dict))
         setattr(owner, name, new)
         return original
 
-    def replace_everywhere(self, original: Any, new: Any, modules: Iterable[ModuleType] | None = None,
-                           prefix: str = "torch") -> int:
+    def replace_everywhere(
+        self, original: Any, new: Any, modules: Iterable[ModuleType] | None = None, prefix: str = "torch"
+    ) -> int:
         """Replace every module-level reference to ``original`` under ``prefix`` with ``new``.
 
         Catches copies made by ``from x import f``. Returns how many references were replaced.
         """
         return self.replace_everywhere_many([(original, new)], modules, prefix)
 
-    def replace_everywhere_many(self, pairs: Iterable[tuple[Any, Any]], modules: Iterable[ModuleType] | None = None,
-                                prefix: str = "torch") -> int:
+    def replace_everywhere_many(
+        self, pairs: Iterable[tuple[Any, Any]], modules: Iterable[ModuleType] | None = None, prefix: str = "torch"
+    ) -> int:
         """:meth:`replace_everywhere` for several ``(original, new)`` pairs in ONE pass over the
         modules (a pass over torch's ~1,000 modules takes milliseconds)."""
         table = {id(original): (original, new) for original, new in pairs}
         if not table:
             return 0
         count = 0
-        mods = list(modules) if modules is not None else [
-            m for n, m in list(sys.modules.items()) if m is not None and (n == prefix or n.startswith(prefix + "."))
-        ]
+        mods = (
+            list(modules)
+            if modules is not None
+            else [
+                m for n, m in list(sys.modules.items()) if m is not None and (n == prefix or n.startswith(prefix + "."))
+            ]
+        )
         for mod in mods:
             try:
                 items = list(vars(mod).items())
@@ -107,8 +116,12 @@ class Patcher:
                         delattr(rec.owner, rec.name)
                     except AttributeError:
                         pass
-                elif (not isinstance(rec.owner, type) and not rec.in_dict and not hasattr(type(rec.owner), rec.name)
-                      and rec.name in getattr(rec.owner, "__dict__", {})):
+                elif (
+                    not isinstance(rec.owner, type)
+                    and not rec.in_dict
+                    and not hasattr(type(rec.owner), rec.name)
+                    and rec.name in getattr(rec.owner, "__dict__", {})
+                ):
                     # An instance that served the attribute through its __getattr__ (torch._VF):
                     # removing ours restores it; setting the original would leave a copy behind.
                     delattr(rec.owner, rec.name)

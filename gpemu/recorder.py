@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["Recorder", "Records", "GpuSpan", "HostWait", "MemorySample", "IterationMark"]
 
@@ -66,7 +67,7 @@ class Records(list):
         super().__init__(items)
         self.kind = kind
 
-    def __getitem__(self, index: "int | slice") -> Any:  # type: ignore[override]
+    def __getitem__(self, index: int | slice) -> Any:  # type: ignore[override]
         item = list.__getitem__(self, index)
         if isinstance(index, slice):
             return list(map(self.kind._make, item))
@@ -85,7 +86,7 @@ class Records(list):
         return (Records, (self.kind, list(list.__iter__(self))))
 
 
-def _records(kind: type) -> "Callable[[], Records]":
+def _records(kind: type) -> Callable[[], Records]:
     return lambda: Records(kind)
 
 
@@ -118,12 +119,13 @@ class Recorder:
                 out[name] = out.get(name, 0.0) + amount
         return out
 
-    def add_source(self, source: "Callable[[], Iterable[tuple[str, float]]]") -> None:
+    def add_source(self, source: Callable[[], Iterable[tuple[str, float]]]) -> None:
         """``source()`` returns ``(counter, total)`` pairs that :attr:`counters` adds in."""
         self._sources.append(source)
 
-    def span(self, device: int, stream: int, kind: str, name: str, start: float, end: float,
-             enqueued_at: float) -> None:
+    def span(
+        self, device: int, stream: int, kind: str, name: str, start: float, end: float, enqueued_at: float
+    ) -> None:
         _append(self.spans, (device, stream, kind, name, start, end, enqueued_at))
 
     def host_wait(self, device: int, reason: str, start: float, end: float) -> None:

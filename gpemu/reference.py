@@ -12,7 +12,8 @@ and ``gpemu show`` make the same choice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from .costmodel import gpu_sheet
 from .costmodel.gpus import DONORS
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["reference_gpu", "measured_on"]
 
 
-def reference_gpu(db: Any, spec: "GpuSpec") -> "GpuSpec | None":
+def reference_gpu(db: Any, spec: GpuSpec) -> GpuSpec | None:
     """The database GPU whose measurements stand in for ``spec``: ``spec`` itself when the
     database has forward measurements on it, else the first measured GPU along its generation's
     donor chain; None when no related GPU has any."""
@@ -38,7 +39,7 @@ def reference_gpu(db: Any, spec: "GpuSpec") -> "GpuSpec | None":
     return None
 
 
-def measured_on(db: Any, gpus: "Iterable[GpuSpec | None]", model: str, *kinds: str) -> "GpuSpec | None":
+def measured_on(db: Any, gpus: Iterable[GpuSpec | None], model: str, *kinds: str) -> GpuSpec | None:
     """The first of ``gpus`` (a device's GPU, then its reference GPU) whose database rows hold
     every one of ``kinds`` for ``model``: where a run takes those measurements from. None: none
     of them has them."""

@@ -26,7 +26,8 @@ whole (a torch function mode other than autocast's).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,8 +46,16 @@ class _FusedRNN(torch.autograd.Function):
     """One cuDNN RNN call: outputs, final states, reserve space, gradients and time; no math."""
 
     @staticmethod
-    def forward(ctx: Any, ts: TensorState, mode: str, dims: tuple, dtype: torch.dtype, n_state: int,  # type: ignore[override]
-                input: EmuTensor, *rest: EmuTensor) -> tuple:
+    def forward(
+        ctx: Any,
+        ts: TensorState,
+        mode: str,
+        dims: tuple,
+        dtype: torch.dtype,
+        n_state: int,  # type: ignore[override]
+        input: EmuTensor,
+        *rest: EmuTensor,
+    ) -> tuple:
         steps, batch, rows, input_size, hidden, layers, directions, layout, for_backward = dims
         gates = _GATES[mode]
         # Final states a program ignores get no gradient (autograd would otherwise make zeros
@@ -82,11 +91,14 @@ class _FusedRNN(torch.autograd.Function):
         # (A gradient autograd assembled itself, e.g. from a padded view of the output, can be a
         # plain meta tensor made from the wrapper's metadata: only its existence matters here.)
         dev = ctx.dev
-        price = rnn_price(ts.rt, dev, _GATES[ctx.mode], steps, batch, input_size, hidden, layers, directions,
-                          ctx.dtype, True, rows)
+        price = rnn_price(
+            ts.rt, dev, _GATES[ctx.mode], steps, batch, input_size, hidden, layers, directions, ctx.dtype, True, rows
+        )
         ts.charge(price.gpu, dev, f"_cudnn_rnn_backward ({ctx.mode})", price)
-        out = [ts.new(tuple(shape), dt, dev) if needed else None
-               for (shape, dt), needed in zip(ctx.specs, ctx.needs_input_grad[5:])]
+        out = [
+            ts.new(tuple(shape), dt, dev) if needed else None
+            for (shape, dt), needed in zip(ctx.specs, ctx.needs_input_grad[5:], strict=False)
+        ]
         ctx.reserve = None
         return (None, None, None, None, None, *out)
 
@@ -120,13 +132,17 @@ def _stand_in(t: EmuTensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-def _make_pack(rt: "Runtime", orig: Callable) -> Callable:
+def _make_pack(rt: Runtime, orig: Callable) -> Callable:
     ts = rt.tensors
 
     @functools.wraps(orig)
     def _pack_padded_sequence(input: Any, lengths: Any, batch_first: bool) -> Any:
-        if type(input) is not EmuTensor or not isinstance(lengths, torch.Tensor) or lengths.device.type != "cpu" \
-                or _foreign_mode():
+        if (
+            type(input) is not EmuTensor
+            or not isinstance(lengths, torch.Tensor)
+            or lengths.device.type != "cpu"
+            or _foreign_mode()
+        ):
             return orig(input, lengths, batch_first)
         # torch's checks and batch sizes from the host's lengths, the data's shape on meta
         data, batch_sizes = orig(_stand_in(input), lengths, batch_first)
@@ -136,14 +152,19 @@ def _make_pack(rt: "Runtime", orig: Callable) -> Callable:
     return _pack_padded_sequence
 
 
-def _make_pad(rt: "Runtime", orig: Callable) -> Callable:
+def _make_pad(rt: Runtime, orig: Callable) -> Callable:
     ts = rt.tensors
 
     @functools.wraps(orig)
-    def _pad_packed_sequence(data: Any, batch_sizes: Any, batch_first: bool, padding_value: float,
-                             total_length: int) -> Any:
-        if type(data) is not EmuTensor or not isinstance(batch_sizes, torch.Tensor) \
-                or batch_sizes.device.type != "cpu" or _foreign_mode():
+    def _pad_packed_sequence(
+        data: Any, batch_sizes: Any, batch_first: bool, padding_value: float, total_length: int
+    ) -> Any:
+        if (
+            type(data) is not EmuTensor
+            or not isinstance(batch_sizes, torch.Tensor)
+            or batch_sizes.device.type != "cpu"
+            or _foreign_mode()
+        ):
             return orig(data, batch_sizes, batch_first, padding_value, total_length)
         padded, lengths = orig(_stand_in(data), batch_sizes, batch_first, padding_value, total_length)
         return _Gather.apply(ts, "_pad_packed_sequence", tuple(padded.shape), data), lengths
@@ -152,7 +173,7 @@ def _make_pad(rt: "Runtime", orig: Callable) -> Callable:
     return _pad_packed_sequence
 
 
-def _make(rt: "Runtime", mode: str, orig: Callable) -> Callable:
+def _make(rt: Runtime, mode: str, orig: Callable) -> Callable:
     ts = rt.tensors
 
     @functools.wraps(orig)
@@ -207,7 +228,7 @@ def _foreign_mode() -> bool:
     return any(not getattr(m, "gpemu_mode", False) for m in torch.overrides._get_current_function_mode_stack())
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Replace ``torch._VF.lstm``, ``gru``, ``rnn_tanh`` and ``rnn_relu`` (what torch.nn's RNN
     modules call) and the packed-sequence ops ``pack_padded_sequence`` / ``pad_packed_sequence``
     call."""

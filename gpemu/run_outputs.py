@@ -34,8 +34,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["install", "finish", "write_metrics", "per_rank_path", "PLACEHOLDER_NOTE", "STOP_SIGNALS"]
 
 # Said once at the end of a run's summary: the first thing a newcomer wonders about.
-PLACEHOLDER_NOTE = ("[gpemu] note: tensor values on emulated GPUs are placeholders (a loss prints 0.000, "
-                    "accuracy 0%); times and memory are what is emulated. See README, 'What gpemu does not do'.")
+PLACEHOLDER_NOTE = (
+    "[gpemu] note: tensor values on emulated GPUs are placeholders (a loss prints 0.000, "
+    "accuracy 0%); times and memory are what is emulated. See README, 'What gpemu does not do'."
+)
 
 # Signals whose default action ends the process without running atexit.
 STOP_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGHUP")
@@ -98,10 +100,10 @@ def _emit(text: str) -> None:
         pass
     raw = data.encode(getattr(sys.stderr, "encoding", None) or "utf-8", "replace")
     while raw:
-        raw = raw[os.write(fd, raw):]
+        raw = raw[os.write(fd, raw) :]
 
 
-def _touched_gpu(rt: "Runtime") -> bool:
+def _touched_gpu(rt: Runtime) -> bool:
     """Whether the program used the emulated GPUs at all (initialised CUDA or allocated on one):
     a torchrun parent, a helper Python or a script that died before its first line did not."""
     cuda = rt.cuda
@@ -115,7 +117,7 @@ def _died_of_an_exception() -> bool:
     return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
 
 
-def finish(rt: "Runtime") -> dict[str, Any] | None:
+def finish(rt: Runtime) -> dict[str, Any] | None:
     """End-of-run output: print the summary, write metrics JSON and trace as configured.
 
     A process that did no GPU work (a DataLoader worker, a helper Python started under
@@ -123,8 +125,7 @@ def finish(rt: "Runtime") -> dict[str, Any] | None:
     when the program used the emulated GPU and still recorded no work."""
     records = records_from_runtime(rt)
     if not records.spans and not records.iterations:
-        if (rt.config.summary and not _is_worker_process() and _touched_gpu(rt)
-                and not _died_of_an_exception()):
+        if rt.config.summary and not _is_worker_process() and _touched_gpu(rt) and not _died_of_an_exception():
             _emit("[gpemu] no emulated GPU work was recorded in this process")
         return None
     s = compute_summary(records)
@@ -141,8 +142,10 @@ def finish(rt: "Runtime") -> dict[str, Any] | None:
         lines.append(f"[gpemu] metrics written to {path}")
     if rt.config.trace_path:
         path = write_trace(records, per_rank_path(rt.config.trace_path, rank), summary=s)
-        lines.append(f"[gpemu] trace written to {path} (open in https://ui.perfetto.dev or chrome://tracing; "
-                     f"`gpemu report {path}`)")
+        lines.append(
+            f"[gpemu] trace written to {path} (open in https://ui.perfetto.dev or chrome://tracing; "
+            f"`gpemu report {path}`)"
+        )
     if lines:
         text = "\n".join(lines)
         if rank is not None:
@@ -151,7 +154,7 @@ def finish(rt: "Runtime") -> dict[str, Any] | None:
     return s
 
 
-def _install_stop_signals(rt: "Runtime", at_exit: Any) -> None:
+def _install_stop_signals(rt: Runtime, at_exit: Any) -> None:
     """SIGTERM/SIGHUP whose action is the default (kill the process, skipping atexit): write the
     run's outputs first, then die of the same signal. Signals the program handles or ignores
     are left alone. Python sets handlers only from the main thread; elsewhere nothing is done."""
@@ -185,7 +188,7 @@ def _install_stop_signals(rt: "Runtime", at_exit: Any) -> None:
         rt.patcher.on_restore(restore)
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Register the end-of-run output for this run (unregistered again by ``gpemu.unpatch()``)."""
 
     done = threading.Lock()

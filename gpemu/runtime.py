@@ -21,9 +21,10 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from .config import EmuConfig
 from .devices import check_ordinal
@@ -56,26 +57,26 @@ __all__ = ["Runtime", "patch", "unpatch", "emulate", "current", "is_patched", "C
 # (gpemu.fastpaths: optional accelerators, off with config.replay=False) come after what they
 # accelerate.
 COMPONENTS: tuple[str, ...] = (
-    "gpemu.memory",            # per-device memory tracker, OOM                  (device)
-    "gpemu.engine",            # virtual streams, events, deadline waits       (time)
-    "gpemu.tensor",            # the emulated tensor type and its dispatch       (device)
-    "gpemu.transfers",         # host<->GPU copy time                            (host side)
-    "gpemu.ways_in",           # .cuda()/.to()/factories/Module.to               (device)
-    "gpemu.optimizer_hooks",   # optimizer step time, iteration marks           (time)
-    "gpemu.model_time",        # outermost module's forward/backward time        (time)
+    "gpemu.memory",  # per-device memory tracker, OOM                  (device)
+    "gpemu.engine",  # virtual streams, events, deadline waits       (time)
+    "gpemu.tensor",  # the emulated tensor type and its dispatch       (device)
+    "gpemu.transfers",  # host<->GPU copy time                            (host side)
+    "gpemu.ways_in",  # .cuda()/.to()/factories/Module.to               (device)
+    "gpemu.optimizer_hooks",  # optimizer step time, iteration marks           (time)
+    "gpemu.model_time",  # outermost module's forward/backward time        (time)
     "gpemu.fastpaths.replay",  # module forward/backward record/replay           (fast path)
-    "gpemu.fastpaths.loss",    # cross-entropy as one op after a recorded call   (fast path)
+    "gpemu.fastpaths.loss",  # cross-entropy as one op after a recorded call   (fast path)
     "gpemu.fastpaths.optimizer",  # skipped optimizer steps, fast zero_grad      (fast path)
-    "gpemu.autocast",          # autocast('cuda') dtype behaviour                (device)
-    "gpemu.attention",         # scaled_dot_product_attention's fused kernels    (device)
-    "gpemu.rnn",               # nn.LSTM / GRU / RNN as one cuDNN op             (device)
-    "gpemu.serialization",     # torch.save/torch.load of emulated tensors       (device)
-    "gpemu.cuda_api",          # torch.cuda / torch.accelerator / backends        (surface)
-    "gpemu.grad_scaler",       # GradScaler enabled on emulated GPUs            (surface)
-    "gpemu.distributed",       # nccl->gloo, emulated DDP                        (surface)
+    "gpemu.autocast",  # autocast('cuda') dtype behaviour                (device)
+    "gpemu.attention",  # scaled_dot_product_attention's fused kernels    (device)
+    "gpemu.rnn",  # nn.LSTM / GRU / RNN as one cuDNN op             (device)
+    "gpemu.serialization",  # torch.save/torch.load of emulated tensors       (device)
+    "gpemu.cuda_api",  # torch.cuda / torch.accelerator / backends        (surface)
+    "gpemu.grad_scaler",  # GradScaler enabled on emulated GPUs            (surface)
+    "gpemu.distributed",  # nccl->gloo, emulated DDP                        (surface)
     "gpemu.integrations.pinned_memory",  # mlock-backed pin_memory()          (host side)
     "gpemu.integrations.sharing.client",  # GPU time through a sharing manager  (sharing)
-    "gpemu.run_outputs",       # end-of-run summary, metrics JSON, Chrome trace  (observability)
+    "gpemu.run_outputs",  # end-of-run summary, metrics JSON, Chrome trace  (observability)
 )
 
 
@@ -84,27 +85,27 @@ class Runtime:
     """Everything an emulated run knows. One exists while gpemu is patched."""
 
     config: EmuConfig
-    db: "ProfileDB"
-    gpus: list["GpuSpec"]  # spec of each emulated device, index order
+    db: ProfileDB
+    gpus: list[GpuSpec]  # spec of each emulated device, index order
     patcher: Patcher = field(default_factory=Patcher)
     recorder: Recorder = field(default_factory=Recorder)
     # Component state: each field is filled by the component named beside it (None while that
     # component is not installed, e.g. the fast paths with config.replay=False).
-    engine: "TimeEngine | None" = None                 # gpemu.engine
-    memory: "list[MemoryTracker]" = field(default_factory=list)  # gpemu.memory, one per device
-    tensors: "TensorState | None" = None               # gpemu.tensor
-    transfers: "TransferState | None" = None           # gpemu.transfers
-    costs: "CostState | None" = None                   # gpemu.costs (made on first use)
-    identities: "IdentifyState | None" = None          # gpemu.identify (made on first use)
-    model_time: "ModelTime | None" = None              # gpemu.model_time
-    replay: "ReplayState | None" = None                # gpemu.fastpaths.replay
-    gradients: "GradientState | None" = None           # gpemu.fastpaths.replay (its gradients)
-    loss: "LossState | None" = None                    # gpemu.fastpaths.loss
-    optimizer_fastpath: "OptimizerFastPath | None" = None  # gpemu.fastpaths.optimizer
-    cuda: "CudaSurface | None" = None                  # gpemu.cuda_api
-    pinned: "PinnedState | None" = None                # gpemu.integrations.pinned_memory
-    sharing: "SharingBackend | None" = None            # gpemu.integrations.sharing.client
-    at_exit: Any = None                                # gpemu.run_outputs: the end-of-run output
+    engine: TimeEngine | None = None  # gpemu.engine
+    memory: list[MemoryTracker] = field(default_factory=list)  # gpemu.memory, one per device
+    tensors: TensorState | None = None  # gpemu.tensor
+    transfers: TransferState | None = None  # gpemu.transfers
+    costs: CostState | None = None  # gpemu.costs (made on first use)
+    identities: IdentifyState | None = None  # gpemu.identify (made on first use)
+    model_time: ModelTime | None = None  # gpemu.model_time
+    replay: ReplayState | None = None  # gpemu.fastpaths.replay
+    gradients: GradientState | None = None  # gpemu.fastpaths.replay (its gradients)
+    loss: LossState | None = None  # gpemu.fastpaths.loss
+    optimizer_fastpath: OptimizerFastPath | None = None  # gpemu.fastpaths.optimizer
+    cuda: CudaSurface | None = None  # gpemu.cuda_api
+    pinned: PinnedState | None = None  # gpemu.integrations.pinned_memory
+    sharing: SharingBackend | None = None  # gpemu.integrations.sharing.client
+    at_exit: Any = None  # gpemu.run_outputs: the end-of-run output
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     # torch.cuda's current device is per thread, like CUDA's.
@@ -190,11 +191,11 @@ def patch(config: EmuConfig | None = None, **settings: Any) -> Runtime:
             differ = _differences(_runtime.config, cfg)
             if _runtime.config.enable:
                 # The command line's settings win: the script is run by `gpemu run`.
-                _runtime.say_once("gpemu.patch() called under `gpemu run`: the run keeps the command line's "
-                                  f"settings ({differ})")
+                _runtime.say_once(
+                    f"gpemu.patch() called under `gpemu run`: the run keeps the command line's settings ({differ})"
+                )
                 return _runtime
-            raise RuntimeError(f"gpemu is already patched with other settings ({differ}); "
-                               "call gpemu.unpatch() first")
+            raise RuntimeError(f"gpemu is already patched with other settings ({differ}); call gpemu.unpatch() first")
         rt = _build_runtime(cfg)
         _runtime = rt
         try:

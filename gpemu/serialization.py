@@ -26,7 +26,8 @@ Host-to-device copy time of loaded tensors is charged like any ``.cuda()``.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -95,13 +96,15 @@ def _make_load(orig_load: Callable) -> Callable:
 
         result = orig_load(f, to_host, *args, **kwargs)
         return _place(result, saved, map_location, {})
+
     return load
 
 
 def _mentions_cuda(map_location: Any) -> bool:
     if isinstance(map_location, dict):
-        return any(str(v).startswith("cuda") for v in map_location.values()) or \
-            any(str(k).startswith("cuda") for k in map_location)
+        return any(str(v).startswith("cuda") for v in map_location.values()) or any(
+            str(k).startswith("cuda") for k in map_location
+        )
     if isinstance(map_location, int) and not isinstance(map_location, bool):
         return True
     return str(map_location).startswith("cuda")
@@ -176,7 +179,7 @@ def _place(obj: Any, saved: dict[int, str], map_location: Any, memo: dict[int, A
     return obj
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Pickle emulated tensors as placeholders (``EmuTensor.__reduce_ex__``) and wrap torch.load
     (every module-level reference, e.g. torch.serialization.load too)."""
     import torch.serialization as ser

@@ -34,8 +34,9 @@ through :class:`TensorState`'s methods (``wrap``, ``signature``, ``build``, ``ch
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -52,9 +53,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = [
-    "EmuTensor", "unhide_grad", "TensorState", "CostTap", "to_emulated", "to_host", "empty_emulated", "is_emulated",
-    "device_index", "install", "cache_info", "host_shadow", "set_host_shadow", "peer_copy",
-    "PeerCopy", "DTYPE_NAMES", "TYPE_NAMES",
+    "EmuTensor",
+    "unhide_grad",
+    "TensorState",
+    "CostTap",
+    "to_emulated",
+    "to_host",
+    "empty_emulated",
+    "is_emulated",
+    "device_index",
+    "install",
+    "cache_info",
+    "host_shadow",
+    "set_host_shadow",
+    "peer_copy",
+    "PeerCopy",
+    "DTYPE_NAMES",
+    "TYPE_NAMES",
 ]
 
 aten = torch.ops.aten
@@ -104,12 +119,12 @@ class CostTap:
     def __init__(self) -> None:
         # ``own``: for a module's backward window, which ops are its own (:class:`OwnNodes`);
         # None: every op charged while the tap is open.
-        self.own: "OwnNodes | None" = None
+        self.own: OwnNodes | None = None
         self.seconds = 0.0
         self.charged = 0.0
         self.mix: dict[str, float] = {}
-        self._host = 0.0        # host issue time so far (the queue's host side)
-        self._finish = 0.0      # when the pass's GPU work ends, at this GPU and precision
+        self._host = 0.0  # host issue time so far (the queue's host side)
+        self._finish = 0.0  # when the pass's GPU work ends, at this GPU and precision
         self._finish_ref = 0.0  # the same at the reference price
 
     def add(self, gpu: float, host: float, reference: float) -> None:
@@ -142,10 +157,10 @@ def contiguous_stride(shape: Any) -> tuple:
 
 _current_node = torch._C._current_autograd_node
 _current_task = torch._C._current_graph_task_id
-_ACCUMULATE_SEQ = 2 ** 64 - 1  # AccumulateGrad nodes' sequence number
+_ACCUMULATE_SEQ = 2**64 - 1  # AccumulateGrad nodes' sequence number
 
 
-def backward_pass(ts: "TensorState") -> bool:
+def backward_pass(ts: TensorState) -> bool:
     """Whether an op dispatched now is backward work: the autograd engine is running a backward
     pass on this thread, and it is not a module's forward recomputed inside it. The cost model
     was calibrated so (gpemu.costmodel.record marks every op of ``loss.backward()``), and its
@@ -193,16 +208,16 @@ class TensorState:
     to it: :meth:`wrap`, :meth:`new`, :meth:`signature`, :meth:`build`, :meth:`charge`, :meth:`cost_tap`, the
     run's ``memory`` trackers and ``engine``, and the generation counters below."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.engine: "TimeEngine | None" = rt.engine
+        self.engine: TimeEngine | None = rt.engine
         # The engine's per-thread state (``.host``) and clock (emulator entries, see TimeEngine.enter).
         self.local = rt.engine.local if rt.engine is not None else None
         self.read_clock = rt.engine.read_clock if rt.engine is not None else None
         self.leave = rt.engine.leave if rt.engine is not None else None
         self.ordinals = frozenset(range(rt.num_devices))  # valid device indices (ints)
-        self.memory: "list[MemoryTracker]" = rt.memory
-        self.cache: dict = {}      # op signature and pass (see backward_pass) -> _Entry
+        self.memory: list[MemoryTracker] = rt.memory
+        self.cache: dict = {}  # op signature and pass (see backward_pass) -> _Entry
         # Per thread: > 0 while a module's forward runs again inside a backward pass (activation
         # checkpointing's recomputation, gpemu.model_time): its ops are forward work.
         self.recompute = threading.local()
@@ -223,12 +238,21 @@ class TensorState:
         self.op_handlers: dict[int, Callable[[Any, tuple, dict], Any]] = {}
 
     # -------------------------------------------------------------- building
-    def wrap(self, shape: Any, stride: Any, offset: int, dtype: torch.dtype, dev: int, block: Any,
-             requires_grad: bool = False) -> "EmuTensor":
+    def wrap(
+        self,
+        shape: Any,
+        stride: Any,
+        offset: int,
+        dtype: torch.dtype,
+        dev: int,
+        block: Any,
+        requires_grad: bool = False,
+    ) -> EmuTensor:
         """A new emulated tensor with this metadata over memory ``block`` (None: no storage)."""
         if requires_grad:
-            t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META,
-                              requires_grad=True)
+            t = _make_wrapper(
+                EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META, requires_grad=True
+            )
         elif offset:
             t = _make_wrapper(EmuTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META)
         else:  # (each keyword argument costs the argument parser ~0.5 us here)
@@ -236,11 +260,17 @@ class TensorState:
         # The instance dict in one assignment (six attribute stores cost twice as much). _key:
         # the op-cache signature of this tensor, fixed at creation (wrapper metadata never
         # changes; ``.data = x`` refreshes it): one attribute lookup instead of three C calls.
-        t.__dict__ = {"_dev": dev, "_block": block, "_meta": None, "_shadow": None,
-                      "_key": (tuple(shape), tuple(stride), offset, dtype, dev), "_ts": self}
+        t.__dict__ = {
+            "_dev": dev,
+            "_block": block,
+            "_meta": None,
+            "_shadow": None,
+            "_key": (tuple(shape), tuple(stride), offset, dtype, dev),
+            "_ts": self,
+        }
         return t
 
-    def new(self, shape: tuple, dtype: torch.dtype, dev: int) -> "EmuTensor":
+    def new(self, shape: tuple, dtype: torch.dtype, dev: int) -> EmuTensor:
         """A new contiguous emulated tensor of ``shape`` with its memory allocated on ``dev`` (a
         kernel's output or gradient the emulator makes itself)."""
         numel = 1
@@ -265,10 +295,17 @@ class TensorState:
         return self.wrap(shape, stride, offset, dtype, src._dev, src._block)
 
     @staticmethod
-    def spec_of(t: "EmuTensor") -> tuple:
+    def spec_of(t: EmuTensor) -> tuple:
         """``t``'s metadata as an output spec for :meth:`build` (a new allocation of its size)."""
-        return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
-                t._block.size if t._block is not None else 0, None, False)
+        return (
+            tuple(t.shape),
+            t.stride(),
+            t.storage_offset(),
+            t.dtype,
+            t._block.size if t._block is not None else 0,
+            None,
+            False,
+        )
 
     @staticmethod
     def signature(args: Any, emus: list, exact: bool) -> tuple:
@@ -309,7 +346,7 @@ class TensorState:
             if charged:
                 engine.stream(dev).enqueue(seconds, kind, name, 0, at)
 
-    def _charge_entry(self, entry: "_Entry", dev: int) -> None:
+    def _charge_entry(self, entry: _Entry, dev: int) -> None:
         cost = entry.cost
         if cost:
             engine = self.engine
@@ -338,8 +375,9 @@ class TensorState:
         (also across callbacks, e.g. a whole backward pass). Taps nest."""
         me = threading.get_ident()
         if self._taps and self._tap_owner != me:
-            raise RuntimeError("gpemu: cost taps of two threads at once (a fast path recorded in a thread "
-                               "while another was recording)")
+            raise RuntimeError(
+                "gpemu: cost taps of two threads at once (a fast path recorded in a thread while another was recording)"
+            )
         tap = CostTap()
         self._tap_owner = me
         self._taps.append(tap)
@@ -404,7 +442,7 @@ class EmuTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, meta: torch.Tensor, device: int = 0, requires_grad: bool = False) -> "EmuTensor":
+    def __new__(cls, meta: torch.Tensor, device: int = 0, requires_grad: bool = False) -> EmuTensor:
         """Wrap a meta tensor as a new allocation on emulated device ``device``."""
         if meta.device.type != "meta":
             raise ValueError(f"EmuTensor wraps a meta tensor, got one on {meta.device}; use to_emulated() for data")
@@ -464,7 +502,7 @@ class EmuTensor(torch.Tensor):
         if getattr(self, "_is_param", False):
             ts.param_generation += 1
 
-    def requires_grad_(self, requires_grad: bool = True) -> "EmuTensor":  # type: ignore[override]
+    def requires_grad_(self, requires_grad: bool = True) -> EmuTensor:  # type: ignore[override]
         # torch's method, not the property: on a non-leaf that requires grad, requires_grad_(True)
         # is allowed (HF's gradient checkpointing calls it on embedding outputs).
         _REQUIRES_GRAD_METHOD(self, requires_grad)
@@ -480,7 +518,7 @@ class EmuTensor(torch.Tensor):
     # Python code marks its group exposed; setting a parameter's gradient detaches a hidden
     # group for real first.
     @property
-    def grad(self) -> "torch.Tensor | None":  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         g = _GRAD_GET(self)
         if g is not None:
             block = g.__dict__.get("_block")
@@ -492,7 +530,7 @@ class EmuTensor(torch.Tensor):
         return g
 
     @grad.setter
-    def grad(self, value: "torch.Tensor | None") -> None:
+    def grad(self, value: torch.Tensor | None) -> None:
         unhide_grad(self)
         _GRAD_SET(self, value)
 
@@ -507,11 +545,13 @@ class EmuTensor(torch.Tensor):
         """No-op: emulated blocks are freed when the last tensor dies; stream-ordered reuse
         is not modelled."""
 
-    def new_tensor(self, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
-                   **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+    def new_tensor(
+        self, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False, **kwargs: Any
+    ) -> torch.Tensor:  # type: ignore[override]
         idx = self._dev if device is None else self._ts.device_index(device)
-        host = torch.as_tensor(data.cpu() if isinstance(data, torch.Tensor) else data,
-                               dtype=dtype or self.dtype).clone()
+        host = torch.as_tensor(
+            data.cpu() if isinstance(data, torch.Tensor) else data, dtype=dtype or self.dtype
+        ).clone()
         out = host if idx is None else to_emulated(host, idx)
         return out.requires_grad_(requires_grad) if requires_grad else out
 
@@ -547,7 +587,7 @@ class EmuTensor(torch.Tensor):
         try:
             # On a detached alias: torch would print a subclass parameter as "Parameter(EmuTensor(".
             text = ts._str_intern(self.detach(), tensor_contents=contents)
-            text = "tensor(" + text[len(type(self).__name__) + 1:-1]
+            text = "tensor(" + text[len(type(self).__name__) + 1 : -1]
             if self.grad_fn is not None:
                 text += f", grad_fn=<{type(self.grad_fn).__name__}>"
             elif self.requires_grad:
@@ -566,10 +606,12 @@ class EmuTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: int) -> Any:
         # gpemu.serialization installs the real reduction for its run (torch.save of emulated
         # tensors); without it an emulated tensor has nothing to pickle.
-        raise TypeError("an emulated GPU tensor can only be pickled while gpemu is patched "
-                        "(torch.save writes its placeholder values)")
+        raise TypeError(
+            "an emulated GPU tensor can only be pickled while gpemu is patched "
+            "(torch.save writes its placeholder values)"
+        )
 
-    def __deepcopy__(self, memo: dict) -> "EmuTensor":
+    def __deepcopy__(self, memo: dict) -> EmuTensor:
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad():
@@ -682,12 +724,13 @@ def device_index(device: Any) -> int | None:
 def _storage_nbytes(shape: tuple, stride: tuple, offset: int, itemsize: int) -> int:
     if 0 in shape:
         return 0
-    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=False))
     return (offset + extent) * itemsize
 
 
-def _from_meta(ts: TensorState, meta: torch.Tensor, dev: int, block: Any = None,
-               requires_grad: bool = False) -> EmuTensor:
+def _from_meta(
+    ts: TensorState, meta: torch.Tensor, dev: int, block: Any = None, requires_grad: bool = False
+) -> EmuTensor:
     if block is None:
         nbytes = meta.untyped_storage().nbytes()
         block = ts.memory[dev].allocate(nbytes) if nbytes else None
@@ -711,8 +754,7 @@ def _meta_of(t: EmuTensor) -> torch.Tensor:
 def empty_emulated(shape: Any, dtype: torch.dtype, device: int, requires_grad: bool = False) -> EmuTensor:
     """A new, contiguous emulated tensor on the active run's ``device`` (counts its memory)."""
     ts = _state()
-    return _from_meta(ts, torch.empty(shape, dtype=dtype, device=_META), ts.check(device),
-                      requires_grad=requires_grad)
+    return _from_meta(ts, torch.empty(shape, dtype=dtype, device=_META), ts.check(device), requires_grad=requires_grad)
 
 
 def from_meta(ts: TensorState, meta: torch.Tensor, dev: int) -> EmuTensor:
@@ -773,11 +815,25 @@ def _sig_kw(kwargs: dict, emus: list, exact: bool) -> tuple:
 
 def _float_sensitive() -> set:
     ops = set()
-    for name in ("arange", "linspace", "logspace", "range", "upsample_nearest1d", "upsample_nearest2d",
-                 "upsample_nearest3d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_linear1d",
-                 "upsample_trilinear3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
-                 "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
-                 "affine_grid_generator"):
+    for name in (
+        "arange",
+        "linspace",
+        "logspace",
+        "range",
+        "upsample_nearest1d",
+        "upsample_nearest2d",
+        "upsample_nearest3d",
+        "upsample_bilinear2d",
+        "upsample_bicubic2d",
+        "upsample_linear1d",
+        "upsample_trilinear3d",
+        "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d",
+        "_upsample_nearest_exact3d",
+        "_upsample_bilinear2d_aa",
+        "_upsample_bicubic2d_aa",
+        "affine_grid_generator",
+    ):
         packet = getattr(aten, name, None)
         if packet is None:
             continue
@@ -800,10 +856,10 @@ class _Entry:
     __slots__ = ("kind", "specs", "treespec", "cost", "price", "name", "out_dev", "values")
 
     def __init__(self) -> None:
-        self.kind = 0          # 0: one tensor, 1: list/tuple of tensors, 2: None, 3: other tree
+        self.kind = 0  # 0: one tensor, 1: list/tuple of tensors, 2: None, 3: other tree
         self.specs: list = []  # per output leaf: (shape, stride, offset, dtype, nbytes, alias, write)
         self.treespec: Any = None
-        self.cost = 0.0        # GPU seconds (price.gpu)
+        self.cost = 0.0  # GPU seconds (price.gpu)
         self.price: Any = None  # gpemu.costs.OpPrice (None: cost only)
         self.name = ""
         self.out_dev: int | None = None
@@ -832,15 +888,20 @@ def _fast_path(ts: TensorState, entry: _Entry, func: Any, args: tuple, kwargs: d
 
 
 def _same_device_error(a: str, b: str) -> RuntimeError:
-    return RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!"
-    )
+    return RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
 
 
 # Ops where a host (CPU) tensor that is not a 0-dim scalar is fine next to emulated tensors,
 # as on CUDA (copies; indexing with CPU index tensors).
-_HOST_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
-            aten._to_copy.default, aten.copy_.default, aten.lift_fresh.default}
+_HOST_OK = {
+    aten.index.Tensor,
+    aten.index_put_.default,
+    aten.index_put.default,
+    aten._index_put_impl_.default,
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten.lift_fresh.default,
+}
 
 
 def _meta_conv(a: Any, func: Any, emus: list, dev_holder: list) -> Any:
@@ -944,7 +1005,8 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
             if write and (leaf.shape != emus[alias].shape or leaf.stride() != emus[alias].stride()):
                 raise NotImplementedError(
                     f"gpemu: {func} changes a tensor's shape in place, which emulated tensors do not "
-                    "support; use the out-of-place form (e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0))")
+                    "support; use the out-of-place form (e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0))"
+                )
             if alias is None:
                 alias = storages.get(leaf.untyped_storage()._cdata)
                 write = False
@@ -956,8 +1018,9 @@ def _slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) 
             elif write:
                 t = emus[alias]
             else:
-                t = ts.wrap(leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype, emus[alias]._dev,
-                            emus[alias]._block)
+                t = ts.wrap(
+                    leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype, emus[alias]._dev, emus[alias]._block
+                )
                 t._meta = leaf
             out_leaves.append(t)
         else:
@@ -1006,8 +1069,17 @@ def _op_price(ts: TensorState, func: Any, margs: Any, mkw: dict, mout: Any, dev:
         return None
 
 
-def _data_dependent(ts: TensorState, func: Any, args: tuple, kwargs: dict, margs: list, mkw: dict,
-                    emus: list, dev: int, exc: BaseException) -> Any:
+def _data_dependent(
+    ts: TensorState,
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    margs: list,
+    mkw: dict,
+    emus: list,
+    dev: int,
+    exc: BaseException,
+) -> Any:
     """An op whose meta kernel refused (a data-dependent output shape): the host-values policy
     decides (:func:`gpemu.hostvalues.data_dependent_shape`); the result is wrapped here."""
     known = bool(emus) and all(e._shadow is not None for e in emus)
@@ -1017,8 +1089,8 @@ def _data_dependent(ts: TensorState, func: Any, args: tuple, kwargs: dict, margs
     if decided is None:
         if "data-dependent" in str(exc) or "DataDependentOutputException" in type(exc).__name__:
             raise NotImplementedError(
-                f"gpemu: {func} has a data-dependent output shape and no emulation policy "
-                f"({hostvalues.POLICY})") from exc
+                f"gpemu: {func} has a data-dependent output shape and no emulation policy ({hostvalues.POLICY})"
+            ) from exc
         raise exc
     how, result = decided
     if how == "host":
@@ -1027,8 +1099,10 @@ def _data_dependent(ts: TensorState, func: Any, args: tuple, kwargs: dict, margs
     name = how.split(":", 1)[1]
     if name not in ts.warned:
         ts.warned.add(name)
-        ts.say_once(f"{name} has a data-dependent output shape; emulated as if every element is selected "
-                    "(see docs/device.md, 'Ways back')")
+        ts.say_once(
+            f"{name} has a data-dependent output shape; emulated as if every element is selected "
+            "(see docs/device.md, 'Ways back')"
+        )
     if name == "boolean-mask assignment":
         emus[0]._shadow = None  # some of its values were overwritten by unknown ones
         if result is margs[0]:
@@ -1055,8 +1129,12 @@ def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
     unknown instead. Returns whether a value is now known."""
     if not isinstance(t, EmuTensor):
         return False
-    if value is None or not isinstance(value, torch.Tensor) or value.numel() != t.numel() \
-            or t.numel() > SHADOW_MAX_ELEMENTS:
+    if (
+        value is None
+        or not isinstance(value, torch.Tensor)
+        or value.numel() != t.numel()
+        or t.numel() > SHADOW_MAX_ELEMENTS
+    ):
         t._shadow = None
         return False
     t._shadow = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
@@ -1092,7 +1170,7 @@ def _propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any
     souts, _ = tree_flatten(sout)
     if len(outs) != len(souts):
         return
-    for o, s in zip(outs, souts):
+    for o, s in zip(outs, souts, strict=False):
         if isinstance(o, EmuTensor) and isinstance(s, torch.Tensor):
             if s.shape == o.shape and s.numel() <= SHADOW_MAX_ELEMENTS and s.dtype == o.dtype:
                 o._shadow = s
@@ -1148,8 +1226,7 @@ def _zeros_conv(a: Any) -> Any:
 def host_args(args: tuple) -> tuple:
     """``args`` with each emulated tensor replaced by its known values, or zeros when unknown
     (what a factory computing on emulated inputs sees on the host)."""
-    return tuple(hostvalues.host_values(a.shape, a.dtype, a._shadow) if isinstance(a, EmuTensor) else a
-                 for a in args)
+    return tuple(hostvalues.host_values(a.shape, a.dtype, a._shadow) if isinstance(a, EmuTensor) else a for a in args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1223,8 +1300,14 @@ def _generic(ts: TensorState, func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` through the normal cached path (used by special handlers)."""
     emus: list = []
     try:
-        key = (id(func), _sig(args, emus, False), _sig_kw(kwargs, emus, False) if kwargs else None,
-               backward_pass(ts), tf32_matmul(), tf32_cudnn())
+        key = (
+            id(func),
+            _sig(args, emus, False),
+            _sig_kw(kwargs, emus, False) if kwargs else None,
+            backward_pass(ts),
+            tf32_matmul(),
+            tf32_cudnn(),
+        )
         entry = ts.cache.get(key)
     except TypeError:
         key, entry = None, None
@@ -1304,20 +1387,22 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 _DETACH = id(aten.detach.default)
-_SPECIAL: dict[int, Callable] = {id(op): handler for op, handler in {
-    aten._local_scalar_dense.default: _local_scalar_dense,
-    aten._to_copy.default: _to_copy,
-    aten.copy_.default: _copy_,
-    aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check,
-    aten._amp_update_scale_.default: _amp_update_scale,
-}.items()}
+_SPECIAL: dict[int, Callable] = {
+    id(op): handler
+    for op, handler in {
+        aten._local_scalar_dense.default: _local_scalar_dense,
+        aten._to_copy.default: _to_copy,
+        aten.copy_.default: _copy_,
+        aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check,
+        aten._amp_update_scale_.default: _amp_update_scale,
+    }.items()
+}
 
 
 # ----------------------------------------------------------------------------------------------
 # host <-> emulated device copies
 # ----------------------------------------------------------------------------------------------
-def _charge_h2d(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool,
-                issued_at: float | None = None) -> None:
+def _charge_h2d(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool, issued_at: float | None = None) -> None:
     transfers = ts.rt.transfers
     if transfers is not None:
         transfers.copy_to_device(t, dev, non_blocking, issued_at)
@@ -1408,8 +1493,9 @@ def peer_copy(t: EmuTensor, idx: int) -> EmuTensor:
     ts = t._ts
     idx = ts.check(idx)
     nbytes = t.numel() * t.element_size()
-    stride = t.stride() if (t.is_contiguous() or _non_overlapping_dense(t)) else \
-        torch.empty(t.shape, device=_META).stride()
+    stride = (
+        t.stride() if (t.is_contiguous() or _non_overlapping_dense(t)) else torch.empty(t.shape, device=_META).stride()
+    )
     out = ts.wrap(t.shape, stride, 0, t.dtype, idx, ts.memory[idx].allocate(nbytes) if nbytes else None)
     if t._shadow is not None:
         out._shadow = t._shadow.clone()
@@ -1431,9 +1517,16 @@ class PeerCopy(torch.autograd.Function):
 
 # torch's legacy type names (``x.type()`` -> "torch.cuda.FloatTensor").
 TYPE_NAMES = {
-    "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
-    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
-    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8, "BoolTensor": torch.bool,
+    "FloatTensor": torch.float32,
+    "DoubleTensor": torch.float64,
+    "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16,
+    "LongTensor": torch.int64,
+    "IntTensor": torch.int32,
+    "ShortTensor": torch.int16,
+    "CharTensor": torch.int8,
+    "ByteTensor": torch.uint8,
+    "BoolTensor": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in TYPE_NAMES.items()}
 
@@ -1441,7 +1534,7 @@ DTYPE_NAMES = {v: k for k, v in TYPE_NAMES.items()}
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """The run's tensor state (``rt.tensors``). The ways in that hand out emulated tensors are
     :mod:`gpemu.ways_in`."""
     rt.tensors = TensorState(rt)

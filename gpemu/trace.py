@@ -52,33 +52,72 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
         streams.setdefault(s.device, set()).add(s.stream)
     for d, gpu in enumerate(records.gpus):
         pid = d + 1
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": HOST_TID,
-                       "args": {"name": f"GPU {d} ({gpu})"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": HOST_TID,
-                       "args": {"sort_index": d}})
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"name": f"GPU {d} ({gpu})"}}
+        )
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"sort_index": d}})
         threads = [(HOST_TID, "host (waits for GPU, iterations)", 0)]
-        threads += [(sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
-                    for sid in sorted(streams.get(d, ()))]
+        threads += [
+            (sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
+            for sid in sorted(streams.get(d, ()))
+        ]
         threads.append((IDLE_TID, "GPU idle (data stall / other)", 1 << 20))
         for tid, name, order in threads:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"sort_index": order}})
+            events.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}}
+            )
     for s in records.spans:
-        events.append({"name": s.name, "cat": s.kind, "ph": "X", "ts": _us(s.start, t0),
-                       "dur": round((s.end - s.start) * 1e6, 3), "pid": s.device + 1, "tid": s.stream + 1,
-                       "args": {"kind": s.kind, "stream": s.stream, "enqueued_us": _us(s.enqueued_at, t0)}})
+        events.append(
+            {
+                "name": s.name,
+                "cat": s.kind,
+                "ph": "X",
+                "ts": _us(s.start, t0),
+                "dur": round((s.end - s.start) * 1e6, 3),
+                "pid": s.device + 1,
+                "tid": s.stream + 1,
+                "args": {"kind": s.kind, "stream": s.stream, "enqueued_us": _us(s.enqueued_at, t0)},
+            }
+        )
     for w in records.waits:
-        events.append({"name": f"wait: {w.reason}", "cat": "host-wait", "ph": "X", "ts": _us(w.start, t0),
-                       "dur": round(max(0.0, w.end - w.start) * 1e6, 3), "pid": w.device + 1, "tid": HOST_TID,
-                       "args": {"reason": w.reason}})
+        events.append(
+            {
+                "name": f"wait: {w.reason}",
+                "cat": "host-wait",
+                "ph": "X",
+                "ts": _us(w.start, t0),
+                "dur": round(max(0.0, w.end - w.start) * 1e6, 3),
+                "pid": w.device + 1,
+                "tid": HOST_TID,
+                "args": {"reason": w.reason},
+            }
+        )
     for m in records.iterations:
-        events.append({"name": f"iteration {m.index}", "cat": "iteration", "ph": "i", "s": "p",
-                       "ts": _us(m.time, t0), "pid": m.device + 1, "tid": HOST_TID, "args": {"index": m.index}})
+        events.append(
+            {
+                "name": f"iteration {m.index}",
+                "cat": "iteration",
+                "ph": "i",
+                "s": "p",
+                "ts": _us(m.time, t0),
+                "pid": m.device + 1,
+                "tid": HOST_TID,
+                "args": {"index": m.index},
+            }
+        )
     for m in records.memory:
-        events.append({"name": "memory", "cat": "memory", "ph": "C", "ts": _us(m.time, t0), "pid": m.device + 1,
-                       "tid": HOST_TID,
-                       "args": {"allocated_MiB": m.allocated / _MiB, "reserved_MiB": m.reserved / _MiB}})
+        events.append(
+            {
+                "name": "memory",
+                "cat": "memory",
+                "ph": "C",
+                "ts": _us(m.time, t0),
+                "pid": m.device + 1,
+                "tid": HOST_TID,
+                "args": {"allocated_MiB": m.allocated / _MiB, "reserved_MiB": m.reserved / _MiB},
+            }
+        )
     # Idle segments: derived (report recomputes them from the spans), drawn for the eye.
     for d in range(records.num_devices):
         timeline = Timeline([s for s in records.spans if s.device == d])
@@ -86,8 +125,18 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
             if cat == "busy" or end <= start:
                 continue
             name = f"data stall (waiting for {detail})" if cat == "data_stall" else "idle, work enqueued"
-            events.append({"name": name, "cat": cat, "ph": "X", "ts": _us(start, t0),
-                           "dur": round((end - start) * 1e6, 3), "pid": d + 1, "tid": IDLE_TID, "args": {}})
+            events.append(
+                {
+                    "name": name,
+                    "cat": cat,
+                    "ph": "X",
+                    "ts": _us(start, t0),
+                    "dur": round((end - start) * 1e6, 3),
+                    "pid": d + 1,
+                    "tid": IDLE_TID,
+                    "args": {},
+                }
+            )
     return events
 
 
@@ -131,20 +180,32 @@ def load_trace(path: str | os.PathLike[str]) -> Any:
     try:
         doc = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{p} is not JSON ({exc}); `gpemu report` reads traces written by "
-                         "`gpemu run --trace FILE`") from None
+        raise TraceError(
+            f"{p} is not JSON ({exc}); `gpemu report` reads traces written by `gpemu run --trace FILE`"
+        ) from None
     other = doc.get("otherData") if isinstance(doc, dict) else None
-    if not isinstance(other, dict) or other.get("format") != TRACE_FORMAT or not isinstance(doc.get("traceEvents"), list):
-        raise TraceError(f"{p} is not a gpemu trace (expected a JSON object with traceEvents and "
-                         f"otherData.format {TRACE_FORMAT!r}); write one with `gpemu run --trace FILE`")
+    if (
+        not isinstance(other, dict)
+        or other.get("format") != TRACE_FORMAT
+        or not isinstance(doc.get("traceEvents"), list)
+    ):
+        raise TraceError(
+            f"{p} is not a gpemu trace (expected a JSON object with traceEvents and "
+            f"otherData.format {TRACE_FORMAT!r}); write one with `gpemu run --trace FILE`"
+        )
     gpus = other.get("gpus")
     if not isinstance(gpus, list) or not gpus:
         raise TraceError(f"{p}: otherData.gpus must list the emulated GPUs")
-    rec = RunRecords(gpus=[str(g) for g in gpus], counters=dict(other.get("counters") or {}),
-                     notes=list(other.get("notes") or []), started_at=0.0,
-                     ended_at=float(other.get("ended_us") or 0.0) / 1e6,
-                     memory_stats=list(other.get("memory_stats") or []), config=str(other.get("config") or ""),
-                     models=[m for m in other.get("models") or [] if isinstance(m, dict) and "model" in m])
+    rec = RunRecords(
+        gpus=[str(g) for g in gpus],
+        counters=dict(other.get("counters") or {}),
+        notes=list(other.get("notes") or []),
+        started_at=0.0,
+        ended_at=float(other.get("ended_us") or 0.0) / 1e6,
+        memory_stats=list(other.get("memory_stats") or []),
+        config=str(other.get("config") or ""),
+        models=[m for m in other.get("models") or [] if isinstance(m, dict) and "model" in m],
+    )
     try:
         for e in doc["traceEvents"]:
             ph, cat = e.get("ph"), e.get("cat")
@@ -154,17 +215,32 @@ def load_trace(path: str | os.PathLike[str]) -> Any:
             ts = float(e["ts"]) / 1e6
             args = e.get("args") or {}
             if ph == "X" and "enqueued_us" in args:
-                rec.spans.append(GpuSpan(device, int(args.get("stream", int(e["tid"]) - 1)), str(args.get("kind", cat)),
-                                         str(e.get("name", "")), ts, ts + float(e.get("dur", 0)) / 1e6,
-                                         float(args["enqueued_us"]) / 1e6))
+                rec.spans.append(
+                    GpuSpan(
+                        device,
+                        int(args.get("stream", int(e["tid"]) - 1)),
+                        str(args.get("kind", cat)),
+                        str(e.get("name", "")),
+                        ts,
+                        ts + float(e.get("dur", 0)) / 1e6,
+                        float(args["enqueued_us"]) / 1e6,
+                    )
+                )
             elif ph == "X" and cat == "host-wait":
-                rec.waits.append(HostWait(device, str(args.get("reason", e.get("name", ""))), ts,
-                                          ts + float(e.get("dur", 0)) / 1e6))
+                rec.waits.append(
+                    HostWait(device, str(args.get("reason", e.get("name", ""))), ts, ts + float(e.get("dur", 0)) / 1e6)
+                )
             elif ph == "i" and cat == "iteration":
                 rec.iterations.append(IterationMark(device, ts, int(args.get("index", 0))))
             elif ph == "C" and e.get("name") == "memory":
-                rec.memory.append(MemorySample(device, ts, int(round(float(args["allocated_MiB"]) * _MiB)),
-                                               int(round(float(args["reserved_MiB"]) * _MiB))))
+                rec.memory.append(
+                    MemorySample(
+                        device,
+                        ts,
+                        int(round(float(args["allocated_MiB"]) * _MiB)),
+                        int(round(float(args["reserved_MiB"]) * _MiB)),
+                    )
+                )
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(f"{p}: a trace event is malformed ({type(exc).__name__}: {exc})") from None
     return rec

@@ -35,8 +35,9 @@ it no host memory is pinned.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -78,11 +79,34 @@ class CopyPlan:
     a copy of the same shape, strides, dtype, pinnedness and blocking to the same device costs
     the same, so the hot path is a lookup and a charge (:meth:`TransferState.charge`)."""
 
-    __slots__ = ("shape", "stride", "dtype", "nbytes", "numel", "seconds", "name", "wait", "reason", "pinned",
-                 "host", "count", "__weakref__")
+    __slots__ = (
+        "shape",
+        "stride",
+        "dtype",
+        "nbytes",
+        "numel",
+        "seconds",
+        "name",
+        "wait",
+        "reason",
+        "pinned",
+        "host",
+        "count",
+        "__weakref__",
+    )
 
-    def __init__(self, shape: tuple, stride: tuple, dtype: torch.dtype, numel: int, nbytes: int, seconds: float,
-                 pinned: bool, non_blocking: bool, host: bool) -> None:
+    def __init__(
+        self,
+        shape: tuple,
+        stride: tuple,
+        dtype: torch.dtype,
+        numel: int,
+        nbytes: int,
+        seconds: float,
+        pinned: bool,
+        non_blocking: bool,
+        host: bool,
+    ) -> None:
         self.shape, self.stride, self.dtype, self.numel, self.nbytes = shape, stride, dtype, numel, nbytes
         self.seconds = seconds
         self.pinned = pinned
@@ -90,18 +114,18 @@ class CopyPlan:
         # Who waits, as in CUDA: pageable copies, and any copy that is not non_blocking.
         self.wait = not (pinned and non_blocking)
         self.reason = "pageable-copy" if not pinned else "blocking-copy"
-        self.host = host      # from host memory (its values can be kept: gpemu.hostvalues' policy)
-        self.count = 0        # copies charged with this plan (the recorder's h2d counters)
+        self.host = host  # from host memory (its values can be kept: gpemu.hostvalues' policy)
+        self.count = 0  # copies charged with this plan (the recorder's h2d counters)
 
 
 class TransferState:
     """The transfers component of one run (``rt.transfers``): what copies cost and charging them."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.cache: dict[tuple, tuple[float, str] | None] = {}  # db lookups, keyed by what decides them
-        self.references: dict[int, "GpuSpec | None"] = {}    # see _reference
-        self.models: dict[int, str | None] = {}            # dataset model moved onto each device
+        self.references: dict[int, GpuSpec | None] = {}  # see _reference
+        self.models: dict[int, str | None] = {}  # dataset model moved onto each device
         # seconds of one input copy by (shape, dtype, device, pinned); cleared when a model
         # moves (the model decides which measured copy time applies)
         self.h2d: dict[tuple, float] = {}
@@ -161,7 +185,7 @@ class TransferState:
         self.cache[key] = result
         return result
 
-    def _reference(self, device: int) -> "GpuSpec | None":
+    def _reference(self, device: int) -> GpuSpec | None:
         """The device's reference GPU when its own GPU has no measurements (None otherwise)."""
         if device not in self.references:
             spec = self.rt.gpus[device]
@@ -215,8 +239,17 @@ class TransferState:
         else:  # the copy is dense: contiguous strides
             stride = tuple(torch.empty(tensor.shape, device="meta").stride())
         numel = tensor.numel()
-        plan = CopyPlan(tuple(tensor.shape), stride, tensor.dtype, numel, numel * tensor.element_size(), seconds,
-                        pinned, non_blocking, tensor.is_cpu)
+        plan = CopyPlan(
+            tuple(tensor.shape),
+            stride,
+            tensor.dtype,
+            numel,
+            numel * tensor.element_size(),
+            seconds,
+            pinned,
+            non_blocking,
+            tensor.is_cpu,
+        )
         if len(self.plans) >= 4096:  # ever new shapes: start again (their counts are kept)
             self._retire_plans()
         self.plans[key] = plan
@@ -241,8 +274,11 @@ class TransferState:
     def _counters(self) -> list[tuple[str, float]]:
         """The recorder's h2d counters of the copies charged with plans (a counter source)."""
         retired = self._retired
-        copies, nbytes, seconds = retired.get("h2d_copies", 0.0), retired.get("h2d_bytes", 0.0), \
-            retired.get("h2d_seconds", 0.0)
+        copies, nbytes, seconds = (
+            retired.get("h2d_copies", 0.0),
+            retired.get("h2d_bytes", 0.0),
+            retired.get("h2d_seconds", 0.0),
+        )
         pinned, pageable = retired.get("h2d_pinned_bytes", 0.0), retired.get("h2d_pageable_bytes", 0.0)
         for plan in list(self.plans.values()):
             n = plan.count
@@ -256,11 +292,17 @@ class TransferState:
                     pageable += n * plan.nbytes
         if not copies:
             return []
-        return [("h2d_bytes", nbytes), ("h2d_copies", copies), ("h2d_seconds", seconds),
-                ("h2d_pinned_bytes", pinned), ("h2d_pageable_bytes", pageable)]
+        return [
+            ("h2d_bytes", nbytes),
+            ("h2d_copies", copies),
+            ("h2d_seconds", seconds),
+            ("h2d_pinned_bytes", pinned),
+            ("h2d_pageable_bytes", pageable),
+        ]
 
-    def copy_to_device(self, tensor: torch.Tensor, device: int, non_blocking: bool,
-                       issued_at: float | None = None) -> None:
+    def copy_to_device(
+        self, tensor: torch.Tensor, device: int, non_blocking: bool, issued_at: float | None = None
+    ) -> None:
         """Charge one host->device copy of CPU ``tensor``: queue it on the device's current stream;
         the host waits for it unless it is a pinned ``non_blocking`` copy. ``issued_at``: the host
         time (``engine.now()``) the program asked for the copy, before the emulator's own work
@@ -288,8 +330,9 @@ class TransferState:
         rt.recorder.add_many(("d2h_bytes", _nbytes(tensor)), ("d2h_copies", 1), ("d2h_seconds", seconds))
         stream.synchronize("d2h-copy")
 
-    def model_to_device(self, module: torch.nn.Module, device: int, nbytes: int | None = None,
-                        copies: int | None = None) -> float:
+    def model_to_device(
+        self, module: torch.nn.Module, device: int, nbytes: int | None = None, copies: int | None = None
+    ) -> float:
         """Charge moving ``module``'s parameters and buffers to ``device``; the host waits (model
         tensors are pageable). Returns the seconds charged.
 
@@ -314,8 +357,9 @@ class TransferState:
             seconds, provenance = self._bandwidth_seconds(nbytes, device, pinned=False, copies=copies), "estimated"
         stream = rt.engine.stream(device)
         stream.enqueue(seconds, "transfer", f"model h2d ({name or type(module).__name__}, {provenance})")
-        rt.recorder.add_many(("h2d_bytes", nbytes), ("model_transfer_bytes", nbytes),
-                             ("model_transfer_seconds", seconds))
+        rt.recorder.add_many(
+            ("h2d_bytes", nbytes), ("model_transfer_bytes", nbytes), ("model_transfer_seconds", seconds)
+        )
         stream.synchronize("model-copy")
         if device < len(rt.memory):
             rt.memory[device].sample()  # the memory timeline starts at the model copy
@@ -339,23 +383,23 @@ def _non_overlapping_dense(t: torch.Tensor) -> bool:
         return False
 
 
-def _state(rt: "Runtime") -> TransferState:
+def _state(rt: Runtime) -> TransferState:
     if rt.transfers is None:
         raise RuntimeError("gpemu: the transfers component (gpemu.transfers) is not installed")
     return rt.transfers
 
 
-def host_to_device_seconds(rt: "Runtime", tensor: torch.Tensor, device: int, pinned: bool) -> tuple[float, str]:
+def host_to_device_seconds(rt: Runtime, tensor: torch.Tensor, device: int, pinned: bool) -> tuple[float, str]:
     """Seconds one host->device copy of ``tensor`` takes on ``device`` of run ``rt``, and its provenance."""
     return _state(rt).host_to_device_seconds(tensor, device, pinned)
 
 
-def device_to_host_seconds(rt: "Runtime", tensor: torch.Tensor, device: int, pinned: bool = False) -> tuple[float, str]:
+def device_to_host_seconds(rt: Runtime, tensor: torch.Tensor, device: int, pinned: bool = False) -> tuple[float, str]:
     """Seconds one device->host copy of ``tensor`` takes on ``device`` of run ``rt``."""
     return _state(rt).device_to_host_seconds(tensor, device, pinned)
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Component ``gpemu.transfers``: the run's transfer state (``rt.transfers``). Copies are
     charged by the emulated tensor type (``.cuda()``, ``.cpu()``, ``copy_``) and whole-model moves
     by :mod:`gpemu.ways_in`."""

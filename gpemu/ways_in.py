@@ -18,15 +18,25 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
 from . import hostvalues
-from .tensor import DTYPE_NAMES, TYPE_NAMES, EmuTensor, PeerCopy, TensorState, from_meta, host_args, peer_copy, \
-    to_emulated
+from .tensor import (
+    DTYPE_NAMES,
+    TYPE_NAMES,
+    EmuTensor,
+    PeerCopy,
+    TensorState,
+    from_meta,
+    host_args,
+    peer_copy,
+    to_emulated,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -38,13 +48,42 @@ _META = torch.device("meta")
 
 # Factories that take data (their values are the host data's).
 _DATA_FACTORIES = frozenset(("tensor", "as_tensor", "asarray", "scalar_tensor"))
-FACTORIES = ("empty", "empty_strided", "empty_permuted", "zeros", "ones", "full", "rand", "randn", "randint",
-             "randperm", "arange", "range", "linspace", "logspace", "eye", "tensor", "as_tensor", "asarray",
-             "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-             "randint_like", "tril_indices", "triu_indices", "normal")
+FACTORIES = (
+    "empty",
+    "empty_strided",
+    "empty_permuted",
+    "zeros",
+    "ones",
+    "full",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "eye",
+    "tensor",
+    "as_tensor",
+    "asarray",
+    "scalar_tensor",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "tril_indices",
+    "triu_indices",
+    "normal",
+)
 
-_COMPILE_NOTE = ("torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
-                 "still comes from the profile database or the per-op estimate)")
+_COMPILE_NOTE = (
+    "torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
+    "still comes from the profile database or the per-op estimate)"
+)
 
 
 # -- Tensor.to / .cuda / .type -----------------------------------------------------------------
@@ -106,11 +145,11 @@ def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
             elif copy and idx == self._dev:
                 out = self.clone()
             if idx != out._dev:
-                out = PeerCopy.apply(out, idx) if out.requires_grad and torch.is_grad_enabled() \
-                    else peer_copy(out, idx)
+                out = PeerCopy.apply(out, idx) if out.requires_grad and torch.is_grad_enabled() else peer_copy(out, idx)
             return out
         host = self if dtype is None or dtype == self.dtype else orig_to(self, dtype=dtype)
         return to_emulated(host, idx, non_blocking)
+
     return to
 
 
@@ -118,8 +157,9 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
     rt = ts.rt
     plain = torch.Tensor
 
-    def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
-             memory_format: Any = torch.preserve_format) -> torch.Tensor:
+    def cuda(
+        self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = torch.preserve_format
+    ) -> torch.Tensor:
         if device is None and self.__class__ is plain:  # the usual x.cuda() of a host batch
             return to_emulated(self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
@@ -131,6 +171,7 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
         if isinstance(self, EmuTensor):
             return self if self._dev == idx else self.to(_DEVICES[idx], non_blocking=non_blocking)
         return to_emulated(self, idx, non_blocking)
+
     return cuda
 
 
@@ -142,10 +183,12 @@ def _make_tensor_type(ts: TensorState, orig_type: Callable) -> Callable:
             return orig_type(self)
         if isinstance(dtype, str):
             if dtype.startswith("torch.cuda."):
-                name = dtype[len("torch.cuda."):]
+                name = dtype[len("torch.cuda.") :]
                 if name not in TYPE_NAMES:
-                    raise ValueError(f"invalid type: {dtype!r}; valid CUDA types: "
-                                     + ", ".join(f"torch.cuda.{n}" for n in TYPE_NAMES))
+                    raise ValueError(
+                        f"invalid type: {dtype!r}; valid CUDA types: "
+                        + ", ".join(f"torch.cuda.{n}" for n in TYPE_NAMES)
+                    )
                 idx = self._dev if isinstance(self, EmuTensor) else ts.rt.current_device
                 return self.to(device=_DEVICES[idx], dtype=TYPE_NAMES[name], non_blocking=non_blocking)
             if isinstance(self, EmuTensor) and dtype.startswith("torch.") and dtype[6:] in TYPE_NAMES:
@@ -153,12 +196,12 @@ def _make_tensor_type(ts: TensorState, orig_type: Callable) -> Callable:
         if isinstance(self, EmuTensor) and isinstance(dtype, torch.dtype):
             return self.to(dtype=dtype)
         return orig_type(self, dtype, non_blocking, **kwargs)
+
     return type_
 
 
 # -- factories -----------------------------------------------------------------------------------
-def _emulated_factory(ts: TensorState, orig: Callable, name: str, args: tuple, kwargs: dict,
-                      idx: int) -> torch.Tensor:
+def _emulated_factory(ts: TensorState, orig: Callable, name: str, args: tuple, kwargs: dict, idx: int) -> torch.Tensor:
     dev = ts.check(idx)
     kw = dict(kwargs)
     kw.pop("device", None)
@@ -191,11 +234,13 @@ def _make_factory(ts: TensorState, orig: Callable, name: str) -> Callable:
                     return _inner(args[0], lambda x: factory(x, *args[1:], **kwargs))
                 return _emulated_factory(ts, orig, name, args, kwargs, idx)
         return orig(*args, **kwargs)
+
     return factory
 
 
 def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
     """``t.new_zeros(..., device='cuda')`` and friends (the C++ path would initialise CUDA)."""
+
     @functools.wraps(orig)
     def new(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         d = kwargs.get("device")
@@ -215,8 +260,13 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
         host_kw = {k: v for k, v in kw.items() if k != "device"}
         out._shadow = hostvalues.known_factory_value(
             lambda *a, device=None, **k: orig(torch.empty((), dtype=self.dtype), *a, **k),
-            orig.__name__.replace("new_", ""), args, host_kw, meta)
+            orig.__name__.replace("new_", ""),
+            args,
+            host_kw,
+            meta,
+        )
         return out.requires_grad_(True) if requires_grad else out
+
     return new
 
 
@@ -235,6 +285,7 @@ def _make_device_context_tf(ts: TensorState, orig_tf: Callable) -> Callable:
             if idx is not None:
                 return _emulated_factory(ts, func, getattr(func, "__name__", ""), args, kwargs, idx)
         return orig_tf(self, func, types, args, kwargs)
+
     return __torch_function__
 
 
@@ -260,8 +311,7 @@ def _split(module: torch.nn.Module) -> tuple[tuple[int, int], tuple[int, int, in
     return (host_b, host_n), (gpu_b, gpu_n, gpu_dev)
 
 
-def _move(rt: "Runtime", module: torch.nn.Module, to_device: int | None, to_host: bool,
-          move: Callable[[], Any]) -> Any:
+def _move(rt: Runtime, module: torch.nn.Module, to_device: int | None, to_host: bool, move: Callable[[], Any]) -> Any:
     """Run ``move`` (torch's own per-tensor move) and charge the model transfer once: onto
     ``to_device`` for the tensors that were on the host, or back to the host (``to_host``) for
     those that were on an emulated GPU. The per-tensor copies inside are not charged."""
@@ -299,7 +349,7 @@ def _same_parameter_objects(module: torch.nn.Module) -> Iterator[None]:
         future.set_swap_module_params_on_conversion(before)
 
 
-def _make_module_to_empty(rt: "Runtime", ts: TensorState, orig: Callable) -> Callable:
+def _make_module_to_empty(rt: Runtime, ts: TensorState, orig: Callable) -> Callable:
     def to_empty(self: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
         if ts.device_index(device) is None:
             return orig(self, device=device, recurse=recurse)
@@ -307,11 +357,12 @@ def _make_module_to_empty(rt: "Runtime", ts: TensorState, orig: Callable) -> Cal
         # parameters keep their objects as on a real GPU.
         with _same_parameter_objects(self):
             return orig(self, device=device, recurse=recurse)
+
     to_empty.__wrapped__ = orig  # type: ignore[attr-defined]
     return to_empty
 
 
-def _make_module_to(rt: "Runtime", ts: TensorState, orig_to: Callable) -> Callable:
+def _make_module_to(rt: Runtime, ts: TensorState, orig_to: Callable) -> Callable:
     def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
         device, dtype, non_blocking, _copy, memory_format = _parse_to(args, kwargs)
         idx = ts.device_index(device)
@@ -329,43 +380,47 @@ def _make_module_to(rt: "Runtime", ts: TensorState, orig_to: Callable) -> Callab
         idx = ts.check(idx)
         call["device"] = _DEVICES[idx]
         return _move(rt, self, idx, False, lambda: orig_to(self, **call))
+
     to.__wrapped__ = orig_to  # type: ignore[attr-defined]
     return to
 
 
-def _make_module_cuda(rt: "Runtime", ts: TensorState, orig_cuda: Callable) -> Callable:
+def _make_module_cuda(rt: Runtime, ts: TensorState, orig_cuda: Callable) -> Callable:
     def cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
         idx = rt.current_device if device is None else ts.device_index(device)
         if idx is None:
             raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
         idx = ts.check(idx)
         return _move(rt, self, idx, False, lambda: orig_cuda(self, idx))
+
     cuda.__wrapped__ = orig_cuda  # type: ignore[attr-defined]
     return cuda
 
 
-def _make_module_cpu(rt: "Runtime", orig_cpu: Callable) -> Callable:
+def _make_module_cpu(rt: Runtime, orig_cpu: Callable) -> Callable:
     def cpu(self: torch.nn.Module) -> torch.nn.Module:
         return _move(rt, self, None, True, lambda: orig_cpu(self))
+
     cpu.__wrapped__ = orig_cpu  # type: ignore[attr-defined]
     cpu.__doc__ = orig_cpu.__doc__
     return cpu
 
 
-def _make_compile(rt: "Runtime", orig: Callable) -> Callable:
+def _make_compile(rt: Runtime, orig: Callable) -> Callable:
     @functools.wraps(orig)
     def compile(model: Any = None, **kwargs: Any) -> Any:
         rt.say_once(_COMPILE_NOTE)
         if model is None:  # used as a decorator factory: @torch.compile(mode=...)
             return lambda fn: fn
         return model
+
     return compile
 
 
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Patch the ways in (Tensor.to/.cuda/.type, factories, default device, Module.to/.cuda/.cpu)
     and let optimizers take their foreach path over emulated tensors."""
     p = rt.patcher

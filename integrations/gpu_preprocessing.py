@@ -31,8 +31,9 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ class MemoryCurve:
         return int(round(self.plateau_bytes * scale * self.fraction(batch_index)))
 
     @classmethod
-    def from_samples(cls, samples: Sequence[float], batch_size: int) -> "MemoryCurve":
+    def from_samples(cls, samples: Sequence[float], batch_size: int) -> MemoryCurve:
         """Build from memory samples taken once per batch (the first sample is before batch 0)."""
         arr = np.asarray(samples, dtype=float)
         if arr.ndim != 1 or arr.size < 2 or arr.max() <= 0:
@@ -137,16 +138,22 @@ def burn_cpu(seconds: float, threads: int = 1) -> None:
         w.join()
 
 
-def record_distribution(name: str, seconds_per_batch: Sequence[float], description: str = "",
-                        rt: "Runtime | None" = None) -> None:
+def record_distribution(
+    name: str, seconds_per_batch: Sequence[float], description: str = "", rt: Runtime | None = None
+) -> None:
     """Store a user's measured per-batch preprocessing times under ``name`` in the profile db,
     so ``GpuPreprocess(name)`` samples them (in this and later runs)."""
     rt = rt or _runtime()
-    rt.db.add_distribution(name, "seconds", list(seconds_per_batch), source="user",
-                           description=description or f"user-recorded preprocessing ({name})")
+    rt.db.add_distribution(
+        name,
+        "seconds",
+        list(seconds_per_batch),
+        source="user",
+        description=description or f"user-recorded preprocessing ({name})",
+    )
 
 
-def _runtime() -> "Runtime":
+def _runtime() -> Runtime:
     import gpemu
 
     rt = gpemu.current()
@@ -182,9 +189,17 @@ class GpuPreprocess:
     seed: random seed for sampling (reproducible runs).
     """
 
-    def __init__(self, distribution: str | Sequence[float] = "decode-dali", *, device: int | None = None,
-                 cpu_share: float = 0.0, cpu_threads: int = 1, memory: Any = "auto",
-                 batch_size: int | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        distribution: str | Sequence[float] = "decode-dali",
+        *,
+        device: int | None = None,
+        cpu_share: float = 0.0,
+        cpu_threads: int = 1,
+        memory: Any = "auto",
+        batch_size: int | None = None,
+        seed: int | None = None,
+    ) -> None:
         if not 0.0 <= float(cpu_share) <= 1.0:
             raise ValueError(f"cpu_share must be a fraction from 0 to 1, got {cpu_share!r}")
         if not isinstance(cpu_threads, int) or cpu_threads < 1:
@@ -192,12 +207,14 @@ class GpuPreprocess:
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not (memory is None or memory == "auto" or isinstance(memory, (MemoryCurve, int))) or (
-                isinstance(memory, int) and memory < 0):
+            isinstance(memory, int) and memory < 0
+        ):
             raise ValueError("memory must be 'auto', a MemoryCurve, a plateau in bytes (>= 0) or None")
         self.distribution = distribution if isinstance(distribution, str) else "custom"
         self._given_samples = None if isinstance(distribution, str) else np.asarray(distribution, dtype=float)
-        if self._given_samples is not None and (self._given_samples.ndim != 1 or self._given_samples.size == 0
-                                                or np.any(self._given_samples < 0)):
+        if self._given_samples is not None and (
+            self._given_samples.ndim != 1 or self._given_samples.size == 0 or np.any(self._given_samples < 0)
+        ):
             raise ValueError("distribution samples must be a non-empty sequence of seconds >= 0")
         self.device = device
         self.cpu_share = float(cpu_share)
@@ -217,13 +234,15 @@ class GpuPreprocess:
         self.sampled: list[float] = []  # every drawn per-batch time, in order
 
     # ------------------------------------------------------------------ set-up on first use
-    def _setup(self) -> "Runtime":
+    def _setup(self) -> Runtime:
         rt = _runtime()
         if self._rt is rt:
             return rt
         self._rt = rt
         self.device = rt.check_device(self.device if self.device is not None else rt.current_device)
-        self._samples = self._given_samples if self._given_samples is not None else rt.db.distribution(self.distribution)
+        self._samples = (
+            self._given_samples if self._given_samples is not None else rt.db.distribution(self.distribution)
+        )
         if self._samples.size == 0:
             raise ValueError(f"distribution {self.distribution!r} has no samples")
         memory = self._memory_arg
@@ -281,7 +300,7 @@ class GpuPreprocess:
         """GPU memory this step holds now."""
         return self._held
 
-    def _grow_memory(self, rt: "Runtime", index: int) -> None:
+    def _grow_memory(self, rt: Runtime, index: int) -> None:
         if self._curve is None:
             return
         target = self._curve.bytes_after(index, self.batch_size)
@@ -302,12 +321,14 @@ class GpuPreprocess:
         self._blocks = []  # the tracker frees a block when its last reference goes
         self._held = 0
 
-    def __enter__(self) -> "GpuPreprocess":
+    def __enter__(self) -> GpuPreprocess:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"GpuPreprocess({self.distribution!r}, device={self.device}, cpu_share={self.cpu_share}, "
-                f"batches={self.batches}, memory_bytes={self._held})")
+        return (
+            f"GpuPreprocess({self.distribution!r}, device={self.device}, cpu_share={self.cpu_share}, "
+            f"batches={self.batches}, memory_bytes={self._held})"
+        )

@@ -35,8 +35,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -105,14 +106,14 @@ class _Block:
 class PoolStats:
     """What the pinned pool holds. ``misses`` counts blocks obtained from the OS."""
 
-    blocks: int            # blocks ever obtained (never returned)
-    blocks_in_use: int     # blocks backing live tensors
-    bytes_reserved: int    # sum of block sizes
-    bytes_in_use: int      # sum of sizes of blocks backing live tensors
-    bytes_locked: int      # bytes actually page-locked with mlock
-    hits: int              # requests served from the free list
-    misses: int            # requests that needed a new block
-    lock_failures: int     # blocks mlock refused (memory stays usable, just not locked)
+    blocks: int  # blocks ever obtained (never returned)
+    blocks_in_use: int  # blocks backing live tensors
+    bytes_reserved: int  # sum of block sizes
+    bytes_in_use: int  # sum of sizes of blocks backing live tensors
+    bytes_locked: int  # bytes actually page-locked with mlock
+    hits: int  # requests served from the free list
+    misses: int  # requests that needed a new block
+    lock_failures: int  # blocks mlock refused (memory stays usable, just not locked)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -262,7 +263,7 @@ class PinnedHostPool:
 
 
 _pool: PinnedHostPool | None = None
-_all_pools: "weakref.WeakSet[PinnedHostPool]" = weakref.WeakSet()  # for is_pinned()
+_all_pools: weakref.WeakSet[PinnedHostPool] = weakref.WeakSet()  # for is_pinned()
 # Whether any pool of this process ever mapped a block: until then no tensor can be pinned, and
 # is_pinned (asked on every input copy) answers at once.
 _has_blocks = [False]
@@ -354,7 +355,7 @@ def pin(tensor: torch.Tensor, pool: PinnedHostPool | None = None) -> torch.Tenso
 
 def _dense(tensor: torch.Tensor) -> bool:
     """Non-overlapping and dense: its elements fill exactly numel() slots in some order."""
-    pairs = sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1)
+    pairs = sorted((st, s) for s, st in zip(tensor.shape, tensor.stride(), strict=False) if s != 1)
     expected = 1
     for st, s in pairs:
         if st != expected:
@@ -379,11 +380,11 @@ class PinnedState:
 
     pool: PinnedHostPool
     enabled: bool
-    pins: int = 0              # pin_memory() calls this run
-    pin_seconds: float = 0.0   # host time they took
+    pins: int = 0  # pin_memory() calls this run
+    pin_seconds: float = 0.0  # host time they took
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Patch ``Tensor.pin_memory``/``Tensor.is_pinned`` for this run (through ``rt.patcher``) and
     let the transfers component ask whether a host tensor is pinned."""
     pool = host_pool()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -16,8 +17,12 @@ from .devices import DEFAULT_DEVICE_DIR, DeviceFileError, EmuGpu, create_devices
 __all__ = ["k8s"]
 
 _DIR_OPTION = click.option(
-    "--dir", "directory", default=DEFAULT_DEVICE_DIR, show_default=True,
-    type=click.Path(file_okay=False), help="The node's emuGPU directory.",
+    "--dir",
+    "directory",
+    default=DEFAULT_DEVICE_DIR,
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="The node's emuGPU directory.",
 )
 
 
@@ -54,8 +59,11 @@ def devices() -> None:
 @devices.command("create")
 @click.option("--gpu", required=True, help="GPU model, e.g. V100 (see `gpemu gpus`).")
 @click.option("--count", default=1, show_default=True, type=int, help="How many emuGPUs to create.")
-@click.option("--replace", is_flag=True,
-              help="Make the directory hold exactly these emuGPUs (indices 0..count-1); unchanged files are not rewritten.")
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Make the directory hold exactly these emuGPUs (indices 0..count-1); unchanged files are not rewritten.",
+)
 @_DIR_OPTION
 @_one_line_errors
 def create_cmd(gpu: str, count: int, replace: bool, directory: str) -> None:
@@ -70,8 +78,12 @@ def create_cmd(gpu: str, count: int, replace: bool, directory: str) -> None:
 
 @devices.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--share-manager-args", "share_args", is_flag=True,
-              help="Print `--device emugpu-0=V100 ...` for `gpemu share-manager` (healthy emuGPUs only).")
+@click.option(
+    "--share-manager-args",
+    "share_args",
+    is_flag=True,
+    help="Print `--device emugpu-0=V100 ...` for `gpemu share-manager` (healthy emuGPUs only).",
+)
 @_DIR_OPTION
 @_one_line_errors
 def list_cmd(as_json: bool, share_args: bool, directory: str) -> None:
@@ -86,14 +98,15 @@ def list_cmd(as_json: bool, share_args: bool, directory: str) -> None:
         return
     if as_json:
         rows = [
-            d.to_json() if isinstance(d, EmuGpu) else {"id": dev_id, "error": str(d)}
-            for dev_id, d in found.items()
+            d.to_json() if isinstance(d, EmuGpu) else {"id": dev_id, "error": str(d)} for dev_id, d in found.items()
         ]
         click.echo(json.dumps(rows, indent=2))
         return
     if not found:
-        console.print(f"no emuGPUs in {directory} (create some: gpemu k8s devices create --gpu V100 --count 8 --dir {directory})",
-                      highlight=False)
+        console.print(
+            f"no emuGPUs in {directory} (create some: gpemu k8s devices create --gpu V100 --count 8 --dir {directory})",
+            highlight=False,
+        )
         return
     from rich.table import Table
 
@@ -126,30 +139,56 @@ def remove_cmd(ids: tuple[str, ...], remove_all: bool, directory: str) -> None:
 
 
 @k8s.command("plugin")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="YAML config (flags, sharing.timeSlicing replicas, sharing.manager); see k8s/README.md.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="YAML config (flags, sharing.timeSlicing replicas, sharing.manager); see k8s/README.md.",
+)
 @click.option("--device-dir", help=f"emuGPU directory as the plugin sees it [default: {DEFAULT_DEVICE_DIR}].")
 @click.option("--host-device-dir", help="The same directory as the node sees it (when the plugin runs in a container).")
-@click.option("--container-device-dir", help="Where emuGPU files appear in workload containers [default: /var/run/gpemu/devices].")
-@click.option("--device-plugin-dir", help="The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins].")
+@click.option(
+    "--container-device-dir", help="Where emuGPU files appear in workload containers [default: /var/run/gpemu/devices]."
+)
+@click.option(
+    "--device-plugin-dir", help="The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins]."
+)
 @click.option("--resource-name", help="Extended resource to advertise [default: gpemu.io/emugpu].")
 @click.option("--replicas", type=int, help="Time-slicing: advertise each emuGPU this many times.")
-@click.option("--sharing", help="amqp://USER@HOST:PORT/VHOST of the node's sharing manager, given to containers as "
-                                "GPEMU_SHARING (the password goes to each container's credentials file).")
-@click.option("--sharing-password-file", type=click.Path(dir_okay=False), metavar="FILE",
-              help="The broker password of the jobs' user, read from FILE (or $GPEMU_SHARING_PASSWORD).")
+@click.option(
+    "--sharing",
+    help="amqp://USER@HOST:PORT/VHOST of the node's sharing manager, given to containers as "
+    "GPEMU_SHARING (the password goes to each container's credentials file).",
+)
+@click.option(
+    "--sharing-password-file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="The broker password of the jobs' user, read from FILE (or $GPEMU_SHARING_PASSWORD).",
+)
 @click.option("--sharing-password", envvar="GPEMU_SHARING_PASSWORD", hidden=True, default=None)
-@click.option("--job-secret-file", type=click.Path(dir_okay=False), metavar="FILE",
-              help="The sharing manager's job secret: each container gets its own key derived from it.")
-@click.option("--credentials-dir", help="Where per-container sharing credentials are written "
-                                        "[default: /var/lib/gpemu/credentials].")
+@click.option(
+    "--job-secret-file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="The sharing manager's job secret: each container gets its own key derived from it.",
+)
+@click.option(
+    "--credentials-dir",
+    help="Where per-container sharing credentials are written [default: /var/lib/gpemu/credentials].",
+)
 @click.option("--host-credentials-dir", help="The same directory as the node sees it (mount source).")
 @click.option("--state-dir", help="Where the allocation record is kept [default: the device-plugin directory].")
 @click.option("--poll-interval", type=float, help="Seconds between scans of the emuGPU directory [default: 1].")
 @click.option("--removed-grace", type=float, help="Seconds a removed emuGPU stays advertised Unhealthy [default: 30].")
 @_one_line_errors
-def plugin_cmd(config_path: str | None, sharing_password_file: str | None, sharing_password: str | None,
-               job_secret_file: str | None, **flags: object) -> None:
+def plugin_cmd(
+    config_path: str | None,
+    sharing_password_file: str | None,
+    sharing_password: str | None,
+    job_secret_file: str | None,
+    **flags: object,
+) -> None:
     """Run the emuGPU device plugin (registers with the kubelet; serves until SIGTERM)."""
     from .plugin import EmuGpuPlugin, PluginOptions, load_plugin_config
 
@@ -199,10 +238,20 @@ def _check_amqp_url(url: str) -> None:
 
 
 @k8s.command("secrets")
-@click.option("--dir", "directory", default="/var/lib/gpemu/secrets", show_default=True,
-              type=click.Path(file_okay=False), help="The node's root-only secrets directory.")
-@click.option("--broker-config-dir", type=click.Path(file_okay=False), default=None,
-              help="Also write RabbitMQ's gpemu.conf and definitions.json (the two users) here.")
+@click.option(
+    "--dir",
+    "directory",
+    default="/var/lib/gpemu/secrets",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="The node's root-only secrets directory.",
+)
+@click.option(
+    "--broker-config-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also write RabbitMQ's gpemu.conf and definitions.json (the two users) here.",
+)
 @_one_line_errors
 def secrets_cmd(directory: str, broker_config_dir: str | None) -> None:
     """Make the node's sharing secrets once (broker passwords, job secret); never prints them."""
@@ -217,10 +266,17 @@ def secrets_cmd(directory: str, broker_config_dir: str | None) -> None:
 
 
 @k8s.command("probe")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="The plugin's YAML config (the socket's name follows its resource name).")
-@click.option("--device-plugin-dir", default=None, help="The kubelet's device-plugin directory "
-                                                          "[default: /var/lib/kubelet/device-plugins].")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="The plugin's YAML config (the socket's name follows its resource name).",
+)
+@click.option(
+    "--device-plugin-dir",
+    default=None,
+    help="The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins].",
+)
 @click.option("--timeout", default=3.0, show_default=True, type=float, help="Seconds to wait for an answer.")
 def probe_cmd(config_path: str | None, device_plugin_dir: str | None, timeout: float) -> None:
     """Liveness check: ask the plugin on its socket for its options (exit 0 when it answers)."""

@@ -19,9 +19,10 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = [
     "EmuGpu",
@@ -128,9 +129,7 @@ def create_devices(
     else:
         start = max(existing) + 1 if existing else 0
     if start + count > _MAX_DEVICES:
-        raise DeviceFileError(
-            f"a node holds at most {_MAX_DEVICES} emuGPUs; {root} already has {len(existing)}"
-        )
+        raise DeviceFileError(f"a node holds at most {_MAX_DEVICES} emuGPUs; {root} already has {len(existing)}")
     made = []
     for index in range(start, start + count):
         dev = EmuGpu(
@@ -169,7 +168,7 @@ def read_device(path: str | os.PathLike[str]) -> EmuGpu:
     except json.JSONDecodeError as exc:
         raise DeviceFileError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict) or data.get("kind") != FILE_KIND:
-        raise DeviceFileError(f"{p}: not an emuGPU file (expected \"kind\": \"{FILE_KIND}\")")
+        raise DeviceFileError(f'{p}: not an emuGPU file (expected "kind": "{FILE_KIND}")')
     index = int(m.group(1))
     try:
         dev = EmuGpu(
@@ -212,18 +211,14 @@ def list_devices(directory: str | os.PathLike[str]) -> list[EmuGpu]:
     return [d for d in scan_devices(directory).values() if isinstance(d, EmuGpu)]
 
 
-def remove_devices(
-    directory: str | os.PathLike[str], ids: Iterable[str] | None = None
-) -> list[str]:
+def remove_devices(directory: str | os.PathLike[str], ids: Iterable[str] | None = None) -> list[str]:
     """Delete the named emuGPU files (all of them when ``ids`` is None); returns removed ids."""
     root = Path(directory)
     present = {f"emugpu-{i}": device_file(root, i) for i in _indices(root)}
     wanted = list(present) if ids is None else list(ids)
     unknown = [i for i in wanted if i not in present]
     if unknown:
-        raise DeviceFileError(
-            f"no emuGPU {', '.join(unknown)} in {root}; present: {', '.join(present) or 'none'}"
-        )
+        raise DeviceFileError(f"no emuGPU {', '.join(unknown)} in {root}; present: {', '.join(present) or 'none'}")
     for dev_id in wanted:
         present[dev_id].unlink(missing_ok=True)
     return wanted

@@ -42,10 +42,11 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 
@@ -178,18 +179,18 @@ class PluginOptions:
 def load_plugin_config(path: str | os.PathLike[str], base: PluginOptions | None = None) -> PluginOptions:
     """Read the plugin's YAML config (modelled on NVIDIA's device-plugin config)::
 
-        version: v1
-        flags:
-          resourceName: gpemu.io/emugpu
-          deviceDir: /var/lib/gpemu/devices
-        sharing:
-          manager: amqp://gpemu:gpemu@10.0.0.5:5672/%2F
-          timeSlicing:
-            renameByDefault: false
-            failRequestsGreaterThanOne: false
-            resources:
-              - name: gpemu.io/emugpu
-                replicas: 4
+    version: v1
+    flags:
+      resourceName: gpemu.io/emugpu
+      deviceDir: /var/lib/gpemu/devices
+    sharing:
+      manager: amqp://gpemu:gpemu@10.0.0.5:5672/%2F
+      timeSlicing:
+        renameByDefault: false
+        failRequestsGreaterThanOne: false
+        resources:
+          - name: gpemu.io/emugpu
+            replicas: 4
     """
     import yaml
 
@@ -210,9 +211,16 @@ def load_plugin_config(path: str | os.PathLike[str], base: PluginOptions | None 
     opts = base or PluginOptions()
     changes: dict[str, Any] = {}
     flags = data.get("flags") or {}
-    flag_map = {"resourceName": "resource_name", "deviceDir": "device_dir", "hostDeviceDir": "host_device_dir",
-                "containerDeviceDir": "container_device_dir", "devicePluginDir": "device_plugin_dir",
-                "stateDir": "state_dir", "pollInterval": "poll_interval_s", "removedGracePeriod": "removed_grace_s"}
+    flag_map = {
+        "resourceName": "resource_name",
+        "deviceDir": "device_dir",
+        "hostDeviceDir": "host_device_dir",
+        "containerDeviceDir": "container_device_dir",
+        "devicePluginDir": "device_plugin_dir",
+        "stateDir": "state_dir",
+        "pollInterval": "poll_interval_s",
+        "removedGracePeriod": "removed_grace_s",
+    }
     for key, value in flags.items():
         if key not in flag_map:
             raise PluginConfigError(f"plugin config {p}: unknown flag {key!r}; valid: {', '.join(flag_map)}")
@@ -285,15 +293,21 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         return Path(self.options.state_dir or self.options.device_plugin_dir) / ALLOCATION_RECORD
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "EmuGpuPlugin":
+    def start(self) -> EmuGpuPlugin:
         if not Path(self.options.device_dir).is_dir():
-            log.warning("emuGPU directory %s does not exist (yet); advertising no emuGPUs until it does "
-                        "(create some: gpemu k8s devices create --gpu V100 --count 8 --dir %s)",
-                        self.options.device_dir, self.options.device_dir)
+            log.warning(
+                "emuGPU directory %s does not exist (yet); advertising no emuGPUs until it does "
+                "(create some: gpemu k8s devices create --gpu V100 --count 8 --dir %s)",
+                self.options.device_dir,
+                self.options.device_dir,
+            )
         self.refresh_devices()
         log.info(
             "emuGPU plugin: resource %s, %d emuGPU(s) x %d replica(s) from %s",
-            self.options.advertised_resource, len(self._devices), self.options.replicas, self.options.device_dir,
+            self.options.advertised_resource,
+            len(self._devices),
+            self.options.replicas,
+            self.options.device_dir,
         )
         if self.allocations:
             log.info("reloaded %d recorded allocation(s) from %s", len(self.allocations), self.record_path)
@@ -349,8 +363,10 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
                 log.info("removed the stale socket %s", path)
             except FileNotFoundError:
                 pass
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpemu-dp"),
-                                 options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpemu-dp"),
+                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+            )
             api_pb2_grpc.add_DevicePluginServicer_to_server(self, server)
             server.add_insecure_port(f"unix://{path}")
             server.start()
@@ -370,8 +386,9 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         try:
             # Its own subchannel: C-core shares one per target within a process, and one still
             # backing off from the previous kubelet would fail this call fast with UNAVAILABLE.
-            with grpc.insecure_channel(f"unix://{self.kubelet_socket}",
-                                       options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            with grpc.insecure_channel(
+                f"unix://{self.kubelet_socket}", options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as channel:
                 api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=5)
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -398,8 +415,10 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             own_missing = not self.socket_path.exists()
             if kubelet is not None and (kubelet != self._kubelet_seen or own_missing):
                 if self._kubelet_seen is not None or own_missing:
-                    log.info("kubelet restart detected (kubelet.sock re-created or plugin socket removed); "
-                             "restarting the plugin server and re-registering")
+                    log.info(
+                        "kubelet restart detected (kubelet.sock re-created or plugin socket removed); "
+                        "restarting the plugin server and re-registering"
+                    )
                     self.registered.clear()
                     self._start_server()
                 self._register(kubelet)
@@ -428,7 +447,10 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
                 else:
                     new = _DeviceState(item, HEALTHY)
                 if old is None or (old.device, old.health, old.problem, old.missing_since) != (
-                    new.device, new.health, new.problem, new.missing_since
+                    new.device,
+                    new.health,
+                    new.problem,
+                    new.missing_since,
                 ):
                     if old is None or old.health != new.health:
                         log.info("emuGPU %s: %s%s", dev_id, new.health, f" ({new.problem})" if new.problem else "")
@@ -470,10 +492,14 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
     def _plugin_options(self) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
-    def GetDevicePluginOptions(self, request: api_pb2.Empty, context: grpc.ServicerContext) -> api_pb2.DevicePluginOptions:
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
         return self._plugin_options()
 
-    def ListAndWatch(self, request: api_pb2.Empty, context: grpc.ServicerContext) -> Iterator[api_pb2.ListAndWatchResponse]:
+    def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.ListAndWatchResponse]:
         sent = -1
         server = self._server
         while context.is_active() and not self._stop.is_set() and server is self._server:
@@ -501,8 +527,10 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
                 must = _checked_ids(creq.must_include_deviceIDs, "must-include")
                 unknown = [d for d in must if d not in advertised]
                 if unknown:
-                    raise _AllocationError(grpc.StatusCode.NOT_FOUND,
-                                           f"must-include id(s) {_show_ids(unknown)} are not advertised by this node")
+                    raise _AllocationError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"must-include id(s) {_show_ids(unknown)} are not advertised by this node",
+                    )
                 # Only ids this plugin advertises may come back, whatever the request lists.
                 available = [d for d in dict.fromkeys(available) if d in advertised]
                 chosen = self._prefer(available, list(dict.fromkeys(must)), creq.allocation_size)
@@ -545,14 +573,20 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         need = size - len(chosen)
         models = {model.get(p, "?") for p in used} or {model.get(p, "?") for p in free}
         fitting = [
-            m for m in sorted(models)
+            m
+            for m in sorted(models)
             if sum(len(v) for p, v in free.items() if model.get(p, "?") == m) >= need
             and (not used or {model.get(p, "?") for p in used} == {m})
         ]
         if fitting:
             # The model with the most free distinct emuGPUs, so replicas spread widest.
-            best_model = max(fitting, key=lambda m: (sum(1 for p, v in free.items() if v and model.get(p, "?") == m),
-                                                     -sorted(models).index(m)))
+            best_model = max(
+                fitting,
+                key=lambda m: (
+                    sum(1 for p, v in free.items() if v and model.get(p, "?") == m),
+                    -sorted(models).index(m),
+                ),
+            )
             free = {p: v for p, v in free.items() if model.get(p, "?") == best_model}
         while len(chosen) < size:
             candidates = [p for p in free if free[p]]
@@ -594,8 +628,7 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
         if len(ids) > len(advertised):
             raise _AllocationError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"asked for {len(ids)} {self.options.advertised_resource} but this node advertises "
-                f"{len(advertised)}",
+                f"asked for {len(ids)} {self.options.advertised_resource} but this node advertises {len(advertised)}",
             )
         dupes = sorted({d for d in ids if ids.count(d) > 1})
         if dupes:
@@ -651,8 +684,13 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             envs["GPEMU_SHARING"] = url
             job_id, host_file = self._write_credentials(len(devices), o.sharing_password or password)
             envs["GPEMU_JOB_ID"] = job_id
-            mounts.append(api_pb2.Mount(container_path=str(Path(o.container_device_dir) / _CREDENTIALS_NAME),
-                                        host_path=host_file, read_only=True))
+            mounts.append(
+                api_pb2.Mount(
+                    container_path=str(Path(o.container_device_dir) / _CREDENTIALS_NAME),
+                    host_path=host_file,
+                    read_only=True,
+                )
+            )
         return api_pb2.ContainerAllocateResponse(
             envs=envs, mounts=mounts, annotations={"gpemu.io/emugpu-ids": ",".join(ids)}
         )
@@ -711,7 +749,7 @@ class EmuGpuPlugin(api_pb2_grpc.DevicePluginServicer):
             self._record_locked(containers, responses)
 
     def _record_locked(self, containers: list[list[str]], responses: list[api_pb2.ContainerAllocateResponse]) -> None:
-        for ids, resp in zip(containers, responses):
+        for ids, resp in zip(containers, responses, strict=False):
             entry = {
                 "devices": ids,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -769,9 +807,11 @@ def _checked_ids(ids: Any, what: str) -> list[str]:
     out = list(ids)
     for dev_id in out:
         if len(dev_id) > MAX_ID_LEN:
-            raise _AllocationError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"a {what} id of {len(dev_id)} characters is longer than {MAX_ID_LEN}; "
-                                   f"emuGPU ids look like emugpu-0 or emugpu-0::1")
+            raise _AllocationError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a {what} id of {len(dev_id)} characters is longer than {MAX_ID_LEN}; "
+                f"emuGPU ids look like emugpu-0 or emugpu-0::1",
+            )
     return out
 
 

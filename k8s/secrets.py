@@ -82,17 +82,24 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
     return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
 
 
-def write_broker_config(secrets_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                        port: int = 5672) -> tuple[Path, Path]:
+def write_broker_config(
+    secrets_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], port: int = 5672
+) -> tuple[Path, Path]:
     """``gpemu.conf`` (listener, definitions to load) and ``definitions.json`` (the two users, vhost
     ``/``, their permissions) for RabbitMQ, from the node's secrets. Returns both paths."""
     root, out = Path(secrets_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     users = {MANAGER_USER: _read(root, "manager-password"), JOBS_USER: _read(root, "jobs-password")}
     definitions = {
-        "users": [{"name": name, "password_hash": password_hash(pw), "hashing_algorithm":
-                   "rabbit_password_hashing_sha256", "tags": ["administrator"] if name == MANAGER_USER else []}
-                  for name, pw in users.items()],
+        "users": [
+            {
+                "name": name,
+                "password_hash": password_hash(pw),
+                "hashing_algorithm": "rabbit_password_hashing_sha256",
+                "tags": ["administrator"] if name == MANAGER_USER else [],
+            }
+            for name, pw in users.items()
+        ],
         "vhosts": [{"name": "/"}],
         "permissions": [
             {"user": MANAGER_USER, "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"},
@@ -107,7 +114,8 @@ def write_broker_config(secrets_dir: str | os.PathLike[str], out_dir: str | os.P
         f"listeners.tcp.default = {port}\n"
         f"load_definitions = {defs}\n"
         "log.console = true\n"
-        "log.console.level = warning\n")
+        "log.console.level = warning\n"
+    )
     # The broker runs as its own user inside its container; the hashes are salted.
     os.chmod(defs, 0o644)
     os.chmod(conf, 0o644)

@@ -9,8 +9,22 @@ import click
 
 __all__ = ["profile", "parse_memory_size"]
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 
 def parse_memory_size(text: str) -> int:
@@ -31,53 +45,144 @@ def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None
 
 
 @click.command("profile", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "models", multiple=True, metavar="NAME|module:callable",
-              help="Model to profile (repeatable): a torchvision name (resnet50), or a factory "
-                   "module:callable returning a module or (module, sample_batch); NAME=module:callable "
-                   "stores it under NAME.")
-@click.option("--gpu-name", default="auto", show_default=True,
-              help="Name to store the measurements under; auto: what torch.cuda.get_device_name reports ('cpu' on the CPU).")
-@click.option("--device", default="cuda", show_default=True, help="cuda, cuda:N, or cpu (tests the pipeline without a GPU).")
-@click.option("--batch-sizes", default="default", show_default=True,
-              help="Batch sizes: '1-16,32,64', 'pow2', 'dense:1-16+step:16', 'default' (1-16,24,32,48,...,256).")
-@click.option("--max-batch-size", default=256, show_default=True, type=click.IntRange(1),
-              help="Upper end of open-ended sweeps (pow2, step:S).")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="NAME|module:callable",
+    help="Model to profile (repeatable): a torchvision name (resnet50), or a factory "
+    "module:callable returning a module or (module, sample_batch); NAME=module:callable "
+    "stores it under NAME.",
+)
+@click.option(
+    "--gpu-name",
+    default="auto",
+    show_default=True,
+    help="Name to store the measurements under; auto: what torch.cuda.get_device_name reports ('cpu' on the CPU).",
+)
+@click.option(
+    "--device", default="cuda", show_default=True, help="cuda, cuda:N, or cpu (tests the pipeline without a GPU)."
+)
+@click.option(
+    "--batch-sizes",
+    default="default",
+    show_default=True,
+    help="Batch sizes: '1-16,32,64', 'pow2', 'dense:1-16+step:16', 'default' (1-16,24,32,48,...,256).",
+)
+@click.option(
+    "--max-batch-size",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Upper end of open-ended sweeps (pow2, step:S).",
+)
 @click.option("--input-shape", default=None, metavar="C,H,W", help="Shape of one input sample [3,224,224].")
 @click.option("--input-dtype", default="float32", show_default=True, help="float32, float16, bfloat16, int64, ...")
-@click.option("--num-classes", default=None, type=click.IntRange(1), help="Classes of a classifier (passed to factories that take it).")
-@click.option("--warmup", default=3, show_default=True, type=click.IntRange(0),
-              help="Iterations run first and not recorded (the first ones are slow).")
-@click.option("--iterations", default=20, show_default=True, type=click.IntRange(1), help="Recorded iterations per batch size.")
-@click.option("--optimizer", default="sgd", show_default=True, type=click.Choice(["sgd", "adam", "adamw"]),
-              help="Optimizer whose step is timed (SGD has momentum 0.9).")
-@click.option("--memory-limit", default=None, callback=_memory_option, metavar="SIZE",
-              help="Treat more than SIZE (e.g. 200MiB) as out of memory: a smaller GPU, or an OOM test on the CPU.")
-@click.option("--ddp-world-sizes", default="auto", show_default=True,
-              help="World sizes for DDP iteration times: '2,4', 'none', or auto (2..number of GPUs; none on the CPU).")
+@click.option(
+    "--num-classes",
+    default=None,
+    type=click.IntRange(1),
+    help="Classes of a classifier (passed to factories that take it).",
+)
+@click.option(
+    "--warmup",
+    default=3,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Iterations run first and not recorded (the first ones are slow).",
+)
+@click.option(
+    "--iterations", default=20, show_default=True, type=click.IntRange(1), help="Recorded iterations per batch size."
+)
+@click.option(
+    "--optimizer",
+    default="sgd",
+    show_default=True,
+    type=click.Choice(["sgd", "adam", "adamw"]),
+    help="Optimizer whose step is timed (SGD has momentum 0.9).",
+)
+@click.option(
+    "--memory-limit",
+    default=None,
+    callback=_memory_option,
+    metavar="SIZE",
+    help="Treat more than SIZE (e.g. 200MiB) as out of memory: a smaller GPU, or an OOM test on the CPU.",
+)
+@click.option(
+    "--ddp-world-sizes",
+    default="auto",
+    show_default=True,
+    help="World sizes for DDP iteration times: '2,4', 'none', or auto (2..number of GPUs; none on the CPU).",
+)
 @click.option("--ddp-batch-sizes", default=None, help="Per-GPU batch sizes for DDP [same as --batch-sizes].")
-@click.option("--db", "db_url", default=None, metavar="URL", help="SQLAlchemy URL of the profile database [your default database].")
-@click.option("--resume/--force", default=True, show_default=True,
-              help="--resume skips (model, batch size) units already in the database; --force measures them again.")
-@click.option("--export", "export_path", default=None, type=click.Path(dir_okay=False),
-              help="After profiling, write this GPU's measurements to FILE (FILE.json, or a directory of CSV files; "
-                   "the `gpemu db export` format). Alone: the whole database, or --gpu-name's GPU.")
+@click.option(
+    "--db",
+    "db_url",
+    default=None,
+    metavar="URL",
+    help="SQLAlchemy URL of the profile database [your default database].",
+)
+@click.option(
+    "--resume/--force",
+    default=True,
+    show_default=True,
+    help="--resume skips (model, batch size) units already in the database; --force measures them again.",
+)
+@click.option(
+    "--export",
+    "export_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="After profiling, write this GPU's measurements to FILE (FILE.json, or a directory of CSV files; "
+    "the `gpemu db export` format). Alone: the whole database, or --gpu-name's GPU.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar (log lines only).")
-@click.option("--ops", "ops_mode", is_flag=True,
-              help="Instead of models: time single kernels of every op class (matrix multiply, convolutions, "
-                   "normalisation, elementwise, ...) over a range of sizes and fit this GPU's curves for the "
-                   "cost model, which then prices unmeasured models on this GPU from them. Needs a CUDA GPU.")
-@click.option("--classes", "op_classes", multiple=True, metavar="NAMES",
-              help="With --ops: only these op classes (repeatable or comma-separated): gemm, conv1x1, "
-                   "conv_spatial, conv_strided, conv_grouped, conv_depthwise, norm, elementwise, reduction, "
-                   "pooling, copy; or the groups conv, compute, memory, all [all].")
-@click.option("--quick", is_flag=True,
-              help="With --ops: about five sizes per op class, 1 warm-up and at most 5 samples per kernel "
-                   "(a minute or less on a GPU; a coarser fit).")
-def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: str, max_batch_size: int,
-            input_shape: str | None, input_dtype: str, num_classes: int | None, warmup: int, iterations: int,
-            optimizer: str, memory_limit: int | None, ddp_world_sizes: str, ddp_batch_sizes: str | None,
-            db_url: str | None, resume: bool, export_path: str | None, no_progress: bool,
-            ops_mode: bool = False, op_classes: tuple[str, ...] = (), quick: bool = False) -> None:
+@click.option(
+    "--ops",
+    "ops_mode",
+    is_flag=True,
+    help="Instead of models: time single kernels of every op class (matrix multiply, convolutions, "
+    "normalisation, elementwise, ...) over a range of sizes and fit this GPU's curves for the "
+    "cost model, which then prices unmeasured models on this GPU from them. Needs a CUDA GPU.",
+)
+@click.option(
+    "--classes",
+    "op_classes",
+    multiple=True,
+    metavar="NAMES",
+    help="With --ops: only these op classes (repeatable or comma-separated): gemm, conv1x1, "
+    "conv_spatial, conv_strided, conv_grouped, conv_depthwise, norm, elementwise, reduction, "
+    "pooling, copy; or the groups conv, compute, memory, all [all].",
+)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="With --ops: about five sizes per op class, 1 warm-up and at most 5 samples per kernel "
+    "(a minute or less on a GPU; a coarser fit).",
+)
+def profile(
+    models: tuple[str, ...],
+    gpu_name: str,
+    device: str,
+    batch_sizes: str,
+    max_batch_size: int,
+    input_shape: str | None,
+    input_dtype: str,
+    num_classes: int | None,
+    warmup: int,
+    iterations: int,
+    optimizer: str,
+    memory_limit: int | None,
+    ddp_world_sizes: str,
+    ddp_batch_sizes: str | None,
+    db_url: str | None,
+    resume: bool,
+    export_path: str | None,
+    no_progress: bool,
+    ops_mode: bool = False,
+    op_classes: tuple[str, ...] = (),
+    quick: bool = False,
+) -> None:
     """Measure models on this machine's GPU into the profile database.
 
     \b
@@ -136,30 +241,44 @@ def profile(models: tuple[str, ...], gpu_name: str, device: str, batch_sizes: st
     try:
         if models:
             assert dev is not None
-            opts = ProfileOptions(models=list(models), batch_sizes=sizes, device=dev,
-                                  gpu_name=None if gpu_name.strip().lower() == "auto" else gpu_name.strip(),
-                                  input_shape=shape, input_dtype=dtype, num_classes=num_classes, warmup=warmup,
-                                  iterations=iterations, optimizer=optimizer, memory_limit=memory_limit,
-                                  force=not resume)
+            opts = ProfileOptions(
+                models=list(models),
+                batch_sizes=sizes,
+                device=dev,
+                gpu_name=None if gpu_name.strip().lower() == "auto" else gpu_name.strip(),
+                input_shape=shape,
+                input_dtype=dtype,
+                num_classes=num_classes,
+                warmup=warmup,
+                iterations=iterations,
+                optimizer=optimizer,
+                memory_limit=memory_limit,
+                force=not resume,
+            )
             try:
                 report = _run_with_progress(store, opts, no_progress, err_console)
                 ddp_units = 0
                 if world_sizes:
                     from .ddp import profile_ddp
 
-                    ddp_units = profile_ddp(store, opts, world_sizes, ddp_sizes,
-                                            log=lambda msg: err_console.print(msg, highlight=False))
+                    ddp_units = profile_ddp(
+                        store, opts, world_sizes, ddp_sizes, log=lambda msg: err_console.print(msg, highlight=False)
+                    )
             except Interrupted as exc:
                 r = exc.report
                 err_console.print(
                     f"[yellow]interrupted[/yellow]: {len(r.measured)} (model, batch size) unit(s) saved this run; "
                     f"the database is consistent. Run the same command again to go on from there.",
-                    highlight=False)
-                raise click.exceptions.Exit(130)
+                    highlight=False,
+                )
+                raise click.exceptions.Exit(130) from None
             lim = f"; {ddp_units} DDP unit(s)" if world_sizes else ""
             lim += "".join(f"; {m}: out of memory at batch {b}" for m, (b, _) in report.limits.items())
-            err_console.print(f"[green]done[/green]: {len(report.measured)} unit(s) measured, "
-                              f"{len(report.skipped)} already in the database, on '{report.gpu}'{lim}", highlight=False)
+            err_console.print(
+                f"[green]done[/green]: {len(report.measured)} unit(s) measured, "
+                f"{len(report.skipped)} already in the database, on '{report.gpu}'{lim}",
+                highlight=False,
+            )
         if export_path:
             from .export import export_database
 
@@ -204,8 +323,14 @@ def _world_sizes(text: str, dev) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore[no-untyped-def]
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from .runner import profile_models
 
@@ -214,9 +339,16 @@ def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore
 
     if no_progress:
         return profile_models(store, opts, log=log)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-                  transient=False) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task("profiling", total=None)
 
         def advance(desc: str, n: int) -> None:
@@ -225,12 +357,22 @@ def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore
         def set_total(total: int) -> None:
             bar.update(task, total=total)
 
-        return profile_models(store, opts, progress=advance, set_total=set_total,
-                              log=lambda msg: bar.console.print(msg, highlight=False))
+        return profile_models(
+            store, opts, progress=advance, set_total=set_total, log=lambda msg: bar.console.print(msg, highlight=False)
+        )
 
 
-def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick: bool, warmup: int,
-                 iterations: int, db_url: str | None, no_progress: bool, console) -> None:  # type: ignore[no-untyped-def]
+def _profile_ops(
+    device: str,
+    gpu_name: str,
+    op_classes: tuple[str, ...],
+    quick: bool,
+    warmup: int,
+    iterations: int,
+    db_url: str | None,
+    no_progress: bool,
+    console,
+) -> None:  # type: ignore[no-untyped-def]
     import torch
 
     from gpemu.cli import UserError
@@ -245,14 +387,20 @@ def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick:
     if device.strip().lower() == "cpu":
         raise UserError("--ops times CUDA kernels with CUDA events and needs a GPU; --device cpu is for models only")
     if not torch.cuda.is_available():
-        build = "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
-        raise UserError(f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
-                        "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)")
+        build = (
+            "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
+        )
+        raise UserError(
+            f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
+            "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)"
+        )
     try:  # the fit needs scipy (an extra): say so before minutes of timing, not after
         import scipy.optimize  # noqa: F401
     except ImportError:
-        raise UserError("gpemu profile --ops fits the measured kernels with scipy, which is not installed: "
-                        "pip install 'gpemu[profile]'") from None
+        raise UserError(
+            "gpemu profile --ops fits the measured kernels with scipy, which is not installed: "
+            "pip install 'gpemu[profile]'"
+        ) from None
     dev = resolve_device(device)
     if quick:
         warmup, iterations = min(warmup, 1), min(iterations, 5)
@@ -260,6 +408,7 @@ def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick:
     debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
     store = ProfileStore.open(db_url)
     try:
+
         def log(msg: str) -> None:
             console.print(msg, highlight=False)
 
@@ -268,26 +417,44 @@ def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick:
         else:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), console=console) as bar:
+            with Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            ) as bar:
                 task = bar.add_task("kernels", total=None)
-                report = profile_ops(store, dev, name, classes, quick, warmup, iterations,
-                                     progress=lambda key: bar.update(task, description=key, advance=1),
-                                     set_total=lambda n: bar.update(task, total=n),
-                                     log=lambda m: bar.console.print(m, highlight=False))
+                report = profile_ops(
+                    store,
+                    dev,
+                    name,
+                    classes,
+                    quick,
+                    warmup,
+                    iterations,
+                    progress=lambda key: bar.update(task, description=key, advance=1),
+                    set_total=lambda n: bar.update(task, total=n),
+                    log=lambda m: bar.console.print(m, highlight=False),
+                )
     except torch.OutOfMemoryError as exc:
         raise UserError(f"out of memory while timing kernels: {exc}; try --quick or fewer --classes") from None
     except RuntimeError as exc:  # a CUDA error: one line unless --debug
         if debug:
             raise
-        raise UserError(f"op profiling failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise UserError(
+            f"op profiling failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     finally:
         store.close()
     for note in report.notes:
         console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
     if report.uncovered:
-        console.print(f"[yellow]note[/yellow]: {len(report.uncovered)} kernel(s) may include launch gaps "
-                      f"(the host could not queue ahead of the GPU), e.g. {report.uncovered[0]}", highlight=False)
+        console.print(
+            f"[yellow]note[/yellow]: {len(report.uncovered)} kernel(s) may include launch gaps "
+            f"(the host could not queue ahead of the GPU), e.g. {report.uncovered[0]}",
+            highlight=False,
+        )
     from rich.table import Table
 
     table = Table(title=f"op curves of {report.gpu}", title_justify="left")
@@ -295,8 +462,12 @@ def _profile_ops(device: str, gpu_name: str, op_classes: tuple[str, ...], quick:
     for col in ("curve", "path", "kernels", "e", "x0 /SM", "p", "rms"):
         table.add_column(col, justify="left" if col in ("curve", "path") else "right", no_wrap=True)
     for c in report.curves:
-        table.add_row(c.key, c.path, str(c.rows), f"{c.e:.3f}", f"{c.x0:.3g}", f"{c.p:.2f}",
-                      f"{100 * c.rms_log_error:.1f}%")
+        table.add_row(
+            c.key, c.path, str(c.rows), f"{c.e:.3f}", f"{c.x0:.3g}", f"{c.p:.2f}", f"{100 * c.rms_log_error:.1f}%"
+        )
     console.print(table)
-    console.print(f"[green]done[/green]: {report.measured} kernel(s) timed on '{report.gpu}', "
-                  f"{len(report.curves)} curve(s) stored; emulating this GPU now prices ops with them", highlight=False)
+    console.print(
+        f"[green]done[/green]: {report.measured} kernel(s) timed on '{report.gpu}', "
+        f"{len(report.curves)} curve(s) stored; emulating this GPU now prices ops with them",
+        highlight=False,
+    )

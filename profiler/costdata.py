@@ -18,9 +18,10 @@ import hashlib
 import inspect
 import os
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,8 +30,18 @@ from gpemu.costmodel.table import OpTable, affine_table
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.db import ProfileDB
 
-__all__ = ["RECORD_BATCHES", "cache_dir", "record_model", "model_tables", "Measurements", "load_measurements",
-           "repo_models", "code_key", "load_arrays", "save_arrays"]
+__all__ = [
+    "RECORD_BATCHES",
+    "cache_dir",
+    "record_model",
+    "model_tables",
+    "Measurements",
+    "load_measurements",
+    "repo_models",
+    "code_key",
+    "load_arrays",
+    "save_arrays",
+]
 
 RECORD_BATCHES = (2, 4)
 _SOURCES = ("classify.py", "flops.py", "record.py", "table.py", "measured_loop.py")
@@ -91,7 +102,7 @@ def save_arrays(name: str, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def repo_models() -> dict[str, Callable[[], "object"]]:
+def repo_models() -> dict[str, Callable[[], object]]:
     """``examples.tvmodels.MODELS`` of the gpemu repository: importable as it is, or found in the
     working directory or next to this file's checkout (``profiler/`` sits at the repository's
     root). Raises ``ImportError`` outside a checkout: the installed package does not need it."""
@@ -107,8 +118,9 @@ def repo_models() -> dict[str, Callable[[], "object"]]:
     return tvmodels.MODELS
 
 
-def record_model(builder: Callable[[], "object"], batches: Sequence[int] = RECORD_BATCHES,
-                 image: int = 224, model: int = 0) -> OpTable:
+def record_model(
+    builder: Callable[[], object], batches: Sequence[int] = RECORD_BATCHES, image: int = 224, model: int = 0
+) -> OpTable:
     """Forward + backward ops of ``builder()`` (an ``nn.Module``) in the loop the database measured
     (:func:`gpemu.costmodel.measured_loop.record_measured_step`) as an affine table."""
     import torch
@@ -125,8 +137,9 @@ def record_model(builder: Callable[[], "object"], batches: Sequence[int] = RECOR
     return affine_table(recs[0], batches[0], recs[1], batches[1], model=model)
 
 
-def model_tables(names: Iterable[str] | None = None, *, use_cache: bool = True,
-                 progress: Callable[[str], None] | None = None) -> dict[str, OpTable]:
+def model_tables(
+    names: Iterable[str] | None = None, *, use_cache: bool = True, progress: Callable[[str], None] | None = None
+) -> dict[str, OpTable]:
     """Op tables of the database's models (all of ``examples.tvmodels`` by default), cached."""
     builders = repo_models()
     wanted = list(names) if names is not None else list(builders)
@@ -135,7 +148,9 @@ def model_tables(names: Iterable[str] | None = None, *, use_cache: bool = True,
     if use_cache and path.exists():
         with np.load(path, allow_pickle=False) as z:
             for key in {k.split("/")[0] for k in z.files}:
-                cached[key] = OpTable.from_arrays({k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(key + "/")})
+                cached[key] = OpTable.from_arrays(
+                    {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith(key + "/")}
+                )
     missing = [n for n in wanted if n not in cached]
     for name in missing:
         if progress:
@@ -157,7 +172,7 @@ def model_tables(names: Iterable[str] | None = None, *, use_cache: bool = True,
 class Measurements:
     """Measured forward/backward seconds: ``seconds[gpu][model][phase]`` -> (batches, seconds)."""
 
-    gpus: tuple[str, ...]       # database GPU names
+    gpus: tuple[str, ...]  # database GPU names
     models: tuple[str, ...]
     series: dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]]
 
@@ -166,13 +181,13 @@ class Measurements:
         xs, ys = self.series[(gpu, model, phase)]
         out = np.full(len(batches), np.nan)
         idx = np.searchsorted(xs, batches)
-        for i, (b, j) in enumerate(zip(batches, idx)):
+        for i, (b, j) in enumerate(zip(batches, idx, strict=False)):
             if j < len(xs) and xs[j] == b:
                 out[i] = ys[j]
         return out
 
 
-def load_measurements(db: "ProfileDB", models: Sequence[str] | None = None) -> Measurements:
+def load_measurements(db: ProfileDB, models: Sequence[str] | None = None) -> Measurements:
     """Every measured forward/backward series of the database's GPUs and ``models``."""
     gpus = tuple(g.name for g in db.gpus())
     names = tuple(models) if models is not None else tuple(m.name for m in db.models())
@@ -182,7 +197,7 @@ def load_measurements(db: "ProfileDB", models: Sequence[str] | None = None) -> M
             for phase in ("forward", "backward"):
                 pts = db.series(g, m, phase)
                 if pts:
-                    xs, ys = zip(*pts)
+                    xs, ys = zip(*pts, strict=False)
                     series[(g, m, phase)] = (np.asarray(xs, dtype=float), np.asarray(ys, dtype=float))
     # The database also lists datasheet-only GPUs (no measurements): not calibration data.
     gpus = tuple(g for g in gpus if any(k[0] == g for k in series))

@@ -16,7 +16,8 @@ rarely seen keys sane. GEMM curves are the exception to "data decides": their pl
 the published large-GEMM rate (:mod:`gpemu.costmodel.published`; the CNNs' GEMMs are classifier
 layers too small to show it) and their ramp is bounded (``KERNEL_RAMP_MAX``), so the fit sets only
 how fast they get there, their depth term and host time; they are priced with the roofline floor
-the model applies (:func:`~gpemu.costmodel.model.floor_seconds`). The measurements ran in fp32 with PyTorch's default TF32 switches
+the model applies (:func:`~gpemu.costmodel.model.floor_seconds`). The measurements ran in fp32 with
+PyTorch's default TF32 switches
 (:data:`~gpemu.costmodel.precision.FP32`), so the A100's convolution curves are calibrated against
 its TF32 tensor-core peak, every other compute curve against the FP32 peak.
 
@@ -38,22 +39,44 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from gpemu.costmodel import curve as C
 from gpemu.costmodel.classify import COMPUTE_CLASSES
 from gpemu.costmodel.gpus import DONORS, MEASURED_GENERATION_GPU, GpuSheet, gpu_sheet
-from gpemu.costmodel.model import (INTENSITY_CLASSES, MATMUL_CLASSES, PARAMS_PATH, CostModel, depth_mask, dominant_mix,
-                                   floor_seconds, table_keys, work_and_shape)
+from gpemu.costmodel.model import (
+    INTENSITY_CLASSES,
+    MATMUL_CLASSES,
+    PARAMS_PATH,
+    CostModel,
+    depth_mask,
+    dominant_mix,
+    floor_seconds,
+    table_keys,
+    work_and_shape,
+)
 from gpemu.costmodel.precision import FP32, compute_peak
 from gpemu.costmodel.published import GEMM_PLATEAU_SIMT, KERNEL_RAMP_MAX
 from gpemu.costmodel.table import CLASSES, OpTable, concat_tables
 
-__all__ = ["FIT_BATCHES", "EVAL_BATCHES", "FitData", "GenFit", "fit_generation", "fit_all", "params_document",
-           "lomo", "logo", "errors", "summary", "main"]
+__all__ = [
+    "FIT_BATCHES",
+    "EVAL_BATCHES",
+    "FitData",
+    "GenFit",
+    "fit_generation",
+    "fit_all",
+    "params_document",
+    "lomo",
+    "logo",
+    "errors",
+    "summary",
+    "main",
+]
 
 FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 EVAL_BATCHES = (16, 32, 64, 128, 256)
@@ -61,9 +84,15 @@ EVAL_BATCHES = (16, 32, 64, 128, 256)
 _SMALL_WEIGHT = 0.5
 _COMPUTE_CODES = [CLASSES.index(c) for c in COMPUTE_CLASSES]
 # Priors (fitting form) and their weights: weak, so data decides wherever there is data.
-_PRIOR = {"le": (math.log(0.6), 0.01), "lx0_compute": (math.log(1e7), 0.01), "lx0_memory": (math.log(3e4), 0.01),
-          "p": (0.7, 0.02), "lh": (math.log(1.5e-5), 0.01), "lk0": (math.log(4.0), 0.01),
-          "lk0_intensity": (math.log(0.1), 0.01)}
+_PRIOR = {
+    "le": (math.log(0.6), 0.01),
+    "lx0_compute": (math.log(1e7), 0.01),
+    "lx0_memory": (math.log(3e4), 0.01),
+    "p": (0.7, 0.02),
+    "lh": (math.log(1.5e-5), 0.01),
+    "lk0": (math.log(4.0), 0.01),
+    "lk0_intensity": (math.log(0.1), 0.01),
+}
 
 
 @dataclass
@@ -71,14 +100,14 @@ class FitData:
     """All models' ops in one table plus the database's times at the fit and evaluation batches."""
 
     names: tuple[str, ...]
-    table: OpTable                   # model index = position in names
-    keys: np.ndarray                 # curve key per op
-    gpus: tuple[str, ...]            # database GPU names
+    table: OpTable  # model index = position in names
+    keys: np.ndarray  # curve key per op
+    gpus: tuple[str, ...]  # database GPU names
     measured: dict[str, np.ndarray]  # gpu -> [model, phase(0 fwd, 1 bwd), batch] at FIT_BATCHES
     measured_eval: dict[str, np.ndarray]
 
     @classmethod
-    def build(cls, db: Any = None, progress: Callable[[str], None] | None = None) -> "FitData":
+    def build(cls, db: Any = None, progress: Callable[[str], None] | None = None) -> FitData:
         """Record (or load cached) op tables and read the measurements (``db``: a ProfileDB;
         default: the configured one)."""
         from .costdata import load_measurements, model_tables
@@ -103,8 +132,14 @@ class FitData:
                         if (g, n, kind) in meas.series:
                             arr[i, ph] = meas.get(g, n, kind, batches)
                 store[g] = arr
-        return cls(names=names, table=table, keys=table_keys(table), gpus=meas.gpus, measured=measured,
-                   measured_eval=measured_eval)
+        return cls(
+            names=names,
+            table=table,
+            keys=table_keys(table),
+            gpus=meas.gpus,
+            measured=measured,
+            measured_eval=measured_eval,
+        )
 
 
 @dataclass
@@ -122,7 +157,7 @@ class GenFit:
     def to_json(self) -> dict[str, Any]:
         th = self.theta.reshape(-1, _NP)
         curves = {}
-        for k, (le, lx0, p, lh, lk0) in zip(self.keys, th):
+        for k, (le, lx0, p, lh, lk0) in zip(self.keys, th, strict=False):
             c = {"e": _r(math.exp(le)), "x0": _r(math.exp(lx0)), "p": _r(p), "h": _r(math.exp(lh))}
             if self.uses_k0.get(k, True):
                 c["k0"] = _r(math.exp(lk0))
@@ -154,11 +189,11 @@ def _e_bounds(key: str, path: str) -> tuple[float, float]:
         # without this bound the plateau sits wherever their per-op costs put it (0.2).
         return 0.5, 1.0
     if path == "memory":
-        return 0.2, 1.0          # streaming kernels: 20-100% of the datasheet bandwidth
+        return 0.2, 1.0  # streaming kernels: 20-100% of the datasheet bandwidth
     if path == "tensor":
-        return 0.05, 0.9         # large tensor-core GEMMs reach 80-90% of the dense peak, no more
+        return 0.05, 0.9  # large tensor-core GEMMs reach 80-90% of the dense peak, no more
     if base == "gemm":
-        return 0.6, 1.0          # cuBLAS SGEMM reaches 85-95% of the FMA peak on large matrices
+        return 0.6, 1.0  # cuBLAS SGEMM reaches 85-95% of the FMA peak on large matrices
     if base == "conv1x1":
         return 0.2, 1.0
     if base == "conv_grouped":
@@ -206,8 +241,9 @@ class _Problem:
         self.work = [w for w, _ in shaped]
         self.z = [z for _, z in shaped]
         # The matmul family's roofline floor, as the model prices it (0: none).
-        self.floor = [np.where(is_mm, floor_seconds(tab.nbytes(b), self.sheet.memory_bandwidth), 0.0)
-                      for b in self.batches]
+        self.floor = [
+            np.where(is_mm, floor_seconds(tab.nbytes(b), self.sheet.memory_bandwidth), 0.0) for b in self.batches
+        ]
         # Sequences: one per (training model, pass), contiguous in the table.
         train_idx = np.flatnonzero(train)
         local = np.searchsorted(train_idx, tab.model).astype(np.int64)
@@ -215,7 +251,7 @@ class _Problem:
         change = np.r_[True, seg[1:] != seg[:-1]]
         self.seg_start = np.flatnonzero(change)
         self.seg_id = np.cumsum(change) - 1
-        self.seg_row = seg[self.seg_start]           # (model, pass) of each sequence
+        self.seg_row = seg[self.seg_start]  # (model, pass) of each sequence
         self.nb = len(self.batches)
         self.nres = len(train_idx) * 2 * self.nb
         self.logm = np.log(data.measured[gpu][train_idx]).reshape(-1)
@@ -255,9 +291,13 @@ class _Problem:
                 x0_hi = KERNEL_RAMP_MAX * pk * GEMM_PLATEAU_SIMT / self.sheet.sm_count
             lo += [math.log(e_lo), math.log(1.0), 0.3, math.log(2e-6), math.log(0.01)]
             hi += [math.log(e_hi), math.log(x0_hi), 1.0, math.log(h_hi), math.log(k0_hi)]
-            mu += [min(max(_PRIOR["le"][0], math.log(e_lo)), math.log(e_hi)),
-                   min(_PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], math.log(x0_hi) - 0.1),
-                   _PRIOR["p"][0], min(_PRIOR["lh"][0], math.log(h_hi) - 0.1), min(_PRIOR["lk0" if path != "memory" else "lk0_intensity"][0], math.log(k0_hi) - 0.1)]
+            mu += [
+                min(max(_PRIOR["le"][0], math.log(e_lo)), math.log(e_hi)),
+                min(_PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], math.log(x0_hi) - 0.1),
+                _PRIOR["p"][0],
+                min(_PRIOR["lh"][0], math.log(h_hi) - 0.1),
+                min(_PRIOR["lk0" if path != "memory" else "lk0_intensity"][0], math.log(k0_hi) - 0.1),
+            ]
             pw += [_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]]
         self.lo_full, self.hi_full = np.array(lo), np.array(hi)
         self.mu_full, self.pw_full = np.array(mu), np.array(pw)
@@ -294,11 +334,15 @@ class _Problem:
         ds = np.zeros(self.nres * npar) if jac else None
         cols = self.kidx * _NP
         for bi in range(self.nb):
-            gout = C.kernel_arrays(self.work[bi], self.peak, self.sheet.sm_count, le, lx0, p, lk0, self.z[bi], grads=jac)
+            gout = C.kernel_arrays(
+                self.work[bi], self.peak, self.sheet.sm_count, le, lx0, p, lk0, self.z[bi], grads=jac
+            )
             floored = self.floor[bi] > gout[0]
             if floored.any():  # at the floor the curve's parameters do not matter
-                gout = tuple(np.where(floored, self.floor[bi], gout[0]) if j == 0 else np.where(floored, 0.0, d)
-                             for j, d in enumerate(gout))
+                gout = tuple(
+                    np.where(floored, self.floor[bi], gout[0]) if j == 0 else np.where(floored, 0.0, d)
+                    for j, d in enumerate(gout)
+                )
             qout = C.queue_arrays(h, gout[0], self.seg_start, self.seg_id, grads=jac)
             rows = self.seg_row * self.nb + bi
             s[rows] = qout[0]
@@ -328,8 +372,9 @@ class _Problem:
         return np.vstack([j[self.valid], jp])
 
 
-def fit_generation(data: FitData, gpu: str, train: np.ndarray | None = None, start: GenFit | None = None,
-                   max_nfev: int = 300) -> GenFit:
+def fit_generation(
+    data: FitData, gpu: str, train: np.ndarray | None = None, start: GenFit | None = None, max_nfev: int = 300
+) -> GenFit:
     """Fit one measured GPU's curves on the models where ``train`` is true (default all)."""
     from scipy.optimize import least_squares
 
@@ -340,13 +385,29 @@ def fit_generation(data: FitData, gpu: str, train: np.ndarray | None = None, sta
         pos = {k: i for i, k in enumerate(start.keys)}
         for i, k in enumerate(prob.keys):
             if k in pos:
-                th0[_NP * i:_NP * i + _NP] = start.theta[_NP * pos[k]:_NP * pos[k] + _NP]
+                th0[_NP * i : _NP * i + _NP] = start.theta[_NP * pos[k] : _NP * pos[k] + _NP]
     lo, hi = prob.bounds()
     x0 = np.clip(th0[prob.free], lo + 1e-9, hi - 1e-9)
-    res = least_squares(prob.residuals, x0, jac=prob.jacobian, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
-                        x_scale="jac", max_nfev=max_nfev, method="trf")
-    return GenFit(generation=gpu_sheet(gpu).generation, gpu=gpu, keys=prob.keys, theta=prob.full(res.x),
-                  paths=prob.paths, uses_k0=prob.uses_k0, cost=float(res.cost))
+    res = least_squares(
+        prob.residuals,
+        x0,
+        jac=prob.jacobian,
+        bounds=(lo, hi),
+        loss="soft_l1",
+        f_scale=0.05,
+        x_scale="jac",
+        max_nfev=max_nfev,
+        method="trf",
+    )
+    return GenFit(
+        generation=gpu_sheet(gpu).generation,
+        gpu=gpu,
+        keys=prob.keys,
+        theta=prob.full(res.x),
+        paths=prob.paths,
+        uses_k0=prob.uses_k0,
+        cost=float(res.cost),
+    )
 
 
 def fit_all(data: FitData, progress: Callable[[str], None] | None = None) -> dict[str, GenFit]:
@@ -366,8 +427,9 @@ def model_of(fits: dict[str, GenFit], uncertainty: dict | None = None) -> CostMo
 
 
 # ------------------------------------------------------------------------------ predictions
-def predict(model: CostModel, data: FitData, gpu: str | GpuSheet, models: Sequence[int],
-            batches: Sequence[int] = EVAL_BATCHES) -> np.ndarray:
+def predict(
+    model: CostModel, data: FitData, gpu: str | GpuSheet, models: Sequence[int], batches: Sequence[int] = EVAL_BATCHES
+) -> np.ndarray:
     """Predicted seconds [model (in ``models`` order), phase, batch] of ``gpu``."""
     sel = np.isin(data.table.model, models)
     tab = data.table.select(sel)
@@ -378,8 +440,13 @@ def predict(model: CostModel, data: FitData, gpu: str | GpuSheet, models: Sequen
     return out
 
 
-def lomo(data: FitData, full: dict[str, GenFit], progress: Callable[[str, str], None] | None = None,
-         gpus: Sequence[str] | None = None, cache: str | None = None) -> dict[str, np.ndarray]:
+def lomo(
+    data: FitData,
+    full: dict[str, GenFit],
+    progress: Callable[[str, str], None] | None = None,
+    gpus: Sequence[str] | None = None,
+    cache: str | None = None,
+) -> dict[str, np.ndarray]:
     """Leave-one-model-out predictions [model, phase, batch] at EVAL_BATCHES, per GPU: each model
     priced by its GPU's curves fitted on the other models (warm-started from the full fit).
 
@@ -446,13 +513,22 @@ def summary(err: np.ndarray) -> dict[str, float]:
     a = np.abs(err[np.isfinite(err)])
     if not len(a):
         return {"n": 0, "mean": math.nan, "p50": math.nan, "p90": math.nan, "worst": math.nan}
-    return {"n": int(len(a)), "mean": float(a.mean()), "p50": float(np.median(a)), "p90": float(np.percentile(a, 90)),
-            "worst": float(a.max())}
+    return {
+        "n": int(len(a)),
+        "mean": float(a.mean()),
+        "p50": float(np.median(a)),
+        "p90": float(np.percentile(a, 90)),
+        "worst": float(a.max()),
+    }
 
 
 # ------------------------------------------------------------------------------ the shipped file
-def uncertainty_block(data: FitData, full: dict[str, GenFit], lomo_pred: dict[str, np.ndarray],
-                      logo_pred: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+def uncertainty_block(
+    data: FitData,
+    full: dict[str, GenFit],
+    lomo_pred: dict[str, np.ndarray],
+    logo_pred: dict[str, dict[str, np.ndarray]],
+) -> dict[str, Any]:
     """Cross-validated |error| percentiles for ``params.json`` (fwd+bwd, batch sizes 16-256)."""
     everyone = model_of(full)
     mixes: dict[int, str] = {}
@@ -469,22 +545,31 @@ def uncertainty_block(data: FitData, full: dict[str, GenFit], lomo_pred: dict[st
             s = summary(allerr[:, idx])
             by_mix[mix] = {"p50": round(s["p50"], 3), "p90": round(s["p90"], 3), "n": s["n"]}
         s = summary(allerr)
-        return {"basis": basis, "overall": {"p50": round(s["p50"], 3), "p90": round(s["p90"], 3), "n": s["n"]},
-                "by_mix": by_mix}
+        return {
+            "basis": basis,
+            "overall": {"p50": round(s["p50"], 3), "p90": round(s["p90"], 3), "n": s["n"]},
+            "by_mix": by_mix,
+        }
 
     # The A100's leave-one-GPU-out case has no donor with tensor-core measurements, a gap no
     # datasheet GPU has (they all take the A100's tensor-core curves): left out of their figure.
     sheet_cases = {g: v["op model"] for g, v in logo_pred.items() if gpu_sheet(g).tf32_tensor_flops == 0}
     return {
-        "measured_gpu": block(lomo_pred, f"leave-one-model-out, fwd+bwd, {len(data.names)} models x "
-                                         f"{len(lomo_pred)} GPUs x batch 16-256"),
-        "datasheet_gpu": block(sheet_cases, f"leave-one-GPU-out (op model), fwd+bwd, {len(data.names)} models x "
-                                            f"{len(sheet_cases)} GPUs (A100 left out) x batch 16-256"),
+        "measured_gpu": block(
+            lomo_pred, f"leave-one-model-out, fwd+bwd, {len(data.names)} models x {len(lomo_pred)} GPUs x batch 16-256"
+        ),
+        "datasheet_gpu": block(
+            sheet_cases,
+            f"leave-one-GPU-out (op model), fwd+bwd, {len(data.names)} models x "
+            f"{len(sheet_cases)} GPUs (A100 left out) x batch 16-256",
+        ),
         # A measured time carried to another GPU by the ratio of estimates (provenance 'scaled'):
         # the same five cases, each model's measurement on the donor GPU carried over.
-        "transferred_gpu": block({g: logo_pred[g]["transfer"] for g in sheet_cases},
-                                 f"leave-one-GPU-out (a measured time carried from the donor GPU), fwd+bwd, "
-                                 f"{len(data.names)} models x {len(sheet_cases)} GPUs (A100 left out) x batch 16-256"),
+        "transferred_gpu": block(
+            {g: logo_pred[g]["transfer"] for g in sheet_cases},
+            f"leave-one-GPU-out (a measured time carried from the donor GPU), fwd+bwd, "
+            f"{len(data.names)} models x {len(sheet_cases)} GPUs (A100 left out) x batch 16-256",
+        ),
         "model_mix": {data.names[i]: m for i, m in mixes.items()},
     }
 
@@ -493,13 +578,17 @@ def params_document(data: FitData, full: dict[str, GenFit], uncertainty: dict[st
     """The content of ``params.json``."""
     return {
         "format": 1,
-        "form": ("per op: g = work / (peak * eff), eff = e / (1 + k0 z + (x0 / x)^p), x = work / SMs, "
-                 "z = 1/K (GEMM, conv) or FLOPs per byte (depthwise conv, pooling); "
-                 "a pass: queue of (h, g) ops, finish_i = max(h_1 + ... + h_i, finish_(i-1)) + g_i"),
+        "form": (
+            "per op: g = work / (peak * eff), eff = e / (1 + k0 z + (x0 / x)^p), x = work / SMs, "
+            "z = 1/K (GEMM, conv) or FLOPs per byte (depthwise conv, pooling); "
+            "a pass: queue of (h, g) ops, finish_i = max(h_1 + ... + h_i, finish_(i-1)) + g_i"
+        ),
         "calibration": {
-            "source": db_meta.get("source", ""), "data_version": db_meta.get("data_version", ""),
+            "source": db_meta.get("source", ""),
+            "data_version": db_meta.get("data_version", ""),
             "precision": "fp32, torch defaults: TF32 off for matmul, on for cuDNN (A100 convolutions: TF32)",
-            "fit_batches": list(FIT_BATCHES), "models": len(data.names),
+            "fit_batches": list(FIT_BATCHES),
+            "models": len(data.names),
         },
         "generations": {g: f.to_json() for g, f in sorted(full.items())},
         "uncertainty": uncertainty,
@@ -534,9 +623,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 full[f.generation] = f
                 pb.advance(t_fit)
             t_cv = pb.add_task("leave-one-model-out", total=len(data.gpus) * len(data.names))
-            lomo_pred = lomo(data, full, progress=lambda g, n: (pb.update(t_cv, description=f"LOMO {g} {n}"),
-                                                                 pb.advance(t_cv)),
-                             cache=db.meta().get("data_version", ""))
+            lomo_pred = lomo(
+                data,
+                full,
+                progress=lambda g, n: (pb.update(t_cv, description=f"LOMO {g} {n}"), pb.advance(t_cv)),
+                cache=db.meta().get("data_version", ""),
+            )
         logo_pred = logo(data, full)
     except KeyboardInterrupt:
         print("interrupted; nothing written", file=sys.stderr)
@@ -544,9 +636,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = params_document(data, full, uncertainty_block(data, full, lomo_pred, logo_pred), db.meta())
     text = json.dumps(doc, indent=1, sort_keys=False) + "\n"
     u = doc["uncertainty"]
-    print(f"LOMO |error| p50 {u['measured_gpu']['overall']['p50']:.1%} p90 "
-          f"{u['measured_gpu']['overall']['p90']:.1%}; LOGO (A100 left out) p50 "
-          f"{u['datasheet_gpu']['overall']['p50']:.1%} p90 {u['datasheet_gpu']['overall']['p90']:.1%}")
+    print(
+        f"LOMO |error| p50 {u['measured_gpu']['overall']['p50']:.1%} p90 "
+        f"{u['measured_gpu']['overall']['p90']:.1%}; LOGO (A100 left out) p50 "
+        f"{u['datasheet_gpu']['overall']['p50']:.1%} p90 {u['datasheet_gpu']['overall']['p90']:.1%}"
+    )
     if args.check:
         try:
             same = open(args.out, encoding="utf-8").read() == text

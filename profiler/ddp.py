@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,8 +27,13 @@ from .store import ProfileStore, now_iso
 __all__ = ["profile_ddp"]
 
 
-def profile_ddp(store: ProfileStore, opts: ProfileOptions, world_sizes: Sequence[int], batch_sizes: Sequence[int],
-                log: Callable[[str], None] = lambda msg: None) -> int:
+def profile_ddp(
+    store: ProfileStore,
+    opts: ProfileOptions,
+    world_sizes: Sequence[int],
+    batch_sizes: Sequence[int],
+    log: Callable[[str], None] = lambda msg: None,
+) -> int:
     """Measure DDP iteration times; returns how many units were written."""
     import torch.multiprocessing as mp
 
@@ -53,11 +59,21 @@ def profile_ddp(store: ProfileStore, opts: ProfileOptions, world_sizes: Sequence
                     continue
                 log(f"{name}: DDP on {ws} devices, batch sizes {', '.join(map(str, todo))}")
                 job = {
-                    "spec": spec_text, "input_shape": opts.input_shape, "input_dtype": str(opts.input_dtype),
-                    "num_classes": opts.num_classes, "warmup": opts.warmup, "iterations": opts.iterations,
-                    "optimizer": opts.optimizer, "device_type": opts.device.type, "batch_sizes": todo,
-                    "world_size": ws, "port": free_port(), "db_url": store.db.url, "gpu": gpu,
-                    "model": name, "meta": meta,
+                    "spec": spec_text,
+                    "input_shape": opts.input_shape,
+                    "input_dtype": str(opts.input_dtype),
+                    "num_classes": opts.num_classes,
+                    "warmup": opts.warmup,
+                    "iterations": opts.iterations,
+                    "optimizer": opts.optimizer,
+                    "device_type": opts.device.type,
+                    "batch_sizes": todo,
+                    "world_size": ws,
+                    "port": free_port(),
+                    "db_url": store.db.url,
+                    "gpu": gpu,
+                    "model": name,
+                    "meta": meta,
                 }
                 mp.spawn(_worker, args=(job,), nprocs=ws, join=True)
                 written += len(todo)
@@ -77,8 +93,9 @@ def _worker(rank: int, job: dict[str, Any]) -> None:
     else:
         torch.set_num_threads(1)  # ranks share the host's cores
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
-                            rank=rank, world_size=ws)
+    dist.init_process_group(
+        "nccl" if is_cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=ws
+    )
     try:
         _measure(rank, job, device, is_cuda)
         # DDP sits in reference cycles, so its reducer (and through it gloo's process group) would
@@ -100,14 +117,17 @@ def _measure(rank: int, job: dict[str, Any], device: torch.device, is_cuda: bool
     from .models import parse_dtype
 
     ws = job["world_size"]
-    lm = load_model(job["spec"], job["input_shape"], parse_dtype(job["input_dtype"].removeprefix("torch.")),
-                    job["num_classes"])
+    lm = load_model(
+        job["spec"], job["input_shape"], parse_dtype(job["input_dtype"].removeprefix("torch.")), job["num_classes"]
+    )
     module = lm.module.to(device).train()
     model = DDP(module, device_ids=[rank] if is_cuda else None)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-           "adam": lambda: torch.optim.Adam(params, lr=1e-3),
-           "adamw": lambda: torch.optim.AdamW(params, lr=1e-3)}[job["optimizer"]]()
+    opt = {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+    }[job["optimizer"]]()
     store = ProfileStore.open(job["db_url"]) if rank == 0 else None
     for bs in job["batch_sizes"]:
         inputs, targets = lm.make_batch(bs)
@@ -125,20 +145,39 @@ def _measure(rank: int, job: dict[str, Any], device: torch.device, is_cuda: bool
             opt.step()
             if is_cuda:
                 torch.cuda.synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                                   device=device if is_cuda else "cpu")
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device if is_cuda else "cpu")
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if i >= job["warmup"]:
                 per_iter.append(float(elapsed.item()))
         if store is not None:
             s = summarize(per_iter)
-            store.write_unit([Measurement(
-                gpu=job["gpu"], model=job["model"], kind="ddp_iteration", batch_size=bs, world_size=ws,
-                value=s.mean, samples=s.count, std=s.std, p50=s.p50, p90=s.p90, p99=s.p99,
-                source="gpemu profile", measured_at=now_iso(),
-                metadata={**job["meta"], "world_size": ws, "per_gpu_batch_size": bs,
-                          "backend": "nccl" if is_cuda else "gloo", "min": s.min, "max": s.max,
-                          "what": "forward + backward (with all-reduce) + optimizer step, slowest rank"},
-            )])
+            store.write_unit(
+                [
+                    Measurement(
+                        gpu=job["gpu"],
+                        model=job["model"],
+                        kind="ddp_iteration",
+                        batch_size=bs,
+                        world_size=ws,
+                        value=s.mean,
+                        samples=s.count,
+                        std=s.std,
+                        p50=s.p50,
+                        p90=s.p90,
+                        p99=s.p99,
+                        source="gpemu profile",
+                        measured_at=now_iso(),
+                        metadata={
+                            **job["meta"],
+                            "world_size": ws,
+                            "per_gpu_batch_size": bs,
+                            "backend": "nccl" if is_cuda else "gloo",
+                            "min": s.min,
+                            "max": s.max,
+                            "what": "forward + backward (with all-reduce) + optimizer step, slowest rank",
+                        },
+                    )
+                ]
+            )
     if store is not None:
         store.close()

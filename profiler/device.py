@@ -13,14 +13,22 @@ import shutil
 import socket
 import subprocess
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from gpemu.db import GpuSpec
 
-__all__ = ["NoGpuError", "resolve_device", "device_name", "device_memory", "run_metadata", "measure_gpu_spec",
-           "tool_version"]
+__all__ = [
+    "NoGpuError",
+    "resolve_device",
+    "device_name",
+    "device_memory",
+    "run_metadata",
+    "measure_gpu_spec",
+    "tool_version",
+]
 
 
 class NoGpuError(ValueError):
@@ -43,8 +51,11 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cpu")
     if text == "cuda" or text.startswith("cuda:"):
         if not torch.cuda.is_available():
-            build = "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None \
+            build = (
+                "this PyTorch has no CUDA support (CPU build)"
+                if torch.version.cuda is None
                 else "PyTorch sees no CUDA GPU"
+            )
             raise NoGpuError(
                 f"gpemu profile measures real GPUs, but {build}. Run it on a machine with an NVIDIA "
                 f"GPU, or pass --device cpu to run the same pipeline on the CPU (recorded under the "
@@ -53,7 +64,9 @@ def resolve_device(device: str) -> torch.device:
         dev = torch.device(text if ":" in text else "cuda:0")
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise NoGpuError(f"device {text!r} does not exist: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}")
+            raise NoGpuError(
+                f"device {text!r} does not exist: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}"
+            )
         return dev
     raise ValueError(f"unknown device {device!r}; valid: cuda, cuda:N, cpu")
 
@@ -81,8 +94,13 @@ def _driver_version() -> str | None:
     exe = shutil.which("nvidia-smi")
     if exe:
         try:
-            out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            out = subprocess.run(
+                [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
             return out.strip().splitlines()[0].strip() or None
         except (OSError, subprocess.SubprocessError, IndexError):
             pass
@@ -140,7 +158,7 @@ def measure_gpu_spec(device: torch.device, name: str, memory_bytes: int) -> GpuS
         fp16 = 2 * n**3 / _best_of(lambda: torch.mm(h, h), sync)
     else:
         fp16 = fp32  # CPU fp16 matmul is emulated; the fp32 rate is the honest upper figure
-    del a
+    a = h = None  # free the matrices before the bandwidth buffers
     nbytes = (256 if is_cuda else 32) << 20
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     bandwidth = 2 * nbytes / _best_of(lambda: buf.clone(), sync)  # read + write
@@ -154,7 +172,14 @@ def measure_gpu_spec(device: torch.device, name: str, memory_bytes: int) -> GpuS
         link_pinned = link_pageable = nbytes / _best_of(lambda: host.clone(), sync)
         sms = os.cpu_count() or 1
     # No short alias is invented: "A100" for an 80GB board would clash with the shipped 40GB one.
-    return GpuSpec(name=name, aliases=(), memory_bytes=int(memory_bytes), fp32_flops=float(fp32),
-                   fp16_flops=float(fp16), memory_bandwidth=float(bandwidth),
-                   host_link_bandwidth_pinned=float(link_pinned), host_link_bandwidth_pageable=float(link_pageable),
-                   sm_count=sms)
+    return GpuSpec(
+        name=name,
+        aliases=(),
+        memory_bytes=int(memory_bytes),
+        fp32_flops=float(fp32),
+        fp16_flops=float(fp16),
+        memory_bandwidth=float(bandwidth),
+        host_link_bandwidth_pinned=float(link_pinned),
+        host_link_bandwidth_pageable=float(link_pageable),
+        sm_count=sms,
+    )

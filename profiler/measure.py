@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,8 +60,16 @@ def summarize(values: list[float]) -> Stats:
         raise ValueError("cannot summarise zero measurements")
     a = np.asarray(values, dtype=np.float64)
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return Stats(count=len(values), mean=float(a.mean()), std=float(a.std(ddof=1)) if len(a) > 1 else 0.0,
-                 min=float(a.min()), max=float(a.max()), p50=float(p50), p90=float(p90), p99=float(p99))
+    return Stats(
+        count=len(values),
+        mean=float(a.mean()),
+        std=float(a.std(ddof=1)) if len(a) > 1 else 0.0,
+        min=float(a.min()),
+        max=float(a.max()),
+        p50=float(p50),
+        p90=float(p90),
+        p99=float(p99),
+    )
 
 
 @dataclass
@@ -68,19 +77,20 @@ class BatchMeasurement:
     """Everything measured for one (model, batch size)."""
 
     batch_size: int
-    times: dict[str, Stats]                 # phase -> seconds
-    peak_memory: int                        # bytes
-    persistent_memory: int                  # bytes
+    times: dict[str, Stats]  # phase -> seconds
+    peak_memory: int  # bytes
+    persistent_memory: int  # bytes
     input_bytes: int
-    memory_method: str                      # "cuda-allocator" | "cpu-estimate"
+    memory_method: str  # "cuda-allocator" | "cpu-estimate"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Measurer:
     """Measures one model on one device. Build once per model, then call :meth:`measure`."""
 
-    def __init__(self, model: LoadedModel, device: torch.device, optimizer: str = "sgd",
-                 memory_limit: int | None = None) -> None:
+    def __init__(
+        self, model: LoadedModel, device: torch.device, optimizer: str = "sgd", memory_limit: int | None = None
+    ) -> None:
         self.model = model
         self.device = device
         self.is_cuda = device.type == "cuda"
@@ -168,8 +178,9 @@ class Measurer:
         return fwd, total
 
     # ------------------------------------------------------------------ batch-level
-    def measure(self, batch_size: int, warmup: int, iterations: int,
-                check_interrupt: Callable[[], None] | None = None) -> BatchMeasurement:
+    def measure(
+        self, batch_size: int, warmup: int, iterations: int, check_interrupt: Callable[[], None] | None = None
+    ) -> BatchMeasurement:
         """Run ``warmup`` unrecorded then ``iterations`` recorded training iterations.
 
         Raises ``torch.OutOfMemoryError`` when the batch does not fit (on CUDA, or on CPU over
@@ -211,8 +222,9 @@ class Measurer:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ one iteration
-    def _iteration(self, inputs: torch.Tensor, pinned: torch.Tensor, targets: torch.Tensor | None,
-                   input_bytes: int) -> tuple[dict[str, float], int, int]:
+    def _iteration(
+        self, inputs: torch.Tensor, pinned: torch.Tensor, targets: torch.Tensor | None, input_bytes: int
+    ) -> tuple[dict[str, float], int, int]:
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         timer = _CudaTimer(self.device) if self.is_cuda else _CpuTimer()
@@ -232,8 +244,11 @@ class Measurer:
             # The batch (and targets) are counted once in the base, not again when autograd saves them.
             batch = {x.untyped_storage().data_ptr()} | ({y.untyped_storage().data_ptr()} if y is not None else set())
             target_bytes = y.untyped_storage().nbytes() if y is not None else 0
-            saved = _SavedBytes(self._static_storages() | batch,
-                                self._bytes_without_grads() + input_bytes + target_bytes, self.memory_limit)
+            saved = _SavedBytes(
+                self._static_storages() | batch,
+                self._bytes_without_grads() + input_bytes + target_bytes,
+                self.memory_limit,
+            )
         if saved is not None:
             with timer.phase(times, "forward"), torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
                 out = self.module(x)
@@ -308,8 +323,10 @@ def _output_bytes(out: Any) -> int:
 
 
 def _oom_message(needed: int, limit: int) -> str:
-    return (f"gpemu profile: the batch needs about {needed / 2**20:.1f} MiB but the memory limit is "
-            f"{limit / 2**20:.1f} MiB (--memory-limit)")
+    return (
+        f"gpemu profile: the batch needs about {needed / 2**20:.1f} MiB but the memory limit is "
+        f"{limit / 2**20:.1f} MiB (--memory-limit)"
+    )
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

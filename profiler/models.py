@@ -13,14 +13,22 @@ import hashlib
 import importlib
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ModelSpecError", "LoadedModel", "load_model", "parse_input_shape", "parse_dtype",
-           "structural_fingerprint", "model_name_of"]
+__all__ = [
+    "ModelSpecError",
+    "LoadedModel",
+    "load_model",
+    "parse_input_shape",
+    "parse_dtype",
+    "structural_fingerprint",
+    "model_name_of",
+]
 
 
 class ModelSpecError(ValueError):
@@ -28,11 +36,19 @@ class ModelSpecError(ValueError):
 
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "double": torch.float64,
-    "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -110,8 +126,12 @@ class LoadedModel:
         return output.float().mean()
 
 
-def load_model(spec: str, input_shape: tuple[int, ...] | None = None, input_dtype: torch.dtype = torch.float32,
-               num_classes: int | None = None) -> LoadedModel:
+def load_model(
+    spec: str,
+    input_shape: tuple[int, ...] | None = None,
+    input_dtype: torch.dtype = torch.float32,
+    num_classes: int | None = None,
+) -> LoadedModel:
     """Build the model named by ``spec`` on the host (see module docs for the forms)."""
     spec = spec.strip()
     if not spec:
@@ -141,8 +161,15 @@ def load_model(spec: str, input_shape: tuple[int, ...] | None = None, input_dtyp
         sample_shape, dtype = tuple(input_shape), input_dtype
     if num_classes is None:
         num_classes = _guess_num_classes(module)
-    return LoadedModel(name=name, spec=spec, module=module, sample_shape=sample_shape, input_dtype=dtype,
-                       num_classes=num_classes, input_high=max(input_high, 1))
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        module=module,
+        sample_shape=sample_shape,
+        input_dtype=dtype,
+        num_classes=num_classes,
+        input_high=max(input_high, 1),
+    )
 
 
 def _from_factory(target: str, num_classes: int | None) -> tuple[Any, Any]:
@@ -186,15 +213,17 @@ def _import_user_module(mod_name: str, target: str) -> Any:
         if exc.name != top or not local or here in sys.path:
             raise ModelSpecError(
                 f"cannot import module {mod_name!r} for model {target!r}: {exc}; run gpemu from the directory "
-                f"that holds {top}.py (or its package), or add that directory to PYTHONPATH") from None
+                f"that holds {top}.py (or its package), or add that directory to PYTHONPATH"
+            ) from None
         sys.path.insert(0, here)
     except ImportError as exc:
         raise ModelSpecError(f"cannot import module {mod_name!r} for model {target!r}: {exc}") from exc
     try:
         return importlib.import_module(mod_name)
     except ImportError as exc:
-        raise ModelSpecError(f"cannot import module {mod_name!r} for model {target!r} (from {os.getcwd()}): "
-                             f"{exc}") from exc
+        raise ModelSpecError(
+            f"cannot import module {mod_name!r} for model {target!r} (from {os.getcwd()}): {exc}"
+        ) from exc
 
 
 def _from_torchvision(name: str, num_classes: int | None) -> nn.Module:

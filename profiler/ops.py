@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -40,8 +41,18 @@ from gpemu.costmodel.model import INTENSITY_CLASSES
 from gpemu.costmodel.precision import byte_scale, compute_peak, effective_dtype
 from gpemu.db.op_measurements import OpMeasurement
 
-__all__ = ["KernelSpec", "OP_CLASSES", "CLASS_GROUPS", "sweep", "features_of", "work_of", "time_kernel",
-           "measure_kernels", "SWEEP_PRECISION", "parse_classes"]
+__all__ = [
+    "KernelSpec",
+    "OP_CLASSES",
+    "CLASS_GROUPS",
+    "sweep",
+    "features_of",
+    "work_of",
+    "time_kernel",
+    "measure_kernels",
+    "SWEEP_PRECISION",
+    "parse_classes",
+]
 
 aten = torch.ops.aten
 
@@ -50,8 +61,19 @@ aten = torch.ops.aten
 SWEEP_PRECISION = Precision(dtype="float32", allow_tf32_matmul=False, allow_tf32_cudnn=True)
 
 # Curve-key bases the sweep measures (those the shipped model has curves for).
-OP_CLASSES: tuple[str, ...] = ("gemm", "conv1x1", "conv_spatial", "conv_strided", "conv_grouped", "conv_depthwise",
-                               "norm", "elementwise", "reduction", "pooling", "copy")
+OP_CLASSES: tuple[str, ...] = (
+    "gemm",
+    "conv1x1",
+    "conv_spatial",
+    "conv_strided",
+    "conv_grouped",
+    "conv_depthwise",
+    "norm",
+    "elementwise",
+    "reduction",
+    "pooling",
+    "copy",
+)
 # Shorthands accepted by --classes.
 CLASS_GROUPS: dict[str, tuple[str, ...]] = {
     "conv": ("conv1x1", "conv_spatial", "conv_strided"),
@@ -111,6 +133,7 @@ def _gemm(n: int, dtype: torch.dtype, backward: bool) -> KernelSpec:
         if backward:  # grad_input = grad_output @ weight: the backward's transposed operand
             return lambda: aten.mm.default(a, b.t())
         return lambda: aten.mm.default(a, b)
+
     return KernelSpec("gemm.bwd" if backward else "gemm.fwd", dtype, f"mm {n}x{n}x{n}", build)
 
 
@@ -303,8 +326,14 @@ def _sample(fn: Callable[[], Any], inner: int, device: torch.device, blocker: _B
             return start.elapsed_time(end) / 1000.0 / inner, covered
 
 
-def time_kernel(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 10,
-                blocker: _Blocker | None = None, target_seconds: float = 2e-4) -> Timing:
+def time_kernel(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup: int = 3,
+    repeats: int = 10,
+    blocker: _Blocker | None = None,
+    target_seconds: float = 2e-4,
+) -> Timing:
     """Seconds per launch of ``fn`` on CUDA ``device``: ``warmup`` launches, then ``repeats``
     samples of ``inner`` back-to-back launches each (``inner`` chosen so a sample lasts about
     ``target_seconds``, at most 64)."""
@@ -329,8 +358,14 @@ def _percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def measure_kernels(specs: Sequence[KernelSpec], sheet: GpuSheet, device: torch.device, warmup: int = 3,
-                    repeats: int = 10, progress: Callable[[KernelSpec], None] | None = None) -> list[OpMeasurement]:
+def measure_kernels(
+    specs: Sequence[KernelSpec],
+    sheet: GpuSheet,
+    device: torch.device,
+    warmup: int = 3,
+    repeats: int = 10,
+    progress: Callable[[KernelSpec], None] | None = None,
+) -> list[OpMeasurement]:
     """Time every kernel of ``specs`` on ``device`` under :data:`SWEEP_PRECISION`'s switches
     (restored afterwards) and return one row each."""
     if device.type != "cuda":
@@ -349,14 +384,34 @@ def measure_kernels(specs: Sequence[KernelSpec], sheet: GpuSheet, device: torch.
                 t = time_kernel(fn, device, warmup, repeats, blocker)
                 del fn
                 # floor_bytes: what the matmul family's roofline floor moves (opsfit models it)
-                meta = {"inner": t.inner, "blocker_matmuls": t.blocker, "covered": t.covered,
-                        "floor_bytes": op.nbytes * byte_scale(op.dtype, SWEEP_PRECISION),
-                        "tf32_matmul": SWEEP_PRECISION.allow_tf32_matmul, "tf32_cudnn": SWEEP_PRECISION.allow_tf32_cudnn,
-                        "torch": torch.__version__, "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
-                rows.append(OpMeasurement(key=spec.key, path=path, dtype=op.dtype, shape=spec.label, op=op.name,
-                                          work=work, z=z, seconds=t.median, samples=len(t.samples), peak=peak,
-                                          sm_count=sheet.sm_count, p10=_percentile(t.samples, 0.1),
-                                          p90=_percentile(t.samples, 0.9), metadata=meta))
+                meta = {
+                    "inner": t.inner,
+                    "blocker_matmuls": t.blocker,
+                    "covered": t.covered,
+                    "floor_bytes": op.nbytes * byte_scale(op.dtype, SWEEP_PRECISION),
+                    "tf32_matmul": SWEEP_PRECISION.allow_tf32_matmul,
+                    "tf32_cudnn": SWEEP_PRECISION.allow_tf32_cudnn,
+                    "torch": torch.__version__,
+                    "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+                }
+                rows.append(
+                    OpMeasurement(
+                        key=spec.key,
+                        path=path,
+                        dtype=op.dtype,
+                        shape=spec.label,
+                        op=op.name,
+                        work=work,
+                        z=z,
+                        seconds=t.median,
+                        samples=len(t.samples),
+                        peak=peak,
+                        sm_count=sheet.sm_count,
+                        p10=_percentile(t.samples, 0.1),
+                        p90=_percentile(t.samples, 0.9),
+                        metadata=meta,
+                    )
+                )
                 if progress is not None:
                     progress(spec)
     finally:
@@ -371,13 +426,14 @@ class OpsReport:
 
     gpu: str
     measured: int
-    curves: list[Any]              # OpCurveRow of every fitted (key, path)
+    curves: list[Any]  # OpCurveRow of every fitted (key, path)
     notes: list[str]
-    uncovered: list[str]           # kernels whose samples may include host launch gaps
+    uncovered: list[str]  # kernels whose samples may include host launch gaps
 
 
-def device_sheet(store: Any, device: torch.device, gpu_name: str | None = None,
-                 log: Callable[[str], None] = lambda m: None) -> GpuSheet:
+def device_sheet(
+    store: Any, device: torch.device, gpu_name: str | None = None, log: Callable[[str], None] = lambda m: None
+) -> GpuSheet:
     """The datasheet the emulator will price this GPU with, so fit and use divide by the same
     peaks: the database's spec of the GPU (by ``gpu_name`` or the device's name), else the cost
     model's table, else a spec measured here and added to the database."""
@@ -398,10 +454,18 @@ def device_sheet(store: Any, device: torch.device, gpu_name: str | None = None,
     return gpu_sheet(spec)
 
 
-def profile_ops(store: Any, device: torch.device, gpu_name: str | None = None,
-                classes: Sequence[str] = OP_CLASSES, quick: bool = False, warmup: int = 3, repeats: int = 10,
-                progress: Callable[[str], None] | None = None, set_total: Callable[[int], None] | None = None,
-                log: Callable[[str], None] = lambda m: None) -> OpsReport:
+def profile_ops(
+    store: Any,
+    device: torch.device,
+    gpu_name: str | None = None,
+    classes: Sequence[str] = OP_CLASSES,
+    quick: bool = False,
+    warmup: int = 3,
+    repeats: int = 10,
+    progress: Callable[[str], None] | None = None,
+    set_total: Callable[[int], None] | None = None,
+    log: Callable[[str], None] = lambda m: None,
+) -> OpsReport:
     """Time the sweep on ``device``, store the rows (per curve key, one transaction each), fit
     the GPU's curves from everything stored for it and store them (``store``: a
     :class:`~gpemu.profiler.store.ProfileStore`)."""
@@ -418,9 +482,10 @@ def profile_ops(store: Any, device: torch.device, gpu_name: str | None = None,
     by_key: dict[str, list[KernelSpec]] = {}
     for s in specs:
         by_key.setdefault(s.key, []).append(s)
-    for key, group in by_key.items():
-        rows = measure_kernels(group, sheet, device, warmup, repeats,
-                               progress=(lambda s: progress(s.key)) if progress else None)
+    for group in by_key.values():
+        rows = measure_kernels(
+            group, sheet, device, warmup, repeats, progress=(lambda s: progress(s.key)) if progress else None
+        )
         measured += write_measurements(engine, sheet.name, rows)
         uncovered += [f"{r.key} {r.shape}" for r in rows if not r.metadata.get("covered", True)]
     curves, notes = fit_curves(read_measurements(engine, sheet.name), sheet)

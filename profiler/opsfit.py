@@ -19,7 +19,7 @@ Kept from the shipped model's curve for that GPU and key (``model.resolve``):
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -37,8 +37,14 @@ _FLOORED = frozenset(c.value for c in MATMUL_CLASSES)
 MIN_ROWS = 4
 
 
-def fit_one(rows: list[OpMeasurement], sms: int, k0: float, h: float, start: tuple[float, float, float],
-            floor: Sequence[float] | None = None) -> OpCurveRow:
+def fit_one(
+    rows: list[OpMeasurement],
+    sms: int,
+    k0: float,
+    h: float,
+    start: tuple[float, float, float],
+    floor: Sequence[float] | None = None,
+) -> OpCurveRow:
     """Fit (e, x0, p) of one key's rows; ``start`` = (e, x0, p) to begin from (clipped to bounds).
     ``floor``: per row, the seconds the cost model never prices the kernel below (the matmul
     family's bytes floor): the fitted curve is the kernel's time above it, as the model prices it."""
@@ -70,13 +76,20 @@ def fit_one(rows: list[OpMeasurement], sms: int, k0: float, h: float, start: tup
         live = (g >= bound) / g  # a row held at the floor does not move with the curve
         return np.stack([d_le * live, d_lx0 * live, d_p * live], axis=1)
 
-    res = least_squares(residuals, theta0, jac=jacobian, bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
-                        x_scale="jac")
+    res = least_squares(residuals, theta0, jac=jacobian, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, x_scale="jac")
     le, lx0, p = (float(v) for v in res.x)
     rms = float(np.sqrt(np.mean(residuals(res.x) ** 2)))
-    return OpCurveRow(key=rows[0].key, path=rows[0].path, e=round(float(np.exp(le)), 6),
-                      x0=float(f"{np.exp(lx0):.6g}"), p=round(p, 6), k0=k0, h=h, rows=len(rows),
-                      rms_log_error=rms)
+    return OpCurveRow(
+        key=rows[0].key,
+        path=rows[0].path,
+        e=round(float(np.exp(le)), 6),
+        x0=float(f"{np.exp(lx0):.6g}"),
+        p=round(p, 6),
+        k0=k0,
+        h=h,
+        rows=len(rows),
+        rms_log_error=rms,
+    )
 
 
 def floor_of(rows: Sequence[OpMeasurement], sheet: GpuSheet) -> list[float] | None:
@@ -87,7 +100,9 @@ def floor_of(rows: Sequence[OpMeasurement], sheet: GpuSheet) -> list[float] | No
     return [float(floor_seconds(float(r.metadata.get("floor_bytes", 0.0)), sheet.memory_bandwidth)) for r in rows]
 
 
-def fit_curves(rows: Iterable[OpMeasurement], sheet: GpuSheet, base: CostModel | None = None) -> tuple[list[OpCurveRow], list[str]]:
+def fit_curves(
+    rows: Iterable[OpMeasurement], sheet: GpuSheet, base: CostModel | None = None
+) -> tuple[list[OpCurveRow], list[str]]:
     """Curves of every (key, path) with at least :data:`MIN_ROWS` distinct kernels, and notes on
     the groups left out. ``base`` (default: the shipped model) supplies k0, h and the start."""
     base = base or default_model()

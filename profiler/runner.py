@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -33,14 +34,14 @@ class ProfileOptions:
     models: Sequence[str]
     batch_sizes: Sequence[int]
     device: torch.device
-    gpu_name: str | None = None          # None: what the device reports ("cpu" on the CPU)
+    gpu_name: str | None = None  # None: what the device reports ("cpu" on the CPU)
     input_shape: tuple[int, ...] | None = None
     input_dtype: torch.dtype = torch.float32
     num_classes: int | None = None
     warmup: int = 3
     iterations: int = 20
     optimizer: str = "sgd"
-    memory_limit: int | None = None      # bytes
+    memory_limit: int | None = None  # bytes
     force: bool = False
 
 
@@ -51,7 +52,7 @@ class ProfileReport:
     gpu: str = ""
     measured: list[tuple[str, int]] = field(default_factory=list)
     skipped: list[tuple[str, int]] = field(default_factory=list)
-    limits: dict[str, tuple[int, int]] = field(default_factory=dict)   # model -> (oom at, largest fit)
+    limits: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (oom at, largest fit)
     model_transfers: list[str] = field(default_factory=list)
 
 
@@ -72,7 +73,7 @@ class _SigintGuard:
         self.pending = False
         self._old: Any = None
 
-    def __enter__(self) -> "_SigintGuard":
+    def __enter__(self) -> _SigintGuard:
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._handler)
         return self
@@ -99,12 +100,32 @@ class _SigintGuard:
             raise KeyboardInterrupt
 
 
-def _stat_row(gpu: str, model: str, kind: str, batch_size: int, stats: Stats, meta: dict[str, Any],
-              measured_at: str, world_size: int = 1) -> Measurement:
-    return Measurement(gpu=gpu, model=model, kind=kind, batch_size=batch_size, world_size=world_size,
-                       value=stats.mean, samples=stats.count, std=stats.std, p50=stats.p50, p90=stats.p90,
-                       p99=stats.p99, source="gpemu profile", measured_at=measured_at,
-                       metadata={**meta, "min": stats.min, "max": stats.max})
+def _stat_row(
+    gpu: str,
+    model: str,
+    kind: str,
+    batch_size: int,
+    stats: Stats,
+    meta: dict[str, Any],
+    measured_at: str,
+    world_size: int = 1,
+) -> Measurement:
+    return Measurement(
+        gpu=gpu,
+        model=model,
+        kind=kind,
+        batch_size=batch_size,
+        world_size=world_size,
+        value=stats.mean,
+        samples=stats.count,
+        std=stats.std,
+        p50=stats.p50,
+        p90=stats.p90,
+        p99=stats.p99,
+        source="gpemu profile",
+        measured_at=measured_at,
+        metadata={**meta, "min": stats.min, "max": stats.max},
+    )
 
 
 def unit_rows(gpu: str, model: str, m: BatchMeasurement, meta: dict[str, Any]) -> list[Measurement]:
@@ -119,25 +140,53 @@ def unit_rows(gpu: str, model: str, m: BatchMeasurement, meta: dict[str, Any]) -
         _stat_row(gpu, model, "optimizer_step", bs, t["optimizer_step"], meta, at),
         # h2d_transfer is the pageable copy (what the shipped GPEmu data measured); the pinned
         # copy has its own kind (and rides along in h2d_transfer's metadata for older readers).
-        _stat_row(gpu, model, "h2d_transfer", bs, t["h2d_pageable"],
-                  {**meta, "memory": "pageable", "input_bytes": m.input_bytes, "pinned": pinned}, at),
-        _stat_row(gpu, model, PINNED_KIND, bs, t["h2d_pinned"],
-                  {**meta, "memory": "pinned", "input_bytes": m.input_bytes}, at),
-        _stat_row(gpu, model, "d2h_transfer", bs, t["d2h_transfer"],
-                  {**meta, "what": "one input batch, device to pageable host memory", "input_bytes": m.input_bytes}, at),
+        _stat_row(
+            gpu,
+            model,
+            "h2d_transfer",
+            bs,
+            t["h2d_pageable"],
+            {**meta, "memory": "pageable", "input_bytes": m.input_bytes, "pinned": pinned},
+            at,
+        ),
+        _stat_row(
+            gpu, model, PINNED_KIND, bs, t["h2d_pinned"], {**meta, "memory": "pinned", "input_bytes": m.input_bytes}, at
+        ),
+        _stat_row(
+            gpu,
+            model,
+            "d2h_transfer",
+            bs,
+            t["d2h_transfer"],
+            {**meta, "what": "one input batch, device to pageable host memory", "input_bytes": m.input_bytes},
+            at,
+        ),
     ]
     mem_meta = {**meta, "memory_method": m.memory_method}
     for kind, value in (("peak_memory", m.peak_memory), ("persistent_memory", m.persistent_memory)):
-        rows.append(Measurement(gpu=gpu, model=model, kind=kind, batch_size=bs, value=float(value),
-                                samples=t["forward"].count, source="gpemu profile", measured_at=at,
-                                metadata=mem_meta))
+        rows.append(
+            Measurement(
+                gpu=gpu,
+                model=model,
+                kind=kind,
+                batch_size=bs,
+                value=float(value),
+                samples=t["forward"].count,
+                source="gpemu profile",
+                measured_at=at,
+                metadata=mem_meta,
+            )
+        )
     return rows
 
 
-def profile_models(store: ProfileStore, opts: ProfileOptions,
-                   progress: Callable[[str, int], None] | None = None,
-                   set_total: Callable[[int], None] | None = None,
-                   log: Callable[[str], None] = lambda msg: None) -> ProfileReport:
+def profile_models(
+    store: ProfileStore,
+    opts: ProfileOptions,
+    progress: Callable[[str, int], None] | None = None,
+    set_total: Callable[[int], None] | None = None,
+    log: Callable[[str], None] = lambda msg: None,
+) -> ProfileReport:
     """Profile every model at every batch size into ``store``.
 
     ``progress(description, advance)`` is called as units finish or are skipped; ``log`` gets
@@ -156,8 +205,9 @@ def profile_models(store: ProfileStore, opts: ProfileOptions,
     gpu = spec.name
     report.gpu = gpu
     meta = run_metadata(device, gpu, memory_bytes)
-    meta.update(optimizer=opts.optimizer, warmup=opts.warmup, iterations=opts.iterations,
-                memory_limit=opts.memory_limit)
+    meta.update(
+        optimizer=opts.optimizer, warmup=opts.warmup, iterations=opts.iterations, memory_limit=opts.memory_limit
+    )
     sizes = sorted(set(opts.batch_sizes))
     remaining = [len(opts.models) * len(sizes)]
 
@@ -178,10 +228,19 @@ def profile_models(store: ProfileStore, opts: ProfileOptions,
     return report
 
 
-def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu: str, sizes: list[int],
-                 meta: dict[str, Any], report: ProfileReport, guard: _SigintGuard,
-                 advance: Callable[[str, int], None], drop: Callable[[int], None],
-                 log: Callable[[str], None]) -> None:
+def _profile_one(
+    store: ProfileStore,
+    opts: ProfileOptions,
+    spec_text: str,
+    gpu: str,
+    sizes: list[int],
+    meta: dict[str, Any],
+    report: ProfileReport,
+    guard: _SigintGuard,
+    advance: Callable[[str, int], None],
+    drop: Callable[[int], None],
+    log: Callable[[str], None],
+) -> None:
     name = model_name_of(spec_text)
     # Loaded even when everything is done, so a different model reusing the name is caught.
     lm = load_model(spec_text, opts.input_shape, opts.input_dtype, opts.num_classes)
@@ -197,14 +256,21 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
             drop(len(skip))
             advance(f"{name}: {len(skip)} batch size(s) already done", 0)
             if limit is not None and any(b >= limit.oom_batch_size for b in skip):
-                log(f"{name}: batch sizes >= {limit.oom_batch_size} skipped (out of memory on {gpu} before; "
-                    f"--force to retry)")
+                log(
+                    f"{name}: batch sizes >= {limit.oom_batch_size} skipped (out of memory on {gpu} before; "
+                    f"--force to retry)"
+                )
         todo = [b for b in todo if b not in skip]
         if not todo and store.has_model_transfer(gpu, name):
             return
     measurer = Measurer(lm, opts.device, opts.optimizer, opts.memory_limit)
-    model_meta = {**meta, "input_shape": list(lm.sample_shape), "input_dtype": str(lm.input_dtype).removeprefix("torch."),
-                  "num_classes": lm.num_classes, "model_spec": lm.spec}
+    model_meta = {
+        **meta,
+        "input_shape": list(lm.sample_shape),
+        "input_dtype": str(lm.input_dtype).removeprefix("torch."),
+        "num_classes": lm.num_classes,
+        "model_spec": lm.spec,
+    }
 
     advance(f"{name}: model transfer", 0)
     if opts.force or not store.has_model_transfer(gpu, name):
@@ -243,15 +309,26 @@ def _profile_one(store: ProfileStore, opts: ProfileOptions, spec_text: str, gpu:
         if oom is not None:
             measurer.release()
             message = oom
-            extra = [Measurement(gpu=gpu, model=name, kind=LIMIT_KIND, batch_size=0, value=float(largest_fit),
-                                 source="gpemu profile", measured_at=now_iso(),
-                                 metadata={**model_meta, "oom_batch_size": bs})]
+            extra = [
+                Measurement(
+                    gpu=gpu,
+                    model=name,
+                    kind=LIMIT_KIND,
+                    batch_size=0,
+                    value=float(largest_fit),
+                    source="gpemu profile",
+                    measured_at=now_iso(),
+                    metadata={**model_meta, "oom_batch_size": bs},
+                )
+            ]
             with guard.critical():
                 store.record_limit(gpu, name, bs, largest_fit, message, model_meta, extra)
             report.limits[name] = (bs, largest_fit)
             rest = len(todo) - i
-            log(f"{name}: out of memory at batch size {bs} on {gpu} (largest that fit: {largest_fit or 'none'}); "
-                f"skipping {rest - 1} larger batch size(s), going on with the next model")
+            log(
+                f"{name}: out of memory at batch size {bs} on {gpu} (largest that fit: {largest_fit or 'none'}); "
+                f"skipping {rest - 1} larger batch size(s), going on with the next model"
+            )
             drop(rest)
             advance(f"{name}: out of memory at {bs}", 0)
             break
@@ -281,11 +358,12 @@ def _check_same_model(store: ProfileStore, lm: LoadedModel) -> None:
     size = _input_size(lm.sample_shape)
     problems = []
     if (old.class_name, old.param_count) != (type(lm.module).__name__, params):
-        problems.append(f"it is a {old.class_name} with {old.param_count:,} parameters there, "
-                        f"this one is a {type(lm.module).__name__} with {params:,}")
+        problems.append(
+            f"it is a {old.class_name} with {old.param_count:,} parameters there, "
+            f"this one is a {type(lm.module).__name__} with {params:,}"
+        )
     if old.input_size is not None and size is not None and old.input_size != size:
-        problems.append(f"it was measured with {old.input_size}x{old.input_size} inputs there, "
-                        f"these are {size}x{size}")
+        problems.append(f"it was measured with {old.input_size}x{old.input_size} inputs there, these are {size}x{size}")
     if problems:
         raise ModelSpecError(
             f"model {lm.name!r} is already in the database and differs: {'; '.join(problems)}. "
@@ -298,14 +376,16 @@ def _register_model(store: ProfileStore, lm: LoadedModel, measurer: Measurer) ->
     params = list(module.parameters())
     fwd, total = measurer.flops_per_sample()
     input_size = _input_size(lm.sample_shape)
-    store.add_model(ModelInfo(
-        name=lm.name,
-        class_name=type(module).__name__,
-        param_count=sum(p.numel() for p in params),
-        param_bytes=sum(p.numel() * p.element_size() for p in params),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
-        fwd_flops_per_sample=fwd or 0.0,
-        fwd_bwd_flops_per_sample=total or 0.0,
-        fingerprint=structural_fingerprint(module),
-        input_size=input_size,
-    ))
+    store.add_model(
+        ModelInfo(
+            name=lm.name,
+            class_name=type(module).__name__,
+            param_count=sum(p.numel() for p in params),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+            fwd_flops_per_sample=fwd or 0.0,
+            fwd_bwd_flops_per_sample=total or 0.0,
+            fingerprint=structural_fingerprint(module),
+            input_size=input_size,
+        )
+    )

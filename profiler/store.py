@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, UniqueConstraint, select
 
@@ -69,7 +70,7 @@ class ProfileStore:
         _limits_meta.create_all(db.engine, checkfirst=True)
 
     @classmethod
-    def open(cls, url: str | None) -> "ProfileStore":
+    def open(cls, url: str | None) -> ProfileStore:
         """Open the database at SQLAlchemy ``url`` (None: the user's default database)."""
         config = EmuConfig.from_env(db_url=url)
         return cls(open_profile_db(config))
@@ -124,14 +125,27 @@ class ProfileStore:
             return None
         return Limit(row.gpu, row.model, row.oom_batch_size, row.largest_fitting, row.message)
 
-    def record_limit(self, gpu: str, model: str, oom_batch_size: int, largest_fitting: int, message: str,
-                     metadata: dict[str, Any], extra_rows: Iterable[Measurement] = ()) -> None:
+    def record_limit(
+        self,
+        gpu: str,
+        model: str,
+        oom_batch_size: int,
+        largest_fitting: int,
+        message: str,
+        metadata: dict[str, Any],
+        extra_rows: Iterable[Measurement] = (),
+    ) -> None:
         """Store the model's batch-size limit on this GPU (replacing an older one) atomically
         with ``extra_rows`` when gpemu.db can take them."""
         gpu, model = self._canonical(gpu, model)
         t = profile_limits
-        values = {"oom_batch_size": oom_batch_size, "largest_fitting": largest_fitting, "message": message,
-                  "measured_at": now_iso(), "metadata_json": json.dumps(metadata, sort_keys=True, default=str)}
+        values = {
+            "oom_batch_size": oom_batch_size,
+            "largest_fitting": largest_fitting,
+            "message": message,
+            "measured_at": now_iso(),
+            "metadata_json": json.dumps(metadata, sort_keys=True, default=str),
+        }
         rows = [r for r in extra_rows if r.kind in _KIND_UNITS]
         if rows:
             self.db.add_measurements(rows)

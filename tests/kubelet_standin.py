@@ -22,10 +22,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
 
@@ -73,7 +73,7 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
     def socket(self) -> Path:
         return self.dir / "kubelet.sock"
 
-    def start(self) -> "KubeletStandIn":
+    def start(self) -> KubeletStandIn:
         self.dir.mkdir(parents=True, exist_ok=True)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
@@ -124,7 +124,10 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
     def Register(self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext) -> api_pb2.Empty:
         if request.version != "v1beta1":
             self.log(f"Register REFUSED: unsupported version {request.version!r}")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported device plugin API version {request.version!r}; supported: v1beta1")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unsupported device plugin API version {request.version!r}; supported: v1beta1",
+            )
         if not _RESOURCE_RE.match(request.resource_name):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid resource name {request.resource_name!r}")
         now = time.monotonic()
@@ -144,8 +147,9 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         # Dial like the kubelet: its own connection (grpc-go dials afresh; C-core would otherwise
         # share a subchannel still backing off from a killed plugin on the same path and fail
         # fast with UNAVAILABLE) and blocking until it is up (the kubelet dials WithBlock, 10 s).
-        channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}",
-                                        options=[("grpc.use_local_subchannel_pool", 1)])
+        channel = grpc.insecure_channel(
+            f"unix://{self.dir / request.endpoint}", options=[("grpc.use_local_subchannel_pool", 1)]
+        )
         stub = api_pb2_grpc.DevicePluginStub(channel)
         try:
             grpc.channel_ready_future(channel).result(timeout=10)
@@ -158,8 +162,9 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
             self.log(f"GetDevicePluginOptions on {request.endpoint} failed ({exc.code().name})")
             channel.close()
             return
-        ep = PluginEndpoint(request.resource_name, request.endpoint, options, channel, stub,
-                            registered_at=time.monotonic())
+        ep = PluginEndpoint(
+            request.resource_name, request.endpoint, options, channel, stub, registered_at=time.monotonic()
+        )
         with self._cond:
             old = self.plugins.get(request.resource_name)
             self.plugins[request.resource_name] = ep
@@ -177,7 +182,8 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
                 unhealthy = sorted(i for i, h in devices.items() if h != "Healthy")
                 self.log(
                     f"ListAndWatch[{request.resource_name}] update {ep.updates}: {len(devices)} device(s), "
-                    f"{healthy} Healthy" + (f", Unhealthy: {', '.join(unhealthy)}" if unhealthy else "")
+                    f"{healthy} Healthy"
+                    + (f", Unhealthy: {', '.join(unhealthy)}" if unhealthy else "")
                     + f" | ids: {', '.join(devices)}"
                 )
         except grpc.RpcError as exc:
@@ -185,8 +191,11 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
 
     # ------------------------------------------------------------------ allocation, like the device manager
     def plugin(self, resource: str, timeout: float = 10.0) -> PluginEndpoint:
-        self.wait_for(lambda: resource in self.plugins and self.plugins[resource].updates > 0, timeout,
-                      f"{resource} to register and list its devices")
+        self.wait_for(
+            lambda: resource in self.plugins and self.plugins[resource].updates > 0,
+            timeout,
+            f"{resource} to register and list its devices",
+        )
         return self.plugins[resource]
 
     def allocate(self, resource: str, count: int) -> tuple[list[str], api_pb2.ContainerAllocateResponse]:
@@ -199,9 +208,13 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         ids = available[:count]
         if ep.options.get_preferred_allocation_available:
             pref = ep.stub.GetPreferredAllocation(
-                api_pb2.PreferredAllocationRequest(container_requests=[
-                    api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=count)
-                ]),
+                api_pb2.PreferredAllocationRequest(
+                    container_requests=[
+                        api_pb2.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=available, allocation_size=count
+                        )
+                    ]
+                ),
                 timeout=5,
             )
             ids = list(pref.container_responses[0].deviceIDs)
@@ -212,7 +225,9 @@ class KubeletStandIn(api_pb2_grpc.RegistrationServicer):
         )
         container = resp.container_responses[0]
         in_use.update(ids)
-        mounts = "; ".join(f"{m.host_path} -> {m.container_path}{' (ro)' if m.read_only else ''}" for m in container.mounts)
+        mounts = "; ".join(
+            f"{m.host_path} -> {m.container_path}{' (ro)' if m.read_only else ''}" for m in container.mounts
+        )
         envs = " ".join(f"{k}={v}" for k, v in sorted(container.envs.items()))
         self.log(f"Allocate({', '.join(ids)}) -> mounts: {mounts}")
         self.log(f"Allocate({', '.join(ids)}) -> env: {envs}")
@@ -236,17 +251,33 @@ def _demo() -> int:
     root = Path(tempfile.mkdtemp(prefix="gpk-demo-"))
     dp_dir, dev_dir = root / "dp", root / "dev"
     gpemu = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
-    subprocess.run(gpemu + ["k8s", "devices", "create", "--gpu", "V100", "--count", "4", "--dir", str(dev_dir)],
-                   check=True)
+    subprocess.run(
+        gpemu + ["k8s", "devices", "create", "--gpu", "V100", "--count", "4", "--dir", str(dev_dir)], check=True
+    )
     kubelet = KubeletStandIn(dp_dir).start()
-    plugin = subprocess.Popen(gpemu + ["k8s", "plugin", "--device-dir", str(dev_dir), "--device-plugin-dir",
-                                       str(dp_dir), "--poll-interval", "0.2", "--removed-grace", "2"])
+    plugin = subprocess.Popen(
+        gpemu
+        + [
+            "k8s",
+            "plugin",
+            "--device-dir",
+            str(dev_dir),
+            "--device-plugin-dir",
+            str(dp_dir),
+            "--poll-interval",
+            "0.2",
+            "--removed-grace",
+            "2",
+        ]
+    )
     try:
         kubelet.plugin("gpemu.io/emugpu")
         kubelet.allocate("gpemu.io/emugpu", 2)
         (dev_dir / "emugpu-3.json").unlink()
         kubelet.log("removed emugpu-3.json")
-        kubelet.wait_for(lambda: kubelet.plugins["gpemu.io/emugpu"].devices.get("emugpu-3") == "Unhealthy", 5, "unhealthy")
+        kubelet.wait_for(
+            lambda: kubelet.plugins["gpemu.io/emugpu"].devices.get("emugpu-3") == "Unhealthy", 5, "unhealthy"
+        )
         kubelet.wait_for(lambda: "emugpu-3" not in kubelet.plugins["gpemu.io/emugpu"].devices, 10, "emugpu-3 dropped")
         elapsed = kubelet.restart()
         assert elapsed < 5.0, elapsed
@@ -256,12 +287,32 @@ def _demo() -> int:
         plugin.wait(10)
         kubelet.log("plugin process stopped (SIGTERM); starting a new one")
         before, old = len(kubelet.registrations), kubelet.plugins["gpemu.io/emugpu"]
-        plugin = subprocess.Popen(gpemu + ["k8s", "plugin", "--device-dir", str(dev_dir), "--device-plugin-dir",
-                                           str(dp_dir), "--poll-interval", "0.2"])
-        kubelet.wait_for(lambda: len(kubelet.registrations) > before and kubelet.plugins["gpemu.io/emugpu"] is not old
-                         and kubelet.plugins["gpemu.io/emugpu"].updates > 0, 20, "plugin re-registration")
-        kubelet.log("allocation record after plugin restart: " + (dp_dir / "gpemu-allocations.json").read_text()
-                    .replace("\n", " "))
+        plugin = subprocess.Popen(
+            gpemu
+            + [
+                "k8s",
+                "plugin",
+                "--device-dir",
+                str(dev_dir),
+                "--device-plugin-dir",
+                str(dp_dir),
+                "--poll-interval",
+                "0.2",
+            ]
+        )
+        kubelet.wait_for(
+            lambda: (
+                len(kubelet.registrations) > before
+                and kubelet.plugins["gpemu.io/emugpu"] is not old
+                and kubelet.plugins["gpemu.io/emugpu"].updates > 0
+            ),
+            20,
+            "plugin re-registration",
+        )
+        kubelet.log(
+            "allocation record after plugin restart: "
+            + (dp_dir / "gpemu-allocations.json").read_text().replace("\n", " ")
+        )
         for bad in (["emugpu-9"], ["emugpu-0", "emugpu-1", "emugpu-2", "emugpu-5"]):
             try:
                 kubelet.allocate_ids("gpemu.io/emugpu", bad)

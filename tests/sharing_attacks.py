@@ -60,6 +60,7 @@ def token_theft(jobs_url: str, victim: SharingClient) -> AttackResult:
     conn = pika.BlockingConnection(pika.URLParameters(jobs_url))
     stolen: list[bytes] = []
     try:
+
         def read_requests() -> Any:
             method, _props, body = conn.channel().basic_get(P.REQUEST_QUEUE, auto_ack=False)
             if body:
@@ -95,8 +96,9 @@ def token_theft(jobs_url: str, victim: SharingClient) -> AttackResult:
                 pass
         got.append(f"messages read: {len(stolen)}; victim's key learned: {key is not None}")
         # Act as the victim anyway: deregister it, signed with whatever key the attacker has.
-        reply = _call(conn, {"type": "deregister", "job_id": victim.job_id, "request_id": uuid.uuid4().hex},
-                      key or P.new_key())
+        reply = _call(
+            conn, {"type": "deregister", "job_id": victim.job_id, "request_id": uuid.uuid4().hex}, key or P.new_key()
+        )
         got.append(f"deregister as {victim.job_id!r}: manager answered {reply}")
         still = victim.run(0.001, GiB)  # the victim is still registered and served
         got.append(f"victim afterwards: served normally (waited {still.waited_s * 1e3:.1f} ms)")
@@ -114,8 +116,12 @@ def _call(conn: Any, payload: dict[str, Any], key: bytes, timeout: float = 5.0) 
     queue = P.reply_queue_name()
     ch.queue_declare(queue, exclusive=True)
     body = P.encode(payload)
-    ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, body,
-                     pika.BasicProperties(reply_to=queue, headers={P.SIG_HEADER: P.sign(key, body)}))
+    ch.basic_publish(
+        P.REQUEST_EXCHANGE,
+        P.REQUEST_ROUTING_KEY,
+        body,
+        pika.BasicProperties(reply_to=queue, headers={P.SIG_HEADER: P.sign(key, body)}),
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         method, _props, reply = ch.basic_get(queue, auto_ack=True)
@@ -139,12 +145,14 @@ def forged_reply(jobs_url: str, admin_url: str, victim: SharingClient) -> Attack
     while victim._awaiting is None and time.monotonic() < deadline:
         time.sleep(0.005)
     rid = victim._awaiting  # an insider's knowledge: the id of the request the victim waits for
-    fake = json.dumps({"v": P.PROTOCOL_VERSION, "type": "refused", "request_id": rid,
-                       "reason": "CUDA out of memory (forged)"}).encode()
+    fake = json.dumps(
+        {"v": P.PROTOCOL_VERSION, "type": "refused", "request_id": rid, "reason": "CUDA out of memory (forged)"}
+    ).encode()
     for who, url in (("jobs' user", jobs_url), ("manager's own user", admin_url)):
         conn = pika.BlockingConnection(pika.URLParameters(url))
         try:
-            def publish() -> str:
+
+            def publish(conn: pika.BlockingConnection = conn) -> str:
                 ch = conn.channel()
                 ch.confirm_delivery()
                 ch.basic_publish("", victim.reply_queue, fake, pika.BasicProperties(headers={P.SIG_HEADER: "0" * 64}))
@@ -191,8 +199,10 @@ def hog(jobs_url: str, victim: SharingClient, quantum_s: float) -> AttackResult:
         for _ in range(5):
             r = victim.run(0.002, GiB)
             waits.append(r.elapsed_s - 0.002)
-        got.append(f"hog asked for 3600 s in one request; victim's 2 ms requests waited "
-                   f"{', '.join(f'{w * 1e3:.0f}' for w in waits)} ms (quantum {quantum_s * 1e3:.0f} ms)")
+        got.append(
+            f"hog asked for 3600 s in one request; victim's 2 ms requests waited "
+            f"{', '.join(f'{w * 1e3:.0f}' for w in waits)} ms (quantum {quantum_s * 1e3:.0f} ms)"
+        )
         return AttackResult("hog", max(waits) > 2 * quantum_s + 0.5, got)
     finally:
         proc.kill()
@@ -210,8 +220,7 @@ def main() -> int:
         t = threading.Thread(target=manager.serve_forever, daemon=True)
         t.start()
         manager.connected.wait(30)
-        print(f"broker {broker.url.split('@')[1]} (loopback); jobs connect as 'gpemu-jobs' with "
-              f"{P.JOB_PERMISSIONS}\n")
+        print(f"broker {broker.url.split('@')[1]} (loopback); jobs connect as 'gpemu-jobs' with {P.JOB_PERMISSIONS}\n")
         results = []
         with SharingClient(jobs_url, job_id="victim", persistent_bytes=2 * GiB, lease_s=10.0) as victim:
             results.append(token_theft(jobs_url, victim))

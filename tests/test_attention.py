@@ -13,18 +13,21 @@ from gpemu.clock import VirtualClock
 ALL_ON = (True, True, True)
 
 
-@pytest.mark.parametrize("capability, dtype, dims, mask, same, enabled, kernel", [
-    ((8, 0), torch.float16, (64, 64), False, True, ALL_ON, "flash"),       # A100, fp16
-    ((9, 0), torch.bfloat16, (128, 128), False, True, ALL_ON, "flash"),    # H100, bf16
-    ((8, 0), torch.float32, (64, 64), False, True, ALL_ON, "efficient"),   # fp32: no flash
-    ((8, 0), torch.float16, (64, 64), True, True, ALL_ON, "efficient"),    # an explicit mask
-    ((7, 0), torch.float16, (64, 64), False, True, ALL_ON, "efficient"),   # V100: no flash
-    ((7, 0), torch.bfloat16, (64, 64), False, True, ALL_ON, "math"),       # bf16 before Ampere
-    ((3, 7), torch.float32, (64, 64), False, True, ALL_ON, "math"),        # K80
-    ((8, 0), torch.float16, (64, 64), False, False, ALL_ON, "math"),       # unequal head counts
-    ((8, 0), torch.float16, (64, 64), False, True, (False, True, True), "efficient"),
-    ((8, 0), torch.float16, (64, 64), False, True, (False, False, True), "math"),
-])
+@pytest.mark.parametrize(
+    "capability, dtype, dims, mask, same, enabled, kernel",
+    [
+        ((8, 0), torch.float16, (64, 64), False, True, ALL_ON, "flash"),  # A100, fp16
+        ((9, 0), torch.bfloat16, (128, 128), False, True, ALL_ON, "flash"),  # H100, bf16
+        ((8, 0), torch.float32, (64, 64), False, True, ALL_ON, "efficient"),  # fp32: no flash
+        ((8, 0), torch.float16, (64, 64), True, True, ALL_ON, "efficient"),  # an explicit mask
+        ((7, 0), torch.float16, (64, 64), False, True, ALL_ON, "efficient"),  # V100: no flash
+        ((7, 0), torch.bfloat16, (64, 64), False, True, ALL_ON, "math"),  # bf16 before Ampere
+        ((3, 7), torch.float32, (64, 64), False, True, ALL_ON, "math"),  # K80
+        ((8, 0), torch.float16, (64, 64), False, False, ALL_ON, "math"),  # unequal head counts
+        ((8, 0), torch.float16, (64, 64), False, True, (False, True, True), "efficient"),
+        ((8, 0), torch.float16, (64, 64), False, True, (False, False, True), "math"),
+    ],
+)
 def test_kernel_choice_follows_torchs_cuda_dispatcher(capability, dtype, dims, mask, same, enabled, kernel):
     assert choose_kernel(capability, dtype, dims[0], dims[1], mask, same, enabled) == kernel
 
@@ -115,7 +118,11 @@ def test_dtensor_inputs_run_the_fused_kernel_shard_by_shard(tmp_path):
                 names[dtype] = {s.name.split(".")[0] for s in rt.recorder.spans[first:] if "attention" in s.name}
         finally:
             dist.destroy_process_group()
-    assert names[torch.bfloat16] == {"_scaled_dot_product_flash_attention",
-                                     "_scaled_dot_product_flash_attention_backward"}
-    assert names[torch.float32] == {"_scaled_dot_product_efficient_attention",
-                                    "_scaled_dot_product_efficient_attention_backward"}
+    assert names[torch.bfloat16] == {
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+    }
+    assert names[torch.float32] == {
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+    }

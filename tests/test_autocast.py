@@ -24,15 +24,17 @@ def test_autocast_op_lists(rt):
     img = torch.randn(2, 3, 8, 8, device="cuda")
     with torch.autocast("cuda"):
         out = lin(x)
-        assert out.dtype == torch.float16                       # lower precision list
+        assert out.dtype == torch.float16  # lower precision list
         assert conv(img).dtype == torch.float16
         assert (x @ x.T).dtype == torch.float16 and torch.mm(x, x.T).dtype == torch.float16
-        assert torch.softmax(out, 1).dtype == torch.float32      # fp32 list
-        assert torch.nn.functional.cross_entropy(out, torch.zeros(16, dtype=torch.long, device="cuda")).dtype \
+        assert torch.softmax(out, 1).dtype == torch.float32  # fp32 list
+        assert (
+            torch.nn.functional.cross_entropy(out, torch.zeros(16, dtype=torch.long, device="cuda")).dtype
             == torch.float32
+        )
         assert torch.nn.functional.layer_norm(out, (4,)).dtype == torch.float32
         assert torch.cat([out, x[:, :4]]).dtype == torch.float32  # promote to widest
-        assert (out + 1).dtype == torch.float16                    # others: run in input dtype
+        assert (out + 1).dtype == torch.float16  # others: run in input dtype
         with torch.autocast("cuda", enabled=False):
             assert lin(x).dtype == torch.float32
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -31,8 +31,14 @@ print(json.dumps(results))
 def _run_all(cases: list[list[str]], tmp_path: Path) -> list[tuple[object, str, str]]:
     env = {**os.environ, "COLUMNS": "1000", "GPEMU_DATA_DIR": os.environ["GPEMU_DATA_DIR"]}
     env.pop("GPEMU_DB", None)
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
 
@@ -42,7 +48,9 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
     corrupt.write_bytes(b"this is not a SQLite database" * 50)
     good = f"sqlite:///{tmp_path / 'good.sqlite'}"
     files = {
-        "measurements-list.json": json.dumps({"format": "gpemu-profile-db", "schema_version": 1, "measurements": [1, 2]}),
+        "measurements-list.json": json.dumps(
+            {"format": "gpemu-profile-db", "schema_version": 1, "measurements": [1, 2]}
+        ),
         "models-int.json": json.dumps({"format": "gpemu-profile-db", "schema_version": 1, "models": 5}),
         "deep.json": "[" * 100000 + "]" * 100000,
         "future.json": json.dumps({"format": "gpemu-profile-db", "schema_version": 99}),
@@ -60,21 +68,64 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
         ("db", "import", str(tmp_path / "measurements-list.json"), "--db", good): '"measurements" must be an object',
         ("db", "import", str(tmp_path / "models-int.json"), "--db", good): '"models" must be a list of objects',
         ("db", "import", str(tmp_path / "deep.json"), "--db", good): "nests JSON arrays or objects too deeply",
-        ("db", "import", str(tmp_path / "future.json"), "--db", good): "schema_version 99; it was written by a newer gpemu",
+        (
+            "db",
+            "import",
+            str(tmp_path / "future.json"),
+            "--db",
+            good,
+        ): "schema_version 99; it was written by a newer gpemu",
         ("db", "import", str(tmp_path / "wide.csv"), "--db", good): "no field longer than 128 KiB",
         ("db", "export", "/proc/no/such/dir/x.json", "--db", good): "/proc/no",
         ("db", "path", "--db", "not a url"): "is not a SQLAlchemy URL",
         ("run", "--gpus", "two", "--", "python", "-c", "1"): "unknown GPU 'two'; valid GPUs: K80, M40, P100, V100",
         ("run", "--gpu", "H900", "--", "python", "-c", "1"): "B200; add one from its datasheet with `gpemu gpus add` "
-                                                            "(see docs/adding.md)",
-        ("gpus", "add", "X", "--generation", "ampere", "--sms", "8", "--memory-gb", "8", "--bandwidth-gbs", "100",
-         "--fp32-tflops", "5", "--pcie-gen", "9", "--db", good): "pcie_gen (--pcie-gen) must be a whole number from 1 to 7",
-        ("gpus", "add", "--file", str(tmp_path / "future.json"), "--db", good): "is a `gpemu db export` file: import it",
+        "(see docs/adding.md)",
+        (
+            "gpus",
+            "add",
+            "X",
+            "--generation",
+            "ampere",
+            "--sms",
+            "8",
+            "--memory-gb",
+            "8",
+            "--bandwidth-gbs",
+            "100",
+            "--fp32-tflops",
+            "5",
+            "--pcie-gen",
+            "9",
+            "--db",
+            good,
+        ): "pcie_gen (--pcie-gen) must be a whole number from 1 to 7",
+        (
+            "gpus",
+            "add",
+            "--file",
+            str(tmp_path / "future.json"),
+            "--db",
+            good,
+        ): "is a `gpemu db export` file: import it",
         ("gpus", "add", "--file", str(tmp_path / "nope.yaml"), "--db", good): "cannot read",
         ("run", "--db", unreachable_pg, "--gpu", "V100", "--", "python", "-c", "1"): "postgresql+psycopg://u:***@",
-        ("share-manager", "--amqp", f"amqp://u:{SECRET}@h:notaport/", "--device", "0=V100:1GiB"): "not a usable AMQP URL",
-        ("share-manager", "--amqp", "amqp://u@127.0.0.1/", "--amqp-password-file", str(tmp_path / "nope"),
-         "--device", "0=V100"): "cannot read the broker password file",
+        (
+            "share-manager",
+            "--amqp",
+            f"amqp://u:{SECRET}@h:notaport/",
+            "--device",
+            "0=V100:1GiB",
+        ): "not a usable AMQP URL",
+        (
+            "share-manager",
+            "--amqp",
+            "amqp://u@127.0.0.1/",
+            "--amqp-password-file",
+            str(tmp_path / "nope"),
+            "--device",
+            "0=V100",
+        ): "cannot read the broker password file",
         ("share-status", "--amqp", f"amqp://u:{SECRET}@127.0.0.1:1/", "--once"): "cannot reach the RabbitMQ broker",
         ("k8s", "devices", "create", "--gpu", "V100", "--dir", "/proc/no/such"): "/proc/no",
         ("k8s", "plugin", "--sharing", f"amqp://u:{SECRET}@h:xx/", "--device-dir", str(tmp_path)): "not a usable AMQP",
@@ -82,7 +133,7 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
         ("profile", "--device", "cpu", "--model", "resnet18", "--db", unreachable_pg): "Connection refused",
     }
     results = _run_all([list(argv) for argv in cases], tmp_path)
-    for (argv, expected), (rc, err, out) in zip(cases.items(), results):
+    for (argv, expected), (rc, err, out) in zip(cases.items(), results, strict=False):
         lines = err.strip().splitlines()
         assert rc == 2, (argv, rc, err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err[-2000:])

@@ -15,8 +15,15 @@ def test_defaults_then_env_then_overrides():
 
 
 def test_round_trip_through_environment():
-    cfg = EmuConfig.from_env({}, gpu="K80", num_gpus=3, model="resnet50", trace_path="t.json",
-                             sharing="amqp://u:secret@localhost:5672/%2F", summary=False)
+    cfg = EmuConfig.from_env(
+        {},
+        gpu="K80",
+        num_gpus=3,
+        model="resnet50",
+        trace_path="t.json",
+        sharing="amqp://u:secret@localhost:5672/%2F",
+        summary=False,
+    )
     again = EmuConfig.from_env(cfg.to_env())
     assert again == cfg
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from examples import tvmodels
-from gpemu.costmodel import (GPUS, OpClass, Precision, classify, default_model, gpu_sheet, record_step)
+from gpemu.costmodel import GPUS, OpClass, Precision, classify, default_model, gpu_sheet, record_step
 from gpemu.costmodel import curve as C
 from gpemu.costmodel.gpus import DONORS, GENERATIONS
 from gpemu.costmodel.model import PARAMS_PATH, CostModel, curve_key
@@ -67,20 +67,40 @@ def test_representative_ops_are_classified():
     a, b = meta(64, 128), meta(128, 32)
     x4 = meta(8, 16, 32, 32)
     cases = {
-        OpClass.GEMM: [(aten.mm.default, (a, b)), (aten.addmm.default, (meta(32), a, b)),
-                       (aten.bmm.default, (meta(4, 64, 128), meta(4, 128, 32)))],
-        OpClass.NORM: [(aten.native_batch_norm.default, (x4, meta(16), meta(16), meta(16), meta(16), True, 0.1, 1e-5)),
-                       (aten.native_layer_norm.default, (meta(8, 64), [64], meta(64), meta(64), 1e-5))],
-        OpClass.ELEMENTWISE: [(aten.relu_.default, (x4,)), (aten.add.Tensor, (x4, x4)),
-                              (aten.threshold_backward.default, (x4, x4, 0.0)), (aten.gelu.default, (x4,))],
-        OpClass.REDUCTION: [(aten._softmax.default, (a, 1, False)), (aten._log_softmax.default, (a, 1, False)),
-                            (aten.sum.dim_IntList, (x4, [2, 3]))],
-        OpClass.POOLING: [(aten.max_pool2d_with_indices.default, (x4, [3, 3], [2, 2], [1, 1])),
-                          (aten._adaptive_avg_pool2d.default, (x4, [1, 1]))],
-        OpClass.EMBEDDING: [(aten.embedding.default, (meta(1000, 64), torch.zeros(8, dtype=torch.long, device="meta")))],
+        OpClass.GEMM: [
+            (aten.mm.default, (a, b)),
+            (aten.addmm.default, (meta(32), a, b)),
+            (aten.bmm.default, (meta(4, 64, 128), meta(4, 128, 32))),
+        ],
+        OpClass.NORM: [
+            (aten.native_batch_norm.default, (x4, meta(16), meta(16), meta(16), meta(16), True, 0.1, 1e-5)),
+            (aten.native_layer_norm.default, (meta(8, 64), [64], meta(64), meta(64), 1e-5)),
+        ],
+        OpClass.ELEMENTWISE: [
+            (aten.relu_.default, (x4,)),
+            (aten.add.Tensor, (x4, x4)),
+            (aten.threshold_backward.default, (x4, x4, 0.0)),
+            (aten.gelu.default, (x4,)),
+        ],
+        OpClass.REDUCTION: [
+            (aten._softmax.default, (a, 1, False)),
+            (aten._log_softmax.default, (a, 1, False)),
+            (aten.sum.dim_IntList, (x4, [2, 3])),
+        ],
+        OpClass.POOLING: [
+            (aten.max_pool2d_with_indices.default, (x4, [3, 3], [2, 2], [1, 1])),
+            (aten._adaptive_avg_pool2d.default, (x4, [1, 1])),
+        ],
+        OpClass.EMBEDDING: [
+            (aten.embedding.default, (meta(1000, 64), torch.zeros(8, dtype=torch.long, device="meta")))
+        ],
         OpClass.COPY: [(aten.cat.default, ([x4, x4], 1)), (aten.clone.default, (x4,))],
-        OpClass.FREE: [(aten.view.default, (x4, [-1])), (aten.t.default, (a,)), (aten.detach.default, (x4,)),
-                       (aten.empty.memory_format, ([4, 4],))],
+        OpClass.FREE: [
+            (aten.view.default, (x4, [-1])),
+            (aten.t.default, (a,)),
+            (aten.detach.default, (x4,)),
+            (aten.empty.memory_format, ([4, 4],)),
+        ],
     }
     for cls, ops in cases.items():
         for op, args in ops:
@@ -99,8 +119,13 @@ def test_representative_ops_are_classified():
 
 
 def test_record_step_separates_forward_backward_and_skips_free_ops():
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
-                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(inplace=True),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 10),
+    )
     step = record_step(model.train(), (torch.empty(4, 3, 8, 8),))
     fwd = [o.name for o in step.forward]
     bwd = [o.name for o in step.backward]
@@ -114,13 +139,35 @@ def test_record_step_separates_forward_backward_and_skips_free_ops():
 # ------------------------------------------------------------------------------ GPUs, precision
 def test_datasheet_table_is_complete_and_self_consistent():
     names = {g.short_name for g in GPUS}
-    for want in ("H100", "H100-PCIe", "H200", "B200", "A100-80GB", "L40S", "L4", "A10G", "RTX4090", "T4",
-                 "K80", "M40", "P100", "V100", "RTX6000", "A100"):
+    for want in (
+        "H100",
+        "H100-PCIe",
+        "H200",
+        "B200",
+        "A100-80GB",
+        "L40S",
+        "L4",
+        "A10G",
+        "RTX4090",
+        "T4",
+        "K80",
+        "M40",
+        "P100",
+        "V100",
+        "RTX6000",
+        "A100",
+    ):
         assert want in names
     for g in GPUS:
         assert g.generation in GENERATIONS and g.generation in DONORS
-        for f in ("memory_bytes", "memory_bandwidth", "sm_count", "fp32_flops", "host_link_bandwidth_pinned",
-                  "host_link_bandwidth_pageable"):
+        for f in (
+            "memory_bytes",
+            "memory_bandwidth",
+            "sm_count",
+            "fp32_flops",
+            "host_link_bandwidth_pinned",
+            "host_link_bandwidth_pageable",
+        ):
             assert getattr(g, f) > 0, (g.name, f)
         assert g.bf16_tensor_flops in (0, g.fp16_tensor_flops)  # dense rates; bf16 = fp16 where both exist
         if g.generation in ("kepler", "maxwell", "pascal"):
@@ -140,17 +187,19 @@ def test_precision_paths():
     a100, v100, p100 = gpu_sheet("A100"), gpu_sheet("V100"), gpu_sheet("P100")
     fp32 = Precision()
     assert compute_peak(a100, OpClass.CONV, "float32", fp32) == ("tensor", 156e12)  # cuDNN TF32 on by default
-    assert compute_peak(a100, OpClass.GEMM, "float32", fp32) == ("simt", 19.5e12)   # matmul TF32 off by default
+    assert compute_peak(a100, OpClass.GEMM, "float32", fp32) == ("simt", 19.5e12)  # matmul TF32 off by default
     assert compute_peak(a100, OpClass.GEMM, "float32", Precision(allow_tf32_matmul=True))[0] == "tensor"
     assert compute_peak(a100, OpClass.GEMM, "bfloat16", fp32) == ("tensor", 312e12)
     assert compute_peak(v100, OpClass.GEMM, "float16", fp32) == ("tensor", 112e12)
-    assert compute_peak(v100, OpClass.GEMM, "bfloat16", fp32)[0] == "simt"          # no bf16 tensor cores
+    assert compute_peak(v100, OpClass.GEMM, "bfloat16", fp32)[0] == "simt"  # no bf16 tensor cores
     assert compute_peak(p100, OpClass.CONV, "float16", fp32) == ("simt", 18.7e12)
     with pytest.raises(ValueError):
         Precision("int8")
     torch.backends.cudnn.allow_tf32, old = False, torch.backends.cudnn.allow_tf32
     try:
-        assert Precision.from_torch(torch.bfloat16) == Precision("bfloat16", torch.backends.cuda.matmul.allow_tf32, False)
+        assert Precision.from_torch(torch.bfloat16) == Precision(
+            "bfloat16", torch.backends.cuda.matmul.allow_tf32, False
+        )
     finally:
         torch.backends.cudnn.allow_tf32 = old
 
@@ -186,8 +235,10 @@ def test_bf16_gemm_gains_the_tensor_core_ratio_elementwise_only_the_bytes(model)
 def test_every_gpu_prices_every_key_finite_and_positive(model):
     ops = [conv_ops(64, 64, g, k=k)[i] for g in (1, 8, 64) for k in (1, 3) for i in (0, 1)]
     x = meta(32, 64, 28, 28)
-    ops += [classify(aten.relu_.default, (x,), {}, x), classify(aten.mm.default, (meta(256, 512), meta(512, 512)), {},
-                                                                  meta(256, 512))]
+    ops += [
+        classify(aten.relu_.default, (x,), {}, x),
+        classify(aten.mm.default, (meta(256, 512), meta(512, 512)), {}, meta(256, 512)),
+    ]
     for g in GPUS:
         for prec in (Precision(), Precision("bfloat16"), Precision("float16")):
             for op in ops:
@@ -221,8 +272,8 @@ def test_fitted_model_reproduces_a_held_in_measurement(model):
 
 
 def test_queue_overlaps_host_and_gpu_time():
-    assert C.queue_seconds([(1.0, 0.1)] * 5) == pytest.approx(5.1)          # host-bound: the host's time
-    assert C.queue_seconds([(0.1, 1.0)] * 5) == pytest.approx(5.1)          # GPU-bound: the GPU's time
+    assert C.queue_seconds([(1.0, 0.1)] * 5) == pytest.approx(5.1)  # host-bound: the host's time
+    assert C.queue_seconds([(0.1, 1.0)] * 5) == pytest.approx(5.1)  # GPU-bound: the GPU's time
     assert C.queue_seconds([(0.1, 3.0), (1.0, 0.1), (1.0, 0.1)]) == pytest.approx(3.3)  # host banked time
     c = C.Curve(e=0.5, x0=1e6, p=1.0, h=1e-5)
     assert c.efficiency(1e9) == pytest.approx(0.5 / 1.001)
@@ -247,12 +298,14 @@ def test_the_shape_term_slows_the_work_not_the_filling():
     import numpy as np
 
     work, z = np.array([1e6, 1e9, 1e12]), np.array([shallow, 0.01, deep])
-    args = dict(le=np.log(np.full(3, 0.8)), lx0=np.log(np.full(3, 1e6)), p=np.full(3, 0.7),
-                lk0=np.log(np.full(3, 300.0)))
+    args = dict(
+        le=np.log(np.full(3, 0.8)), lx0=np.log(np.full(3, 1e6)), p=np.full(3, 0.7), lk0=np.log(np.full(3, 300.0))
+    )
     g, *grads = C.kernel_arrays(work, np.full(3, peak), sms, args["le"], args["lx0"], args["p"], args["lk0"], z)
-    scalar = [C.kernel_seconds(w, peak, sms, C.Curve(0.8, 1e6, 0.7, 0.0, 300.0), zz) for w, zz in zip(work, z)]
+    curve = C.Curve(0.8, 1e6, 0.7, 0.0, 300.0)
+    scalar = [C.kernel_seconds(w, peak, sms, curve, zz) for w, zz in zip(work, z, strict=True)]
     assert np.allclose(g, scalar, rtol=1e-12)
-    for name, d in zip(("le", "lx0", "p", "lk0"), grads):
+    for name, d in zip(("le", "lx0", "p", "lk0"), grads, strict=False):
         bumped = dict(args)
         bumped[name] = args[name] + 1e-6
         g2 = C.kernel_arrays(work, np.full(3, peak), sms, **bumped, z=z, grads=False)[0]
@@ -274,7 +327,14 @@ def test_shipped_parameters_cover_the_measured_generations():
     assert set(doc["generations"]) == {"kepler", "maxwell", "pascal", "volta", "turing", "ampere"}
     for gen, g in doc["generations"].items():
         assert gpu_sheet(g["gpu"]).generation == gen
-        assert {"conv_spatial.fwd", "conv_spatial.bwd", "conv1x1.fwd", "conv_strided.bwd", "norm.fwd", "elementwise.bwd"} <= set(g["curves"])
+        assert {
+            "conv_spatial.fwd",
+            "conv_spatial.bwd",
+            "conv1x1.fwd",
+            "conv_strided.bwd",
+            "norm.fwd",
+            "elementwise.bwd",
+        } <= set(g["curves"])
     assert doc["generations"]["ampere"]["curves"]["conv_spatial.fwd"]["path"] == "tensor"
     assert doc["generations"]["volta"]["curves"]["conv_spatial.fwd"]["path"] == "simt"
     u = doc["uncertainty"]["measured_gpu"]["overall"]
@@ -320,9 +380,18 @@ def test_op_tables_scale_with_the_batch_exactly():
 
     nn = torch.nn
     with torch.device("meta"):
-        net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-                            nn.MaxPool2d(2), nn.Conv2d(16, 16, 3, groups=16), nn.Conv2d(16, 32, 1),
-                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(), nn.Linear(32, 10)).train()
+        net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 3, groups=16),
+            nn.Conv2d(16, 32, 1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Dropout(),
+            nn.Linear(32, 10),
+        ).train()
 
     def ops(n):
         s = record_step(net, (torch.empty(n, 3, 32, 32),))
@@ -343,8 +412,8 @@ def gemm_op(m: int, k: int, n: int, dtype=torch.float32):
     return classify(aten.mm.default, (a, b), {}, meta(m, n, dtype=dtype))
 
 
-def tflops(model, op, gpu, prec=Precision()) -> float:
-    return op.flops / model.op_seconds(op, gpu, prec) / 1e12
+def tflops(model, op, gpu, prec: Precision | None = None) -> float:
+    return op.flops / model.op_seconds(op, gpu, prec or Precision()) / 1e12
 
 
 def test_large_gemms_level_off_at_the_published_plateau_never_above(model):
@@ -366,14 +435,19 @@ def test_large_gemms_level_off_at_the_published_plateau_never_above(model):
 
 
 def test_gemm_rate_is_monotone_in_size_and_time_grows(model):
-    for gpu, dtype in (("A100", torch.float32), ("A100", torch.bfloat16), ("H100", torch.bfloat16), ("V100", torch.float32)):
+    for gpu, dtype in (
+        ("A100", torch.float32),
+        ("A100", torch.bfloat16),
+        ("H100", torch.bfloat16),
+        ("V100", torch.float32),
+    ):
         rates, times = [], []
         for n in (128, 256, 512, 1024, 2048, 4096, 8192):
             op = gemm_op(n, n, n, dtype)
             times.append(model.op_seconds(op, gpu))
             rates.append(op.flops / times[-1])
-        assert all(b >= a for a, b in zip(rates, rates[1:])), (gpu, dtype, rates)
-        assert all(b > a for a, b in zip(times, times[1:])), (gpu, dtype, times)
+        assert all(b >= a for a, b in zip(rates, rates[1:], strict=False)), (gpu, dtype, rates)
+        assert all(b > a for a, b in zip(times, times[1:], strict=False)), (gpu, dtype, times)
 
 
 def test_bf16_gemm_speedup_on_a100_is_bounded_by_the_tensor_core_ratio(model):
@@ -403,8 +477,14 @@ def attention_op(backward: bool, dtype=torch.float32, b=8, h=12, s=1024, d=64):
     shape = (b, h, s, d)
     f = (FL.attention_backward_flops if backward else FL.attention_forward_flops)(shape, shape, shape)
     el = torch.empty((), dtype=dtype).element_size()
-    return OpFeatures("_scaled_dot_product_flash_attention" + ("_backward" if backward else ""), OpClass.ATTENTION,
-                      backward, f, 4.0 * b * h * s * d * el * (2 if backward else 1), str(dtype)[6:])
+    return OpFeatures(
+        "_scaled_dot_product_flash_attention" + ("_backward" if backward else ""),
+        OpClass.ATTENTION,
+        backward,
+        f,
+        4.0 * b * h * s * d * el * (2 if backward else 1),
+        str(dtype)[6:],
+    )
 
 
 def test_fused_attention_runs_below_the_gemm_rate_and_gains_from_bf16(model):
@@ -435,12 +515,16 @@ def test_transformer_step_in_bf16_is_faster_than_fp32_by_less_than_the_peak_rati
     with torch.device("meta"):
         block = Block().train()
     ops = record_step(block, (torch.empty(8, 1024, 768),))
-    step = {p: model.ops_seconds(ops.forward, "A100", p) + model.ops_seconds(ops.backward, "A100", p)
-            for p in (Precision(), Precision("bfloat16"))}
+    step = {
+        p: model.ops_seconds(ops.forward, "A100", p) + model.ops_seconds(ops.backward, "A100", p)
+        for p in (Precision(), Precision("bfloat16"))
+    }
     r = step[Precision()] / step[Precision("bfloat16")]
     assert 2.0 < r < 16.0, r
-    assert model.module_seconds(block, (torch.empty(8, 1024, 768),), "H100", Precision("bfloat16")).total \
+    assert (
+        model.module_seconds(block, (torch.empty(8, 1024, 768),), "H100", Precision("bfloat16")).total
         < step[Precision("bfloat16")]
+    )
 
 
 def test_a_measured_time_carried_to_another_gpu_has_the_transfer_error(model):
@@ -462,12 +546,22 @@ def test_an_added_gpu_is_priced_with_its_own_generation_and_tensor_cores() -> No
     from gpemu.db import GpuSpec  # (a test may use the db: the layering rule is the library's)
 
     h100 = gpu_sheet("H100")
-    spec = GpuSpec(name="My Hopper", aliases=("MYH",), memory_bytes=h100.memory_bytes, fp32_flops=h100.fp32_flops,
-                   fp16_flops=h100.fp16_flops, memory_bandwidth=h100.memory_bandwidth,
-                   host_link_bandwidth_pinned=h100.host_link_bandwidth_pinned,
-                   host_link_bandwidth_pageable=h100.host_link_bandwidth_pageable, sm_count=h100.sm_count,
-                   generation="hopper", compute_capability=(9, 0), tf32_tensor_flops=h100.tf32_tensor_flops,
-                   fp16_tensor_flops=h100.fp16_tensor_flops, bf16_tensor_flops=h100.bf16_tensor_flops)
+    spec = GpuSpec(
+        name="My Hopper",
+        aliases=("MYH",),
+        memory_bytes=h100.memory_bytes,
+        fp32_flops=h100.fp32_flops,
+        fp16_flops=h100.fp16_flops,
+        memory_bandwidth=h100.memory_bandwidth,
+        host_link_bandwidth_pinned=h100.host_link_bandwidth_pinned,
+        host_link_bandwidth_pageable=h100.host_link_bandwidth_pageable,
+        sm_count=h100.sm_count,
+        generation="hopper",
+        compute_capability=(9, 0),
+        tf32_tensor_flops=h100.tf32_tensor_flops,
+        fp16_tensor_flops=h100.fp16_tensor_flops,
+        bf16_tensor_flops=h100.bf16_tensor_flops,
+    )
     sheet = sheet_from_spec(spec)
     assert (sheet.generation, sheet.compute_capability) == ("hopper", (9, 0))
     assert sheet.bf16_tensor_flops == h100.bf16_tensor_flops and sheet.tf32_tensor_flops == h100.tf32_tensor_flops
@@ -477,8 +571,9 @@ def test_an_added_gpu_is_priced_with_its_own_generation_and_tensor_cores() -> No
     fp32 = model.module_seconds(layer, x, sheet, Precision())
     assert bf16.total < fp32.total / 4  # tensor cores, as for the shipped H100
     # Unknown fields are still inferred: no generation given -> ampere, no tensor figures -> none.
-    bare = sheet_from_spec(GpuSpec(**{**spec.__dict__, "generation": None, "bf16_tensor_flops": None,
-                                      "compute_capability": None}))
+    bare = sheet_from_spec(
+        GpuSpec(**{**spec.__dict__, "generation": None, "bf16_tensor_flops": None, "compute_capability": None})
+    )
     assert bare.generation == "ampere" and bare.bf16_tensor_flops == 0.0 and bare.compute_capability == (0, 0)
 
 

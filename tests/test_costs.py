@@ -77,13 +77,19 @@ def test_only_the_shipped_loop_s_backward_loses_its_optimizer_part(db, tmp_path)
     with torch.device("meta"):
         model = tvmodels.alexnet()
     rows = {k: db.lookup("V100", "alexnet", 16, k).value for k in ("forward", "backward")}
-    for source, expect in ((ARTIFACT_SOURCE, max(rows["backward"] - _bookkeeping(model, "V100", 16), rows["forward"])),
-                           ("gpemu profile", rows["backward"])):
+    for source, expect in (
+        (ARTIFACT_SOURCE, max(rows["backward"] - _bookkeeping(model, "V100", 16), rows["forward"])),
+        ("gpemu profile", rows["backward"]),
+    ):
         own = open_url(f"sqlite:///{tmp_path / (source.replace(' ', '-') + '.sqlite')}")
         own.add_gpu(db.gpu("V100"))
         own.add_model(db.model("alexnet"))
-        own.add_measurements([Measurement(gpu="V100", model="alexnet", kind=k, batch_size=16, value=v, source=source)
-                              for k, v in rows.items()])
+        own.add_measurements(
+            [
+                Measurement(gpu="V100", model="alexnet", kind=k, batch_size=16, value=v, source=source)
+                for k, v in rows.items()
+            ]
+        )
         r = Runtime(config=EmuConfig.from_env(gpu="V100"), db=own, gpus=[own.gpu("V100")])
         b, _ = costs.backward_seconds(r, identify(r, model), 16, 0)
         assert b == pytest.approx(expect)
@@ -145,7 +151,7 @@ def test_op_price_follows_the_cost_model_precision_and_charged_scope(rt):
     # On a measured GPU in fp32 with PyTorch's default switches the op runs as measured.
     assert fp32.gpu > 0 and fp32.reference == fp32.gpu and fp32.mix == "gemm" and fp32.host > 0
     # A 4096^3 fp32 GEMM on a V100 (14 TFLOP/s FP32) takes at least its FLOPs at peak.
-    assert fp32.gpu > 2 * 4096 ** 3 / rt.gpus[0].fp32_flops
+    assert fp32.gpu > 2 * 4096**3 / rt.gpus[0].fp32_flops
     half = _mm(rt, a.half(), a.half())
     # fp16 runs on the V100's tensor cores (112 TFLOP/s); its reference is the fp32 op as measured
     assert half.gpu < fp32.gpu / 3 and half.reference == pytest.approx(fp32.gpu)
@@ -251,8 +257,11 @@ def test_optimizer_step_of_sharded_parameters_counts_the_local_shards(rt, tmp_pa
     try:
         mesh = init_device_mesh("cpu", (1,))
         # this rank's half of a parameter sharded over two ranks
-        half = nn.Parameter(DTensor.from_local(torch.empty(1_000_000), mesh, [Shard(0)], run_check=False,
-                                               shape=torch.Size([2_000_000]), stride=(1,)))
+        half = nn.Parameter(
+            DTensor.from_local(
+                torch.empty(1_000_000), mesh, [Shard(0)], run_check=False, shape=torch.Size([2_000_000]), stride=(1,)
+            )
+        )
         whole = nn.Parameter(torch.empty(1_000_000))
         sharded = costs.optimizer_step_seconds(rt, torch.optim.Adam([half]), 0)
         plain = costs.optimizer_step_seconds(rt, torch.optim.Adam([whole]), 0)

@@ -286,8 +286,13 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).cuda()
 
 
-@pytest.mark.parametrize("make", [lambda: torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=2),
-                                  lambda: torch.cuda.amp.GradScaler(init_scale=1024.0, growth_interval=2)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=2),
+        lambda: torch.cuda.amp.GradScaler(init_scale=1024.0, growth_interval=2),
+    ],
+)
 def test_grad_scaler_stays_enabled_and_grows_on_schedule(rt4, make) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

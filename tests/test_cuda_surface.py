@@ -101,7 +101,7 @@ def test_seed_all_gives_every_device_one_new_seed(rt) -> None:
     states = torch.cuda.get_rng_state_all()
     torch.cuda.seed_all()
     new = torch.cuda.get_rng_state_all()
-    assert all(not torch.equal(a, b) for a, b in zip(states, new))
+    assert all(not torch.equal(a, b) for a, b in zip(states, new, strict=False))
     assert torch.equal(new[0], new[1])  # one seed for all
     torch.cuda.set_device(1)
     assert torch.cuda.initial_seed() != 5
@@ -136,6 +136,9 @@ def test_the_surface_answers_without_patching(rt) -> None:
 
 def test_every_table_entry_is_a_surface_attribute() -> None:
     names = {e if isinstance(e, str) else e[1] for entries in SURFACE.values() for e in entries}
-    missing = sorted(n for n in names if not hasattr(CudaSurface, n) and n not in ("Stream", "Event", "StreamContext",
-                                                                                    "device_index_context"))
+    missing = sorted(
+        n
+        for n in names
+        if not hasattr(CudaSurface, n) and n not in ("Stream", "Event", "StreamContext", "device_index_context")
+    )
     assert missing == []

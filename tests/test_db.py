@@ -38,11 +38,30 @@ def _shipped_rows() -> list[list[str]]:
 def empty_db(tmp_path):
     """A writable database with one GPU and one model of our own and no measurements."""
     db = open_url(f"sqlite:///{tmp_path / 'w.sqlite'}")
-    db.add_gpu(GpuSpec(name="Test GPU-8GB", aliases=("TG8",), memory_bytes=8 << 30, fp32_flops=1e13,
-                       fp16_flops=2e13, memory_bandwidth=5e11, host_link_bandwidth_pinned=1.2e10,
-                       host_link_bandwidth_pageable=5e9, sm_count=40))
-    db.add_model(ModelInfo(name="tinynet", class_name="TinyNet", param_count=1000, param_bytes=4000,
-                           buffer_bytes=0, fwd_flops_per_sample=1e6, fwd_bwd_flops_per_sample=3e6))
+    db.add_gpu(
+        GpuSpec(
+            name="Test GPU-8GB",
+            aliases=("TG8",),
+            memory_bytes=8 << 30,
+            fp32_flops=1e13,
+            fp16_flops=2e13,
+            memory_bandwidth=5e11,
+            host_link_bandwidth_pinned=1.2e10,
+            host_link_bandwidth_pageable=5e9,
+            sm_count=40,
+        )
+    )
+    db.add_model(
+        ModelInfo(
+            name="tinynet",
+            class_name="TinyNet",
+            param_count=1000,
+            param_bytes=4000,
+            buffer_bytes=0,
+            fwd_flops_per_sample=1e6,
+            fwd_bwd_flops_per_sample=3e6,
+        )
+    )
     yield db
     db.close()
 
@@ -66,9 +85,13 @@ def test_duplicate_measurement_row_is_refused_by_the_database(empty_db):
     _points(empty_db, "forward", [(8, 1.0)])
     row = empty_db.engine.connect().execute(sa.text("SELECT gpu_id, model_id FROM measurements")).first()
     with pytest.raises(sa.exc.IntegrityError), empty_db.engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO measurements (gpu_id, model_id, kind, batch_size, world_size, value, unit, source, metadata_json)"
-            f" VALUES ({row[0]}, {row[1]}, 'forward', 8, 1, 2.0, 'seconds', '', '{{}}')"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO measurements (gpu_id, model_id, kind, batch_size, world_size, value, unit, source, "
+                "metadata_json)"
+                f" VALUES ({row[0]}, {row[1]}, 'forward', 8, 1, 2.0, 'seconds', '', '{{}}')"
+            )
+        )
 
 
 # ------------------------------------------------------------------ shipped data
@@ -134,8 +157,9 @@ def test_distributions_shipped(pdb):
 
 
 # ------------------------------------------------------------------ names
-@pytest.mark.parametrize("alias", ["V100", "v100", "Tesla_V100-PCIE-32GB", "Tesla V100-PCIE-32GB",
-                                   "tesla v100 pcie 32gb", "V100-PCIE-32GB"])
+@pytest.mark.parametrize(
+    "alias", ["V100", "v100", "Tesla_V100-PCIE-32GB", "Tesla V100-PCIE-32GB", "tesla v100 pcie 32gb", "V100-PCIE-32GB"]
+)
 def test_gpu_aliases_resolve_to_one_gpu(pdb, alias):
     spec = pdb.gpu(alias)
     assert spec.name == "Tesla V100-PCIE-32GB" and spec.short_name == "V100"
@@ -147,8 +171,24 @@ def test_every_gpu_has_short_alias_and_specs(pdb):
 
     shorts = {s.short_name: s for s in pdb.gpus()}
     assert set(shorts) == {g.short_name for g in GPUS}  # the cost model's datasheet table, all of it
-    assert {"A100", "RTX6000", "K80", "M40", "P100", "V100", "H100", "H100-PCIe", "H200", "B200", "A100-80GB",
-            "L40S", "L4", "A10G", "RTX4090", "T4"} == set(shorts)
+    assert {
+        "A100",
+        "RTX6000",
+        "K80",
+        "M40",
+        "P100",
+        "V100",
+        "H100",
+        "H100-PCIe",
+        "H200",
+        "B200",
+        "A100-80GB",
+        "L40S",
+        "L4",
+        "A10G",
+        "RTX4090",
+        "T4",
+    } == set(shorts)
     assert shorts["K80"].memory_bytes == 12 << 30  # one GK210 die
     for s in shorts.values():
         assert pdb.gpu(s.short_name) == s
@@ -168,8 +208,17 @@ def test_shipped_gpu_rows_are_the_datasheet_table(pdb):
         assert spec.aliases == sheet.aliases and spec.generation == sheet.generation
         assert spec.compute_capability == sheet.compute_capability and spec.sm_count == sheet.sm_count
         assert spec.memory_bytes == sheet.memory_bytes and spec.memory_bandwidth == sheet.memory_bandwidth
-        for f in ("fp32_flops", "fp64_flops", "tf32_tensor_flops", "fp16_tensor_flops", "bf16_tensor_flops",
-                  "nvlink_bandwidth", "host_link_bandwidth_pinned", "host_link_bandwidth_pageable", "pcie_gen"):
+        for f in (
+            "fp32_flops",
+            "fp64_flops",
+            "tf32_tensor_flops",
+            "fp16_tensor_flops",
+            "bf16_tensor_flops",
+            "nvlink_bandwidth",
+            "host_link_bandwidth_pinned",
+            "host_link_bandwidth_pageable",
+            "pcie_gen",
+        ):
             assert getattr(spec, f) == getattr(sheet, f), (sheet.name, f)
         assert spec.fp16_nontensor_flops == sheet.fp16_flops
         assert spec.fp16_flops == max(sheet.fp16_flops, sheet.fp16_tensor_flops)  # the one-number FP16 peak
@@ -288,11 +337,13 @@ def test_sources_say_where_a_series_came_from(empty_db, pdb):
 
     assert pdb.sources("V100", "resnet50", "backward") == {ARTIFACT_SOURCE}
     assert empty_db.sources("TG8", "tinynet", "backward") == set()
-    empty_db.add_measurements([Measurement(gpu="TG8", model="tinynet", kind="backward", batch_size=8, value=1.0,
-                                           source="gpemu profile")])
+    empty_db.add_measurements(
+        [Measurement(gpu="TG8", model="tinynet", kind="backward", batch_size=8, value=1.0, source="gpemu profile")]
+    )
     assert empty_db.sources("TG8", "tinynet", "backward") == {"gpemu profile"}
-    empty_db.add_measurements([Measurement(gpu="TG8", model="tinynet", kind="backward", batch_size=16, value=2.0,
-                                           source="imported")])
+    empty_db.add_measurements(
+        [Measurement(gpu="TG8", model="tinynet", kind="backward", batch_size=16, value=2.0, source="imported")]
+    )
     assert empty_db.sources("TG8", "tinynet", "backward") == {"gpemu profile", "imported"}
 
 
@@ -312,11 +363,26 @@ def test_add_measurements_is_atomic_and_names_the_bad_row(empty_db):
 
 
 def test_ddp_iteration_keeps_world_sizes_apart(empty_db):
-    empty_db.add_measurements([
-        Measurement(gpu="TG8", model="tinynet", kind="ddp_iteration", batch_size=32, value=0.2, world_size=2,
-                    samples=50, std=0.01, p50=0.2, p90=0.21, p99=0.25, source="test", metadata={"torch": "2.13"}),
-        Measurement(gpu="TG8", model="tinynet", kind="ddp_iteration", batch_size=32, value=0.3, world_size=4),
-    ])
+    empty_db.add_measurements(
+        [
+            Measurement(
+                gpu="TG8",
+                model="tinynet",
+                kind="ddp_iteration",
+                batch_size=32,
+                value=0.2,
+                world_size=2,
+                samples=50,
+                std=0.01,
+                p50=0.2,
+                p90=0.21,
+                p99=0.25,
+                source="test",
+                metadata={"torch": "2.13"},
+            ),
+            Measurement(gpu="TG8", model="tinynet", kind="ddp_iteration", batch_size=32, value=0.3, world_size=4),
+        ]
+    )
     assert empty_db.lookup("TG8", "tinynet", 32, "ddp_iteration", world_size=2).value == 0.2
     assert empty_db.lookup("TG8", "tinynet", 32, "ddp_iteration", world_size=4).value == 0.3
     with pytest.raises(MissingMeasurementError, match="world size 8"):
@@ -325,8 +391,17 @@ def test_ddp_iteration_keeps_world_sizes_apart(empty_db):
 
 def test_add_gpu_validates_and_updates(empty_db):
     with pytest.raises(ValueError, match="memory_bytes .* must be a positive number"):
-        GpuSpec(name="Bad", aliases=(), memory_bytes=0, fp32_flops=1, fp16_flops=1, memory_bandwidth=1,
-                host_link_bandwidth_pinned=1, host_link_bandwidth_pageable=1, sm_count=1)
+        GpuSpec(
+            name="Bad",
+            aliases=(),
+            memory_bytes=0,
+            fp32_flops=1,
+            fp16_flops=1,
+            memory_bandwidth=1,
+            host_link_bandwidth_pinned=1,
+            host_link_bandwidth_pageable=1,
+            sm_count=1,
+        )
     spec = empty_db.gpu("tg8")
     bigger = GpuSpec(**{**spec.__dict__, "memory_bytes": 16 << 30})
     empty_db.add_gpu(bigger)
@@ -352,16 +427,19 @@ def test_empty_database_says_how_to_fill_it(tmp_path):
 
 
 def test_profiler_kinds_pinned_copy_and_batch_limit(empty_db):
-    empty_db.add_measurements([
-        {"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size", "batch_size": 0, "value": 192},
-        {"gpu": "TG8", "model": "tinynet", "kind": "h2d_transfer_pinned", "batch_size": 64, "value": 0.004},
-    ])
+    empty_db.add_measurements(
+        [
+            {"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size", "batch_size": 0, "value": 192},
+            {"gpu": "TG8", "model": "tinynet", "kind": "h2d_transfer_pinned", "batch_size": 64, "value": 0.004},
+        ]
+    )
     limit = empty_db.lookup("TG8", "tinynet", 512, "max_batch_size")
     assert (limit.value, limit.unit, limit.provenance) == (192.0, "samples", "measured")
     assert empty_db.lookup("TG8", "tinynet", 64, "h2d_transfer_pinned").unit == "seconds"
     with pytest.raises(ValueError, match="store it with batch_size 0"):
-        empty_db.add_measurements([{"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size",
-                                    "batch_size": 8, "value": 192}])
+        empty_db.add_measurements(
+            [{"gpu": "TG8", "model": "tinynet", "kind": "max_batch_size", "batch_size": 8, "value": 192}]
+        )
 
 
 def test_extrapolation_from_a_single_point_scales_with_batch(empty_db):
@@ -383,4 +461,7 @@ def test_every_shipped_gpu_round_trips_through_datasheet_units():
     for spec in shipped_gpus():
         again = asdict(spec_from_datasheet(datasheet_of(spec), provenance="datasheet"))
         for key, value in asdict(spec).items():  # floats to rounding (GB/s and TFLOP/s, 6 decimals)
-            assert again[key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), (spec.name, key)
+            assert again[key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), (
+                spec.name,
+                key,
+            )

@@ -39,8 +39,16 @@ def test_concurrent_first_use_builds_once(tmp_path):
     env.pop("GPEMU_DB", None)
     n = 5
     start_at = time.time() + 4.0  # after every child has imported SQLAlchemy
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(start_at)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(start_at)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -139,23 +147,54 @@ def test_unwritable_data_dir_gives_one_clear_error(tmp_path):
 
 # ---------------------------------------------------------------------------- upgrades keep user data
 _MINE = {
-    "format": "gpemu-profile-db", "schema_version": 1,
-    "gpus": [{"name": "NVIDIA GeForce RTX 3090", "aliases": ["RTX3090"], "memory_bytes": 24 << 30,
-              "fp32_flops": 35.6e12, "fp16_flops": 71e12, "memory_bandwidth": 936e9,
-              "host_link_bandwidth_pinned": 20e9, "host_link_bandwidth_pageable": 10e9, "sm_count": 82}],
-    "models": [{"name": "mynet", "class_name": "MyNet", "param_count": 1000, "param_bytes": 4000, "buffer_bytes": 0,
-                "fwd_flops_per_sample": 1e6, "fwd_bwd_flops_per_sample": 3e6, "fingerprint": None, "input_size": 32}],
-    "measurements": {"columns": ["gpu", "model", "kind", "batch_size", "value", "source"],
-                     "rows": [["RTX3090", "mynet", "forward", 8, 0.0123, "my lab"],
-                              ["V100", "resnet50", "forward", 128, 0.2, "my lab"]]},
+    "format": "gpemu-profile-db",
+    "schema_version": 1,
+    "gpus": [
+        {
+            "name": "NVIDIA GeForce RTX 3090",
+            "aliases": ["RTX3090"],
+            "memory_bytes": 24 << 30,
+            "fp32_flops": 35.6e12,
+            "fp16_flops": 71e12,
+            "memory_bandwidth": 936e9,
+            "host_link_bandwidth_pinned": 20e9,
+            "host_link_bandwidth_pageable": 10e9,
+            "sm_count": 82,
+        }
+    ],
+    "models": [
+        {
+            "name": "mynet",
+            "class_name": "MyNet",
+            "param_count": 1000,
+            "param_bytes": 4000,
+            "buffer_bytes": 0,
+            "fwd_flops_per_sample": 1e6,
+            "fwd_bwd_flops_per_sample": 3e6,
+            "fingerprint": None,
+            "input_size": 32,
+        }
+    ],
+    "measurements": {
+        "columns": ["gpu", "model", "kind", "batch_size", "value", "source"],
+        "rows": [
+            ["RTX3090", "mynet", "forward", 8, 0.0123, "my lab"],
+            ["V100", "resnet50", "forward", 128, 0.2, "my lab"],
+        ],
+    },
 }
 
 
 def _gpemu(*args: str, data_dir) -> subprocess.CompletedProcess:
     env = {**os.environ, "GPEMU_DATA_DIR": str(data_dir), "COLUMNS": "200"}
     env.pop("GPEMU_DB", None)
-    return subprocess.run([sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_upgrade_keeps_imported_and_profiled_rows_and_says_so(tmp_path):
@@ -246,21 +285,40 @@ def test_schema_1_database_at_a_url_is_upgraded_in_place_keeping_its_rows(tmp_pa
     con = sqlite3.connect(path)
     for column in schema.gpus.columns.keys()[10:]:  # back to the schema-1 table
         con.execute(f"ALTER TABLE gpus DROP COLUMN {column}")
-    con.execute("INSERT INTO gpus (name, aliases, memory_bytes, fp32_flops, fp16_flops, memory_bandwidth, "
-                "host_link_bandwidth_pinned, host_link_bandwidth_pageable, sm_count) "
-                "VALUES ('Old Card', '[\"OLD\"]', 1073741824, 1e12, 2e12, 1e11, 1e10, 5e9, 8)")
+    con.execute(
+        "INSERT INTO gpus (name, aliases, memory_bytes, fp32_flops, fp16_flops, memory_bandwidth, "
+        "host_link_bandwidth_pinned, host_link_bandwidth_pageable, sm_count) "
+        "VALUES ('Old Card', '[\"OLD\"]', 1073741824, 1e12, 2e12, 1e11, 1e10, 5e9, 8)"
+    )
     con.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     con.commit()
     con.close()
 
     db = open_url(url)
     old = db.gpu("OLD")
-    assert (old.name, old.sm_count, old.provenance, old.generation, old.tf32_tensor_flops) == \
-        ("Old Card", 8, "user", None, None)
+    assert (old.name, old.sm_count, old.provenance, old.generation, old.tf32_tensor_flops) == (
+        "Old Card",
+        8,
+        "user",
+        None,
+        None,
+    )
     assert _meta(path)["schema_version"] == "2"
-    db.add_gpu(GpuSpec(name="New Card", aliases=("NEW",), memory_bytes=1 << 30, fp32_flops=1e12, fp16_flops=2e12,
-                       memory_bandwidth=1e11, host_link_bandwidth_pinned=1e10, host_link_bandwidth_pageable=5e9,
-                       sm_count=8, generation="ada", compute_capability=(8, 9)))
+    db.add_gpu(
+        GpuSpec(
+            name="New Card",
+            aliases=("NEW",),
+            memory_bytes=1 << 30,
+            fp32_flops=1e12,
+            fp16_flops=2e12,
+            memory_bandwidth=1e11,
+            host_link_bandwidth_pinned=1e10,
+            host_link_bandwidth_pageable=5e9,
+            sm_count=8,
+            generation="ada",
+            compute_capability=(8, 9),
+        )
+    )
     db.close()
     again = open_url(url)  # current now: opened as it is
     assert again.gpu("NEW").compute_capability == (8, 9) and again.gpu("OLD").name == "Old Card"
@@ -271,9 +329,11 @@ def test_rebuild_keeps_a_user_gpu_whose_alias_now_names_a_shipped_one_and_says_s
     the shipped GPU, and the rebuild says so."""
     path = ensure_default_db(tmp_path)
     con = sqlite3.connect(path)
-    con.execute("INSERT INTO gpus (name, aliases, memory_bytes, fp32_flops, fp16_flops, memory_bandwidth, "
-                "host_link_bandwidth_pinned, host_link_bandwidth_pageable, sm_count) "
-                "VALUES ('My Hopper', '[\"H100\", \"MYH\"]', 85899345920, 6.7e13, 9.9e14, 3.35e12, 5e10, 5e9, 132)")
+    con.execute(
+        "INSERT INTO gpus (name, aliases, memory_bytes, fp32_flops, fp16_flops, memory_bandwidth, "
+        "host_link_bandwidth_pinned, host_link_bandwidth_pageable, sm_count) "
+        "VALUES ('My Hopper', '[\"H100\", \"MYH\"]', 85899345920, 6.7e13, 9.9e14, 3.35e12, 5e10, 5e9, 132)"
+    )
     con.execute("UPDATE meta SET value='0000' WHERE key='data_version'")
     con.commit()
     con.close()

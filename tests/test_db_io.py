@@ -103,17 +103,47 @@ def test_import_reports_each_rejected_row_with_its_reason(pdb, fresh, tmp_path):
 
 def test_import_accepts_new_gpu_when_the_file_carries_its_spec(pdb, fresh, tmp_path):
     data = {
-        "format": "gpemu-profile-db", "schema_version": 1,
-        "gpus": [{"name": "NVIDIA H100 80GB HBM3", "aliases": ["H100"], "memory_bytes": 80 << 30,
-                  "fp32_flops": 67e12, "fp16_flops": 989e12, "memory_bandwidth": 3.35e12,
-                  "host_link_bandwidth_pinned": 50e9, "host_link_bandwidth_pageable": 10e9, "sm_count": 132},
-                 {"name": "Broken", "aliases": [], "memory_bytes": -1, "fp32_flops": 1, "fp16_flops": 1,
-                  "memory_bandwidth": 1, "host_link_bandwidth_pinned": 1, "host_link_bandwidth_pageable": 1,
-                  "sm_count": 1}],
-        "models": [{"name": "tiny", "class_name": "Tiny", "param_count": 10, "param_bytes": 40, "buffer_bytes": 0,
-                    "fwd_flops_per_sample": 100.0, "fwd_bwd_flops_per_sample": 300.0}],
-        "measurements": {"columns": ["gpu", "model", "kind", "batch_size", "value"],
-                         "rows": [["H100", "tiny", "forward", 4, 0.001], ["Broken", "tiny", "forward", 4, 0.001]]},
+        "format": "gpemu-profile-db",
+        "schema_version": 1,
+        "gpus": [
+            {
+                "name": "NVIDIA H100 80GB HBM3",
+                "aliases": ["H100"],
+                "memory_bytes": 80 << 30,
+                "fp32_flops": 67e12,
+                "fp16_flops": 989e12,
+                "memory_bandwidth": 3.35e12,
+                "host_link_bandwidth_pinned": 50e9,
+                "host_link_bandwidth_pageable": 10e9,
+                "sm_count": 132,
+            },
+            {
+                "name": "Broken",
+                "aliases": [],
+                "memory_bytes": -1,
+                "fp32_flops": 1,
+                "fp16_flops": 1,
+                "memory_bandwidth": 1,
+                "host_link_bandwidth_pinned": 1,
+                "host_link_bandwidth_pageable": 1,
+                "sm_count": 1,
+            },
+        ],
+        "models": [
+            {
+                "name": "tiny",
+                "class_name": "Tiny",
+                "param_count": 10,
+                "param_bytes": 40,
+                "buffer_bytes": 0,
+                "fwd_flops_per_sample": 100.0,
+                "fwd_bwd_flops_per_sample": 300.0,
+            }
+        ],
+        "measurements": {
+            "columns": ["gpu", "model", "kind", "batch_size", "value"],
+            "rows": [["H100", "tiny", "forward", 4, 0.001], ["Broken", "tiny", "forward", 4, 0.001]],
+        },
         "distributions": [{"name": "bad", "unit": "seconds", "samples": []}],
     }
     path = tmp_path / "h100.json"
@@ -146,15 +176,23 @@ def test_import_refuses_files_it_cannot_read(fresh, tmp_path):
 def test_import_refuses_a_gpu_whose_alias_names_another_gpu(pdb, tmp_path):
     """Lookups resolve a name to the first GPU that has it: an imported GPU taking the H100's
     alias would be unreachable by it, so the row is rejected, saying whose name it is."""
-    spec = {"aliases": ["H100"], "memory_bytes": 80 << 30, "fp32_flops": 60e12, "fp16_flops": 900e12,
-            "memory_bandwidth": 3e12, "host_link_bandwidth_pinned": 50e9, "host_link_bandwidth_pageable": 10e9,
-            "sm_count": 132}
+    spec = {
+        "aliases": ["H100"],
+        "memory_bytes": 80 << 30,
+        "fp32_flops": 60e12,
+        "fp16_flops": 900e12,
+        "memory_bandwidth": 3e12,
+        "host_link_bandwidth_pinned": 50e9,
+        "host_link_bandwidth_pageable": 10e9,
+        "sm_count": 132,
+    }
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({"format": "gpemu-profile-db", "gpus": [{"name": "My Hopper", **spec}]}))
     report = import_path(pdb, path)
     assert report.gpus == 0
     assert [r.reason for r in report.rejected] == [
-        "bad GPU spec: 'H100' already names NVIDIA H100 80GB HBM3; give My Hopper another alias"]
+        "bad GPU spec: 'H100' already names NVIDIA H100 80GB HBM3; give My Hopper another alias"
+    ]
     assert pdb.gpu("H100").name == "NVIDIA H100 80GB HBM3" and "My Hopper" not in {g.name for g in pdb.gpus()}
 
 
@@ -162,9 +200,25 @@ def _calibrate(db, gpu: str) -> tuple[list, list]:
     """What `gpemu profile --ops` stores for ``gpu``: two kernels and their curve."""
     from gpemu.db.op_measurements import OpCurveRow, OpMeasurement, write_curves, write_measurements
 
-    ops = [OpMeasurement("norm.fwd", "memory", "float32", f"norm {n} elements", "native_batch_norm", 8.0 * n, 0.0,
-                         8.0 * n / 9e11, 10, 3.35e12, 132, p10=None if n == 4096 else 1e-5, p90=2e-5,
-                         metadata={"torch": "2.11.0"}) for n in (4096, 1 << 20)]
+    ops = [
+        OpMeasurement(
+            "norm.fwd",
+            "memory",
+            "float32",
+            f"norm {n} elements",
+            "native_batch_norm",
+            8.0 * n,
+            0.0,
+            8.0 * n / 9e11,
+            10,
+            3.35e12,
+            132,
+            p10=None if n == 4096 else 1e-5,
+            p90=2e-5,
+            metadata={"torch": "2.11.0"},
+        )
+        for n in (4096, 1 << 20)
+    ]
     curves = [OpCurveRow("norm.fwd", "memory", 0.289, 25942.0, 1.0, 0.0, 3.5e-6, 2, 0.137)]
     write_measurements(db.engine, gpu, ops)
     write_curves(db.engine, gpu, curves)
@@ -216,17 +270,30 @@ def test_import_rejects_bad_calibration_rows_with_their_reasons(fresh, tmp_path)
     export_db(fresh, tmp_path / "good.json")
     data = json.loads((tmp_path / "good.json").read_text())
     good = data["op_curves"][0]
-    data["op_curves"] = [good, {**good, "e": 0}, {**good, "path": "fast"}, {**good, "key": "norm"},
-                         {**good, "gpu": ""}, {**good, "rows": 1.5}, {**good, "color": "red"}]
+    data["op_curves"] = [
+        good,
+        {**good, "e": 0},
+        {**good, "path": "fast"},
+        {**good, "key": "norm"},
+        {**good, "gpu": ""},
+        {**good, "rows": 1.5},
+        {**good, "color": "red"},
+    ]
     data["op_measurements"] = [{**data["op_measurements"][0], "seconds": -1.0}]
     (tmp_path / "bad.json").write_text(json.dumps(data))
     target = open_url(f"sqlite:///{tmp_path / 'lab.sqlite'}")
     report = import_path(target, tmp_path / "bad.json")
     reasons = [r.reason for r in report.rejected]
     assert report.op_curves == 1 and report.op_measurements == 0 and len(reasons) == 7
-    for needle in ("e must be a finite number > 0", "path must be one of simt, tensor, memory",
-                   "key must be a curve key", "needs the GPU's name", "rows must be an integer >= 1",
-                   "unknown field(s) color", "seconds must be a finite number > 0"):
+    for needle in (
+        "e must be a finite number > 0",
+        "path must be one of simt, tensor, memory",
+        "key must be a curve key",
+        "needs the GPU's name",
+        "rows must be an integer >= 1",
+        "unknown field(s) color",
+        "seconds must be a finite number > 0",
+    ):
         assert any(needle in r for r in reasons), (needle, reasons)
     assert [c.e for c in read_curves(target.engine, "G")] == [good["e"]]  # the good row, and only it
     target.close()

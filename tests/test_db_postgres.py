@@ -52,8 +52,9 @@ def pg_url():
     if res.returncode != 0:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"initdb failed: {res.stderr.strip()[-300:]}")
-    res = run(pg_ctl, "-D", data, "-o", f"-k {base} -c listen_addresses='' -F", "-w", "-l",
-              os.path.join(base, "log"), "start")
+    res = run(
+        pg_ctl, "-D", data, "-o", f"-k {base} -c listen_addresses='' -F", "-w", "-l", os.path.join(base, "log"), "start"
+    )
     if res.returncode != 0:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"PostgreSQL did not start: {res.stderr.strip()[-300:]}")

@@ -15,8 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpemu.distributed import (_overlapped_finish, all_to_all_seconds, allgather_seconds, allreduce_seconds,
-                               broadcast_seconds, interconnect_bandwidth, map_backend, reduce_scatter_seconds)
+from gpemu.distributed import (
+    _overlapped_finish,
+    all_to_all_seconds,
+    allgather_seconds,
+    allreduce_seconds,
+    broadcast_seconds,
+    interconnect_bandwidth,
+    map_backend,
+    reduce_scatter_seconds,
+)
 from gpemu.ports import free_port
 
 
@@ -77,8 +85,9 @@ def test_data_parallel_runs_replicas_on_every_emulated_gpu() -> None:
     import gpemu
 
     rt = gpemu.patch(gpu="V100", num_gpus=2, summary=False)
-    model = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                                      torch.nn.Linear(256, 10))).cuda()
+    model = torch.nn.DataParallel(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    ).cuda()
     assert model.device_ids == [0, 1]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for batch in (torch.randn(32, 64), torch.randn(32, 64, device="cuda")):  # host and GPU inputs
@@ -103,8 +112,8 @@ def test_measured_ddp_iterations_decide_the_allreduce_time(tmp_path: Path, _gpem
 
     import gpemu
     from gpemu.clock import VirtualClock
-    from gpemu.db import Measurement, db_location, open_profile_db
     from gpemu.config import EmuConfig
+    from gpemu.db import Measurement, db_location, open_profile_db
 
     source = db_location(EmuConfig.from_env()).removeprefix("sqlite:///")
     open_profile_db(EmuConfig.from_env())  # make sure the session's default database exists

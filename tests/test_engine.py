@@ -32,8 +32,10 @@ def test_host_runs_ahead_until_a_sync_point(eng):
     wait = eng.recorder.waits[-1]
     assert wait.reason == "item" and wait.start == pytest.approx(100.005) and wait.end == pytest.approx(100.030)
     kinds = [(sp.kind, sp.start, sp.end, sp.enqueued_at) for sp in eng.recorder.spans]
-    assert kinds == [("forward", 100.0, pytest.approx(100.010), 100.0),
-                     ("backward", pytest.approx(100.010), pytest.approx(100.030), 100.0)]
+    assert kinds == [
+        ("forward", 100.0, pytest.approx(100.010), 100.0),
+        ("backward", pytest.approx(100.010), pytest.approx(100.030), 100.0),
+    ]
 
 
 def test_idle_gpu_starts_work_when_enqueued(eng):
@@ -66,9 +68,9 @@ def test_streams_run_concurrently_and_wait_on_events(eng):
     main.enqueue(0.100, "forward", "a")
     ev = EmuEvent(eng, enable_timing=True)
     ev.record(main)
-    side.enqueue(0.030, "transfer", "copy")       # independent: starts now
+    side.enqueue(0.030, "transfer", "copy")  # independent: starts now
     assert side.busy_until == pytest.approx(100.030)
-    side.wait_event(ev)                            # GPU-side dependency, host does not wait
+    side.wait_event(ev)  # GPU-side dependency, host does not wait
     assert eng.clock.now() == 100.0
     end = side.enqueue(0.010, "op", "after")
     assert end == pytest.approx(100.110)
@@ -137,11 +139,11 @@ def test_bad_input_is_refused_clearly(eng):
 def test_iteration_marks_only_after_backward(eng):
     s = eng.default_stream(0)
     s.enqueue(0.01, "forward", "m")
-    eng.end_iteration(0)                      # no backward yet: not an iteration
+    eng.end_iteration(0)  # no backward yet: not an iteration
     s.enqueue(0.02, "backward", "m")
     s.enqueue(0.001, "optimizer", "SGD")
     eng.end_iteration(0)
-    eng.end_iteration(0)                      # a second optimizer in the same iteration
+    eng.end_iteration(0)  # a second optimizer in the same iteration
     marks = eng.recorder.iterations
     assert len(marks) == 1 and marks[0].time == pytest.approx(100.031)
 
@@ -167,7 +169,7 @@ def test_backend_gets_one_request_per_iteration_and_host_runs_ahead():
     s.enqueue(0.020, "backward", "m", peak_bytes=300)
     s.enqueue(0.001, "optimizer", "SGD")
     eng.end_iteration(0)
-    assert not s.query()                      # handed to the backend, host not blocked
+    assert not s.query()  # handed to the backend, host not blocked
     eng.synchronize(0, "item")
     assert time.perf_counter() - t0 >= 0.031
     assert backend.calls == [(0, 0.031, 300, "iteration")]
@@ -262,8 +264,8 @@ def test_training_step_runs_ahead_then_item_waits_for_the_gpu():
             opt.step()
             opt.zero_grad()
             queued_until = eng.device_busy_until(0)
-            assert eng.now() < queued_until        # host ran ahead of the emulated GPU
-            loss.item()                            # sync point
+            assert eng.now() < queued_until  # host ran ahead of the emulated GPU
+            loss.item()  # sync point
             assert eng.now() == pytest.approx(queued_until)
         from gpemu import costs
         from gpemu.identify import identify
@@ -304,10 +306,13 @@ def test_cuda_events_time_emulated_gpu_work():
         assert torch.cuda.current_stream() == rt.engine.default_stream(0)
 
 
-@pytest.mark.parametrize("granularity, expected", [
-    ("forward-backward", [(0, 0.003, 0, "forward-backward"), (0, 0.001, 0, "optimizer")]),
-    ("sync", [(0, 0.004, 0, "sync")]),
-])
+@pytest.mark.parametrize(
+    "granularity, expected",
+    [
+        ("forward-backward", [(0, 0.003, 0, "forward-backward"), (0, 0.001, 0, "optimizer")]),
+        ("sync", [(0, 0.004, 0, "sync")]),
+    ],
+)
 def test_backend_granularity_decides_what_one_request_covers(granularity, expected):
     eng = TimeEngine(1, Recorder(), granularity=granularity)
     backend = _Backend()
@@ -344,11 +349,11 @@ def test_right_after_a_sync_the_waited_work_is_complete_and_nothing_starts_befor
     after.record(main)
     assert after.query() and after._time == deadline
     assert before.elapsed_time(after) == pytest.approx(10.0)
-    eng.clock.advance(3e-6)                                   # the emulator's return + entry path
-    assert side.enqueue(0.001, "op", "x") == pytest.approx(deadline + 0.001)   # starts AT the deadline
+    eng.clock.advance(3e-6)  # the emulator's return + entry path
+    assert side.enqueue(0.001, "op", "x") == pytest.approx(deadline + 0.001)  # starts AT the deadline
     assert eng.recorder.spans[-1].start == deadline
-    other = eng.default_stream(1)                             # another device, idle all along:
-    assert eng.recorder.spans[-1].start >= deadline           # host-issued work after the sync
+    other = eng.default_stream(1)  # another device, idle all along:
+    assert eng.recorder.spans[-1].start >= deadline  # host-issued work after the sync
     assert other.enqueue(0.001, "op", "y") - 0.001 >= deadline
 
 
@@ -357,7 +362,7 @@ def test_program_time_beyond_the_allowance_still_counts():
     s = eng.default_stream(0)
     deadline = s.enqueue(0.010, "forward", "m")
     eng.synchronize(0, "item")
-    eng.clock.advance(0.002)                                  # the program's own 2 ms of host work
+    eng.clock.advance(0.002)  # the program's own 2 ms of host work
     start = s.enqueue(0.010, "forward", "m") - 0.010
     assert start == pytest.approx(deadline + 0.002 - 5e-6, abs=1e-12)
     assert eng.now() == pytest.approx(eng.clock.now() - 5e-6, abs=1e-12)
@@ -382,11 +387,11 @@ def test_event_synchronize_and_stream_synchronize_get_the_allowance_too():
 def test_allowance_for_short_and_long_waits():
     eng = _allowance_engine(allowance=(1e-6, 4e-6))
     s = eng.default_stream(0)
-    short = s.enqueue(0.0005, "op", "short")                  # a 0.5 ms wait: short-wait allowance
+    short = s.enqueue(0.0005, "op", "short")  # a 0.5 ms wait: short-wait allowance
     eng.synchronize(0, "item")
     eng.clock.advance(10e-6)
     assert s.enqueue(0.001, "op", "x") - 0.001 == pytest.approx(short + 9e-6, abs=1e-12)
-    long_ = eng.device_busy_until(0) + 0.009                  # the host waits ~10 ms: long-wait
+    long_ = eng.device_busy_until(0) + 0.009  # the host waits ~10 ms: long-wait
     s.enqueue(0.009, "op", "long")
     eng.synchronize(0, "item")
     eng.clock.advance(10e-6)
@@ -398,10 +403,10 @@ def test_a_settle_after_emulator_work_keeps_the_allowance_on_top():
     s = eng.default_stream(0)
     deadline = s.enqueue(0.010, "forward", "m")
     eng.synchronize(0, "item")
-    eng.clock.advance(30e-6)                                  # e.g. .item() computing its value
+    eng.clock.advance(30e-6)  # e.g. .item() computing its value
     eng.settle()
-    eng.settle()                                              # twice: no double forgiveness
-    eng.clock.advance(2e-6)                                   # return + entry
+    eng.settle()  # twice: no double forgiveness
+    eng.clock.advance(2e-6)  # return + entry
     assert eng.now() == deadline
     assert s.enqueue(0.001, "op", "x") == pytest.approx(deadline + 0.001, abs=1e-12)
     eng.clock.advance(1e-3)
@@ -419,19 +424,18 @@ def test_ten_thousand_synced_iterations_end_at_the_sum_of_targets(path, expected
     s = eng.default_stream(0)
     rng = random.Random(1)
     targets = [(rng.uniform(0.5e-3, 1.1e-3), rng.uniform(1.2e-3, 2.2e-3)) for _ in range(10_000)]
-    prev_end = None
     for f, b in targets:
         s.enqueue(f, "forward", "m")
         s.enqueue(b, "backward", "m")
         eng.synchronize(0, "item")
         eng.clock.advance(path)
     spans = eng.recorder.spans
-    assert all(b.start >= a.end for a, b in zip(spans, spans[1:]))   # never before previous work
+    assert all(b.start >= a.end for a, b in zip(spans, spans[1:], strict=False))  # never before previous work
     total = eng.device_busy_until(0) - spans[0].start
     expected = sum(f + b for f, b in targets) + expected_extra_per_iter * (len(targets) - 1)
     assert total == pytest.approx(expected, rel=1e-12, abs=1e-9)
     if path <= 5e-6:
-        gaps = [b.start - a.end for a, b in zip(spans, spans[1:])]
+        gaps = [b.start - a.end for a, b in zip(spans, spans[1:], strict=False)]
         assert max(gaps) == 0.0
 
 
@@ -450,8 +454,8 @@ def test_random_programs_keep_cuda_ordering_with_an_allowance():
             end = s.enqueue(rng.uniform(0, 2e-4), "op", "w")
             span = eng.recorder.spans[-1] if eng.recorder.spans and eng.recorder.spans[-1].end == end else None
             if span is not None:
-                assert span.start >= last_end[id(s)]           # in order on its stream
-                assert span.start >= last_sync_deadline        # host-issued after the last sync
+                assert span.start >= last_end[id(s)]  # in order on its stream
+                assert span.start >= last_sync_deadline  # host-issued after the last sync
             last_end[id(s)] = max(last_end[id(s)], end)
         elif op < 0.7:
             ev = EmuEvent(eng)
@@ -468,7 +472,7 @@ def test_random_programs_keep_cuda_ordering_with_an_allowance():
             ev = other.record_event()
             s.wait_event(ev)
             last_end[id(s)] = max(last_end[id(s)], ev._time)
-        assert eng.now() >= last_sync_deadline                # host time never before a waited deadline
+        assert eng.now() >= last_sync_deadline  # host time never before a waited deadline
         eng.clock.advance(rng.choice((0.0, 1e-6, 4e-6, 2e-5)))
 
 
@@ -492,7 +496,7 @@ def test_calibrated_allowance_on_the_real_clock_is_a_measured_microsecond_scale_
     # shared VM; generous bounds (the machine is shared): positive, and far below a millisecond.
     assert 0.0 < short <= 20e-6 and 0.0 < long_ <= 20e-6
     eng = TimeEngine(1, Recorder(), clock=RealClock())
-    assert eng.return_allowance == (short, long_)              # once per process, reused
+    assert eng.return_allowance == (short, long_)  # once per process, reused
 
 
 def test_patched_item_then_query_event_and_next_step_with_an_allowance():
@@ -501,8 +505,9 @@ def test_patched_item_then_query_event_and_next_step_with_an_allowance():
     import gpemu
     from gpemu.clock import VirtualClock
 
-    with gpemu.emulate(gpu="V100", model="resnet50", summary=False,
-                       clock=VirtualClock(), tuning={"return_allowance": 5e-6}) as rt:
+    with gpemu.emulate(
+        gpu="V100", model="resnet50", summary=False, clock=VirtualClock(), tuning={"return_allowance": 5e-6}
+    ) as rt:
         eng = rt.engine
         assert eng.return_allowance == (5e-6, 5e-6)
         model, opt = _tiny_training_run(rt)
@@ -520,7 +525,7 @@ def test_patched_item_then_query_event_and_next_step_with_an_allowance():
             ev = torch.cuda.Event()
             ev.record()
             assert ev.query() and eng.now() == deadline
-            eng.clock.advance(4e-6)                               # within the allowance
+            eng.clock.advance(4e-6)  # within the allowance
         fwd = [s for s in rt.recorder.spans if s.kind == "forward"]
         assert fwd[-1].start >= ends[-2] and fwd[-2].start >= ends[-3]
 
@@ -528,9 +533,9 @@ def test_patched_item_then_query_event_and_next_step_with_an_allowance():
 def test_a_device_sync_waits_for_a_cross_device_event_wait(eng):
     a, b = eng.default_stream(0), eng.default_stream(1)
     b.enqueue(0.050, "op", "long on device 1")
-    a.wait_event(b.record_event())          # device 0's stream now waits until 100.050
+    a.wait_event(b.record_event())  # device 0's stream now waits until 100.050
     assert not a.query()
-    eng.synchronize(0, "synchronize")       # as cudaDeviceSynchronize: waits for that wait too
+    eng.synchronize(0, "synchronize")  # as cudaDeviceSynchronize: waits for that wait too
     assert eng.clock.now() == pytest.approx(100.050) and a.query()
 
 
@@ -543,15 +548,15 @@ def test_work_inside_an_emulator_entry_is_issued_at_the_entry_and_its_time_forgi
     s = eng.default_stream(0)
     t0 = eng.now()
     eng.enter()
-    eng.clock.advance(0.003)                                  # the emulator's own work
+    eng.clock.advance(0.003)  # the emulator's own work
     assert eng.now() == t0 and eng.in_emulator
     s.enqueue(0.001, "op", "a")
     eng.clock.advance(0.002)
     eng.leave()
     assert not eng.in_emulator
     assert eng.recorder.spans[-1].start == t0 and eng.recorder.spans[-1].enqueued_at == t0
-    assert eng.now() == pytest.approx(t0, abs=1e-12)          # all 5 ms forgiven
-    eng.clock.advance(0.004)                                  # the program's own work counts
+    assert eng.now() == pytest.approx(t0, abs=1e-12)  # all 5 ms forgiven
+    eng.clock.advance(0.004)  # the program's own work counts
     assert s.enqueue(0.001, "op", "b") == pytest.approx(t0 + 0.005, abs=1e-12)
     assert eng.recorder.spans[-1].enqueued_at == pytest.approx(t0 + 0.004, abs=1e-12)
 
@@ -562,11 +567,11 @@ def test_nested_entries_count_once_and_user_code_inside_counts():
     t0 = eng.now()
     with eng.emulator_work():
         eng.clock.advance(0.001)
-        with eng.emulator_work():                             # nested: still frozen
+        with eng.emulator_work():  # nested: still frozen
             eng.clock.advance(0.001)
             s.enqueue(0.0001, "op", "inner")
         assert eng.now() == t0
-        with eng.program_work():                              # a hook, a module's own forward
+        with eng.program_work():  # a hook, a module's own forward
             assert not eng.in_emulator
             eng.clock.advance(0.010)
             s.enqueue(0.0001, "op", "user")
@@ -574,7 +579,7 @@ def test_nested_entries_count_once_and_user_code_inside_counts():
         s.enqueue(0.0001, "op", "after")
     inner, user, after = eng.recorder.spans[-3:]
     assert inner.enqueued_at == t0
-    assert user.enqueued_at == pytest.approx(t0 + 0.010, abs=1e-12)   # the user's 10 ms count
+    assert user.enqueued_at == pytest.approx(t0 + 0.010, abs=1e-12)  # the user's 10 ms count
     assert after.enqueued_at == pytest.approx(t0 + 0.010, abs=1e-12)  # frozen again at resume
     assert eng.now() == pytest.approx(t0 + 0.010, abs=1e-12)
 
@@ -585,9 +590,9 @@ def test_a_wait_inside_an_entry_counts_and_restarts_it():
     deadline = s.enqueue(0.020, "forward", "m")
     with eng.emulator_work():
         eng.clock.advance(0.001)
-        eng.synchronize(0, "item")                            # waits until the deadline
+        eng.synchronize(0, "item")  # waits until the deadline
         assert eng.clock.now() == deadline
-        eng.clock.advance(0.003)                              # computing the value: the emulator's
+        eng.clock.advance(0.003)  # computing the value: the emulator's
         assert eng.now() == deadline
         s.enqueue(0.001, "op", "x")
     assert eng.recorder.spans[-1].start == deadline
@@ -600,10 +605,10 @@ def test_emulator_time_forgiven_per_entry_is_bounded_and_threads_are_separate():
     eng = _allowance_engine(allowance=0.0)
     t0 = eng.now()
     eng.enter()
-    eng.clock.advance(1.0)                                    # far beyond emulator work: counts
+    eng.clock.advance(1.0)  # far beyond emulator work: counts
     eng.leave()
     assert eng.now() == pytest.approx(t0 + 1.0 - _MAX_FORGIVEN_WORK, abs=1e-12)
-    eng.leave()                                               # unbalanced: ignored
+    eng.leave()  # unbalanced: ignored
     assert not eng.in_emulator
     seen = []
 

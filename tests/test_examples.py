@@ -19,8 +19,9 @@ ENV = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), 
 
 
 def _gpemu_run(flags: list[str], command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*GPEMU, "run", *flags, "--", *command], cwd=EXAMPLES, capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    proc = subprocess.run(
+        [*GPEMU, "run", *flags, "--", *command], cwd=EXAMPLES, capture_output=True, text=True, timeout=timeout, env=ENV
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -34,8 +35,10 @@ def test_examples_do_not_import_gpemu() -> None:
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_all_features(gpus: str, tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
-    proc = _gpemu_run(["--gpu", "V100", "--gpus", gpus, "--no-summary", "--metrics", str(metrics)],
-                      ["python", "all_features.py", "--steps", "2", "--workers", "1", "--batch-size", "16"])
+    proc = _gpemu_run(
+        ["--gpu", "V100", "--gpus", gpus, "--no-summary", "--metrics", str(metrics)],
+        ["python", "all_features.py", "--steps", "2", "--workers", "1", "--batch-size", "16"],
+    )
     out = proc.stdout
     assert f"GPUs: {gpus}  (Tesla V100-PCIE-32GB" in out
     assert "compute capability 7.0, 32.0 GiB, 80 SMs" in out
@@ -53,8 +56,10 @@ def test_all_features(gpus: str, tmp_path: Path) -> None:
 
 
 def test_imagenet_classifier_uses_measured_resnet50_times() -> None:
-    proc = _gpemu_run(["--gpu", "V100", "--no-summary"],
-                      ["python", "imagenet_classifier.py", "--steps", "3", "--batch-size", "8", "--workers", "1"])
+    proc = _gpemu_run(
+        ["--gpu", "V100", "--no-summary"],
+        ["python", "imagenet_classifier.py", "--steps", "3", "--batch-size", "8", "--workers", "1"],
+    )
     assert "resnet50 on Tesla V100-PCIE-32GB, batch 8" in proc.stdout
     assert len(re.findall(r"iter \d: loss 0\.000", proc.stdout)) == 3
     assert "measured" in proc.stderr  # GPU time came from the profile database
@@ -67,8 +72,10 @@ def test_language_model() -> None:
 
 
 def test_ddp_under_torchrun() -> None:
-    proc = _gpemu_run(["--gpu", "V100", "--gpus", "2", "--no-summary"],
-                      ["torchrun", "--nproc-per-node", "2", "ddp_train.py", "--steps", "2"])
+    proc = _gpemu_run(
+        ["--gpu", "V100", "--gpus", "2", "--no-summary"],
+        ["torchrun", "--nproc-per-node", "2", "ddp_train.py", "--steps", "2"],
+    )
     out = proc.stdout
     assert "rank 0 on cuda:0 (current device 0)" in out and "rank 1 on cuda:1 (current device 1)" in out
     # Host-side counters all-reduced over both ranks (real gloo): 2 steps x 2 micro-batches x 16 x 2 ranks.

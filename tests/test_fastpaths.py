@@ -12,10 +12,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gpemu
-from gpemu.fastpaths import gradients
+from gpemu.clock import VirtualClock
 from gpemu.fastpaths import optimizer as ofp
 from gpemu.fastpaths import replay
-from gpemu.clock import VirtualClock
 
 
 @pytest.fixture
@@ -349,9 +348,9 @@ def test_referenced_gradients_are_not_reused(rt) -> None:
     x = torch.zeros(4, 3, 8, 8, device="cuda")
     model(x).sum().backward()
     w, b, fc = model[0].weight, model[0].bias, model[3].weight
-    kept = w.grad                 # a Python reference
-    view = b.grad.view(-1)        # a view holds its base from C++
-    detached = fc.grad.detach()   # shares the memory, not the wrapper
+    kept = w.grad  # a Python reference
+    view = b.grad.view(-1)  # a view holds its base from C++
+    detached = fc.grad.detach()  # shares the memory, not the wrapper
     kept_ptr = kept.data_ptr()
     before = mem.allocated
     opt.zero_grad()
@@ -441,7 +440,7 @@ def test_module_zero_grad_gives_a_gradient_set_back_whole(rt) -> None:
     model(x).sum().backward()
     before = [p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=False)
-    assert all(g is p.grad for g, p in zip(before, model.parameters()))
+    assert all(g is p.grad for g, p in zip(before, model.parameters(), strict=False))
     assert ofp.fast_path_info()["module_zero_grad_fast"] == fast + 3
 
 
@@ -519,7 +518,7 @@ def test_zero_grad_fallbacks_keep_torch_semantics(rt) -> None:
     before = [p.grad for p in model.parameters()]
     opt.zero_grad(set_to_none=False)
     assert [p.grad for p in model.parameters()] == before  # identity (list == compares by `is` first)
-    assert all(g is p.grad for g, p in zip(before, model.parameters()))
+    assert all(g is p.grad for g, p in zip(before, model.parameters(), strict=False))
     assert ofp.fast_path_info()["zero_grad_fast"] == fast
     del before
     # while the torch profiler records: torch's zero_grad (its record_function range) runs
@@ -683,7 +682,7 @@ def test_hub_mode_gradient_accumulation_and_reuse_together(rt) -> None:
     after_first = mem.allocated
     model(x).sum().backward()  # accumulation: same gradient tensors, no new memory
     assert replay.replay_info()["hub"] == hub + 2
-    assert all(g is p.grad for g, p in zip(grads, model.parameters()))
+    assert all(g is p.grad for g, p in zip(grads, model.parameters(), strict=False))
     assert mem.allocated == after_first
     del grads
     opt.zero_grad()
@@ -747,8 +746,12 @@ def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
             opt.zero_grad()
         spans = rt.recorder.spans[first:]
         t0 = spans[0].start
-        return {"spans": [(s.kind, s.name, round(s.end - s.start, 12), round(s.start - t0, 12)) for s in spans],
-                "after": after, "peak": peak, "grads": grads}
+        return {
+            "spans": [(s.kind, s.name, round(s.end - s.start, 12), round(s.start - t0, 12)) for s in spans],
+            "after": after,
+            "peak": peak,
+            "grads": grads,
+        }
     finally:
         rt.replay.direct_enabled = True
 
@@ -856,6 +859,7 @@ def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch
         def inner(*a, **k):
             clock.advance(slow)
             return fn(*a, **k)
+
         return inner
 
     monkeypatch.setattr(replayfp, "_new_outputs", slowed(replayfp._new_outputs))
@@ -865,7 +869,7 @@ def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch
     t0 = rt.engine.now()
     out = model(x)
     assert rt.engine.now() == pytest.approx(t0, abs=1e-12)  # forward: 10 ms of emulator time forgiven
-    clock.advance(0.001)                                     # the program's own time counts
+    clock.advance(0.001)  # the program's own time counts
     loss = torch.nn.functional.cross_entropy(out, y)
     assert rt.engine.now() == pytest.approx(t0 + 0.001, abs=1e-12)
     direct = replayfp.replay_info()["direct_backward"]

@@ -17,7 +17,6 @@ from gpemu.identify import identify, structural_fingerprint
 from gpemu.runtime import Runtime
 
 
-
 @pytest.fixture(scope="module")
 def db():
     from gpemu.db import open_profile_db
@@ -50,9 +49,22 @@ def test_tvmodels_match_torchvision_class_and_parameter_count():
         assert sum(b.numel() * b.element_size() for b in m.buffers()) == int(rows[name]["buffer_bytes"]), name
 
 
-@pytest.mark.parametrize("name", ["alexnet", "resnet18", "resnet50", "vgg16", "mobilenet_v2", "squeezenet1_1",
-                                  "densenet121", "shufflenet_v2_x1_0", "mnasnet1_0", "mobilenet_v3_large",
-                                  "googlenet"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "alexnet",
+        "resnet18",
+        "resnet50",
+        "vgg16",
+        "mobilenet_v2",
+        "squeezenet1_1",
+        "densenet121",
+        "shufflenet_v2_x1_0",
+        "mnasnet1_0",
+        "mobilenet_v3_large",
+        "googlenet",
+    ],
+)
 def test_dataset_architectures_are_identified_by_structure(db, name):
     rt = make_rt(db)
     ident = identify(rt, meta_model(name))
@@ -149,8 +161,16 @@ def test_database_fingerprint_disambiguates(db):
             self.x = nn.Linear(10, 10)
 
     odd = Odd()
-    info = ModelInfo(name="odd_model", class_name="Odd", param_count=110, param_bytes=440, buffer_bytes=0,
-                     fwd_flops_per_sample=200, fwd_bwd_flops_per_sample=600, fingerprint="0000")
+    info = ModelInfo(
+        name="odd_model",
+        class_name="Odd",
+        param_count=110,
+        param_bytes=440,
+        buffer_bytes=0,
+        fwd_flops_per_sample=200,
+        fwd_bwd_flops_per_sample=600,
+        fingerprint="0000",
+    )
 
     class DBView:  # the real db plus one extra structure row
         def __getattr__(self, n):

@@ -42,10 +42,13 @@ def test_replace_is_idempotent_and_leaves_unchanged_files_alone(tmp_path):
     assert not device_file(tmp_path, 2).exists() and not device_file(tmp_path, 3).exists()
 
 
-@pytest.mark.parametrize("gpu, count, message", [
-    ("H900", 1, "Valid GPUs:"),
-    ("V100", 0, "count must be an integer from 1 to 256"),
-])
+@pytest.mark.parametrize(
+    "gpu, count, message",
+    [
+        ("H900", 1, "Valid GPUs:"),
+        ("V100", 0, "count must be an integer from 1 to 256"),
+    ],
+)
 def test_create_rejects_bad_input(tmp_path, gpu, count, message):
     with pytest.raises(ValueError) as err:
         create_devices(tmp_path, gpu, count)

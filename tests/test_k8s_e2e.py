@@ -27,8 +27,9 @@ def allocation():
     create_devices(root / "dev", "A100", 2)
     create_devices(root / "dev", "V100", 2)
     kubelet = KubeletStandIn(root / "dp").start()
-    plugin = EmuGpuPlugin(PluginOptions(device_dir=str(root / "dev"), device_plugin_dir=str(root / "dp"),
-                                        poll_interval_s=0.05)).start()
+    plugin = EmuGpuPlugin(
+        PluginOptions(device_dir=str(root / "dev"), device_plugin_dir=str(root / "dp"), poll_interval_s=0.05)
+    ).start()
     try:
         ids, resp = kubelet.allocate("gpemu.io/emugpu", 2)
         yield root, ids, dict(resp.envs), list(resp.mounts)
@@ -59,8 +60,9 @@ def test_allocated_environment_configures_gpemu_run(allocation):
     env = _container_env(root, envs, mounts)
     if not shutil.which("gpemu"):
         pytest.skip("the gpemu console script is not installed")
-    proc = subprocess.run(["gpemu", "run", "--", sys.executable, "-c", SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["gpemu", "run", "--", sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     count, name = proc.stdout.strip().splitlines()[-1].split(" ", 1)
     assert count == "2" and "A100" in name, proc.stdout

@@ -35,9 +35,14 @@ def _pod_specs() -> list[tuple[str, dict]]:
 
 def test_expected_manifests_exist():
     kinds = {(d["kind"], d["metadata"]["name"]) for _, d in _docs()}
-    for needed in [("DaemonSet", "gpemu-device-plugin"), ("DaemonSet", "gpemu-sharing"),
-                   ("ConfigMap", "gpemu-device-plugin-config"), ("Job", "emugpu-train"),
-                   ("ServiceAccount", "gpemu-device-plugin"), ("Namespace", "gpemu-system")]:
+    for needed in [
+        ("DaemonSet", "gpemu-device-plugin"),
+        ("DaemonSet", "gpemu-sharing"),
+        ("ConfigMap", "gpemu-device-plugin-config"),
+        ("Job", "emugpu-train"),
+        ("ServiceAccount", "gpemu-device-plugin"),
+        ("Namespace", "gpemu-system"),
+    ]:
         assert needed in kinds
 
 
@@ -69,8 +74,12 @@ def test_device_plugin_daemonset_mounts_kubelet_and_emugpu_dirs():
     ds = next(d for _, d in _docs() if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "gpemu-device-plugin")
     spec = ds["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert {"/var/lib/kubelet/device-plugins", "/var/lib/gpemu/devices", "/var/lib/gpemu/secrets",
-            "/var/lib/gpemu/credentials"} <= host_paths
+    assert {
+        "/var/lib/kubelet/device-plugins",
+        "/var/lib/gpemu/devices",
+        "/var/lib/gpemu/secrets",
+        "/var/lib/gpemu/credentials",
+    } <= host_paths
     inits = [c["command"] for c in spec["initContainers"]]
     assert inits[0][:3] == ["gpemu", "k8s", "secrets"]
     assert inits[1][:5] == ["gpemu", "k8s", "devices", "create", "--replace"]
@@ -79,7 +88,9 @@ def test_device_plugin_daemonset_mounts_kubelet_and_emugpu_dirs():
 def test_config_map_is_a_valid_plugin_config(tmp_path):
     from gpemu.k8s.plugin import load_plugin_config
 
-    cm = next(d for _, d in _docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpemu-device-plugin-config")
+    cm = next(
+        d for _, d in _docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpemu-device-plugin-config"
+    )
     path = tmp_path / "config.yaml"
     path.write_text(cm["data"]["config.yaml"])
     opts = load_plugin_config(path)
@@ -106,7 +117,10 @@ def test_referenced_config_maps_and_secrets_exist():
         for c in spec.get("initContainers", []) + spec["containers"]:
             for env in c.get("env", []):
                 ref = env.get("valueFrom", {})
-                for key, kind, field in (("configMapKeyRef", "ConfigMap", "data"), ("secretKeyRef", "Secret", "stringData")):
+                for key, kind, field in (
+                    ("configMapKeyRef", "ConfigMap", "data"),
+                    ("secretKeyRef", "Secret", "stringData"),
+                ):
                     if key in ref:
                         target = defined.get((kind, ns, ref[key]["name"]))
                         assert target is not None, f"{name}: {kind} {ref[key]['name']} not defined in {ns}"
@@ -136,8 +150,10 @@ def test_gpemu_commands_in_manifests_parse_with_the_real_cli():
             if cmd[0] != "gpemu":
                 continue
             # $(VAR) is expanded by Kubernetes; give plausible values.
-            args = [a.replace("$(EMUGPU_COUNT)", "8").replace("$(EMUGPU_MODEL)", "V100").replace("$(NODE_IP)", "10.0.0.5")
-                    for a in cmd[1:]]
+            args = [
+                a.replace("$(EMUGPU_COUNT)", "8").replace("$(EMUGPU_MODEL)", "V100").replace("$(NODE_IP)", "10.0.0.5")
+                for a in cmd[1:]
+            ]
             cmd_obj: click.Command = cli
             ctx = click.Context(cli, info_name="gpemu", obj={})
             while isinstance(cmd_obj, click.Group):
@@ -173,8 +189,9 @@ def test_no_secret_is_committed_or_put_on_a_command_line():
 
 
 def _images() -> list[tuple[str, str]]:
-    return [(name, c["image"]) for name, spec in _pod_specs()
-            for c in spec.get("initContainers", []) + spec["containers"]]
+    return [
+        (name, c["image"]) for name, spec in _pod_specs() for c in spec.get("initContainers", []) + spec["containers"]
+    ]
 
 
 def test_images_are_pinned_to_full_versions_and_listed_for_kustomize():
@@ -195,9 +212,9 @@ def test_images_are_pinned_to_full_versions_and_listed_for_kustomize():
 
 
 def test_dockerfile_structure():
-    from dockerfile_parse import DockerfileParser
-
     import re
+
+    from dockerfile_parse import DockerfileParser
 
     df = DockerfileParser(path=str(K8S / "Dockerfile"))
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", df.baseimage), df.baseimage  # a full version

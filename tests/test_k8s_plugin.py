@@ -52,8 +52,9 @@ def start_plugin(node):
     started: list[EmuGpuPlugin] = []
 
     def start(**overrides) -> EmuGpuPlugin:
-        opts = dict(device_dir=str(node / "dev"), device_plugin_dir=str(node / "dp"),
-                    poll_interval_s=0.05, removed_grace_s=0.6)
+        opts = dict(
+            device_dir=str(node / "dev"), device_plugin_dir=str(node / "dp"), poll_interval_s=0.05, removed_grace_s=0.6
+        )
         opts.update(overrides)
         p = EmuGpuPlugin(PluginOptions(**opts)).start()
         started.append(p)
@@ -79,9 +80,13 @@ def test_registers_and_lists_devices(devices, kubelet, start_plugin):
 
 def test_allocate_mounts_device_files_and_sets_environment(node, devices, kubelet, start_plugin):
     secret = b"j" * 32
-    plugin = start_plugin(host_device_dir="/host/gpemu/devices", sharing="amqp://gpemu-jobs:s3cret@10.0.0.5:5672/%2F",
-                          job_secret=secret, credentials_dir=str(node / "creds"),
-                          host_credentials_dir="/host/gpemu/credentials")
+    plugin = start_plugin(
+        host_device_dir="/host/gpemu/devices",
+        sharing="amqp://gpemu-jobs:s3cret@10.0.0.5:5672/%2F",
+        job_secret=secret,
+        credentials_dir=str(node / "creds"),
+        host_credentials_dir="/host/gpemu/credentials",
+    )
     ids, resp = kubelet.allocate(RES, 2)
     assert len(ids) == 2 and len(set(ids)) == 2
     env = dict(resp.envs)
@@ -95,8 +100,10 @@ def test_allocate_mounts_device_files_and_sets_environment(node, devices, kubele
     device_mounts, creds = resp.mounts[:-1], resp.mounts[-1]
     assert [m.container_path for m in device_mounts] == [f"/var/run/gpemu/devices/{i}.json" for i in visible]
     assert [m.host_path for m in device_mounts] == [f"/host/gpemu/devices/{i}.json" for i in visible]
-    assert (creds.container_path, creds.host_path) == ("/var/run/gpemu/devices/sharing.json",
-                                                       f"/host/gpemu/credentials/{job_id}.json")
+    assert (creds.container_path, creds.host_path) == (
+        "/var/run/gpemu/devices/sharing.json",
+        f"/host/gpemu/credentials/{job_id}.json",
+    )
     assert all(m.read_only for m in resp.mounts)
     assert not resp.devices  # emuGPUs are files, not device nodes
     written = node / "creds" / f"{job_id}.json"
@@ -182,8 +189,11 @@ def test_plugin_restart_keeps_allocations(node, devices, kubelet, start_plugin):
     old = kubelet.plugin(RES)
     first.stop()
     second = start_plugin()
-    kubelet.wait_for(lambda: kubelet.plugins[RES] is not old and kubelet.plugins[RES].updates > 0, 5,
-                     "the restarted plugin to register and list devices")
+    kubelet.wait_for(
+        lambda: kubelet.plugins[RES] is not old and kubelet.plugins[RES].updates > 0,
+        5,
+        "the restarted plugin to register and list devices",
+    )
     ep = kubelet.plugins[RES]
     # Same ids, so the kubelet's checkpointed assignment of the running pod stays valid ...
     assert set(ids) <= set(ep.devices) and all(ep.devices[i] == "Healthy" for i in ids)
@@ -193,7 +203,9 @@ def test_plugin_restart_keeps_allocations(node, devices, kubelet, start_plugin):
     # ... and allocating the same ids again gives the same mounts and environment.
     again = kubelet.allocate_ids(RES, ids).container_responses[0]
     assert dict(again.envs) == dict(before.envs)
-    assert [(m.host_path, m.container_path) for m in again.mounts] == [(m.host_path, m.container_path) for m in before.mounts]
+    assert [(m.host_path, m.container_path) for m in again.mounts] == [
+        (m.host_path, m.container_path) for m in before.mounts
+    ]
 
 
 def test_bad_requests_get_grpc_errors(devices, kubelet, start_plugin):
@@ -201,7 +213,11 @@ def test_bad_requests_get_grpc_errors(devices, kubelet, start_plugin):
     ep = kubelet.plugin(RES)
     cases = [
         (["emugpu-9"], grpc.StatusCode.NOT_FOUND, "unknown emuGPU id(s) emugpu-9; this node advertises: emugpu-0"),
-        (_ids(4) + ["emugpu-7"], grpc.StatusCode.INVALID_ARGUMENT, "asked for 5 gpemu.io/emugpu but this node advertises 4"),
+        (
+            _ids(4) + ["emugpu-7"],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "asked for 5 gpemu.io/emugpu but this node advertises 4",
+        ),
         ([], grpc.StatusCode.INVALID_ARGUMENT, "names no device ids"),
         (["emugpu-1", "emugpu-1"], grpc.StatusCode.INVALID_ARGUMENT, "listed twice: emugpu-1"),
     ]
@@ -211,8 +227,13 @@ def test_bad_requests_get_grpc_errors(devices, kubelet, start_plugin):
         assert err.value.code() == code, ids
         assert text in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-            api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=_ids(2), allocation_size=3)]))
+        ep.stub.GetPreferredAllocation(
+            api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=_ids(2), allocation_size=3)
+                ]
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "only 2 are available" in err.value.details()
     # The plugin keeps serving after refusing.
     assert kubelet.allocate(RES, 4)[0]
@@ -224,8 +245,7 @@ def _write_config(path: Path, replicas: int, **slicing) -> Path:
         "version: v1\n"
         "sharing:\n"
         "  manager: amqp://gpemu:gpemu@127.0.0.1:5672/%2F\n"
-        "  timeSlicing:\n" + extra +
-        "    resources:\n"
+        "  timeSlicing:\n" + extra + "    resources:\n"
         f"      - name: {RES}\n"
         f"        replicas: {replicas}\n"
     )
@@ -233,9 +253,10 @@ def _write_config(path: Path, replicas: int, **slicing) -> Path:
 
 
 def test_time_slicing_replicas_spread_over_emugpus(node, devices, kubelet, start_plugin):
-    opts = load_plugin_config(_write_config(node / "cfg.yaml", 3),
-                              PluginOptions(device_dir=str(devices), device_plugin_dir=str(node / "dp"),
-                                            poll_interval_s=0.05))
+    opts = load_plugin_config(
+        _write_config(node / "cfg.yaml", 3),
+        PluginOptions(device_dir=str(devices), device_plugin_dir=str(node / "dp"), poll_interval_s=0.05),
+    )
     assert opts.replicas == 3 and opts.sharing.startswith("amqp://")
     plugin = start_plugin(**{k: getattr(opts, k) for k in ("replicas", "sharing")})
     ep = kubelet.plugin(RES)
@@ -248,15 +269,23 @@ def test_time_slicing_replicas_spread_over_emugpus(node, devices, kubelet, start
     firsts = [kubelet.allocate(RES, 1)[0][0].split("::")[0] for _ in range(2)]
     assert set(firsts).isdisjoint({i.split("::")[0] for i in ids})
     # Two replicas of one emuGPU are one visible GPU to the container.
-    same = plugin.allocate(api_pb2.AllocateRequest(container_requests=[
-        api_pb2.ContainerAllocateRequest(devices_ids=["emugpu-0::1", "emugpu-0::2"])])).container_responses[0]
+    same = plugin.allocate(
+        api_pb2.AllocateRequest(
+            container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=["emugpu-0::1", "emugpu-0::2"])]
+        )
+    ).container_responses[0]
     assert same.envs["GPEMU_VISIBLE_DEVICES"] == "emugpu-0" and same.envs["GPEMU_NUM_GPUS"] == "1"
 
 
 def test_time_slicing_rename_and_fail_greater_than_one(node, devices, kubelet, start_plugin):
-    opts = load_plugin_config(_write_config(node / "cfg.yaml", 2, renameByDefault=True, failRequestsGreaterThanOne=True))
-    start_plugin(replicas=opts.replicas, rename_by_default=opts.rename_by_default,
-                 fail_requests_greater_than_one=opts.fail_requests_greater_than_one)
+    opts = load_plugin_config(
+        _write_config(node / "cfg.yaml", 2, renameByDefault=True, failRequestsGreaterThanOne=True)
+    )
+    start_plugin(
+        replicas=opts.replicas,
+        rename_by_default=opts.rename_by_default,
+        fail_requests_greater_than_one=opts.fail_requests_greater_than_one,
+    )
     ep = kubelet.plugin(RES + ".shared")
     assert len(ep.devices) == 8
     with pytest.raises(grpc.RpcError) as err:
@@ -264,16 +293,22 @@ def test_time_slicing_rename_and_fail_greater_than_one(node, devices, kubelet, s
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "failRequestsGreaterThanOne" in err.value.details()
 
 
-@pytest.mark.parametrize("text, message", [
-    ("version: v2\n", "version must be v1"),
-    ("flags: {colour: red}\n", "unknown flag 'colour'"),
-    ("shareing: {}\n", "unknown key(s) ['shareing']"),
-    ("sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}]}}\n", "not served by this plugin"),
-    ("sharing: {timeSlicing: {resources: [{name: gpemu.io/emugpu, replicas: 0}]}}\n", "replicas must be an integer from 1 to 64"),
-    ("sharing: {manager: http://x}\n", "amqp://"),
-    ("flags: {resourceName: emugpu}\n", "<domain>/<name>"),
-    ("[1, 2\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("version: v2\n", "version must be v1"),
+        ("flags: {colour: red}\n", "unknown flag 'colour'"),
+        ("shareing: {}\n", "unknown key(s) ['shareing']"),
+        ("sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}]}}\n", "not served by this plugin"),
+        (
+            "sharing: {timeSlicing: {resources: [{name: gpemu.io/emugpu, replicas: 0}]}}\n",
+            "replicas must be an integer from 1 to 64",
+        ),
+        ("sharing: {manager: http://x}\n", "amqp://"),
+        ("flags: {resourceName: emugpu}\n", "<domain>/<name>"),
+        ("[1, 2\n", "not valid YAML"),
+    ],
+)
 def test_config_errors_are_clear(node, text, message):
     path = node / "cfg.yaml"
     path.write_text(text)
@@ -303,12 +338,18 @@ def test_plugin_process_via_cli_demo():
     plugin restart (SIGTERM + new process), bad requests; see tests/kubelet_standin.py."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "kubelet_standin.py")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "kubelet_standin.py")], capture_output=True, text=True, timeout=120
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    for text in ("Unhealthy: emugpu-3", "plugin re-registered", "reloaded 1 recorded allocation(s)",
-                 "error NOT_FOUND: unknown emuGPU id(s) emugpu-9", "error INVALID_ARGUMENT: asked for 4"):
+    for text in (
+        "Unhealthy: emugpu-3",
+        "plugin re-registered",
+        "reloaded 1 recorded allocation(s)",
+        "error NOT_FOUND: unknown emuGPU id(s) emugpu-9",
+        "error INVALID_ARGUMENT: asked for 4",
+    ):
         assert text in out, text
 
 
@@ -319,13 +360,24 @@ def test_preferred_allocation_keeps_a_container_on_one_gpu_model(node, kubelet, 
     ep = kubelet.plugin(RES)
     # emugpu-1 (an A100) is taken: 2 alike GPUs are only available among the V100s.
     available = ["emugpu-0", "emugpu-2", "emugpu-3", "emugpu-4"]
-    pref = ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=2)]))
+    pref = ep.stub.GetPreferredAllocation(
+        api_pb2.PreferredAllocationRequest(
+            container_requests=[
+                api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=2)
+            ]
+        )
+    )
     assert sorted(pref.container_responses[0].deviceIDs) == ["emugpu-2", "emugpu-3"]
     # A must-include A100 pins the model; with no second A100 free, it mixes rather than fail.
-    pref = ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available, must_include_deviceIDs=["emugpu-0"],
-                                                    allocation_size=2)]))
+    pref = ep.stub.GetPreferredAllocation(
+        api_pb2.PreferredAllocationRequest(
+            container_requests=[
+                api_pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available, must_include_deviceIDs=["emugpu-0"], allocation_size=2
+                )
+            ]
+        )
+    )
     ids = list(pref.container_responses[0].deviceIDs)
     assert ids[0] == "emugpu-0" and len(set(ids)) == 2
     ids, resp = kubelet.allocate(RES, 3)
@@ -336,10 +388,18 @@ def test_oversized_ids_are_refused_without_being_echoed(devices, kubelet, start_
     start_plugin()
     ep = kubelet.plugin(RES)
     huge = "emugpu-" + "9" * (1 << 20)  # a 1 MB device id
-    for call in (lambda: kubelet.allocate_ids(RES, [huge]),
-                 lambda: ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-                     api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=[huge, "emugpu-0"],
-                                                                 allocation_size=1)]))):
+    for call in (
+        lambda: kubelet.allocate_ids(RES, [huge]),
+        lambda: ep.stub.GetPreferredAllocation(
+            api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=[huge, "emugpu-0"], allocation_size=1
+                    )
+                ]
+            )
+        ),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -355,18 +415,35 @@ def test_preferred_allocation_names_only_advertised_ids(devices, kubelet, start_
     start_plugin()
     ep = kubelet.plugin(RES)
     bogus = ["emugpu-99", "not-ours", "emugpu-0::7"]
-    pref = ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=bogus + ["emugpu-2", "emugpu-3"],
-                                                    allocation_size=2)]))
+    pref = ep.stub.GetPreferredAllocation(
+        api_pb2.PreferredAllocationRequest(
+            container_requests=[
+                api_pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=bogus + ["emugpu-2", "emugpu-3"], allocation_size=2
+                )
+            ]
+        )
+    )
     assert sorted(pref.container_responses[0].deviceIDs) == ["emugpu-2", "emugpu-3"]
     with pytest.raises(grpc.RpcError) as err:  # only bogus ids available: nothing to offer
-        ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-            api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=bogus, allocation_size=1)]))
+        ep.stub.GetPreferredAllocation(
+            api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=bogus, allocation_size=1)
+                ]
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "only 0 are available" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        ep.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
-            api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=["emugpu-1"],
-                                                        must_include_deviceIDs=["not-ours"], allocation_size=1)]))
+        ep.stub.GetPreferredAllocation(
+            api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=["emugpu-1"], must_include_deviceIDs=["not-ours"], allocation_size=1
+                    )
+                ]
+            )
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "not-ours" in err.value.details()
 
 
@@ -376,9 +453,23 @@ def test_a_killed_plugins_socket_is_replaced_at_start(node, devices, kubelet, st
     import subprocess
 
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "k8s", "plugin", "--device-dir", str(devices),
-                             "--device-plugin-dir", str(node / "dp"), "--poll-interval", "0.05"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "k8s",
+            "plugin",
+            "--device-dir",
+            str(devices),
+            "--device-plugin-dir",
+            str(node / "dp"),
+            "--poll-interval",
+            "0.05",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         kubelet.wait_for(lambda: RES in kubelet.plugins, 60, "the plugin process to register")
     finally:
@@ -388,9 +479,16 @@ def test_a_killed_plugins_socket_is_replaced_at_start(node, devices, kubelet, st
     assert sock.is_socket()  # left behind
     old = kubelet.plugins[RES]
     start_plugin()
-    kubelet.wait_for(lambda: kubelet.plugins[RES] is not old and kubelet.plugins[RES].updates > 0, 10,
-                     "the new plugin to register on a fresh socket")
+    kubelet.wait_for(
+        lambda: kubelet.plugins[RES] is not old and kubelet.plugins[RES].updates > 0,
+        10,
+        "the new plugin to register on a fresh socket",
+    )
     assert kubelet.allocate(RES, 1)[0]
-    probe = subprocess.run([sys.executable, "-c", code, "k8s", "probe", "--device-plugin-dir", str(node / "dp")],
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", code, "k8s", "probe", "--device-plugin-dir", str(node / "dp")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode == 0 and "ok:" in probe.stdout

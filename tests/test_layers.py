@@ -43,8 +43,14 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
     if lint is None:
         pytest.fail("lint-imports (import-linter) is not installed: pip install -e '.[test]'")
     env = dict(os.environ, PYTHONPATH=str(root))
-    return subprocess.run([lint, "--config", ".importlinter", "--no-cache"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [lint, "--config", ".importlinter", "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_import_contracts_are_kept(tmp_path: Path) -> None:
@@ -72,7 +78,7 @@ def _private_uses(path: Path, module: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
@@ -87,8 +93,12 @@ def _private_uses(path: Path, module: str) -> list[str]:
                 if a.name.startswith("gpemu"):
                     aliases[a.asname or a.name.split(".")[0]] = a.name
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
-                and not node.attr.startswith("__")):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             target = aliases.get(node.value.id)
             if target is not None and target != module:
                 found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")

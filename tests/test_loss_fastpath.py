@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpemu
-from gpemu.fastpaths import loss as loss_fastpath
 from gpemu.clock import VirtualClock
+from gpemu.fastpaths import loss as loss_fastpath
 
 
 @pytest.fixture
@@ -30,22 +30,27 @@ def _step(loss_fn, logits_leaf: torch.Tensor, target: torch.Tensor, **kw) -> dic
     logits = logits_leaf * 1.0  # a non-leaf, as a model's output is
     loss = loss_fn(logits, target, **kw)
     kept = torch.cuda.memory_allocated() - a0
-    grad, = torch.autograd.grad(loss.sum(), logits)
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
     torch.cuda.synchronize()
-    return {"seconds": engine.now() - t0, "kept": kept, "peak": torch.cuda.max_memory_allocated() - a0,
-            "out": (loss.shape, loss.dtype, loss.device, loss.requires_grad),
-            "grad": (grad.shape, grad.stride(), grad.dtype, grad.device)}
+    return {
+        "seconds": engine.now() - t0,
+        "kept": kept,
+        "peak": torch.cuda.max_memory_allocated() - a0,
+        "out": (loss.shape, loss.dtype, loss.device, loss.requires_grad),
+        "grad": (grad.shape, grad.stride(), grad.dtype, grad.device),
+    }
 
 
-@pytest.mark.parametrize("kw", [{}, {"reduction": "sum", "label_smoothing": 0.1}, {"reduction": "none"},
-                                {"ignore_index": 3}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"reduction": "sum", "label_smoothing": 0.1}, {"reduction": "none"}, {"ignore_index": 3}]
+)
 def test_replayed_loss_charges_the_time_and_memory_of_the_op_by_op_run(rt, kw) -> None:
     logits = torch.empty(64, 1000, device="cuda", requires_grad=True)
     target = torch.zeros(64, dtype=torch.long, device="cuda")
     op_by_op = F.cross_entropy.__wrapped__
     reference = _step(op_by_op, logits, target, **kw)
     assert reference["seconds"] > 0
-    first = _step(F.cross_entropy, logits, target, **kw)   # records
+    first = _step(F.cross_entropy, logits, target, **kw)  # records
     again = [_step(F.cross_entropy, logits, target, **kw) for _ in range(3)]  # replays
     info = loss_fastpath.loss_info()
     assert info["recorded"] == 1 and info["replayed"] == 3

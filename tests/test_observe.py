@@ -41,9 +41,16 @@ def scripted_run(stalls: list[float]) -> tuple[RunRecords, Recorder]:
         eng.end_iteration(0)
         eng.synchronize(0, "item")
         rec.memory_sample(0, clock.now(), 1000, 2 << 20)
-    return RunRecords(gpus=["V100"], spans=rec.spans, waits=rec.waits, memory=rec.memory,
-                      iterations=rec.iterations, counters=rec.counters, started_at=START,
-                      ended_at=clock.now()), rec
+    return RunRecords(
+        gpus=["V100"],
+        spans=rec.spans,
+        waits=rec.waits,
+        memory=rec.memory,
+        iterations=rec.iterations,
+        counters=rec.counters,
+        started_at=START,
+        ended_at=clock.now(),
+    ), rec
 
 
 def adds_up(win: dict) -> None:
@@ -77,10 +84,13 @@ def test_known_stalls_are_accounted_exactly():
     # every stall waited for the next input copy
     assert set(steady["stall_before_s"]) == {"transfer"}
     assert steady["busy_by_kind_s"] == pytest.approx(
-        {"backward": (n - 1) * BWD, "forward": (n - 1) * FWD, "transfer": (n - 1) * H2D, "optimizer": (n - 1) * OPT})
+        {"backward": (n - 1) * BWD, "forward": (n - 1) * FWD, "transfer": (n - 1) * H2D, "optimizer": (n - 1) * OPT}
+    )
     # host waited at each .item() from just after enqueueing the backward to the GPU's end
     assert dev["host_waits"]["count"] == n
-    assert dev["host_waits"]["by_reason_s"]["item"] == pytest.approx(n * (per_iter - H2D - FWD - HOST_BETWEEN + H2D + FWD))
+    assert dev["host_waits"]["by_reason_s"]["item"] == pytest.approx(
+        n * (per_iter - H2D - FWD - HOST_BETWEEN + H2D + FWD)
+    )
     # iteration times: each is its compute plus its stall
     it = dev["iteration_time"]
     assert it["max_s"] == pytest.approx(per_iter + max(stalls[1:]))
@@ -102,24 +112,25 @@ def test_overlapping_streams_count_once_and_dependency_wait_is_not_a_stall():
     s0 = eng.default_stream(0)
     side = eng.new_stream(0)
     s1 = eng.default_stream(1)
-    s0.enqueue(0.5, "forward", "a")            # [100, 100.5]
-    side.enqueue(0.3, "transfer", "h2d")       # overlaps on another stream: [100, 100.3]
-    s1.enqueue(1.0, "comm", "all_reduce")      # device 1 [100, 101]
+    s0.enqueue(0.5, "forward", "a")  # [100, 100.5]
+    side.enqueue(0.3, "transfer", "h2d")  # overlaps on another stream: [100, 100.3]
+    s1.enqueue(1.0, "comm", "all_reduce")  # device 1 [100, 101]
     done = EmuEvent(eng)
     done.record(s1)
-    s0.wait_event(done)                        # device 0 waits on the GPU side for device 1
-    s0.enqueue(0.2, "backward", "a")           # enqueued at 100, starts at 101
-    clock.advance(1.5)                         # host busy: device 0 idle, nothing enqueued
-    s0.enqueue(0.1, "optimizer", "SGD")        # [101.5, 101.6]
-    records = RunRecords(gpus=["V100", "V100"], spans=rec.spans, waits=rec.waits, started_at=START,
-                         ended_at=clock.now())
+    s0.wait_event(done)  # device 0 waits on the GPU side for device 1
+    s0.enqueue(0.2, "backward", "a")  # enqueued at 100, starts at 101
+    clock.advance(1.5)  # host busy: device 0 idle, nothing enqueued
+    s0.enqueue(0.1, "optimizer", "SGD")  # [101.5, 101.6]
+    records = RunRecords(
+        gpus=["V100", "V100"], spans=rec.spans, waits=rec.waits, started_at=START, ended_at=clock.now()
+    )
     s = compute_summary(records)
     d0, d1 = s["devices"]
     adds_up(d0["whole"])
     assert d0["whole"]["busy_s"] == pytest.approx(0.5 + 0.2 + 0.1)
     assert d0["whole"]["busy_by_kind_s"]["transfer"] == pytest.approx(0.3)
-    assert d0["whole"]["other_idle_s"] == pytest.approx(0.5)   # waiting on device 1's work
-    assert d0["whole"]["data_stall_s"] == pytest.approx(0.3)   # host enqueued at 101.5
+    assert d0["whole"]["other_idle_s"] == pytest.approx(0.5)  # waiting on device 1's work
+    assert d0["whole"]["data_stall_s"] == pytest.approx(0.3)  # host enqueued at 101.5
     assert d0["whole"]["stall_before_s"] == pytest.approx({"optimizer": 0.3})
     assert d1["whole"]["utilisation"] == pytest.approx(1.0)
     assert d1["steady"] is None and d1["iterations"] == 0
@@ -128,16 +139,20 @@ def test_overlapping_streams_count_once_and_dependency_wait_is_not_a_stall():
 
 
 def test_timeline_partitions_its_span_exactly():
-    spans = [GpuSpan(0, 0, "forward", "x", 1.0, 2.0, 1.0), GpuSpan(0, 0, "backward", "x", 2.5, 3.0, 2.4),
-             GpuSpan(0, 1, "op", "y", 2.8, 3.5, 2.0), GpuSpan(0, 0, "op", "z", 4.0, 4.5, 3.9)]
+    spans = [
+        GpuSpan(0, 0, "forward", "x", 1.0, 2.0, 1.0),
+        GpuSpan(0, 0, "backward", "x", 2.5, 3.0, 2.4),
+        GpuSpan(0, 1, "op", "y", 2.8, 3.5, 2.0),
+        GpuSpan(0, 0, "op", "z", 4.0, 4.5, 3.9),
+    ]
     tl = Timeline(spans)
     assert tl.start == 1.0 and tl.end == 4.5
-    for (a0, a1, *_), (b0, *_) in zip(tl.segments, tl.segments[1:]):
+    for (_, a1, *_), (b0, *_) in zip(tl.segments, tl.segments[1:], strict=False):
         assert a1 == pytest.approx(b0)  # contiguous, no overlap
     parts = tl.between(0.0, 10.0)
     assert parts["busy"] == pytest.approx(1.0 + 1.0 + 0.5)
-    assert parts["data_stall"] == pytest.approx(0.4 + 0.4)   # 2.0-2.4 and 3.5-3.9
-    assert parts["other_idle"] == pytest.approx(0.1 + 0.1)   # 2.4-2.5 and 3.9-4.0
+    assert parts["data_stall"] == pytest.approx(0.4 + 0.4)  # 2.0-2.4 and 3.5-3.9
+    assert parts["other_idle"] == pytest.approx(0.1 + 0.1)  # 2.4-2.5 and 3.9-4.0
     assert tl.between(1.5, 2.45) == pytest.approx({"busy": 0.5, "data_stall": 0.4, "other_idle": 0.05})
 
 
@@ -231,9 +246,24 @@ def test_gpemu_run_writes_summary_metrics_and_trace(tmp_path):
     script.write_text(SCRIPT)
     metrics, trace = tmp_path / "metrics.json", tmp_path / "trace.json"
     proc = subprocess.run(
-        [*GPEMU, "run", "--gpu", "A100", "--model", "resnet50", "--metrics", str(metrics),
-         "--trace", str(trace), "--", "python", str(script)],
-        capture_output=True, text=True, timeout=120,
+        [
+            *GPEMU,
+            "run",
+            "--gpu",
+            "A100",
+            "--model",
+            "resnet50",
+            "--metrics",
+            str(metrics),
+            "--trace",
+            str(trace),
+            "--",
+            "python",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "trained on" in proc.stdout
@@ -258,7 +288,9 @@ def test_finish_respects_no_summary_and_skips_processes_without_work(tmp_path, c
     s = run_outputs.finish(rt)
     err = capsys.readouterr().err
     assert "gpemu summary" not in err and "metrics written" in err
-    assert json.loads(metrics.read_text())["devices"][0]["whole"]["busy_s"] == pytest.approx(s["devices"][0]["whole"]["busy_s"])
+    assert json.loads(metrics.read_text())["devices"][0]["whole"]["busy_s"] == pytest.approx(
+        s["devices"][0]["whole"]["busy_s"]
+    )
     assert trace.exists()
 
 
@@ -285,7 +317,11 @@ def test_summary_says_where_each_models_time_came_from(tmp_path):
     assert by_model["resnet18"]["scaled_for"] == "precision" and "uncertainty" not in by_model["resnet18"]
     assert by_model["Sequential"]["forward"] == "estimated" and by_model["Sequential"]["uncertainty"].startswith("±")
     text = format_summary(summary)
-    assert "model time" in text and "resnet18 on A100: scaled (precision)" in text and "Sequential on A100: estimated ±" in text
+    assert (
+        "model time" in text
+        and "resnet18 on A100: scaled (precision)" in text
+        and "Sequential on A100: estimated ±" in text
+    )
     # a trace keeps them for `gpemu report`
     path = trace.write_trace(records, tmp_path / "trace.json")
     assert trace.load_trace(path).models == records.models

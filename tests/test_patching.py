@@ -18,7 +18,7 @@ def test_restores_module_attributes_class_attributes_and_absent_ones():
 
     p = Patcher()
     p.replace(mod, "f", lambda: "patched")
-    p.replace(mod, "new_attr", 42)                  # did not exist before
+    p.replace(mod, "new_attr", 42)  # did not exist before
     p.replace(Child, "method", lambda self: "patched")  # inherited, not in Child.__dict__
     assert mod.f() == "patched" and mod.new_attr == 42 and Child().method() == "patched"
     p.restore_all()
@@ -75,11 +75,17 @@ def test_a_script_patching_itself_under_gpemu_run_keeps_the_command_lines_run(tm
     script.write_text(
         "import gpemu, torch\n"
         "rt = gpemu.patch(gpu='V100', summary=False, num_gpus=2)\n"
-        "print('gpus', torch.cuda.device_count(), rt.config.summary)\n")
+        "print('gpus', torch.cuda.device_count(), rt.config.summary)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPEMU_")}
     env["GPEMU_DATA_DIR"] = os.environ["GPEMU_DATA_DIR"]
-    proc = subprocess.run([sys.executable, "-m", "gpemu.cli", "run", "--gpu", "V100", "--no-summary", "--",
-                           sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpemu.cli", "run", "--gpu", "V100", "--no-summary", "--", sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gpus 1 False" in proc.stdout  # the command line's single GPU
     assert "the run keeps the command line's settings (num_gpus=2 asked, 1 in use)" in proc.stderr

@@ -106,7 +106,11 @@ def test_closed_loop_recovers_the_cost_models_v100_curves(db_copy: str) -> None:
         base = _model_curve(shipped, sheet, key, path, peak)
         fitted = Curve(c.e, c.x0, c.p, c.h, c.k0, c.path)
         for w in np.geomspace(min(ws), max(ws), 25):
-            err = kernel_seconds(w, peak, sheet.sm_count, fitted, zs[0]) / kernel_seconds(w, peak, sheet.sm_count, base, zs[0]) - 1
+            err = (
+                kernel_seconds(w, peak, sheet.sm_count, fitted, zs[0])
+                / kernel_seconds(w, peak, sheet.sm_count, base, zs[0])
+                - 1
+            )
             worst_model = max(worst_model, abs(err))
     assert worst_model < 0.03, worst_model
     # The fit starts from the shipped curve, i.e. at the answer here: it must also find it from
@@ -119,22 +123,36 @@ def test_closed_loop_recovers_the_cost_models_v100_curves(db_copy: str) -> None:
         group = [r for r in rows if r.key == key and r.path == path]
         noisy = [dataclasses.replace(r, seconds=r.seconds * float(np.exp(rng.normal(0, 0.03)))) for r in group]
         for fit_rows, label in ((group, "far"), (noisy, "noisy")):
-            f = fit_one(fit_rows, sheet.sm_count, c.k0, c.h, (min(4 * c.e, 3.9), c.x0 * 300, 0.5 if c.p > 0.7 else 0.9),
-                        floor_of(fit_rows, sheet))
+            f = fit_one(
+                fit_rows,
+                sheet.sm_count,
+                c.k0,
+                c.h,
+                (min(4 * c.e, 3.9), c.x0 * 300, 0.5 if c.p > 0.7 else 0.9),
+                floor_of(fit_rows, sheet),
+            )
             fitted = Curve(f.e, f.x0, f.p, f.h, f.k0, f.path)
             base = _model_curve(shipped, sheet, key, path, group[0].peak)
-            err = max(abs(kernel_seconds(r.work, r.peak, sheet.sm_count, fitted, r.z)
-                          / kernel_seconds(r.work, r.peak, sheet.sm_count, base, r.z) - 1) for r in group)
+            err = max(
+                abs(
+                    kernel_seconds(r.work, r.peak, sheet.sm_count, fitted, r.z)
+                    / kernel_seconds(r.work, r.peak, sheet.sm_count, base, r.z)
+                    - 1
+                )
+                for r in group
+            )
             if label == "far":
                 worst_far = max(worst_far, err)
             else:
                 worst_noisy = max(worst_noisy, err)
     assert worst_far < 0.01, worst_far
     assert worst_noisy < 0.08, worst_noisy
-    print(f"closed loop on V100: {len(rows)} kernels, {len(curves)} curves; worst |fit/measured - 1| "
-          f"{100 * worst_rows:.3f}% ({100 * worst_nameless:.2f}% for {', '.join(sorted(NAMELESS_PASS))}), "
-          f"worst |fitted/model curve - 1| over the sweep {100 * worst_model:.4f}%; fitted from a far start "
-          f"{100 * worst_far:.3f}%, through 3% noise {100 * worst_noisy:.2f}%")
+    print(
+        f"closed loop on V100: {len(rows)} kernels, {len(curves)} curves; worst |fit/measured - 1| "
+        f"{100 * worst_rows:.3f}% ({100 * worst_nameless:.2f}% for {', '.join(sorted(NAMELESS_PASS))}), "
+        f"worst |fitted/model curve - 1| over the sweep {100 * worst_model:.4f}%; fitted from a far start "
+        f"{100 * worst_far:.3f}%, through 3% noise {100 * worst_noisy:.2f}%"
+    )
 
 
 def test_a_different_gpu_gives_different_curves(db_copy: str) -> None:
@@ -174,7 +192,9 @@ def test_the_emulator_prices_ops_with_stored_curves(db_copy: str) -> None:
     ref = default_model().resolve(sheet, "gemm.fwd", "simt").curve
     db = open_profile_db(EmuConfig.from_env(db_url=db_copy))
     # A calibration saying this V100 reaches half the plateau the shipped model assumes.
-    write_curves(db.engine, sheet.name, [OpCurveRow("gemm.fwd", "simt", ref.e / 2, ref.x0, ref.p, ref.k0, ref.h, 5, 0.0)])
+    write_curves(
+        db.engine, sheet.name, [OpCurveRow("gemm.fwd", "simt", ref.e / 2, ref.x0, ref.p, ref.k0, ref.h, 5, 0.0)]
+    )
     gpemu.patch(gpu="V100", db_url=db_copy, clock=VirtualClock())
     calibrated_ms = mm_ms()
     gpemu.unpatch()
@@ -186,8 +206,22 @@ def test_the_emulator_prices_ops_with_stored_curves(db_copy: str) -> None:
 
 def test_fit_needs_enough_sizes_and_says_so() -> None:
     sheet = gpu_sheet("V100")
-    rows = [ops.OpMeasurement("norm.fwd", "memory", "float32", f"n{i}", "native_batch_norm", w, 0.0, w / 4e11, 3,
-                              sheet.memory_bandwidth, sheet.sm_count) for i, w in enumerate((1e5, 1e6, 1e7))]
+    rows = [
+        ops.OpMeasurement(
+            "norm.fwd",
+            "memory",
+            "float32",
+            f"n{i}",
+            "native_batch_norm",
+            w,
+            0.0,
+            w / 4e11,
+            3,
+            sheet.memory_bandwidth,
+            sheet.sm_count,
+        )
+        for i, w in enumerate((1e5, 1e6, 1e7))
+    ]
     curves, notes = fit_curves(rows, sheet)
     assert curves == [] and "need 4 sizes" in notes[0]
 
@@ -207,8 +241,12 @@ def test_sweep_kernels_are_one_op_of_their_key() -> None:
 
 def test_cli_without_a_gpu_is_one_clear_line(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("gpemu")
-    out = subprocess.run([str(exe), "profile", "--ops", "--quick", "--db", f"sqlite:///{tmp_path / 'x.sqlite'}"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(exe), "profile", "--ops", "--quick", "--db", f"sqlite:///{tmp_path / 'x.sqlite'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and ("no CUDA" in out.stderr or "sees no CUDA GPU" in out.stderr)
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -245,14 +283,32 @@ def test_one_disturbed_kernel_does_not_drag_a_curve() -> None:
     # Soft-L1: one sample 3x too slow (a clock dip, another process) among 8 sizes moves the
     # fitted prices by under 3%; plain least squares would split the difference.
     sheet = gpu_sheet("V100")
-    for key, path, peak, z in (("gemm.fwd", "simt", sheet.fp32_flops, 1 / 512), ("norm.fwd", "memory", sheet.memory_bandwidth, 0.0)):
+    for key, path, peak, z in (
+        ("gemm.fwd", "simt", sheet.fp32_flops, 1 / 512),
+        ("norm.fwd", "memory", sheet.memory_bandwidth, 0.0),
+    ):
         c = default_model().resolve(sheet, key, path).curve
         works = np.geomspace(c.x0 * sheet.sm_count / 30, c.x0 * sheet.sm_count * 100, 8)
-        rows = [ops.OpMeasurement(key, path, "float32", f"size {i}", "op", float(w), z,
-                                  kernel_seconds(w, peak, sheet.sm_count, c, z) * (3.0 if i == 4 else 1.0), 5, peak,
-                                  sheet.sm_count) for i, w in enumerate(works)]
+        rows = [
+            ops.OpMeasurement(
+                key,
+                path,
+                "float32",
+                f"size {i}",
+                "op",
+                float(w),
+                z,
+                kernel_seconds(w, peak, sheet.sm_count, c, z) * (3.0 if i == 4 else 1.0),
+                5,
+                peak,
+                sheet.sm_count,
+            )
+            for i, w in enumerate(works)
+        ]
         f = fit_one(rows, sheet.sm_count, c.k0, c.h, (2 * c.e, 10 * c.x0, 0.6))
         fitted = Curve(f.e, f.x0, f.p, f.h, f.k0, f.path)
-        worst = max(abs(kernel_seconds(w, peak, sheet.sm_count, fitted, z) / kernel_seconds(w, peak, sheet.sm_count, c, z) - 1)
-                    for w in works)
+        worst = max(
+            abs(kernel_seconds(w, peak, sheet.sm_count, fitted, z) / kernel_seconds(w, peak, sheet.sm_count, c, z) - 1)
+            for w in works
+        )
         assert worst < 0.03, (key, worst)

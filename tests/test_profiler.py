@@ -23,8 +23,16 @@ from gpemu.profiler.sweep import BatchSizeError, parse_batch_sizes
 
 # The gpemu command in a child process (the same interpreter as the tests).
 GPEMU = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
-UNIT_KINDS = ("forward", "backward", "optimizer_step", "h2d_transfer", "h2d_transfer_pinned", "d2h_transfer",
-              "peak_memory", "persistent_memory")
+UNIT_KINDS = (
+    "forward",
+    "backward",
+    "optimizer_step",
+    "h2d_transfer",
+    "h2d_transfer_pinned",
+    "d2h_transfer",
+    "peak_memory",
+    "persistent_memory",
+)
 
 FACTORIES = textwrap.dedent('''
     import time
@@ -75,8 +83,9 @@ def db_url(tmp_path: Path) -> str:
 
 
 def run_profile(db_url: str, *args: str) -> int:
-    return main(["profile", "--device", "cpu", "--db", db_url, "--warmup", "1", "--iterations", "2",
-                 "--no-progress", *args])
+    return main(
+        ["profile", "--device", "cpu", "--db", db_url, "--warmup", "1", "--iterations", "2", "--no-progress", *args]
+    )
 
 
 def open_db(url: str):
@@ -86,8 +95,6 @@ def open_db(url: str):
 def err_text(capsys: pytest.CaptureFixture[str]) -> str:
     """Captured stderr with whitespace collapsed (rich wraps long lines at the console width)."""
     return " ".join(capsys.readouterr().err.split())
-
-
 
 
 # ------------------------------------------------------------------ parsing
@@ -176,8 +183,20 @@ def test_cpu_memory_estimate_counts_activations_once(factories: Path) -> None:
 
 # ------------------------------------------------------------------ the pipeline
 def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
-    assert run_profile(db_url, "--model", "profmodels:mlp", "--model", "cnn=profmodels:cnn",
-                       "--input-shape", "3,8,8", "--batch-sizes", "1,2,4") == 0
+    assert (
+        run_profile(
+            db_url,
+            "--model",
+            "profmodels:mlp",
+            "--model",
+            "cnn=profmodels:cnn",
+            "--input-shape",
+            "3,8,8",
+            "--batch-sizes",
+            "1,2,4",
+        )
+        == 0
+    )
     db = open_db(db_url)
     gpu = db.gpu("cpu")
     assert gpu.memory_bytes > 0 and gpu.fp32_flops > 0
@@ -209,7 +228,7 @@ def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
     assert len(rows) == 2 * (len(UNIT_KINDS) * 3 + 1)
     import json
 
-    for kind, samples, p50, p99, measured_at, meta_json in rows:
+    for kind, samples, _p50, _p99, measured_at, meta_json in rows:
         meta = json.loads(meta_json)
         for key in ("gpu_name", "gpu_memory_bytes", "torch", "cuda", "driver", "host", "tool_version"):
             assert key in meta, (kind, key)
@@ -219,8 +238,9 @@ def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
     db.close()
 
 
-def test_resume_skips_done_units_and_force_remeasures(factories: Path, db_url: str,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_skips_done_units_and_force_remeasures(
+    factories: Path, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ("--model", "profmodels:mlp", "--input-shape", "3,8,8")
     assert run_profile(db_url, *args, "--batch-sizes", "1,2") == 0
     capsys.readouterr()
@@ -238,11 +258,20 @@ def test_resume_skips_done_units_and_force_remeasures(factories: Path, db_url: s
     db.close()
 
 
-def test_out_of_memory_records_limit_and_goes_on(factories: Path, db_url: str,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_out_of_memory_records_limit_and_goes_on(
+    factories: Path, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     # cnn at 3x16x16 needs ~50 KB at batch 2 and ~95 KB at batch 4 (estimate); small needs far less.
-    args = ("--model", "profmodels:cnn", "--model", "profmodels:small", "--batch-sizes", "1,2,4,8",
-            "--memory-limit", "70000")
+    args = (
+        "--model",
+        "profmodels:cnn",
+        "--model",
+        "profmodels:small",
+        "--batch-sizes",
+        "1,2,4,8",
+        "--memory-limit",
+        "70000",
+    )
     assert run_profile(db_url, *args) == 0
     err = err_text(capsys)
     assert "out of memory at batch size 4" in err
@@ -287,8 +316,9 @@ def test_refuses_without_gpu_and_bad_input(factories: Path, db_url: str, capsys:
     assert main(["profile", "--model", "profmodels:small", "--db", db_url]) == 2
     err = err_text(capsys)
     assert "measures real GPUs" in err and "--device cpu" in err
-    assert main(["profile", "--device", "cpu", "--model", "profmodels:small", "--db", db_url,
-                 "--batch-sizes", "8-1"]) == 2
+    assert (
+        main(["profile", "--device", "cpu", "--model", "profmodels:small", "--db", db_url, "--batch-sizes", "8-1"]) == 2
+    )
     assert "backwards" in err_text(capsys)
     assert main(["profile", "--device", "cpu", "--db", db_url]) == 2
     assert "nothing to do" in err_text(capsys)
@@ -311,10 +341,26 @@ def _child_env(factories: Path) -> dict[str, str]:
     return env
 
 
-def test_sigint_leaves_database_consistent_and_rerun_completes(factories: Path, db_url: str,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    cmd = [*GPEMU, "profile", "--device", "cpu", "--db", db_url, "--model",
-           "profmodels:slow", "--batch-sizes", "1-12", "--warmup", "1", "--iterations", "3", "--no-progress"]
+def test_sigint_leaves_database_consistent_and_rerun_completes(
+    factories: Path, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cmd = [
+        *GPEMU,
+        "profile",
+        "--device",
+        "cpu",
+        "--db",
+        db_url,
+        "--model",
+        "profmodels:slow",
+        "--batch-sizes",
+        "1-12",
+        "--warmup",
+        "1",
+        "--iterations",
+        "3",
+        "--no-progress",
+    ]
     proc = subprocess.Popen(cmd, env=_child_env(factories), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     from sqlalchemy import create_engine, text
 
@@ -336,8 +382,9 @@ def test_sigint_leaves_database_consistent_and_rerun_completes(factories: Path, 
     assert proc.returncode == 130, err
     assert "interrupted" in err and "consistent" in err
     with engine.connect() as conn:
-        per_batch = conn.execute(text(
-            "select batch_size, count(*) from measurements where batch_size > 0 group by batch_size")).all()
+        per_batch = conn.execute(
+            text("select batch_size, count(*) from measurements where batch_size > 0 group by batch_size")
+        ).all()
     assert 2 <= len(per_batch) < 12
     assert all(n == len(UNIT_KINDS) for _, n in per_batch), per_batch  # whole units only
     engine.dispose()
@@ -352,8 +399,7 @@ def test_sigint_leaves_database_consistent_and_rerun_completes(factories: Path, 
 
 def test_ddp_iteration_times_with_gloo(factories: Path, db_url: str) -> None:
     # Real torch.distributed: two spawned ranks, gloo, DDP's all-reduce in backward.
-    assert run_profile(db_url, "--model", "profmodels:small", "--batch-sizes", "2,4",
-                       "--ddp-world-sizes", "2") == 0
+    assert run_profile(db_url, "--model", "profmodels:small", "--batch-sizes", "2,4", "--ddp-world-sizes", "2") == 0
     db = open_db(db_url)
     pts = db.series("cpu", "small", "ddp_iteration", world_size=2)
     assert [b for b, _ in pts] == [2.0, 4.0] and all(v > 0 for _, v in pts)
@@ -361,8 +407,9 @@ def test_ddp_iteration_times_with_gloo(factories: Path, db_url: str) -> None:
     db.close()
 
 
-def test_factory_module_in_the_current_directory(tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_factory_module_in_the_current_directory(
+    tmp_path: Path, db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`gpemu profile --model mymodels:build` next to mymodels.py. The console script's sys.path
     starts with its own directory, not the current one: here neither '' nor the directory is on it."""
     (tmp_path / "mymodels.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(12, 3)\n")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import gpemu
-from gpemu.fastpaths import replay
 from gpemu.clock import VirtualClock
+from gpemu.fastpaths import replay
 
 
 class Net(nn.Module):
@@ -50,16 +50,23 @@ def test_replay_matches_the_op_by_op_path(rt):
     model = Net().cuda()
     first = _step(model)  # recorded
     assert replay.replay_info()["recorded"] == 1
-    rec_grads = {n: (p.grad.shape, p.grad.dtype, p.grad.device) if p.grad is not None else None
-                 for n, p in model.named_parameters()}
+    rec_grads = {
+        n: (p.grad.shape, p.grad.dtype, p.grad.device) if p.grad is not None else None
+        for n, p in model.named_parameters()
+    }
     second = _step(model)  # replayed
     assert replay.replay_info()["replayed"] == 1
     assert _specs(first) == _specs(second)
-    rep_grads = {n: (p.grad.shape, p.grad.dtype, p.grad.device) if p.grad is not None else None
-                 for n, p in model.named_parameters()}
+    rep_grads = {
+        n: (p.grad.shape, p.grad.dtype, p.grad.device) if p.grad is not None else None
+        for n, p in model.named_parameters()
+    }
     assert rep_grads == rec_grads
-    assert rec_grads["unused.weight"] is None and rec_grads["conv.weight"] == ((8, 3, 3, 3), torch.float32,
-                                                                                torch.device("cuda", 0))
+    assert rec_grads["unused.weight"] is None and rec_grads["conv.weight"] == (
+        (8, 3, 3, 3),
+        torch.float32,
+        torch.device("cuda", 0),
+    )
 
 
 def test_replay_input_grads_and_chained_modules(rt):
@@ -107,7 +114,7 @@ def test_hooks_force_the_normal_path(rt, capsys):
 
 
 def test_replay_off_by_config():
-    rt = gpemu.patch(gpu="V100", summary=False, replay=False, clock=VirtualClock())
+    gpemu.patch(gpu="V100", summary=False, replay=False, clock=VirtualClock())
     model = Net().cuda()
     _step(model), _step(model)
     assert replay.replay_info()["replayed"] == 0 and replay.replay_info()["fallback"] == 2
@@ -338,7 +345,7 @@ def test_slices_of_one_tensor_are_the_same_call(rt):
     model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100)).cuda()
     source = torch.zeros(35 * 6, 4, dtype=torch.long).cuda()
     for i in range(0, 35 * 6, 35):
-        model(source[i:i + 35]).sum().backward()
+        model(source[i : i + 35]).sum().backward()
     info = replay.replay_info()
     assert info["recorded"] == 1 and info["replayed"] == 5
 
@@ -398,6 +405,7 @@ def test_units_of_an_op_by_op_model_cost_what_its_ops_cost():
     cost model's calibration added, +18% per GPT-2 step in bf16), and a unit's backward window
     counting other nodes the autograd engine ran inside it (the position embedding's window
     stayed open to the end of the backward and counted the token embedding's backward)."""
+
     class Cache:
         pass
 
@@ -501,4 +509,4 @@ def test_graph_walk_sees_every_node_when_torch_makes_node_objects_on_demand():
     # object's id was taken by the next one made.
     assert sum(1 for _ in graph_nodes([_OnDemandNode(39, 1)])) == 40
     # Two edges per node (each access makes distinct objects): a tree of 2^8 - 1 nodes.
-    assert sum(1 for _ in graph_nodes([_OnDemandNode(7, 2)])) == 2 ** 8 - 1
+    assert sum(1 for _ in graph_nodes([_OnDemandNode(7, 2)])) == 2**8 - 1

@@ -30,8 +30,15 @@ def trace(tmp_path):
         rec.memory_sample(0, clock.now(), 500 << 20, 600 << 20)
         eng.synchronize(0, "item")
         rec.memory_sample(0, clock.now(), 300 << 20, 600 << 20)
-    records = RunRecords(gpus=["V100"], spans=rec.spans, waits=rec.waits, memory=rec.memory,
-                         iterations=rec.iterations, started_at=10.0, ended_at=clock.now())
+    records = RunRecords(
+        gpus=["V100"],
+        spans=rec.spans,
+        waits=rec.waits,
+        memory=rec.memory,
+        iterations=rec.iterations,
+        started_at=10.0,
+        ended_at=clock.now(),
+    )
     return records, write_trace(records, tmp_path / "trace.json")
 
 
@@ -98,14 +105,22 @@ def _scripted_trace(path, stalls, iterations, model_copy=True):
         eng.end_iteration(0)
         eng.synchronize(0, "item")
         rec.memory_sample(0, clock.now(), 300 << 20, 1 << 30)
-    records = RunRecords(gpus=["V100"], spans=rec.spans, waits=rec.waits, memory=rec.memory,
-                         iterations=rec.iterations, counters=rec.counters, started_at=10.0, ended_at=clock.now())
+    records = RunRecords(
+        gpus=["V100"],
+        spans=rec.spans,
+        waits=rec.waits,
+        memory=rec.memory,
+        iterations=rec.iterations,
+        counters=rec.counters,
+        started_at=10.0,
+        ended_at=clock.now(),
+    )
     return records, write_trace(records, path)
 
 
 def test_compare_two_traces_side_by_side(tmp_path, capsys):
-    _, a = _scripted_trace(tmp_path / "a.json", [0.014], 20)   # stalls as long as the GPU work
-    _, b = _scripted_trace(tmp_path / "b.json", [0.0], 30)     # a faster loader: no stall
+    _, a = _scripted_trace(tmp_path / "a.json", [0.014], 20)  # stalls as long as the GPU work
+    _, b = _scripted_trace(tmp_path / "b.json", [0.0], 30)  # a faster loader: no stall
     assert main(["report", str(a), "--compare", str(b)]) == 0
     out = capsys.readouterr().out
     cells = [[c.strip() for c in line.split("│")] for line in out.splitlines() if "│" in line]

@@ -64,10 +64,12 @@ def test_one_fused_op_costs_a_fraction_of_the_per_timestep_decomposition(rt):
 
 def test_time_follows_the_work(rt):
     """Twice the timesteps cost about twice the time; a wider layer costs more."""
+
     def busy(hidden: int, steps: int) -> float:
         model = nn.LSTM(256, hidden, 1).cuda()
         x = torch.zeros(steps, 64, 256, device="cuda")
         return sum(s.end - s.start for s in _step(rt, model, x)[2])
+
     assert busy(256, 100) == pytest.approx(2 * busy(256, 50), rel=0.15)
     assert busy(1024, 50) > 1.5 * busy(256, 50)
 

@@ -17,15 +17,18 @@ from gpemu.launcher import BOOTSTRAP_DIR, build_config, child_env, command_argv
 
 
 # ------------------------------------------------------------------ validation (in-process, no exec)
-@pytest.mark.parametrize("args, message", [
-    (["--gpu", "V10"], "did you mean 'V100'"),
-    (["--gpus", "0"], "num_gpus must be an integer from 1 to 64"),
-    (["--gpus", "V100,Z9000"], "unknown GPU 'Z9000'"),
-    (["--db", "nosuchdialect://x"], "--db takes a SQLAlchemy URL"),
-    (["--share", "http://broker"], "sharing must be an amqp:// or amqps:// URL"),
-    (["--model", "resnet5O"], "did you mean 'resnet50'"),
-    ([], "nothing to run"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "V10"], "did you mean 'V100'"),
+        (["--gpus", "0"], "num_gpus must be an integer from 1 to 64"),
+        (["--gpus", "V100,Z9000"], "unknown GPU 'Z9000'"),
+        (["--db", "nosuchdialect://x"], "--db takes a SQLAlchemy URL"),
+        (["--share", "http://broker"], "sharing must be an amqp:// or amqps:// URL"),
+        (["--model", "resnet5O"], "did you mean 'resnet50'"),
+        ([], "nothing to run"),
+    ],
+)
 def test_bad_configuration_is_one_line_and_exit_2(args, message, capsys) -> None:
     rc = main(["run", *args, "--", *(["python", "-c", "pass"] if args else [])])
     err = capsys.readouterr().err
@@ -76,15 +79,23 @@ def test_bootstrap_chains_an_existing_sitecustomize_and_keeps_the_exit_code(tmp_
     own.mkdir()
     (own / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITECUSTOMIZE_RAN = True\n")
     script = tmp_path / "probe.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import builtins, sys, torch
         print("user sitecustomize:", getattr(builtins, "USER_SITECUSTOMIZE_RAN", False))
         print("cuda:", torch.cuda.is_available(), torch.cuda.device_count(), torch.cuda.get_device_name(0))
         sys.exit(3)
-    """))
+    """)
+    )
     env = dict(os.environ, PYTHONPATH=str(own))
-    proc = subprocess.run(["gpemu", "run", "--gpu", "K80", "--no-summary", "--", "python", str(script)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["gpemu", "run", "--gpu", "K80", "--no-summary", "--", "python", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 3, proc.stderr
     assert "user sitecustomize: True" in proc.stdout
     assert "cuda: True 1 Tesla K80" in proc.stdout
@@ -92,8 +103,14 @@ def test_bootstrap_chains_an_existing_sitecustomize_and_keeps_the_exit_code(tmp_
 
 def test_bootstrap_failure_is_one_line_and_exit_2(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="1", GPEMU_GPU="Z9000")
-    proc = subprocess.run([sys.executable, "-c", "print('script ran')"], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", "print('script ran')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert "script ran" not in proc.stdout
     assert proc.stderr.startswith("[gpemu] error: could not emulate GPUs in this process: unknown GPU 'Z9000'")
@@ -121,8 +138,14 @@ def test_a_python_without_gpemu_is_refused_as_the_command_and_warned_about_below
 
 def test_bootstrap_does_nothing_without_enable(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="0", GPEMU_GPU="Z9000")
-    proc = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; print('torch' in sys.modules)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "False"  # not even torch was imported
 
 

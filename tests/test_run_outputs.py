@@ -48,9 +48,13 @@ def test_stop_signal_still_writes_summary_metrics_and_trace(signame, tmp_path: P
         signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
 
-    proc = subprocess.Popen([*GPEMU, "run", "--gpu", "V100", "--metrics", str(metrics), "--trace", str(trace),
-                             "--", "python", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_action)
+    proc = subprocess.Popen(
+        [*GPEMU, "run", "--gpu", "V100", "--metrics", str(metrics), "--trace", str(trace), "--", "python", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_action,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"  # `gpemu run` exec'd: this pid is the script
         proc.send_signal(sig)
@@ -59,8 +63,10 @@ def test_stop_signal_still_writes_summary_metrics_and_trace(signame, tmp_path: P
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
-            pytest.fail(f"{signame} did not stop the run in 60 s (this process: handler {parent[0]}, "
-                        f"blocked {sorted(parent[1])}); its stderr:\n{err[-3000:]}")
+            pytest.fail(
+                f"{signame} did not stop the run in 60 s (this process: handler {parent[0]}, "
+                f"blocked {sorted(parent[1])}); its stderr:\n{err[-3000:]}"
+            )
     finally:
         proc.kill()
     assert proc.returncode == -sig, err  # still dies of the signal, as without gpemu
@@ -75,8 +81,8 @@ def test_stop_handlers_leave_the_programs_own_and_are_restored() -> None:
     previous_hup = signal.signal(signal.SIGHUP, own)
     try:
         gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
-        assert callable(signal.getsignal(signal.SIGTERM))       # gpemu's: default action was kill
-        assert signal.getsignal(signal.SIGHUP) is own            # the program's own: untouched
+        assert callable(signal.getsignal(signal.SIGTERM))  # gpemu's: default action was kill
+        assert signal.getsignal(signal.SIGHUP) is own  # the program's own: untouched
         gpemu.unpatch()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGHUP) is own
@@ -118,8 +124,9 @@ def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
     script.write_text("def f(:\n")
     started = time.monotonic()
-    proc = subprocess.run([*GPEMU, "run", "--gpu", "V100", "--", "python", str(script)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*GPEMU, "run", "--gpu", "V100", "--", "python", str(script)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1 and "SyntaxError" in proc.stderr
     assert "no emulated GPU work" not in proc.stderr, proc.stderr
     assert time.monotonic() - started < 120
@@ -128,8 +135,13 @@ def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
 def test_errors_are_one_line_in_logs() -> None:
     """Not a terminal (a log file, a pipe): rich must not hard-wrap the message at 80 columns."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "COLUMNS"}
-    proc = subprocess.run([*GPEMU, "run", "--gpu", "V1OO", "--", "python", "-c", "pass"], capture_output=True,
-                          text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [*GPEMU, "run", "--gpu", "V1OO", "--", "python", "-c", "pass"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and len(lines[0]) > 80, proc.stderr

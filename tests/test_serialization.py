@@ -27,8 +27,15 @@ def _checkpoint(tmp_path):
     model(torch.randn(2, 4).cuda()).sum().backward()
     opt.step()
     path = tmp_path / "ck.pt"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": torch.tensor(7, device="cuda"),
-                "on1": torch.zeros(100, 100, device="cuda:1")}, path)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "epoch": torch.tensor(7, device="cuda"),
+            "on1": torch.zeros(100, 100, device="cuda:1"),
+        },
+        path,
+    )
     return path
 
 
@@ -67,8 +74,10 @@ def test_full_module_pickle(rt, tmp_path):
 def test_file_loads_without_gpemu(rt, tmp_path):
     path = _checkpoint(tmp_path)
     gpemu.unpatch()
-    code = ("import torch,sys; ck=torch.load(sys.argv[1]); w=ck['model']['weight'];"
-            "print(type(w).__name__, w.device, tuple(w.shape), int(ck['epoch']), tuple(ck['on1'].shape))")
+    code = (
+        "import torch,sys; ck=torch.load(sys.argv[1]); w=ck['model']['weight'];"
+        "print(type(w).__name__, w.device, tuple(w.shape), int(ck['epoch']), tuple(ck['on1'].shape))"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["Tensor", "cpu", "(3,", "4)", "7", "(100,", "100)"]

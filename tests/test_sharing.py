@@ -31,8 +31,14 @@ class Harness:
     (a manager without a job secret). Replies land in ``inbox[job]``; ``signed[job]`` counts
     the replies signed with that job's key."""
 
-    def __init__(self, policy: str | type = "fifo", capacity: int = 16 * GiB, lease_s: float = 5.0,
-                 quantum_s: float | None = None, **kw) -> None:
+    def __init__(
+        self,
+        policy: str | type = "fifo",
+        capacity: int = 16 * GiB,
+        lease_s: float = 5.0,
+        quantum_s: float | None = None,
+        **kw,
+    ) -> None:
         self.core = SharingCore([DeviceSpec("0", "P100", capacity)], policy, lease_s, quantum_s=quantum_s, **kw)
         self.now = 0.0
         self.keys: dict[str, bytes] = {}
@@ -47,8 +53,9 @@ class Harness:
     def send(self, payload: dict, reply_to: str | None = None, key: bytes | None = None) -> list[dict]:
         self._tag += 1
         body = P.encode(payload)
-        outs = self.core.receive(body, rq(reply_to) if reply_to else None, self._tag, self.now,
-                                 P.sign(key, body) if key else None)
+        outs = self.core.receive(
+            body, rq(reply_to) if reply_to else None, self._tag, self.now, P.sign(key, body) if key else None
+        )
         return self._deliver(outs)
 
     def _deliver(self, outs) -> list[dict]:
@@ -57,19 +64,41 @@ class Harness:
             self.outs.append(o)
             self.acked += o.ack
             if o.reply_to and o.payload is not None:
-                self.inbox.setdefault(o.reply_to[len(P.REPLY_PREFIX):].rstrip("_"), []).append(o.payload)
+                self.inbox.setdefault(o.reply_to[len(P.REPLY_PREFIX) :].rstrip("_"), []).append(o.payload)
                 got.append(o.payload)
         return got
 
     def register(self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0", **extra) -> dict:
         key = self.key(job)
-        return self.send({"type": "register", "job_id": job, "request_id": f"reg-{job}", "device": device,
-                          "persistent_bytes": persistent, "weight": weight, "key": key.hex(), **extra},
-                         reply_to=job, key=key)[0]
+        return self.send(
+            {
+                "type": "register",
+                "job_id": job,
+                "request_id": f"reg-{job}",
+                "device": device,
+                "persistent_bytes": persistent,
+                "weight": weight,
+                "key": key.hex(),
+                **extra,
+            },
+            reply_to=job,
+            key=key,
+        )[0]
 
     def request(self, job: str, rid: str, seconds: float, peak: int = 2 * GiB, **extra) -> list[dict]:
-        return self.send({"type": "request", "job_id": job, "request_id": rid, "device": "0", "seconds": seconds,
-                          "peak_bytes": peak, **extra}, reply_to=job, key=self.keys[job])
+        return self.send(
+            {
+                "type": "request",
+                "job_id": job,
+                "request_id": rid,
+                "device": "0",
+                "seconds": seconds,
+                "peak_bytes": peak,
+                **extra,
+            },
+            reply_to=job,
+            key=self.keys[job],
+        )
 
     def heartbeat(self, job: str) -> list[dict]:
         return self.send({"type": "heartbeat", "job_id": job}, reply_to=job + "-hb", key=self.keys[job])
@@ -97,7 +126,7 @@ def closed_loop(h: Harness, durations: dict[str, float], horizon: float, depth: 
     served = {j: 0.0 for j in durations}
     while h.now < horizon:
         d = h.core.next_deadline()
-        for reply in h.advance_to(d):
+        for _ in h.advance_to(d):
             pass
         for j in durations:
             box = h.inbox.get(j, [])
@@ -229,7 +258,6 @@ def test_request_refused_when_peak_plus_others_persistent_exceeds_capacity():
     assert "out of memory" in reason and "16.00 GiB" in reason
 
 
-
 def test_requests_update_the_jobs_persistent_memory():
     """Persistent memory can grow after registration (optimizer state at the first step): the
     figure a request carries is what other jobs' requests are checked against from then on."""
@@ -243,8 +271,20 @@ def test_requests_update_the_jobs_persistent_memory():
     out = h.request("b", "b2", 1.0, peak=9 * GiB + 1) + h.advance_to(3.0)
     assert [r["type"] for r in out] == ["refused"]
     with pytest.raises(P.ProtocolError, match="persistent_bytes"):
-        P.parse_message(P.encode({"type": "request", "job_id": "a", "request_id": "r", "device": "0",
-                                  "seconds": 1.0, "peak_bytes": 0, "persistent_bytes": -1}))
+        P.parse_message(
+            P.encode(
+                {
+                    "type": "request",
+                    "job_id": "a",
+                    "request_id": "r",
+                    "device": "0",
+                    "seconds": 1.0,
+                    "peak_bytes": 0,
+                    "persistent_bytes": -1,
+                }
+            )
+        )
+
 
 def test_registration_refused_when_persistent_memory_cannot_fit():
     h = Harness(capacity=16 * GiB)
@@ -279,8 +319,14 @@ def test_duplicate_registration_is_idempotent_and_a_job_id_cannot_be_taken_over(
     second = h.register("a")
     assert first == second and first["type"] == "registered"
     thief = bytes(range(32))
-    body = {"type": "register", "job_id": "a", "request_id": "someone-else", "device": "0", "persistent_bytes": 0,
-            "key": thief.hex()}
+    body = {
+        "type": "register",
+        "job_id": "a",
+        "request_id": "someone-else",
+        "device": "0",
+        "persistent_bytes": 0,
+        "key": thief.hex(),
+    }
     other = h.send(body, "x", key=thief)[0]
     assert other["type"] == "error" and other["code"] == P.ERR_JOB_EXISTS
     assert h.core.jobs["a"].key == h.keys["a"]
@@ -290,8 +336,11 @@ def test_messages_not_signed_with_the_jobs_key_are_rejected_and_not_served():
     h = Harness()
     h.register("victim")
     attacker = bytes(range(32))
-    forged = h.send({"type": "request", "job_id": "victim", "request_id": "x", "device": "0", "seconds": 5.0,
-                     "peak_bytes": 0}, "attacker", key=attacker)
+    forged = h.send(
+        {"type": "request", "job_id": "victim", "request_id": "x", "device": "0", "seconds": 5.0, "peak_bytes": 0},
+        "attacker",
+        key=attacker,
+    )
     assert forged[0]["type"] == "error" and forged[0]["code"] == P.ERR_BAD_SIGNATURE
     assert h.outs[-1].key is None  # not signed: the sender did not prove it is the job
     unsigned = h.send({"type": "deregister", "job_id": "victim", "request_id": "y"}, "attacker")
@@ -328,8 +377,15 @@ def test_a_thousand_malformed_messages_are_rejected_and_service_goes_on():
     bad_bodies = []
     for i in range(1000):
         k = i % 10
-        base = {"v": 2, "type": "request", "job_id": "good", "request_id": f"b{i}",
-                "device": "0", "seconds": 0.1, "peak_bytes": 0}
+        base = {
+            "v": 2,
+            "type": "request",
+            "job_id": "good",
+            "request_id": f"b{i}",
+            "device": "0",
+            "seconds": 0.1,
+            "peak_bytes": 0,
+        }
         if k == 0:
             body = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 64)))
         elif k == 1:
@@ -364,20 +420,31 @@ def test_a_thousand_malformed_messages_are_rejected_and_service_goes_on():
 
 
 # ---------------------------------------------------------------------- protocol
-@pytest.mark.parametrize("payload,fragment", [
-    ({"type": "request"}, "lacks"),
-    ({"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": math.inf,
-      "peak_bytes": 0}, "finite"),
-    ({"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": 1,
-      "peak_bytes": 1.5}, "integer"),
-    ({"type": "register", "job_id": "", "request_id": "r", "device": "0", "persistent_bytes": 0}, "job_id"),
-    ({"type": "heartbeat", "job_id": "a", "token": "t"}, "unknown fields"),
-    ({"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0,
-      "key": "00"}, "key must be 32 bytes"),
-    ({"type": "heartbeat", "job_id": "a", "presence": "gpemu.sharing.requests"}, "presence must name"),
-    ({"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0,
-      "weight": 0}, "weight"),
-])
+@pytest.mark.parametrize(
+    "payload,fragment",
+    [
+        ({"type": "request"}, "lacks"),
+        (
+            {"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": math.inf, "peak_bytes": 0},
+            "finite",
+        ),
+        (
+            {"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": 1, "peak_bytes": 1.5},
+            "integer",
+        ),
+        ({"type": "register", "job_id": "", "request_id": "r", "device": "0", "persistent_bytes": 0}, "job_id"),
+        ({"type": "heartbeat", "job_id": "a", "token": "t"}, "unknown fields"),
+        (
+            {"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0, "key": "00"},
+            "key must be 32 bytes",
+        ),
+        ({"type": "heartbeat", "job_id": "a", "presence": "gpemu.sharing.requests"}, "presence must name"),
+        (
+            {"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0, "weight": 0},
+            "weight",
+        ),
+    ],
+)
 def test_protocol_errors_say_what_is_wrong(payload, fragment):
     with pytest.raises(P.ProtocolError, match=fragment):
         P.parse_message(P.encode(payload))
@@ -398,13 +465,22 @@ HOST = "testhost/boot-1"
 class GrantHarness(Harness):
     """A core whose jobs ask for grants; ``host`` decides whether they share its clock."""
 
-    def __init__(self, policy: str | type = "fifo", lookahead_s: float = 0.0, backdate_s: float = 0.05,
-                 lease_s: float = 100.0, capacity: int = 16 * GiB, quantum_s: float | None = None) -> None:
-        super().__init__(policy, capacity, lease_s, quantum_s, host=HOST, lookahead_s=lookahead_s,
-                         backdate_s=backdate_s)
+    def __init__(
+        self,
+        policy: str | type = "fifo",
+        lookahead_s: float = 0.0,
+        backdate_s: float = 0.05,
+        lease_s: float = 100.0,
+        capacity: int = 16 * GiB,
+        quantum_s: float | None = None,
+    ) -> None:
+        super().__init__(
+            policy, capacity, lease_s, quantum_s, host=HOST, lookahead_s=lookahead_s, backdate_s=backdate_s
+        )
 
-    def register(self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0",
-                 host: str = HOST) -> dict:
+    def register(
+        self, job: str, persistent: int = GiB, weight: float = 1.0, device: str = "0", host: str = HOST
+    ) -> dict:
         return super().register(job, persistent, weight, device, host=host)
 
     def grant(self, job: str, rid: str, seconds: float, sent_at: float | None = None, peak: int = 2 * GiB) -> list:
@@ -450,7 +526,7 @@ def test_lookahead_grants_the_next_slot_before_the_gpu_frees_up():
     assert [r["request_id"] for r in h.advance_to(2.9)] == ["a2"]
     ends = [(r["start"], r["end"]) for box in h.inbox.values() for r in box if r["type"] == "granted"]
     ends.sort()
-    assert all(s2 >= e1 for (_, e1), (s2, _) in zip(ends, ends[1:]))  # never overlapping
+    assert all(s2 >= e1 for (_, e1), (s2, _) in zip(ends, ends[1:], strict=False))  # never overlapping
 
 
 def test_same_host_request_to_an_idle_gpu_starts_when_it_was_sent():
@@ -517,11 +593,19 @@ def test_killed_job_granted_slot_is_released_after_its_lease():
     assert h.register("big", persistent=14 * GiB)["type"] == "registered"
 
 
-@pytest.mark.parametrize("field,value,fragment", [("grant", 1, "grant"), ("sent_at", -1.0, "sent_at"),
-                                                  ("sent_at", "now", "sent_at")])
+@pytest.mark.parametrize(
+    "field,value,fragment", [("grant", 1, "grant"), ("sent_at", -1.0, "sent_at"), ("sent_at", "now", "sent_at")]
+)
 def test_grant_fields_are_validated(field, value, fragment):
-    body = {"type": "request", "job_id": "a", "request_id": "r", "device": "0", "seconds": 1.0,
-            "peak_bytes": 0, field: value}
+    body = {
+        "type": "request",
+        "job_id": "a",
+        "request_id": "r",
+        "device": "0",
+        "seconds": 1.0,
+        "peak_bytes": 0,
+        field: value,
+    }
     with pytest.raises(P.ProtocolError, match=fragment):
         P.parse_message(P.encode(body))
 
@@ -588,29 +672,48 @@ def test_job_secret_derives_keys_so_no_job_can_act_as_another():
     secret = b"s" * 32
     h = Harness(job_secret=secret)
     k_a = P.derive_job_key(secret, "a")
-    reply = h.send({"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0}, "a",
-                   key=k_a)[0]
+    reply = h.send(
+        {"type": "register", "job_id": "a", "request_id": "r", "device": "0", "persistent_bytes": 0}, "a", key=k_a
+    )[0]
     assert reply["type"] == "registered" and h.core.jobs["a"].key == k_a
     # b knows its own derived key only: registering as "c" or acting as "a" with it fails
     k_b = P.derive_job_key(secret, "b")
-    as_c = h.send({"type": "register", "job_id": "c", "request_id": "r", "device": "0", "persistent_bytes": 0}, "b",
-                  key=k_b)[0]
+    as_c = h.send(
+        {"type": "register", "job_id": "c", "request_id": "r", "device": "0", "persistent_bytes": 0}, "b", key=k_b
+    )[0]
     assert as_c["code"] == P.ERR_BAD_SIGNATURE and "c" not in h.core.jobs
     own_key = bytes(range(32))  # a key of its own is not accepted where keys are derived
-    mine = h.send({"type": "register", "job_id": "d", "request_id": "r", "device": "0", "persistent_bytes": 0,
-                   "key": own_key.hex()}, "d", key=own_key)[0]
+    mine = h.send(
+        {
+            "type": "register",
+            "job_id": "d",
+            "request_id": "r",
+            "device": "0",
+            "persistent_bytes": 0,
+            "key": own_key.hex(),
+        },
+        "d",
+        key=own_key,
+    )[0]
     assert mine["code"] == P.ERR_BAD_SIGNATURE
-    as_a = h.send({"type": "request", "job_id": "a", "request_id": "x", "device": "0", "seconds": 1.0,
-                   "peak_bytes": 0}, "b", key=k_b)[0]
+    as_a = h.send(
+        {"type": "request", "job_id": "a", "request_id": "x", "device": "0", "seconds": 1.0, "peak_bytes": 0},
+        "b",
+        key=k_b,
+    )[0]
     assert as_a["code"] == P.ERR_BAD_SIGNATURE and h.core.devices["0"].running is None
     # a job the manager forgot (restart) gets a signed "unknown job" and registers again
-    gone = h.send({"type": "request", "job_id": "e", "request_id": "x", "device": "0", "seconds": 1.0,
-                   "peak_bytes": 0}, "e", key=P.derive_job_key(secret, "e"))[0]
+    gone = h.send(
+        {"type": "request", "job_id": "e", "request_id": "x", "device": "0", "seconds": 1.0, "peak_bytes": 0},
+        "e",
+        key=P.derive_job_key(secret, "e"),
+    )[0]
     assert gone["code"] == P.ERR_UNKNOWN_JOB and h.outs[-1].key == P.derive_job_key(secret, "e")
 
 
-@pytest.mark.parametrize("reply_to", ["gpemu.sharing.requests", "amq.gen-abc", "gpemu.sharing.reply.x y",
-                                      "gpemu.sharing.reply." + "z" * 300])
+@pytest.mark.parametrize(
+    "reply_to", ["gpemu.sharing.requests", "amq.gen-abc", "gpemu.sharing.reply.x y", "gpemu.sharing.reply." + "z" * 300]
+)
 def test_replies_go_only_to_reply_queues(reply_to):
     h = Harness()
     h._tag += 1
@@ -619,14 +722,17 @@ def test_replies_go_only_to_reply_queues(reply_to):
     assert "reply_to must name a queue" in outs[0].payload["reason"] and h.core.rejected == 1
 
 
-@pytest.mark.parametrize("body,fragment", [
-    (b"[" * 5000 + b"]" * 5000, "flat JSON object"),
-    (b'{"v": 2, "type": "status", "x": ' + b"[" * 100000 + b"}", "at most"),
-    (b'{"v": 2, "type": {"nested": 1}}', "flat JSON object"),
-    (b'{"v": 2, "type": "status", "request_id": "[[[["}', None),  # brackets inside a string are fine
-    (b"\xff\xfe", "not valid JSON"),
-    (b'{"v": 2, "type": "' + b"x" * 10000 + b'"}', "chars)"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        (b"[" * 5000 + b"]" * 5000, "flat JSON object"),
+        (b'{"v": 2, "type": "status", "x": ' + b"[" * 100000 + b"}", "at most"),
+        (b'{"v": 2, "type": {"nested": 1}}', "flat JSON object"),
+        (b'{"v": 2, "type": "status", "request_id": "[[[["}', None),  # brackets inside a string are fine
+        (b"\xff\xfe", "not valid JSON"),
+        (b'{"v": 2, "type": "' + b"x" * 10000 + b'"}', "chars)"),
+    ],
+)
 def test_poison_bodies_are_refused_before_decoding(body, fragment):
     if fragment is None:
         assert P.parse_message(body).type == "status"

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpemu.integrations.sharing.broker import RabbitBroker  # noqa: E402
-
 from gpemu.integrations.sharing import protocol as P  # noqa: E402
+from gpemu.integrations.sharing.broker import RabbitBroker  # noqa: E402
 from gpemu.integrations.sharing.client import SharingClient  # noqa: E402
 from gpemu.integrations.sharing.manager import DeviceSpec, SharingManager  # noqa: E402
 from gpemu.integrations.sharing.status import fetch_status  # noqa: E402
@@ -45,10 +44,24 @@ def purge(broker):
 
 
 class ThreadManager:
-    def __init__(self, url: str, policy: str = "round-robin", capacity: int = 16 * GiB, lease: float = LEASE,
-                 device: str = "0", **kw) -> None:
-        self.m = SharingManager(url, [DeviceSpec(device, "P100", capacity)], policy, lease_s=lease,
-                                status_interval_s=0.2, reconnect_s=0.2, **kw)
+    def __init__(
+        self,
+        url: str,
+        policy: str = "round-robin",
+        capacity: int = 16 * GiB,
+        lease: float = LEASE,
+        device: str = "0",
+        **kw,
+    ) -> None:
+        self.m = SharingManager(
+            url,
+            [DeviceSpec(device, "P100", capacity)],
+            policy,
+            lease_s=lease,
+            status_interval_s=0.2,
+            reconnect_s=0.2,
+            **kw,
+        )
         self.t = threading.Thread(target=self.m.serve_forever, daemon=True)
         self.t.start()
         assert self.m.connected.wait(20)
@@ -61,9 +74,25 @@ class ThreadManager:
 def start_manager_process(url: str, log: Path, capacity: str = "16GiB") -> subprocess.Popen:
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen(
-        [sys.executable, "-c", code, "share-manager", "--amqp", url, "--device", f"0=P100:{capacity}",
-         "--policy", "round-robin", "--lease", str(LEASE), "--status-interval", "0.2"],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-c",
+            code,
+            "share-manager",
+            "--amqp",
+            url,
+            "--device",
+            f"0=P100:{capacity}",
+            "--policy",
+            "round-robin",
+            "--lease",
+            str(LEASE),
+            "--status-interval",
+            "0.2",
+        ],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def client(url: str, job: str, **kw) -> SharingClient:
@@ -109,8 +138,10 @@ def test_request_that_does_not_fit_raises_cuda_oom(broker, purge):
 
     mgr = ThreadManager(broker.url, capacity=8 * GiB)
     try:
-        with client(broker.url, "small", persistent_bytes=3 * GiB) as other, \
-                client(broker.url, "big", persistent_bytes=2 * GiB) as big:
+        with (
+            client(broker.url, "small", persistent_bytes=3 * GiB) as other,
+            client(broker.url, "big", persistent_bytes=2 * GiB) as big,
+        ):
             big.run(0.01, 5 * GiB)  # 3 + 5 = 8 fits
             with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory"):
                 big.run(0.01, 6 * GiB)
@@ -290,8 +321,16 @@ def test_a_thousand_malformed_messages_over_the_broker(broker, purge, caplog):
             ch = conn.channel()
             bodies = []
             for i in range(1000):
-                base = {"v": 1, "type": "request", "job_id": "good", "token": "forged-token", "request_id": f"m{i}",
-                        "device": "0", "seconds": 0.5, "peak_bytes": 0}
+                base = {
+                    "v": 1,
+                    "type": "request",
+                    "job_id": "good",
+                    "token": "forged-token",
+                    "request_id": f"m{i}",
+                    "device": "0",
+                    "seconds": 0.5,
+                    "peak_bytes": 0,
+                }
                 variant = i % 5
                 if variant == 0:
                     bodies.append(b"\xff\x00not json")
@@ -302,8 +341,18 @@ def test_a_thousand_malformed_messages_over_the_broker(broker, purge, caplog):
                 elif variant == 3:
                     bodies.append(json.dumps({**base, "device": "9"}).encode())
                 else:
-                    bodies.append(json.dumps({"v": 1, "type": "register", "job_id": "x" * 500, "request_id": "r",
-                                              "device": "0", "persistent_bytes": 0}).encode())
+                    bodies.append(
+                        json.dumps(
+                            {
+                                "v": 1,
+                                "type": "register",
+                                "job_id": "x" * 500,
+                                "request_id": "r",
+                                "device": "0",
+                                "persistent_bytes": 0,
+                            }
+                        ).encode()
+                    )
             for body in bodies:
                 ch.basic_publish("", P.REQUEST_QUEUE, body)
             results = [good.run(0.01, GiB) for _ in range(10)]
@@ -327,21 +376,34 @@ def test_share_status_once_json_and_table(broker, purge):
         with client(broker.url, "visible-job") as c:
             c.run(0.01, GiB)
             code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-            out = subprocess.run([sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once",
-                                  "--json"], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert out.returncode == 0, out.stderr
             snap = json.loads(out.stdout)
             assert [j["job_id"] for j in snap["jobs"]] == ["visible-job"]
             assert snap["jobs"][0]["served_requests"] == 1
-            table = subprocess.run([sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once"],
-                                   capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+            table = subprocess.run(
+                [sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "COLUMNS": "200"},
+            )
             assert "visible-job" in table.stdout and "P100" in table.stdout
     finally:
         mgr.stop()
     # no manager now: a clear error, exit status 2
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-    out = subprocess.run([sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once",
-                          "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "share-status", "--amqp", broker.url, "--once", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "no sharing manager answered" in out.stderr
 
 
@@ -417,14 +479,36 @@ def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, p
         commands = {
             # job a holds 9 GiB for its whole life (persistent memory the manager must learn)
             "a": [sys.executable, str(script), broker.url, "job-a", str(iters), "9", str(tmp_path / "a.json")],
-            "b": cli + ["run", "--gpu", "P100", "--model", "resnet50", "--share", broker.url, "--no-summary", "--",
-                        sys.executable, str(script), broker.url, "job-b", str(iters), "0", str(tmp_path / "b.json")],
+            "b": cli
+            + [
+                "run",
+                "--gpu",
+                "P100",
+                "--model",
+                "resnet50",
+                "--share",
+                broker.url,
+                "--no-summary",
+                "--",
+                sys.executable,
+                str(script),
+                broker.url,
+                "job-b",
+                str(iters),
+                "0",
+                str(tmp_path / "b.json"),
+            ],
         }
         for name, argv in commands.items():
             errs[name] = tmp_path / f"{name}.err"
-            procs[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                           stderr=open(errs[name], "w"), env={**os.environ, "GPEMU_JOB_ID": "job-b"}
-                                           if name == "b" else None)
+            procs[name] = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                stderr=open(errs[name], "w"),
+                env={**os.environ, "GPEMU_JOB_ID": "job-b"} if name == "b" else None,
+            )
         for name, p in procs.items():
             assert _line(p, errs[name]) == "ready"
         for p in procs.values():  # start together so they contend for the GPU
@@ -481,6 +565,7 @@ def test_granted_jobs_resume_at_their_scheduled_end_on_a_back_to_back_timeline(b
     mgr = ThreadManager(broker.url, policy="round-robin")
     results: dict[str, list] = {}
     try:
+
         def job(name: str) -> None:
             with client(broker.url, name) as c:
                 assert c.same_host  # the manager runs in this process: one clock
@@ -497,10 +582,10 @@ def test_granted_jobs_resume_at_their_scheduled_end_on_a_back_to_back_timeline(b
             assert r.resumed_at >= r.scheduled_end  # never before the work ends on the emuGPU
             assert r.elapsed_s >= 0.03 - 1e-6
         slots = sorted((r.scheduled_start, r.scheduled_end) for r in runs)
-        assert all(s2 >= e1 for (_, e1), (s2, _) in zip(slots, slots[1:]))  # no overlap
+        assert all(s2 >= e1 for (_, e1), (s2, _) in zip(slots, slots[1:], strict=False))  # no overlap
         # Each job sends its next request as it resumes, while the other's slot runs: the next
         # slot starts exactly where the previous one ends (the manager does not wait for jobs).
-        touching = sum(s2 == e1 for (_, e1), (s2, _) in zip(slots, slots[1:]))
+        touching = sum(s2 == e1 for (_, e1), (s2, _) in zip(slots, slots[1:], strict=False))
         assert touching >= len(slots) // 2, slots
         # The manager served each request once; both jobs were time-sliced.
         assert mgr.m.core.devices["0"].served == 24
@@ -609,7 +694,9 @@ def test_token_theft_forged_reply_and_hog_attacks_fail(broker, purge, jobs_url):
             assert not result.succeeded, result.report()
         text = theft.report()
         assert text.count("ACCESS_REFUSED") == 2 and "RESOURCE_LOCKED" in text and "bad-signature" in text
-        assert "ACCESS_REFUSED" in forged.attacker_got[0] and "dropped as not signed by the manager: 1" in forged.report()
+        assert (
+            "ACCESS_REFUSED" in forged.attacker_got[0] and "dropped as not signed by the manager: 1" in forged.report()
+        )
         assert mgr.m.core.rejected >= 1 and "victim" not in mgr.m.core.jobs  # left on its own, at exit
     finally:
         mgr.stop()
@@ -623,8 +710,9 @@ def test_jobs_with_keys_from_the_job_secret(broker, purge, jobs_url):
         good = client(jobs_url, "pod-a", key=P.derive_job_key(secret, "pod-a"))
         good.register()
         assert good.run(0.01, GiB).elapsed_s >= 0.01
-        impostor = client(jobs_url, "pod-a-impostor", key=P.derive_job_key(b"x" * 32, "pod-a-impostor"),
-                          manager_timeout_s=3)
+        impostor = client(
+            jobs_url, "pod-a-impostor", key=P.derive_job_key(b"x" * 32, "pod-a-impostor"), manager_timeout_s=3
+        )
         from gpemu.integrations.sharing.client import SharingUnavailableError
 
         with pytest.raises(SharingUnavailableError):  # never answered with its key: nothing to trust
@@ -644,8 +732,12 @@ def test_poison_message_is_rejected_once_and_the_service_goes_on(broker, purge, 
         with client(broker.url, "good") as good:
             conn = pika.BlockingConnection(pika.URLParameters(broker.url))
             ch = conn.channel()
-            ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, b"[" * 5000 + b"]" * 5000,
-                             pika.BasicProperties(reply_to=P.reply_queue_name()))
+            ch.basic_publish(
+                P.REQUEST_EXCHANGE,
+                P.REQUEST_ROUTING_KEY,
+                b"[" * 5000 + b"]" * 5000,
+                pika.BasicProperties(reply_to=P.reply_queue_name()),
+            )
             results = [good.run(0.01, GiB) for _ in range(5)]
             conn.close()
         assert len(results) == 5 and mgr.m.core.rejected == 1 and mgr.m.internal_errors == 0
@@ -659,18 +751,42 @@ def _hostile_messages():
     """hypothesis strategy: (body, properties) an attacker or a broken client might publish."""
     from hypothesis import strategies as st
 
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                        st.text(max_size=40))
-    json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                                 st.dictionaries(st.text(max_size=8), inner,
-                                                                                 max_size=4)), max_leaves=12)
-    fields = st.sampled_from(["v", "type", "job_id", "request_id", "device", "seconds", "peak_bytes", "key",
-                              "persistent_bytes", "grant", "sent_at", "presence", "weight", "host", "kind"])
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=40)
+    )
+    json_values = st.recursive(
+        scalars,
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+        max_leaves=12,
+    )
+    fields = st.sampled_from(
+        [
+            "v",
+            "type",
+            "job_id",
+            "request_id",
+            "device",
+            "seconds",
+            "peak_bytes",
+            "key",
+            "persistent_bytes",
+            "grant",
+            "sent_at",
+            "presence",
+            "weight",
+            "host",
+            "kind",
+        ]
+    )
     types = st.sampled_from(["register", "request", "heartbeat", "deregister", "status", "granted", ""])
-    near_valid = st.fixed_dictionaries({"v": st.sampled_from([2, 1, "2", None]), "type": types,
-                                        "job_id": st.sampled_from(["good", "x", "", "a" * 300])},
-                                       optional={f: json_values for f in ["request_id", "device", "seconds",
-                                                                          "peak_bytes", "key", "presence"]})
+    near_valid = st.fixed_dictionaries(
+        {
+            "v": st.sampled_from([2, 1, "2", None]),
+            "type": types,
+            "job_id": st.sampled_from(["good", "x", "", "a" * 300]),
+        },
+        optional={f: json_values for f in ["request_id", "device", "seconds", "peak_bytes", "key", "presence"]},
+    )
     bodies = st.one_of(
         st.binary(max_size=300),
         st.dictionaries(fields, json_values, max_size=8).map(lambda d: json.dumps(d).encode()),
@@ -679,17 +795,31 @@ def _hostile_messages():
         st.integers(1, 20000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
         st.integers(15000, 70000).map(lambda n: b'{"v":2,"type":"' + b"x" * n + b'"}'),
     )
-    header_values = st.one_of(st.none(), st.booleans(), st.integers(-2**31, 2**31 - 1), st.text(max_size=80),
-                              st.lists(st.integers(0, 9), max_size=3),
-                              st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3))
+    header_values = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**31), 2**31 - 1),
+        st.text(max_size=80),
+        st.lists(st.integers(0, 9), max_size=3),
+        st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
+    )
     headers = st.dictionaries(st.one_of(st.just(P.SIG_HEADER), st.text(max_size=10)), header_values, max_size=4)
-    reply_to = st.one_of(st.none(), st.text(max_size=60), st.just(P.REQUEST_QUEUE),
-                         st.builds(lambda: P.reply_queue_name()),
-                         st.text(alphabet="abcdef0123456789", min_size=8, max_size=12).map(lambda s: P.REPLY_PREFIX + s))
-    props = st.fixed_dictionaries({"headers": st.one_of(st.none(), headers), "reply_to": reply_to},
-                                  optional={"priority": st.integers(0, 9), "content_type": st.text(max_size=20),
-                                            "correlation_id": st.text(max_size=20),
-                                            "expiration": st.integers(1, 10**6).map(str)})
+    reply_to = st.one_of(
+        st.none(),
+        st.text(max_size=60),
+        st.just(P.REQUEST_QUEUE),
+        st.builds(lambda: P.reply_queue_name()),
+        st.text(alphabet="abcdef0123456789", min_size=8, max_size=12).map(lambda s: P.REPLY_PREFIX + s),
+    )
+    props = st.fixed_dictionaries(
+        {"headers": st.one_of(st.none(), headers), "reply_to": reply_to},
+        optional={
+            "priority": st.integers(0, 9),
+            "content_type": st.text(max_size=20),
+            "correlation_id": st.text(max_size=20),
+            "expiration": st.integers(1, 10**6).map(str),
+        },
+    )
     return st.tuples(bodies, props)
 
 
@@ -718,8 +848,12 @@ def test_manager_survives_hypothesis_generated_messages_while_a_good_job_is_serv
     ch = conn.channel()
     sent = [0]
 
-    @settings(max_examples=250, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=250,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(_hostile_messages())
     def publish(message) -> None:
         body, props = message
@@ -771,10 +905,17 @@ def test_kubernetes_allocate_gives_each_container_credentials_that_work(broker, 
     root = Path(tempfile.mkdtemp(prefix="gpk-", dir="/tmp"))  # short: Unix socket paths
     create_devices(root / "dev", "P100", 1)
     kubelet = KubeletStandIn(root / "dp", echo=False).start()
-    plugin = EmuGpuPlugin(PluginOptions(
-        device_dir=str(root / "dev"), device_plugin_dir=str(root / "dp"), poll_interval_s=0.05,
-        sharing=f"amqp://{user}@127.0.0.1:{broker.port}/%2F", sharing_password=password, job_secret=secret,
-        credentials_dir=str(root / "creds"))).start()
+    plugin = EmuGpuPlugin(
+        PluginOptions(
+            device_dir=str(root / "dev"),
+            device_plugin_dir=str(root / "dp"),
+            poll_interval_s=0.05,
+            sharing=f"amqp://{user}@127.0.0.1:{broker.port}/%2F",
+            sharing_password=password,
+            job_secret=secret,
+            credentials_dir=str(root / "creds"),
+        )
+    ).start()
     mgr = ThreadManager(broker.url, job_secret=secret, lease=10.0, device="emugpu-0")  # named as on the node
     try:
         _ids, resp = kubelet.allocate("gpemu.io/emugpu", 1)
@@ -786,9 +927,11 @@ def test_kubernetes_allocate_gives_each_container_credentials_that_work(broker, 
             shutil.copy(m.host_path, container_dir / Path(m.container_path).name)
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPEMU_") or k == "GPEMU_DATA_DIR"}
         env.update(envs, GPEMU_DEVICE_DIR=str(container_dir), GPEMU_SUMMARY="0")
-        code = ("import gpemu, torch; gpemu.patch(); m = torch.nn.Linear(8, 8).cuda(); "
-                "[m(torch.randn(4, 8).cuda()).sum().backward() for _ in range(3)]; torch.cuda.synchronize(); "
-                "print('trained', flush=True); gpemu.unpatch()")
+        code = (
+            "import gpemu, torch; gpemu.patch(); m = torch.nn.Linear(8, 8).cuda(); "
+            "[m(torch.randn(4, 8).cuda()).sum().backward() for _ in range(3)]; torch.cuda.synchronize(); "
+            "print('trained', flush=True); gpemu.unpatch()"
+        )
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
         assert password not in proc.stdout + proc.stderr
@@ -801,4 +944,3 @@ def test_kubernetes_allocate_gives_each_container_credentials_that_work(broker, 
         plugin.stop()
         kubelet.stop()
         shutil.rmtree(root, ignore_errors=True)
-

@@ -35,8 +35,12 @@ def test_cuda_tensor_reports_cuda_device_and_keeps_metadata(rt):
 def test_ops_match_real_metadata(rt):
     a_host, b_host = torch.randn(4, 6), torch.randn(6, 7, dtype=torch.float64)
     a, b = a_host.cuda(), b_host.cuda()
-    for f in (lambda p, q: p @ q.float(), lambda p, q: p.unsqueeze(-1) + q[:1, :6].T.unsqueeze(0).float(),
-              lambda p, q: torch.cat([p, p], 1).view(2, -1), lambda p, q: p.to(torch.float16).mean(0)):
+    for f in (
+        lambda p, q: p @ q.float(),
+        lambda p, q: p.unsqueeze(-1) + q[:1, :6].T.unsqueeze(0).float(),
+        lambda p, q: torch.cat([p, p], 1).view(2, -1),
+        lambda p, q: p.to(torch.float16).mean(0),
+    ):
         got, want = f(a, b), f(a_host, b_host)
         assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride()
 
@@ -52,10 +56,17 @@ def test_mixing_devices_raises_like_cuda_but_allows_cpu_scalars(rt):
 
 
 _WAYS_IN = [
-    lambda t: t.cuda(), lambda t: t.cuda(1), lambda t: t.to("cuda"), lambda t: t.to("cuda:1"),
-    lambda t: t.to(torch.device("cuda", 1)), lambda t: t.to(0), lambda t: t.to(1),
-    lambda t: t.to("cuda", torch.float16), lambda t: t.to(device="cuda", dtype=torch.float64, non_blocking=True),
-    lambda t: t.to(torch.empty(1, device="cuda:1", dtype=torch.int32)), lambda t: t.type("torch.cuda.HalfTensor"),
+    lambda t: t.cuda(),
+    lambda t: t.cuda(1),
+    lambda t: t.to("cuda"),
+    lambda t: t.to("cuda:1"),
+    lambda t: t.to(torch.device("cuda", 1)),
+    lambda t: t.to(0),
+    lambda t: t.to(1),
+    lambda t: t.to("cuda", torch.float16),
+    lambda t: t.to(device="cuda", dtype=torch.float64, non_blocking=True),
+    lambda t: t.to(torch.empty(1, device="cuda:1", dtype=torch.int32)),
+    lambda t: t.type("torch.cuda.HalfTensor"),
     lambda t: t.to("cuda", copy=True),
 ]
 
@@ -83,14 +94,22 @@ def test_to_device_index_and_dtype_details(rt):
 
 
 _FACTORIES = [
-    lambda: torch.empty(2, 3, device="cuda"), lambda: torch.zeros(2, 3, device="cuda:1"),
-    lambda: torch.ones(4, device=torch.device("cuda")), lambda: torch.full((2,), 7.0, device="cuda"),
-    lambda: torch.rand(3, device="cuda"), lambda: torch.randn(3, 3, device="cuda"),
-    lambda: torch.randint(0, 10, (5,), device="cuda"), lambda: torch.arange(10, device="cuda"),
-    lambda: torch.linspace(0, 1, 5, device="cuda"), lambda: torch.eye(3, device="cuda"),
-    lambda: torch.tensor([1, 2, 3], device="cuda"), lambda: torch.as_tensor(np.ones(3), device="cuda"),
-    lambda: torch.zeros_like(torch.ones(2), device="cuda"), lambda: torch.empty_strided((2, 2), (1, 2), device="cuda"),
-    lambda: torch.from_numpy(np.zeros((2, 2), dtype=np.float32)).cuda(), lambda: torch.randperm(6, device="cuda"),
+    lambda: torch.empty(2, 3, device="cuda"),
+    lambda: torch.zeros(2, 3, device="cuda:1"),
+    lambda: torch.ones(4, device=torch.device("cuda")),
+    lambda: torch.full((2,), 7.0, device="cuda"),
+    lambda: torch.rand(3, device="cuda"),
+    lambda: torch.randn(3, 3, device="cuda"),
+    lambda: torch.randint(0, 10, (5,), device="cuda"),
+    lambda: torch.arange(10, device="cuda"),
+    lambda: torch.linspace(0, 1, 5, device="cuda"),
+    lambda: torch.eye(3, device="cuda"),
+    lambda: torch.tensor([1, 2, 3], device="cuda"),
+    lambda: torch.as_tensor(np.ones(3), device="cuda"),
+    lambda: torch.zeros_like(torch.ones(2), device="cuda"),
+    lambda: torch.empty_strided((2, 2), (1, 2), device="cuda"),
+    lambda: torch.from_numpy(np.zeros((2, 2), dtype=np.float32)).cuda(),
+    lambda: torch.randperm(6, device="cuda"),
 ]
 
 
@@ -149,7 +168,9 @@ def test_training_step_autograd_and_optimizers(rt):
     for opt_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         opt = opt_cls(m.parameters(), lr=0.1)
         for _ in range(2):
-            loss = torch.nn.functional.cross_entropy(m(torch.randn(16, 10).cuda()), torch.zeros(16, dtype=torch.long).cuda())
+            loss = torch.nn.functional.cross_entropy(
+                m(torch.randn(16, 10).cuda()), torch.zeros(16, dtype=torch.long).cuda()
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -176,10 +197,10 @@ def test_grad_flows_back_to_host_tensor(rt):
 
 def test_metadata_cache_hits_on_repeated_ops(rt):
     x = torch.randn(64, 64).cuda()
-    y = x @ x
+    x @ x
     n = cache_info()["entries"]
     for _ in range(20):
-        y = torch.relu(x @ x + 1.0)
+        torch.relu(x @ x + 1.0)
     grown = cache_info()["entries"] - n
     assert grown <= 3  # relu, add (float value not in key), matmul -> a few entries, not 20x
 
@@ -261,7 +282,7 @@ def test_parameters_keep_their_objects_across_moves(rt):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # built before the move
     scaler = torch.amp.GradScaler("cuda")
     model.cuda()
-    assert all(a is b for a, b in zip(params, model.parameters()))
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=False))
     assert all(isinstance(p, EmuTensor) and isinstance(p, torch.nn.Parameter) and p.is_cuda for p in params)
     x, y = torch.randn(4, 8).cuda(), torch.zeros(4, dtype=torch.long).cuda()
     for _ in range(3):
@@ -274,7 +295,7 @@ def test_parameters_keep_their_objects_across_moves(rt):
     assert all(opt.state[p]["momentum_buffer"].is_cuda for p in params)
     assert sum(1 for s in rt.recorder.spans if s.kind == "optimizer") == 3
     model.cpu()
-    assert all(a is b and not b.is_cuda for a, b in zip(params, model.parameters()))
+    assert all(a is b and not b.is_cuda for a, b in zip(params, model.parameters(), strict=False))
     with torch.device("meta"):
         lazy = torch.nn.Linear(3, 3)
     weight = lazy.weight

@@ -34,12 +34,29 @@ def two_gpu_run() -> RunRecords:
             rec.memory_sample(d, clock.now(), (i + 1) * 1_000_000 + d, 4 << 20)
         side.enqueue(0.05, "preprocess", "decode")
         eng.synchronize(None, "item")
-    return RunRecords(gpus=["V100", "A100"], spans=rec.spans, waits=rec.waits, memory=rec.memory,
-                      iterations=rec.iterations, counters={"h2d_bytes": 123.0, "h2d_copies": 8.0},
-                      notes=["a note"], started_at=START, ended_at=clock.now(),
-                      memory_stats=[{"capacity": 32 << 30, "peak_allocated": 5_000_000, "peak_reserved": 4 << 20,
-                                     "allocated": 1, "reserved": 2, "ooms": 1}, {}],
-                      config="gpus=[V100,A100]")
+    return RunRecords(
+        gpus=["V100", "A100"],
+        spans=rec.spans,
+        waits=rec.waits,
+        memory=rec.memory,
+        iterations=rec.iterations,
+        counters={"h2d_bytes": 123.0, "h2d_copies": 8.0},
+        notes=["a note"],
+        started_at=START,
+        ended_at=clock.now(),
+        memory_stats=[
+            {
+                "capacity": 32 << 30,
+                "peak_allocated": 5_000_000,
+                "peak_reserved": 4 << 20,
+                "allocated": 1,
+                "reserved": 2,
+                "ooms": 1,
+            },
+            {},
+        ],
+        config="gpus=[V100,A100]",
+    )
 
 
 @pytest.fixture
@@ -121,7 +138,13 @@ def test_load_trace_rejects_other_files(tmp_path):
     bad.write_text(json.dumps({"traceEvents": []}))
     with pytest.raises(TraceError, match="not a gpemu trace"):
         load_trace(bad)
-    bad.write_text(json.dumps({"traceEvents": [{"ph": "X", "ts": "x", "pid": 1, "args": {"enqueued_us": 1}}],
-                               "otherData": {"format": "gpemu-trace/1", "gpus": ["V100"]}}))
+    bad.write_text(
+        json.dumps(
+            {
+                "traceEvents": [{"ph": "X", "ts": "x", "pid": 1, "args": {"enqueued_us": 1}}],
+                "otherData": {"format": "gpemu-trace/1", "gpus": ["V100"]},
+            }
+        )
+    )
     with pytest.raises(TraceError, match="malformed"):
         load_trace(bad)

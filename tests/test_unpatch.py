@@ -26,9 +26,19 @@ def _owners() -> dict[str, object]:
     for name, mod in list(sys.modules.items()):
         if mod is None:
             continue
-        if name == "torch" or any(name == p or name.startswith(p + ".") for p in
-                                   ("torch.cuda", "torch.accelerator", "torch.backends", "torch.distributed",
-                                    "torch.nn.parallel", "torch.amp", "torch.optim", "torch.utils.data")):
+        if name == "torch" or any(
+            name == p or name.startswith(p + ".")
+            for p in (
+                "torch.cuda",
+                "torch.accelerator",
+                "torch.backends",
+                "torch.distributed",
+                "torch.nn.parallel",
+                "torch.amp",
+                "torch.optim",
+                "torch.utils.data",
+            )
+        ):
             owners[name] = mod
     owners["class:torch.Tensor"] = torch.Tensor
     owners["class:torch.nn.Module"] = torch.nn.Module

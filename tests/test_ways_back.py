@@ -27,9 +27,16 @@ def test_every_way_back_waits_for_the_gpu(rt):
     x = torch.zeros(4, 4, device="cuda")
     s = x.sum()
     ways = {
-        "item": lambda: s.item(), "bool": lambda: bool(s), "float": lambda: float(s), "int": lambda: int(s),
-        "cpu": lambda: x.cpu(), "to-cpu": lambda: x.to("cpu"), "tolist": lambda: x.tolist(),
-        "format": lambda: f"{s:.3f}", "repr": lambda: repr(x), "numpy-after-cpu": lambda: x.cpu().numpy(),
+        "item": lambda: s.item(),
+        "bool": lambda: bool(s),
+        "float": lambda: float(s),
+        "int": lambda: int(s),
+        "cpu": lambda: x.cpu(),
+        "to-cpu": lambda: x.to("cpu"),
+        "tolist": lambda: x.tolist(),
+        "format": lambda: f"{s:.3f}",
+        "repr": lambda: repr(x),
+        "numpy-after-cpu": lambda: x.cpu().numpy(),
     }
     for name, way in ways.items():
         end = _busy(rt)

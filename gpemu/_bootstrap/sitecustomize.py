@@ -55,9 +55,13 @@ def _cannot_emulate(exc: ImportError) -> None:
     if os.environ.get("GPEMU_RUN_PID") != str(os.getpid()):
         print(f"[gpemu] warning: {what}: it runs without emulated GPUs", file=sys.stderr, flush=True)
         return
-    print(f"[gpemu] error: {what}, so it would run without emulated GPUs; run the command with the "
-          f"Python gpemu is installed in ({os.environ.get('GPEMU_RUN_PYTHON', 'see `which gpemu`')}), "
-          "or give the script itself (`gpemu run -- train.py`), which uses it", file=sys.stderr, flush=True)
+    print(
+        f"[gpemu] error: {what}, so it would run without emulated GPUs; run the command with the "
+        f"Python gpemu is installed in ({os.environ.get('GPEMU_RUN_PYTHON', 'see `which gpemu`')}), "
+        "or give the script itself (`gpemu run -- train.py`), which uses it",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(2)
 
 

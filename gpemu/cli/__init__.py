@@ -24,14 +24,25 @@ __all__ = ["main", "cli", "UserError", "console", "err_console", "make_console"]
 # name -> (module, attribute, one-line help). The module defines a click.Command.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("gpemu.cli.run_cmd", "run", "Run a PyTorch script on emulated GPUs (no edits to the script)."),
-    "gpus": ("gpemu.cli.db_cmds", "gpus", "List the GPUs you can emulate, measured or datasheet-only (`gpus add`: add one)."),
+    "gpus": (
+        "gpemu.cli.db_cmds",
+        "gpus",
+        "List the GPUs you can emulate, measured or datasheet-only (`gpus add`: add one).",
+    ),
     "models": ("gpemu.cli.db_cmds", "models", "List the models the profile database knows."),
     "show": ("gpemu.cli.db_cmds", "show", "Show every measurement for a model on a GPU at a batch size."),
     "db": ("gpemu.cli.db_cmds", "db", "Manage the profile database (path, init, export, import)."),
     "profile": ("gpemu.profiler.cli", "profile", "Measure models on a real GPU into the profile database."),
-    "share-manager": ("gpemu.integrations.sharing.cli", "share_manager",
-                      "Run the RabbitMQ sharing manager that time-slices emuGPUs among jobs."),
-    "share-status": ("gpemu.integrations.sharing.cli", "share_status", "Live view of a sharing manager's emuGPUs and jobs."),
+    "share-manager": (
+        "gpemu.integrations.sharing.cli",
+        "share_manager",
+        "Run the RabbitMQ sharing manager that time-slices emuGPUs among jobs.",
+    ),
+    "share-status": (
+        "gpemu.integrations.sharing.cli",
+        "share_status",
+        "Live view of a sharing manager's emuGPUs and jobs.",
+    ),
     "k8s": ("gpemu.k8s.cli", "k8s", "Kubernetes: emuGPU device files and the device plugin."),
     "report": ("gpemu.cli.report_cmd", "report", "Summarise, compare or plot traces written by `gpemu run --trace`."),
 }

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -18,7 +19,10 @@ from gpemu.cli import UserError, console
 __all__ = ["gpus", "models", "show", "db"]
 
 _db_option = click.option(
-    "--db", "db_url", metavar="URL", default=None,
+    "--db",
+    "db_url",
+    metavar="URL",
+    default=None,
     help="SQLAlchemy URL of the profile database (default: $GPEMU_DB, else the per-user SQLite file).",
 )
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -116,9 +120,21 @@ def gpus(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
     n_measured = sum(1 for s in specs if s.name in counts)
     # Readable at 80 columns; the full name and the source join when the terminal is wider.
     width = console.width
-    cols = [("GPU", "left")] + ([("name", "left")] if width >= 110 else []) + [
-        ("gen", "left"), ("cc", "right"), ("status", "left"), ("rows", "right"), ("GiB", "right"),
-        ("SMs", "right"), ("FP32", "right"), ("BF16", "right"), ("mem GB/s", "right")]
+    cols = (
+        [("GPU", "left")]
+        + ([("name", "left")] if width >= 110 else [])
+        + [
+            ("gen", "left"),
+            ("cc", "right"),
+            ("status", "left"),
+            ("rows", "right"),
+            ("GiB", "right"),
+            ("SMs", "right"),
+            ("FP32", "right"),
+            ("BF16", "right"),
+            ("mem GB/s", "right"),
+        ]
+    )
     cols += [("source", "left")] if width >= 150 else []
     t = _table(f"{len(specs)} GPUs: {n_measured} measured, {len(specs) - n_measured} datasheet-only", cols)
     if width >= 150:
@@ -127,23 +143,47 @@ def gpus(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
         n = counts.get(s.name, 0)
         # measured: the database has model times on it; datasheet: shipped figures only; added:
         # figures someone entered (`gpemu gpus add`, an import); profiled: rates `gpemu profile` measured.
-        status = ("[green]measured[/green]" if n else "[yellow]datasheet[/yellow]" if s.provenance == "datasheet"
-                  else f"[yellow]{'added' if s.provenance == 'user' else s.provenance}[/yellow]")
+        status = (
+            "[green]measured[/green]"
+            if n
+            else "[yellow]datasheet[/yellow]"
+            if s.provenance == "datasheet"
+            else f"[yellow]{'added' if s.provenance == 'user' else s.provenance}[/yellow]"
+        )
         cc = f"{s.compute_capability[0]}.{s.compute_capability[1]}" if s.compute_capability else "?"
-        bf16 = "?" if s.bf16_tensor_flops is None else ("-" if s.bf16_tensor_flops == 0 else _g(s.bf16_tensor_flops, 1e12, 4))
-        row = [s.short_name] + ([s.name] if width >= 110 else []) + [
-            s.generation or "?", cc, status, f"{n:,}" if n else "-", f"{s.memory_bytes / (1 << 30):.0f}",
-            str(s.sm_count), _g(s.fp32_flops, 1e12), bf16, _g(s.memory_bandwidth, 1e9, 4)]
+        bf16 = (
+            "?"
+            if s.bf16_tensor_flops is None
+            else ("-" if s.bf16_tensor_flops == 0 else _g(s.bf16_tensor_flops, 1e12, 4))
+        )
+        row = (
+            [s.short_name]
+            + ([s.name] if width >= 110 else [])
+            + [
+                s.generation or "?",
+                cc,
+                status,
+                f"{n:,}" if n else "-",
+                f"{s.memory_bytes / (1 << 30):.0f}",
+                str(s.sm_count),
+                _g(s.fp32_flops, 1e12),
+                bf16,
+                _g(s.memory_bandwidth, 1e9, 4),
+            ]
+        )
         row += [_short(s.source or "", 60)] if width >= 150 else []
         t.add_row(*row)
     console.print(t)
     if not specs:
         console.print("the database is empty: fill it with `gpemu db init` or `gpemu db import`")
     else:
-        console.print("rows: measurements of models on it. FP32, BF16: peak TFLOP/s (BF16 on tensor cores, dense; "
-                      "- none). added: your datasheet figures (`gpemu gpus add`). A GPU without measurements takes "
-                      "the nearest measured generation's, scaled by the cost model (`gpemu show resnet50 --gpu H100 "
-                      "-b 64`); `gpemu gpus --json` has every figure and its source.", highlight=False)
+        console.print(
+            "rows: measurements of models on it. FP32, BF16: peak TFLOP/s (BF16 on tensor cores, dense; "
+            "- none). added: your datasheet figures (`gpemu gpus add`). A GPU without measurements takes "
+            "the nearest measured generation's, scaled by the cost model (`gpemu show resnet50 --gpu H100 "
+            "-b 64`); `gpemu gpus --json` has every figure and its source.",
+            highlight=False,
+        )
 
 
 def _short(text: str, width: int) -> str:
@@ -152,39 +192,81 @@ def _short(text: str, width: int) -> str:
 
 @gpus.command("add")
 @click.argument("name", required=False)
-@click.option("--alias", "aliases", multiple=True, metavar="SHORT", help="Short name for --gpu (repeatable; the first "
-              "is shown in tables), e.g. RTX3090.")
-@click.option("--generation", metavar="ARCH", help="Architecture: kepler, maxwell, pascal, volta, turing, ampere, ada, "
-              "hopper or blackwell (decides which calibrated curves price it).")
-@click.option("--compute-capability", metavar="M.m", help="Compute capability, e.g. 8.6 [default: the generation's "
-              "usual one].")
+@click.option(
+    "--alias",
+    "aliases",
+    multiple=True,
+    metavar="SHORT",
+    help="Short name for --gpu (repeatable; the first is shown in tables), e.g. RTX3090.",
+)
+@click.option(
+    "--generation",
+    metavar="ARCH",
+    help="Architecture: kepler, maxwell, pascal, volta, turing, ampere, ada, "
+    "hopper or blackwell (decides which calibrated curves price it).",
+)
+@click.option(
+    "--compute-capability", metavar="M.m", help="Compute capability, e.g. 8.6 [default: the generation's usual one]."
+)
 @click.option("--sms", type=int, metavar="N", help="Streaming multiprocessors.")
-@click.option("--memory-gb", type=float, metavar="GB", help="Memory as the datasheet says it (24 for a 24 GB card; "
-              "stored as GiB like every shipped GPU).")
+@click.option(
+    "--memory-gb",
+    type=float,
+    metavar="GB",
+    help="Memory as the datasheet says it (24 for a 24 GB card; stored as GiB like every shipped GPU).",
+)
 @click.option("--bandwidth-gbs", type=float, metavar="GB/S", help="Memory bandwidth, GB/s.")
 @click.option("--fp32-tflops", type=float, metavar="TF", help="FP32 peak without tensor cores, TFLOP/s.")
-@click.option("--tf32-tensor-tflops", type=float, metavar="TF", help="TF32 tensor-core peak, dense (half NVIDIA's "
-              "'with sparsity' figure), TFLOP/s; 0: none [default: 0 before Ampere].")
-@click.option("--fp16-tensor-tflops", type=float, metavar="TF", help="FP16 tensor-core peak with FP32 accumulate, "
-              "dense, TFLOP/s; 0: none.")
+@click.option(
+    "--tf32-tensor-tflops",
+    type=float,
+    metavar="TF",
+    help="TF32 tensor-core peak, dense (half NVIDIA's "
+    "'with sparsity' figure), TFLOP/s; 0: none [default: 0 before Ampere].",
+)
+@click.option(
+    "--fp16-tensor-tflops",
+    type=float,
+    metavar="TF",
+    help="FP16 tensor-core peak with FP32 accumulate, dense, TFLOP/s; 0: none.",
+)
 @click.option("--bf16-tensor-tflops", type=float, metavar="TF", help="BF16 tensor-core peak, dense, TFLOP/s; 0: none.")
 @click.option("--fp16-tflops", type=float, metavar="TF", help="FP16 peak without tensor cores, TFLOP/s [optional].")
 @click.option("--fp64-tflops", type=float, metavar="TF", help="FP64 peak, TFLOP/s [optional].")
 @click.option("--pcie-gen", type=int, metavar="N", help="PCIe generation of the host link [default: 4].")
-@click.option("--nvlink-gbs", type=float, metavar="GB/S", help="Total NVLink bandwidth per GPU, GB/s [default: 0, none].")
-@click.option("--host-pinned-gbs", type=float, metavar="GB/S", help="Pinned host->GPU copy rate [default: 0.8 x the "
-              "PCIe link].")
-@click.option("--host-pageable-gbs", type=float, metavar="GB/S", help="Pageable host->GPU copy rate [default: the "
-              "shipped GPUs' with that PCIe generation].")
+@click.option(
+    "--nvlink-gbs", type=float, metavar="GB/S", help="Total NVLink bandwidth per GPU, GB/s [default: 0, none]."
+)
+@click.option(
+    "--host-pinned-gbs", type=float, metavar="GB/S", help="Pinned host->GPU copy rate [default: 0.8 x the PCIe link]."
+)
+@click.option(
+    "--host-pageable-gbs",
+    type=float,
+    metavar="GB/S",
+    help="Pageable host->GPU copy rate [default: the shipped GPUs' with that PCIe generation].",
+)
 @click.option("--source", metavar="TEXT", help="Where the numbers come from (datasheet title or URL).")
-@click.option("--file", "from_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-              help="Read the GPU(s) from a YAML or JSON file with the same fields (memory_gb: 24, ...) instead.")
+@click.option(
+    "--file",
+    "from_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="Read the GPU(s) from a YAML or JSON file with the same fields (memory_gb: 24, ...) instead.",
+)
 @click.option("--replace", is_flag=True, help="Update a GPU you added before (same name).")
 @_db_option
 @click.pass_context
 @_one_line_errors
-def gpus_add(ctx: click.Context, name: str | None, aliases: tuple[str, ...], from_file: Path | None, replace: bool,
-             db_url: str | None, **numbers: Any) -> None:
+def gpus_add(
+    ctx: click.Context,
+    name: str | None,
+    aliases: tuple[str, ...],
+    from_file: Path | None,
+    replace: bool,
+    db_url: str | None,
+    **numbers: Any,
+) -> None:
     """Add a GPU to the database from its datasheet numbers, so `gpemu run --gpu NAME` emulates it.
 
     NAME is what torch.cuda.get_device_name() reports on the real GPU. Without measurements of
@@ -226,16 +308,26 @@ def gpus_add(ctx: click.Context, name: str | None, aliases: tuple[str, ...], fro
     for spec in specs:
         pdb.add_gpu(spec)
     for spec in specs:
-        tc = ", ".join(f"{label} {getattr(spec, attr) / 1e12:g}" for label, attr in (
-            ("TF32", "tf32_tensor_flops"), ("FP16", "fp16_tensor_flops"), ("BF16", "bf16_tensor_flops"))
-            if getattr(spec, attr))
+        tc = ", ".join(
+            f"{label} {getattr(spec, attr) / 1e12:g}"
+            for label, attr in (
+                ("TF32", "tf32_tensor_flops"),
+                ("FP16", "fp16_tensor_flops"),
+                ("BF16", "bf16_tensor_flops"),
+            )
+            if getattr(spec, attr)
+        )
         cc = spec.compute_capability
-        click.echo(f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc[0]}.{cc[1]}, "
-                   f"{spec.sm_count} SMs, {spec.memory_bytes / (1 << 30):g} GiB at {spec.memory_bandwidth / 1e9:g} GB/s, "
-                   f"FP32 {spec.fp32_flops / 1e12:g} TFLOP/s" + (f", tensor {tc}" if tc else ", no tensor cores"))
+        click.echo(
+            f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc[0]}.{cc[1]}, "
+            f"{spec.sm_count} SMs, {spec.memory_bytes / (1 << 30):g} GiB at {spec.memory_bandwidth / 1e9:g} GB/s, "
+            f"FP32 {spec.fp32_flops / 1e12:g} TFLOP/s" + (f", tensor {tc}" if tc else ", no tensor cores")
+        )
     first = specs[0].short_name
-    click.echo(f"try it: gpemu run --gpu {first} -- python train.py   (times from the cost model until you import "
-               f"measurements: docs/adding.md)")
+    click.echo(
+        f"try it: gpemu run --gpu {first} -- python train.py   (times from the cost model until you import "
+        f"measurements: docs/adding.md)"
+    )
 
 
 @click.command("models")
@@ -250,11 +342,18 @@ def models(db_url: str | None, as_json: bool) -> None:
 
         click.echo(json.dumps([asdict(m) for m in infos], indent=2))
         return
-    t = _table(f"{len(infos)} models (GFLOP per sample)", [("model", "left"), ("class", "left"),
-               ("parameters", "right"), ("fwd", "right"), ("fwd+bwd", "right")])
+    t = _table(
+        f"{len(infos)} models (GFLOP per sample)",
+        [("model", "left"), ("class", "left"), ("parameters", "right"), ("fwd", "right"), ("fwd+bwd", "right")],
+    )
     for m in infos:
-        t.add_row(m.name, m.class_name, f"{m.param_count:,}", _g(m.fwd_flops_per_sample, 1e9, 4),
-                  _g(m.fwd_bwd_flops_per_sample, 1e9, 4))
+        t.add_row(
+            m.name,
+            m.class_name,
+            f"{m.param_count:,}",
+            _g(m.fwd_flops_per_sample, 1e9, 4),
+            _g(m.fwd_bwd_flops_per_sample, 1e9, 4),
+        )
     console.print(t)
 
 
@@ -282,8 +381,10 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
     if not measured:
         source = _reference_gpu(pdb, spec, info.name)
         if source is None:
-            raise UserError(f"no measurements for {info.name} on {spec.name} in {pdb}, nor on the GPU a run "
-                            "scales from; a run estimates its time from the ops it runs")
+            raise UserError(
+                f"no measurements for {info.name} on {spec.name} in {pdb}, nor on the GPU a run "
+                "scales from; a run estimates its time from the ops it runs"
+            )
         measured = pdb.measured(source.name, info.name)
     # DDP iterations are per world size: one row each, labelled with it.
     rows = []
@@ -293,17 +394,21 @@ def show(model: str, gpu: str, batch_size: int, db_url: str | None, as_json: boo
     if source is not spec:
         note = _scale_to(rows, info, batch_size, source, spec)
     if ("backward", 1) in measured and ARTIFACT_SOURCE in pdb.sources(source.name, info.name, "backward"):
-        loop = ("The backward row is the shipped loop's: loss, zero_grad, backward and an SGD step; a run "
-                "charges it less that loop's loss and per-parameter kernels, which its own loss and optimizer "
-                "step replace (docs/time.md)")
+        loop = (
+            "The backward row is the shipped loop's: loss, zero_grad, backward and an SGD step; a run "
+            "charges it less that loop's loss and per-parameter kernels, which its own loss and optimizer "
+            "step replace (docs/time.md)"
+        )
         note = f"{note}\n{loop}" if note else loop
     if as_json:
         out: dict[str, Any] = {"model": info.name, "gpu": spec.name, "batch_size": batch_size}
         if source is not spec:
             out["gpu_provenance"] = spec.provenance
             out["measured_on"] = source.name
-        out["measurements"] = {k: {"value": v, "unit": u, "provenance": p, **({"uncertainty": str(unc)} if unc else {})}
-                               for k, v, u, p, unc in rows}
+        out["measurements"] = {
+            k: {"value": v, "unit": u, "provenance": p, **({"uncertainty": str(unc)} if unc else {})}
+            for k, v, u, p, unc in rows
+        }
         if note:
             out["note"] = note
         click.echo(json.dumps(out, indent=2))
@@ -350,8 +455,10 @@ def _scale_to(rows: list[list[Any]], info: Any, batch: int, source: Any, spec: A
             raise ImportError(f"examples/tvmodels.py has no {info.name}")
         table = record_model(builder, image=info.input_size or 224)
     except ImportError as exc:
-        return (f"forward/backward are the {source.short_name}'s: scaling them to the {spec.short_name} needs the "
-                f"model's ops ({exc}); `gpemu run --gpu {spec.short_name}` scales them by the ops your script runs")
+        return (
+            f"forward/backward are the {source.short_name}'s: scaling them to the {spec.short_name} needs the "
+            f"model's ops ({exc}); `gpemu run --gpu {spec.short_name}` scales them by the ops your script runs"
+        )
     cm = default_model()
     sheet, ref_sheet = gpu_sheet(spec), gpu_sheet(source)
     unc = cm.uncertainty(sheet, dominant_mix(table, cm.table_seconds(table, batch, sheet)))
@@ -360,10 +467,12 @@ def _scale_to(rows: list[list[Any]], info: Any, batch: int, source: Any, spec: A
             row[1] = cm.transfer_seconds(row[1], table, batch, row[0], ref_sheet, sheet)
             row[3] = f"scaled from {source.short_name}"
             row[4] = unc
-    return (f"scaled: the {source.short_name}'s measurement x the cost model's {spec.short_name}/{source.short_name} "
-            f"ratio for this model's ops (fp32, PyTorch's default TF32 switches)"
-            + (f"; {unc} is its cross-validated error on GPUs it was not fitted on" if unc else "")
-            + f". The other kinds are the {source.short_name}'s as measured.")
+    return (
+        f"scaled: the {source.short_name}'s measurement x the cost model's {spec.short_name}/{source.short_name} "
+        f"ratio for this model's ops (fp32, PyTorch's default TF32 switches)"
+        + (f"; {unc} is its cross-validated error on GPUs it was not fitted on" if unc else "")
+        + f". The other kinds are the {source.short_name}'s as measured."
+    )
 
 
 @click.group("db")
@@ -376,11 +485,10 @@ def db() -> None:
 @_one_line_errors
 def db_path(db_url: str | None) -> None:
     """Print the database URL in use (and whether the default file is built yet)."""
-    from gpemu.db import db_location
-
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    from gpemu.db import db_location
     from gpemu.units import redact_url
 
     cfg = _config(db_url)
@@ -388,8 +496,10 @@ def db_path(db_url: str | None) -> None:
     try:
         make_url(url)
     except ArgumentError:
-        raise UserError(f"--db {redact_url(url)!r} is not a SQLAlchemy URL; use e.g. sqlite:////path/to/profiles.sqlite "
-                        "or postgresql+psycopg://user@host/db") from None
+        raise UserError(
+            f"--db {redact_url(url)!r} is not a SQLAlchemy URL; use e.g. sqlite:////path/to/profiles.sqlite "
+            "or postgresql+psycopg://user@host/db"
+        ) from None
     click.echo(redact_url(url))
     if not cfg.db_url:
         from gpemu.db.build import default_db_path
@@ -416,30 +526,44 @@ def db_init(force: bool, db_url: str | None) -> None:
 
         path = ensure_default_db(cfg.default_data_dir, force=force)
         pdb = open_url(sqlite_url(path))
-        counts = {"gpus": len(pdb.gpus()), "models": len(pdb.models()), "measurements": pdb.count(),
-                  "distributions": len(pdb.distributions())}
+        counts = {
+            "gpus": len(pdb.gpus()),
+            "models": len(pdb.models()),
+            "measurements": pdb.count(),
+            "distributions": len(pdb.distributions()),
+        }
         where = str(path)
-    click.echo(f"{where}: {counts['gpus']} GPUs, {counts['models']} models, "
-               f"{counts['measurements']} measurements, {counts['distributions']} distributions")
+    click.echo(
+        f"{where}: {counts['gpus']} GPUs, {counts['models']} models, "
+        f"{counts['measurements']} measurements, {counts['distributions']} distributions"
+    )
 
 
 @db.command("export")
 @click.argument("path", type=click.Path(dir_okay=True, file_okay=True, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default=None,
-              help="json: one file; csv: a directory of CSV files (default: json if PATH ends in .json).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["json", "csv"]),
+    default=None,
+    help="json: one file; csv: a directory of CSV files (default: json if PATH ends in .json).",
+)
 @click.option("--gpu", "gpu_names", multiple=True, help="Only this GPU (repeatable).")
 @click.option("--model", "model_names", multiple=True, help="Only this model (repeatable).")
 @_db_option
 @_one_line_errors
-def db_export(path: Path, fmt: str | None, gpu_names: tuple[str, ...], model_names: tuple[str, ...],
-              db_url: str | None) -> None:
+def db_export(
+    path: Path, fmt: str | None, gpu_names: tuple[str, ...], model_names: tuple[str, ...], db_url: str | None
+) -> None:
     """Write the database (or part of it) to PATH as JSON or CSV."""
     from gpemu.db.io import export_db
 
     counts = export_db(_open(db_url), path, fmt, gpus=gpu_names or None, models=model_names or None)
-    click.echo(f"exported {counts['gpus']} GPUs, {counts['models']} models, {counts['measurements']} "
-               f"measurements, {counts['distributions']} distributions, {counts['op_curves']} op curves "
-               f"({counts['op_measurements']} kernels) to {path}")
+    click.echo(
+        f"exported {counts['gpus']} GPUs, {counts['models']} models, {counts['measurements']} "
+        f"measurements, {counts['distributions']} distributions, {counts['op_curves']} op curves "
+        f"({counts['op_measurements']} kernels) to {path}"
+    )
 
 
 @db.command("import")
@@ -456,9 +580,11 @@ def db_import(path: Path, show_rejected: int, db_url: str | None) -> None:
     from gpemu.db.io import import_path
 
     report = import_path(_open(db_url), path)
-    click.echo(f"imported {report.gpus} GPUs, {report.models} models, {report.measurements} measurements, "
-               f"{report.distributions} distributions, {report.op_curves} op curves ({report.op_measurements} "
-               f"kernels) from {path}")
+    click.echo(
+        f"imported {report.gpus} GPUs, {report.models} models, {report.measurements} measurements, "
+        f"{report.distributions} distributions, {report.op_curves} op curves ({report.op_measurements} "
+        f"kernels) from {path}"
+    )
     if report.rejected:
         click.echo(f"rejected {len(report.rejected)} rows:", err=True)
         for r in report.rejected[:show_rejected]:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import click
 
@@ -34,26 +35,46 @@ __all__ = ["report", "plot_timeline", "compare_rows", "print_comparison"]
 _COLOURS = {"busy": "#0072B2", "data_stall": "#E69F00", "other_idle": "#BBBBBB"}
 _LABELS = {"busy": "GPU busy", "data_stall": "data stall (host not ready)", "other_idle": "other idle (deps, sharing)"}
 _KIND_COLOURS = {
-    "forward": "#0072B2", "backward": "#56B4E9", "optimizer": "#009E73", "transfer": "#CC79A7",
-    "op": "#332288", "comm": "#D55E00", "preprocess": "#882255",
+    "forward": "#0072B2",
+    "backward": "#56B4E9",
+    "optimizer": "#009E73",
+    "transfer": "#CC79A7",
+    "op": "#332288",
+    "comm": "#D55E00",
+    "preprocess": "#882255",
 }
 _OTHER_KIND = "#444444"
-_MAX_BARS = 150        # per-iteration bars before they are grouped
-_MAX_MARKS = 40        # iteration marks on the top axis before only every k-th is marked
-_ZOOM_ITERATIONS = 4   # iterations in the steady-state zoom
-_MAX_GPU_ROWS = 4      # whole-run panels drawn (the rest are summarised in the title)
+_MAX_BARS = 150  # per-iteration bars before they are grouped
+_MAX_MARKS = 40  # iteration marks on the top axis before only every k-th is marked
+_ZOOM_ITERATIONS = 4  # iterations in the steady-state zoom
+_MAX_GPU_ROWS = 4  # whole-run panels drawn (the rest are summarised in the title)
 
 
 @click.command("report", short_help="Summarise, compare or plot traces written by `gpemu run --trace`.")
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--compare", "other", metavar="TRACE_B", type=click.Path(dir_okay=False, path_type=Path),
-              help="Compare TRACE with TRACE_B side by side (e.g. a baseline and a data-loader change).")
-@click.option("--plot", "plot_path", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also draw a figure to FILE (.png, .pdf or .svg): utilisation and data stalls over the "
-                   "run, memory, a zoom on the steady state, and each iteration's time.")
+@click.option(
+    "--compare",
+    "other",
+    metavar="TRACE_B",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Compare TRACE with TRACE_B side by side (e.g. a baseline and a data-loader change).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also draw a figure to FILE (.png, .pdf or .svg): utilisation and data stalls over the "
+    "run, memory, a zoom on the steady state, and each iteration's time.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (the --metrics format).")
-@click.option("--bins", default=100, show_default=True, type=click.IntRange(1, 100000),
-              help="Time bins of the whole-run panels of the figure.")
+@click.option(
+    "--bins",
+    default=100,
+    show_default=True,
+    type=click.IntRange(1, 100000),
+    help="Time bins of the whole-run panels of the figure.",
+)
 def report(trace: Path, other: Path | None, plot_path: Path | None, as_json: bool, bins: int) -> None:
     """Summarise TRACE (written by `gpemu run --trace TRACE`), compare it with another, or plot it.
 
@@ -67,8 +88,9 @@ def report(trace: Path, other: Path | None, plot_path: Path | None, as_json: boo
     from gpemu.trace import load_trace
 
     if plot_path is not None and plot_path.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise click.BadParameter(f"the figure's file name must end in .png, .pdf or .svg, got {plot_path.name!r}",
-                                 param_hint="--plot")
+        raise click.BadParameter(
+            f"the figure's file name must end in .png, .pdf or .svg, got {plot_path.name!r}", param_hint="--plot"
+        )
     records = load_trace(trace)  # TraceError (a ValueError) -> one clear line
     summary = compute_summary(records)
     if other is not None:
@@ -136,15 +158,24 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, s
             continue
         names = {WINDOW_NAMES.get(x["au_window"] or "", "-") for x in (da, db)}
         prefix = f"GPU {d} " if a["num_gpus"] > 1 or b["num_gpus"] > 1 else ""
-        rows.append((f"{prefix}window".strip(), WINDOW_NAMES.get(da["au_window"] or "", "-"),
-                     WINDOW_NAMES.get(db["au_window"] or "", "-"), "" if len(names) == 1 else "differs"))
+        rows.append(
+            (
+                f"{prefix}window".strip(),
+                WINDOW_NAMES.get(da["au_window"] or "", "-"),
+                WINDOW_NAMES.get(db["au_window"] or "", "-"),
+                "" if len(names) == 1 else "differs",
+            )
+        )
         ita, itb = da["iteration_time"], db["iteration_time"]
         for label, key in (("iteration time, mean", "mean_s"), ("iteration time, median", "median_s")):
             x = ita[key] if ita else None
             y = itb[key] if itb else None
             rows.append((prefix + label, fmt_s(x), fmt_s(y), rel(x, y)))
-        for label, key in (("GPU busy / iteration", "busy_s"), ("data stall / iteration", "data_stall_s"),
-                           ("other idle / iteration", "other_idle_s")):
+        for label, key in (
+            ("GPU busy / iteration", "busy_s"),
+            ("data stall / iteration", "data_stall_s"),
+            ("other idle / iteration", "other_idle_s"),
+        ):
             x, y = _per_iteration(da, wa, key), _per_iteration(db, wb, key)
             rows.append((prefix + label, fmt_s(x), fmt_s(y), rel(x, y)))
         x, y = (da["au"] if wa else None), (db["au"] if wb else None)
@@ -165,15 +196,39 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, s
         y = hb["total_s"] / db["iterations"] if db["iterations"] else None
         rows.append((prefix + "host waited for GPU / iteration (whole run)", fmt_s(x), fmt_s(y), rel(x, y)))
         ma, mb = da["memory"], db["memory"]
-        rows.append((prefix + "peak memory allocated", _bytes(ma["peak_allocated_bytes"]),
-                     _bytes(mb["peak_allocated_bytes"]), rel(ma["peak_allocated_bytes"], mb["peak_allocated_bytes"])))
-        rows.append((prefix + "persistent memory", _bytes(ma["persistent_bytes"]), _bytes(mb["persistent_bytes"]),
-                     rel(ma["persistent_bytes"], mb["persistent_bytes"])))
+        rows.append(
+            (
+                prefix + "peak memory allocated",
+                _bytes(ma["peak_allocated_bytes"]),
+                _bytes(mb["peak_allocated_bytes"]),
+                rel(ma["peak_allocated_bytes"], mb["peak_allocated_bytes"]),
+            )
+        )
+        rows.append(
+            (
+                prefix + "persistent memory",
+                _bytes(ma["persistent_bytes"]),
+                _bytes(mb["persistent_bytes"]),
+                rel(ma["persistent_bytes"], mb["persistent_bytes"]),
+            )
+        )
     ta, tb = a["transfers"], b["transfers"]
-    rows.append(("host->GPU bytes (whole run)", _bytes(ta["h2d_bytes"]), _bytes(tb["h2d_bytes"]),
-                 rel(ta["h2d_bytes"], tb["h2d_bytes"])))
-    rows.append(("host->GPU pinned bytes", _bytes(ta["h2d_pinned_bytes"]), _bytes(tb["h2d_pinned_bytes"]),
-                 rel(ta["h2d_pinned_bytes"], tb["h2d_pinned_bytes"])))
+    rows.append(
+        (
+            "host->GPU bytes (whole run)",
+            _bytes(ta["h2d_bytes"]),
+            _bytes(tb["h2d_bytes"]),
+            rel(ta["h2d_bytes"], tb["h2d_bytes"]),
+        )
+    )
+    rows.append(
+        (
+            "host->GPU pinned bytes",
+            _bytes(ta["h2d_pinned_bytes"]),
+            _bytes(tb["h2d_pinned_bytes"]),
+            rel(ta["h2d_pinned_bytes"], tb["h2d_pinned_bytes"]),
+        )
+    )
     return rows
 
 
@@ -183,9 +238,14 @@ def print_comparison(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: 
 
     from gpemu.cli import console
 
-    table = Table(title=f"A: {name_a}   vs   B: {name_b}", title_justify="left", show_edge=False,
-                  caption="per iteration: steady state (iterations after the first); change: B vs A "
-                          "(relative; shares in percentage points)", caption_justify="left")
+    table = Table(
+        title=f"A: {name_a}   vs   B: {name_b}",
+        title_justify="left",
+        show_edge=False,
+        caption="per iteration: steady state (iterations after the first); change: B vs A "
+        "(relative; shares in percentage points)",
+        caption_justify="left",
+    )
     table.add_column("", no_wrap=True)
     table.add_column("A", justify="right", no_wrap=True)
     table.add_column("B", justify="right", no_wrap=True)
@@ -217,7 +277,7 @@ def _nice_step(n: int, most: int) -> int:
 def _typical_window(marks: Sequence[float], k: int) -> int:
     """Index of the first of ``k`` consecutive steady-state iterations (after iteration 0) whose
     mean time is closest to the run's median iteration time; the most central on ties."""
-    durations = [y - x for x, y in zip(marks, marks[1:])]
+    durations = [y - x for x, y in zip(marks, marks[1:], strict=False)]
     median = sorted(durations)[len(durations) // 2]
     centre = (len(durations) - k) / 2
     best, best_key = 0, (math.inf, math.inf)
@@ -231,7 +291,9 @@ def _typical_window(marks: Sequence[float], k: int) -> int:
     return best
 
 
-def _memory_series(records: Any, d: int, start: float | None, end: float | None) -> tuple[list[float], list[int], list[int], bool]:
+def _memory_series(
+    records: Any, d: int, start: float | None, end: float | None
+) -> tuple[list[float], list[int], list[int], bool]:
     """(times, allocated, reserved, from_model_copy) of device ``d``. The tracker samples memory
     at forward/backward boundaries; before the first sample the model copies' bytes (from the
     transfer counters, split over the copies by their duration) are drawn from the moment each
@@ -271,11 +333,11 @@ def _envelope(ts: Sequence[float], values: Sequence[float], a: float, b: float, 
     edges = np.linspace(a, b, bins + 1)
     lo, hi = np.empty(bins), np.empty(bins)
     first = np.searchsorted(t, edges[:-1], side="right") - 1  # the sample in force at a bin's start
-    last = np.searchsorted(t, edges[1:], side="left") - 1     # the last one before its end
+    last = np.searchsorted(t, edges[1:], side="left") - 1  # the last one before its end
     for i in range(bins):
         j0 = max(first[i], 0)
         j1 = max(last[i], j0)
-        seg = v[j0:j1 + 1]
+        seg = v[j0 : j1 + 1]
         lo[i], hi[i] = seg.min(), seg.max()
     return (edges[:-1] + edges[1:]) / 2, lo, hi
 
@@ -307,11 +369,13 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
             k = min(_ZOOM_ITERATIONS, len(m) - 1)
             i0 = _typical_window(m, k)
             zoom = (m[i0], m[i0 + k])
-            durations = sorted(y - x for x, y in zip(m, m[1:]))
-            zoom_title = (f"Zoom on the steady state: iterations {i0 + 1}-{i0 + k} of {len(m)} (GPU {ref}), "
-                          f"{1e3 * (zoom[1] - zoom[0]) / k:.1f} ms per iteration "
-                          f"(median of the run {1e3 * durations[len(durations) // 2]:.1f} ms); "
-                          "dashed: iteration ends")
+            durations = sorted(y - x for x, y in zip(m, m[1:], strict=False))
+            zoom_title = (
+                f"Zoom on the steady state: iterations {i0 + 1}-{i0 + k} of {len(m)} (GPU {ref}), "
+                f"{1e3 * (zoom[1] - zoom[0]) / k:.1f} ms per iteration "
+                f"(median of the run {1e3 * durations[len(durations) // 2]:.1f} ms); "
+                "dashed: iteration ends"
+            )
         else:
             tl = timelines[ref]
             zoom = (max(tl.start, tl.end - min(1.0, (tl.end - tl.start))), tl.end)
@@ -327,8 +391,13 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
     ax_zoom = fig.add_subplot(gs[len(shown) + 1, 0])
     ax_zmem = fig.add_subplot(gs[len(shown) + 2, 0], sharex=ax_zoom)
     ax_iter = fig.add_subplot(gs[len(shown) + 3, 0])
-    legend_kw = {"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "fontsize": "small", "frameon": False,
-                 "borderaxespad": 0.0}
+    legend_kw = {
+        "loc": "upper left",
+        "bbox_to_anchor": (1.005, 1.0),
+        "fontsize": "small",
+        "frameon": False,
+        "borderaxespad": 0.0,
+    }
 
     # 1. whole run, per GPU: busy / data stall / other idle per time bin, stacked to 100%
     for row, d in enumerate(shown):
@@ -350,7 +419,7 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
         xs.append(tl.end - t0)
         bottom = [0.0] * bins
         for c in CATEGORIES:
-            top = [b + v for b, v in zip(bottom, shares[c])]
+            top = [b + v for b, v in zip(bottom, shares[c], strict=False)]
             ax.stairs(top, xs, baseline=bottom, fill=True, color=_COLOURS[c], label=_LABELS[c], linewidth=0)
             bottom = top
         ax.set_ylim(0, 100)
@@ -358,29 +427,46 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
         ax.set_ylabel(f"GPU {d}\n% of time", fontsize="small")
         window = "steady state" if dev["au_window"] == "steady" else "whole run"
         stall = (dev["steady"] or dev["whole"])["data_stall_share"]
-        ax.set_title(f"GPU {d} ({dev['gpu']}) over the whole run: AU {100 * dev['au']:.1f}%, "
-                     f"data stall {100 * stall:.1f}% ({window})", fontsize="medium", loc="left")
+        ax.set_title(
+            f"GPU {d} ({dev['gpu']}) over the whole run: AU {100 * dev['au']:.1f}%, "
+            f"data stall {100 * stall:.1f}% ({window})",
+            fontsize="medium",
+            loc="left",
+        )
         dm = marks[d]
         if dm:
-            ax.axvspan(tl.start - t0, dm[0] - t0, facecolor="none", edgecolor="#555555", hatch="//", linewidth=0,
-                       alpha=0.5, label="start-up (to the end of iteration 0)")
+            ax.axvspan(
+                tl.start - t0,
+                dm[0] - t0,
+                facecolor="none",
+                edgecolor="#555555",
+                hatch="//",
+                linewidth=0,
+                alpha=0.5,
+                label="start-up (to the end of iteration 0)",
+            )
             step = _nice_step(len(dm), _MAX_MARKS)
             top_ax = ax.secondary_xaxis("top")
             chosen = list(range(0, len(dm), step))
-            top_ax.set_xticks([dm[i] - t0 for i in chosen], [str(i) if j % max(1, len(chosen) // 8) == 0 else ""
-                                                             for j, i in enumerate(chosen)], fontsize="x-small")
+            top_ax.set_xticks(
+                [dm[i] - t0 for i in chosen],
+                [str(i) if j % max(1, len(chosen) // 8) == 0 else "" for j, i in enumerate(chosen)],
+                fontsize="x-small",
+            )
             top_ax.tick_params(direction="in", length=5)
-            top_ax.set_xlabel("iteration ends" + (f" (every {step}th marked)" if step > 1 else ""), fontsize="x-small",
-                              labelpad=1)
+            top_ax.set_xlabel(
+                "iteration ends" + (f" (every {step}th marked)" if step > 1 else ""), fontsize="x-small", labelpad=1
+            )
         if zoom is not None:
-            ax.axvspan(zoom[0] - t0, zoom[1] - t0, facecolor="none", edgecolor="black", linewidth=1.2,
-                       label="zoomed below")
+            ax.axvspan(
+                zoom[0] - t0, zoom[1] - t0, facecolor="none", edgecolor="black", linewidth=1.2, label="zoomed below"
+            )
         if row == 0:
             ax.legend(**legend_kw)
         if row < len(shown) - 1:
             ax.tick_params(labelbottom=False)
     if len(active) > len(shown):
-        ax_states[-1].set_xlabel(f"(GPUs {', '.join(map(str, active[len(shown):]))} not drawn)", fontsize="small")
+        ax_states[-1].set_xlabel(f"(GPUs {', '.join(map(str, active[len(shown) :]))} not drawn)", fontsize="small")
 
     # 2. memory over the whole run, from the model copy
     cap = max((int(ms.get("capacity", 0)) for ms in records.memory_stats), default=0)
@@ -397,28 +483,59 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
             nb = min(300, max(50, bins * 2))
             xs, lo, hi = _envelope(ts, alloc, ts[0], ts[-1], nb)
             ax_mem.fill_between(xs - t0, lo / gib, hi / gib, step="mid", color=colour, alpha=0.25, linewidth=0)
-            ax_mem.step(xs - t0, hi / gib, where="mid", color=colour, linewidth=1,
-                        label=f"{label}allocated, peak in each bin")
-            ax_mem.step(xs - t0, lo / gib, where="mid", color=colour, linewidth=1, linestyle=":",
-                        label=f"{label}allocated, least in each bin")
+            ax_mem.step(
+                xs - t0, hi / gib, where="mid", color=colour, linewidth=1, label=f"{label}allocated, peak in each bin"
+            )
+            ax_mem.step(
+                xs - t0,
+                lo / gib,
+                where="mid",
+                color=colour,
+                linewidth=1,
+                linestyle=":",
+                label=f"{label}allocated, least in each bin",
+            )
             _, _, rhi = _envelope(ts, reserved, ts[0], ts[-1], nb)
-            ax_mem.step(xs - t0, rhi / gib, where="mid", color="#666666", linewidth=1, linestyle="--",
-                        label=f"{label}reserved")
+            ax_mem.step(
+                xs - t0, rhi / gib, where="mid", color="#666666", linewidth=1, linestyle="--", label=f"{label}reserved"
+            )
         else:
-            ax_mem.step([t - t0 for t in ts], [v / gib for v in alloc], where="post", color=colour, linewidth=1,
-                        label=f"{label}allocated")
-            ax_mem.step([t - t0 for t in ts], [v / gib for v in reserved], where="post", color="#666666",
-                        linewidth=1, linestyle="--", label=f"{label}reserved")
+            ax_mem.step(
+                [t - t0 for t in ts],
+                [v / gib for v in alloc],
+                where="post",
+                color=colour,
+                linewidth=1,
+                label=f"{label}allocated",
+            )
+            ax_mem.step(
+                [t - t0 for t in ts],
+                [v / gib for v in reserved],
+                where="post",
+                color="#666666",
+                linewidth=1,
+                linestyle="--",
+                label=f"{label}reserved",
+            )
         if from_copy:
             ax_mem.axvline(ts[1] - t0, color="#999999", linewidth=0.8, linestyle=":")
-            ax_mem.annotate("model copied", (ts[1] - t0, max(alloc[1], 1) / gib), xytext=(4, 6),
-                            textcoords="offset points", fontsize="x-small", color="#555555")
+            ax_mem.annotate(
+                "model copied",
+                (ts[1] - t0, max(alloc[1], 1) / gib),
+                xytext=(4, 6),
+                textcoords="offset points",
+                fontsize="x-small",
+                color="#555555",
+            )
         drew_mem = True
     ax_mem.set_ylim(bottom=0)
     ax_mem.set_ylabel("GiB", fontsize="small")
     ax_mem.set_xlabel("time since start (s)", fontsize="small")
-    ax_mem.set_title("Emulated GPU memory over the whole run" + (f" (capacity {cap / 2**30:.0f} GiB)" if cap else ""),
-                     fontsize="medium", loc="left")
+    ax_mem.set_title(
+        "Emulated GPU memory over the whole run" + (f" (capacity {cap / 2**30:.0f} GiB)" if cap else ""),
+        fontsize="medium",
+        loc="left",
+    )
     if zoom is not None:
         ax_mem.axvspan(zoom[0] - t0, zoom[1] - t0, facecolor="none", edgecolor="black", linewidth=1.2)
     if drew_mem:
@@ -442,27 +559,46 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
                     continue
                 if s.kind not in kinds_seen:
                     kinds_seen.append(s.kind)
-                ax_zoom.broken_barh([(1e3 * (s.start - za), 1e3 * max(s.end - s.start, 0.0))], (y_work - 0.4, 0.8),
-                                    facecolors=_KIND_COLOURS.get(s.kind, _OTHER_KIND), linewidth=0)
+                ax_zoom.broken_barh(
+                    [(1e3 * (s.start - za), 1e3 * max(s.end - s.start, 0.0))],
+                    (y_work - 0.4, 0.8),
+                    facecolors=_KIND_COLOURS.get(s.kind, _OTHER_KIND),
+                    linewidth=0,
+                )
             for start, end, cat, _ in timelines[d].segments:
                 if cat == "busy" or end < lo_t or start > hi_t:
                     continue
-                ax_zoom.broken_barh([(1e3 * (start - za), 1e3 * (end - start))], (y_idle - 0.4, 0.8),
-                                    facecolors=_COLOURS[cat], linewidth=0)
+                ax_zoom.broken_barh(
+                    [(1e3 * (start - za), 1e3 * (end - start))],
+                    (y_idle - 0.4, 0.8),
+                    facecolors=_COLOURS[cat],
+                    linewidth=0,
+                )
             if len(shown) == 1:
                 y_host = len(lanes)
                 lanes.append("host waits")
                 for w in records.waits:
                     if w.device == d and w.end >= lo_t and w.start <= hi_t:
-                        ax_zoom.broken_barh([(1e3 * (w.start - za), 1e3 * max(0.0, w.end - w.start))],
-                                            (y_host - 0.3, 0.6), facecolors="#999999", linewidth=0)
+                        ax_zoom.broken_barh(
+                            [(1e3 * (w.start - za), 1e3 * max(0.0, w.end - w.start))],
+                            (y_host - 0.3, 0.6),
+                            facecolors="#999999",
+                            linewidth=0,
+                        )
         for i, t in enumerate(marks[ref] if ref is not None else []):
             if lo_t <= t <= hi_t:
                 for ax in (ax_zoom, ax_zmem):
                     ax.axvline(1e3 * (t - za), color="black", linewidth=0.8, linestyle="--")
-                ax_zoom.annotate(str(i), (1e3 * (t - za), 1.0), xycoords=("data", "axes fraction"),
-                                 xytext=(0, 2), textcoords="offset points", fontsize="x-small", ha="center",
-                                 va="bottom")
+                ax_zoom.annotate(
+                    str(i),
+                    (1e3 * (t - za), 1.0),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    fontsize="x-small",
+                    ha="center",
+                    va="bottom",
+                )
         ax_zoom.set_yticks(range(len(lanes)), lanes, fontsize="small")
         ax_zoom.set_ylim(len(lanes) - 0.5, -0.5)
         ax_zoom.set_xlim(1e3 * (lo_t - za), 1e3 * (hi_t - za))
@@ -470,8 +606,10 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
         order = list(_KIND_COLOURS)
         kinds_seen.sort(key=lambda k: order.index(k) if k in order else len(order))
         handles = [Patch(color=_KIND_COLOURS.get(k, _OTHER_KIND), label=k) for k in kinds_seen]
-        handles += [Patch(color=_COLOURS["data_stall"], label=_LABELS["data_stall"]),
-                    Patch(color=_COLOURS["other_idle"], label=_LABELS["other_idle"])]
+        handles += [
+            Patch(color=_COLOURS["data_stall"], label=_LABELS["data_stall"]),
+            Patch(color=_COLOURS["other_idle"], label=_LABELS["other_idle"]),
+        ]
         if len(shown) == 1:
             handles.append(Patch(color="#999999", label="host waits for the GPU"))
         ax_zoom.legend(handles=handles, **{**legend_kw, "ncols": 2 if len(handles) > 5 else 1})
@@ -484,11 +622,17 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
 
             i0 = max(0, bisect.bisect_right(ts, lo_t) - 1)
             i1 = bisect.bisect_right(ts, hi_t)
-            xs = [lo_t] + ts[i0 + 1:i1] + [hi_t]
-            ys = [alloc[i0]] + alloc[i0 + 1:i1] + [alloc[i1 - 1] if i1 > 0 else alloc[0]]
+            xs = [lo_t] + ts[i0 + 1 : i1] + [hi_t]
+            ys = [alloc[i0]] + alloc[i0 + 1 : i1] + [alloc[i1 - 1] if i1 > 0 else alloc[0]]
             colour = _KIND_COLOURS["forward"] if len(shown) == 1 else f"C{d % 10}"
-            ax_zmem.step([1e3 * (x - za) for x in xs], [y / 2**30 for y in ys], where="post", color=colour,
-                         linewidth=1.2, label=(f"GPU {d} " if len(shown) > 1 else "") + "allocated")
+            ax_zmem.step(
+                [1e3 * (x - za) for x in xs],
+                [y / 2**30 for y in ys],
+                where="post",
+                color=colour,
+                linewidth=1.2,
+                label=(f"GPU {d} " if len(shown) > 1 else "") + "allocated",
+            )
         ax_zmem.set_ylim(bottom=0)
         ax_zmem.set_ylabel("GiB", fontsize="small")
         ax_zmem.set_xlabel(f"ms from {za - t0:.3f} s (the start of the zoomed window)", fontsize="small")
@@ -513,15 +657,22 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
         group = _nice_step(len(rows), _MAX_BARS)
         xs, vals = [], {c: [] for c in CATEGORIES}
         for g in range(0, len(rows), group):
-            chunk = rows[g:g + group]
+            chunk = rows[g : g + group]
             xs.append(chunk[0]["index"] + (len(chunk) - 1) / 2 + (j - (len(shown) - 1) / 2) * width * group)
             for c in CATEGORIES:
                 vals[c].append(1e3 * sum(r[f"{c}_s"] for r in chunk) / len(chunk))
         bottom = [0.0] * len(xs)
         for c in CATEGORIES:
-            ax_iter.bar(xs, vals[c], width=width * group, bottom=bottom, color=_COLOURS[c],
-                        label=_LABELS[c] if not drawn else None, linewidth=0)
-            bottom = [b + v for b, v in zip(bottom, vals[c])]
+            ax_iter.bar(
+                xs,
+                vals[c],
+                width=width * group,
+                bottom=bottom,
+                color=_COLOURS[c],
+                label=_LABELS[c] if not drawn else None,
+                linewidth=0,
+            )
+            bottom = [b + v for b, v in zip(bottom, vals[c], strict=False)]
         if group > 1:
             note += (", " if note else "") + f"each bar: mean of {group} iterations"
         drawn = True
@@ -530,13 +681,21 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
     ax_iter.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_iter.set_xlabel("iteration" + (" (bars per GPU, left to right)" if len(shown) > 1 else ""), fontsize="small")
     ax_iter.set_ylabel("ms", fontsize="small")
-    ax_iter.set_title("Where each iteration's time went" + (f" ({note})" if note else "")
-                      + ("" if drawn else ": no iterations recorded"), fontsize="medium", loc="left")
+    ax_iter.set_title(
+        "Where each iteration's time went"
+        + (f" ({note})" if note else "")
+        + ("" if drawn else ": no iterations recorded"),
+        fontsize="medium",
+        loc="left",
+    )
     if drawn:
         ax_iter.legend(**legend_kw)
 
-    fig.suptitle(f"gpemu: {', '.join(sorted(set(records.gpus)))} x{n}, {summary['iterations']} iteration(s)"
-                 + (f"  ({records.config})" if records.config else ""), fontsize="medium")
+    fig.suptitle(
+        f"gpemu: {', '.join(sorted(set(records.gpus)))} x{n}, {summary['iterations']} iteration(s)"
+        + (f"  ({records.config})" if records.config else ""),
+        fontsize="medium",
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

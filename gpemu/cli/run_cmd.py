@@ -14,15 +14,28 @@ __all__ = ["run"]
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     short_help="Run a PyTorch script on emulated GPUs (no edits to the script).",
 )
-@click.option("--gpu", metavar="NAME", help="GPU model of every emulated device (e.g. V100, A100; see `gpemu gpus`; "
-              "docs/adding.md adds one).")
+@click.option(
+    "--gpu",
+    metavar="NAME",
+    help="GPU model of every emulated device (e.g. V100, A100; see `gpemu gpus`; docs/adding.md adds one).",
+)
 @click.option("--gpus", metavar="N|LIST", help="How many emulated GPUs (e.g. 2), or one model per device (V100,A100).")
-@click.option("--model", metavar="NAME", help="Take GPU times from this database model (see `gpemu models`) instead of "
-              "identifying the script's model.")
-@click.option("--db", "db_url", metavar="URL", help="SQLAlchemy URL of the profile database (default: per-user SQLite).")
-@click.option("--memory", type=click.Choice(["tracked", "profiled"]),
-              help="Count every allocation (default), or use the database's measured peak memory.")
-@click.option("--share", "sharing", metavar="URL", help="amqp:// URL of a sharing manager to time-slice emuGPUs through.")
+@click.option(
+    "--model",
+    metavar="NAME",
+    help="Take GPU times from this database model (see `gpemu models`) instead of identifying the script's model.",
+)
+@click.option(
+    "--db", "db_url", metavar="URL", help="SQLAlchemy URL of the profile database (default: per-user SQLite)."
+)
+@click.option(
+    "--memory",
+    type=click.Choice(["tracked", "profiled"]),
+    help="Count every allocation (default), or use the database's measured peak memory.",
+)
+@click.option(
+    "--share", "sharing", metavar="URL", help="amqp:// URL of a sharing manager to time-slice emuGPUs through."
+)
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
@@ -45,9 +58,17 @@ def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_
     """
     from gpemu import launcher
 
-    config = launcher.build_config(gpu=gpu, gpus=gpus, model=model, db_url=db_url, memory=memory,
-                                   sharing=sharing, summary=summary, metrics_path=metrics_path,
-                                   trace_path=trace_path)
+    config = launcher.build_config(
+        gpu=gpu,
+        gpus=gpus,
+        model=model,
+        db_url=db_url,
+        memory=memory,
+        sharing=sharing,
+        summary=summary,
+        metrics_path=metrics_path,
+        trace_path=trace_path,
+    )
     argv = launcher.command_argv(command, module)
     env = launcher.child_env(config)
     print(f"[gpemu] {config.describe()}: {' '.join(argv)}", file=sys.stderr, flush=True)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from . import flops as F
 
@@ -28,18 +29,18 @@ __all__ = ["OpClass", "OpFeatures", "classify", "op_name", "COMPUTE_CLASSES", "M
 class OpClass(str, enum.Enum):
     """Kinds of GPU work with one efficiency curve each."""
 
-    GEMM = "gemm"                      # mm / addmm / bmm / baddbmm / linear / matmul
-    CONV = "conv"                      # dense convolution (groups == 1)
-    CONV_GROUPED = "conv_grouped"      # 1 < groups < channels (ResNeXt, ShuffleNet v1)
+    GEMM = "gemm"  # mm / addmm / bmm / baddbmm / linear / matmul
+    CONV = "conv"  # dense convolution (groups == 1)
+    CONV_GROUPED = "conv_grouped"  # 1 < groups < channels (ResNeXt, ShuffleNet v1)
     CONV_DEPTHWISE = "conv_depthwise"  # one input channel per group (MobileNet, MNASNet)
-    NORM = "norm"                      # batch / layer / group / RMS norm, forward and backward
-    ELEMENTWISE = "elementwise"        # activations, adds, dropout, fills: streaming kernels
-    REDUCTION = "reduction"            # sum / mean / softmax / log_softmax / losses
-    POOLING = "pooling"                # max / avg / adaptive pooling
-    EMBEDDING = "embedding"            # embedding lookups and their scatter-add backward
-    ATTENTION = "attention"            # fused scaled_dot_product_attention (flash / efficient / cudnn)
-    COPY = "copy"                      # data movement: cat, clone, copies, index / gather / scatter
-    FREE = "free"                      # views, metadata, allocation: no kernel
+    NORM = "norm"  # batch / layer / group / RMS norm, forward and backward
+    ELEMENTWISE = "elementwise"  # activations, adds, dropout, fills: streaming kernels
+    REDUCTION = "reduction"  # sum / mean / softmax / log_softmax / losses
+    POOLING = "pooling"  # max / avg / adaptive pooling
+    EMBEDDING = "embedding"  # embedding lookups and their scatter-add backward
+    ATTENTION = "attention"  # fused scaled_dot_product_attention (flash / efficient / cudnn)
+    COPY = "copy"  # data movement: cat, clone, copies, index / gather / scatter
+    FREE = "free"  # views, metadata, allocation: no kernel
 
     def __str__(self) -> str:  # "conv", not "OpClass.CONV", in tables and JSON
         return self.value
@@ -83,69 +84,330 @@ class OpFeatures:
 
 # ------------------------------------------------------------------------------ name tables
 # Ops that launch no kernel: views, metadata, allocation (an empty tensor is not written).
-_FREE = frozenset({
-    "detach", "alias", "lift_fresh", "t", "transpose", "permute", "view", "_unsafe_view", "expand",
-    "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "squeeze", "unsqueeze",
-    "as_strided", "narrow", "_reshape_alias", "reshape", "diagonal", "unfold", "view_as_real",
-    "view_as_complex", "real", "imag", "_neg_view", "_conj", "conj", "resolve_conj", "resolve_neg",
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
-    "size", "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "numel", "dim",
-    "is_same_size", "_local_scalar_dense", "set", "resize", "_resize_output", "record_stream",
-    "_to_copy_meta", "_nested_tensor_size", "prim_layout", "_has_compatible_shallow_copy_type",
-})
-_GEMM = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
-                   "vdot", "_scaled_mm", "_addmm_activation", "_int_mm", "addr", "outer", "einsum"})
-_CONV = frozenset({"convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",
-                   "convolution_overrideable", "_slow_conv2d_forward", "mkldnn_convolution",
-                   "_conv_depthwise2d", "conv_depthwise3d", "slow_conv_dilated2d", "slow_conv_dilated3d",
-                   "slow_conv3d_forward", "slow_conv_transpose2d", "slow_conv_transpose3d",
-                   "_mps_convolution", "miopen_convolution", "miopen_depthwise_convolution",
-                   "convolution_backward", "convolution_backward_overrideable", "_slow_conv2d_backward",
-                   "cudnn_convolution_backward", "mkldnn_convolution_backward"})
-_NORM = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-                   "_native_batch_norm_legit_no_training", "cudnn_batch_norm", "miopen_batch_norm",
-                   "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
-                   "batch_norm_stats", "batch_norm_elemt", "batch_norm_gather_stats",
-                   "batch_norm_gather_stats_with_counts", "batch_norm_update_stats", "batch_norm_backward_reduce",
-                   "batch_norm_backward_elemt", "native_layer_norm", "native_group_norm", "_fused_rms_norm",
-                   "native_batch_norm_backward", "cudnn_batch_norm_backward", "miopen_batch_norm_backward",
-                   "batch_norm_backward", "native_layer_norm_backward", "native_group_norm_backward",
-                   "_fused_rms_norm_backward", "instance_norm", "rms_norm"})
-_POOL = frozenset({"max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
-                   "avg_pool1d", "avg_pool2d", "avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d",
-                   "adaptive_avg_pool1d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
-                   "fractional_max_pool2d", "fractional_max_pool3d", "max_unpool2d", "max_unpool3d",
-                   "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward", "max_pool2d_backward",
-                   "avg_pool2d_backward", "avg_pool3d_backward", "_adaptive_avg_pool2d_backward",
-                   "_adaptive_avg_pool3d_backward", "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward",
-                   "fractional_max_pool2d_backward", "fractional_max_pool3d_backward"})
-_REDUCTION = frozenset({"sum", "mean", "amax", "amin", "max", "min", "aminmax", "prod", "var", "std", "var_mean",
-                        "std_mean", "norm", "linalg_vector_norm", "_softmax", "_log_softmax", "_safe_softmax",
-                        "softmax", "log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
-                        "logsumexp", "cumsum", "cumprod", "argmax", "argmin", "all", "any", "count_nonzero",
-                        "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
-                        "mse_loss", "mse_loss_backward", "l1_loss", "smooth_l1_loss", "smooth_l1_loss_backward",
-                        "binary_cross_entropy", "binary_cross_entropy_backward",
-                        "binary_cross_entropy_with_logits", "kl_div", "huber_loss", "huber_loss_backward",
-                        "topk", "sort", "median", "nanmedian", "mode", "kthvalue", "_cdist_forward", "cross_entropy_loss"})
-_EMBEDDING = frozenset({"embedding", "embedding_dense_backward", "embedding_backward", "_embedding_bag",
-                        "_embedding_bag_forward_only", "_embedding_bag_backward", "_embedding_bag_dense_backward",
-                        "embedding_bag", "embedding_renorm"})
-_COPY = frozenset({"copy", "_to_copy", "clone", "cat", "stack", "hstack", "vstack", "contiguous", "_copy_from",
-                   "_copy_from_and_resize", "lift_fresh_copy", "constant_pad_nd", "reflection_pad2d",
-                   "replication_pad2d", "repeat", "repeat_interleave", "tile", "index_select", "gather", "scatter",
-                   "scatter_add", "scatter_reduce", "index", "_unsafe_index", "index_put", "_index_put_impl",
-                   "index_add", "index_copy", "index_fill", "masked_select", "masked_scatter", "take", "put",
-                   "flip", "roll", "narrow_copy", "select_backward", "slice_backward", "as_strided_scatter",
-                   "slice_scatter", "select_scatter", "diagonal_scatter", "expand_copy", "permute_copy",
-                   "transpose_copy", "view_copy", "_unsafe_view_copy", "t_copy", "unsqueeze_copy",
-                   "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
-                   "native_channel_shuffle", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-                   "_upsample_nearest_exact2d", "upsample_nearest2d_backward", "upsample_bilinear2d",
-                   "upsample_bilinear2d_backward", "_upsample_bilinear2d_aa", "grid_sampler_2d",
-                   "grid_sampler_2d_backward", "tril", "triu", "nonzero", "unique", "_unique2", "where_copy"})
-_ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
-                    "flex_attention", "_varlen_attn")
+_FREE = frozenset(
+    {
+        "detach",
+        "alias",
+        "lift_fresh",
+        "t",
+        "transpose",
+        "permute",
+        "view",
+        "_unsafe_view",
+        "expand",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "squeeze",
+        "unsqueeze",
+        "as_strided",
+        "narrow",
+        "_reshape_alias",
+        "reshape",
+        "diagonal",
+        "unfold",
+        "view_as_real",
+        "view_as_complex",
+        "real",
+        "imag",
+        "_neg_view",
+        "_conj",
+        "conj",
+        "resolve_conj",
+        "resolve_neg",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "empty_permuted",
+        "size",
+        "stride",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "numel",
+        "dim",
+        "is_same_size",
+        "_local_scalar_dense",
+        "set",
+        "resize",
+        "_resize_output",
+        "record_stream",
+        "_to_copy_meta",
+        "_nested_tensor_size",
+        "prim_layout",
+        "_has_compatible_shallow_copy_type",
+    }
+)
+_GEMM = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_scaled_mm",
+        "_addmm_activation",
+        "_int_mm",
+        "addr",
+        "outer",
+        "einsum",
+    }
+)
+_CONV = frozenset(
+    {
+        "convolution",
+        "_convolution",
+        "cudnn_convolution",
+        "cudnn_convolution_transpose",
+        "convolution_overrideable",
+        "_slow_conv2d_forward",
+        "mkldnn_convolution",
+        "_conv_depthwise2d",
+        "conv_depthwise3d",
+        "slow_conv_dilated2d",
+        "slow_conv_dilated3d",
+        "slow_conv3d_forward",
+        "slow_conv_transpose2d",
+        "slow_conv_transpose3d",
+        "_mps_convolution",
+        "miopen_convolution",
+        "miopen_depthwise_convolution",
+        "convolution_backward",
+        "convolution_backward_overrideable",
+        "_slow_conv2d_backward",
+        "cudnn_convolution_backward",
+        "mkldnn_convolution_backward",
+    }
+)
+_NORM = frozenset(
+    {
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+        "cudnn_batch_norm",
+        "miopen_batch_norm",
+        "_batch_norm_with_update",
+        "_batch_norm_with_update_functional",
+        "_batch_norm_no_update",
+        "batch_norm_stats",
+        "batch_norm_elemt",
+        "batch_norm_gather_stats",
+        "batch_norm_gather_stats_with_counts",
+        "batch_norm_update_stats",
+        "batch_norm_backward_reduce",
+        "batch_norm_backward_elemt",
+        "native_layer_norm",
+        "native_group_norm",
+        "_fused_rms_norm",
+        "native_batch_norm_backward",
+        "cudnn_batch_norm_backward",
+        "miopen_batch_norm_backward",
+        "batch_norm_backward",
+        "native_layer_norm_backward",
+        "native_group_norm_backward",
+        "_fused_rms_norm_backward",
+        "instance_norm",
+        "rms_norm",
+    }
+)
+_POOL = frozenset(
+    {
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "max_pool2d_with_indices",
+        "max_pool3d_with_indices",
+        "avg_pool1d",
+        "avg_pool2d",
+        "avg_pool3d",
+        "_adaptive_avg_pool2d",
+        "_adaptive_avg_pool3d",
+        "adaptive_avg_pool1d",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "adaptive_max_pool3d",
+        "fractional_max_pool2d",
+        "fractional_max_pool3d",
+        "max_unpool2d",
+        "max_unpool3d",
+        "max_pool2d_with_indices_backward",
+        "max_pool3d_with_indices_backward",
+        "max_pool2d_backward",
+        "avg_pool2d_backward",
+        "avg_pool3d_backward",
+        "_adaptive_avg_pool2d_backward",
+        "_adaptive_avg_pool3d_backward",
+        "adaptive_max_pool2d_backward",
+        "adaptive_max_pool3d_backward",
+        "fractional_max_pool2d_backward",
+        "fractional_max_pool3d_backward",
+    }
+)
+_REDUCTION = frozenset(
+    {
+        "sum",
+        "mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "aminmax",
+        "prod",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "norm",
+        "linalg_vector_norm",
+        "_softmax",
+        "_log_softmax",
+        "_safe_softmax",
+        "softmax",
+        "log_softmax",
+        "_softmax_backward_data",
+        "_log_softmax_backward_data",
+        "logsumexp",
+        "cumsum",
+        "cumprod",
+        "argmax",
+        "argmin",
+        "all",
+        "any",
+        "count_nonzero",
+        "nll_loss_forward",
+        "nll_loss_backward",
+        "nll_loss2d_forward",
+        "nll_loss2d_backward",
+        "mse_loss",
+        "mse_loss_backward",
+        "l1_loss",
+        "smooth_l1_loss",
+        "smooth_l1_loss_backward",
+        "binary_cross_entropy",
+        "binary_cross_entropy_backward",
+        "binary_cross_entropy_with_logits",
+        "kl_div",
+        "huber_loss",
+        "huber_loss_backward",
+        "topk",
+        "sort",
+        "median",
+        "nanmedian",
+        "mode",
+        "kthvalue",
+        "_cdist_forward",
+        "cross_entropy_loss",
+    }
+)
+_EMBEDDING = frozenset(
+    {
+        "embedding",
+        "embedding_dense_backward",
+        "embedding_backward",
+        "_embedding_bag",
+        "_embedding_bag_forward_only",
+        "_embedding_bag_backward",
+        "_embedding_bag_dense_backward",
+        "embedding_bag",
+        "embedding_renorm",
+    }
+)
+_COPY = frozenset(
+    {
+        "copy",
+        "_to_copy",
+        "clone",
+        "cat",
+        "stack",
+        "hstack",
+        "vstack",
+        "contiguous",
+        "_copy_from",
+        "_copy_from_and_resize",
+        "lift_fresh_copy",
+        "constant_pad_nd",
+        "reflection_pad2d",
+        "replication_pad2d",
+        "repeat",
+        "repeat_interleave",
+        "tile",
+        "index_select",
+        "gather",
+        "scatter",
+        "scatter_add",
+        "scatter_reduce",
+        "index",
+        "_unsafe_index",
+        "index_put",
+        "_index_put_impl",
+        "index_add",
+        "index_copy",
+        "index_fill",
+        "masked_select",
+        "masked_scatter",
+        "take",
+        "put",
+        "flip",
+        "roll",
+        "narrow_copy",
+        "select_backward",
+        "slice_backward",
+        "as_strided_scatter",
+        "slice_scatter",
+        "select_scatter",
+        "diagonal_scatter",
+        "expand_copy",
+        "permute_copy",
+        "transpose_copy",
+        "view_copy",
+        "_unsafe_view_copy",
+        "t_copy",
+        "unsqueeze_copy",
+        "im2col",
+        "col2im",
+        "pixel_shuffle",
+        "pixel_unshuffle",
+        "channel_shuffle",
+        "native_channel_shuffle",
+        "upsample_nearest1d",
+        "upsample_nearest2d",
+        "upsample_nearest3d",
+        "_upsample_nearest_exact2d",
+        "upsample_nearest2d_backward",
+        "upsample_bilinear2d",
+        "upsample_bilinear2d_backward",
+        "_upsample_bilinear2d_aa",
+        "grid_sampler_2d",
+        "grid_sampler_2d_backward",
+        "tril",
+        "triu",
+        "nonzero",
+        "unique",
+        "_unique2",
+        "where_copy",
+    }
+)
+_ATTENTION_MARKS = (
+    "scaled_dot_product",
+    "flash_attention",
+    "efficient_attention",
+    "cudnn_attention",
+    "flex_attention",
+    "_varlen_attn",
+)
 
 
 def op_name(func: Any) -> str:
@@ -286,9 +548,16 @@ def _conv(name: str, args: tuple, kwargs: dict, out: Any, out_ts: list[Any]) -> 
     else:
         cls = OpClass.CONV_GROUPED
     stride_list = list(stride_arg) if isinstance(stride_arg, (list, tuple)) else [int(stride_arg)]
-    return {"op_class": cls, "flops": flops, "nbytes": nbytes, "groups": max(1, groups), "kernel": kernel,
-            "stride": max(int(s) for s in stride_list) if stride_list else 1,
-            "reduction": int(in_per_group) * kernel, "dtype": _dtype_name([x, w])}
+    return {
+        "op_class": cls,
+        "flops": flops,
+        "nbytes": nbytes,
+        "groups": max(1, groups),
+        "kernel": kernel,
+        "stride": max(int(s) for s in stride_list) if stride_list else 1,
+        "reduction": int(in_per_group) * kernel,
+        "dtype": _dtype_name([x, w]),
+    }
 
 
 def _attention(name: str, args: tuple, out_ts: list[Any]) -> float:
@@ -315,8 +584,9 @@ def _pool_kernel(name: str, args: tuple) -> tuple[int, int]:
     return int(math.prod(int(k) for k in ks)), max(int(s) for s in st) if st else 1
 
 
-def classify(func: Any, args: tuple = (), kwargs: dict | None = None, out: Any = None,
-             backward: bool | None = None) -> OpFeatures:
+def classify(
+    func: Any, args: tuple = (), kwargs: dict | None = None, out: Any = None, backward: bool | None = None
+) -> OpFeatures:
     """Classify one aten op and compute its features.
 
     ``func`` is an ``OpOverload`` (e.g. ``torch.ops.aten.convolution_backward.default``), ``args``
@@ -351,8 +621,16 @@ def classify(func: Any, args: tuple = (), kwargs: dict | None = None, out: Any =
     if cls is OpClass.POOLING:
         kernel, stride = _pool_kernel(name, args)
         n_in = float(sum(int(t.numel()) for t in in_ts[:1]))
-        return OpFeatures(name, cls, is_bwd, max(n_in, n_out * kernel), nbytes, _largest_dtype(in_ts + out_ts),
-                          kernel=kernel, stride=stride)
+        return OpFeatures(
+            name,
+            cls,
+            is_bwd,
+            max(n_in, n_out * kernel),
+            nbytes,
+            _largest_dtype(in_ts + out_ts),
+            kernel=kernel,
+            stride=stride,
+        )
     if cls is OpClass.NORM:
         # ~ a handful of FLOPs per element (statistics, normalise, affine); bandwidth-bound anyway
         n = float(max((int(t.numel()) for t in in_ts), default=0))

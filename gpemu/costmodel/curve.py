@@ -50,8 +50,8 @@ overlaps a sequence; the ``*_arrays`` forms are for the fit, with derivatives.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -95,8 +95,17 @@ def queue_seconds(pairs: Iterable[tuple[float, float]]) -> float:
     return finish
 
 
-def kernel_arrays(work: np.ndarray, peak: np.ndarray, sms: float, le: np.ndarray, lx0: np.ndarray, p: np.ndarray,
-                  lk0: np.ndarray, z: np.ndarray, grads: bool = True):
+def kernel_arrays(
+    work: np.ndarray,
+    peak: np.ndarray,
+    sms: float,
+    le: np.ndarray,
+    lx0: np.ndarray,
+    p: np.ndarray,
+    lk0: np.ndarray,
+    z: np.ndarray,
+    grads: bool = True,
+):
     """Vectorised :func:`kernel_seconds` with parameters in fitting form (logs of e, x0, k0;
     ``z`` the shape term, 0 where unused). Returns g and, if ``grads``, dg/d(log e),
     dg/d(log x0), dg/dp, dg/d(log k0)."""
@@ -126,8 +135,8 @@ def queue_arrays(h: np.ndarray, g: np.ndarray, seg_start: np.ndarray, seg_id: np
     ch, cg = np.cumsum(h), np.cumsum(g)
     base_h = np.concatenate([[0.0], ch])[seg_start][seg_id]
     base_g = np.concatenate([[0.0], cg])[seg_start][seg_id]
-    hk = ch - base_h                # H_k within the sequence
-    gprev = cg - base_g - g         # G_(k-1) within the sequence
+    hk = ch - base_h  # H_k within the sequence
+    gprev = cg - base_g - g  # G_(k-1) within the sequence
     d = hk - gprev
     dmax = np.maximum.reduceat(d, seg_start)
     gsum = np.add.reduceat(g, seg_start)

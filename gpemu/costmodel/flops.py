@@ -12,12 +12,18 @@ grouping: that is the work cuDNN does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import prod
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = [
-    "gemm_flops", "bmm_flops", "conv_forward_flops", "conv_backward_flops",
-    "attention_forward_flops", "attention_backward_flops", "flop_counter_mapping",
+    "gemm_flops",
+    "bmm_flops",
+    "conv_forward_flops",
+    "conv_backward_flops",
+    "attention_forward_flops",
+    "attention_backward_flops",
+    "flop_counter_mapping",
 ]
 
 
@@ -33,8 +39,9 @@ def bmm_flops(a_shape: Sequence[int], b_shape: Sequence[int]) -> float:
     return gemm_flops(m, k, n) * prod(batch)
 
 
-def conv_forward_flops(x_shape: Sequence[int], w_shape: Sequence[int], out_shape: Sequence[int],
-                       transposed: bool = False) -> float:
+def conv_forward_flops(
+    x_shape: Sequence[int], w_shape: Sequence[int], out_shape: Sequence[int], transposed: bool = False
+) -> float:
     """One convolution: 2 x batch x (spatial points of the non-transposed output side) x weight
     elements. The weight already holds ``C_in / groups`` input channels per output channel, so
     this is right for grouped and depthwise convolutions too."""
@@ -42,8 +49,13 @@ def conv_forward_flops(x_shape: Sequence[int], w_shape: Sequence[int], out_shape
     return 2.0 * x_shape[0] * prod(spatial) * prod(w_shape)
 
 
-def conv_backward_flops(grad_out_shape: Sequence[int], x_shape: Sequence[int], w_shape: Sequence[int],
-                        transposed: bool, output_mask: Sequence[bool]) -> float:
+def conv_backward_flops(
+    grad_out_shape: Sequence[int],
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    transposed: bool,
+    output_mask: Sequence[bool],
+) -> float:
     """``aten.convolution_backward``: grad_input and grad_weight each cost one forward-sized
     convolution (the bias gradient is a reduction, counted as memory traffic, not FLOPs)."""
     out_shape = x_shape if transposed else grad_out_shape
@@ -78,10 +90,21 @@ def shape(x: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in x.shape)
 
 
-def _counter_conv_backward(grad_out_shape: Sequence[int], x_shape: Sequence[int], w_shape: Sequence[int],
-                           _bias: Any, _stride: Any, _padding: Any, _dilation: Any, transposed: bool,
-                           _output_padding: Any, _groups: Any, output_mask: Sequence[bool], out_shape: Any = None,
-                           **kwargs: Any) -> int:
+def _counter_conv_backward(
+    grad_out_shape: Sequence[int],
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    _bias: Any,
+    _stride: Any,
+    _padding: Any,
+    _dilation: Any,
+    transposed: bool,
+    _output_padding: Any,
+    _groups: Any,
+    output_mask: Sequence[bool],
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     # torch's argument order for aten.convolution_backward's formula (shapes, not tensors)
     return int(conv_backward_flops(grad_out_shape, x_shape, w_shape, transposed, output_mask))
 

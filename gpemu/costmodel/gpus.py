@@ -34,11 +34,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GpuSheet", "GPUS", "GENERATIONS", "DONORS", "MEASURED_GENERATION_GPU", "gpu_sheet", "find_gpu",
-           "sheet_from_spec"]
+__all__ = [
+    "GpuSheet",
+    "GPUS",
+    "GENERATIONS",
+    "DONORS",
+    "MEASURED_GENERATION_GPU",
+    "gpu_sheet",
+    "find_gpu",
+    "sheet_from_spec",
+]
 
 _GiB = 1 << 30
-_GB = 10 ** 9
+_GB = 10**9
 _T = 1e12
 # PCIe x16 per direction: Gen3 15.75 GB/s, Gen4 31.5, Gen5 63.0; pinned copies reach ~80%.
 _LINK = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9}
@@ -74,7 +82,7 @@ DONORS: dict[str, tuple[str, ...]] = {
 class GpuSheet:
     """Datasheet facts of one GPU (see the module docstring for units and conventions)."""
 
-    name: str                      # as torch.cuda.get_device_name() reports it
+    name: str  # as torch.cuda.get_device_name() reports it
     aliases: tuple[str, ...]
     generation: str
     compute_capability: tuple[int, int]
@@ -91,8 +99,8 @@ class GpuSheet:
     host_link_bandwidth_pinned: float
     host_link_bandwidth_pageable: float
     nvlink_bandwidth: float = 0.0
-    measured: bool = False         # in the shipped profile database
-    nvlink_bridge: bool = False    # NVLink joins pairs of cards only
+    measured: bool = False  # in the shipped profile database
+    nvlink_bridge: bool = False  # NVLink joins pairs of cards only
     source: str = field(default="", compare=False)
 
     @property
@@ -100,91 +108,382 @@ class GpuSheet:
         return self.aliases[0] if self.aliases else self.name
 
 
-def _sheet(name: str, aliases: tuple[str, ...], gen: str, cc: tuple[int, int], sms: int, mem_gb: float,
-           bw_gbs: float, fp32: float, fp64: float, fp16: float, tf32_tc: float, fp16_tc: float, bf16_tc: float,
-           pcie: int, nvlink_gbs: float = 0.0, pageable: float | None = None, measured: bool = False,
-           source: str = "", bridge: bool = False) -> GpuSheet:
+def _sheet(
+    name: str,
+    aliases: tuple[str, ...],
+    gen: str,
+    cc: tuple[int, int],
+    sms: int,
+    mem_gb: float,
+    bw_gbs: float,
+    fp32: float,
+    fp64: float,
+    fp16: float,
+    tf32_tc: float,
+    fp16_tc: float,
+    bf16_tc: float,
+    pcie: int,
+    nvlink_gbs: float = 0.0,
+    pageable: float | None = None,
+    measured: bool = False,
+    source: str = "",
+    bridge: bool = False,
+) -> GpuSheet:
     return GpuSheet(
-        name=name, aliases=aliases, generation=gen, compute_capability=cc, sm_count=sms,
-        memory_bytes=int(mem_gb * _GiB), memory_bandwidth=bw_gbs * _GB, fp32_flops=fp32 * _T,
-        fp64_flops=fp64 * _T, fp16_flops=fp16 * _T, tf32_tensor_flops=tf32_tc * _T, fp16_tensor_flops=fp16_tc * _T,
-        bf16_tensor_flops=bf16_tc * _T, pcie_gen=pcie, host_link_bandwidth_pinned=_LINK[pcie] * 0.8,
-        host_link_bandwidth_pageable=pageable if pageable is not None else (_PAGEABLE_GEN3 if pcie <= 3 else _PAGEABLE_GEN4PLUS),
-        nvlink_bandwidth=nvlink_gbs * _GB, measured=measured, source=source, nvlink_bridge=bridge)
+        name=name,
+        aliases=aliases,
+        generation=gen,
+        compute_capability=cc,
+        sm_count=sms,
+        memory_bytes=int(mem_gb * _GiB),
+        memory_bandwidth=bw_gbs * _GB,
+        fp32_flops=fp32 * _T,
+        fp64_flops=fp64 * _T,
+        fp16_flops=fp16 * _T,
+        tf32_tensor_flops=tf32_tc * _T,
+        fp16_tensor_flops=fp16_tc * _T,
+        bf16_tensor_flops=bf16_tc * _T,
+        pcie_gen=pcie,
+        host_link_bandwidth_pinned=_LINK[pcie] * 0.8,
+        host_link_bandwidth_pageable=pageable
+        if pageable is not None
+        else (_PAGEABLE_GEN3 if pcie <= 3 else _PAGEABLE_GEN4PLUS),
+        nvlink_bandwidth=nvlink_gbs * _GB,
+        measured=measured,
+        source=source,
+        nvlink_bridge=bridge,
+    )
 
 
 GPUS: tuple[GpuSheet, ...] = (
     # ---------------------------------------------------------------- measured (profile database)
     # Kepler K80 board: 8.73 TF FP32 boost, 2.91 TF FP64, 480 GB/s, 24 GB, 2 x GK210 with 13 SMX each;
     # one CUDA device = one die = half of each. No fast FP16, no tensor cores. (Tesla K80 datasheet)
-    _sheet("Tesla K80", ("K80", "Tesla_K80"), "kepler", (3, 7), 13, 12, 240, 8.73 / 2, 2.91 / 2, 8.73 / 2,
-           0, 0, 0, 3, pageable=5.56e9, measured=True, source="Tesla K80 datasheet (board / 2)"),
+    _sheet(
+        "Tesla K80",
+        ("K80", "Tesla_K80"),
+        "kepler",
+        (3, 7),
+        13,
+        12,
+        240,
+        8.73 / 2,
+        2.91 / 2,
+        8.73 / 2,
+        0,
+        0,
+        0,
+        3,
+        pageable=5.56e9,
+        measured=True,
+        source="Tesla K80 datasheet (board / 2)",
+    ),
     # Maxwell M40 24GB: 7 TF FP32 (FP64 1/32), 288 GB/s, 24 SMs. (Tesla M40 24GB datasheet)
-    _sheet("Tesla M40", ("M40", "Tesla_M40"), "maxwell", (5, 2), 24, 24, 288, 7.0, 7.0 / 32, 7.0, 0, 0, 0, 3,
-           pageable=6.24e9, measured=True, source="Tesla M40 24GB datasheet"),
+    _sheet(
+        "Tesla M40",
+        ("M40", "Tesla_M40"),
+        "maxwell",
+        (5, 2),
+        24,
+        24,
+        288,
+        7.0,
+        7.0 / 32,
+        7.0,
+        0,
+        0,
+        0,
+        3,
+        pageable=6.24e9,
+        measured=True,
+        source="Tesla M40 24GB datasheet",
+    ),
     # Pascal P100 PCIe 16GB: 9.3 TF FP32, 4.7 FP64, 18.7 FP16 (2x, no tensor cores), 732 GB/s, 56 SMs.
-    _sheet("Tesla P100-PCIE-16GB", ("P100", "P100-PCIE-16GB", "Tesla_P100-PCIE-16GB"), "pascal", (6, 0), 56, 16,
-           732, 9.3, 4.7, 18.7, 0, 0, 0, 3, pageable=4.54e9, measured=True, source="Tesla P100 datasheet (PCIe)"),
+    _sheet(
+        "Tesla P100-PCIE-16GB",
+        ("P100", "P100-PCIE-16GB", "Tesla_P100-PCIE-16GB"),
+        "pascal",
+        (6, 0),
+        56,
+        16,
+        732,
+        9.3,
+        4.7,
+        18.7,
+        0,
+        0,
+        0,
+        3,
+        pageable=4.54e9,
+        measured=True,
+        source="Tesla P100 datasheet (PCIe)",
+    ),
     # Volta V100 PCIe 32GB: 14 TF FP32, 7 FP64, 112 FP16 tensor (no BF16/TF32), 900 GB/s, 80 SMs.
     # (PCIe card: no NVLink.) (Tesla V100 datasheet)
-    _sheet("Tesla V100-PCIE-32GB", ("V100", "V100-32GB", "V100-PCIE-32GB", "Tesla_V100-PCIE-32GB"), "volta", (7, 0),
-           80, 32, 900, 14.0, 7.0, 28.0, 0, 112, 0, 3, pageable=4.24e9, measured=True,
-           source="Tesla V100 datasheet (PCIe)"),
+    _sheet(
+        "Tesla V100-PCIE-32GB",
+        ("V100", "V100-32GB", "V100-PCIE-32GB", "Tesla_V100-PCIE-32GB"),
+        "volta",
+        (7, 0),
+        80,
+        32,
+        900,
+        14.0,
+        7.0,
+        28.0,
+        0,
+        112,
+        0,
+        3,
+        pageable=4.24e9,
+        measured=True,
+        source="Tesla V100 datasheet (PCIe)",
+    ),
     # Turing Quadro RTX 6000: 16.3 TF FP32, 0.51 FP64 (1/32), 130.5 FP16 tensor (full-rate FP32
     # accumulate on Quadro; no BF16/TF32), 672 GB/s, 72 SMs, NVLink bridge 100 GB/s. (Quadro RTX 6000 datasheet)
-    _sheet("Quadro RTX 6000", ("RTX6000", "Quadro_RTX_6000"), "turing", (7, 5), 72, 24, 672, 16.3, 16.3 / 32, 32.6,
-           0, 130.5, 0, 3, nvlink_gbs=100, pageable=4.18e9, measured=True, source="Quadro RTX 6000 datasheet",
-           bridge=True),
+    _sheet(
+        "Quadro RTX 6000",
+        ("RTX6000", "Quadro_RTX_6000"),
+        "turing",
+        (7, 5),
+        72,
+        24,
+        672,
+        16.3,
+        16.3 / 32,
+        32.6,
+        0,
+        130.5,
+        0,
+        3,
+        nvlink_gbs=100,
+        pageable=4.18e9,
+        measured=True,
+        source="Quadro RTX 6000 datasheet",
+        bridge=True,
+    ),
     # Ampere A100 SXM4 40GB: 19.5 TF FP32, 9.7 FP64, 156 TF32 / 312 FP16 / 312 BF16 tensor (dense),
     # 1,555 GB/s, 108 SMs, NVLink 600 GB/s, PCIe Gen4. (NVIDIA A100 Tensor Core GPU datasheet)
-    _sheet("NVIDIA A100-SXM4-40GB", ("A100", "A100-40GB", "A100-SXM4-40GB", "NVIDIA_A100-SXM4-40GB"), "ampere",
-           (8, 0), 108, 40, 1555, 19.5, 9.7, 78.0, 156, 312, 312, 4, nvlink_gbs=600, pageable=4.66e9, measured=True,
-           source="NVIDIA A100 datasheet (SXM4 40GB)"),
+    _sheet(
+        "NVIDIA A100-SXM4-40GB",
+        ("A100", "A100-40GB", "A100-SXM4-40GB", "NVIDIA_A100-SXM4-40GB"),
+        "ampere",
+        (8, 0),
+        108,
+        40,
+        1555,
+        19.5,
+        9.7,
+        78.0,
+        156,
+        312,
+        312,
+        4,
+        nvlink_gbs=600,
+        pageable=4.66e9,
+        measured=True,
+        source="NVIDIA A100 datasheet (SXM4 40GB)",
+    ),
     # ---------------------------------------------------------------- datasheet only
     # A100 SXM4 80GB: compute as the 40GB; HBM2e 2,039 GB/s. (NVIDIA A100 datasheet)
-    _sheet("NVIDIA A100-SXM4-80GB", ("A100-80GB", "A100-SXM4-80GB", "A100-SXM-80GB"), "ampere", (8, 0), 108, 80, 2039,
-           19.5, 9.7, 78.0, 156, 312, 312, 4, nvlink_gbs=600, source="NVIDIA A100 datasheet (SXM4 80GB)"),
+    _sheet(
+        "NVIDIA A100-SXM4-80GB",
+        ("A100-80GB", "A100-SXM4-80GB", "A100-SXM-80GB"),
+        "ampere",
+        (8, 0),
+        108,
+        80,
+        2039,
+        19.5,
+        9.7,
+        78.0,
+        156,
+        312,
+        312,
+        4,
+        nvlink_gbs=600,
+        source="NVIDIA A100 datasheet (SXM4 80GB)",
+    ),
     # Ampere A10G (AWS G5; NVIDIA publishes no datasheet): GA102 with 80 SMs at 1.71 GHz: FP32
     # 35 TF; tensor FP16/BF16 70 TF and TF32 35 TF dense as AWS/Baseten's comparison reports
     # (half the A10's per-SM tensor rate); 24 GB GDDR6, 600 GB/s, PCIe Gen4. Uncertain figures.
-    _sheet("NVIDIA A10G", ("A10G",), "ampere", (8, 6), 80, 24, 600, 35.0, 35.0 / 32, 35.0, 35, 70, 70, 4,
-           source="AWS EC2 G5 docs / Baseten A10 vs A10G (no NVIDIA datasheet; uncertain)"),
+    _sheet(
+        "NVIDIA A10G",
+        ("A10G",),
+        "ampere",
+        (8, 6),
+        80,
+        24,
+        600,
+        35.0,
+        35.0 / 32,
+        35.0,
+        35,
+        70,
+        70,
+        4,
+        source="AWS EC2 G5 docs / Baseten A10 vs A10G (no NVIDIA datasheet; uncertain)",
+    ),
     # Ada L40S: 91.6 TF FP32, 183 TF32 / 362 FP16 / 362 BF16 tensor (dense; 366/733 sparse),
     # 48 GB GDDR6, 864 GB/s, 142 SMs, PCIe Gen4, no NVLink. (NVIDIA L40S datasheet)
-    _sheet("NVIDIA L40S", ("L40S",), "ada", (8, 9), 142, 48, 864, 91.6, 91.6 / 64, 91.6, 183, 362, 362, 4,
-           source="NVIDIA L40S datasheet"),
+    _sheet(
+        "NVIDIA L40S",
+        ("L40S",),
+        "ada",
+        (8, 9),
+        142,
+        48,
+        864,
+        91.6,
+        91.6 / 64,
+        91.6,
+        183,
+        362,
+        362,
+        4,
+        source="NVIDIA L40S datasheet",
+    ),
     # Ada L4: 30.3 TF FP32, 60 TF32 / 121 FP16 / 121 BF16 tensor (dense), 24 GB GDDR6, 300 GB/s,
     # 58 SMs, PCIe Gen4 x16. (NVIDIA L4 datasheet)
-    _sheet("NVIDIA L4", ("L4",), "ada", (8, 9), 58, 24, 300, 30.3, 30.3 / 64, 30.3, 60, 121, 121, 4,
-           source="NVIDIA L4 datasheet"),
+    _sheet(
+        "NVIDIA L4",
+        ("L4",),
+        "ada",
+        (8, 9),
+        58,
+        24,
+        300,
+        30.3,
+        30.3 / 64,
+        30.3,
+        60,
+        121,
+        121,
+        4,
+        source="NVIDIA L4 datasheet",
+    ),
     # Ada GeForce RTX 4090: 82.6 TF FP32, tensor with FP32 accumulate 165.2 FP16/BF16, 82.6 TF32
     # (dense; GeForce runs FP32-accumulate at half the FP16-accumulate rate), 24 GB GDDR6X,
     # 1,008 GB/s, 128 SMs, PCIe Gen4. (NVIDIA Ada Lovelace architecture whitepaper, appendix)
-    _sheet("NVIDIA GeForce RTX 4090", ("RTX4090", "RTX-4090", "4090"), "ada", (8, 9), 128, 24, 1008, 82.6,
-           82.6 / 64, 82.6, 82.6, 165.2, 165.2, 4, source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
+    _sheet(
+        "NVIDIA GeForce RTX 4090",
+        ("RTX4090", "RTX-4090", "4090"),
+        "ada",
+        (8, 9),
+        128,
+        24,
+        1008,
+        82.6,
+        82.6 / 64,
+        82.6,
+        82.6,
+        165.2,
+        165.2,
+        4,
+        source="NVIDIA Ada Lovelace whitepaper (RTX 4090)",
+    ),
     # Turing T4: 8.1 TF FP32, 65 TF FP16 tensor (mixed precision), no BF16/TF32, 16 GB GDDR6,
     # 320 GB/s, 40 SMs, PCIe Gen3. (NVIDIA T4 datasheet)
-    _sheet("Tesla T4", ("T4", "Tesla_T4"), "turing", (7, 5), 40, 16, 320, 8.1, 8.1 / 32, 16.2, 0, 65, 0, 3,
-           source="NVIDIA T4 datasheet"),
+    _sheet(
+        "Tesla T4",
+        ("T4", "Tesla_T4"),
+        "turing",
+        (7, 5),
+        40,
+        16,
+        320,
+        8.1,
+        8.1 / 32,
+        16.2,
+        0,
+        65,
+        0,
+        3,
+        source="NVIDIA T4 datasheet",
+    ),
     # Hopper H100 SXM5 80GB: 67 TF FP32, 34 FP64, 494.7 TF32 / 989.4 FP16 / 989.4 BF16 tensor (dense;
     # 989/1979 sparse), HBM3 3.35 TB/s, 132 SMs, NVLink 900 GB/s, PCIe Gen5. (NVIDIA H100 datasheet)
-    _sheet("NVIDIA H100 80GB HBM3", ("H100", "H100-SXM", "H100-SXM5", "H100-SXM5-80GB"), "hopper", (9, 0), 132, 80,
-           3350, 67.0, 34.0, 133.8, 494.7, 989.4, 989.4, 5, nvlink_gbs=900, source="NVIDIA H100 datasheet (SXM)"),
+    _sheet(
+        "NVIDIA H100 80GB HBM3",
+        ("H100", "H100-SXM", "H100-SXM5", "H100-SXM5-80GB"),
+        "hopper",
+        (9, 0),
+        132,
+        80,
+        3350,
+        67.0,
+        34.0,
+        133.8,
+        494.7,
+        989.4,
+        989.4,
+        5,
+        nvlink_gbs=900,
+        source="NVIDIA H100 datasheet (SXM)",
+    ),
     # Hopper H100 PCIe 80GB: 51 TF FP32, 26 FP64, 378 TF32 / 756 FP16 / 756 BF16 tensor (dense),
     # HBM2e 2.0 TB/s, 114 SMs, NVLink bridge 600 GB/s, PCIe Gen5. (NVIDIA H100 datasheet (PCIe) /
     # H100 PCIe product brief PB-11133-001)
-    _sheet("NVIDIA H100 PCIe", ("H100-PCIe", "H100-PCIE-80GB"), "hopper", (9, 0), 114, 80, 2000, 51.0, 26.0, 102.0,
-           378, 756, 756, 5, nvlink_gbs=600, source="NVIDIA H100 datasheet (PCIe), product brief PB-11133-001",
-           bridge=True),
+    _sheet(
+        "NVIDIA H100 PCIe",
+        ("H100-PCIe", "H100-PCIE-80GB"),
+        "hopper",
+        (9, 0),
+        114,
+        80,
+        2000,
+        51.0,
+        26.0,
+        102.0,
+        378,
+        756,
+        756,
+        5,
+        nvlink_gbs=600,
+        source="NVIDIA H100 datasheet (PCIe), product brief PB-11133-001",
+        bridge=True,
+    ),
     # Hopper H200 SXM 141GB: compute as H100 SXM; HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s, PCIe
     # Gen5. (NVIDIA H200 datasheet)
-    _sheet("NVIDIA H200", ("H200", "H200-SXM", "H200-SXM-141GB"), "hopper", (9, 0), 132, 141, 4800, 67.0, 34.0, 133.8,
-           494.7, 989.4, 989.4, 5, nvlink_gbs=900, source="NVIDIA H200 datasheet (SXM)"),
+    _sheet(
+        "NVIDIA H200",
+        ("H200", "H200-SXM", "H200-SXM-141GB"),
+        "hopper",
+        (9, 0),
+        132,
+        141,
+        4800,
+        67.0,
+        34.0,
+        133.8,
+        494.7,
+        989.4,
+        989.4,
+        5,
+        nvlink_gbs=900,
+        source="NVIDIA H200 datasheet (SXM)",
+    ),
     # Blackwell B200 (HGX B200, per GPU): 75 TF FP32, 37 FP64, 1,125 TF32 / 2,250 FP16 / 2,250 BF16
     # tensor (dense; the datasheet's 8-GPU sparse figures / 8 / 2), 180 GB HBM3e at 8 TB/s, 148 SMs,
     # NVLink 5 1.8 TB/s, PCIe Gen5 host link. (NVIDIA HGX B200 / DGX B200 datasheets)
-    _sheet("NVIDIA B200", ("B200", "B200-SXM", "HGX-B200"), "blackwell", (10, 0), 148, 180, 8000, 75.0, 37.0, 150.0,
-           1125, 2250, 2250, 5, nvlink_gbs=1800, source="NVIDIA HGX B200 / DGX B200 datasheets (per GPU)"),
+    _sheet(
+        "NVIDIA B200",
+        ("B200", "B200-SXM", "HGX-B200"),
+        "blackwell",
+        (10, 0),
+        148,
+        180,
+        8000,
+        75.0,
+        37.0,
+        150.0,
+        1125,
+        2250,
+        2250,
+        5,
+        nvlink_gbs=1800,
+        source="NVIDIA HGX B200 / DGX B200 datasheets (per GPU)",
+    ),
 )
 
 # The measured GPU of each calibrated generation (its database name).
@@ -206,7 +505,7 @@ def find_gpu(name: str) -> GpuSheet | None:
     return _INDEX.get(_norm(name))
 
 
-def gpu_sheet(gpu: "str | GpuSheet | object") -> GpuSheet:
+def gpu_sheet(gpu: str | GpuSheet | object) -> GpuSheet:
     """A :class:`GpuSheet` from a sheet, a name / alias, or any object with ``name`` (and
     ``aliases``) such as ``gpemu.db.GpuSpec``; an unknown spec object becomes a sheet of its own
     (see :func:`sheet_from_spec`). Raises ``KeyError`` for an unknown name."""
@@ -235,20 +534,27 @@ def sheet_from_spec(spec: object, generation: str | None = None) -> GpuSheet:
         v = getattr(spec, attr, None)
         return default if v is None else float(v)
 
-    fp32 = float(getattr(spec, "fp32_flops"))
+    fp32 = float(spec.fp32_flops)
     fp16 = float(getattr(spec, "fp16_flops", fp32))
     guessed_tensor = fp16 if fp16 > 2.5 * fp32 else 0.0
     cc = getattr(spec, "compute_capability", None)
     return GpuSheet(
-        name=str(getattr(spec, "name", "unknown GPU")), aliases=tuple(getattr(spec, "aliases", ())),
+        name=str(getattr(spec, "name", "unknown GPU")),
+        aliases=tuple(getattr(spec, "aliases", ())),
         generation=generation or getattr(spec, "generation", None) or "ampere",
-        compute_capability=tuple(cc) if cc else (0, 0), sm_count=int(getattr(spec, "sm_count", 80)),
-        memory_bytes=int(getattr(spec, "memory_bytes", 16 * _GiB)), memory_bandwidth=float(getattr(spec, "memory_bandwidth")),
-        fp32_flops=fp32, fp64_flops=own("fp64_flops", fp32 / 32),
+        compute_capability=tuple(cc) if cc else (0, 0),
+        sm_count=int(getattr(spec, "sm_count", 80)),
+        memory_bytes=int(getattr(spec, "memory_bytes", 16 * _GiB)),
+        memory_bandwidth=float(spec.memory_bandwidth),
+        fp32_flops=fp32,
+        fp64_flops=own("fp64_flops", fp32 / 32),
         fp16_flops=own("fp16_nontensor_flops", 2 * fp32 if guessed_tensor else fp16),
-        tf32_tensor_flops=own("tf32_tensor_flops", 0.0), fp16_tensor_flops=own("fp16_tensor_flops", guessed_tensor),
-        bf16_tensor_flops=own("bf16_tensor_flops", 0.0), pcie_gen=int(getattr(spec, "pcie_gen", None) or 4),
+        tf32_tensor_flops=own("tf32_tensor_flops", 0.0),
+        fp16_tensor_flops=own("fp16_tensor_flops", guessed_tensor),
+        bf16_tensor_flops=own("bf16_tensor_flops", 0.0),
+        pcie_gen=int(getattr(spec, "pcie_gen", None) or 4),
         host_link_bandwidth_pinned=float(getattr(spec, "host_link_bandwidth_pinned", _LINK[4] * 0.8)),
         host_link_bandwidth_pageable=float(getattr(spec, "host_link_bandwidth_pageable", _PAGEABLE_GEN4PLUS)),
         nvlink_bandwidth=own("nvlink_bandwidth", 0.0),
-        source=getattr(spec, "source", "") or "built from a GpuSpec (not in the datasheet table)")
+        source=getattr(spec, "source", "") or "built from a GpuSpec (not in the datasheet table)",
+    )

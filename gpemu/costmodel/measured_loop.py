@@ -25,9 +25,10 @@ also timed (:func:`measured_loss_ops`), which a program's own loss is charged fo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from functools import lru_cache
-from typing import Any, Sequence
+from functools import cache, lru_cache
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -35,8 +36,14 @@ from torch.nn import functional as F
 from .classify import OpFeatures
 from .record import OpRecorder
 
-__all__ = ["SGD_MOMENTUM", "SGD_WEIGHT_DECAY", "MEASURED_CLASSES", "record_measured_step", "parameter_bookkeeping_ops",
-           "measured_loss_ops"]
+__all__ = [
+    "SGD_MOMENTUM",
+    "SGD_WEIGHT_DECAY",
+    "MEASURED_CLASSES",
+    "record_measured_step",
+    "parameter_bookkeeping_ops",
+    "measured_loss_ops",
+]
 
 SGD_MOMENTUM = 0.9
 SGD_WEIGHT_DECAY = 1e-4
@@ -45,11 +52,10 @@ _LR = 0.1
 MEASURED_CLASSES = 1000
 
 
-def _sgd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                buffers: Sequence[torch.Tensor]) -> None:
+def _sgd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
     """torch 1.7's SGD step for one group, one parameter at a time."""
     with torch.no_grad():
-        for p, g, buf in zip(params, grads, buffers):
+        for p, g, buf in zip(params, grads, buffers, strict=False):
             d_p = g.add(p, alpha=SGD_WEIGHT_DECAY)
             buf.mul_(SGD_MOMENTUM).add_(d_p)
             p.add_(d_p, alpha=-_LR)
@@ -94,8 +100,9 @@ def parameter_bookkeeping_ops(shapes: Sequence[Sequence[int]], dtype: torch.dtyp
     every one on the meta device took 1.5 s for DenseNet-201's 604 tensors)."""
     grads, step = _bookkeeping_template(dtype)
     sizes = [math.prod(s) / _TEMPLATE_SIZE for s in shapes]
-    return ([replace(op, flops=op.flops * k, nbytes=op.nbytes * k) for k in sizes for op in grads]
-            + [replace(op, flops=op.flops * k, nbytes=op.nbytes * k) for k in sizes for op in step])
+    return [replace(op, flops=op.flops * k, nbytes=op.nbytes * k) for k in sizes for op in grads] + [
+        replace(op, flops=op.flops * k, nbytes=op.nbytes * k) for k in sizes for op in step
+    ]
 
 
 _TEMPLATE_SIZE = 1024
@@ -116,7 +123,7 @@ def measured_loss_ops(batch: int) -> tuple[OpFeatures, ...]:
     return tuple(rec.ops)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bookkeeping_template(dtype: torch.dtype) -> tuple[tuple[OpFeatures, ...], tuple[OpFeatures, ...]]:
     """(zeroing + accumulation, SGD step) ops of one parameter of ``_TEMPLATE_SIZE`` elements."""
     p = torch.empty(_TEMPLATE_SIZE, dtype=dtype, device="meta")

@@ -9,7 +9,8 @@
 Each op is priced by :mod:`~gpemu.costmodel.curve`'s form with the curve of its **curve key** —
 op class, refined for dense convolutions by shape (``conv1x1``: a GEMM; ``conv_spatial``: a larger
 kernel at stride 1, which cuDNN can run with Winograd / FFT algorithms; ``conv_strided``: a larger
-kernel at stride > 1), and the pass (``.fwd`` / ``.bwd``) — and of its GPU's generation. Curves are calibrated per generation against the peak the database's
+kernel at stride > 1), and the pass (``.fwd`` / ``.bwd``) — and of its GPU's generation. Curves are
+calibrated per generation against the peak the database's
 measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 convolutions,
 ``memory`` for bandwidth-bound classes). A request is served by the first generation in the GPU's
 donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
@@ -40,10 +41,11 @@ This module never imports the emulator (runtime, tensor, replay): it is a pure l
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -54,9 +56,23 @@ from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtyp
 from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, carried_share, tensor_plateau
 from .table import CLASSES, DTYPES, OpTable
 
-__all__ = ["CostModel", "default_model", "curve_key", "table_keys", "PARAMS_PATH", "Uncertainty", "StepSeconds",
-           "op_seconds", "dominant_mix", "dominant_mix_of", "INTENSITY_CLASSES", "MATMUL_CLASSES", "work_and_shape",
-           "depth_mask", "floor_seconds"]
+__all__ = [
+    "CostModel",
+    "default_model",
+    "curve_key",
+    "table_keys",
+    "PARAMS_PATH",
+    "Uncertainty",
+    "StepSeconds",
+    "op_seconds",
+    "dominant_mix",
+    "dominant_mix_of",
+    "INTENSITY_CLASSES",
+    "MATMUL_CLASSES",
+    "work_and_shape",
+    "depth_mask",
+    "floor_seconds",
+]
 
 PARAMS_PATH = Path(__file__).resolve().parent / "data" / "params.json"
 
@@ -88,14 +104,20 @@ def depth_mask(table: OpTable, is_comp: np.ndarray) -> np.ndarray:
     return is_comp & ~att & ((table.reduction > 0) | (table.reduction1 > 0))
 
 
-def floor_seconds(nbytes: "np.ndarray | float", bandwidth: float) -> "np.ndarray | float":
+def floor_seconds(nbytes: np.ndarray | float, bandwidth: float) -> np.ndarray | float:
     """The matmul family's roofline floor: seconds to move ``nbytes`` at the best streaming rate
     (:data:`~gpemu.costmodel.published.MEMORY_PLATEAU` of ``bandwidth``, bytes/s)."""
     return nbytes / (bandwidth * MEMORY_PLATEAU)
 
 
-def work_and_shape(table: OpTable, batch: float, is_comp: np.ndarray, has_depth: np.ndarray, intensity: np.ndarray,
-                   scale: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def work_and_shape(
+    table: OpTable,
+    batch: float,
+    is_comp: np.ndarray,
+    has_depth: np.ndarray,
+    intensity: np.ndarray,
+    scale: np.ndarray | float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-op work (FLOPs or bytes x ``scale``) and shape term z at ``batch`` (see curve.py):
     1/K for ops with a reduction depth (``has_depth``, :func:`depth_mask`), FLOPs per byte for
     ``intensity`` ops, else 0."""
@@ -190,19 +212,21 @@ class CostModel:
         self.params = dict(params)
         self.generations: dict[str, dict[str, C.Curve]] = {}
         for gen, g in params.get("generations", {}).items():
-            self.generations[gen] = {k: C.Curve(e=v["e"], x0=v["x0"], p=v["p"], h=v["h"], k0=v.get("k0", 0.0),
-                                                path=v.get("path", "simt")) for k, v in g["curves"].items()}
+            self.generations[gen] = {
+                k: C.Curve(e=v["e"], x0=v["x0"], p=v["p"], h=v["h"], k0=v.get("k0", 0.0), path=v.get("path", "simt"))
+                for k, v in g["curves"].items()
+            }
         self._memo: dict[tuple, _Resolved] = {}
         self._priced_memo: dict[tuple, _Priced] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "CostModel":
+    def load(cls, path: str | Path | None = None) -> CostModel:
         """The model in ``path`` (default: the shipped ``data/params.json``)."""
         with open(path or PARAMS_PATH, encoding="utf-8") as f:
             return cls(json.load(f))
 
-    def without(self, *generations: str) -> "CostModel":
+    def without(self, *generations: str) -> CostModel:
         """The same model with some generations' curves removed (to price a GPU as if unmeasured)."""
         p = dict(self.params)
         p["generations"] = {g: v for g, v in self.params.get("generations", {}).items() if g not in generations}
@@ -219,7 +243,11 @@ class CostModel:
         base, _, phase = key.partition(".")
         chain = DONORS.get(gpu.generation, DONORS["ampere"])
         other = "fwd" if phase == "bwd" else "bwd"
-        bases = (base,) + _STANDINS.get(base, ()) + tuple(s2 for s in _STANDINS.get(base, ()) for s2 in _STANDINS.get(s, ()))
+        bases = (
+            (base,)
+            + _STANDINS.get(base, ())
+            + tuple(s2 for s in _STANDINS.get(base, ()) for s2 in _STANDINS.get(s, ()))
+        )
         found: _Resolved | None = None
         for want_path in (path, None):
             for b in bases:
@@ -298,7 +326,7 @@ class CostModel:
             g = max(g, float(floor_seconds(op.nbytes * scale, pr.bandwidth)))
         return pr.curve.h, g
 
-    def op_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+    def op_seconds(self, op: OpFeatures, gpu: str | GpuSheet | Any, precision: Precision = FP32) -> float:
         """GPU seconds of one op's kernel(s) (0 for free ops). ``gpu``: a name / alias, a
         :class:`GpuSheet` or a ``gpemu.db.GpuSpec``.
 
@@ -310,20 +338,20 @@ class CostModel:
             return 0.0
         return self._price(op, gpu_sheet(gpu), precision)[1]
 
-    def host_seconds(self, op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+    def host_seconds(self, op: OpFeatures, gpu: str | GpuSheet | Any, precision: Precision = FP32) -> float:
         """Host seconds to issue one op, as the calibration hosts (eager PyTorch) took (0 for free ops)."""
         if op.op_class is OpClass.FREE:
             return 0.0
         return self._price(op, gpu_sheet(gpu), precision)[0]
 
-    def ops_seconds(self, ops: Iterable[OpFeatures], gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+    def ops_seconds(self, ops: Iterable[OpFeatures], gpu: str | GpuSheet | Any, precision: Precision = FP32) -> float:
         """Seconds of a sequence of ops issued one after another (a forward or a backward pass):
         host and GPU time overlapped as a queue (:func:`~gpemu.costmodel.curve.queue_seconds`)."""
         sheet = gpu_sheet(gpu)
         return C.queue_seconds(self._price(o, sheet, precision) for o in ops if o.op_class is not OpClass.FREE)
 
     # ------------------------------------------------------------------ many ops
-    def table_terms(self, table: OpTable, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> dict[str, Any]:
+    def table_terms(self, table: OpTable, gpu: str | GpuSheet | Any, precision: Precision = FP32) -> dict[str, Any]:
         """Per-op pricing inputs that do not depend on the batch size (arrays: is_comp, peak, bw
         (the bandwidth of a roofline floor), scale, le, lx0, p, h, lk0, has_depth (ops with a
         reduction-depth term), intensity (1 for ops whose shape term is their FLOPs per byte), floor
@@ -338,7 +366,7 @@ class CostModel:
         floor = np.zeros(n, dtype=bool)
         gens = np.empty(n, dtype=object)
         combos: dict[tuple, list[int]] = {}
-        for i, (k, c, d) in enumerate(zip(keys, table.cls, table.dtype)):
+        for i, (k, c, d) in enumerate(zip(keys, table.cls, table.dtype, strict=False)):
             combos.setdefault((k, int(c), int(d)), []).append(i)
         for (k, c, d), idx_list in combos.items():
             idx = np.asarray(idx_list)
@@ -352,12 +380,31 @@ class CostModel:
             floor[idx] = pr.floor
             gens[idx] = pr.generation
         intensity = np.isin(table.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
-        return {"sms": sheet.sm_count, "bw": bw, "is_comp": is_comp, "peak": peak,
-                "scale": scale, "le": le, "lx0": lx0, "p": p, "h": h, "lk0": lk0,
-                "has_depth": depth_mask(table, is_comp), "intensity": intensity, "floor": floor, "gens": gens}
+        return {
+            "sms": sheet.sm_count,
+            "bw": bw,
+            "is_comp": is_comp,
+            "peak": peak,
+            "scale": scale,
+            "le": le,
+            "lx0": lx0,
+            "p": p,
+            "h": h,
+            "lk0": lk0,
+            "has_depth": depth_mask(table, is_comp),
+            "intensity": intensity,
+            "floor": floor,
+            "gens": gens,
+        }
 
-    def table_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
-                      precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
+    def table_seconds(
+        self,
+        table: OpTable,
+        batch: float,
+        gpu: str | GpuSheet | Any,
+        precision: Precision = FP32,
+        terms: Mapping[str, Any] | None = None,
+    ) -> np.ndarray:
         """GPU seconds of every op of ``table`` at ``batch`` (pass ``terms`` from
         :meth:`table_terms` to price many batch sizes without resolving curves again)."""
         tm = terms if terms is not None else self.table_terms(table, gpu, precision)
@@ -368,8 +415,14 @@ class CostModel:
             g[fl] = np.maximum(g[fl], floor_seconds(table.nbytes(batch)[fl] * tm["scale"][fl], tm["bw"][fl]))
         return g
 
-    def table_phase_seconds(self, table: OpTable, batch: float, gpu: "str | GpuSheet | Any",
-                            precision: Precision = FP32, terms: Mapping[str, Any] | None = None) -> np.ndarray:
+    def table_phase_seconds(
+        self,
+        table: OpTable,
+        batch: float,
+        gpu: str | GpuSheet | Any,
+        precision: Precision = FP32,
+        terms: Mapping[str, Any] | None = None,
+    ) -> np.ndarray:
         """Queue time of each (model, pass) sequence of ``table`` at ``batch``: an array
         [model, 2] (forward, backward) over ``0 .. table.model.max()``. Ops of one model and pass
         must be contiguous and in order, as recording leaves them."""
@@ -385,8 +438,15 @@ class CostModel:
         return out.reshape(n_models, 2)
 
     # ------------------------------------------------------------------ whole steps
-    def module_seconds(self, module: Any, args: tuple, gpu: "str | GpuSheet | Any", precision: Precision = FP32,
-                       kwargs: dict | None = None, backward: bool = True) -> StepSeconds:
+    def module_seconds(
+        self,
+        module: Any,
+        args: tuple,
+        gpu: str | GpuSheet | Any,
+        precision: Precision = FP32,
+        kwargs: dict | None = None,
+        backward: bool = True,
+    ) -> StepSeconds:
         """Forward and backward seconds of ``module(*args, **kwargs)`` recorded once on the meta
         device (the module is not modified; put it in ``train()`` mode for a training step)."""
         from .record import record_step
@@ -399,9 +459,17 @@ class CostModel:
         mix = dominant_mix_of(ops, [self.op_seconds(o, sheet, precision) for o in ops])
         return StepSeconds(fwd, bwd, self.uncertainty(sheet, mix))
 
-    def transfer_seconds(self, measured: float, table: OpTable, batch: float, phase: str,
-                         from_gpu: "str | GpuSheet | Any", to_gpu: "str | GpuSheet | Any",
-                         precision: Precision = FP32, from_precision: Precision = FP32) -> float:
+    def transfer_seconds(
+        self,
+        measured: float,
+        table: OpTable,
+        batch: float,
+        phase: str,
+        from_gpu: str | GpuSheet | Any,
+        to_gpu: str | GpuSheet | Any,
+        precision: Precision = FP32,
+        from_precision: Precision = FP32,
+    ) -> float:
         """A measured forward/backward time on one GPU carried to another GPU (or precision) by the
         ratio of the model's estimates on both (Habitat-style): model-specific errors shared by
         both GPUs cancel. ``phase``: ``"forward"`` or ``"backward"``."""
@@ -411,8 +479,9 @@ class CostModel:
         return measured * dst / src if src > 0 else dst
 
     # ------------------------------------------------------------------ uncertainty
-    def uncertainty(self, gpu: "str | GpuSheet | Any", mix: str | None = None,
-                    transferred: bool = False) -> Uncertainty | None:
+    def uncertainty(
+        self, gpu: str | GpuSheet | Any, mix: str | None = None, transferred: bool = False
+    ) -> Uncertainty | None:
         """Cross-validated error of an estimate on ``gpu``: leave-one-model-out figures for a GPU
         whose curves were fitted on its own measurements, leave-one-GPU-out figures for any other
         (a datasheet GPU, even of a calibrated generation: the T4 takes the RTX 6000's curves);
@@ -425,7 +494,7 @@ class CostModel:
         if not u:
             return None
         sheet = gpu_sheet(gpu)
-        measured = (self.params.get("generations", {}).get(sheet.generation, {}).get("gpu") == sheet.name)
+        measured = self.params.get("generations", {}).get(sheet.generation, {}).get("gpu") == sheet.name
         name = "measured_gpu" if measured else "datasheet_gpu"
         if transferred and u.get("transferred_gpu"):
             name = "transferred_gpu"
@@ -442,8 +511,11 @@ class CostModel:
         return Uncertainty(float(entry["p50"]), float(entry["p90"]), basis)
 
 
-_MIX_GROUPS = {"dense_conv": (OpClass.CONV,), "light_conv": (OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE),
-               "gemm": (OpClass.GEMM, OpClass.ATTENTION)}
+_MIX_GROUPS = {
+    "dense_conv": (OpClass.CONV,),
+    "light_conv": (OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE),
+    "gemm": (OpClass.GEMM, OpClass.ATTENTION),
+}
 
 
 def tensor_from_simt(curve: C.Curve, sheet: GpuSheet, peak: float) -> C.Curve:
@@ -463,8 +535,9 @@ def tensor_from_simt(curve: C.Curve, sheet: GpuSheet, peak: float) -> C.Curve:
 def dominant_mix(table: OpTable, seconds: np.ndarray) -> str:
     """Which kind of work takes most of the GPU time: ``dense_conv``, ``light_conv`` (grouped and
     depthwise), ``gemm`` or ``memory`` (everything bandwidth-bound). Uncertainty is kept per mix."""
-    shares = {k: float(seconds[np.isin(table.cls, [CLASSES.index(c) for c in v])].sum())
-              for k, v in _MIX_GROUPS.items()}
+    shares = {
+        k: float(seconds[np.isin(table.cls, [CLASSES.index(c) for c in v])].sum()) for k, v in _MIX_GROUPS.items()
+    }
     shares["memory"] = float(seconds.sum()) - sum(shares.values())
     return max(shares, key=lambda k: shares[k])
 
@@ -472,7 +545,7 @@ def dominant_mix(table: OpTable, seconds: np.ndarray) -> str:
 def dominant_mix_of(ops: Iterable[OpFeatures], seconds: Iterable[float]) -> str:
     """:func:`dominant_mix` of a list of ops and their GPU seconds."""
     shares = dict.fromkeys([*_MIX_GROUPS, "memory"], 0.0)
-    for op, t in zip(ops, seconds):
+    for op, t in zip(ops, seconds, strict=False):
         group = next((k for k, v in _MIX_GROUPS.items() if op.op_class in v), "memory")
         shares[group] += t
     return max(shares, key=lambda k: shares[k])
@@ -484,6 +557,6 @@ def default_model() -> CostModel:
     return CostModel.load()
 
 
-def op_seconds(op: OpFeatures, gpu: "str | GpuSheet | Any", precision: Precision = FP32) -> float:
+def op_seconds(op: OpFeatures, gpu: str | GpuSheet | Any, precision: Precision = FP32) -> float:
     """:meth:`CostModel.op_seconds` of the shipped model."""
     return default_model().op_seconds(op, gpu, precision)

@@ -27,8 +27,17 @@ import torch
 from .classify import COMPUTE_CLASSES, OpClass
 from .gpus import GpuSheet
 
-__all__ = ["Precision", "FP32", "compute_peak", "simt_peak", "effective_dtype", "byte_scale", "HALF", "tf32_matmul",
-           "tf32_cudnn"]
+__all__ = [
+    "Precision",
+    "FP32",
+    "compute_peak",
+    "simt_peak",
+    "effective_dtype",
+    "byte_scale",
+    "HALF",
+    "tf32_matmul",
+    "tf32_cudnn",
+]
 
 HALF = ("float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -57,7 +66,7 @@ class Precision:
         object.__setattr__(self, "dtype", name)
 
     @classmethod
-    def from_torch(cls, dtype: Any = None) -> "Precision":
+    def from_torch(cls, dtype: Any = None) -> Precision:
         """The current process's TF32 switches (``torch.backends``), with ``dtype`` (default fp32)."""
         return cls(dtype=str(dtype or torch.float32), allow_tf32_matmul=tf32_matmul(), allow_tf32_cudnn=tf32_cudnn())
 

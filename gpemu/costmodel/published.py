@@ -12,9 +12,19 @@ datasheet peak the op is priced against (:mod:`gpemu.costmodel.precision`).
 
 from __future__ import annotations
 
-__all__ = ["GEMM_PLATEAU_SIMT", "TENSOR_PLATEAU", "TENSOR_PLATEAU_DEFAULT", "tensor_plateau", "DELIVERED_SHARE",
-           "carried_share",
-           "ATTENTION_FACTOR", "KERNEL_RAMP_MAX", "MEMORY_PLATEAU", "PUBLISHED_GEMMS", "PublishedGemm"]
+__all__ = [
+    "GEMM_PLATEAU_SIMT",
+    "TENSOR_PLATEAU",
+    "TENSOR_PLATEAU_DEFAULT",
+    "tensor_plateau",
+    "DELIVERED_SHARE",
+    "carried_share",
+    "ATTENTION_FACTOR",
+    "KERNEL_RAMP_MAX",
+    "MEMORY_PLATEAU",
+    "PUBLISHED_GEMMS",
+    "PublishedGemm",
+]
 
 from dataclasses import dataclass
 
@@ -105,8 +115,28 @@ class PublishedGemm:
 
 
 PUBLISHED_GEMMS: tuple[PublishedGemm, ...] = (
-    PublishedGemm("A100", "bfloat16", 6912, 16384, 2048, 267.9, "MAMF table, stas00/ml-engineering (A100 SXM, CUDA 12.1)"),
-    PublishedGemm("H100", "bfloat16", 6144, 17920, 2816, 792.1, "MAMF table, stas00/ml-engineering (H100 SXM, CUDA 12.1)"),
-    PublishedGemm("A100", "float32", 8000, 8000, 8000, 14.1, "torch.matmul fp32, github.com/bewantbe/busy-gemm-benchmark (A100 40G)"),
-    PublishedGemm("A100", "tf32", 8000, 8000, 8000, 108.0, "torch.matmul with TF32, github.com/bewantbe/busy-gemm-benchmark (A100 40G)"),
+    PublishedGemm(
+        "A100", "bfloat16", 6912, 16384, 2048, 267.9, "MAMF table, stas00/ml-engineering (A100 SXM, CUDA 12.1)"
+    ),
+    PublishedGemm(
+        "H100", "bfloat16", 6144, 17920, 2816, 792.1, "MAMF table, stas00/ml-engineering (H100 SXM, CUDA 12.1)"
+    ),
+    PublishedGemm(
+        "A100",
+        "float32",
+        8000,
+        8000,
+        8000,
+        14.1,
+        "torch.matmul fp32, github.com/bewantbe/busy-gemm-benchmark (A100 40G)",
+    ),
+    PublishedGemm(
+        "A100",
+        "tf32",
+        8000,
+        8000,
+        8000,
+        108.0,
+        "torch.matmul with TF32, github.com/bewantbe/busy-gemm-benchmark (A100 40G)",
+    ),
 )

@@ -9,8 +9,9 @@ parameters and buffers are swapped for meta copies through ``torch.func.function
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,8 +47,12 @@ class OpRecorder(TorchDispatchMode):
         if self._pending is not None:
             clone, source = self._pending
             self._pending = None
-            inplace_on_source = (getattr(func, "_schema", None) is not None and func._schema.is_mutable
-                                 and len(args) > 0 and args[0] is source)
+            inplace_on_source = (
+                getattr(func, "_schema", None) is not None
+                and func._schema.is_mutable
+                and len(args) > 0
+                and args[0] is source
+            )
             if not inplace_on_source:
                 self.ops.append(clone)
         if not self.saved_input_clones and feat.name == "clone" and args and isinstance(args[0], torch.Tensor):
@@ -80,8 +85,11 @@ def to_meta(x: Any) -> Any:
 
 
 def _sum_loss(out: Any) -> torch.Tensor | None:
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out)
-              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    leaves = [
+        t
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
     if not leaves:
         return None
     loss = leaves[0].sum()
@@ -90,9 +98,16 @@ def _sum_loss(out: Any) -> torch.Tensor | None:
     return loss
 
 
-def record_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, backward: bool = True,
-                loss_fn: Callable[[Any], torch.Tensor | None] = _sum_loss,
-                dtype: torch.dtype | None = None, saved_input_clones: bool = True) -> StepOps:
+def record_step(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    backward: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor | None] = _sum_loss,
+    dtype: torch.dtype | None = None,
+    saved_input_clones: bool = True,
+) -> StepOps:
     """Record one forward (and backward) of ``module(*args, **kwargs)`` on the meta device.
 
     The module keeps its own parameters and mode (call ``module.train()`` first for a training

@@ -10,8 +10,8 @@ over the batch: K = batch x tokens), so a model recorded at two batch sizes is k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import numpy as np
 
@@ -22,8 +22,20 @@ __all__ = ["CLASSES", "DTYPES", "OpTable", "table_from_ops", "affine_table", "co
 # Fixed orders: integer codes in tables and cache files.
 CLASSES: tuple[OpClass, ...] = tuple(c for c in OpClass if c is not OpClass.FREE)
 _CLASS_CODE = {c: i for i, c in enumerate(CLASSES)}
-DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool", "uint8",
-                           "int8", "float8_e4m3fn", "float8_e5m2", "other")
+DTYPES: tuple[str, ...] = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "bool",
+    "uint8",
+    "int8",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "other",
+)
 _DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 
 
@@ -36,20 +48,20 @@ class OpTable:
     backward-pass ops. ``names`` holds the op names (``name`` indexes into it).
     """
 
-    cls: np.ndarray        # int8 code into CLASSES
-    backward: np.ndarray   # int8 0/1
+    cls: np.ndarray  # int8 code into CLASSES
+    backward: np.ndarray  # int8 0/1
     flops0: np.ndarray
     flops1: np.ndarray
     bytes0: np.ndarray
     bytes1: np.ndarray
-    dtype: np.ndarray      # int8 code into DTYPES
-    groups: np.ndarray     # int32
-    kernel: np.ndarray     # int32
-    stride: np.ndarray     # int32
+    dtype: np.ndarray  # int8 code into DTYPES
+    groups: np.ndarray  # int32
+    kernel: np.ndarray  # int32
+    stride: np.ndarray  # int32
     reduction: np.ndarray  # float64: K at batch 0 (the intercept)
     reduction1: np.ndarray  # float64: K per sample (a weight gradient's K grows with the batch)
-    name: np.ndarray       # int32 index into names
-    model: np.ndarray      # int32
+    name: np.ndarray  # int32 index into names
+    model: np.ndarray  # int32
     names: tuple[str, ...] = ()
 
     def __len__(self) -> int:
@@ -65,7 +77,7 @@ class OpTable:
         """The reduction depth K of each op at ``batch`` (0 where the op has none)."""
         return self.reduction + self.reduction1 * batch
 
-    def select(self, mask: np.ndarray) -> "OpTable":
+    def select(self, mask: np.ndarray) -> OpTable:
         """The ops where ``mask`` is true (same names list)."""
         kw = {f.name: getattr(self, f.name)[mask] for f in fields(self) if f.name != "names"}
         return OpTable(names=self.names, **kw)
@@ -77,7 +89,7 @@ class OpTable:
         return d
 
     @classmethod
-    def from_arrays(cls, d: dict[str, np.ndarray]) -> "OpTable":
+    def from_arrays(cls, d: dict[str, np.ndarray]) -> OpTable:
         kw = {f.name: np.asarray(d[f.name]) for f in fields(cls) if f.name != "names" and f.name in d}
         if "reduction1" not in kw:  # tables written before K was affine in the batch
             kw["reduction1"] = np.zeros(len(kw["cls"]))
@@ -108,15 +120,28 @@ def table_from_ops(ops: Sequence[OpFeatures], model: int = 0) -> OpTable:
     names: dict[str, int] = {}
     c = _codes(ops, names)
     zeros = np.zeros_like(c["flops"])
-    return OpTable(cls=c["cls"], backward=c["backward"], flops0=c["flops"], flops1=zeros, bytes0=c["nbytes"],
-                   bytes1=zeros.copy(), dtype=c["dtype"], groups=c["groups"], kernel=c["kernel"],
-                   stride=c["stride"], reduction=c["reduction"], reduction1=np.zeros_like(c["reduction"]),
-                   name=c["name"],
-                   model=np.full(len(c["cls"]), model, dtype=np.int32), names=tuple(names))
+    return OpTable(
+        cls=c["cls"],
+        backward=c["backward"],
+        flops0=c["flops"],
+        flops1=zeros,
+        bytes0=c["nbytes"],
+        bytes1=zeros.copy(),
+        dtype=c["dtype"],
+        groups=c["groups"],
+        kernel=c["kernel"],
+        stride=c["stride"],
+        reduction=c["reduction"],
+        reduction1=np.zeros_like(c["reduction"]),
+        name=c["name"],
+        model=np.full(len(c["cls"]), model, dtype=np.int32),
+        names=tuple(names),
+    )
 
 
-def affine_table(ops_a: Sequence[OpFeatures], batch_a: int, ops_b: Sequence[OpFeatures], batch_b: int,
-                 model: int = 0) -> OpTable:
+def affine_table(
+    ops_a: Sequence[OpFeatures], batch_a: int, ops_b: Sequence[OpFeatures], batch_b: int, model: int = 0
+) -> OpTable:
     """Features as ``a + b x batch`` from the same module recorded at two batch sizes.
 
     Raises ``ValueError`` when the two recordings differ in their op sequence (a module whose
@@ -129,11 +154,23 @@ def affine_table(ops_a: Sequence[OpFeatures], batch_a: int, ops_b: Sequence[OpFe
     slope_f = (b["flops"] - a["flops"]) / (batch_b - batch_a)
     slope_b = (b["nbytes"] - a["nbytes"]) / (batch_b - batch_a)
     slope_k = (b["reduction"] - a["reduction"]) / (batch_b - batch_a)
-    return OpTable(cls=a["cls"], backward=a["backward"], flops0=a["flops"] - slope_f * batch_a, flops1=slope_f,
-                   bytes0=a["nbytes"] - slope_b * batch_a, bytes1=slope_b, dtype=a["dtype"], groups=a["groups"],
-                   kernel=a["kernel"], stride=a["stride"], reduction=a["reduction"] - slope_k * batch_a,
-                   reduction1=slope_k, name=a["name"],
-                   model=np.full(len(a["cls"]), model, dtype=np.int32), names=tuple(names))
+    return OpTable(
+        cls=a["cls"],
+        backward=a["backward"],
+        flops0=a["flops"] - slope_f * batch_a,
+        flops1=slope_f,
+        bytes0=a["nbytes"] - slope_b * batch_a,
+        bytes1=slope_b,
+        dtype=a["dtype"],
+        groups=a["groups"],
+        kernel=a["kernel"],
+        stride=a["stride"],
+        reduction=a["reduction"] - slope_k * batch_a,
+        reduction1=slope_k,
+        name=a["name"],
+        model=np.full(len(a["cls"]), model, dtype=np.int32),
+        names=tuple(names),
+    )
 
 
 def concat_tables(tables: Sequence[OpTable]) -> OpTable:

@@ -53,7 +53,7 @@ __all__ = ["GradientState"]
 
 _getrefcount = sys.getrefcount
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad.__get__
-_gget = torch._C.TensorBase.grad.__get__   # p.grad as torch stores it (C-level; map() loops)
+_gget = torch._C.TensorBase.grad.__get__  # p.grad as torch stores it (C-level; map() loops)
 _gset = torch._C.TensorBase.grad.__set__
 _get_block = attrgetter("_block")
 _get_parent = attrgetter("parent")
@@ -61,16 +61,16 @@ _get_shadow = attrgetter("_shadow")
 _get_dict = attrgetter("__dict__")
 
 # _GradSet states
-ARMED = "armed"        # the parameters hold the wrappers, the memory is held
-HIDDEN = "hidden"      # given back by zero_grad: attached but read as None, memory given back
+ARMED = "armed"  # the parameters hold the wrappers, the memory is held
+HIDDEN = "hidden"  # given back by zero_grad: attached but read as None, memory given back
 RELEASED = "released"  # given back for real: .grad is None, the wrappers kept as spares
-DEAD = "dead"          # given up (the per-parameter path takes over)
+DEAD = "dead"  # given up (the per-parameter path takes over)
 
 
 class GradientState:
     """Parameter gradients of replayed backwards in one run (``rt.gradients``)."""
 
-    def __init__(self, tensors: "TensorState", spare_limit: int) -> None:
+    def __init__(self, tensors: TensorState, spare_limit: int) -> None:
         self.ts = tensors
         self.spare_limit = spare_limit  # pooled wrappers at most; 0 turns all reuse off
         self.on = True  # False once the run ended: nothing is kept
@@ -80,9 +80,9 @@ class GradientState:
         self.spare_count = 0
         # Live gradient sets and a counter bumped whenever one is made or given up, which
         # invalidates the per-optimizer zero_grad plans (_zero_plan).
-        self.sets: "weakref.WeakSet[_GradSet]" = weakref.WeakSet()
+        self.sets: weakref.WeakSet[_GradSet] = weakref.WeakSet()
         self.generation = 0
-        self.zero_plans: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+        self.zero_plans: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
         self.hidden = 0  # sets hidden now (materialize_all has nothing to do at 0)
         self.stats = {"hidden": 0, "checked": 0, "unhidden": 0, "materialized": 0}
 
@@ -99,7 +99,7 @@ class GradientState:
         """Pooled spare wrappers and live gradient sets (tests, benchmarks)."""
         return {"spares": self.spare_count, "sets": sum(1 for gs in self.sets if gs.alive), **self.stats}
 
-    def live_sets(self) -> list["_GradSet"]:
+    def live_sets(self) -> list[_GradSet]:
         """The gradient sets still in use (tests)."""
         return [gs for gs in self.sets if gs.alive]
 
@@ -116,7 +116,7 @@ class GradientState:
         the caller): autograd about to accumulate into a gradient of a set makes a hidden set
         real first and marks a live one exposed (the engine reads and writes ``.grad`` in C++,
         past the ``grad`` property)."""
-        for p, node in zip(params, nodes):
+        for p, node in zip(params, nodes, strict=False):
             node.register_prehook(_accumulator_hook(p))
 
     # ------------------------------------------------------------------ handing out
@@ -140,7 +140,7 @@ class GradientState:
             return True
         return state is RELEASED and _rearm(gs)
 
-    def store(self, holder: Any, params: list, specs: list, needs: "tuple | None", every: bool) -> None:
+    def store(self, holder: Any, params: list, specs: list, needs: tuple | None, every: bool) -> None:
         """Store the parameter gradients of a replayed backward one parameter at a time (the path
         behind :meth:`hand_out`). ``specs``: each parameter's gradient spec (see
         ``gpemu.fastpaths.replay._grad_spec``); ``needs``: which parameters get one (None: all that
@@ -150,9 +150,11 @@ class GradientState:
         ``every`` parameter got a new gradient on one device, they become ``holder.gradset``."""
         self.materialize_all()  # (the C-level .grad reads below must see what the program sees)
         if needs is None:
-            todo = [(p, spec) for p, spec in zip(params, specs) if _gget(p) is None]
+            todo = [(p, spec) for p, spec in zip(params, specs, strict=False) if _gget(p) is None]
         else:
-            todo = [(p, spec) for p, spec, needed in zip(params, specs, needs) if needed and _gget(p) is None]
+            todo = [
+                (p, spec) for p, spec, needed in zip(params, specs, needs, strict=True) if needed and _gget(p) is None
+            ]
         if len(todo) != len(params):
             # Gradients accumulated in place: their values changed, so known ones (a gradient the
             # program zeroed with zero_grad(set_to_none=False)) are unknown again.
@@ -174,7 +176,7 @@ class GradientState:
         parent = None
         for dev, items in by_dev.items():
             blocks = self.ts.memory[dev].allocate_group([spec[6] for _, spec in items], rounded=True)
-            for (p, (shape, stride, dtype, _, _, key, _)), block in zip(items, blocks):
+            for (p, (shape, stride, dtype, _, _, key, _)), block in zip(items, blocks, strict=False):
                 lst = spare.get(key) if spare else None
                 if lst:
                     # A wrapper zero_grad dropped and nobody else holds (_keep_spare).
@@ -187,8 +189,14 @@ class GradientState:
                 made.append(g)
                 if block is not None:
                     parent = block.parent
-        if (every and len(todo) == len(params) and len(by_dev) == 1 and parent is not None
-                and self.spare_limit > 0 and all(g._block is not None for g in made)):
+        if (
+            every
+            and len(todo) == len(params)
+            and len(by_dev) == 1
+            and parent is not None
+            and self.spare_limit > 0
+            and all(g._block is not None for g in made)
+        ):
             holder.gradset = _GradSet(self, params, parent)
 
     # ------------------------------------------------------------------ dropping
@@ -234,8 +242,14 @@ class GradientState:
         reference, so the count sees it too.
         Gradients that require grad, carry extra attributes, or are not plain ``EmuTensor`` are left
         alone. A spare's memory is released now, exactly when the dropped gradient's would be."""
-        if (self.on and type(g) is EmuTensor and _getrefcount(g) == refs and not _REQUIRES_GRAD(g)
-                and len(g.__dict__) == WRAPPER_ATTRIBUTES and self.spare_count < self.spare_limit):
+        if (
+            self.on
+            and type(g) is EmuTensor
+            and _getrefcount(g) == refs
+            and not _REQUIRES_GRAD(g)
+            and len(g.__dict__) == WRAPPER_ATTRIBUTES
+            and self.spare_count < self.spare_limit
+        ):
             g._block = None  # frees its memory (the group's block goes when its last share does)
             g._shadow = None
             g._meta = None
@@ -246,7 +260,7 @@ class GradientState:
                 lst.append(g)
             self.spare_count += 1
 
-    def _give_up(self, gs: "_GradSet") -> None:
+    def _give_up(self, gs: _GradSet) -> None:
         if gs.state is HIDDEN:
             gs.materialize()
         gs.state = DEAD
@@ -255,7 +269,7 @@ class GradientState:
         self.sets.discard(gs)
         self.generation += 1
 
-    def _hide(self, gs: "_GradSet") -> bool:
+    def _hide(self, gs: _GradSet) -> bool:
         """Give an armed set's memory back and hide it (zero_grad). O(1) when nothing looked at
         its gradients since it was armed; else the checks of :meth:`_check` first. False when
         nothing was changed because the gradients are not (all) this set's."""
@@ -276,7 +290,7 @@ class GradientState:
         self.stats["hidden"] += 1
         return True
 
-    def _check(self, gs: "_GradSet", group: Any) -> "bool | str":
+    def _check(self, gs: _GradSet, group: Any) -> bool | str:
         """Whether an exposed set's gradients may be hidden: True (they are the set's, plain,
         held by nothing else), False (not all this set's: nothing changed), or "dropped" (some
         are held elsewhere: the set was given up and its gradients dropped one by one)."""
@@ -415,4 +429,5 @@ def _accumulator_hook(p: Any) -> Any:
             return None  # nothing to accumulate
         unhide_grad(p)
         return None
+
     return hook

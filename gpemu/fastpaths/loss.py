@@ -29,7 +29,8 @@ All state is per run: :class:`LossState` (``rt.loss``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,7 +50,7 @@ _autocast_on = torch.is_autocast_enabled
 class LossState:
     """The loss fast path of one run (``rt.loss``)."""
 
-    def __init__(self, ts: TensorState, replay: "ReplayState") -> None:
+    def __init__(self, ts: TensorState, replay: ReplayState) -> None:
         self.ts = ts
         self.replay = replay
         self.stats = {"recorded": 0, "replayed": 0}
@@ -59,17 +60,26 @@ class LossState:
 class _Record:
     """What the op-by-op run of one loss signature did."""
 
-    __slots__ = ("out_spec", "fwd_seconds", "saved_bytes", "fwd_extra", "grad_spec", "bwd_seconds",
-                 "bwd_extra", "dev", "state")
+    __slots__ = (
+        "out_spec",
+        "fwd_seconds",
+        "saved_bytes",
+        "fwd_extra",
+        "grad_spec",
+        "bwd_seconds",
+        "bwd_extra",
+        "dev",
+        "state",
+    )
 
     def __init__(self, state: LossState, dev: int) -> None:
         self.state = state
         self.dev = dev
-        self.out_spec: tuple | None = None   # op-cache output spec (see _spec)
+        self.out_spec: tuple | None = None  # op-cache output spec (see _spec)
         self.fwd_seconds = 0.0
-        self.saved_bytes = 0                  # kept from forward until backward (log-probabilities)
-        self.fwd_extra = 0                    # used for a moment on top (peak above the end state)
-        self.grad_spec: tuple | None = None   # set when the recording's backward has run
+        self.saved_bytes = 0  # kept from forward until backward (log-probabilities)
+        self.fwd_extra = 0  # used for a moment on top (peak above the end state)
+        self.grad_spec: tuple | None = None  # set when the recording's backward has run
         self.bwd_seconds = 0.0
         self.bwd_extra = 0
 
@@ -84,8 +94,15 @@ def loss_info() -> dict[str, int]:
 
 class _FusedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rec: _Record, orig: Callable, options: tuple, input: EmuTensor,  # type: ignore[override]
-                target: EmuTensor, weight: EmuTensor | None) -> EmuTensor:
+    def forward(
+        ctx: Any,
+        rec: _Record,
+        orig: Callable,
+        options: tuple,
+        input: EmuTensor,  # type: ignore[override]
+        target: EmuTensor,
+        weight: EmuTensor | None,
+    ) -> EmuTensor:
         ctx.rec = rec
         dev = rec.dev
         state = rec.state
@@ -131,7 +148,7 @@ class _FusedLoss(torch.autograd.Function):
         leaf, inner = ctx.inner
         ctx.inner = None
         with ts.cost_tap() as tap, mem.peak_scope() as scope:
-            gx, = torch.autograd.grad(inner, leaf, grad)
+            (gx,) = torch.autograd.grad(inner, leaf, grad)
         if isinstance(gx, EmuTensor):
             rec.grad_spec = ts.spec_of(gx)
             rec.bwd_seconds = tap.seconds
@@ -173,20 +190,42 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
     records = state.records
     engine = state.ts.engine
 
-    def cross_entropy(input: Any, target: Any, weight: Any = None, size_average: Any = None,
-                      ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
-                      label_smoothing: float = 0.0) -> Any:
-        if (type(input) is not EmuTensor or type(target) is not EmuTensor or input._shadow is not None
-                or size_average is not None or reduce is not None or _len_tf_stack() or _autocast_on("cuda")
-                or target.requires_grad or (weight is not None and (type(weight) is not EmuTensor
-                                                                    or weight.requires_grad))):
+    def cross_entropy(
+        input: Any,
+        target: Any,
+        weight: Any = None,
+        size_average: Any = None,
+        ignore_index: int = -100,
+        reduce: Any = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> Any:
+        if (
+            type(input) is not EmuTensor
+            or type(target) is not EmuTensor
+            or input._shadow is not None
+            or size_average is not None
+            or reduce is not None
+            or _len_tf_stack()
+            or _autocast_on("cuda")
+            or target.requires_grad
+            or (weight is not None and (type(weight) is not EmuTensor or weight.requires_grad))
+        ):
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         if engine is not None and engine.in_charged_scope:
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         grad = torch.is_grad_enabled() and input.requires_grad
         try:
-            key = (input._key, target._key, weight._key if weight is not None else None, ignore_index,
-                   reduction, float(label_smoothing), grad, torch.is_inference_mode_enabled())
+            key = (
+                input._key,
+                target._key,
+                weight._key if weight is not None else None,
+                ignore_index,
+                reduction,
+                float(label_smoothing),
+                grad,
+                torch.is_inference_mode_enabled(),
+            )
             hash(key)
         except TypeError:  # e.g. a tensor-valued option: not ours to cache
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
@@ -214,7 +253,7 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
     return cross_entropy
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Replace ``torch.nn.functional.cross_entropy`` (restored by unpatch) and let the replay fast
     path's engine-free backward start at a replayed loss (``config.replay``)."""
     if not rt.config.replay or rt.replay is None:

@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,14 +66,14 @@ _get_shadow = attrgetter("_shadow")
 class OptimizerFastPath:
     """The optimizer fast path of one run (``rt.optimizer_fastpath``)."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.memory = rt.memory
         self.ts = rt.tensors
         self.engine = rt.engine
-        self.replay = rt.replay        # (module parameters for Module.zero_grad)
+        self.replay = rt.replay  # (module parameters for Module.zero_grad)
         self.gradients = rt.gradients  # None without the replay fast path: zero_grad is torch's
-        self.enabled = True            # False once the run ended (optimizers made in it run plainly)
-        self.plans: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
+        self.enabled = True  # False once the run ended (optimizers made in it run plainly)
+        self.plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan] = weakref.WeakKeyDictionary()
         self.stats = {"fast": 0, "real": 0, "zero_grad_fast": 0, "module_zero_grad_fast": 0}
 
 
@@ -114,8 +115,22 @@ def _state_keys(kind: str, extra: bool) -> tuple[str, ...]:
 class _Plan:
     """What one optimizer's skipped step does, built after a real step with complete state."""
 
-    __slots__ = ("state", "n_state", "groups", "group_sig", "params", "has_grad", "steps", "transient", "memory",
-                 "cover_gen", "sets", "rest", "rest_has_grad", "shadow_gen")
+    __slots__ = (
+        "state",
+        "n_state",
+        "groups",
+        "group_sig",
+        "params",
+        "has_grad",
+        "steps",
+        "transient",
+        "memory",
+        "cover_gen",
+        "sets",
+        "rest",
+        "rest_has_grad",
+        "shadow_gen",
+    )
 
     def __init__(self) -> None:
         self.state: Any = None
@@ -144,7 +159,7 @@ def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[lis
     steps: list = []
     state = opt.state
     dev = None
-    for g, (_, _, extra, _) in zip(opt.param_groups, group_sig):
+    for g, (_, _, extra, _) in zip(opt.param_groups, group_sig, strict=False):
         keys = _state_keys(kind, extra)
         for p in g["params"]:
             if type(p) is not EmuTensor and not isinstance(p, EmuTensor):
@@ -181,14 +196,14 @@ def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[lis
 def _cover(plan: _Plan, gradients: Any) -> None:
     """Split the plan's parameters with gradients into whole gradient sets and the rest."""
     plan.cover_gen = gradients.generation if gradients is not None else -1
-    with_grad = {id(p) for p, want in zip(plan.params, plan.has_grad) if want}
+    with_grad = {id(p) for p, want in zip(plan.params, plan.has_grad, strict=False) if want}
     sets = []
     if gradients is not None:
         sets = [gs for gs in gradients.live_sets() if all(id(p) in with_grad for p in gs.params)]
     covered = {id(p) for gs in sets for p in gs.params}
     plan.sets = sets
     plan.rest = [p for p in plan.params if id(p) not in covered]
-    plan.rest_has_grad = [want for p, want in zip(plan.params, plan.has_grad) if id(p) not in covered]
+    plan.rest_has_grad = [want for p, want in zip(plan.params, plan.has_grad, strict=False) if id(p) not in covered]
 
 
 def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str, fp: OptimizerFastPath) -> bool:
@@ -243,7 +258,7 @@ _gget = torch._C.TensorBase.grad.__get__  # (C-level: the fast path's own look i
 def _grads_ok(params: list, has_grad: Any) -> bool:
     """Whether each parameter has a gradient exactly when the plan says, each a plain emulated
     tensor without a known value."""
-    for p, want in zip(params, has_grad):
+    for p, want in zip(params, has_grad, strict=False):
         grad = p.grad
         if (grad is not None) is not want:
             return False
@@ -361,7 +376,8 @@ def _profile_hook_step(func: Callable, engine: Any) -> Callable:
                         args, kwargs = result
                     else:
                         raise RuntimeError(
-                            f"{func} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+                            f"{func} must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                        )
         out = func(*args, **kwargs)
         self._optimizer_step_code()
         for hooks in (self._optimizer_step_post_hooks, _global_optimizer_post_hooks):
@@ -386,8 +402,7 @@ def _make_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
 
     @functools.wraps(inner)
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        if (not set_to_none or not fp.enabled or _profiler_enabled()
-                or "_zero_grad_profile_name" not in self.__dict__):
+        if not set_to_none or not fp.enabled or _profiler_enabled() or "_zero_grad_profile_name" not in self.__dict__:
             return inner(self, set_to_none)
         stats["zero_grad_fast"] += 1
         if engine is None:
@@ -435,7 +450,7 @@ def _make_module_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
     return zero_grad
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Put the fast path under the ``step`` of SGD/Adam/AdamW (inside torch's hook wrapper, so
     step hooks, including gpemu's time charge, still run) and a fast ``zero_grad`` over all
     optimizers (``config.replay``)."""

@@ -49,9 +49,9 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_unflatten
 
+from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
 from gpemu.memory import round_size
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
-from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
 from gpemu.tensor import EmuTensor, contiguous_stride
 
 from .gradients import GradientState
@@ -102,19 +102,19 @@ _NEVER = -(1 << 60)
 class ReplayState:
     """The module replay fast path of one run (``rt.replay``)."""
 
-    def __init__(self, rt: "Runtime") -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.ts = rt.tensors  # the tensor type's interface (wrap, signature, charge, memory, engine)
         self.model_time: ModelTime = rt.model_time  # runs the calls that are not replayed
         tuning = rt.config.tuning
-        self.hub_after = tuning.hub_after         # plain backwards before hub mode; -1 never
+        self.hub_after = tuning.hub_after  # plain backwards before hub mode; -1 never
         self.direct_enabled = tuning.direct_backward
         self.gradients = GradientState(rt.tensors, tuning.spare_limit)
-        self.records: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-        self.unreplayable: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.records: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
+        self.unreplayable: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self.stats = {"recorded": 0, "replayed": 0}
         # Module trees seen as outermost modules (see _walk); valid while structure_gen holds.
-        self.trees: "weakref.WeakKeyDictionary[torch.nn.Module, _Tree]" = weakref.WeakKeyDictionary()
+        self.trees: weakref.WeakKeyDictionary[torch.nn.Module, _Tree] = weakref.WeakKeyDictionary()
         # Bumped by every Module attribute set/delete, parameter/submodule registration and
         # _apply (model.to/.cuda/.half): whatever may change a module tree's parameters, submodules
         # or training flags.
@@ -123,9 +123,9 @@ class ReplayState:
         # parameters, and graphs built before it leave loss.backward() to the engine.
         self.hook_generation = 0
         # Calls of a module whose object argument was new each time (see _outer_call).
-        self.object_misses: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+        self.object_misses: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.hub_used = False  # some replay ran in hub mode (see _Direct)
-        self.no_hub = False    # targeted gradients met a hub graph: no hub mode for this run
+        self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run
         # Graph heads that can hand a replayed module its output's gradient without the engine:
         # node class -> (ready(node) -> bool, without side effects; run(node) -> the memory block
         # of the gradient it makes for its input); see register_direct_head.
@@ -182,11 +182,11 @@ class Recording(CallRecord):
         self.hook_gen = -1  # state.hook_generation when grad_param_list was found to have no hooks
         # Reused between calls: its AccumulateGrad node reference keeps the parameter's
         # accumulator alive, so get_gradient_edge (~3 µs of Python) runs once per recording.
-        self.direct: "_Direct | None" = None
+        self.direct: _Direct | None = None
         # Consecutive replayed backwards that were plain ``loss.backward()`` calls (every
         # parameter accumulator ran); _NEVER once a targeted one (autograd.grad, inputs=) was seen.
         self.plain = 0
-        self.hub_direct: "_Direct | None" = None
+        self.hub_direct: _Direct | None = None
         # The parameters' accumulator nodes, looked up (and watched by the gradient sets) once
         # per recording: shared by its plain and hub-mode _Direct (see _Direct.__init__).
         self.param_nodes: list | None = None
@@ -226,12 +226,14 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
             return _outer_call(R, orig_call, self, args, kwargs, dev, t0)
         finally:
             local.depth = 0
+
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__
 
 
-def _unit_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, trees: Any,
-               engine: Any) -> Any:
+def _unit_call(
+    R: ReplayState, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, trees: Any, engine: Any
+) -> Any:
     tree = trees.data.get(_weakref(module)) if trees else None
     first = tree.first if tree is not None and tree.gen == R.structure_gen else None
     dev = emulated_device(module, args, kwargs, first)
@@ -258,8 +260,9 @@ def _walk(R: ReplayState, module: torch.nn.Module) -> tuple[list, tuple, bool]:
     tree = _Tree()
     tree.gen, tree.params, tree.flags = gen, params, flags
     tree.first = next(module.parameters(), None)  # in parameters() order (see _emulated_device)
-    tree.hook_dicts = [d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                                                 m._backward_pre_hooks)]
+    tree.hook_dicts = [
+        d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    ]
     tree.dicts = [m._parameters for m in mods] + [m._modules for m in mods]
     tree.lens = list(map(len, tree.dicts))
     try:
@@ -298,12 +301,23 @@ _IN_SIG = 5
 
 
 def _global_hooks() -> bool:
-    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
+    return bool(
+        _nn_module._global_forward_hooks
+        or _nn_module._global_forward_pre_hooks
+        or _nn_module._global_backward_hooks
+        or _nn_module._global_backward_pre_hooks
+    )
 
 
-def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, dev: int,
-                t0: float | None = None) -> Any:
+def _outer_call(
+    R: ReplayState,
+    orig_call: Any,
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    dev: int,
+    t0: float | None = None,
+) -> Any:
     run_charged = R.model_time.run_charged
     params, flags, hooks = _walk(R, module)
     if _graph_task() != -1:
@@ -325,13 +339,31 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
         in_sig = (sig(args, emus), sig(tuple(kwargs.items()), emus) if kwargs else None)
         # The TF32 switches choose tensor cores or FMA units for fp32 GEMMs and convolutions,
         # so a recording's price holds only under the switches it was recorded with.
-        key = (flags, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), in_sig,
-               R.ts.param_generation, tf32_matmul(), tf32_cudnn())
+        key = (
+            flags,
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"),
+            in_sig,
+            R.ts.param_generation,
+            tf32_matmul(),
+            tf32_cudnn(),
+        )
         hash(key)
     except TypeError:
-        return run_charged(orig_call, module, args, kwargs, dev, params, None, "a module argument is not hashable",
-                           t0, open_children=True)
+        return run_charged(
+            orig_call,
+            module,
+            args,
+            kwargs,
+            dev,
+            params,
+            None,
+            "a module argument is not hashable",
+            t0,
+            open_children=True,
+        )
     table = R.records.get(module)
     if table is None:
         table = R.records[module] = {}
@@ -342,7 +374,7 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
         # at every call (a KV cache an HF layer updates) never matches, and a replay would skip
         # what the call does to it. Twice new: op by op from now on, its submodules as units.
         # Such a recording is kept under its objects' weak references.
-        key = key[:_IN_SIG] + (weak,) + key[_IN_SIG + 1:]
+        key = key[:_IN_SIG] + (weak,) + key[_IN_SIG + 1 :]
         rec = table.get(key)
     if rec is None and weak is not None:
         misses = R.object_misses.get(module, 0) + 1
@@ -350,10 +382,13 @@ def _outer_call(R: ReplayState, orig_call: Any, module: torch.nn.Module, args: t
         if misses >= 2:
             R.unreplayable[module] = "an argument is an object the call may change, new at every call"
             table.clear()  # (its keys hold earlier calls' objects)
-            return run_charged(orig_call, module, args, kwargs, dev, params, None, R.unreplayable[module], t0,
-                               open_children=True)
-    if rec is not None and (rec.params is params  # the cached walk's own list: nothing changed
-                            or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))):
+            return run_charged(
+                orig_call, module, args, kwargs, dev, params, None, R.unreplayable[module], t0, open_children=True
+            )
+    if rec is not None and (
+        rec.params is params  # the cached walk's own list: nothing changed
+        or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))
+    ):
         # A replay runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter), its
         # host time is not the program's.
         engine = R.ts.engine
@@ -465,7 +500,7 @@ class _Direct:
 
     __slots__ = ("n_inputs", "params", "node", "nodes", "param_nodes", "hub", "pspecs", "param_bytes", "gradset")
 
-    def __init__(self, rec: "Recording", n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
+    def __init__(self, rec: Recording, n_inputs: int, params: list, dev: int, hub: Any = None) -> None:
         self.n_inputs = n_inputs
         self.params = params
         self.hub = hub
@@ -516,14 +551,26 @@ def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
     stride = contiguous_stride(t.shape)
     gdev = t._dev if isinstance(t, EmuTensor) else dev
     nbytes = t.numel() * t.element_size()
-    return (t.shape, stride, t.dtype, gdev, nbytes, (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
-            round_size(nbytes) if nbytes else 0)
+    return (
+        t.shape,
+        stride,
+        t.dtype,
+        gdev,
+        nbytes,
+        (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
+        round_size(nbytes) if nbytes else 0,
+    )
 
 
 class _ReplayFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rec: Recording, direct: "_Direct | None", t0: float | None,  # type: ignore[override]
-                *tensors: torch.Tensor) -> tuple:
+    def forward(
+        ctx: Any,
+        rec: Recording,
+        direct: _Direct | None,
+        t0: float | None,  # type: ignore[override]
+        *tensors: torch.Tensor,
+    ) -> tuple:
         _charge(rec.fwd_seconds, "forward", rec, t0)
         ctx.set_materialize_grads(False)  # the gradients' values are never read (see gpemu.model_time._BackwardStart)
         R = rec.state
@@ -543,8 +590,13 @@ class _ReplayFunction(torch.autograd.Function):
             specs = rec.grad_specs = [_grad_spec(t, rec.dev) for t in tensors]
         ctx.specs = specs
         if not rec.all_diff:
-            ctx.mark_non_differentiable(*[o for o, rg in zip(outs, rec.out_requires_grad)
-                                          if not rg and isinstance(o, torch.Tensor)])
+            ctx.mark_non_differentiable(
+                *[
+                    o
+                    for o, rg in zip(outs, rec.out_requires_grad, strict=True)
+                    if not rg and isinstance(o, torch.Tensor)
+                ]
+            )
         return tuple(outs)
 
     @staticmethod
@@ -591,7 +643,7 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
         elif direct.hub is None:
             rec.plain += 1
     new_bytes = 0
-    for spec, needed in zip(specs, needs):
+    for spec, needed in zip(specs, needs, strict=False):
         if needed:
             new_bytes += spec[4]
     if direct is not None and direct.hub is not None:
@@ -607,8 +659,9 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
     if direct is not None:
         every = direct.hub is not None or all(needs[first_param:])
         if not (every and R.gradients.hand_out(direct)):
-            R.gradients.store(direct, direct.params, direct.pspecs,
-                            None if direct.hub is not None else needs[first_param:], every)
+            R.gradients.store(
+                direct, direct.params, direct.pspecs, None if direct.hub is not None else needs[first_param:], every
+            )
         result.extend([None] * (len(specs) - first_param))
     ctx.saved_block = None  # saved activations are freed once backward has used them
     mem.sample()
@@ -668,7 +721,7 @@ def _make_grad(R: ReplayState, orig: Any) -> Any:
     def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(inputs, dict) and R.hub_used:  # named inputs: the same, as a dict
             values = grad(outputs, list(inputs.values()), *args, **kwargs)
-            return dict(zip(inputs.keys(), values))
+            return dict(zip(inputs.keys(), values, strict=False))
         found = _targeted(R, outputs, inputs)
         if found is None:
             return orig(outputs, inputs, *args, **kwargs)
@@ -682,6 +735,7 @@ def _make_grad(R: ReplayState, orig: Any) -> Any:
         # the parameters a hub graph holds get placeholder gradients (shape/dtype/device and
         # memory are all an emulated gradient has)
         return tuple(_placeholder_grad(R, t) if id(t) in covered else next(got) for t in ins)
+
     grad.__wrapped__ = orig  # type: ignore[attr-defined]
     return grad
 
@@ -705,8 +759,14 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
     recording profiler or a functorch transform: False, and the engine runs as usual."""
     lnode = loss.grad_fn
     head = R.heads.get(type(lnode))
-    if (head is None or not R.direct_enabled or _anomaly_on() or _functorch_active() or _profiler_on()
-            or not head[0](lnode)):
+    if (
+        head is None
+        or not R.direct_enabled
+        or _anomaly_on()
+        or _functorch_active()
+        or _profiler_on()
+        or not head[0](lnode)
+    ):
         return False
     gen = R.hook_generation
     if getattr(lnode, "hook_gen", None) != gen:
@@ -768,8 +828,15 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
     engine = R.ts.engine
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        if (type(tensors) is EmuTensor and args and args[0] is None and not tensors._key[0]
-                and tensors._shadow is None and tensors.requires_grad and "grad_variables" not in kwargs):
+        if (
+            type(tensors) is EmuTensor
+            and args
+            and args[0] is None
+            and not tensors._key[0]
+            and tensors._shadow is None
+            and tensors.requires_grad
+            and "grad_variables" not in kwargs
+        ):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
             defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
             if defaults and engine is not None:
@@ -788,8 +855,7 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
                 # Tensor.backward()'s own call with its defaults: one tensor, its gradient made
                 # above, no inputs, no create_graph. torch.autograd.backward's argument handling
                 # (~8 µs) has nothing to decide here; its engine call is made as it would make it.
-                _run_engine((tensors,), (grad,), bool(args[1]), False, (),
-                            allow_unreachable=True, accumulate_grad=True)
+                _run_engine((tensors,), (grad,), bool(args[1]), False, (), allow_unreachable=True, accumulate_grad=True)
                 return None
             args = (grad,) + args[1:]
         # inputs: keyword (Tensor.backward passes it so) or the sixth positional argument
@@ -810,6 +876,7 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
             return orig(tensors, *args, **kwargs)
         _charge_skipped(nodes)
         return None
+
     backward.__wrapped__ = orig  # type: ignore[attr-defined]
     return backward
 
@@ -828,6 +895,7 @@ def _bump_structure(R: ReplayState, orig: Any, swaps: bool = False) -> Any:
             return orig(*args, **kwargs)
         finally:
             R.structure_gen += 1  # after too: _apply swaps parameters while it runs
+
     wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
     return wrapper
 
@@ -836,11 +904,12 @@ def _bump_hooks(R: ReplayState, orig: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         R.hook_generation += 1
         return orig(*args, **kwargs)
+
     wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
     return wrapper
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Patch nn.Module.__call__ with the record/replay fast path (``config.replay``)."""
     if not rt.config.replay:
         return

@@ -11,7 +11,8 @@ Also: :func:`request_channel`, the channel jobs and ``share-status`` publish req
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pika
 
@@ -61,7 +62,9 @@ def request_channel(conn: Any) -> Any:
         P.declare_topology(ch)
     except pex.ChannelClosedByBroker as exc:
         if exc.reply_code == 403:
-            raise TopologyMissing(f"the exchange {P.REQUEST_EXCHANGE} does not exist yet and this broker user may "
-                                  "not declare it (no sharing manager has connected)") from None
+            raise TopologyMissing(
+                f"the exchange {P.REQUEST_EXCHANGE} does not exist yet and this broker user may "
+                "not declare it (no sharing manager has connected)"
+            ) from None
         raise
     return ch

@@ -44,12 +44,17 @@ def ensure_installed() -> None:
         for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "rabbitmq-server"]):
             subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
         # The package may start a system broker (where an init system exists); ours uses its own node.
-        subprocess.run([_find("rabbitmqctl") or "rabbitmqctl", "-q", "stop"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=False)
+        subprocess.run(
+            [_find("rabbitmqctl") or "rabbitmqctl", "-q", "stop"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
     if not (_find("rabbitmq-server") and _find("rabbitmqctl")):
         raise BrokerUnavailable(
             "rabbitmq-server is not installed; the sharing manager needs a real broker: "
-            "`apt-get install rabbitmq-server` (as root), or point --amqp at an existing broker")
+            "`apt-get install rabbitmq-server` (as root), or point --amqp at an existing broker"
+        )
 
 
 def _find(name: str) -> str | None:
@@ -66,7 +71,8 @@ class RabbitBroker:
         if server is None or ctl is None:
             raise BrokerUnavailable(
                 "rabbitmq-server is not installed; the sharing tests need a real broker: "
-                "`apt-get install rabbitmq-server` (CI installs it)")
+                "`apt-get install rabbitmq-server` (CI installs it)"
+            )
         self.server, self.ctl = server, ctl
         self.base = base
         self.port = free_port()
@@ -83,35 +89,39 @@ class RabbitBroker:
         (base / "rabbitmq.conf").write_text(
             f"listeners.tcp.default = 127.0.0.1:{self.port}\n"
             "loopback_users.guest = true\n"
-            "disk_free_limit.absolute = 50MB\n" + extra_config)
+            "disk_free_limit.absolute = 50MB\n" + extra_config
+        )
 
     @property
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "RABBITMQ_NODENAME": self.node,
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "ERL_EPMD_PORT": str(self.epmd_port),
-            # epmd and the node's distribution listener bind to loopback, like the AMQP listener.
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-            "RABBITMQ_CTL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(self.base / "log"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
-            "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq"),
-            "RABBITMQ_CONF_ENV_FILE": str(self.base / "rabbitmq-env.conf"),
-            "RABBITMQ_PID_FILE": str(self.base / "rabbit.pid"),
-            "ERL_CRASH_DUMP": str(self.base / "erl_crash.dump"),
-            "HOME": str(self.base / "home"),  # the Erlang cookie lives here
-        })
+        env.update(
+            {
+                "RABBITMQ_NODENAME": self.node,
+                "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+                "RABBITMQ_NODE_PORT": str(self.port),
+                "RABBITMQ_DIST_PORT": str(self.dist_port),
+                "ERL_EPMD_PORT": str(self.epmd_port),
+                # epmd and the node's distribution listener bind to loopback, like the AMQP listener.
+                "ERL_EPMD_ADDRESS": "127.0.0.1",
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+                "RABBITMQ_CTL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+                "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
+                "RABBITMQ_LOG_BASE": str(self.base / "log"),
+                "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
+                "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq"),
+                "RABBITMQ_CONF_ENV_FILE": str(self.base / "rabbitmq-env.conf"),
+                "RABBITMQ_PID_FILE": str(self.base / "rabbit.pid"),
+                "ERL_CRASH_DUMP": str(self.base / "erl_crash.dump"),
+                "HOME": str(self.base / "home"),  # the Erlang cookie lives here
+            }
+        )
         return env
 
     @classmethod
-    def start(cls, base: Path | None = None, timeout: float = 90.0, extra_config: str = "",
-              ready_url: str | None = None) -> "RabbitBroker":
+    def start(
+        cls, base: Path | None = None, timeout: float = 90.0, extra_config: str = "", ready_url: str | None = None
+    ) -> RabbitBroker:
         """Start a node; ``extra_config`` lines go into its rabbitmq.conf, and ``ready_url`` (with
         ``{port}``) is what to log in as to see it is up when the config removes ``guest``."""
         ensure_installed()
@@ -123,8 +133,9 @@ class RabbitBroker:
 
     def _launch(self, timeout: float) -> None:
         log = open(self.base / "server.out", "ab")
-        self.proc = subprocess.Popen([self.server], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [self.server], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         self._wait_ready(timeout)
 
@@ -138,7 +149,9 @@ class RabbitBroker:
                 tail = (self.base / "server.out").read_text(errors="replace")[-2000:]
                 raise BrokerUnavailable(f"rabbitmq-server exited with {self.proc.returncode}:\n{tail}")
             try:
-                conn = pika.BlockingConnection(pika.URLParameters(self.ready_url + "?connection_attempts=1&socket_timeout=1"))
+                conn = pika.BlockingConnection(
+                    pika.URLParameters(self.ready_url + "?connection_attempts=1&socket_timeout=1")
+                )
                 conn.close()
                 return
             except Exception as exc:  # not listening yet
@@ -148,8 +161,7 @@ class RabbitBroker:
         raise BrokerUnavailable(f"rabbitmq-server did not accept connections within {timeout:.0f} s: {last!r}")
 
     def _ctl(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-        return subprocess.run([self.ctl, "-n", self.node, *args], env=self.env, capture_output=True,
-                              timeout=timeout)
+        return subprocess.run([self.ctl, "-n", self.node, *args], env=self.env, capture_output=True, timeout=timeout)
 
     def url_for(self, user: str, password: str) -> str:
         from urllib.parse import quote
@@ -160,13 +172,17 @@ class RabbitBroker:
         """Create a broker user with these permission patterns on vhost /; returns its URL.
 
         The password goes to rabbitmqctl on stdin, never on a command line."""
-        for args, stdin in ((["add_user", user], password.encode() + b"\n"),
-                            (["set_permissions", "-p", "/", user, configure, write, read], None)):
-            done = subprocess.run([self.ctl, "-n", self.node, *args], env=self.env, capture_output=True,
-                                  input=stdin, timeout=60)
+        for args, stdin in (
+            (["add_user", user], password.encode() + b"\n"),
+            (["set_permissions", "-p", "/", user, configure, write, read], None),
+        ):
+            done = subprocess.run(
+                [self.ctl, "-n", self.node, *args], env=self.env, capture_output=True, input=stdin, timeout=60
+            )
             if done.returncode != 0:
-                raise BrokerUnavailable(f"rabbitmqctl {args[0]} {user} failed: "
-                                        f"{done.stderr.decode(errors='replace')[-500:]}")
+                raise BrokerUnavailable(
+                    f"rabbitmqctl {args[0]} {user} failed: {done.stderr.decode(errors='replace')[-500:]}"
+                )
         return self.url_for(user, password)
 
     def stop_node(self) -> None:
@@ -194,6 +210,5 @@ class RabbitBroker:
         self.stop_node()
         epmd = shutil.which("epmd")
         if epmd:
-            subprocess.run([epmd, "-port", str(self.epmd_port), "-kill"], capture_output=True, timeout=10,
-                           env=self.env)
+            subprocess.run([epmd, "-port", str(self.epmd_port), "-kill"], capture_output=True, timeout=10, env=self.env)
         shutil.rmtree(self.base, ignore_errors=True)

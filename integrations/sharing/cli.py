@@ -69,12 +69,23 @@ def resolve_amqp_url(url: str, password: str | None, password_file: str | None, 
 
 def password_options(f: Any) -> Any:
     """``--amqp-password-file`` and ``$GPEMU_AMQP_PASSWORD``: the broker password off the command line."""
-    f = click.option("--amqp-password", "amqp_password", envvar="GPEMU_AMQP_PASSWORD", hidden=True, default=None,
-                     help="Broker password (better: $GPEMU_AMQP_PASSWORD or --amqp-password-file).")(f)
-    return click.option("--amqp-password-file", "amqp_password_file", type=click.Path(dir_okay=False),
-                        default=None, metavar="FILE",
-                        help="Read the broker password from FILE (e.g. a Kubernetes Secret) when the URL has "
-                             "none; $GPEMU_AMQP_PASSWORD works too. Keeps it out of the process list.")(f)
+    f = click.option(
+        "--amqp-password",
+        "amqp_password",
+        envvar="GPEMU_AMQP_PASSWORD",
+        hidden=True,
+        default=None,
+        help="Broker password (better: $GPEMU_AMQP_PASSWORD or --amqp-password-file).",
+    )(f)
+    return click.option(
+        "--amqp-password-file",
+        "amqp_password_file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="FILE",
+        help="Read the broker password from FILE (e.g. a Kubernetes Secret) when the URL has "
+        "none; $GPEMU_AMQP_PASSWORD works too. Keeps it out of the process list.",
+    )(f)
 
 
 def _debug() -> bool:
@@ -84,36 +95,97 @@ def _debug() -> bool:
 
 
 @click.command("share-manager")
-@click.option("--amqp", "url", required=True, metavar="URL",
-              help="RabbitMQ URL, e.g. amqp://gpemu-manager@localhost/ (password: see --amqp-password-file).")
+@click.option(
+    "--amqp",
+    "url",
+    required=True,
+    metavar="URL",
+    help="RabbitMQ URL, e.g. amqp://gpemu-manager@localhost/ (password: see --amqp-password-file).",
+)
 @password_options
-@click.option("--device", "devices", multiple=True, required=True, metavar="ID=GPU[:SIZE]",
-              help="An emuGPU to share, e.g. 0=V100 (memory from the profile database) or 1=P100:16GiB. Repeatable.")
-@click.option("--policy", default="fifo", show_default=True, metavar="NAME",
-              help="fifo, round-robin, weighted, or package.module:ClassName for your own policy.")
-@click.option("--lease", "lease_s", default=10.0, show_default=True, type=float,
-              help="Seconds without a heartbeat after which a job is dropped and its GPU time/memory freed "
-                   "(a job whose broker connection closes is dropped at once).")
-@click.option("--quantum", "quantum_s", default=None, type=float, metavar="SECONDS",
-              help="Longest time one job holds the emuGPU while others wait: longer requests are served in "
-                   "slices of this length (0: no slicing) [default: 0.5].")
-@click.option("--job-secret-file", default=None, type=click.Path(dir_okay=False), metavar="FILE",
-              help="Derive every job's key from this secret (the device plugin's --job-secret-file); without "
-                   "it each job brings its own key.")
-@click.option("--status-interval", default=1.0, show_default=True, type=float,
-              help="Seconds between status snapshots published for `gpemu share-status`.")
-@click.option("--lookahead", "lookahead_s", default=None, type=float, metavar="SECONDS",
-              help="Choose and grant the next request this long before the emuGPU frees up, so the grant "
-                   "reaches the job before its slot starts [default: 0.01].")
-@click.option("--backdate", "backdate_s", default=None, type=float, metavar="SECONDS",
-              help="A job on this host whose request finds the emuGPU idle starts when it sent the request, "
-                   "up to this long before it arrived (0: when it arrives) [default: 0.05].")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
-def share_manager(url: str, amqp_password: str | None, amqp_password_file: str | None, devices: tuple[str, ...],
-                  policy: str, lease_s: float, quantum_s: float | None, job_secret_file: str | None,
-                  status_interval: float, lookahead_s: float | None, backdate_s: float | None,
-                  log_level: str) -> None:
+@click.option(
+    "--device",
+    "devices",
+    multiple=True,
+    required=True,
+    metavar="ID=GPU[:SIZE]",
+    help="An emuGPU to share, e.g. 0=V100 (memory from the profile database) or 1=P100:16GiB. Repeatable.",
+)
+@click.option(
+    "--policy",
+    default="fifo",
+    show_default=True,
+    metavar="NAME",
+    help="fifo, round-robin, weighted, or package.module:ClassName for your own policy.",
+)
+@click.option(
+    "--lease",
+    "lease_s",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Seconds without a heartbeat after which a job is dropped and its GPU time/memory freed "
+    "(a job whose broker connection closes is dropped at once).",
+)
+@click.option(
+    "--quantum",
+    "quantum_s",
+    default=None,
+    type=float,
+    metavar="SECONDS",
+    help="Longest time one job holds the emuGPU while others wait: longer requests are served in "
+    "slices of this length (0: no slicing) [default: 0.5].",
+)
+@click.option(
+    "--job-secret-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Derive every job's key from this secret (the device plugin's --job-secret-file); without "
+    "it each job brings its own key.",
+)
+@click.option(
+    "--status-interval",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Seconds between status snapshots published for `gpemu share-status`.",
+)
+@click.option(
+    "--lookahead",
+    "lookahead_s",
+    default=None,
+    type=float,
+    metavar="SECONDS",
+    help="Choose and grant the next request this long before the emuGPU frees up, so the grant "
+    "reaches the job before its slot starts [default: 0.01].",
+)
+@click.option(
+    "--backdate",
+    "backdate_s",
+    default=None,
+    type=float,
+    metavar="SECONDS",
+    help="A job on this host whose request finds the emuGPU idle starts when it sent the request, "
+    "up to this long before it arrived (0: when it arrives) [default: 0.05].",
+)
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
+def share_manager(
+    url: str,
+    amqp_password: str | None,
+    amqp_password_file: str | None,
+    devices: tuple[str, ...],
+    policy: str,
+    lease_s: float,
+    quantum_s: float | None,
+    job_secret_file: str | None,
+    status_interval: float,
+    lookahead_s: float | None,
+    backdate_s: float | None,
+    log_level: str,
+) -> None:
     """Run the sharing manager: time-slices emuGPUs among registered jobs, one slot at a time,
     refusing work whose memory would not fit."""
     from gpemu.cli import UserError
@@ -133,8 +205,10 @@ def share_manager(url: str, amqp_password: str | None, amqp_password_file: str |
         raise UserError(f"--quantum must be from 0.001 to 3600 seconds, or 0 for no slicing; got {quantum_s:g}")
     secret = read_secret_file(job_secret_file, "job secret") if job_secret_file else None
     if secret is not None and len(secret) < 16:
-        raise UserError(f"the job secret in {job_secret_file} is too short: use at least 16 random bytes "
-                        "(e.g. `head -c 32 /dev/urandom | base64`)")
+        raise UserError(
+            f"the job secret in {job_secret_file} is too short: use at least 16 random bytes "
+            "(e.g. `head -c 32 /dev/urandom | base64`)"
+        )
     lookup = None
     if any(":" not in d.partition("=")[2] for d in devices):
         lookup = _gpu_memory_lookup()
@@ -147,14 +221,23 @@ def share_manager(url: str, amqp_password: str | None, amqp_password_file: str |
     if len(set(names)) != len(names):
         raise UserError(f"each --device needs its own ID; got {', '.join(names)}")
     debug = _debug() or log_level == "debug"
-    logging.basicConfig(level="DEBUG" if debug else log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level="DEBUG" if debug else log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     # pika logs every connection attempt and failure with its parameters at INFO/ERROR; the
     # manager reports losing and regaining the broker itself, once, with the password redacted.
     logging.getLogger("pika").setLevel(logging.DEBUG if debug else logging.CRITICAL)
-    manager = SharingManager(url, specs, policy_cls, lease_s=lease_s, status_interval_s=status_interval,
-                             lookahead_s=lookahead_s, backdate_s=backdate_s, quantum_s=quantum_s or None,
-                             job_secret=secret)
+    manager = SharingManager(
+        url,
+        specs,
+        policy_cls,
+        lease_s=lease_s,
+        status_interval_s=status_interval,
+        lookahead_s=lookahead_s,
+        backdate_s=backdate_s,
+        quantum_s=quantum_s or None,
+        job_secret=secret,
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: manager.stop())
     manager.serve_forever()
@@ -166,8 +249,9 @@ def share_manager(url: str, amqp_password: str | None, amqp_password_file: str |
 @click.option("--once", is_flag=True, help="Print one snapshot and exit (for scripts).")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the snapshot as JSON.")
 @click.option("--timeout", default=5.0, show_default=True, type=float, help="Seconds to wait for the manager.")
-def share_status(url: str, amqp_password: str | None, amqp_password_file: str | None, once: bool, as_json: bool,
-                 timeout: float) -> None:
+def share_status(
+    url: str, amqp_password: str | None, amqp_password_file: str | None, once: bool, as_json: bool, timeout: float
+) -> None:
     """Show the sharing manager's emuGPUs, jobs, queue lengths and GPU shares (live; --once for scripts)."""
     from gpemu.cli import UserError, console
 

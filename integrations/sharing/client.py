@@ -44,8 +44,18 @@ from . import protocol as P
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
 
-__all__ = ["SharingClient", "SharingUnavailableError", "SharingRefusedError", "RunResult", "SharingBackend",
-           "JobCredentials", "load_job_credentials", "with_password", "CREDENTIALS_FILE", "install"]
+__all__ = [
+    "SharingClient",
+    "SharingUnavailableError",
+    "SharingRefusedError",
+    "RunResult",
+    "SharingBackend",
+    "JobCredentials",
+    "load_job_credentials",
+    "with_password",
+    "CREDENTIALS_FILE",
+    "install",
+]
 
 CREDENTIALS_FILE = "sharing.json"  # in GPEMU_DEVICE_DIR, written by the device plugin's Allocate
 # Re-deliver the held presence message this often: RabbitMQ closes a channel that keeps a
@@ -91,12 +101,19 @@ def load_job_credentials(device_dir: str | os.PathLike[str] | None) -> JobCreden
         keys = {str(k): bytes.fromhex(v) for k, v in data["keys"].items()}
         job_id = data["job_id"]
         password = data.get("amqp_password")
-        if not isinstance(job_id, str) or not job_id or (keys and job_id not in keys) or not all(
-                len(k) == P.KEY_BYTES for k in keys.values()) or not isinstance(password, (str, type(None))):
+        if (
+            not isinstance(job_id, str)
+            or not job_id
+            or (keys and job_id not in keys)
+            or not all(len(k) == P.KEY_BYTES for k in keys.values())
+            or not isinstance(password, (str, type(None)))
+        ):
             raise ValueError
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        raise ValueError(f"the sharing credentials {path} are not valid (expected JSON with job_id, keys, "
-                         "amqp_password as written by `gpemu k8s plugin`)") from None
+        raise ValueError(
+            f"the sharing credentials {path} are not valid (expected JSON with job_id, keys, "
+            "amqp_password as written by `gpemu k8s plugin`)"
+        ) from None
     return JobCredentials(job_id, keys, password)
 
 
@@ -141,7 +158,7 @@ class _Heartbeat(threading.Thread):
     """Own connection (pika connections are single-threaded): keeps the job's lease alive and
     holds its presence queue, so the manager learns at once when this process is gone."""
 
-    def __init__(self, client: "SharingClient") -> None:
+    def __init__(self, client: SharingClient) -> None:
         super().__init__(name=f"gpemu-sharing-heartbeat-{client.job_id}", daemon=True)
         self.client = client
         self.stop_event = threading.Event()
@@ -165,16 +182,23 @@ class _Heartbeat(threading.Thread):
                     # Single active consumer: we are first, so the manager (consuming after us)
                     # waits as the standby and gets the held message only when we are gone.
                     presence = P.reply_queue_name()
-                    ch.queue_declare(presence, auto_delete=True, arguments={
-                        "x-single-active-consumer": True, "x-expires": int(max(60.0, 4 * c.lease_s) * 1000)})
+                    ch.queue_declare(
+                        presence,
+                        auto_delete=True,
+                        arguments={"x-single-active-consumer": True, "x-expires": int(max(60.0, 4 * c.lease_s) * 1000)},
+                    )
                     ch.basic_qos(prefetch_count=1)
                     ch.basic_consume(presence, self._on_presence, auto_ack=False)
                     self._marker = None
                     c.presence = presence
                 self.wake.clear()
                 if c.registered:
-                    c._publish_on(ch, {"type": "heartbeat", "job_id": c.job_id, "presence": c.presence}, queue,
-                                  expiration=str(int(c.lease_s * 1000)))
+                    c._publish_on(
+                        ch,
+                        {"type": "heartbeat", "job_id": c.job_id, "presence": c.presence},
+                        queue,
+                        expiration=str(int(c.lease_s * 1000)),
+                    )
                 if self._marker is not None and time.monotonic() - self._marker[1] > _PRESENCE_RENEW_S:
                     tag, self._marker = self._marker[0], None
                     ch.basic_reject(tag, requeue=True)  # comes straight back to us, the active consumer
@@ -222,10 +246,20 @@ class SharingClient:
     # --client-spin, interleaved runs).
     SPIN_MARGIN_S = 3e-4
 
-    def __init__(self, url: str, job_id: str | None = None, device: str = "0", persistent_bytes: int = 0,
-                 weight: float = 1.0, lease_s: float = 10.0, manager_timeout_s: float = 60.0,
-                 resend_s: float | None = None, heartbeat: bool = True, deadlines: bool = True,
-                 key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        job_id: str | None = None,
+        device: str = "0",
+        persistent_bytes: int = 0,
+        weight: float = 1.0,
+        lease_s: float = 10.0,
+        manager_timeout_s: float = 60.0,
+        resend_s: float | None = None,
+        heartbeat: bool = True,
+        deadlines: bool = True,
+        key: bytes | None = None,
+    ) -> None:
         if not url.startswith(("amqp://", "amqps://")):
             raise ValueError(f"sharing URL must be amqp:// or amqps://, got {redact_url(url)!r}")
         if not lease_s > 0 or not manager_timeout_s > 0:
@@ -306,8 +340,9 @@ class SharingClient:
         if not isinstance(reply, dict):
             self.forged_replies += 1
             return None
-        if not signed and not (not self.provisioned and reply.get("type") == "error"
-                               and reply.get("code") == P.ERR_UNKNOWN_JOB):
+        if not signed and not (
+            not self.provisioned and reply.get("type") == "error" and reply.get("code") == P.ERR_UNKNOWN_JOB
+        ):
             self.forged_replies += 1
             return None
         return reply
@@ -331,32 +366,43 @@ class SharingClient:
             try:
                 self._connect()
                 return
-            except (pex.ProbableAuthenticationError, pex.ProbableAccessDeniedError,
-                    pex.AuthenticationError) as exc:
+            except (pex.ProbableAuthenticationError, pex.ProbableAccessDeniedError, pex.AuthenticationError) as exc:
                 self._conn = None
                 raise SharingUnavailableError(
                     f"the RabbitMQ broker at {self.safe_url} refused this job's credentials "
-                    f"({type(exc).__name__}); check the user and password") from None
+                    f"({type(exc).__name__}); check the user and password"
+                ) from None
             except (pex.AMQPError, OSError, TopologyMissing) as exc:
                 self._conn = None
                 if time.monotonic() > give_up_at:
                     why = str(exc) if isinstance(exc, TopologyMissing) else type(exc).__name__
                     raise SharingUnavailableError(
                         f"cannot reach the sharing manager through the RabbitMQ broker at {self.safe_url} ({why}) "
-                        f"for {self.manager_timeout_s:.0f} s; are the broker and `gpemu share-manager` running?") \
-                        from None
+                        f"for {self.manager_timeout_s:.0f} s; are the broker and `gpemu share-manager` running?"
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 self.reconnects += 1
 
-    def _publish_on(self, ch: Any, payload: dict[str, Any], reply_to: str | None, expiration: str | None = None,
-                    mandatory: bool = False) -> None:
+    def _publish_on(
+        self,
+        ch: Any,
+        payload: dict[str, Any],
+        reply_to: str | None,
+        expiration: str | None = None,
+        mandatory: bool = False,
+    ) -> None:
         """Sign and publish one message on ``ch`` (the caller's connection)."""
         import pika
 
         body = P.encode({k: v for k, v in payload.items() if v is not None})
-        props = pika.BasicProperties(delivery_mode=1, reply_to=reply_to, content_type="application/json",
-                                     expiration=expiration, headers={P.SIG_HEADER: P.sign(self.key, body)})
+        props = pika.BasicProperties(
+            delivery_mode=1,
+            reply_to=reply_to,
+            content_type="application/json",
+            expiration=expiration,
+            headers={P.SIG_HEADER: P.sign(self.key, body)},
+        )
         ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, body, props, mandatory=mandatory)
 
     def _publish(self, payload: dict[str, Any]) -> None:
@@ -381,7 +427,8 @@ class SharingClient:
             if now - self.last_manager_contact > self.manager_timeout_s:
                 raise SharingUnavailableError(
                     f"the sharing manager on {self.safe_url} has not answered for {self.manager_timeout_s:.0f} s "
-                    f"(job {self.job_id!r}); is `gpemu share-manager` running?")
+                    f"(job {self.job_id!r}); is `gpemu share-manager` running?"
+                )
             try:
                 self._ensure_connected(self.last_manager_contact + self.manager_timeout_s)
                 if not sent or now >= next_resend:
@@ -408,17 +455,23 @@ class SharingClient:
         with self._lock:
             if self._heartbeat is not None and not self._heartbeat.is_alive():
                 self._heartbeat.start()  # its presence queue exists before the manager hears of it
-            payload: dict[str, Any] = {"type": "register", "job_id": self.job_id, "request_id": uuid.uuid4().hex,
-                                       "device": self.device, "persistent_bytes": self.persistent_bytes,
-                                       "weight": self.weight}
+            payload: dict[str, Any] = {
+                "type": "register",
+                "job_id": self.job_id,
+                "request_id": uuid.uuid4().hex,
+                "device": self.device,
+                "persistent_bytes": self.persistent_bytes,
+                "weight": self.weight,
+            }
             if self.host:
                 payload["host"] = self.host
             if not self.provisioned:
                 payload["key"] = self.key.hex()
             reply = self._call(payload)
             if reply.get("type") != "registered":
-                raise SharingRefusedError(f"the sharing manager refused job {self.job_id!r}: "
-                                          f"{reply.get('reason', reply.get('type'))}")
+                raise SharingRefusedError(
+                    f"the sharing manager refused job {self.job_id!r}: {reply.get('reason', reply.get('type'))}"
+                )
             self.same_host = reply.get("same_host") is True
             self.needs_register = False
             self.registered = True
@@ -428,8 +481,9 @@ class SharingClient:
             if self._heartbeat is not None:
                 self._heartbeat.wake.set()  # tell the manager our presence queue now
 
-    def run(self, seconds: float, peak_bytes: int = 0, kind: str = "iteration",
-            persistent_bytes: int | None = None) -> RunResult:
+    def run(
+        self, seconds: float, peak_bytes: int = 0, kind: str = "iteration", persistent_bytes: int | None = None
+    ) -> RunResult:
         """Block until the manager has run ``seconds`` of GPU work for this job.
 
         With ``deadlines`` (default) the manager answers when it schedules the work, with its
@@ -451,9 +505,16 @@ class SharingClient:
             for _ in range(10):
                 if self.needs_register or not self.registered:
                     self.register()
-                payload = {"type": "request", "job_id": self.job_id, "request_id": rid,
-                           "device": self.device, "seconds": float(seconds), "peak_bytes": int(peak_bytes),
-                           "kind": kind, "grant": self.deadlines}
+                payload = {
+                    "type": "request",
+                    "job_id": self.job_id,
+                    "request_id": rid,
+                    "device": self.device,
+                    "seconds": float(seconds),
+                    "peak_bytes": int(peak_bytes),
+                    "kind": kind,
+                    "grant": self.deadlines,
+                }
                 if persistent_bytes is not None:
                     payload["persistent_bytes"] = self.persistent_bytes
                 reply = self._call(payload)
@@ -461,8 +522,7 @@ class SharingClient:
                 if kind_ == "granted":
                     return self._wait_for_grant(rid, float(seconds), reply, start)
                 if kind_ == "done":
-                    return RunResult(rid, float(seconds), float(reply.get("waited_s", 0.0)),
-                                     time.monotonic() - start)
+                    return RunResult(rid, float(seconds), float(reply.get("waited_s", 0.0)), time.monotonic() - start)
                 if kind_ == "refused":
                     import torch
 
@@ -489,9 +549,18 @@ class SharingClient:
         resumed = time.monotonic()
         idle = reply.get("idle_s")
         begin = reply.get("start")
-        return RunResult(rid, seconds, float(reply.get("waited_s") or 0.0), resumed - start, deadline, resumed,
-                         float(idle) if isinstance(idle, (int, float)) else 0.0, exact,
-                         float(begin) if exact and isinstance(begin, (int, float)) else None, received)
+        return RunResult(
+            rid,
+            seconds,
+            float(reply.get("waited_s") or 0.0),
+            resumed - start,
+            deadline,
+            resumed,
+            float(idle) if isinstance(idle, (int, float)) else 0.0,
+            exact,
+            float(begin) if exact and isinstance(begin, (int, float)) else None,
+            received,
+        )
 
     def _wait_until(self, deadline: float) -> None:
         """Block until ``deadline`` (time.monotonic) with gpemu.clock's sleep-then-spin, serving
@@ -537,7 +606,7 @@ class SharingClient:
         if self._heartbeat is not None and self._heartbeat.is_alive():
             self._heartbeat.join(timeout=2)
 
-    def __enter__(self) -> "SharingClient":
+    def __enter__(self) -> SharingClient:
         self.register()
         return self
 
@@ -566,8 +635,13 @@ class SharingBackend:
     ``torch.cuda.reset_peak_memory_stats``) as the request's peak.
     """
 
-    def __init__(self, clients: dict[int, SharingClient], recorder: Any = None,
-                 memory: list[Any] | None = None, persistent_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        clients: dict[int, SharingClient],
+        recorder: Any = None,
+        memory: list[Any] | None = None,
+        persistent_bytes: int | None = None,
+    ) -> None:
         self.clients = clients
         self.recorder = recorder
         self.memory = memory
@@ -597,7 +671,7 @@ class SharingBackend:
             client.close()
 
 
-def install(rt: "Runtime") -> None:
+def install(rt: Runtime) -> None:
     """Route the run's GPU time through the sharing manager when ``config.sharing`` is set."""
     cfg = rt.config
     if not cfg.sharing:
@@ -611,17 +685,25 @@ def install(rt: "Runtime") -> None:
     url = with_password(cfg.sharing, creds.amqp_password if creds else None)
     fixed = cfg.sharing_persistent_bytes
     clients: dict[int, SharingClient] = {}
-    for index, spec in enumerate(rt.gpus):
+    for index in range(len(rt.gpus)):
         # The emuGPU id on the manager: the k8s-allocated id when there is one, else the index.
         device = cfg.visible_devices[index] if cfg.visible_devices and index < len(cfg.visible_devices) else str(index)
         job_id = base if len(rt.gpus) == 1 else f"{base}.{index}"
         key = creds.keys.get(job_id) if creds else None
         if creds and creds.keys and key is None:
-            raise ValueError(f"the sharing credentials hold no key for job {job_id!r} (emuGPU {index}); "
-                             "the device plugin allocated fewer emuGPUs than this process uses")
+            raise ValueError(
+                f"the sharing credentials hold no key for job {job_id!r} (emuGPU {index}); "
+                "the device plugin allocated fewer emuGPUs than this process uses"
+            )
         clients[index] = SharingClient(
-            url, job_id=job_id, device=device, persistent_bytes=int(fixed or 0), weight=float(cfg.sharing_weight),
-            lease_s=float(cfg.sharing_lease_s), key=key)
+            url,
+            job_id=job_id,
+            device=device,
+            persistent_bytes=int(fixed or 0),
+            weight=float(cfg.sharing_weight),
+            lease_s=float(cfg.sharing_lease_s),
+            key=key,
+        )
     # Jobs register at their first request (real persistent memory by then), not here.
     backend = SharingBackend(clients, rt.recorder, rt.memory, int(fixed) if fixed is not None else None)
     rt.sharing = backend
@@ -629,5 +711,7 @@ def install(rt: "Runtime") -> None:
     # Restored newest first: detach (waits for work in flight), then deregister.
     rt.patcher.on_restore(backend.close)
     rt.patcher.on_restore(lambda: engine.set_backend(None))
-    rt.say_once(f"GPU time shared through the sharing manager at {redact_url(cfg.sharing)} "
-                f"(one request per {cfg.sharing_granularity})")
+    rt.say_once(
+        f"GPU time shared through the sharing manager at {redact_url(cfg.sharing)} "
+        f"(one request per {cfg.sharing_granularity})"
+    )

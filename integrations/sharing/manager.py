@@ -32,14 +32,25 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from . import protocol as P
 from .policies import Fifo, JobView, PendingView, Policy, load_policy
 
-__all__ = ["SharingCore", "SharingManager", "Outgoing", "DeviceSpec", "parse_device", "DEFAULT_LOOKAHEAD_S",
-           "DEFAULT_BACKDATE_S", "DEFAULT_QUANTUM_S", "MAX_JOBS", "MAX_ACTIVE_PER_JOB"]
+__all__ = [
+    "SharingCore",
+    "SharingManager",
+    "Outgoing",
+    "DeviceSpec",
+    "parse_device",
+    "DEFAULT_LOOKAHEAD_S",
+    "DEFAULT_BACKDATE_S",
+    "DEFAULT_QUANTUM_S",
+    "MAX_JOBS",
+    "MAX_ACTIVE_PER_JOB",
+]
 
 log = logging.getLogger("gpemu.sharing.manager")
 
@@ -72,7 +83,7 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1
 def _parse_size(text: str) -> int:
     low = text.strip().lower()
     num = low.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = low[len(num):]
+    unit = low[len(num) :]
     try:
         value = float(num)
     except ValueError:
@@ -94,8 +105,10 @@ def parse_device(spec: str, gpu_memory: Callable[[str], int] | None = None) -> D
     if size:
         return DeviceSpec(name, gpu, _parse_size(size))
     if gpu_memory is None:
-        raise ValueError(f"--device {spec!r}: no profile database to look up {gpu}'s memory; "
-                         f"give it explicitly, e.g. {name}={gpu}:16GiB")
+        raise ValueError(
+            f"--device {spec!r}: no profile database to look up {gpu}'s memory; "
+            f"give it explicitly, e.g. {name}={gpu}:16GiB"
+        )
     return DeviceSpec(name, gpu, int(gpu_memory(gpu)))
 
 
@@ -153,7 +166,7 @@ class _Job:
     same_host: bool = False  # its time.monotonic() is ours: absolute deadlines, send times
     served_count: int = 0
     presence: str | None = None  # the job's presence queue (see protocol)
-    done: "OrderedDict[str, dict[str, Any]]" = field(default_factory=OrderedDict)
+    done: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     active: dict[str, _Request] = field(default_factory=dict)
 
 
@@ -187,8 +200,11 @@ class _LogBudget:
         """At the end of a window (or of the manager, ``final``): one line for what it did not log."""
         if self.start is not None and (final or now - self.start >= self.window_s):
             if self.suppressed:
-                log.warning("%d more message(s) rejected in the last %.0f s (not logged one by one)",
-                            self.suppressed, min(self.window_s, now - self.start) if final else self.window_s)
+                log.warning(
+                    "%d more message(s) rejected in the last %.0f s (not logged one by one)",
+                    self.suppressed,
+                    min(self.window_s, now - self.start) if final else self.window_s,
+                )
             self.start, self.used, self.suppressed = None, 0, 0
 
     def allow(self, now: float) -> bool:
@@ -205,11 +221,19 @@ class _LogBudget:
 class SharingCore:
     """Scheduler state of every emuGPU. Not thread-safe: one caller (the daemon loop)."""
 
-    def __init__(self, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
-                 lease_s: float = 10.0, host: str = "", lookahead_s: float = 0.0,
-                 backdate_s: float = 0.05, quantum_s: float | None = DEFAULT_QUANTUM_S,
-                 job_secret: bytes | None = None, max_jobs: int = MAX_JOBS,
-                 max_active_per_job: int = MAX_ACTIVE_PER_JOB) -> None:
+    def __init__(
+        self,
+        devices: Iterable[DeviceSpec],
+        policy: str | type[Policy] = "fifo",
+        lease_s: float = 10.0,
+        host: str = "",
+        lookahead_s: float = 0.0,
+        backdate_s: float = 0.05,
+        quantum_s: float | None = DEFAULT_QUANTUM_S,
+        job_secret: bytes | None = None,
+        max_jobs: int = MAX_JOBS,
+        max_active_per_job: int = MAX_ACTIVE_PER_JOB,
+    ) -> None:
         policy_cls = load_policy(policy) if isinstance(policy, str) else policy
         self.policy_name = getattr(policy_cls, "name", policy_cls.__name__)
         self.devices: dict[str, _Device] = {d.name: _Device(d, policy_cls()) for d in devices}
@@ -221,8 +245,9 @@ class SharingCore:
         if not 0 <= lookahead_s <= 1.0 or not 0 <= backdate_s <= 1.0:
             raise ValueError(f"lookahead and backdate must be from 0 to 1 s, got {lookahead_s!r}, {backdate_s!r}")
         if quantum_s is not None and not 1e-3 <= quantum_s <= P.MAX_SECONDS:
-            raise ValueError(f"quantum must be from 0.001 to {P.MAX_SECONDS:g} seconds (or None: no slicing), "
-                             f"got {quantum_s!r}")
+            raise ValueError(
+                f"quantum must be from 0.001 to {P.MAX_SECONDS:g} seconds (or None: no slicing), got {quantum_s!r}"
+            )
         if job_secret is not None and len(job_secret) < 16:
             raise ValueError("the job secret must be at least 16 bytes")
         # host_identity() of the manager: jobs that register with the same one share its clock.
@@ -254,15 +279,24 @@ class SharingCore:
         self.presence_seen: list[tuple[str, str]] = []
 
     # ------------------------------------------------------------------ input: messages
-    def receive(self, body: bytes, reply_to: str | None, tag: Any, now: float,
-                sig: str | None = None) -> list[Outgoing]:
+    def receive(
+        self, body: bytes, reply_to: str | None, tag: Any, now: float, sig: str | None = None
+    ) -> list[Outgoing]:
         """One message from the request queue (``sig``: its signature header, if any)."""
         if self.started_at is None:
             self.started_at = now
         if reply_to is not None and not P.valid_queue_name(reply_to):
             # Replies go only to job reply queues, never into the request queue or elsewhere.
-            return [self._reject(f"reply_to must name a queue {P.REPLY_PREFIX}<id>, got {P.short(reply_to)}",
-                                 None, None, tag, None, now)]
+            return [
+                self._reject(
+                    f"reply_to must name a queue {P.REPLY_PREFIX}<id>, got {P.short(reply_to)}",
+                    None,
+                    None,
+                    tag,
+                    None,
+                    now,
+                )
+            ]
         try:
             msg = P.parse_message(body)
         except P.ProtocolError as exc:
@@ -279,23 +313,50 @@ class SharingCore:
                 if msg.type == "deregister" and signed:
                     # Already gone (duplicate, or expired): the outcome the job wanted.
                     return [Outgoing(reply_to, {"type": "deregistered", "request_id": msg.request_id}, [tag], key)]
-                return [self._reject(f"{P.ERR_UNKNOWN_JOB}: {msg.type} for job {P.short(msg.job_id)}",
-                                     msg.request_id or None, reply_to, tag, msg.job_id, now, P.ERR_UNKNOWN_JOB,
-                                     key if signed else None)]
+                return [
+                    self._reject(
+                        f"{P.ERR_UNKNOWN_JOB}: {msg.type} for job {P.short(msg.job_id)}",
+                        msg.request_id or None,
+                        reply_to,
+                        tag,
+                        msg.job_id,
+                        now,
+                        P.ERR_UNKNOWN_JOB,
+                        key if signed else None,
+                    )
+                ]
             if not P.verify(job.key, body, sig):
-                return [self._reject(f"{P.ERR_BAD_SIGNATURE}: {msg.type} for job {P.short(msg.job_id)} is not signed "
-                                     f"with its key", msg.request_id or None, reply_to, tag, msg.job_id, now,
-                                     P.ERR_BAD_SIGNATURE)]
+                return [
+                    self._reject(
+                        f"{P.ERR_BAD_SIGNATURE}: {msg.type} for job {P.short(msg.job_id)} is not signed with its key",
+                        msg.request_id or None,
+                        reply_to,
+                        tag,
+                        msg.job_id,
+                        now,
+                        P.ERR_BAD_SIGNATURE,
+                    )
+                ]
             job.last_seen = now
             if msg.presence:
                 self._saw_presence(job, msg.presence)
-            handler = {"request": self._on_request, "heartbeat": self._on_heartbeat,
-                       "deregister": self._on_deregister}[msg.type]
+            handler = {"request": self._on_request, "heartbeat": self._on_heartbeat, "deregister": self._on_deregister}[
+                msg.type
+            ]
             out = handler(job, msg, reply_to, tag, now)
         return out + self.advance(now)
 
-    def _reject(self, reason: str, rid: str | None, reply_to: str | None, tag: Any, job_id: str | None,
-                now: float, code: str = P.ERR_BAD_MESSAGE, key: bytes | None = None) -> Outgoing:
+    def _reject(
+        self,
+        reason: str,
+        rid: str | None,
+        reply_to: str | None,
+        tag: Any,
+        job_id: str | None,
+        now: float,
+        code: str = P.ERR_BAD_MESSAGE,
+        key: bytes | None = None,
+    ) -> Outgoing:
         self.rejected += 1
         if self._log_budget.allow(now):
             log.warning("rejected message%s: %s", f" from job {P.short(job_id)}" if job_id else "", reason)
@@ -306,8 +367,9 @@ class SharingCore:
         job.presence = queue
         self.presence_seen.append((job.job_id, queue))
 
-    def _on_register(self, msg: P.Message, reply_to: str | None, tag: Any, now: float, body: bytes,
-                     sig: str | None) -> list[Outgoing]:
+    def _on_register(
+        self, msg: P.Message, reply_to: str | None, tag: Any, now: float, body: bytes, sig: str | None
+    ) -> list[Outgoing]:
         if self.job_secret is not None:
             key = P.derive_job_key(self.job_secret, msg.job_id)
             if msg.key is not None and msg.key != key:
@@ -315,16 +377,43 @@ class SharingCore:
         else:
             key = msg.key
             if key is None:
-                return [self._reject(f"register of job {P.short(msg.job_id)} carries no key; this manager has no "
-                                     "job secret, so each job sends its own", msg.request_id, reply_to, tag,
-                                     msg.job_id, now)]
+                return [
+                    self._reject(
+                        f"register of job {P.short(msg.job_id)} carries no key; this manager has no "
+                        "job secret, so each job sends its own",
+                        msg.request_id,
+                        reply_to,
+                        tag,
+                        msg.job_id,
+                        now,
+                    )
+                ]
         if not P.verify(key, body, sig):
-            return [self._reject(f"{P.ERR_BAD_SIGNATURE}: register of job {P.short(msg.job_id)} is not signed with "
-                                 "its key", msg.request_id, reply_to, tag, msg.job_id, now, P.ERR_BAD_SIGNATURE)]
+            return [
+                self._reject(
+                    f"{P.ERR_BAD_SIGNATURE}: register of job {P.short(msg.job_id)} is not signed with its key",
+                    msg.request_id,
+                    reply_to,
+                    tag,
+                    msg.job_id,
+                    now,
+                    P.ERR_BAD_SIGNATURE,
+                )
+            ]
         dev = self.devices.get(msg.device)
         if dev is None:
-            return [self._reject(f"unknown emuGPU {P.short(msg.device)}; this manager has {', '.join(self.devices)}",
-                                 msg.request_id, reply_to, tag, msg.job_id, now, P.ERR_UNKNOWN_DEVICE, key)]
+            return [
+                self._reject(
+                    f"unknown emuGPU {P.short(msg.device)}; this manager has {', '.join(self.devices)}",
+                    msg.request_id,
+                    reply_to,
+                    tag,
+                    msg.job_id,
+                    now,
+                    P.ERR_UNKNOWN_DEVICE,
+                    key,
+                )
+            ]
         job = self.jobs.get(msg.job_id)
         if job is not None:
             # A duplicate delivery, or the same job registering again with its key (it took an
@@ -334,40 +423,90 @@ class SharingCore:
                 if msg.presence:
                     self._saw_presence(job, msg.presence)
                 return [Outgoing(reply_to, self._registered(job, msg.request_id), [tag], job.key)]
-            return [self._reject(f"job id {P.short(msg.job_id)} is already registered", msg.request_id, reply_to,
-                                 tag, msg.job_id, now, P.ERR_JOB_EXISTS, key)]
+            return [
+                self._reject(
+                    f"job id {P.short(msg.job_id)} is already registered",
+                    msg.request_id,
+                    reply_to,
+                    tag,
+                    msg.job_id,
+                    now,
+                    P.ERR_JOB_EXISTS,
+                    key,
+                )
+            ]
         if len(self.jobs) >= self.max_jobs:
-            return [self._reject(f"this manager already serves {self.max_jobs} jobs", msg.request_id, reply_to, tag,
-                                 msg.job_id, now, P.ERR_BUSY, key)]
+            return [
+                self._reject(
+                    f"this manager already serves {self.max_jobs} jobs",
+                    msg.request_id,
+                    reply_to,
+                    tag,
+                    msg.job_id,
+                    now,
+                    P.ERR_BUSY,
+                    key,
+                )
+            ]
         used = sum(self.jobs[j].persistent_bytes for j in dev.jobs)
         if used + msg.persistent_bytes > dev.spec.capacity_bytes:
             self.refused += 1
-            reason = (f"registration refused: persistent memory {_gib(msg.persistent_bytes)} does not fit on "
-                      f"emuGPU {dev.spec.name} ({dev.spec.gpu}, {_gib(dev.spec.capacity_bytes)}): "
-                      f"{_gib(used)} is held by {len(dev.jobs)} other job(s)")
+            reason = (
+                f"registration refused: persistent memory {_gib(msg.persistent_bytes)} does not fit on "
+                f"emuGPU {dev.spec.name} ({dev.spec.gpu}, {_gib(dev.spec.capacity_bytes)}): "
+                f"{_gib(used)} is held by {len(dev.jobs)} other job(s)"
+            )
             log.info("%s (job %r)", reason, msg.job_id)
             return [Outgoing(reply_to, {"type": "refused", "request_id": msg.request_id, "reason": reason}, [tag], key)]
         view = JobView(msg.job_id, msg.weight)
-        job = _Job(msg.job_id, msg.device, key, msg.persistent_bytes, msg.request_id, view,
-                   now, reply_to, same_host=bool(self.host) and msg.host == self.host)
+        job = _Job(
+            msg.job_id,
+            msg.device,
+            key,
+            msg.persistent_bytes,
+            msg.request_id,
+            view,
+            now,
+            reply_to,
+            same_host=bool(self.host) and msg.host == self.host,
+        )
         self.jobs[msg.job_id] = job
         dev.jobs[msg.job_id] = view
         dev.policy.registered(view, dev.jobs)
         if msg.presence:
             self._saw_presence(job, msg.presence)
-        log.info("job %r registered on emuGPU %s (persistent %s, weight %g)", msg.job_id, dev.spec.name,
-                 _gib(msg.persistent_bytes), msg.weight)
+        log.info(
+            "job %r registered on emuGPU %s (persistent %s, weight %g)",
+            msg.job_id,
+            dev.spec.name,
+            _gib(msg.persistent_bytes),
+            msg.weight,
+        )
         return [Outgoing(reply_to, self._registered(job), [tag], key)]
 
     def _registered(self, job: _Job, rid: str | None = None) -> dict[str, Any]:
-        return {"type": "registered", "request_id": rid or job.register_rid, "job_id": job.job_id,
-                "lease_s": self.lease_s, "same_host": job.same_host}
+        return {
+            "type": "registered",
+            "request_id": rid or job.register_rid,
+            "job_id": job.job_id,
+            "lease_s": self.lease_s,
+            "same_host": job.same_host,
+        }
 
     def _on_request(self, job: _Job, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
         if msg.device != job.device:
-            return [self._reject(f"job {P.short(msg.job_id)} is registered on emuGPU {job.device!r}, "
-                                 f"not {P.short(msg.device)}", msg.request_id, reply_to, tag, msg.job_id, now,
-                                 P.ERR_UNKNOWN_DEVICE, job.key)]
+            return [
+                self._reject(
+                    f"job {P.short(msg.job_id)} is registered on emuGPU {job.device!r}, not {P.short(msg.device)}",
+                    msg.request_id,
+                    reply_to,
+                    tag,
+                    msg.job_id,
+                    now,
+                    P.ERR_UNKNOWN_DEVICE,
+                    job.key,
+                )
+            ]
         if msg.request_id in job.done:  # answered before: answer again, never serve again
             payload = job.done[msg.request_id]
             if payload.get("type") == "granted":  # a job on another host counts from the reply
@@ -379,14 +518,36 @@ class SharingCore:
             req.tags.append(tag)
             return []
         if len(job.active) >= self.max_active:
-            return [self._reject(f"job {P.short(msg.job_id)} already has {self.max_active} requests queued",
-                                 msg.request_id, reply_to, tag, msg.job_id, now, P.ERR_BUSY, job.key)]
+            return [
+                self._reject(
+                    f"job {P.short(msg.job_id)} already has {self.max_active} requests queued",
+                    msg.request_id,
+                    reply_to,
+                    tag,
+                    msg.job_id,
+                    now,
+                    P.ERR_BUSY,
+                    job.key,
+                )
+            ]
         if msg.persistent_bytes is not None:
             # What the job holds between iterations now; checked against others' requests from now on.
             job.persistent_bytes = msg.persistent_bytes
         self._seq += 1
-        req = _Request(msg.request_id, job.job_id, msg.seconds, msg.peak_bytes, self._seq, now, reply_to, [tag],
-                       msg.kind, left=msg.seconds, grant=msg.grant, origin=now)
+        req = _Request(
+            msg.request_id,
+            job.job_id,
+            msg.seconds,
+            msg.peak_bytes,
+            self._seq,
+            now,
+            reply_to,
+            [tag],
+            msg.kind,
+            left=msg.seconds,
+            grant=msg.grant,
+            origin=now,
+        )
         if job.same_host and msg.sent_at is not None:
             # Never later than now (a clock cannot run ahead) nor more than backdate_s ago.
             req.sent_at = min(msg.sent_at, now)
@@ -398,8 +559,7 @@ class SharingCore:
     def _on_heartbeat(self, job: _Job, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
         return [Outgoing(reply_to, {"type": "heartbeat-ack", "job_id": job.job_id}, [tag], job.key)]
 
-    def _on_deregister(self, job: _Job, msg: P.Message, reply_to: str | None, tag: Any,
-                       now: float) -> list[Outgoing]:
+    def _on_deregister(self, job: _Job, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
         out = self._drop_job(job, now, "deregistered")
         out.append(Outgoing(reply_to, {"type": "deregistered", "request_id": msg.request_id}, [tag], job.key))
         return out
@@ -431,8 +591,12 @@ class SharingCore:
         out: list[Outgoing] = []
         for job in [j for j in self.jobs.values() if now - j.last_seen > self.lease_s]:
             self.expired += 1
-            log.warning("job %r sent nothing for %.1f s (lease %.1f s): dropped, its GPU time and memory freed",
-                        job.job_id, now - job.last_seen, self.lease_s)
+            log.warning(
+                "job %r sent nothing for %.1f s (lease %.1f s): dropped, its GPU time and memory freed",
+                job.job_id,
+                now - job.last_seen,
+                self.lease_s,
+            )
             out += self._drop_job(job, now, "lease expired")
         for dev in self.devices.values():
             while True:
@@ -448,16 +612,19 @@ class SharingCore:
         return out
 
     def _pick(self, dev: _Device) -> _Request:
-        pending = [PendingView(r.job_id, r.seq, r.left if self.quantum_s is None else min(r.left, self.quantum_s))
-                   for r in dev.pending]
+        pending = [
+            PendingView(r.job_id, r.seq, r.left if self.quantum_s is None else min(r.left, self.quantum_s))
+            for r in dev.pending
+        ]
         try:
             chosen = dev.policy.pick(pending, dev.jobs)
             return next(r for r in dev.pending if r.seq == chosen.seq)
         except Exception as exc:  # a user's policy must not stop the emuGPU
             if not self._policy_warned:
                 self._policy_warned = True
-                log.error("policy %s failed to pick a request (%r); serving in arrival order instead",
-                          self.policy_name, exc)
+                log.error(
+                    "policy %s failed to pick a request (%r); serving in arrival order instead", self.policy_name, exc
+                )
             chosen = Fifo().pick(pending, dev.jobs)
             return next(r for r in dev.pending if r.seq == chosen.seq)
 
@@ -471,9 +638,11 @@ class SharingCore:
             need = max(req.peak_bytes, job.persistent_bytes)
             if others + need > dev.spec.capacity_bytes:
                 self.refused += 1
-                reason = (f"CUDA out of memory on emuGPU {dev.spec.name} ({dev.spec.gpu}, "
-                          f"{_gib(dev.spec.capacity_bytes)} total): this request's peak {_gib(need)} plus "
-                          f"{_gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it")
+                reason = (
+                    f"CUDA out of memory on emuGPU {dev.spec.name} ({dev.spec.gpu}, "
+                    f"{_gib(dev.spec.capacity_bytes)} total): this request's peak {_gib(need)} plus "
+                    f"{_gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it"
+                )
                 payload = {"type": "refused", "request_id": req.rid, "reason": reason}
                 return [self._answer(job, req, payload)]
         # Back-to-back work starts when the previous slot ends, not when the loop noticed;
@@ -506,9 +675,16 @@ class SharingCore:
         job.served_count += 1
         if not req.grant:
             return []
-        payload = {"type": "granted", "request_id": req.rid, "start": req.started, "end": req.deadline,
-                   "remaining_s": max(0.0, req.deadline - now), "seconds": req.seconds,
-                   "waited_s": max(0.0, req.deadline - req.origin - req.seconds), "idle_s": req.idle}
+        payload = {
+            "type": "granted",
+            "request_id": req.rid,
+            "start": req.started,
+            "end": req.deadline,
+            "remaining_s": max(0.0, req.deadline - now),
+            "seconds": req.seconds,
+            "waited_s": max(0.0, req.deadline - req.origin - req.seconds),
+            "idle_s": req.idle,
+        }
         return [self._answer(job, req, payload)]
 
     def _finish(self, dev: _Device, slot: _Slot) -> list[Outgoing]:
@@ -524,8 +700,12 @@ class SharingCore:
         if req.grant:  # answered (and acknowledged) when granted
             return []
         job = self.jobs[req.job_id]
-        payload = {"type": "done", "request_id": req.rid, "served_s": req.seconds,
-                   "waited_s": max(0.0, slot.end - req.origin - req.seconds)}
+        payload = {
+            "type": "done",
+            "request_id": req.rid,
+            "served_s": req.seconds,
+            "waited_s": max(0.0, slot.end - req.origin - req.seconds),
+        }
         return [self._answer(job, req, payload)]
 
     def _answer(self, job: _Job, req: _Request, payload: dict[str, Any]) -> Outgoing:
@@ -582,8 +762,11 @@ class SharingCore:
         Only those need the loop on time to the microsecond; a granted request's end only
         frees the emuGPU on the timeline, which was fixed when it was granted.
         """
-        ends = [d.running.end for d in self.devices.values()
-                if d.running is not None and d.running.final and not d.running.req.grant]
+        ends = [
+            d.running.end
+            for d in self.devices.values()
+            if d.running is not None and d.running.final and not d.running.req.grant
+        ]
         return min(ends) if ends else None
 
     def status(self, now: float) -> dict[str, Any]:
@@ -597,24 +780,48 @@ class SharingCore:
             total_recent = sum(recent.values()) or 1.0
             total = sum(v.served_s for v in dev.jobs.values()) or 1.0
             up = max(now - (self.started_at or now), 1e-9)
-            devices.append({
-                "device": dev.spec.name, "gpu": dev.spec.gpu, "capacity_bytes": dev.spec.capacity_bytes,
-                "persistent_bytes": sum(self.jobs[j].persistent_bytes for j in dev.jobs),
-                "jobs": len(dev.jobs), "queue": len(dev.pending),
-                "running": dev.running.req.job_id if dev.running else None,
-                "served_requests": dev.served, "busy_s": dev.busy_s, "utilisation": min(1.0, dev.busy_s / up),
-            })
+            devices.append(
+                {
+                    "device": dev.spec.name,
+                    "gpu": dev.spec.gpu,
+                    "capacity_bytes": dev.spec.capacity_bytes,
+                    "persistent_bytes": sum(self.jobs[j].persistent_bytes for j in dev.jobs),
+                    "jobs": len(dev.jobs),
+                    "queue": len(dev.pending),
+                    "running": dev.running.req.job_id if dev.running else None,
+                    "served_requests": dev.served,
+                    "busy_s": dev.busy_s,
+                    "utilisation": min(1.0, dev.busy_s / up),
+                }
+            )
             for view in dev.jobs.values():
                 job = self.jobs[view.job_id]
-                jobs.append({
-                    "job_id": view.job_id, "device": dev.spec.name, "weight": view.weight,
-                    "persistent_bytes": job.persistent_bytes, "served_s": view.served_s,
-                    "served_requests": job.served_count, "queued": len(job.active),
-                    "share": view.served_s / total, "recent_share": recent.get(view.job_id, 0.0) / total_recent,
-                })
-        return {"type": "status", "policy": self.policy_name, "lease_s": self.lease_s, "quantum_s": self.quantum_s,
-                "time": time.time(), "devices": devices, "jobs": jobs, "rejected": self.rejected,
-                "refused": self.refused, "expired": self.expired, "disconnected": self.disconnected}
+                jobs.append(
+                    {
+                        "job_id": view.job_id,
+                        "device": dev.spec.name,
+                        "weight": view.weight,
+                        "persistent_bytes": job.persistent_bytes,
+                        "served_s": view.served_s,
+                        "served_requests": job.served_count,
+                        "queued": len(job.active),
+                        "share": view.served_s / total,
+                        "recent_share": recent.get(view.job_id, 0.0) / total_recent,
+                    }
+                )
+        return {
+            "type": "status",
+            "policy": self.policy_name,
+            "lease_s": self.lease_s,
+            "quantum_s": self.quantum_s,
+            "time": time.time(),
+            "devices": devices,
+            "jobs": jobs,
+            "rejected": self.rejected,
+            "refused": self.refused,
+            "expired": self.expired,
+            "disconnected": self.disconnected,
+        }
 
 
 def _gib(n: int) -> str:
@@ -653,19 +860,37 @@ class SharingManager:
     MAX_RECONNECT_S = 2.0
     LOST_REPORT_S = 60.0
 
-    def __init__(self, url: str, devices: Iterable[DeviceSpec], policy: str | type[Policy] = "fifo",
-                 lease_s: float = 10.0, status_interval_s: float = 1.0, reconnect_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, prefetch: int = 2000,
-                 lookahead_s: float = DEFAULT_LOOKAHEAD_S, backdate_s: float = DEFAULT_BACKDATE_S,
-                 quantum_s: float | None = DEFAULT_QUANTUM_S, job_secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        devices: Iterable[DeviceSpec],
+        policy: str | type[Policy] = "fifo",
+        lease_s: float = 10.0,
+        status_interval_s: float = 1.0,
+        reconnect_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        prefetch: int = 2000,
+        lookahead_s: float = DEFAULT_LOOKAHEAD_S,
+        backdate_s: float = DEFAULT_BACKDATE_S,
+        quantum_s: float | None = DEFAULT_QUANTUM_S,
+        job_secret: bytes | None = None,
+    ) -> None:
         from gpemu.units import redact_url
 
         self.url = url
         self.safe_url = redact_url(url)
         # Grants carry absolute times on our clock; only time.monotonic is shared with jobs.
         host = P.host_identity() if clock is time.monotonic else ""
-        self.core = SharingCore(devices, policy, lease_s, host=host, lookahead_s=lookahead_s,
-                                backdate_s=backdate_s, quantum_s=quantum_s, job_secret=job_secret)
+        self.core = SharingCore(
+            devices,
+            policy,
+            lease_s,
+            host=host,
+            lookahead_s=lookahead_s,
+            backdate_s=backdate_s,
+            quantum_s=quantum_s,
+            job_secret=job_secret,
+        )
         self.status_interval_s = status_interval_s
         self.reconnect_s = reconnect_s
         self.clock = clock
@@ -700,12 +925,17 @@ class SharingManager:
 
         from . import amqp
 
-        log.info("sharing manager on %s: emuGPUs %s, policy %s, lease %.1f s, quantum %s, job keys %s",
-                 self.safe_url,
-                 ", ".join(f"{d.spec.name}={d.spec.gpu} ({_gib(d.spec.capacity_bytes)})"
-                           for d in self.core.devices.values()), self.core.policy_name, self.core.lease_s,
-                 f"{self.core.quantum_s:g} s" if self.core.quantum_s else "off",
-                 "derived from the job secret" if self.core.job_secret else "brought by each job")
+        log.info(
+            "sharing manager on %s: emuGPUs %s, policy %s, lease %.1f s, quantum %s, job keys %s",
+            self.safe_url,
+            ", ".join(
+                f"{d.spec.name}={d.spec.gpu} ({_gib(d.spec.capacity_bytes)})" for d in self.core.devices.values()
+            ),
+            self.core.policy_name,
+            self.core.lease_s,
+            f"{self.core.quantum_s:g} s" if self.core.quantum_s else "off",
+            "derived from the job secret" if self.core.job_secret else "brought by each job",
+        )
         failures = 0
         lost_since: float | None = None
         last_report = 0.0
@@ -715,9 +945,12 @@ class SharingManager:
             params.socket_timeout = 2
             self._lost = None
             try:
-                self._conn = amqp.SelectConnection(params, on_open_callback=self._on_open,
-                                                   on_open_error_callback=self._on_open_error,
-                                                   on_close_callback=self._on_closed)
+                self._conn = amqp.SelectConnection(
+                    params,
+                    on_open_callback=self._on_open,
+                    on_open_error_callback=self._on_open_error,
+                    on_close_callback=self._on_closed,
+                )
                 self._conn.ioloop.start()  # returns when the connection is closed (or failed)
             except Exception as exc:  # a bug in a callback must not end the daemon silently
                 log.exception("sharing manager loop failed: %r", exc)
@@ -743,13 +976,20 @@ class SharingManager:
             failures = 0 if was_connected else failures + 1
             if was_connected or lost_since is None:
                 lost_since, last_report = now, now
-                log.warning("lost the broker at %s (%s); reconnecting", self.safe_url,
-                            self._lost or "connection closed")
+                log.warning(
+                    "lost the broker at %s (%s); reconnecting", self.safe_url, self._lost or "connection closed"
+                )
             elif now - last_report >= self.LOST_REPORT_S:
                 last_report = now
-                log.warning("still cannot reach the broker at %s after %.0f s (%s); still trying", self.safe_url,
-                            now - lost_since, self._lost or "connection closed")
-            self._stop.wait(min(self.reconnect_s * (2 ** min(failures, 6)), max(self.reconnect_s, self.MAX_RECONNECT_S)))
+                log.warning(
+                    "still cannot reach the broker at %s after %.0f s (%s); still trying",
+                    self.safe_url,
+                    now - lost_since,
+                    self._lost or "connection closed",
+                )
+            self._stop.wait(
+                min(self.reconnect_s * (2 ** min(failures, 6)), max(self.reconnect_s, self.MAX_RECONNECT_S))
+            )
 
     # ------------------------------------------------------------------ connection life
     def _on_open_error(self, conn: Any, exc: BaseException) -> None:
@@ -789,8 +1029,9 @@ class SharingManager:
         steps = [
             lambda cb: ch.exchange_declare(P.REQUEST_EXCHANGE, exchange_type="direct", durable=True, callback=cb),
             lambda cb: ch.queue_declare(P.REQUEST_QUEUE, durable=True, callback=cb),
-            lambda cb: ch.queue_bind(P.REQUEST_QUEUE, P.REQUEST_EXCHANGE, routing_key=P.REQUEST_ROUTING_KEY,
-                                     callback=cb),
+            lambda cb: ch.queue_bind(
+                P.REQUEST_QUEUE, P.REQUEST_EXCHANGE, routing_key=P.REQUEST_ROUTING_KEY, callback=cb
+            ),
             lambda cb: ch.exchange_declare(P.STATUS_EXCHANGE, exchange_type="fanout", durable=True, callback=cb),
             lambda cb: ch.basic_qos(prefetch_count=self.prefetch, callback=cb),
         ]
@@ -845,9 +1086,13 @@ class SharingManager:
                 body = P.encode(out.payload)
                 headers = {P.SIG_HEADER: P.sign(out.key, body)} if out.key is not None else None
                 try:
-                    ch.basic_publish("", out.reply_to, body,
-                                     pika.BasicProperties(delivery_mode=1, content_type="application/json",
-                                                          headers=headers), mandatory=True)
+                    ch.basic_publish(
+                        "",
+                        out.reply_to,
+                        body,
+                        pika.BasicProperties(delivery_mode=1, content_type="application/json", headers=headers),
+                        mandatory=True,
+                    )
                 except Exception as exc:  # a reply that cannot be written must not stop the others
                     log.warning("could not send a reply to %s: %r", P.short(out.reply_to), exc)
             for tag in out.ack:
@@ -980,6 +1225,10 @@ class SharingManager:
         import pika
 
         self.core.flush_log(self.clock())
-        self._ch.basic_publish(P.STATUS_EXCHANGE, "", P.encode(self.core.status(self.clock())),
-                               pika.BasicProperties(content_type="application/json", expiration="5000"))
+        self._ch.basic_publish(
+            P.STATUS_EXCHANGE,
+            "",
+            P.encode(self.core.status(self.clock())),
+            pika.BasicProperties(content_type="application/json", expiration="5000"),
+        )
         self._status_timer = self._conn.ioloop.call_later(self.status_interval_s, self._publish_status)

@@ -14,8 +14,8 @@ A researcher adds a policy as a class with the same methods and runs
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 __all__ = ["Policy", "Fifo", "RoundRobin", "Weighted", "PendingView", "JobView", "load_policy", "BUILTIN"]
 
@@ -113,9 +113,12 @@ def load_policy(spec: str) -> type[Policy]:
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load policy {spec!r}: {exc}; give package.module:ClassName "
-                         f"of an importable class") from None
+        raise ValueError(
+            f"cannot load policy {spec!r}: {exc}; give package.module:ClassName of an importable class"
+        ) from None
     if not isinstance(cls, type) or not callable(getattr(cls, "pick", None)):
-        raise ValueError(f"policy {spec!r} must be a class with a pick(pending, jobs) method "
-                         f"(subclass gpemu.integrations.sharing.policies.Policy)")
+        raise ValueError(
+            f"policy {spec!r} must be a class with a pick(pending, jobs) method "
+            f"(subclass gpemu.integrations.sharing.policies.Policy)"
+        )
     return cls

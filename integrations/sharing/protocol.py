@@ -70,16 +70,43 @@ import hmac
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = [
-    "PROTOCOL_VERSION", "REQUEST_EXCHANGE", "REQUEST_QUEUE", "REQUEST_ROUTING_KEY", "STATUS_EXCHANGE",
-    "REPLY_PREFIX", "SIG_HEADER", "JOB_PERMISSIONS", "ProtocolError", "Message", "parse_message", "encode",
-    "MAX_SECONDS", "MAX_BYTES", "MAX_BODY", "KEY_BYTES",
-    "ERR_UNKNOWN_JOB", "ERR_BAD_SIGNATURE", "ERR_BAD_MESSAGE", "ERR_JOB_EXISTS", "ERR_UNKNOWN_DEVICE", "ERR_BUSY",
-    "host_identity", "sign", "verify", "derive_job_key", "new_key", "valid_queue_name", "reply_queue_name",
-    "declare_topology", "short", "decode",
+    "PROTOCOL_VERSION",
+    "REQUEST_EXCHANGE",
+    "REQUEST_QUEUE",
+    "REQUEST_ROUTING_KEY",
+    "STATUS_EXCHANGE",
+    "REPLY_PREFIX",
+    "SIG_HEADER",
+    "JOB_PERMISSIONS",
+    "ProtocolError",
+    "Message",
+    "parse_message",
+    "encode",
+    "MAX_SECONDS",
+    "MAX_BYTES",
+    "MAX_BODY",
+    "KEY_BYTES",
+    "ERR_UNKNOWN_JOB",
+    "ERR_BAD_SIGNATURE",
+    "ERR_BAD_MESSAGE",
+    "ERR_JOB_EXISTS",
+    "ERR_UNKNOWN_DEVICE",
+    "ERR_BUSY",
+    "host_identity",
+    "sign",
+    "verify",
+    "derive_job_key",
+    "new_key",
+    "valid_queue_name",
+    "reply_queue_name",
+    "declare_topology",
+    "short",
+    "decode",
 ]
 
 PROTOCOL_VERSION = 2
@@ -233,8 +260,10 @@ def short(value: Any) -> str:
 
 def _text(name: str, value: Any, request_id: str | None) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN or not value.isprintable():
-        raise ProtocolError(f"{name} must be a non-empty printable string of at most {MAX_ID_LEN} characters, "
-                            f"got {short(value)}", request_id)
+        raise ProtocolError(
+            f"{name} must be a non-empty printable string of at most {MAX_ID_LEN} characters, got {short(value)}",
+            request_id,
+        )
     return value
 
 
@@ -261,8 +290,7 @@ def decode(body: Any) -> Any:
         raise ProtocolError(f"message body must be JSON of at most {MAX_BODY} bytes, got {size}")
     body = bytes(body)
     # Fast path: a body with at most one bracket cannot nest; otherwise count them outside strings.
-    if body.count(b"{") + body.count(b"[") > 1 and \
-            sum(_STRING_RE.sub(b"", body).count(c) for c in (b"{", b"[")) > 1:
+    if body.count(b"{") + body.count(b"[") > 1 and sum(_STRING_RE.sub(b"", body).count(c) for c in (b"{", b"[")) > 1:
         raise ProtocolError("message must be one flat JSON object (no nested arrays or objects)")
     try:
         return json.loads(body)
@@ -290,16 +318,20 @@ def parse_message(body: bytes) -> Message:
     if unknown:
         names = sorted(unknown)
         shown = ", ".join(short(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise ProtocolError(f"'{kind}' message has unknown fields {shown}; "
-                            f"valid: {', '.join(_FIELDS[kind] + _OPTIONAL[kind])}", rid)
+        raise ProtocolError(
+            f"'{kind}' message has unknown fields {shown}; valid: {', '.join(_FIELDS[kind] + _OPTIONAL[kind])}", rid
+        )
     out: dict[str, Any] = {"type": kind}
     for name in ("job_id", "request_id", "device"):
         if name in data:
             out[name] = _text(name, data[name], rid)
     if "presence" in data:
         if not valid_queue_name(data["presence"]):
-            raise ProtocolError(f"presence must name a queue {REPLY_PREFIX}<8-128 letters, digits, _ or ->, "
-                                f"got {short(data['presence'])}", rid)
+            raise ProtocolError(
+                f"presence must name a queue {REPLY_PREFIX}<8-128 letters, digits, _ or ->, "
+                f"got {short(data['presence'])}",
+                rid,
+            )
         out["presence"] = data["presence"]
     if kind == "request":
         out["seconds"] = float(_number("seconds", data["seconds"], 0.0, MAX_SECONDS, rid))

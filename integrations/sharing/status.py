@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from . import protocol as P
 
@@ -38,8 +39,9 @@ def _connect(url: str) -> Any:
     except (pex.ProbableAuthenticationError, pex.ProbableAccessDeniedError, pex.AuthenticationError):
         raise StatusUnavailable(f"the RabbitMQ broker at {redact_url(url)} refused the user or password") from None
     except (pex.AMQPError, OSError) as exc:
-        raise StatusUnavailable(f"cannot reach the RabbitMQ broker at {redact_url(url)} "
-                                f"({type(exc).__name__}); is it running?") from None
+        raise StatusUnavailable(
+            f"cannot reach the RabbitMQ broker at {redact_url(url)} ({type(exc).__name__}); is it running?"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -59,8 +61,10 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         try:
             ch = request_channel(conn)
         except TopologyMissing:
-            raise StatusTimeout(f"no sharing manager has connected to {redact_url(url)}; start one with "
-                                "`gpemu share-manager --amqp URL --device 0=V100`") from None
+            raise StatusTimeout(
+                f"no sharing manager has connected to {redact_url(url)}; start one with "
+                "`gpemu share-manager --amqp URL --device 0=V100`"
+            ) from None
         queue = P.reply_queue_name()
         ch.queue_declare(queue, exclusive=True)
         rid = uuid.uuid4().hex
@@ -75,14 +79,20 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
                 got.append(reply)
 
         ch.basic_consume(queue, on_reply, auto_ack=True)
-        ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, P.encode({"type": "status", "request_id": rid}),
-                         pika.BasicProperties(reply_to=queue, expiration=str(int(timeout_s * 1000))))
+        ch.basic_publish(
+            P.REQUEST_EXCHANGE,
+            P.REQUEST_ROUTING_KEY,
+            P.encode({"type": "status", "request_id": rid}),
+            pika.BasicProperties(reply_to=queue, expiration=str(int(timeout_s * 1000))),
+        )
         deadline = time.monotonic() + timeout_s
         while not got and time.monotonic() < deadline:
             conn.process_data_events(time_limit=min(0.1, max(0.0, deadline - time.monotonic())))
         if not got:
-            raise StatusTimeout(f"no sharing manager answered on {redact_url(url)} within {timeout_s:g} s; "
-                                f"start one with `gpemu share-manager --amqp URL --device 0=V100`")
+            raise StatusTimeout(
+                f"no sharing manager answered on {redact_url(url)} within {timeout_s:g} s; "
+                f"start one with `gpemu share-manager --amqp URL --device 0=V100`"
+            )
         return got[0]
     finally:
         conn.close()
@@ -100,8 +110,10 @@ def watch_status(url: str) -> Iterator[dict[str, Any] | None]:
         try:
             ch.exchange_declare(P.STATUS_EXCHANGE, passive=True)
         except pex.ChannelClosedByBroker:
-            raise StatusTimeout(f"no sharing manager has connected to {redact_url(url)}; start one with "
-                                "`gpemu share-manager --amqp URL --device 0=V100`") from None
+            raise StatusTimeout(
+                f"no sharing manager has connected to {redact_url(url)}; start one with "
+                "`gpemu share-manager --amqp URL --device 0=V100`"
+            ) from None
         queue = P.reply_queue_name()
         ch.queue_declare(queue, exclusive=True)
         ch.queue_bind(queue, P.STATUS_EXCHANGE)
@@ -134,18 +146,35 @@ def render_status(snap: dict[str, Any], title: str = "gpemu sharing manager") ->
     for col in ("emuGPU", "GPU", "memory (persistent / total)", "jobs", "queue", "running", "served", "utilisation"):
         gpus.add_column(col)
     for d in snap.get("devices", []):
-        gpus.add_row(str(d["device"]), d["gpu"], f"{_gib(d['persistent_bytes'])} / {_gib(d['capacity_bytes'])}",
-                     str(d["jobs"]), str(d["queue"]), str(d["running"] or "-"), str(d["served_requests"]),
-                     f"{100 * d['utilisation']:.0f}%")
+        gpus.add_row(
+            str(d["device"]),
+            d["gpu"],
+            f"{_gib(d['persistent_bytes'])} / {_gib(d['capacity_bytes'])}",
+            str(d["jobs"]),
+            str(d["queue"]),
+            str(d["running"] or "-"),
+            str(d["served_requests"]),
+            f"{100 * d['utilisation']:.0f}%",
+        )
     jobs = Table(title="jobs", expand=False)
     for col in ("job", "emuGPU", "weight", "persistent", "GPU time", "requests", "queued", "share", "recent share"):
         jobs.add_column(col)
     for j in snap.get("jobs", []):
-        jobs.add_row(j["job_id"], str(j["device"]), f"{j['weight']:g}", _gib(j["persistent_bytes"]),
-                     f"{j['served_s']:.2f} s", str(j["served_requests"]), str(j["queued"]),
-                     f"{100 * j['share']:.1f}%", f"{100 * j['recent_share']:.1f}%")
-    footer = (f"rejected messages {snap.get('rejected', 0)}, refused (memory) {snap.get('refused', 0)}, "
-              f"expired leases {snap.get('expired', 0)}, connections closed {snap.get('disconnected', 0)}")
+        jobs.add_row(
+            j["job_id"],
+            str(j["device"]),
+            f"{j['weight']:g}",
+            _gib(j["persistent_bytes"]),
+            f"{j['served_s']:.2f} s",
+            str(j["served_requests"]),
+            str(j["queued"]),
+            f"{100 * j['share']:.1f}%",
+            f"{100 * j['recent_share']:.1f}%",
+        )
+    footer = (
+        f"rejected messages {snap.get('rejected', 0)}, refused (memory) {snap.get('refused', 0)}, "
+        f"expired leases {snap.get('expired', 0)}, connections closed {snap.get('disconnected', 0)}"
+    )
     return Group(gpus, jobs, footer)
 
 

@@ -10,14 +10,21 @@ Prints, on rank 0, "hf-<model>: trained <N> steps, <X> ms/step" per model.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import sys
+import tempfile
 import time
 
 import torch
 from torch.utils.data import Dataset
-from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 
 class Tokens(Dataset):
@@ -27,7 +34,7 @@ class Tokens(Dataset):
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (n, seq), generator=g)
         self.mask = torch.ones(n, seq, dtype=torch.long)
-        self.mask[:, seq - 8:] = 0
+        self.mask[:, seq - 8 :] = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -67,16 +74,30 @@ def train(name: str, steps: int, fp16: bool) -> None:
         config = GPT2Config(vocab_size=1024, n_positions=128, n_embd=128, n_layer=2, n_head=4)
         model = GPT2LMHeadModel(config)
     else:
-        config = BertConfig(vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=512, max_position_embeddings=128)
+        config = BertConfig(
+            vocab_size=1024,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=128,
+        )
         model = BertForMaskedLM(config)
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
-        training = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=steps,
-                                     learning_rate=1e-4, logging_steps=2, save_strategy="no", report_to=[],
-                                     fp16=fp16, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=training, train_dataset=Tokens(8 * 2 * steps, 64, 1024),
-                          callbacks=[timer])
+        training = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=8,
+            max_steps=steps,
+            learning_rate=1e-4,
+            logging_steps=2,
+            save_strategy="no",
+            report_to=[],
+            fp16=fp16,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=model, args=training, train_dataset=Tokens(8 * 2 * steps, 64, 1024), callbacks=[timer])
         result = trainer.train()
     if trainer.is_world_process_zero():
         steady = timer.times[1:] or timer.times

@@ -55,10 +55,17 @@ def main() -> None:
     args = parser.parse_args()
     data = TensorDataset(torch.randn(64 * 2 * args.steps, 128), torch.randint(0, 10, (64 * 2 * args.steps,)))
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
-                        max_steps=args.steps, callbacks=[timer],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=args.steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Classifier(), DataLoader(data, batch_size=64, shuffle=True))
     if trainer.global_rank == 0:
         steady = timer.times[1:] or timer.times

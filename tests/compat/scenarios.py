@@ -29,18 +29,21 @@ REPO = HERE.parents[1]
 RESULT_LINE = re.compile(r"^(?P<case>[\w.-]+): trained (?P<steps>\d+) steps, (?P<ms>\d+(?:\.\d+)?) ms/step", re.M)
 # What the notes say about where the model's time comes from (docs/time.md, "What work costs").
 MEASURED_NOTE = re.compile(
-    r"(forward|backward) time from the profile database \((measured|interpolated|extrapolated)\)")
+    r"(forward|backward) time from the profile database \((measured|interpolated|extrapolated)\)"
+)
 SCALED_NOTE = re.compile(r"(forward|backward) time scaled from the profile database")
-ESTIMATED_NOTE = re.compile(r"time estimated by the cost model")  # model time only (an optimizer note says "estimated" too)
+ESTIMATED_NOTE = re.compile(
+    r"time estimated by the cost model"
+)  # model time only (an optimizer note says "estimated" too)
 
 
 @dataclass(frozen=True)
 class Case:
     """One matrix row a scenario reports."""
 
-    name: str          # the case name the script prints
-    client: str        # what the row is called in the matrix
-    steps: int         # optimizer steps the script reports (and each rank's optimizer takes)
+    name: str  # the case name the script prints
+    client: str  # what the row is called in the matrix
+    steps: int  # optimizer steps the script reports (and each rank's optimizer takes)
 
 
 @dataclass(frozen=True)
@@ -48,21 +51,21 @@ class Scenario:
     """One command: ``gpemu run --gpu <gpu> --gpus <gpus> -- <launcher> <script> <args>``."""
 
     name: str
-    script: str                      # file in tests/compat/
+    script: str  # file in tests/compat/
     cases: tuple[Case, ...]
-    args: tuple[str, ...] = ()       # the script's arguments
-    launcher: str = "python"         # "python" | "torchrun" | "accelerate" (world processes)
+    args: tuple[str, ...] = ()  # the script's arguments
+    launcher: str = "python"  # "python" | "torchrun" | "accelerate" (world processes)
     launch_args: tuple[str, ...] = ()  # the launcher's own options (before the script)
-    world: int = 1                   # processes (ranks); each writes its own metrics file
+    world: int = 1  # processes (ranks); each writes its own metrics file
     gpu: str = "A100"
-    gpus: int = 1                    # emulated GPUs per process
+    gpus: int = 1  # emulated GPUs per process
     # where the models' forward/backward time comes from: "estimated" | "measured" | "scaled", or
     # several joined by "+" when the command trains several models (in provenance order)
     provenance: str = "estimated"
-    comm: bool = False               # GPU communication expected (comm busy time > 0 on every rank)
+    comm: bool = False  # GPU communication expected (comm busy time > 0 on every rank)
     env: dict[str, str] = field(default_factory=dict)
-    suite: bool = True               # run by the test suite (False: the matrix only)
-    matrix: bool = True              # a row group of benchmarks/compat_matrix.py (False: the suite only)
+    suite: bool = True  # run by the test suite (False: the matrix only)
+    matrix: bool = True  # a row group of benchmarks/compat_matrix.py (False: the suite only)
     timeout: int = 300
 
     @property
@@ -71,47 +74,138 @@ class Scenario:
         return sum(c.steps for c in self.cases)
 
 
-_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
+_OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("torch-parallel", "torch_parallel.py", (
-        Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), static graph, join", 4),
-        Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy (pytorch/examples FSDP2)", 4),
-        Case("tp", "DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-rank mesh)", 4)),
-        args=("--cases", "ddp,fsdp2,tp", "--steps", "4"), launcher="torchrun", world=2, gpus=2, comm=True,
-        matrix=False),
+    Scenario(
+        "torch-parallel",
+        "torch_parallel.py",
+        (
+            Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), static graph, join", 4),
+            Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy (pytorch/examples FSDP2)", 4),
+            Case("tp", "DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-rank mesh)", 4),
+        ),
+        args=("--cases", "ddp,fsdp2,tp", "--steps", "4"),
+        launcher="torchrun",
+        world=2,
+        gpus=2,
+        comm=True,
+        matrix=False,
+    ),
     # (the same cases one command each, so each matrix row has its own GPU time)
-    Scenario("ddp", "torch_parallel.py", (Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), "
-                                               "static graph, join", 5),),
-             args=("--cases", "ddp", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
-    Scenario("ddp-resnet50", "torch_parallel.py",
-             (Case("ddp", "DistributedDataParallel, ResNet-50 batch 64 per GPU", 5),),
-             args=("--cases", "ddp", "--steps", "5", "--ddp-arch", "resnet50", "--ddp-batch", "64"),
-             launcher="torchrun", world=2, gpu="V100", gpus=2, comm=True, provenance="measured", suite=False),
-    Scenario("fsdp2", "torch_parallel.py", (Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy", 5),),
-             args=("--cases", "fsdp2", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
-    Scenario("tp", "torch_parallel.py", (Case("tp", "DTensor tensor parallelism (Colwise/RowwiseParallel)", 5),),
-             args=("--cases", "tp", "--steps", "5"), launcher="torchrun", world=2, gpus=2, comm=True, suite=False),
-    Scenario("lightning-ddp", "lightning_ddp.py", (Case("lightning", "Lightning strategy='ddp', 2 devices", 4),),
-             args=("--steps", "4"), world=2, gpus=2, comm=True),
-    Scenario("accelerate-fp16", "accelerate_fp16.py", (Case("accelerate", "accelerate, 2 processes, fp16, shuffled "
-                                                             "DataLoader", 4),),
-             args=("--steps", "4"), launcher="accelerate", launch_args=("--mixed_precision", "fp16"), world=2, gpus=2,
-             comm=True),
-    Scenario("hf-trainer-gpt2", "hf_trainer.py", (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, torchrun x2", 4),),
-             args=("--model", "gpt2", "--steps", "4"), launcher="torchrun", world=2, gpus=2, comm=True, env=_OFFLINE),
-    Scenario("hf-trainer-bert", "hf_trainer.py", (Case("hf-bert", "HF Trainer, BERT tiny config, torchrun x2", 4),),
-             args=("--model", "bert", "--steps", "4"), launcher="torchrun", world=2, gpus=2, comm=True, env=_OFFLINE,
-             suite=False),
-    Scenario("data-parallel", "data_parallel.py", (Case("data-parallel", "nn.DataParallel, 4 GPUs, ResNet-50-shaped, "
-                                                        "batch 256", 5),),
-             args=("--arch", "resnet50", "--batch-size", "256", "--steps", "5"), gpu="V100", gpus=4,
-             provenance="measured", suite=False),
-    Scenario("data-parallel-small", "data_parallel.py", (Case("data-parallel", "nn.DataParallel, 4 GPUs, ResNet-18, "
-                                                              "batch 32, 112 px", 3),),
-             args=("--arch", "resnet18", "--batch-size", "32", "--image-size", "112", "--steps", "3"), gpu="V100",
-             gpus=4, provenance="measured"),
+    Scenario(
+        "ddp",
+        "torch_parallel.py",
+        (Case("ddp", "DistributedDataParallel(model, device_ids)(cpu_input), static graph, join", 5),),
+        args=("--cases", "ddp", "--steps", "5"),
+        launcher="torchrun",
+        world=2,
+        gpus=2,
+        comm=True,
+        suite=False,
+    ),
+    Scenario(
+        "ddp-resnet50",
+        "torch_parallel.py",
+        (Case("ddp", "DistributedDataParallel, ResNet-50 batch 64 per GPU", 5),),
+        args=("--cases", "ddp", "--steps", "5", "--ddp-arch", "resnet50", "--ddp-batch", "64"),
+        launcher="torchrun",
+        world=2,
+        gpu="V100",
+        gpus=2,
+        comm=True,
+        provenance="measured",
+        suite=False,
+    ),
+    Scenario(
+        "fsdp2",
+        "torch_parallel.py",
+        (Case("fsdp2", "FSDP2 fully_shard + MixedPrecisionPolicy", 5),),
+        args=("--cases", "fsdp2", "--steps", "5"),
+        launcher="torchrun",
+        world=2,
+        gpus=2,
+        comm=True,
+        suite=False,
+    ),
+    Scenario(
+        "tp",
+        "torch_parallel.py",
+        (Case("tp", "DTensor tensor parallelism (Colwise/RowwiseParallel)", 5),),
+        args=("--cases", "tp", "--steps", "5"),
+        launcher="torchrun",
+        world=2,
+        gpus=2,
+        comm=True,
+        suite=False,
+    ),
+    Scenario(
+        "lightning-ddp",
+        "lightning_ddp.py",
+        (Case("lightning", "Lightning strategy='ddp', 2 devices", 4),),
+        args=("--steps", "4"),
+        world=2,
+        gpus=2,
+        comm=True,
+    ),
+    Scenario(
+        "accelerate-fp16",
+        "accelerate_fp16.py",
+        (Case("accelerate", "accelerate, 2 processes, fp16, shuffled DataLoader", 4),),
+        args=("--steps", "4"),
+        launcher="accelerate",
+        launch_args=("--mixed_precision", "fp16"),
+        world=2,
+        gpus=2,
+        comm=True,
+    ),
+    Scenario(
+        "hf-trainer-gpt2",
+        "hf_trainer.py",
+        (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, torchrun x2", 4),),
+        args=("--model", "gpt2", "--steps", "4"),
+        launcher="torchrun",
+        world=2,
+        gpus=2,
+        comm=True,
+        env=_OFFLINE,
+    ),
+    Scenario(
+        "hf-trainer-bert",
+        "hf_trainer.py",
+        (Case("hf-bert", "HF Trainer, BERT tiny config, torchrun x2", 4),),
+        args=("--model", "bert", "--steps", "4"),
+        launcher="torchrun",
+        world=2,
+        gpus=2,
+        comm=True,
+        env=_OFFLINE,
+        suite=False,
+    ),
+    Scenario(
+        "data-parallel",
+        "data_parallel.py",
+        (Case("data-parallel", "nn.DataParallel, 4 GPUs, ResNet-50-shaped, batch 256", 5),),
+        args=("--arch", "resnet50", "--batch-size", "256", "--steps", "5"),
+        gpu="V100",
+        gpus=4,
+        provenance="measured",
+        suite=False,
+    ),
+    Scenario(
+        "data-parallel-small",
+        "data_parallel.py",
+        (Case("data-parallel", "nn.DataParallel, 4 GPUs, ResNet-18, batch 32, 112 px", 3),),
+        args=("--arch", "resnet18", "--batch-size", "32", "--image-size", "112", "--steps", "3"),
+        gpu="V100",
+        gpus=4,
+        provenance="measured",
+    ),
 )
 
 
@@ -127,26 +221,69 @@ _SINGLE = (
 )
 SCENARIOS += (
     # every single-GPU pattern in one process for the suite; one command each for the matrix rows
-    Scenario("single-gpu", "single_gpu.py", tuple(Case(n, c, 3) for n, c in _SINGLE) + (
-        Case("amp-resnet18", "ResNet-18 (measured) under autocast bf16", 3),),
+    Scenario(
+        "single-gpu",
+        "single_gpu.py",
+        tuple(Case(n, c, 3) for n, c in _SINGLE)
+        + (Case("amp-resnet18", "ResNet-18 (measured) under autocast bf16", 3),),
         args=("--cases", ",".join([n for n, _ in _SINGLE] + ["amp-resnet18"]), "--steps", "3"),
-        provenance="scaled+estimated", matrix=False),
-    *(Scenario(n, "single_gpu.py", (Case(n, c, 5),), args=("--cases", n, "--steps", "5"), suite=False)
-      for n, c in _SINGLE),
-    Scenario("amp-resnet18", "single_gpu.py", (Case("amp-resnet18", "ResNet-18 (measured) under autocast bf16", 5),),
-             args=("--cases", "amp-resnet18", "--steps", "5"), provenance="scaled", suite=False),
-    Scenario("hf-trainer-1gpu", "hf_trainer.py", (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, 1 GPU", 4),
-                                                  Case("hf-bert", "HF Trainer, BERT tiny config, 1 GPU", 4)),
-             args=("--model", "gpt2,bert", "--steps", "4"), env=_OFFLINE, matrix=False),
-    Scenario("hf-gpt2-1gpu", "hf_trainer.py", (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, 1 GPU", 5),),
-             args=("--model", "gpt2", "--steps", "5"), env=_OFFLINE, suite=False),
-    Scenario("hf-bert-1gpu", "hf_trainer.py", (Case("hf-bert", "HF Trainer, BERT tiny config, 1 GPU", 5),),
-             args=("--model", "bert", "--steps", "5"), env=_OFFLINE, suite=False),
-    Scenario("accelerate-1proc", "accelerate_fp16.py", (Case("accelerate", "accelerate, 1 process, fp16, shuffled "
-                                                             "DataLoader", 4),),
-             args=("--processes", "1", "--steps", "4"), env={"ACCELERATE_MIXED_PRECISION": "fp16"}, suite=False),
-    Scenario("lightning-1gpu", "lightning_ddp.py", (Case("lightning", "Lightning, 1 GPU (strategy auto)", 4),),
-             args=("--devices", "1", "--steps", "4"), suite=False),
+        provenance="scaled+estimated",
+        matrix=False,
+    ),
+    *(
+        Scenario(n, "single_gpu.py", (Case(n, c, 5),), args=("--cases", n, "--steps", "5"), suite=False)
+        for n, c in _SINGLE
+    ),
+    Scenario(
+        "amp-resnet18",
+        "single_gpu.py",
+        (Case("amp-resnet18", "ResNet-18 (measured) under autocast bf16", 5),),
+        args=("--cases", "amp-resnet18", "--steps", "5"),
+        provenance="scaled",
+        suite=False,
+    ),
+    Scenario(
+        "hf-trainer-1gpu",
+        "hf_trainer.py",
+        (
+            Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, 1 GPU", 4),
+            Case("hf-bert", "HF Trainer, BERT tiny config, 1 GPU", 4),
+        ),
+        args=("--model", "gpt2,bert", "--steps", "4"),
+        env=_OFFLINE,
+        matrix=False,
+    ),
+    Scenario(
+        "hf-gpt2-1gpu",
+        "hf_trainer.py",
+        (Case("hf-gpt2", "HF Trainer, GPT-2 tiny config, 1 GPU", 5),),
+        args=("--model", "gpt2", "--steps", "5"),
+        env=_OFFLINE,
+        suite=False,
+    ),
+    Scenario(
+        "hf-bert-1gpu",
+        "hf_trainer.py",
+        (Case("hf-bert", "HF Trainer, BERT tiny config, 1 GPU", 5),),
+        args=("--model", "bert", "--steps", "5"),
+        env=_OFFLINE,
+        suite=False,
+    ),
+    Scenario(
+        "accelerate-1proc",
+        "accelerate_fp16.py",
+        (Case("accelerate", "accelerate, 1 process, fp16, shuffled DataLoader", 4),),
+        args=("--processes", "1", "--steps", "4"),
+        env={"ACCELERATE_MIXED_PRECISION": "fp16"},
+        suite=False,
+    ),
+    Scenario(
+        "lightning-1gpu",
+        "lightning_ddp.py",
+        (Case("lightning", "Lightning, 1 GPU (strategy auto)", 4),),
+        args=("--devices", "1", "--steps", "4"),
+        suite=False,
+    ),
 )
 
 
@@ -165,13 +302,40 @@ def command(s: Scenario, metrics: Path, python: str = sys.executable) -> list[st
     elif s.launcher == "torchrun":
         launch = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.world}", script]
     elif s.launcher == "accelerate":
-        launch = [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(s.world),
-                  "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", str(free_port()), script]
+        launch = [
+            python,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(s.world),
+            "--num_machines",
+            "1",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            script,
+        ]
     else:
         raise ValueError(f"unknown launcher {s.launcher!r}")
     launch[-1:-1] = s.launch_args
-    return [python, "-m", "gpemu.cli", "run", "--gpu", s.gpu, "--gpus", str(s.gpus), "--metrics", str(metrics),
-            "--no-summary", "--", *launch, *s.args]
+    return [
+        python,
+        "-m",
+        "gpemu.cli",
+        "run",
+        "--gpu",
+        s.gpu,
+        "--gpus",
+        str(s.gpus),
+        "--metrics",
+        str(metrics),
+        "--no-summary",
+        "--",
+        *launch,
+        *s.args,
+    ]
 
 
 @dataclass
@@ -182,8 +346,8 @@ class Result:
     returncode: int
     wall_s: float
     output: str
-    cases: dict[str, tuple[int, float]]   # case -> (steps, the script's ms/step)
-    metrics: list[dict[str, Any]]         # one per rank, rank order
+    cases: dict[str, tuple[int, float]]  # case -> (steps, the script's ms/step)
+    metrics: list[dict[str, Any]]  # one per rank, rank order
 
     @property
     def ok(self) -> bool:
@@ -224,8 +388,11 @@ class Result:
     def provenance(self) -> str:
         """Where the models' time came from, as the run's notes say ("+"-joined when several)."""
         notes = [n for m in self.metrics for n in m.get("notes", [])]
-        found = [name for name, pattern in (("measured", MEASURED_NOTE), ("scaled", SCALED_NOTE),
-                                            ("estimated", ESTIMATED_NOTE)) if any(pattern.search(n) for n in notes)]
+        found = [
+            name
+            for name, pattern in (("measured", MEASURED_NOTE), ("scaled", SCALED_NOTE), ("estimated", ESTIMATED_NOTE))
+            if any(pattern.search(n) for n in notes)
+        ]
         return "+".join(found) or "unknown"
 
 
@@ -246,8 +413,15 @@ def run(s: Scenario, workdir: Path, python: str = sys.executable) -> Result:
     env.pop("GPEMU_METRICS", None)
     for attempt in (1, 2):
         t0 = time.perf_counter()
-        proc = subprocess.run(command(s, metrics, python), cwd=workdir, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=s.timeout)
+        proc = subprocess.run(
+            command(s, metrics, python),
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=s.timeout,
+        )
         wall = time.perf_counter() - t0
         cases = {m["case"]: (int(m["steps"]), float(m["ms"])) for m in RESULT_LINE.finditer(proc.stdout)}
         finished = all(cases.get(c.name, (None,))[0] == c.steps for c in s.cases)

@@ -31,8 +31,8 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -62,8 +62,15 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 512, width: int = 128, layers: int = 2, heads: int = 4, seq: int = 128,
-                 wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        vocab: int = 512,
+        width: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        seq: int = 128,
+        wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
@@ -77,8 +84,16 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def gpt_steps(model: nn.Module, batch: int, seq: int, vocab: int, steps: int, *,
-              dtype: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None) -> Iterator[None]:
+def gpt_steps(
+    model: nn.Module,
+    batch: int,
+    seq: int,
+    vocab: int,
+    steps: int,
+    *,
+    dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> Iterator[None]:
     """Next-token training steps, optionally under autocast(dtype) with a GradScaler."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, vocab, (batch, seq + 1))
@@ -115,7 +130,7 @@ def optimizer_first(steps: int) -> Iterator[None]:
         schedule.step()
         opt.zero_grad()
         with torch.no_grad():
-            for e, p in zip(ema.parameters(), model.parameters()):
+            for e, p in zip(ema.parameters(), model.parameters(), strict=False):
                 e.lerp_(p, 0.01)
         yield
 
@@ -136,8 +151,10 @@ def checkpointed(reentrant: bool) -> Callable[[int], Iterator[None]]:
     def run(steps: int) -> Iterator[None]:
         def wrap(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return checkpoint(block, x, use_reentrant=reentrant)
+
         model = TinyGPT(wrap=wrap).to(DEVICE)
         return gpt_steps(model, 8, 128, 512, steps)
+
     return run
 
 
@@ -158,7 +175,7 @@ def sliced_inputs(steps: int, bptt: int = 35, batch: int = 20) -> Iterator[None]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     hidden = tuple(torch.zeros(2, batch, 128, device=DEVICE) for _ in range(2))
     for i in range(0, bptt * steps, bptt):
-        data, target = source[i:i + bptt], source[i + 1:i + 1 + bptt].reshape(-1)
+        data, target = source[i : i + bptt], source[i + 1 : i + 1 + bptt].reshape(-1)
         hidden = tuple(h.detach() for h in hidden)
         out, hidden = model(data, hidden)
         loss = F.cross_entropy(out.view(-1, 1000), target)
@@ -225,9 +242,14 @@ def amp_resnet18(steps: int) -> Iterator[None]:
 
 
 CASES: dict[str, Callable[[int], Iterator[None]]] = {
-    "optimizer-first": optimizer_first, "amp-fp16": amp_fp16, "amp-bf16": amp_bf16,
-    "checkpoint": checkpointed(False), "checkpoint-reentrant": checkpointed(True),
-    "sliced-inputs": sliced_inputs, "transformer-mask": transformer_mask, "sdpa": sdpa,
+    "optimizer-first": optimizer_first,
+    "amp-fp16": amp_fp16,
+    "amp-bf16": amp_bf16,
+    "checkpoint": checkpointed(False),
+    "checkpoint-reentrant": checkpointed(True),
+    "sliced-inputs": sliced_inputs,
+    "transformer-mask": transformer_mask,
+    "sdpa": sdpa,
     "amp-resnet18": amp_resnet18,
 }
 
@@ -240,7 +262,9 @@ def main() -> None:
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown or args.steps < 2:
-        parser.error(f"unknown case(s) {unknown}; valid: all, {', '.join(CASES)}" if unknown else "--steps must be >= 2")
+        parser.error(
+            f"unknown case(s) {unknown}; valid: all, {', '.join(CASES)}" if unknown else "--steps must be >= 2"
+        )
     torch.manual_seed(0)
     for name in names:
         times, steps = [], 0

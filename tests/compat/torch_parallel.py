@@ -168,8 +168,9 @@ def run_tp(steps: int, device: torch.device) -> None:
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     torch.manual_seed(0)
-    model = parallelize_module(FeedForward().to(device), mesh,
-                               {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    model = parallelize_module(
+        FeedForward().to(device), mesh, {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+    )
     assert isinstance(model.in_proj.weight, DTensor) and model.in_proj.weight.device == device
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     times = []
