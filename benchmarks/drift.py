@@ -25,7 +25,7 @@ Two passes per ``--sync-every`` value, same targets:
 The engine forgives, per sync, the wake-up lateness, its own book-keeping up to its last clock
 reading, and ``return_allowance`` (calibrated once per process: the return + entry path
 measured after real waits, median after 5 us waits and lower quartile after 2 ms waits, see
-``gpemu.engine.calibrate_return_allowance``).
+``gpemu.time.calibrate_return_allowance``).
 ``--allowance-us 0`` runs the engine without the allowance (the old behaviour).
 
 Each pass starts after ``gc.collect()``. Without it, the process's first full garbage
@@ -49,8 +49,8 @@ import time
 from machine import machine
 
 from gpemu.clock import RealClock
-from gpemu.engine import TimeEngine, calibrate_return_allowance
 from gpemu.recorder import Recorder
+from gpemu.time import TimeEngine, calibrate_return_allowance
 
 
 def busy(seconds: float) -> None:

@@ -20,8 +20,8 @@ import time
 
 from gpemu.clock import RealClock
 from gpemu.config import EmuConfig
-from gpemu.engine import TimeEngine
 from gpemu.recorder import Recorder
+from gpemu.time import TimeEngine
 
 CASES = (("alexnet", "P100", 64), ("resnet18", "V100", 32), ("mobilenet_v2", "A100", 16))
 

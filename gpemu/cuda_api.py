@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .devices import cuda_index
-from .engine import EmuEvent, VirtualStream
 from .gpus import compute_capability
+from .time import EmuEvent, VirtualStream
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -491,7 +491,7 @@ def _bound_classes(surface: CudaSurface) -> tuple[type, type, type]:
                 )
             engine = surface.rt.engine
             index = surface.device_index(device)
-            self._init(engine, index, priority, engine.next_stream_id(index))
+            VirtualStream.__init__(self, engine, index, priority, engine.next_stream_id(index))
 
     class Event(EmuEvent):
         """``torch.cuda.Event(enable_timing=False, blocking=False, interprocess=False)``."""

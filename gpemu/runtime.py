@@ -39,7 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .costs import CostState
     from .cuda_api import CudaSurface
-    from .engine import TimeEngine
     from .fastpaths.gradients import GradientState
     from .fastpaths.loss import LossState
     from .fastpaths.optimizer import OptimizerFastPath
@@ -48,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .memory import MemoryTracker
     from .model_time import ModelTime
     from .tensor import TensorState
+    from .time import TimeEngine
     from .transfers import TransferState
 
 __all__ = ["Runtime", "patch", "unpatch", "emulate", "current", "is_patched", "COMPONENTS"]
@@ -58,7 +58,7 @@ __all__ = ["Runtime", "patch", "unpatch", "emulate", "current", "is_patched", "C
 # accelerate.
 COMPONENTS: tuple[str, ...] = (
     "gpemu.memory",  # per-device memory tracker, OOM                  (device)
-    "gpemu.engine",  # virtual streams, events, deadline waits       (time)
+    "gpemu.time",  # virtual streams, events, deadline waits         (time)
     "gpemu.tensor",  # the emulated tensor type and its dispatch       (device)
     "gpemu.transfers",  # host<->GPU copy time                            (host side)
     "gpemu.ways_in",  # .cuda()/.to()/factories/Module.to               (device)
@@ -91,7 +91,7 @@ class Runtime:
     recorder: Recorder = field(default_factory=Recorder)
     # Component state: each field is filled by the component named beside it (None while that
     # component is not installed, e.g. the fast paths with config.replay=False).
-    engine: TimeEngine | None = None  # gpemu.engine
+    engine: TimeEngine | None = None  # gpemu.time
     memory: list[MemoryTracker] = field(default_factory=list)  # gpemu.memory, one per device
     tensors: TensorState | None = None  # gpemu.tensor
     transfers: TransferState | None = None  # gpemu.transfers

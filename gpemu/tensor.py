@@ -48,9 +48,9 @@ from .hostvalues import SHADOW_MAX_ELEMENTS
 from .runtime import current
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import TimeEngine
     from .memory import MemoryTracker
     from .runtime import Runtime
+    from .time import TimeEngine
 
 __all__ = [
     "EmuTensor",

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from gpemu.clock import VirtualClock
-from gpemu.engine import EmuEvent, TimeEngine, VirtualStream
 from gpemu.recorder import Recorder
+from gpemu.time import EmuEvent, TimeEngine, VirtualStream
 
 
 @pytest.fixture
@@ -347,7 +347,7 @@ def test_right_after_a_sync_the_waited_work_is_complete_and_nothing_starts_befor
     assert main.query() and side.query()
     after = EmuEvent(eng, enable_timing=True)
     after.record(main)
-    assert after.query() and after._time == deadline
+    assert after.query() and after.mark.time == deadline
     assert before.elapsed_time(after) == pytest.approx(10.0)
     eng.clock.advance(3e-6)  # the emulator's return + entry path
     assert side.enqueue(0.001, "op", "x") == pytest.approx(deadline + 0.001)  # starts AT the deadline
@@ -377,7 +377,7 @@ def test_event_synchronize_and_stream_synchronize_get_the_allowance_too():
     ev.synchronize()
     eng.clock.advance(4e-6)
     assert ev.query() and s.query()
-    assert s.enqueue(0.001, "op", "a") == pytest.approx(ev._time + 0.001, abs=1e-12)
+    assert s.enqueue(0.001, "op", "a") == pytest.approx(ev.mark.time + 0.001, abs=1e-12)
     s.synchronize()
     d2 = s.busy_until
     eng.clock.advance(4e-6)
@@ -461,8 +461,8 @@ def test_random_programs_keep_cuda_ordering_with_an_allowance():
             ev = EmuEvent(eng)
             ev.record(s)
             ev.synchronize()
-            last_sync_deadline = max(last_sync_deadline, ev._time)
-            assert ev.query() and eng.now() >= ev._time
+            last_sync_deadline = max(last_sync_deadline, ev.mark.time)
+            assert ev.query() and eng.now() >= ev.mark.time
         elif op < 0.8:
             eng.synchronize(s.device_index, "sync")
             last_sync_deadline = max(last_sync_deadline, eng.device_busy_until(s.device_index))
@@ -471,7 +471,7 @@ def test_random_programs_keep_cuda_ordering_with_an_allowance():
             other = rng.choice(streams)
             ev = other.record_event()
             s.wait_event(ev)
-            last_end[id(s)] = max(last_end[id(s)], ev._time)
+            last_end[id(s)] = max(last_end[id(s)], ev.mark.time)
         assert eng.now() >= last_sync_deadline  # host time never before a waited deadline
         eng.clock.advance(rng.choice((0.0, 1e-6, 4e-6, 2e-5)))
 
@@ -489,7 +489,7 @@ def test_return_allowance_is_validated_and_virtual_clocks_get_none():
 
 def test_calibrated_allowance_on_the_real_clock_is_a_measured_microsecond_scale_cost():
     from gpemu.clock import RealClock
-    from gpemu.engine import calibrate_return_allowance
+    from gpemu.time import calibrate_return_allowance
 
     short, long_ = calibrate_return_allowance()
     # The engine's own return + entry path is a few hundred ns warm, some us after a long wait on a
@@ -600,7 +600,7 @@ def test_a_wait_inside_an_entry_counts_and_restarts_it():
 
 
 def test_emulator_time_forgiven_per_entry_is_bounded_and_threads_are_separate():
-    from gpemu.engine import _MAX_FORGIVEN_WORK
+    from gpemu.time.host import MAX_FORGIVEN_WORK as _MAX_FORGIVEN_WORK
 
     eng = _allowance_engine(allowance=0.0)
     t0 = eng.now()

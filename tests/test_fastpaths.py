@@ -244,8 +244,8 @@ def test_pageable_copy_is_issued_at_the_call_and_its_return_path_is_forgiven() -
 
 
 def test_settle_forgives_only_time_right_after_a_wait() -> None:
-    from gpemu.engine import TimeEngine
     from gpemu.recorder import Recorder
+    from gpemu.time import TimeEngine
 
     clock = VirtualClock()
     eng = TimeEngine(1, Recorder(), clock=clock)
@@ -280,7 +280,7 @@ def test_backend_oom_reaches_the_program_unchanged_and_sees_the_device_peak(rt) 
         assert seen and seen[0] >= 4 * 1024 * 1024
     finally:
         eng.close()
-        eng._backend = None
+        eng.set_backend(None)
     del x
 
 
@@ -835,7 +835,7 @@ def test_optimizer_step_wrapper_runs_hooks_and_keeps_torchs_range_under_a_profil
 
 def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch) -> None:
     """The emulator's own host time in a replayed forward, a replayed loss and the engine-free
-    backward is not on the emulated host timeline (gpemu.engine.TimeEngine.enter); the program's
+    backward is not on the emulated host timeline (gpemu.time.TimeEngine.enter); the program's
     own time between them is."""
     import gpemu.fastpaths.loss as lossfp
     import gpemu.fastpaths.replay as replayfp

@@ -16,9 +16,9 @@ import torch
 import gpemu
 from gpemu import observe, run_outputs
 from gpemu.clock import VirtualClock
-from gpemu.engine import EmuEvent, TimeEngine
 from gpemu.observe import RunRecords, Timeline, compute_summary, format_summary, iteration_breakdown
 from gpemu.recorder import GpuSpan, Recorder
+from gpemu.time import EmuEvent, TimeEngine
 
 START = 100.0
 FWD, BWD, H2D, OPT = 0.1, 0.2, 0.01, 0.01

@@ -8,9 +8,9 @@ import pytest
 
 from gpemu.cli import main
 from gpemu.clock import VirtualClock
-from gpemu.engine import TimeEngine
 from gpemu.observe import RunRecords, compute_summary
 from gpemu.recorder import Recorder
+from gpemu.time import TimeEngine
 from gpemu.trace import write_trace
 
 

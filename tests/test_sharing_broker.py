@@ -548,7 +548,7 @@ def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, p
         assert oom is not None, "8 GiB on top of job a's 9 GiB fit on a 16 GiB P100"
         assert "out of memory" in oom["message"] and "9.00 GiB persistent memory of 1 other job" in oom["message"]
         # The engine's backend worker hands the refusal to the host as the program's CUDA OOM
-        # (until gpemu.engine re-raises it unwrapped, it arrives as the RuntimeError's cause).
+        # (until gpemu.time re-raises it unwrapped, it arrives as the RuntimeError's cause).
         assert torch.cuda.OutOfMemoryError.__name__ in (oom["type"], oom["cause"])
         assert core.refused == 1 and not core.jobs  # both deregistered at exit
     finally:

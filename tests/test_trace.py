@@ -7,9 +7,9 @@ import json
 import pytest
 
 from gpemu.clock import VirtualClock
-from gpemu.engine import TimeEngine
 from gpemu.observe import RunRecords, compute_summary
 from gpemu.recorder import Recorder
+from gpemu.time import TimeEngine
 from gpemu.trace import IDLE_TID, TraceError, load_trace, write_trace
 
 START = 50.0

@@ -238,7 +238,7 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
         if _functorch_active():
             return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
         # Function.apply without its per-argument functorch pass (as gpemu.replay does). A
-        # replayed loss runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter).
+        # replayed loss runs no user code: an emulator entry (gpemu.time.TimeEngine.enter).
         host = engine.local.host if engine is not None and rec.grad_spec is not None else None
         if host is None or host.depth:
             return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)

@@ -275,7 +275,7 @@ def _make_step(fp: OptimizerFastPath, inner: Callable, kinds: dict[type, str]) -
 
     def real(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # torch's (or a subclass's) step, with the closure that may come with it: not the
-        # emulator's own time (see gpemu.engine.TimeEngine.suspend)
+        # emulator's own time (see gpemu.time.TimeEngine.suspend)
         if engine is None:
             return inner(self, *args, **kwargs)
         depth = engine.suspend()
@@ -334,7 +334,7 @@ def _profile_hook_step(func: Callable, engine: Any) -> Callable:
     a profiler records, torch's own wrapper runs, range included. The hook order and the
     pre-hook result handling are torch's.
 
-    It is an emulator entry (:meth:`gpemu.engine.TimeEngine.enter`): the emulator's own work
+    It is an emulator entry (:meth:`gpemu.time.TimeEngine.enter`): the emulator's own work
     (gpemu's step hooks, a skipped step) is forgiven; hooks of other modules, and the real step
     (see ``_make_step``), run as the program's own time."""
     from torch.optim.optimizer import Optimizer, _global_optimizer_post_hooks, _global_optimizer_pre_hooks

@@ -389,7 +389,7 @@ def _outer_call(
         rec.params is params  # the cached walk's own list: nothing changed
         or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))
     ):
-        # A replay runs no user code: an emulator entry (gpemu.engine.TimeEngine.enter), its
+        # A replay runs no user code: an emulator entry (gpemu.time.TimeEngine.enter), its
         # host time is not the program's.
         engine = R.ts.engine
         if engine is None:

@@ -678,7 +678,7 @@ def install(rt: Runtime) -> None:
         return
     engine = rt.engine
     if engine is None:
-        raise RuntimeError("GPU sharing needs the time engine (gpemu.engine); it is not installed")
+        raise RuntimeError("GPU sharing needs the time engine (gpemu.time); it is not installed")
     # Under Kubernetes the device plugin gave this container its job id, keys and password.
     creds = load_job_credentials(cfg.device_dir)
     base = creds.job_id if creds else cfg.job_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,295 @@
+"""The time engine: all streams of all emulated devices of one run, and the host's sync points.
+
+The model is CUDA's: the host *enqueues* GPU work and runs ahead; a stream executes its work in
+order; the host only waits at sync points (``synchronize``, ``.item()``, blocking copies,
+``Event.synchronize``), and then until an ABSOLUTE deadline, so sleep overshoot never
+accumulates. The engine is the host's emulated time (:class:`gpemu.time.host.HostTime`, which it
+extends) plus the streams: it validates and routes every piece of work to its timeline strategy
+(:mod:`gpemu.time.timeline`: local deadline arithmetic, or a sharing manager's backend).
+
+This package knows nothing of the rest of gpemu: it is given its clock, recorder, memory
+trackers and a way to read the host thread's current device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ..clock import Clock, RealClock
+from ..config import GRANULARITIES
+from ..devices import check_ordinal
+from ..recorder import Recorder
+from .allowance import MAX_ALLOWANCE, calibrate_return_allowance
+from .host import HostTime
+from .streams import VirtualStream
+from .timeline import GpuTimeBackend, LocalTimeline, SharedTimeline, Timeline
+
+__all__ = ["TimeEngine"]
+
+
+class TimeEngine(HostTime):
+    """All streams of all emulated devices of one run, and the host's sync points."""
+
+    def __init__(
+        self,
+        num_devices: int,
+        recorder: Recorder | None = None,
+        clock: Clock | None = None,
+        granularity: str = "iteration",
+        return_allowance: float | tuple[float, float] | None = None,
+        memory: Sequence[Any] | None = None,
+        current_device: Callable[[], int] | None = None,
+    ) -> None:
+        """``return_allowance``: see :class:`HostTime`; one value, or ``(after a wait shorter
+        than 1 ms, after a longer one)``. None: calibrated once per process on a real clock
+        (:func:`gpemu.time.allowance.calibrate_return_allowance`), 0 on any other clock (virtual
+        clocks are exact). ``memory``: the devices' memory trackers (a backend is told each
+        device's peak bytes). ``current_device``: the calling thread's current device (streams
+        and events used without a device), device 0 when not given."""
+        if not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+        clock = clock if clock is not None else RealClock()
+        super().__init__(clock, recorder if recorder is not None else Recorder(), _allowance(return_allowance, clock))
+        self.num_devices = num_devices
+        self.granularity = granularity
+        self._lock = threading.Lock()
+        # Latest end of any work on each device (all streams): a device sync waits for this.
+        self._busy = [0.0] * num_devices
+        self._next_stream_id = [1] * num_devices
+        self._stream_type: type[VirtualStream] = VirtualStream
+        self._default = [VirtualStream(self, d, 0, 0) for d in range(num_devices)]
+        self._backend: GpuTimeBackend | None = None
+        self.timeline: Timeline = LocalTimeline(self, self.recorder, self._busy)
+        self._backward_since_mark = [False] * num_devices
+        self._memory = memory
+        self.current_device: Callable[[], int] = current_device if current_device is not None else (lambda: 0)
+
+    # ------------------------------------------------------------------ streams
+    def check_device(self, device: int) -> int:
+        return check_ordinal(device, self.num_devices)
+
+    def set_stream_type(self, stream_type: type[VirtualStream]) -> None:
+        """Make every stream of this engine (the default streams too) an instance of
+        ``stream_type``, a :class:`VirtualStream` subclass (the torch.cuda surface's
+        ``torch.cuda.Stream``, so ``isinstance(torch.cuda.current_stream(), torch.cuda.Stream)``
+        holds). Only before any work is enqueued."""
+        if any(s.busy_until for s in self._default):
+            raise RuntimeError("gpemu: stream type changed after GPU work was enqueued")
+        self._stream_type = stream_type
+        self._default = [VirtualStream.make(stream_type, self, d, 0, 0) for d in range(self.num_devices)]
+
+    def default_stream(self, device: int) -> VirtualStream:
+        return self._default[self.check_device(device)]
+
+    def next_stream_id(self, device: int) -> int:
+        """A new stream id on ``device`` (0 is the default stream)."""
+        self.check_device(device)
+        with self._lock:
+            sid = self._next_stream_id[device]
+            self._next_stream_id[device] = sid + 1
+        return sid
+
+    def new_stream(self, device: int, priority: int = 0) -> VirtualStream:
+        return VirtualStream.make(self._stream_type, self, device, priority, self.next_stream_id(device))
+
+    def stream(self, device: int) -> VirtualStream:
+        """The calling thread's current stream on ``device`` (default stream unless set)."""
+        current = self.local.host.current
+        if current is not None:
+            s = current.get(device)
+            if s is not None:
+                return s
+        return self._default[device]
+
+    def set_stream(self, stream: VirtualStream) -> VirtualStream:
+        """Make ``stream`` current on its device for this thread; returns the previous one."""
+        if not isinstance(stream, VirtualStream) or stream.engine is not self:
+            raise TypeError(f"expected a gpemu stream of this run, got {stream!r}")
+        current = self.local.host.current
+        if current is None:
+            current = self.local.host.current = {}
+        previous = current.get(stream.device_index, self._default[stream.device_index])
+        current[stream.device_index] = stream
+        return previous
+
+    @contextmanager
+    def use_stream(self, stream: VirtualStream | None) -> Iterator[VirtualStream | None]:
+        """``with engine.use_stream(s):`` work enqueued on s's device goes to s (torch.cuda.stream)."""
+        if stream is None:  # torch.cuda.stream(None) is a no-op
+            yield None
+            return
+        previous = self.set_stream(stream)
+        try:
+            yield stream
+        finally:
+            self.set_stream(previous)
+
+    def push_stream(self, stream: VirtualStream) -> None:
+        """``with stream:``: make it current, remembering the one it replaces (:meth:`pop_stream`)."""
+        prev = self.set_stream(stream)
+        host = self.local.host
+        if host.enter_stack is None:
+            host.enter_stack = []
+        host.enter_stack.append(prev)
+
+    def pop_stream(self) -> None:
+        stack = self.local.host.enter_stack
+        if stack:
+            self.set_stream(stack.pop())
+
+    # ------------------------------------------------------------------ work and waits
+    def enqueue(
+        self,
+        stream: VirtualStream,
+        seconds: float,
+        kind: str,
+        name: str,
+        peak_bytes: int = 0,
+        at: float | None = None,
+        now: float | None = None,
+    ) -> float:
+        """Add ``seconds`` of GPU work to ``stream`` (:meth:`VirtualStream.enqueue` reads the
+        host's time first and passes it as ``now``); returns when it ends."""
+        if now is None:
+            # Read the host's time first: the emulator's own checks below are not the program's.
+            local = self.local.host
+            now = (local.entry if local.depth else self.read_clock()) - local.late
+            if now < local.floor:
+                now = local.floor
+        if at is not None and at < now:
+            now = at
+        if seconds < 0 or seconds != seconds:
+            raise ValueError(f"GPU work must take a non-negative time, got {seconds!r} s for {kind} {name!r}")
+        if kind == "backward":
+            self._backward_since_mark[stream.device_index] = True
+        return self.timeline.enqueue(stream, seconds, kind, name, peak_bytes, now)
+
+    def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
+        """``stream.enqueue(seconds, kind, name)`` then ``stream.synchronize(reason)`` in one
+        call: a blocking copy (every pageable input batch)."""
+        self.timeline.enqueue_wait(stream, seconds, kind, name, reason)
+
+    def device_busy_until(self, device: int) -> float:
+        return self._busy[device]
+
+    def synchronize(self, device: int | None = None, reason: str = "synchronize") -> None:
+        """Host waits until every stream of ``device`` (all devices when None) is idle."""
+        self.enter()
+        try:
+            devices = range(self.num_devices) if device is None else (self.check_device(device),)
+            # settle() forgives only the time since a wait of THIS call (not since an older wait).
+            self.local.host.wait_deadline = None
+            wait_device = self.timeline.wait_device
+            for d in devices:
+                wait_device(d, self._busy[d], reason)
+        finally:
+            self.leave()
+
+    # ------------------------------------------------------------------ charged scopes
+    @contextmanager
+    def charged_scope(self) -> Iterator[None]:
+        """Inside, per-op time is already covered by a whole-module or optimizer charge, so
+        :func:`gpemu.costs.op_seconds` returns 0 (no double counting)."""
+        self.local.host.scope += 1
+        try:
+            yield
+        finally:
+            self.local.host.scope -= 1
+
+    @property
+    def in_charged_scope(self) -> bool:
+        return self.local.host.scope > 0
+
+    @contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """Inside, a charged scope of this thread is suspended (the op cache prices an op's own
+        cost while a module charge covers it)."""
+        local = self.local.host
+        depth, local.scope = local.scope, 0
+        try:
+            yield
+        finally:
+            local.scope = depth
+
+    def enter_charged(self) -> None:
+        """Open a charged scope that is closed by :meth:`exit_charged` (for callbacks that cannot
+        use the ``with`` form, e.g. around an autograd backward pass)."""
+        self.local.host.scope += 1
+
+    def exit_charged(self) -> None:
+        local = self.local.host
+        if local.scope > 0:
+            local.scope -= 1
+
+    def set_charged(self, on: bool) -> None:
+        """This thread is (or is no longer) inside one charge, regardless of what was open before:
+        for hook pairs that an exception between them could leave unbalanced (an optimizer step
+        that raised must not leave every later op uncharged)."""
+        self.local.host.scope = 1 if on else 0
+
+    # ------------------------------------------------------------------ iterations
+    def note_backward(self, device: int) -> None:
+        """A backward pass ran on ``device`` (also one charged op by op, whose spans are ops):
+        the next optimizer step ends an iteration."""
+        self._backward_since_mark[device] = True
+
+    def end_iteration(self, device: int) -> None:
+        """An optimizer step finished on ``device``: mark an iteration (at the GPU time its work
+        ends) and hand the iteration's work to a backend when one is plugged in."""
+        if not self._backward_since_mark[device]:
+            # e.g. a second optimizer in the same iteration, or steps without backward
+            return
+        self._backward_since_mark[device] = False
+        self.timeline.iteration_ended(device)
+        t = max(self.now(), self._busy[device])
+        self.recorder.iteration(device, t)
+
+    # ------------------------------------------------------------------ backend
+    @property
+    def backend(self) -> GpuTimeBackend | None:
+        return self._backend
+
+    def set_backend(self, backend: GpuTimeBackend | None) -> None:
+        """Route GPU time through ``backend.run(...)`` (None: back to local deadlines).
+
+        Pending local work is waited for first so no time is lost or counted twice."""
+        if backend is not None and not callable(getattr(backend, "run", None)):
+            raise TypeError("a GPU time backend needs a run(device, seconds, peak_bytes, kind) method")
+        self.synchronize(None, "backend-switch")
+        self.close()
+        self._backend = backend
+        if backend is None:
+            self.timeline = LocalTimeline(self, self.recorder, self._busy)
+        else:
+            self.timeline = SharedTimeline(
+                self, self.recorder, self._busy, backend, self.granularity, self.default_stream, self._peak_bytes
+            )
+
+    def close(self) -> None:
+        """Stop backend workers (after finishing what they hold)."""
+        self.timeline.close()
+
+    def _peak_bytes(self, device: int) -> int:
+        """The device's tracked peak allocation (0 without memory trackers)."""
+        trackers = self._memory
+        if trackers and device < len(trackers):
+            return int(trackers[device].peak_allocated)
+        return 0
+
+
+def _allowance(value: float | tuple[float, float] | None, clock: Clock) -> tuple[float, float]:
+    """The return allowance pair for ``value`` (see :meth:`TimeEngine.__init__`)."""
+    if value is None:
+        return calibrate_return_allowance() if type(clock) is RealClock else (0.0, 0.0)
+    pair = value if isinstance(value, tuple) else (value, value)
+    if len(pair) != 2 or not all(isinstance(v, (int, float)) and 0 <= v <= MAX_ALLOWANCE for v in pair):
+        raise ValueError(
+            f"return_allowance must be seconds in [0, {MAX_ALLOWANCE}] or a pair of them (short wait, long wait), "
+            f"got {value!r}"
+        )
+    return (float(pair[0]), float(pair[1]))

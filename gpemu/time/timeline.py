@@ -1,0 +1,388 @@
+"""How enqueued GPU work becomes time: the timeline strategies of the time engine.
+
+The engine hands every piece of GPU work, every host wait and every event to one
+:class:`Timeline`:
+
+- :class:`LocalTimeline` (the default): CUDA's model as deadline arithmetic. A stream executes its
+  work in order, each item starting when both the stream is free and the work was enqueued
+  (``start = max(now, busy_until)``); the host waits until an ABSOLUTE deadline, so the
+  emulator's own host time is hidden behind emulated GPU time exactly as a real program's is.
+- :class:`SharedTimeline`: a GPU time *backend* (the sharing client) decides when work runs. Work
+  is collected per device and handed, at the configured granularity, to a per-device worker
+  thread that calls ``backend.run(device, seconds, peak_bytes, kind)`` (which blocks while the
+  sharing manager runs other jobs). The host still runs ahead; sync points wait for the worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+
+from ..recorder import Recorder
+from .host import HostTime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .streams import VirtualStream
+
+__all__ = ["Timeline", "LocalTimeline", "SharedTimeline", "GpuTimeBackend", "EventMark", "PendingWork"]
+
+_append = list.append  # records are appended as plain tuples (see gpemu.recorder.Records)
+
+
+class GpuTimeBackend(Protocol):
+    """Something that 'runs' GPU time for this job, e.g. a sharing manager client."""
+
+    def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None: ...
+
+
+@dataclass
+class EventMark:
+    """Where a recorded event stands: the GPU time it completes (``time``), or, on a shared
+    timeline with work still outstanding, the worker ticket whose end completes it."""
+
+    device: int
+    time: float | None
+    ticket: int | None = None
+
+
+class PendingWork(NamedTuple):
+    """One piece of GPU work waiting for a backend worker."""
+
+    stream_id: int
+    seconds: float
+    kind: str
+    name: str
+    enqueued_at: float
+    peak_bytes: int
+
+
+class Timeline(Protocol):
+    """What the engine asks of a timeline strategy."""
+
+    def enqueue(
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+    ) -> float:
+        """Add work issued at host time ``now``; returns when it ends (an estimate when shared)."""
+        ...
+
+    def wait_device(self, device: int, deadline: float, reason: str) -> None:
+        """The host waits for every stream of ``device`` (up to ``deadline``)."""
+        ...
+
+    def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
+        """A blocking piece of work: enqueue, then wait for it."""
+        ...
+
+    def stream_done(self, stream: VirtualStream) -> bool: ...
+
+    def mark(self, stream: VirtualStream) -> EventMark:
+        """An event recorded on ``stream`` now."""
+        ...
+
+    def mark_done(self, mark: EventMark) -> bool: ...
+
+    def wait_mark(self, mark: EventMark) -> None:
+        """The host waits until the event has completed (``mark.time`` set afterwards)."""
+        ...
+
+    def stream_waits_for(self, stream: VirtualStream, mark: EventMark) -> None:
+        """Later work on ``stream`` starts only after the event (GPU side; the host goes on)."""
+        ...
+
+    def iteration_ended(self, device: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _wait_for_time(host: HostTime, mark: EventMark) -> None:
+    """The host waits until the GPU time ``mark`` completes (an emulator entry)."""
+    host.enter()
+    try:
+        if mark.time is not None and mark.time > host.now():
+            host.wait_until(mark.time, mark.device, "event")
+    finally:
+        host.leave()
+
+
+class LocalTimeline:
+    """Deadline arithmetic on the host's clock (see the module's docstring)."""
+
+    def __init__(self, host: HostTime, recorder: Recorder, busy: list[float]) -> None:
+        self.host = host
+        self.recorder = recorder
+        self.busy = busy  # latest end of any work on each device (all streams), shared with the engine
+        self.lock = threading.Lock()
+
+    def enqueue(
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+    ) -> float:
+        device = stream.device_index
+        with self.lock:
+            start = stream.busy_until if stream.busy_until > now else now
+            end = start + seconds
+            stream.busy_until = end
+            if end > self.busy[device]:
+                self.busy[device] = end
+        if seconds > 0:
+            _append(self.recorder.spans, (device, stream.stream_id, kind, name, start, end, now))
+        return end
+
+    def wait_device(self, device: int, deadline: float, reason: str) -> None:
+        if deadline > self.host.now():
+            self.host.wait_until(deadline, device, reason)
+
+    def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
+        host = self.host
+        host.enter()
+        try:
+            end = stream.enqueue(seconds, kind, name)
+            host.forget_wait()
+            if end > host.now():
+                host.wait_until(end, stream.device_index, reason)
+        finally:
+            host.leave()
+
+    def stream_done(self, stream: VirtualStream) -> bool:
+        return stream.busy_until <= self.host.now()
+
+    def mark(self, stream: VirtualStream) -> EventMark:
+        now = self.host.now()
+        return EventMark(stream.device_index, now if now > stream.busy_until else stream.busy_until)
+
+    def mark_done(self, mark: EventMark) -> bool:
+        return mark.time is None or mark.time <= self.host.now()
+
+    def wait_mark(self, mark: EventMark) -> None:
+        _wait_for_time(self.host, mark)
+
+    def stream_waits_for(self, stream: VirtualStream, mark: EventMark) -> None:
+        t = mark.time
+        if t is None:
+            return
+        with self.lock:
+            if t > stream.busy_until:
+                stream.busy_until = t
+                # The wait is work of this device too: a device sync waits for it (an event of
+                # another device can lie beyond everything enqueued here).
+                if t > self.busy[stream.device_index]:
+                    self.busy[stream.device_index] = t
+
+    def iteration_ended(self, device: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SharedTimeline:
+    """GPU time run by a backend, one worker thread per device (see the module's docstring).
+
+    ``default_stream``: the engine's default stream of a device (its ``busy_until`` follows the
+    granted work); ``peak_bytes``: a device's tracked peak allocation (told to the backend)."""
+
+    def __init__(
+        self,
+        host: HostTime,
+        recorder: Recorder,
+        busy: list[float],
+        backend: GpuTimeBackend,
+        granularity: str,
+        default_stream: Callable[[int], VirtualStream],
+        peak_bytes: Callable[[int], int],
+    ) -> None:
+        self.host = host
+        self.recorder = recorder
+        self.busy = busy
+        self.backend = backend
+        self.granularity = granularity
+        self.default_stream = default_stream
+        self.peak_bytes = peak_bytes
+        self.lock = threading.Lock()
+        self.pending: list[list[PendingWork]] = [[] for _ in busy]
+        self.workers: dict[int, BackendWorker] = {}
+
+    def enqueue(
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+    ) -> float:
+        device = stream.device_index
+        self.pending[device].append(PendingWork(stream.stream_id, seconds, kind, name, now, peak_bytes))
+        if self.granularity == "forward-backward" and kind == "backward":
+            self.flush(device)
+        # An estimate only: the backend decides when the work really ends.
+        return max(now, stream.busy_until) + seconds
+
+    def flush(self, device: int) -> int:
+        """Hand pending work of ``device`` to its backend worker; returns the worker's ticket."""
+        with self.lock:
+            items, self.pending[device] = self.pending[device], []
+            worker = self.workers.get(device)
+            if worker is None:
+                worker = self.workers[device] = BackendWorker(self, device)
+        if not items:
+            return worker.last_ticket
+        label = items[0].kind if all(it.kind == items[0].kind for it in items) else self.granularity
+        return worker.submit(items, label, self.peak_bytes(device))
+
+    def wait_device(self, device: int, deadline: float, reason: str) -> None:
+        # (the worker decides when the work ends; the deadline is unused)
+        self.flush(device)
+        worker = self.workers.get(device)
+        if worker is None:
+            return
+        host = self.host
+        depth = host.suspend()
+        start = host.clock.now()
+        try:
+            worker.wait_idle()
+        finally:
+            end = host.clock.now()
+            host.resume(depth, end)
+        if end > start:
+            self.recorder.host_wait(device, "sharing", start, end)
+
+    def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
+        stream.enqueue(seconds, kind, name)
+        stream.synchronize(reason)
+
+    def stream_done(self, stream: VirtualStream) -> bool:
+        device = stream.device_index
+        w = self.workers.get(device)
+        return not self.pending[device] and (w is None or w.done_ticket >= w.last_ticket)
+
+    def mark(self, stream: VirtualStream) -> EventMark:
+        device = stream.device_index
+        ticket = self.flush(device)
+        worker = self.workers[device]
+        with worker.cond:
+            idle = worker.done_ticket >= ticket
+        # Nothing outstanding: the event completes now; else when its ticket's work ends.
+        return EventMark(device, self.host.clock.now(), None) if idle else EventMark(device, None, ticket)
+
+    def mark_done(self, mark: EventMark) -> bool:
+        if mark.ticket is None:
+            return mark.time is None or mark.time <= self.host.now()
+        w = self.workers.get(mark.device)
+        return w is None or w.done_ticket >= mark.ticket
+
+    def wait_mark(self, mark: EventMark) -> None:
+        if mark.ticket is None:
+            _wait_for_time(self.host, mark)
+            return
+        w = self.workers.get(mark.device)
+        clock = self.host.clock
+        if w is not None:
+            start = clock.now()
+            mark.time = w.wait(mark.ticket)
+            self.recorder.host_wait(mark.device, "sharing", start, clock.now())
+        else:
+            mark.time = clock.now()
+        mark.ticket = None
+
+    def stream_waits_for(self, stream: VirtualStream, mark: EventMark) -> None:
+        # One backend queue per device runs its streams in order; cross-device order is kept by
+        # waiting on the host (an approximation documented in docs/time.md).
+        if mark.device != stream.device_index:
+            self.wait_mark(mark)
+
+    def iteration_ended(self, device: int) -> None:
+        if self.granularity == "iteration":
+            self.flush(device)
+
+    def worker_done(self, device: int, end: float) -> None:
+        """A worker finished granted work on ``device`` at ``end``."""
+        with self.lock:
+            if end > self.busy[device]:
+                self.busy[device] = end
+            s = self.default_stream(device)
+            if end > s.busy_until:
+                s.busy_until = end
+
+    def close(self) -> None:
+        """Stop backend workers (after finishing what they hold)."""
+        workers, self.workers = self.workers, {}
+        for w in workers.values():
+            w.stop()
+
+
+class BackendWorker:
+    """Runs one device's GPU work through a backend, in order, off the host thread."""
+
+    def __init__(self, timeline: SharedTimeline, device: int) -> None:
+        self.timeline = timeline
+        self.device = device
+        self.queue: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.last_ticket = 0
+        self.done_ticket = 0
+        self.done_at: dict[int, float] = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"gpemu-gpu{device}-backend", daemon=True)
+        self.thread.start()
+
+    def submit(self, items: Sequence[PendingWork], label: str, device_peak: int = 0) -> int:
+        with self.cond:
+            self.last_ticket += 1
+            ticket = self.last_ticket
+        self.queue.put((ticket, items, label, device_peak))
+        return ticket
+
+    def _loop(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            ticket, items, label, device_peak = job
+            end = self._run(items, label, device_peak)
+            self.timeline.worker_done(self.device, end)
+            with self.cond:
+                self.done_ticket = ticket
+                self.done_at[ticket] = end
+                if len(self.done_at) > 4096:  # events only need recent tickets
+                    for k in sorted(self.done_at)[:2048]:
+                        del self.done_at[k]
+                self.cond.notify_all()
+
+    def _run(self, items: Sequence[PendingWork], label: str, device_peak: int) -> float:
+        """One granted run of ``items``; returns when it ended. The items are laid out inside
+        the granted window, in proportion to their length."""
+        timeline = self.timeline
+        clock, rec = timeline.host.clock, timeline.recorder
+        seconds = sum(it.seconds for it in items)
+        peak = max(max((it.peak_bytes for it in items), default=0), device_peak)
+        t0 = clock.now()
+        try:
+            timeline.backend.run(self.device, seconds, peak, label)
+        except BaseException as exc:  # surfaced to the host at its next wait
+            self.error = exc
+        t1 = clock.now()
+        scale = (t1 - t0) / seconds if seconds > 0 else 0.0
+        t = t0
+        for it in items:
+            if it.seconds > 0:
+                rec.span(self.device, it.stream_id, it.kind, it.name, t, t + it.seconds * scale, it.enqueued_at)
+            t += it.seconds * scale
+        return t1
+
+    def wait(self, ticket: int) -> float:
+        with self.cond:
+            while self.done_ticket < ticket and self.error is None:
+                self.cond.wait(0.5)
+        if self.error is not None:
+            err, self.error = self.error, None
+            if isinstance(err, torch.cuda.OutOfMemoryError):
+                # A sharing manager's memory refusal reaches user code as a real CUDA OOM.
+                raise err
+            raise RuntimeError(f"gpemu: the GPU time backend failed: {err!r}") from err
+        return self.done_at.get(ticket, self.timeline.host.clock.now())
+
+    def wait_idle(self) -> None:
+        self.wait(self.last_ticket)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=5)
