@@ -44,7 +44,7 @@ def main() -> None:
     import tvmodels
 
     import gpemu
-    from gpemu import tensor
+    from gpemu import device as tensor
     from gpemu.fastpaths import replay
 
     rt = gpemu.patch(gpu=args.gpu, replay=not args.no_replay, summary=False)

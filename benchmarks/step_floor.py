@@ -81,7 +81,7 @@ def _make_step(n_params: int, engine: bool) -> Callable[[], None]:
         xe = _Wrapper(tuple(x.shape))
         out = Forward.apply(xe, *inputs)
         ye = _Wrapper(tuple(y.shape))
-        ye._shadow = y.clone()  # the label's values, known on the host
+        ye.emu_shadow = y.clone()  # the label's values, known on the host
         loss = Loss.apply(out, ye)
         if engine:
             torch.autograd.backward([loss], [ones])

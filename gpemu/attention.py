@@ -29,8 +29,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .costs import attention_price
+from .device import EmuTensor, TensorState
 from .gpus import compute_capability
-from .tensor import EmuTensor, TensorState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -94,7 +94,7 @@ class _FusedAttention(torch.autograd.Function):
         *batch, length, heads_dim = q.shape  # (B, H, L, D)
         source = k.shape[-2]
         value_dim = v.shape[-1]
-        dev = q._dev
+        dev = q.emu_device
         mem = ts.memory[dev]
         bh = 1
         for n in batch:
@@ -213,7 +213,7 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
                 and not enable_gqa
             ):
                 return _fused_op(
-                    capabilities[inner._dev], query, key, value, attn_mask, dropout_p, is_causal, scale, orig
+                    capabilities[inner.emu_device], query, key, value, attn_mask, dropout_p, is_causal, scale, orig
                 )
             return orig(
                 query,
@@ -231,7 +231,7 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
             q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
         same_heads = q.dim() != 4 or (q.shape[1] == k.shape[1] == v.shape[1])
         kernel = choose_kernel(
-            capabilities[q._dev],
+            capabilities[q.emu_device],
             q.dtype,
             q.shape[-1],
             v.shape[-1],

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .tensor import EmuTensor
+from .device import EmuTensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime

@@ -54,9 +54,9 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .costmodel.gpus import find_gpu
+from .device import EmuTensor, from_meta, host_shadow, peer_copy, set_host_shadow
 from .hostvalues import SHADOW_MAX_ELEMENTS
 from .runtime import current
-from .tensor import EmuTensor, from_meta, host_shadow, peer_copy, set_host_shadow
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime

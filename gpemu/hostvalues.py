@@ -25,7 +25,7 @@ depends on values, gpemu answers with this policy (documented in docs/device.md)
    ``found_inf`` as it was (0), so GradScaler never skips a step and its scale grows on schedule.
 
 This module holds the policy and the host computations; attaching shadows to emulated tensors
-is the tensor type's mechanics (:mod:`gpemu.tensor`), which calls in here with plain host and
+is the tensor type's mechanics (:mod:`gpemu.device`), which calls in here with plain host and
 meta tensors only.
 """
 

@@ -34,9 +34,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import costs
+from .device import EmuTensor, OutputSpec, OwnNodes
 from .identify import identify
 from .reference import measured_on
-from .tensor import EmuTensor, OwnNodes
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _next_node = torch._C._autograd._get_sequence_nr  # the next autograd node's number on this thread
@@ -93,7 +93,7 @@ class CallRecord:
     )
 
     def __init__(self) -> None:
-        self.out_specs: list | None = []  # (shape, stride, offset, dtype, bytes) per output; None: unusable
+        self.out_specs: list[OutputSpec] | None = []  # per output (a new allocation); None: unusable
         self.treespec: Any = None
         self.out_requires_grad: list[bool] = []
         self.all_diff = True  # every output requires grad (none to mark non-differentiable)
@@ -176,121 +176,27 @@ class ModelTime:
                 f"replay off for {type(module).__name__}: {fallback_reason}; running op by op "
                 "(slower host side, same GPU time)"
             )
-        engine = rt.engine
-        ts = self.ts
-        mem = ts.memory[dev]
+        mem = self.ts.memory[dev]
         level = getattr(self.local, "level", 0)  # > 0: a unit inside an ancestor's call
         ident = identify(rt, module, quiet=level > 0)
-        batch = _batch_size(args, kwargs)
-        label = ident.label
-        times = costs.model_times(rt, ident, batch, dev)
-        by_ops = times is None  # priced by the ops it runs
-        before = mem.allocated
+        call = _Call(ident, _batch_size(args, kwargs), dev, level, t0, mem.allocated)
         ends = _mark_backward_end(self, args, kwargs)
         if ends is not None:
             args, kwargs = ends[0], ends[1]
         first_node = _next_node()  # the call's own autograd nodes are numbered from here
-        was_open = getattr(self.local, "open", False)
-        self.local.open = open_children
-        self.local.level = level + 1
-        in_backward = _graph_task() != -1
-        # (a module's forward run again inside a backward pass is forward work: see _forward_again)
-        again = _forward_again(ts) if in_backward else _nothing()
-        if by_ops:
-            tap = ts.open_tap()
-            try:
-                # (uncharged during a backward pass: a checkpointed block recomputed inside a
-                # measured model's backward is charged by its ops all the same)
-                uncharged = engine.uncharged() if engine is not None and in_backward else _nothing()
-                with mem.peak_scope() as scope, uncharged, again:
-                    out = orig_call(module, *args, **kwargs)
-            finally:
-                ts.close_tap(tap)
-                self.local.open = was_open
-                self.local.level = level
-            fwd_s = _pass_seconds(tap, level > 0)
-            ident.estimates[("forward", batch, dev)] = fwd_s
-            _say_estimated(self, ident, dev, tap.mix, quiet=level > 0)
-            bwd_s = None  # measured when the backward runs
-        else:
-            # The database's time, carried to this GPU and precision by the ratio of the ops the
-            # forward dispatches (they run here anyway, uncharged: the measurement covers them).
-            tap = ts.open_tap()
-            try:
-                with mem.peak_scope() as scope, again:
-                    if engine is not None:
-                        with engine.charged_scope():
-                            out = orig_call(module, *args, **kwargs)
-                    else:
-                        out = orig_call(module, *args, **kwargs)
-            finally:
-                ts.close_tap(tap)
-                self.local.open = was_open
-                self.local.level = level
-            ratio = _ratio(tap)
-            fwd_s, bwd_s = times.forward * ratio, times.backward * ratio
-            _say_measured(self, ident, dev, times, ratio, "forward", tap.mix, quiet=level > 0)
-            if engine is not None and fwd_s > 0:
-                # Issued when the call started (t0), not after the op-by-op forward's host time.
-                engine.stream(dev).enqueue(fwd_s, "forward", label, at=t0)
-        fwd_peak = scope.peak
-        peak = _profiled_peak(rt, ident, batch, dev)
+        out = self._forward(call, orig_call, module, args, kwargs, open_children)
+        peak = _profiled_peak(rt, ident, call.batch, dev)
         if peak is not None:
             mem.touch(peak - mem.allocated)
         mem.sample()
-
         leaves, treespec = tree_flatten(out)
-        # Plain values among the outputs (None for attention weights not returned, flags) are
-        # replayed as they are; anything else (a cache object) makes the call unreplayable.
-        ok = any(isinstance(x, EmuTensor) for x in leaves) and all(
-            isinstance(x, EmuTensor) or isinstance(x, PLAIN_VALUES) for x in leaves
-        )
-        input_blocks = {id(t._block) for t in tree_flatten((args, kwargs))[0] if isinstance(t, EmuTensor)}
-        input_blocks.update(id(p._block) for p in params if isinstance(p, EmuTensor))
-        if ok and any(
-            id(x._block) in input_blocks for x in leaves if isinstance(x, EmuTensor) and x._block is not None
-        ):
-            ok = False
-            if record is not None:
-                record.not_replayable = "its outputs alias its inputs or parameters"
-        elif not ok and record is not None:
-            record.not_replayable = (
-                "its outputs are not (tuples/lists/dicts of) emulated tensors and plain values"
-                if leaves
-                else "it returns no tensor"
-            )
-        if record is not None and ok:
-            out_blocks: dict[int, int] = {}
-            for x in leaves:
-                if isinstance(x, EmuTensor) and x._block is not None:
-                    out_blocks[id(x._block)] = x._block.size
-            record.out_specs = [
-                (x.shape, x.stride(), x.storage_offset(), x.dtype, x._block.size if x._block else 0)
-                if isinstance(x, EmuTensor)
-                else (x, None, None, None, 0)
-                for x in leaves
-            ]
-            record.out_requires_grad = [isinstance(x, EmuTensor) and x.requires_grad for x in leaves]
-            record.all_diff = all(record.out_requires_grad)
-            record.treespec = treespec
-            record.saved_bytes = max(0, mem.allocated - before - sum(out_blocks.values()))
-            record.fwd_extra = max(0, fwd_peak - mem.allocated)
-            record.fwd_seconds, record.bwd_seconds = fwd_s, bwd_s or 0.0
-            record.label = label
-            record.params = params
-            record.batch = batch
-            record.ident = ident
-            record.dev = dev
-            record.profiled_peak = peak
-            reached = _params_reached(leaves)
-            record.grad_params = [id(p) in reached for p in params]
-            record.grad_param_list = [p for p, g in zip(params, record.grad_params, strict=False) if g]
-            for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
-                if isinstance(x, EmuTensor):
-                    x._shadow = None
-        elif record is not None:
-            record.out_specs = None
-            record.treespec = None
+        ok = _replayable(leaves, args, kwargs, params, record)
+        if record is not None:
+            if ok:
+                _fill_record(record, call, leaves, treespec, params, mem.allocated, peak)
+            else:
+                record.out_specs = None
+                record.treespec = None
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             grads = [x for x in leaves if isinstance(x, EmuTensor) and x.requires_grad]
             if grads:
@@ -299,12 +205,12 @@ class ModelTime:
                 info = _BackwardInfo(
                     self,
                     record if ok else None,
-                    bwd_s,
-                    label,
+                    call.bwd_s,
+                    ident.label,
                     dev,
-                    ident if by_ops else None,
-                    batch,
-                    None if by_ops else (times, ident),
+                    ident if call.times is None else None,
+                    call.batch,
+                    None if call.times is None else (call.times, ident),
                 )
                 info.in_pass = level > 0
                 info.own = OwnNodes(first_node, _next_node(), params)
@@ -315,6 +221,131 @@ class ModelTime:
                 leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
                 out = tree_unflatten(leaves, treespec)
         return out
+
+    def _forward(
+        self, call: _Call, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, open_children: bool
+    ) -> Any:
+        """Run the call's forward op by op and charge it: by its ops (``call.times`` None), or
+        as the database's measurement carried to this GPU and precision by the ratio of the ops
+        it dispatches (they run anyway, uncharged: the measurement covers them)."""
+        rt, ts = self.rt, self.ts
+        engine = rt.engine
+        mem = ts.memory[call.dev]
+        unit = call.level > 0
+        call.times = costs.model_times(rt, call.ident, call.batch, call.dev)
+        was_open = getattr(self.local, "open", False)
+        self.local.open = open_children
+        self.local.level = call.level + 1
+        in_backward = _graph_task() != -1
+        # (a module's forward run again inside a backward pass is forward work: see _forward_again)
+        again = _forward_again(ts) if in_backward else _nothing()
+        if call.times is None:
+            # (uncharged during a backward pass: a checkpointed block recomputed inside a measured
+            # model's backward is charged by its ops all the same)
+            scope_of_charges = engine.uncharged() if in_backward else _nothing()
+        else:
+            scope_of_charges = engine.charged_scope()
+        tap = ts.open_tap()
+        try:
+            with mem.peak_scope() as scope, scope_of_charges, again:
+                out = orig_call(module, *args, **kwargs)
+        finally:
+            ts.close_tap(tap)
+            self.local.open = was_open
+            self.local.level = call.level
+        call.fwd_peak = scope.peak
+        if call.times is None:
+            call.fwd_s = _pass_seconds(tap, unit)
+            call.ident.estimates[("forward", call.batch, call.dev)] = call.fwd_s
+            _say_estimated(self, call.ident, call.dev, tap.mix, quiet=unit)
+            call.bwd_s = None  # measured when the backward runs
+        else:
+            ratio = _ratio(tap)
+            call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
+            _say_measured(self, call.ident, call.dev, call.times, ratio, "forward", tap.mix, quiet=unit)
+            if call.fwd_s > 0:
+                # Issued when the call started (t0), not after the op-by-op forward's host time.
+                engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
+        return out
+
+
+class _Call:
+    """One op-by-op call of :meth:`ModelTime.run_charged`, as its parts fill it in."""
+
+    __slots__ = ("ident", "batch", "dev", "level", "t0", "before", "times", "fwd_s", "bwd_s", "fwd_peak")
+
+    def __init__(self, ident: Any, batch: int, dev: int, level: int, t0: float | None, before: int) -> None:
+        self.ident = ident
+        self.batch = batch
+        self.dev = dev
+        self.level = level  # > 0: a unit inside an ancestor's call
+        self.t0 = t0  # the host time the call started
+        self.before = before  # the device's allocated bytes before the call
+        self.times: Any = None  # the database's model times (None: priced by the ops it runs)
+        self.fwd_s = 0.0
+        self.bwd_s: float | None = None  # None: measured when the backward runs
+        self.fwd_peak = 0
+
+
+def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: CallRecord | None) -> bool:
+    """Whether a call's outputs can be made again from specs: plain values among them (None for
+    attention weights not returned, flags) are replayed as they are; anything else (a cache
+    object), or an output on an input's or parameter's memory, makes the call unreplayable
+    (``record.not_replayable`` says why)."""
+    ok = any(isinstance(x, EmuTensor) for x in leaves) and all(
+        isinstance(x, EmuTensor) or isinstance(x, PLAIN_VALUES) for x in leaves
+    )
+    if not ok:
+        if record is not None:
+            record.not_replayable = (
+                "its outputs are not (tuples/lists/dicts of) emulated tensors and plain values"
+                if leaves
+                else "it returns no tensor"
+            )
+        return False
+    input_blocks = {id(t.emu_block) for t in tree_flatten((args, kwargs))[0] if isinstance(t, EmuTensor)}
+    input_blocks.update(id(p.emu_block) for p in params if isinstance(p, EmuTensor))
+    if any(id(x.emu_block) in input_blocks for x in leaves if isinstance(x, EmuTensor) and x.emu_block is not None):
+        if record is not None:
+            record.not_replayable = "its outputs alias its inputs or parameters"
+        return False
+    return True
+
+
+def _fill_record(
+    record: CallRecord, call: _Call, leaves: list, treespec: Any, params: list, allocated: int, peak: int | None
+) -> None:
+    """What a replay of the call needs (its outputs, memory, times, parameters)."""
+    out_blocks: dict[int, int] = {}
+    for x in leaves:
+        if isinstance(x, EmuTensor) and x.emu_block is not None:
+            out_blocks[id(x.emu_block)] = x.emu_block.size
+    record.out_specs = [
+        OutputSpec(
+            x.shape, x.stride(), x.storage_offset(), x.dtype, x.emu_block.size if x.emu_block else 0, None, False
+        )
+        if isinstance(x, EmuTensor)
+        else OutputSpec(x, None, 0, None, 0, None, None)
+        for x in leaves
+    ]
+    record.out_requires_grad = [isinstance(x, EmuTensor) and x.requires_grad for x in leaves]
+    record.all_diff = all(record.out_requires_grad)
+    record.treespec = treespec
+    record.saved_bytes = max(0, allocated - call.before - sum(out_blocks.values()))
+    record.fwd_extra = max(0, call.fwd_peak - allocated)
+    record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
+    record.label = call.ident.label
+    record.params = params
+    record.batch = call.batch
+    record.ident = call.ident
+    record.dev = call.dev
+    record.profiled_peak = peak
+    reached = _params_reached(leaves)
+    record.grad_params = [id(p) in reached for p in params]
+    record.grad_param_list = [p for p, g in zip(params, record.grad_params, strict=True) if g]
+    for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
+        if isinstance(x, EmuTensor):
+            x.emu_state.forget_value(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +449,7 @@ def _say_estimated(mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], q
 @contextmanager
 def _forward_again(ts: Any) -> Iterator[None]:
     """A module's forward recomputed inside a backward pass (activation checkpointing): its ops
-    are forward work, priced with the forward curves (``gpemu.tensor.backward_pass``)."""
+    are forward work, priced with the forward curves (``gpemu.device.backward_pass``)."""
     r = ts.recompute
     r.depth = getattr(r, "depth", 0) + 1
     try:
@@ -513,7 +544,7 @@ class _BackwardStart(torch.autograd.Function):
         # New wrappers over the same memory block, not autograd views: the user may modify the
         # outputs in place (``logits /= T``), which autograd forbids on views made in a Function.
         wrap = info.owner.ts.wrap
-        return tuple(wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o._dev, o._block) for o in outs)
+        return tuple(wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o.emu_device, o.emu_block) for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
@@ -529,13 +560,12 @@ class _BackwardStart(torch.autograd.Function):
             info.own.task = _graph_task()
             tap.own = info.own
         issued = None
-        if engine is not None:
-            engine.note_backward(info.dev)  # an iteration has a backward (see end_iteration)
-            if not by_ops:
-                # The database's backward time is charged when the window closes (its ratio is
-                # that of the ops the backward dispatched), issued now.
-                issued = engine.now()
-                engine.enter_charged()
+        engine.note_backward(info.dev)  # an iteration has a backward (see end_iteration)
+        if not by_ops:
+            # The database's backward time is charged when the window closes (its ratio is that
+            # of the ops the backward dispatched), issued now.
+            issued = engine.now()
+            engine.enter_charged()
         start = mem.allocated
         outer_peak = mem.peak_allocated
         mem.peak_allocated = start
@@ -555,16 +585,15 @@ class _BackwardStart(torch.autograd.Function):
                     ratio = _ratio(tap)
                     bwd = times.backward * ratio
                     _say_measured(info.owner, ident, info.dev, times, ratio, "backward", tap.mix)
-                if engine is not None:
-                    engine.exit_charged()
-                    if bwd > 0:
-                        engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
+                engine.exit_charged()
+                if bwd > 0:
+                    engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
                 if rec is not None:
                     rec.bwd_seconds = bwd + tap.charged
             if rec is not None:
                 rec.bwd_extra = max(0, mem.peak_allocated - start)
                 rec.backward_pending = False
-                if rec.owed and engine is not None and rec.bwd_seconds > 0:
+                if rec.owed and rec.bwd_seconds > 0:
                     for _ in range(rec.owed):
                         engine.stream(info.dev).enqueue(rec.bwd_seconds, "backward", info.label)
                 rec.owed = 0
@@ -605,8 +634,10 @@ class _BackwardEnd(torch.autograd.Function):
     def forward(ctx: Any, holder: _EndHolder, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
         ctx.holder = holder
         ctx.set_materialize_grads(False)
-        ts = inputs[0]._ts
-        return tuple(ts.wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t._dev, t._block) for t in inputs)
+        ts = inputs[0].emu_state
+        return tuple(
+            ts.wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t.emu_device, t.emu_block) for t in inputs
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
@@ -649,13 +680,13 @@ def emulated_device(module: torch.nn.Module, args: tuple, kwargs: dict, first: A
     if first is None:
         return None  # parameterless modules (losses, activations) run op by op
     if isinstance(first, EmuTensor):
-        return first._dev
+        return first.emu_device
     for a in args:
         if isinstance(a, EmuTensor):
-            return a._dev
+            return a.emu_device
     for a in kwargs.values():
         if isinstance(a, EmuTensor):
-            return a._dev
+            return a.emu_device
     return None
 
 
@@ -668,7 +699,7 @@ def _make_call(mt: ModelTime, orig_call: Any) -> Any:
         dev = emulated_device(self, args, kwargs)
         if dev is None:
             return orig_call(self, *args, **kwargs)
-        t0 = engine.now() if engine is not None else None
+        t0 = engine.now()
         mt.enter()
         try:
             return mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)

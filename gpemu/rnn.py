@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .costs import copy_price, rnn_price
-from .tensor import EmuTensor, TensorState
+from .device import EmuTensor, TensorState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -61,7 +61,7 @@ class _FusedRNN(torch.autograd.Function):
         # Final states a program ignores get no gradient (autograd would otherwise make zeros
         # from the wrappers' metadata: plain meta tensors).
         ctx.set_materialize_grads(False)
-        dev = input._dev
+        dev = input.emu_device
         mem = ts.memory[dev]
         price = rnn_price(ts.rt, dev, gates, steps, batch, input_size, hidden, layers, directions, dtype, False, rows)
         ts.charge(price.gpu, dev, f"_cudnn_rnn ({mode})", price)
@@ -115,9 +115,9 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, ts: TensorState, name: str, shape: tuple, source: EmuTensor) -> EmuTensor:  # type: ignore[override]
-        out = ts.new(shape, source.dtype, source._dev)
-        _charge_copy(ts, source._dev, out.numel(), source.dtype, name, False)
-        ctx.ts, ctx.name, ctx.spec = ts, name, (tuple(source.shape), source.dtype, source._dev)
+        out = ts.new(shape, source.dtype, source.emu_device)
+        _charge_copy(ts, source.emu_device, out.numel(), source.dtype, name, False)
+        ctx.ts, ctx.name, ctx.spec = ts, name, (tuple(source.shape), source.dtype, source.emu_device)
         return out
 
     @staticmethod

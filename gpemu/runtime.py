@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .costs import CostState
     from .cuda_api import CudaSurface
+    from .device import TensorState
     from .fastpaths.gradients import GradientState
     from .fastpaths.loss import LossState
     from .fastpaths.optimizer import OptimizerFastPath
@@ -46,7 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .identify import IdentifyState
     from .memory import MemoryTracker
     from .model_time import ModelTime
-    from .tensor import TensorState
     from .time import TimeEngine
     from .transfers import TransferState
 
@@ -59,7 +59,7 @@ __all__ = ["Runtime", "patch", "unpatch", "emulate", "current", "is_patched", "C
 COMPONENTS: tuple[str, ...] = (
     "gpemu.memory",  # per-device memory tracker, OOM                  (device)
     "gpemu.time",  # virtual streams, events, deadline waits         (time)
-    "gpemu.tensor",  # the emulated tensor type and its dispatch       (device)
+    "gpemu.device",  # the emulated tensor type and its dispatch       (device)
     "gpemu.transfers",  # host<->GPU copy time                            (host side)
     "gpemu.ways_in",  # .cuda()/.to()/factories/Module.to               (device)
     "gpemu.optimizer_hooks",  # optimizer step time, iteration marks           (time)
@@ -89,20 +89,22 @@ class Runtime:
     gpus: list[GpuSpec]  # spec of each emulated device, index order
     patcher: Patcher = field(default_factory=Patcher)
     recorder: Recorder = field(default_factory=Recorder)
-    # Component state: each field is filled by the component named beside it (None while that
-    # component is not installed, e.g. the fast paths with config.replay=False).
-    engine: TimeEngine | None = None  # gpemu.time
+    # Component state, each field filled by the component named beside it. The core components
+    # are always installed (patch() installs every one of COMPONENTS before the run is used), so
+    # their fields are required; the others are None while not in use (the fast paths with
+    # config.replay=False, the cost state until first used, sharing when not configured).
     memory: list[MemoryTracker] = field(default_factory=list)  # gpemu.memory, one per device
-    tensors: TensorState | None = None  # gpemu.tensor
-    transfers: TransferState | None = None  # gpemu.transfers
+    engine: TimeEngine = field(init=False, repr=False)  # gpemu.time
+    tensors: TensorState = field(init=False, repr=False)  # gpemu.device
+    transfers: TransferState = field(init=False, repr=False)  # gpemu.transfers
+    model_time: ModelTime = field(init=False, repr=False)  # gpemu.model_time
+    cuda: CudaSurface = field(init=False, repr=False)  # gpemu.cuda_api
     costs: CostState | None = None  # gpemu.costs (made on first use)
     identities: IdentifyState | None = None  # gpemu.identify (made on first use)
-    model_time: ModelTime | None = None  # gpemu.model_time
     replay: ReplayState | None = None  # gpemu.fastpaths.replay
     gradients: GradientState | None = None  # gpemu.fastpaths.replay (its gradients)
     loss: LossState | None = None  # gpemu.fastpaths.loss
     optimizer_fastpath: OptimizerFastPath | None = None  # gpemu.fastpaths.optimizer
-    cuda: CudaSurface | None = None  # gpemu.cuda_api
     pinned: PinnedState | None = None  # gpemu.integrations.pinned_memory
     sharing: SharingBackend | None = None  # gpemu.integrations.sharing.client
     at_exit: Any = None  # gpemu.run_outputs: the end-of-run output

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .tensor import EmuTensor, device_index, to_emulated, to_host
+from .device import EmuTensor, device_index, to_emulated, to_host
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -49,7 +49,7 @@ def reduce_emulated(t: EmuTensor, protocol: int) -> Any:
         host: torch.Tensor = torch.nn.Parameter(values, requires_grad=t.requires_grad)
     else:
         host = values.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else values
-    setattr(host, MARKER, f"cuda:{t._dev}")
+    setattr(host, MARKER, f"cuda:{t.emu_device}")
     return host.__reduce_ex__(protocol)
 
 

@@ -383,20 +383,14 @@ def _non_overlapping_dense(t: torch.Tensor) -> bool:
         return False
 
 
-def _state(rt: Runtime) -> TransferState:
-    if rt.transfers is None:
-        raise RuntimeError("gpemu: the transfers component (gpemu.transfers) is not installed")
-    return rt.transfers
-
-
 def host_to_device_seconds(rt: Runtime, tensor: torch.Tensor, device: int, pinned: bool) -> tuple[float, str]:
     """Seconds one host->device copy of ``tensor`` takes on ``device`` of run ``rt``, and its provenance."""
-    return _state(rt).host_to_device_seconds(tensor, device, pinned)
+    return rt.transfers.host_to_device_seconds(tensor, device, pinned)
 
 
 def device_to_host_seconds(rt: Runtime, tensor: torch.Tensor, device: int, pinned: bool = False) -> tuple[float, str]:
     """Seconds one device->host copy of ``tensor`` takes on ``device`` of run ``rt``."""
-    return _state(rt).device_to_host_seconds(tensor, device, pinned)
+    return rt.transfers.device_to_host_seconds(tensor, device, pinned)
 
 
 def install(rt: Runtime) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
 from . import hostvalues
-from .tensor import (
+from .device import (
     DTYPE_NAMES,
     TYPE_NAMES,
     EmuTensor,
@@ -136,15 +136,15 @@ def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
         if _holds_tensors(self):
             return _inner(self, lambda x: to(x, *args, **kwargs))
         if isinstance(self, EmuTensor):
-            if idx == self._dev and (dtype is None or dtype == self.dtype) and not copy:
+            if idx == self.emu_device and (dtype is None or dtype == self.dtype) and not copy:
                 return self
             # torch's C++ .to() initialises CUDA for a cuda target: convert here instead.
             out = self
             if dtype is not None and dtype != self.dtype:
                 out = orig_to(self, dtype=dtype, non_blocking=non_blocking)
-            elif copy and idx == self._dev:
+            elif copy and idx == self.emu_device:
                 out = self.clone()
-            if idx != out._dev:
+            if idx != out.emu_device:
                 out = PeerCopy.apply(out, idx) if out.requires_grad and torch.is_grad_enabled() else peer_copy(out, idx)
             return out
         host = self if dtype is None or dtype == self.dtype else orig_to(self, dtype=dtype)
@@ -169,7 +169,7 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
         if _holds_tensors(self):
             return _inner(self, lambda x: cuda(x, idx, non_blocking))
         if isinstance(self, EmuTensor):
-            return self if self._dev == idx else self.to(_DEVICES[idx], non_blocking=non_blocking)
+            return self if self.emu_device == idx else self.to(_DEVICES[idx], non_blocking=non_blocking)
         return to_emulated(self, idx, non_blocking)
 
     return cuda
@@ -189,7 +189,7 @@ def _make_tensor_type(ts: TensorState, orig_type: Callable) -> Callable:
                         f"invalid type: {dtype!r}; valid CUDA types: "
                         + ", ".join(f"torch.cuda.{n}" for n in TYPE_NAMES)
                     )
-                idx = self._dev if isinstance(self, EmuTensor) else ts.rt.current_device
+                idx = self.emu_device if isinstance(self, EmuTensor) else ts.rt.current_device
                 return self.to(device=_DEVICES[idx], dtype=TYPE_NAMES[name], non_blocking=non_blocking)
             if isinstance(self, EmuTensor) and dtype.startswith("torch.") and dtype[6:] in TYPE_NAMES:
                 return self.to(device="cpu", dtype=TYPE_NAMES[dtype[6:]])
@@ -210,14 +210,14 @@ def _emulated_factory(ts: TensorState, orig: Callable, name: str, args: tuple, k
     if args and isinstance(args[0], EmuTensor):
         # *_like / as_tensor of an emulated tensor: runs through dispatch on its device.
         out = orig(*args, **kw) if name not in ("tensor",) else args[0].detach().clone()
-        if out._dev != dev:
+        if out.emu_device != dev:
             out = out.to(_DEVICES[dev])
     elif name in _DATA_FACTORIES:
         out = to_emulated(orig(*args, **kw), dev)
     else:
         meta = orig(*args, device=_META, **kw)
         out = from_meta(ts, meta, dev)
-        out._shadow = hostvalues.known_factory_value(orig, name, host_args(args), kw, meta)
+        ts.set_known_value(out, hostvalues.known_factory_value(orig, name, host_args(args), kw, meta))
     if requires_grad:
         out.requires_grad_(True)
     return out
@@ -258,13 +258,14 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
         out = from_meta(ts, meta, idx)
         # new_zeros/new_ones/new_full: known values, as for the factories (new_empty: zeros)
         host_kw = {k: v for k, v in kw.items() if k != "device"}
-        out._shadow = hostvalues.known_factory_value(
+        known = hostvalues.known_factory_value(
             lambda *a, device=None, **k: orig(torch.empty((), dtype=self.dtype), *a, **k),
             orig.__name__.replace("new_", ""),
             args,
             host_kw,
             meta,
         )
+        ts.set_known_value(out, known)
         return out.requires_grad_(True) if requires_grad else out
 
     return new
@@ -316,7 +317,7 @@ def _move(rt: Runtime, module: torch.nn.Module, to_device: int | None, to_host: 
     ``to_device`` for the tensors that were on the host, or back to the host (``to_host``) for
     those that were on an emulated GPU. The per-tensor copies inside are not charged."""
     transfers = rt.transfers
-    if transfers is None or transfers.moving_model:
+    if transfers.moving_model:
         return move()
     (host_b, host_n), (gpu_b, gpu_n, gpu_dev) = _split(module)
     with transfers.moving(), _same_parameter_objects(module):

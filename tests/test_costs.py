@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+import gpemu.time as time_component
 from examples import tvmodels
-from gpemu import costs, engine, optimizer_hooks
+from gpemu import costs, optimizer_hooks
 from gpemu.clock import VirtualClock
 from gpemu.config import EmuConfig
 from gpemu.identify import ModelIdentity, identify
@@ -27,7 +28,7 @@ def db():
 def make_rt(db, **settings) -> Runtime:
     cfg = EmuConfig.from_env(**settings)
     rt = Runtime(config=cfg, db=db, gpus=[db.gpu(g) for g in cfg.gpus_per_device])
-    engine.install(rt)
+    time_component.install(rt)
     return rt
 
 
@@ -312,7 +313,7 @@ def test_a_measured_time_carried_to_another_gpu_carries_the_transfer_error(rt):
 def test_an_unknown_model_is_charged_what_the_cost_model_prices_for_it():
     """A model the database does not know runs op by op and each op is charged as the cost model
     prices it; the backward's ops (autograd's adds, copies and sums included) with the backward
-    curves, as the model was calibrated (gpemu.tensor.backward_pass). So a run charges the
+    curves, as the model was calibrated (gpemu.device.backward_pass). So a run charges the
     forward and backward the cross-validated figures describe (CostModel.module_seconds)."""
     import gpemu
     from gpemu.costmodel import default_model

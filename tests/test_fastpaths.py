@@ -209,15 +209,14 @@ def test_forward_time_starts_when_the_call_starts(model_name) -> None:
 def test_pageable_copy_is_issued_at_the_call_and_its_return_path_is_forgiven() -> None:
     """x.cuda() of pageable memory: the copy starts when the program asked for it, and the
     emulator's work after the copy's wait does not delay the program's next GPU work."""
-    from gpemu import tensor as emu_tensor
-
     clock = VirtualClock()
     gpemu.patch(gpu="V100", summary=False, clock=clock)
     try:
         rt = gpemu.runtime.current()
         engine = rt.engine
         ts = rt.tensors
-        orig_charge, orig_wrap = emu_tensor._charge_h2d, ts.wrap
+        transfers = rt.transfers
+        orig_charge, orig_wrap = transfers.charge, ts.wrap
 
         def slow_charge(*args, **kwargs):
             clock.advance(0.004)  # emulator book-keeping before the copy is queued (< the copy)
@@ -227,13 +226,13 @@ def test_pageable_copy_is_issued_at_the_call_and_its_return_path_is_forgiven() -
             clock.advance(0.02)  # emulator work after the copy's wait, before returning
             return orig_wrap(*args, **kwargs)
 
-        emu_tensor._charge_h2d, ts.wrap = slow_charge, slow_wrap
+        transfers.charge, ts.wrap = slow_charge, slow_wrap
         try:
             torch.cuda.synchronize()
             t0 = engine.now()
             torch.zeros(64, 3, 224, 224).cuda()
         finally:
-            emu_tensor._charge_h2d = orig_charge
+            del transfers.charge
             del ts.wrap
         copy = [s for s in rt.recorder.spans if s.kind == "transfer"][-1]
         assert copy.start == pytest.approx(t0, abs=1e-9)
@@ -285,7 +284,7 @@ def test_backend_oom_reaches_the_program_unchanged_and_sees_the_device_peak(rt) 
 
 
 def test_stream_is_capturing_and_host_shadow_api(rt) -> None:
-    from gpemu.tensor import host_shadow, set_host_shadow
+    from gpemu.device import host_shadow, set_host_shadow
 
     assert torch.cuda.current_stream().is_capturing() is False
     t = torch.tensor([1.0, 2.0], device="cuda")
@@ -392,7 +391,7 @@ def test_gradient_set_dropped_and_handed_out_whole(rt) -> None:
     grad_bytes = mem.allocated - base
     assert grad_bytes >= sum(p.numel() * 4 for p in model.parameters())
     # all gradients share one group block, taken again with one tracker call
-    parents = {p.grad._block.parent for p in model.parameters()}
+    parents = {p.grad.emu_block.parent for p in model.parameters()}
     assert len(parents) == 1
     opt.step()
     opt.zero_grad()
@@ -402,7 +401,7 @@ def test_gradient_set_dropped_and_handed_out_whole(rt) -> None:
     model(x).sum().backward()
     assert all(p.grad is grads[p]() for p in model.parameters())  # the very same wrappers again
     assert mem.allocated - base == grad_bytes
-    assert {p.grad._block.parent for p in model.parameters()} == parents  # the same group, taken again
+    assert {p.grad.emu_block.parent for p in model.parameters()} == parents  # the same group, taken again
 
 
 def test_gradient_set_dropped_another_way_frees_memory_at_once(rt) -> None:

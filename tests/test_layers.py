@@ -118,5 +118,78 @@ def test_no_module_uses_another_modules_privates() -> None:
 
 def test_the_private_use_check_sees_both_forms(tmp_path: Path) -> None:
     f = tmp_path / "mod.py"
-    f.write_text("from gpemu.tensor import _secret\nfrom gpemu import tensor as t\nt._other\n")
+    f.write_text("from gpemu.device import _secret\nfrom gpemu import device as t\nt._other\n")
     assert len(_private_uses(f, "gpemu.mod")) == 2
+
+
+def _owned_privates(tree: ast.AST) -> set[str]:
+    """The private attributes a module defines for its own objects: ``self._x = ...`` /
+    ``cls._x = ...``, names in a class body (``_x: int``, ``_x = ...``) and ``__slots__``."""
+    owned: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                owned.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                for t in targets:
+                    if isinstance(t, ast.Name):
+                        owned.add(t.id)
+                if isinstance(item, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__slots__" for t in item.targets
+                ):
+                    owned.update(
+                        e.value
+                        for e in ast.walk(item.value)
+                        if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                    )
+    return {n for n in owned if n.startswith("_") and not n.startswith("__")}
+
+
+def _package_files() -> dict[str, Path]:
+    """Installed module name -> file, for every module of the package (generated stubs aside)."""
+    out = {}
+    for name, folder in _package_dirs().items():
+        for f in sorted(folder.glob("*.py")):
+            if not f.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                out[name if f.name == "__init__.py" else f"{name}.{f.stem}"] = f
+    return out
+
+
+def _foreign_attribute_uses(files: dict[str, Path]) -> list[str]:
+    """``obj._field`` where ``_field`` is a private attribute another module of the package
+    defines for its objects and this module does not (reads and writes through another module's
+    object); and writes of an emulated tensor's public fields (``t.emu_block = ...``) outside
+    gpemu.device, whose TensorState methods are the way to change them."""
+    trees = {m: ast.parse(f.read_text()) for m, f in files.items()}
+    owned = {m: _owned_privates(t) for m, t in trees.items()}
+    found = []
+    for module, tree in trees.items():
+        others = set().union(*(o for m, o in owned.items() if m != module)) - owned[module]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            is_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if node.attr in others and not is_self:
+                found.append(f"{module}:{node.lineno} .{node.attr}")
+            if (
+                isinstance(node.ctx, ast.Store)
+                and node.attr.startswith("emu_")
+                and not module.startswith("gpemu.device")
+            ):
+                found.append(f"{module}:{node.lineno} writes .{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_objects() -> None:
+    assert _foreign_attribute_uses(_package_files()) == []
+
+
+def test_the_attribute_check_sees_reads_and_writes(tmp_path: Path) -> None:
+    owner = tmp_path / "owner.py"
+    owner.write_text("class Box:\n    def __init__(self):\n        self._inside = 1\n")
+    user = tmp_path / "user.py"
+    user.write_text("def peek(box, t):\n    t.emu_block = None\n    return box._inside\n")
+    found = _foreign_attribute_uses({"gpemu.owner": owner, "gpemu.user": user})
+    assert sorted(found) == ["gpemu.user:2 writes .emu_block", "gpemu.user:3 ._inside"]

@@ -275,14 +275,14 @@ def test_unused_output_gets_no_plain_meta_gradients(rt) -> None:
     # as in torch: the unused head's parameters get no gradient at all (autograd used to make
     # zeros from the wrapper's metadata, plain meta tensors, and run the aux branch on them)
     assert model.aux.weight.grad is None and model.aux.bias.grad is None
-    assert type(model.head.weight.grad) is gpemu.tensor.EmuTensor
+    assert type(model.head.weight.grad) is gpemu.device.EmuTensor
     for _ in range(3):  # replayed
         model.zero_grad(set_to_none=True)
         out, _ = model(x)
         out.sum().backward()
         for p in model.parameters():
-            assert p.grad is None or type(p.grad) is gpemu.tensor.EmuTensor
-        assert type(model.head.weight.grad) is gpemu.tensor.EmuTensor
+            assert p.grad is None or type(p.grad) is gpemu.device.EmuTensor
+        assert type(model.head.weight.grad) is gpemu.device.EmuTensor
     assert replay.replay_info()["replayed"] == 3
 
 

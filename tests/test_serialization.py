@@ -11,7 +11,7 @@ from torch import nn
 
 import gpemu
 from gpemu.clock import VirtualClock
-from gpemu.tensor import EmuTensor
+from gpemu.device import EmuTensor
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 
 import gpemu
 from gpemu.clock import VirtualClock
-from gpemu.tensor import EmuTensor, cache_info, device_index, to_emulated
+from gpemu.device import EmuTensor, cache_info, device_index, to_emulated
 
 
 @pytest.fixture

@@ -147,7 +147,7 @@ def test_zeroed_gradients_become_unknown_when_backward_accumulates(rt):
         opt.zero_grad(set_to_none=False)  # zero_(): known zeros ...
         assert all(p.grad.sum().item() == 0 for p in model.parameters())
     model(x).sum().backward()  # ... accumulated into: unknown again (no host computation)
-    from gpemu.tensor import host_shadow
+    from gpemu.device import host_shadow
 
     assert all(host_shadow(p.grad) is None for p in model.parameters())
     from gpemu.fastpaths import optimizer as ofp

@@ -12,8 +12,10 @@ host work hides behind a real GPU.
 * :mod:`.optimizer` — ``step()`` of SGD/Adam/AdamW skipped once its state exists (no arithmetic to
   do), fast ``zero_grad``.
 
-They reach the emulated tensor type only through :class:`gpemu.tensor.TensorState`'s methods
-(``wrap``, ``build``, ``signature``, ``charge``, ``cost_tap``) and its ``memory``/``engine``; each
-keeps its per-run state on the runtime (``rt.replay``, ``rt.gradients``, ``rt.loss``,
+They reach the emulated tensor type through its public fields (``emu_device``, ``emu_block``,
+``emu_shadow``, ``emu_key``: read only) and :class:`gpemu.device.TensorState`'s methods (``wrap``,
+``build``, ``signature``, ``charge``, ``cost_tap``, ``forget_value``, ``set_block``,
+``release``) and its ``memory``/``engine``; ``tests/test_layers.py`` checks both. Each keeps its
+per-run state on the runtime (``rt.replay``, ``rt.gradients``, ``rt.loss``,
 ``rt.optimizer_fastpath``).
 """

@@ -40,14 +40,15 @@ import weakref
 from collections import deque
 from itertools import repeat
 from operator import attrgetter, eq, is_
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from gpemu.tensor import WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
+from gpemu.device import WRAPPER_ATTRIBUTES, EmuTensor, contiguous_stride, unhide_grad
+from gpemu.memory import round_size
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gpemu.tensor import TensorState
+    from gpemu.device import TensorState
 
 __all__ = ["GradientState"]
 
@@ -55,9 +56,34 @@ _getrefcount = sys.getrefcount
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad.__get__
 _gget = torch._C.TensorBase.grad.__get__  # p.grad as torch stores it (C-level; map() loops)
 _gset = torch._C.TensorBase.grad.__set__
-_get_block = attrgetter("_block")
+
+
+class GradSpec(NamedTuple):
+    """The gradient of one tensor as the replayed backward makes it: contiguous, on the tensor's
+    device, ``nbytes`` (``rounded``: as the caching allocator rounds it), ``key`` its wrapper's
+    op-cache signature (a spare wrapper with that key can be reused)."""
+
+    shape: Any
+    stride: tuple
+    dtype: torch.dtype
+    device: int
+    nbytes: int
+    key: tuple
+    rounded: int
+
+
+def grad_spec(t: torch.Tensor, dev: int) -> GradSpec:
+    """The :class:`GradSpec` of ``t``'s gradient (``dev``: its device when ``t`` is not emulated)."""
+    stride = contiguous_stride(t.shape)
+    gdev = t.emu_device if isinstance(t, EmuTensor) else dev
+    nbytes = t.numel() * t.element_size()
+    key = (tuple(t.shape), tuple(stride), 0, t.dtype, gdev)
+    return GradSpec(t.shape, stride, t.dtype, gdev, nbytes, key, round_size(nbytes) if nbytes else 0)
+
+
+_get_block = attrgetter("emu_block")
 _get_parent = attrgetter("parent")
-_get_shadow = attrgetter("_shadow")
+_get_shadow = attrgetter("emu_shadow")
 _get_dict = attrgetter("__dict__")
 
 # _GradSet states
@@ -143,7 +169,7 @@ class GradientState:
     def store(self, holder: Any, params: list, specs: list, needs: tuple | None, every: bool) -> None:
         """Store the parameter gradients of a replayed backward one parameter at a time (the path
         behind :meth:`hand_out`). ``specs``: each parameter's gradient spec (see
-        ``gpemu.fastpaths.replay._grad_spec``); ``needs``: which parameters get one (None: all that
+        :func:`grad_spec`); ``needs``: which parameters get one (None: all that
         have none). New gradients share ONE tracker allocation
         (:meth:`gpemu.memory.MemoryTracker.allocate_group`); a parameter that has a gradient is
         accumulated in place (metadata unchanged, its transient is in the backward's touch). When
@@ -160,8 +186,8 @@ class GradientState:
             # program zeroed with zero_grad(set_to_none=False)) are unknown again.
             for p in params:
                 g = _gget(p)
-                if g is not None and getattr(g, "_shadow", None) is not None:
-                    g._shadow = None
+                if g is not None and getattr(g, "emu_shadow", None) is not None:
+                    self.ts.forget_value(g)
         if not todo:
             return  # accumulation in place: the set (if any) still holds
         if holder.gradset is not None:
@@ -169,20 +195,20 @@ class GradientState:
             holder.gradset = None
         by_dev: dict[int, list] = {}
         for item in todo:
-            by_dev.setdefault(item[1][3], []).append(item)
+            by_dev.setdefault(item[1].device, []).append(item)
         spare = self.spare
-        wrap = self.ts.wrap
+        wrap, set_block = self.ts.wrap, self.ts.set_block
         made: list = []
         parent = None
         for dev, items in by_dev.items():
-            blocks = self.ts.memory[dev].allocate_group([spec[6] for _, spec in items], rounded=True)
+            blocks = self.ts.memory[dev].allocate_group([spec.rounded for _, spec in items], rounded=True)
             for (p, (shape, stride, dtype, _, _, key, _)), block in zip(items, blocks, strict=False):
                 lst = spare.get(key) if spare else None
                 if lst:
                     # A wrapper zero_grad dropped and nobody else holds (_keep_spare).
                     g = lst.pop()
                     self.spare_count -= 1
-                    g._block = block
+                    set_block(g, block)
                 else:
                     g = wrap(shape, stride, 0, dtype, dev, block)
                 _gset(p, g)
@@ -195,7 +221,7 @@ class GradientState:
             and len(by_dev) == 1
             and parent is not None
             and self.spare_limit > 0
-            and all(g._block is not None for g in made)
+            and all(g.emu_block is not None for g in made)
         ):
             holder.gradset = _GradSet(self, params, parent)
 
@@ -250,12 +276,10 @@ class GradientState:
             and len(g.__dict__) == WRAPPER_ATTRIBUTES
             and self.spare_count < self.spare_limit
         ):
-            g._block = None  # frees its memory (the group's block goes when its last share does)
-            g._shadow = None
-            g._meta = None
-            lst = self.spare.get(g._key)
+            self.ts.release(g)  # frees its memory (the group's block goes when its last share does)
+            lst = self.spare.get(g.emu_key)
             if lst is None:
-                self.spare[g._key] = [g]
+                self.spare[g.emu_key] = [g]
             else:
                 lst.append(g)
             self.spare_count += 1
@@ -319,7 +343,7 @@ class GradientState:
             return "dropped"
         if not all(map(is_, map(_get_shadow, grads), repeat(None))):
             for g in grads:
-                g._shadow = None  # a reused gradient's values are unknown again
+                self.ts.forget_value(g)  # a reused gradient's values are unknown again
         group.exposed = False
         return True
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpemu.tensor import EmuTensor, TensorState
+from gpemu.device import EmuTensor, OutputSpec, TensorState
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
@@ -75,11 +75,11 @@ class _Record:
     def __init__(self, state: LossState, dev: int) -> None:
         self.state = state
         self.dev = dev
-        self.out_spec: tuple | None = None  # op-cache output spec (see _spec)
+        self.out_spec: OutputSpec | None = None  # the loss's output, as the op cache keeps one
         self.fwd_seconds = 0.0
         self.saved_bytes = 0  # kept from forward until backward (log-probabilities)
         self.fwd_extra = 0  # used for a moment on top (peak above the end state)
-        self.grad_spec: tuple | None = None  # set when the recording's backward has run
+        self.grad_spec: OutputSpec | None = None  # its input's gradient: set when the recording's backward has run
         self.bwd_seconds = 0.0
         self.bwd_extra = 0
 
@@ -125,14 +125,14 @@ class _FusedLoss(torch.autograd.Function):
                 inner = orig(leaf, target, weight, None, options[0], None, options[1], options[2])
         rec.out_spec = ts.spec_of(inner)
         rec.fwd_seconds = tap.seconds
-        rec.saved_bytes = max(0, mem.allocated - before - rec.out_spec[4])
+        rec.saved_bytes = max(0, mem.allocated - before - rec.out_spec.nbytes)
         rec.fwd_extra = max(0, scope.peak - mem.allocated)
         ctx.inner = (leaf, inner)
         ctx.saved_block = None
         # A new wrapper on the same memory (not a view of an intermediate: autograd treats views
         # returned from a Function specially).
-        shape, stride, offset, dtype = rec.out_spec[:4]
-        return ts.wrap(shape, stride, offset, dtype, dev, inner._block)
+        spec = rec.out_spec
+        return ts.wrap(spec.shape, spec.stride, spec.offset, spec.dtype, dev, inner.emu_block)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
@@ -177,7 +177,8 @@ def _direct_run(node: Any) -> Any:
     _replayed_backward(node)
     rec: _Record = node.rec
     mem = rec.state.ts.memory[rec.dev]
-    block = mem.allocate(rec.grad_spec[4]) if rec.grad_spec[4] else None
+    nbytes = rec.grad_spec.nbytes
+    block = mem.allocate(nbytes) if nbytes else None
     mem.touch(rec.bwd_extra)
     return block
 
@@ -203,7 +204,7 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
         if (
             type(input) is not EmuTensor
             or type(target) is not EmuTensor
-            or input._shadow is not None
+            or input.emu_shadow is not None
             or size_average is not None
             or reduce is not None
             or _len_tf_stack()
@@ -212,14 +213,14 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
             or (weight is not None and (type(weight) is not EmuTensor or weight.requires_grad))
         ):
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-        if engine is not None and engine.in_charged_scope:
+        if engine.in_charged_scope:
             return orig(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         grad = torch.is_grad_enabled() and input.requires_grad
         try:
             key = (
-                input._key,
-                target._key,
-                weight._key if weight is not None else None,
+                input.emu_key,
+                target.emu_key,
+                weight.emu_key if weight is not None else None,
                 ignore_index,
                 reduction,
                 float(label_smoothing),
@@ -234,20 +235,16 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
         rec = records.get(key)
         if rec is None or rec.grad_spec is None:
             # first call of this signature, or its recording never ran backward: (re)record
-            rec = records[key] = _Record(state, input._dev)
+            rec = records[key] = _Record(state, input.emu_device)
         if _functorch_active():
             return _FusedLoss.apply(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
         # Function.apply without its per-argument functorch pass (as gpemu.replay does). A
-        # replayed loss runs no user code: an emulator entry (gpemu.time.TimeEngine.enter).
-        host = engine.local.host if engine is not None and rec.grad_spec is not None else None
-        if host is None or host.depth:
-            return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
-        host.entry = engine.read_clock()
-        host.depth = 1
-        try:
-            return _apply_fused(rec, orig, (ignore_index, reduction, label_smoothing), input, target, weight)
-        finally:
-            engine.leave()
+        # replayed loss runs no user code: an emulator entry (gpemu.time.HostTime.call); a
+        # recording runs the loss's ops, each its own entry.
+        options = (ignore_index, reduction, label_smoothing)
+        if rec.grad_spec is None:
+            return _apply_fused(rec, orig, options, input, target, weight)
+        return engine.call(_apply_fused, rec, orig, options, input, target, weight)
 
     cross_entropy.__wrapped__ = orig  # type: ignore[attr-defined]
     return cross_entropy

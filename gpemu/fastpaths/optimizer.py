@@ -53,14 +53,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpemu.tensor import EmuTensor
+from gpemu.device import EmuTensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
 
 __all__ = ["install", "fast_path_info", "OptimizerFastPath"]
 
-_get_shadow = attrgetter("_shadow")
+_get_shadow = attrgetter("emu_shadow")
 
 
 class OptimizerFastPath:
@@ -165,15 +165,15 @@ def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[lis
             if type(p) is not EmuTensor and not isinstance(p, EmuTensor):
                 return None
             if dev is None:
-                dev = p._dev
-            elif p._dev != dev:
+                dev = p.emu_device
+            elif p.emu_device != dev:
                 return None
             params.append(p)
             grad = p.grad
             has_grad.append(grad is not None)
             if grad is None:
                 continue
-            if not isinstance(grad, EmuTensor) or grad._shadow is not None or grad.is_sparse:
+            if not isinstance(grad, EmuTensor) or grad.emu_shadow is not None or grad.is_sparse:
                 return None
             st = state.get(p)
             if not st:
@@ -186,7 +186,7 @@ def _check(opt: torch.optim.Optimizer, kind: str, group_sig: tuple) -> tuple[lis
                     if isinstance(v, EmuTensor) or not isinstance(v, torch.Tensor):
                         return None  # capturable-style counters on the device: real step
                     steps.append(v)
-                elif not isinstance(v, EmuTensor) or v._shadow is not None:
+                elif not isinstance(v, EmuTensor) or v.emu_shadow is not None:
                     return None
     if dev is None:
         return None
@@ -235,7 +235,7 @@ def _try_fast(opt: torch.optim.Optimizer, plan: _Plan, kind: str, fp: OptimizerF
         params = plan.params
         if not all(map(is_, map(_get_shadow, params), repeat(None))):
             for p in params:
-                p._shadow = None
+                ts.forget_value(p)
         plan.shadow_gen = ts.shadow_writes
     if plan.steps:
         torch._foreach_add_(plan.steps, 1.0)
@@ -262,7 +262,7 @@ def _grads_ok(params: list, has_grad: Any) -> bool:
         grad = p.grad
         if (grad is not None) is not want:
             return False
-        if grad is not None and (grad.__class__ is not EmuTensor or grad._shadow is not None):
+        if grad is not None and (grad.__class__ is not EmuTensor or grad.emu_shadow is not None):
             return False
     return True
 
@@ -276,8 +276,6 @@ def _make_step(fp: OptimizerFastPath, inner: Callable, kinds: dict[type, str]) -
     def real(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # torch's (or a subclass's) step, with the closure that may come with it: not the
         # emulator's own time (see gpemu.time.TimeEngine.suspend)
-        if engine is None:
-            return inner(self, *args, **kwargs)
         depth = engine.suspend()
         try:
             return inner(self, *args, **kwargs)
@@ -340,7 +338,6 @@ def _profile_hook_step(func: Callable, engine: Any) -> Callable:
     from torch.optim.optimizer import Optimizer, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     with_range = Optimizer.profile_hook_step(func)
-    local = engine.local if engine is not None else None
 
     def call_hook(hook: Callable, *args: Any) -> Any:
         if getattr(hook, "__module__", "").startswith("gpemu."):
@@ -355,19 +352,13 @@ def _profile_hook_step(func: Callable, engine: Any) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _profiler_enabled():
             return with_range(*args, **kwargs)
-        host = local.host if local is not None else None
-        if host is None or host.depth:
-            return hooked(*args, **kwargs)
-        host.entry = engine.read_clock()
-        host.depth = 1
-        try:
-            return hooked(*args, **kwargs)
-        finally:
-            engine.leave()
+        if kwargs:
+            return engine.call(functools.partial(hooked, **kwargs), *args)
+        return engine.call(hooked, *args)
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
         self = args[0]
-        run = call_hook if engine is not None else (lambda hook, *a: hook(*a))
+        run = call_hook
         for hooks in (_global_optimizer_pre_hooks, self._optimizer_step_pre_hooks):
             for pre_hook in list(hooks.values()) if hooks else ():
                 result = run(pre_hook, self, args, kwargs)
@@ -405,14 +396,7 @@ def _make_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
         if not set_to_none or not fp.enabled or _profiler_enabled() or "_zero_grad_profile_name" not in self.__dict__:
             return inner(self, set_to_none)
         stats["zero_grad_fast"] += 1
-        if engine is None:
-            drop_gradients(self.param_groups, self)
-            return None
-        engine.enter()  # (the emulator's own work: forgiven)
-        try:
-            drop_gradients(self.param_groups, self)
-        finally:
-            engine.leave()
+        engine.call(drop_gradients, self.param_groups, self)  # (the emulator's own work: forgiven)
         return None
 
     zero_grad._gpemu_fast = True  # type: ignore[attr-defined]
@@ -437,13 +421,7 @@ def _make_module_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
         if params is None:
             return inner(self, set_to_none)
         stats["module_zero_grad_fast"] += 1
-        if engine is not None:
-            engine.enter()  # (the emulator's own work: forgiven)
-        try:
-            drop_gradients([{"params": params}], self)
-        finally:
-            if engine is not None:
-                engine.leave()
+        engine.call(drop_gradients, [{"params": params}], self)  # (the emulator's own work: forgiven)
         return None
 
     zero_grad._gpemu_fast = True  # type: ignore[attr-defined]

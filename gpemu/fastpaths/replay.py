@@ -50,11 +50,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_unflatten
 
 from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
-from gpemu.memory import round_size
+from gpemu.device import EmuTensor
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
-from gpemu.tensor import EmuTensor, contiguous_stride
 
-from .gradients import GradientState
+from .gradients import GradientState, grad_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
@@ -164,9 +163,8 @@ def replay_info() -> dict[str, int]:
         return {}
     if rt.replay is not None:
         return rt.replay.info()
-    if rt.model_time is not None:  # replay off: every call ran op by op
-        return {"recorded": 0, "replayed": 0, "fallback": rt.model_time.stats["op_by_op"]}
-    return {}
+    # replay off: every call ran op by op
+    return {"recorded": 0, "replayed": 0, "fallback": rt.model_time.stats["op_by_op"]}
 
 
 class Recording(CallRecord):
@@ -220,7 +218,7 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
             return orig_call(self, *args, **kwargs)
         # On a real GPU the forward's first kernel is issued microseconds into the call: the
         # forward's GPU time starts here, before the emulator's own book-keeping for the call.
-        t0 = engine.now() if engine is not None else None
+        t0 = engine.now()
         local.depth = 1
         try:
             return _outer_call(R, orig_call, self, args, kwargs, dev, t0)
@@ -239,7 +237,7 @@ def _unit_call(
     dev = emulated_device(module, args, kwargs, first)
     if dev is None:
         return orig_call(module, *args, **kwargs)
-    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now() if engine is not None else None)
+    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now())
 
 
 class _Tree:
@@ -391,14 +389,7 @@ def _outer_call(
     ):
         # A replay runs no user code: an emulator entry (gpemu.time.TimeEngine.enter), its
         # host time is not the program's.
-        engine = R.ts.engine
-        if engine is None:
-            return _replay(rec, emus, params, t0)
-        engine.enter()
-        try:
-            return _replay(rec, emus, params, t0)
-        finally:
-            engine.leave()
+        return R.ts.call(_replay, rec, emus, params, t0)
     rec = Recording(R)
     out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
     if rec.out_specs is not None and rec.treespec is not None:
@@ -415,16 +406,8 @@ def _outer_call(
 # replay
 # ----------------------------------------------------------------------------------------------
 def _new_outputs(rec: Recording, dev: int) -> list:
-    ts = rec.state.ts
-    mem = ts.memory[dev]
-    wrap = ts.wrap
-    outs = []
-    for shape, stride, offset, dtype, nbytes in rec.out_specs:
-        if dtype is None:  # a plain value, stored in the shape's place
-            outs.append(shape)
-        else:
-            outs.append(wrap(shape, stride, offset, dtype, dev, mem.allocate(nbytes) if nbytes else None))
-    return outs
+    build = rec.state.ts.build
+    return [build(spec, (), dev) for spec in rec.out_specs]  # (a plain value is kept as is)
 
 
 def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -> Any:
@@ -517,8 +500,8 @@ class _Direct:
         self.nodes = [_accumulator(hub)] if hub is not None else param_nodes
         self.node = self.nodes[0]
         self.param_nodes = param_nodes
-        self.pspecs = [_grad_spec(p, dev) for p in params]
-        self.param_bytes = sum(spec[4] for spec in self.pspecs)
+        self.pspecs = [grad_spec(p, dev) for p in params]
+        self.param_bytes = sum(spec.nbytes for spec in self.pspecs)
         self.gradset: Any = None  # gpemu.fastpaths.gradients' set of these parameters' gradients
 
 
@@ -543,23 +526,6 @@ def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) 
     # (through the tensor state: inside another model's charge nothing more is charged, and an
     # enclosing model priced by its ops counts it)
     rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at)
-
-
-def _grad_spec(t: torch.Tensor, dev: int) -> tuple:
-    """(shape, contiguous strides, dtype, device, bytes, wrapper key, allocator-rounded bytes) of
-    the gradient of ``t``."""
-    stride = contiguous_stride(t.shape)
-    gdev = t._dev if isinstance(t, EmuTensor) else dev
-    nbytes = t.numel() * t.element_size()
-    return (
-        t.shape,
-        stride,
-        t.dtype,
-        gdev,
-        nbytes,
-        (tuple(t.shape), tuple(stride), 0, t.dtype, gdev),
-        round_size(nbytes) if nbytes else 0,
-    )
 
 
 class _ReplayFunction(torch.autograd.Function):
@@ -587,7 +553,7 @@ class _ReplayFunction(torch.autograd.Function):
         ctx.hook_gen = R.hook_generation  # (see _direct_backward)
         specs = rec.grad_specs
         if specs is None or len(specs) != len(tensors):
-            specs = rec.grad_specs = [_grad_spec(t, rec.dev) for t in tensors]
+            specs = rec.grad_specs = [grad_spec(t, rec.dev) for t in tensors]
         ctx.specs = specs
         if not rec.all_diff:
             ctx.mark_non_differentiable(
@@ -618,8 +584,7 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
         # The recording's backward has not run yet (two forwards, then one backward): its time is
         # not known; it is charged when the recording's backward has measured it.
         rec.owed += 1
-        if ts.engine is not None:
-            ts.engine.note_backward(rec.dev)
+        ts.engine.note_backward(rec.dev)
     else:
         _charge(rec.bwd_seconds, "backward", rec)
     result: list[Any] = [None, None, None]
@@ -645,15 +610,16 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
     new_bytes = 0
     for spec, needed in zip(specs, needs, strict=False):
         if needed:
-            new_bytes += spec[4]
+            new_bytes += spec.nbytes
     if direct is not None and direct.hub is not None:
         new_bytes += direct.param_bytes  # not among the autograd inputs in hub mode
     mem.touch(rec.bwd_extra - new_bytes)
     first_param = direct.n_inputs if direct is not None else len(specs)
     for i in range(first_param):
         if needs[i]:
-            shape, stride, dtype, dev, nbytes, _, _ = specs[i]
-            result.append(ts.wrap(shape, stride, 0, dtype, dev, ts.memory[dev].allocate(nbytes) if nbytes else None))
+            spec = specs[i]
+            block = ts.memory[spec.device].allocate(spec.nbytes) if spec.nbytes else None
+            result.append(ts.wrap(spec.shape, spec.stride, 0, spec.dtype, spec.device, block))
         else:
             result.append(None)
     if direct is not None:
@@ -688,9 +654,10 @@ def _hub_nodes(roots: Any) -> list:
 
 
 def _placeholder_grad(R: ReplayState, t: torch.Tensor) -> EmuTensor:
-    shape, stride, dtype, dev, nbytes, _, _ = _grad_spec(t, t._dev)
+    spec = grad_spec(t, t.emu_device)
     ts = R.ts
-    return ts.wrap(shape, stride, 0, dtype, dev, ts.memory[dev].allocate(nbytes) if nbytes else None)
+    block = ts.memory[spec.device].allocate(spec.nbytes) if spec.nbytes else None
+    return ts.wrap(spec.shape, spec.stride, 0, spec.dtype, spec.device, block)
 
 
 def _targeted(R: ReplayState, roots: Any, inputs: Any) -> tuple[list, set[int], list] | None:
@@ -786,10 +753,10 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
     edges = rnode.next_functions
     if edges[-1][0] is not direct.node or any(fn is not None for fn, _ in edges[:-1]):
         return False  # an input of the module needs a gradient: the engine's business
-    cost = R.implicit.get(loss._key)
+    cost = R.implicit.get(loss.emu_key)
     if cost is None:
         return False  # the implicit gradient's cost is measured on the engine path first
-    dev = loss._dev
+    dev = loss.emu_device
     ts = R.ts
     ts.charge(cost, dev, "ones_like.default")
     # torch.autograd.backward holds the implicit gradient until the whole backward has run
@@ -812,13 +779,13 @@ def _implicit_grad(R: ReplayState, t: EmuTensor) -> EmuTensor:
     GPU time measured), built directly afterwards with the same charge and memory, skipping a
     dispatch and torch's checks (~8 us of each training step's host time)."""
     ts = R.ts
-    cost = R.implicit.get(t._key)
+    cost = R.implicit.get(t.emu_key)
     if cost is None:
         with ts.cost_tap() as tap:
             g = torch.ones_like(t, memory_format=torch.preserve_format)
-        R.implicit[t._key] = tap.seconds
+        R.implicit[t.emu_key] = tap.seconds
         return g
-    dev = t._dev
+    dev = t.emu_device
     ts.charge(cost, dev, "ones_like.default")
     nbytes = t.element_size()
     return ts.wrap((), (), 0, t.dtype, dev, ts.memory[dev].allocate(nbytes))
@@ -832,23 +799,15 @@ def _make_backward(R: ReplayState, orig: Any) -> Any:
             type(tensors) is EmuTensor
             and args
             and args[0] is None
-            and not tensors._key[0]
-            and tensors._shadow is None
+            and not tensors.emu_key[0]
+            and tensors.emu_shadow is None
             and tensors.requires_grad
             and "grad_variables" not in kwargs
         ):
             # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
             defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
-            if defaults and engine is not None:
-                # (the engine-free backward runs no user code: an emulator entry)
-                engine.enter()
-                try:
-                    done = _direct_backward(R, tensors)
-                finally:
-                    engine.leave()
-                if done:
-                    return None
-            elif defaults and _direct_backward(R, tensors):
+            # (the engine-free backward runs no user code: an emulator entry)
+            if defaults and engine.call(_direct_backward, R, tensors):
                 return None
             grad = _implicit_grad(R, tensors)
             if defaults and _run_engine is not None and not _functorch_active():

@@ -1,0 +1,69 @@
+"""The emulated device (component ``gpemu.device``): the emulated CUDA tensor and its ops.
+
+Rooms: :mod:`~gpemu.device.emutensor` (the ``EmuTensor`` type and its public fields),
+:mod:`~gpemu.device.state` (the run's :class:`TensorState`: building and charging tensors, the
+doors other modules use), :mod:`~gpemu.device.dispatch` (every aten op),
+:mod:`~gpemu.device.signature` and :mod:`~gpemu.device.ops` (the op metadata cache: fast and slow
+paths), :mod:`~gpemu.device.special` (ops the emulator handles itself), :mod:`~gpemu.device.shadows`
+(known small values), :mod:`~gpemu.device.copies` (host <-> device and peer copies).
+
+Values: what host code reads back follows :mod:`gpemu.hostvalues`. The ways in (``.cuda()``,
+factories, ``Module.to``) are :mod:`gpemu.ways_in`. The fast paths (:mod:`gpemu.fastpaths`)
+build and charge emulated tensors without dispatch through :class:`TensorState`'s methods.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import dispatch  # noqa: F401  (binds EmuTensor.__torch_dispatch__)
+from .copies import PeerCopy, peer_copy, to_emulated, to_host
+from .emutensor import DTYPE_NAMES, TYPE_NAMES, WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
+from .shadows import host_args, host_shadow, set_host_shadow
+from .state import (
+    CostTap,
+    OutputSpec,
+    OwnNodes,
+    TensorState,
+    backward_pass,
+    cache_info,
+    contiguous_stride,
+    current_state,
+    device_index,
+    from_meta,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime import Runtime
+
+__all__ = [
+    "EmuTensor",
+    "TensorState",
+    "CostTap",
+    "OwnNodes",
+    "OutputSpec",
+    "WRAPPER_ATTRIBUTES",
+    "TYPE_NAMES",
+    "DTYPE_NAMES",
+    "unhide_grad",
+    "backward_pass",
+    "contiguous_stride",
+    "current_state",
+    "cache_info",
+    "device_index",
+    "from_meta",
+    "host_args",
+    "host_shadow",
+    "set_host_shadow",
+    "to_emulated",
+    "to_host",
+    "peer_copy",
+    "PeerCopy",
+    "install",
+]
+
+
+def install(rt: Runtime) -> None:
+    """The run's tensor state (``rt.tensors``). The ways in that hand out emulated tensors are
+    :mod:`gpemu.ways_in`."""
+    rt.tensors = TensorState(rt)
