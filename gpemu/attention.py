@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -87,7 +87,7 @@ class _FusedAttention(torch.autograd.Function):
         kernel: str,
         causal: bool,
         q: EmuTensor,
-        k: EmuTensor,  # type: ignore[override]
+        k: EmuTensor,
         v: EmuTensor,
         mask: Any,
     ) -> EmuTensor:
@@ -104,6 +104,7 @@ class _FusedAttention(torch.autograd.Function):
         ts.charge(price.gpu, dev, f"{kernel}_attention", price)
         # Output in the kernel's layout: (B, L, H, Dv) in memory, seen as (B, H, L, Dv).
         shape = (*batch, length, value_dim)
+        stride: tuple[int, ...]
         if len(batch) == 2:
             b, h = batch
             stride = (length * h * value_dim, value_dim, h * value_dim, 1)
@@ -120,7 +121,7 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         ts: TensorState = ctx.ts
         bh, length, source, head_dim, value_dim, dtype, dev = ctx.dims
         mem = ts.memory[dev]
@@ -132,7 +133,8 @@ class _FusedAttention(torch.autograd.Function):
         ctx.kept = None
         mask_grad = None
         if ctx.mask_spec is not None and ctx.needs_input_grad[6]:
-            mask_grad = ts.new(*ctx.mask_spec, dev)
+            mask_shape, mask_dtype = ctx.mask_spec
+            mask_grad = ts.new(mask_shape, mask_dtype, dev)
         return None, None, None, grads[0], grads[1], grads[2], mask_grad
 
 
@@ -228,7 +230,10 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
         q, k, v = query, key, value
         if torch.is_autocast_enabled("cuda"):  # what autocast would do to this op's inputs
             dtype = torch.get_autocast_dtype("cuda")
-            q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
+            # (emulated ops: their results are emulated)
+            q, k, v = (
+                cast(EmuTensor, t.to(dtype)) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v)
+            )
         same_heads = q.dim() != 4 or (q.shape[1] == k.shape[1] == v.shape[1])
         kernel = choose_kernel(
             capabilities[q.emu_device],
@@ -256,7 +261,7 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
             )
         return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask)
 
-    scaled_dot_product_attention.__wrapped__ = orig  # type: ignore[attr-defined]
+    scaled_dot_product_attention.__wrapped__ = orig
     return scaled_dot_product_attention
 
 

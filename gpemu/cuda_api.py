@@ -510,17 +510,16 @@ def _bound_classes(surface: CudaSurface) -> tuple[type, type, type]:
 
         def __init__(self, stream: Any) -> None:
             self.stream = stream
-            self._previous = None
+            self._previous: VirtualStream | None = None
 
         def __enter__(self) -> Any:
             if self.stream is not None:
                 self._previous = surface.rt.engine.set_stream(self.stream)
             return self.stream
 
-        def __exit__(self, *exc: Any) -> bool:
+        def __exit__(self, *exc: Any) -> None:
             if self.stream is not None and self._previous is not None:
                 surface.rt.engine.set_stream(self._previous)
-            return False
 
     for cls in (Stream, Event, StreamContext):
         cls.__module__ = "torch.cuda"

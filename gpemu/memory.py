@@ -219,15 +219,15 @@ class MemoryTracker:
         ONE tracker call: same bytes as separate requests, but one block shared by all, freed
         when the last of them dies. ``None`` for a zero-byte request. ``rounded=True``: the sizes
         are already :func:`round_size` results (the replayed backward caches them)."""
-        rounded = sizes if rounded else [round_size(n) for n in sizes]
-        total = sum(rounded)
+        charged = sizes if rounded else [round_size(n) for n in sizes]
+        total = sum(charged)
         if not total:
             return [None] * len(sizes)
         self._account(total)
         parent = GroupBlock(self, total)
         out: list[SubBlock | None] = []
         offset = 0
-        for size in rounded:
+        for size in charged:
             out.append(SubBlock(parent, offset, size) if size else None)
             offset += size
         return out

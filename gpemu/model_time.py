@@ -535,7 +535,7 @@ class _BackwardStart(torch.autograd.Function):
     the whole backward pass ends."""
 
     @staticmethod
-    def forward(ctx: Any, info: _BackwardInfo, *outs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, info: _BackwardInfo, *outs: EmuTensor) -> tuple:
         ctx.info = info
         # An output the loss does not use (GoogLeNet's auxiliary logits) gets no gradient, as in
         # torch: autograd would otherwise make zeros from the wrapper's metadata, i.e. PLAIN meta
@@ -547,7 +547,7 @@ class _BackwardStart(torch.autograd.Function):
         return tuple(wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o.emu_device, o.emu_block) for o in outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         info: _BackwardInfo = ctx.info
         ts = info.owner.ts
         engine = ts.engine
@@ -579,7 +579,7 @@ class _BackwardStart(torch.autograd.Function):
                 if rec is not None:
                     rec.bwd_seconds = bwd
             else:
-                bwd = info.bwd_seconds
+                bwd = info.bwd_seconds or 0.0
                 if info.times is not None:
                     times, ident = info.times
                     ratio = _ratio(tap)
@@ -608,7 +608,7 @@ class _BackwardStart(torch.autograd.Function):
 
 
 def _once(fn: Any) -> Any:
-    done = []
+    done: list[bool] = []
 
     def call() -> None:
         if not done:
@@ -631,7 +631,7 @@ class _BackwardEnd(torch.autograd.Function):
     module's backward, not of what the backward pass does after it)."""
 
     @staticmethod
-    def forward(ctx: Any, holder: _EndHolder, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, holder: _EndHolder, *inputs: EmuTensor) -> tuple:
         ctx.holder = holder
         ctx.set_materialize_grads(False)
         ts = inputs[0].emu_state
@@ -640,7 +640,7 @@ class _BackwardEnd(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         info = ctx.holder.info
         if info is not None and info.close is not None:
             info.close()

@@ -49,7 +49,7 @@ class MemorySample(NamedTuple):
 class IterationMark(NamedTuple):
     device: int
     time: float
-    index: int
+    index: int  # type: ignore[assignment]  # (a field named as tuple.index, which no one calls)
 
 
 class Records(list):
@@ -63,7 +63,7 @@ class Records(list):
 
     __slots__ = ("kind",)
 
-    def __init__(self, kind: type, items: Iterable = ()) -> None:
+    def __init__(self, kind: Any, items: Iterable = ()) -> None:  # kind: a NamedTuple class
         super().__init__(items)
         self.kind = kind
 
@@ -73,10 +73,10 @@ class Records(list):
             return list(map(self.kind._make, item))
         return self.kind._make(item)
 
-    def __iter__(self) -> Iterator:  # type: ignore[override]
+    def __iter__(self) -> Iterator:
         return map(self.kind._make, list.__iter__(self))
 
-    def __reversed__(self) -> Iterator:  # type: ignore[override]
+    def __reversed__(self) -> Iterator:
         return map(self.kind._make, list.__reversed__(self))
 
     def __repr__(self) -> str:

@@ -52,7 +52,7 @@ class _FusedRNN(torch.autograd.Function):
         mode: str,
         dims: tuple,
         dtype: torch.dtype,
-        n_state: int,  # type: ignore[override]
+        n_state: int,
         input: EmuTensor,
         *rest: EmuTensor,
     ) -> tuple:
@@ -83,7 +83,7 @@ class _FusedRNN(torch.autograd.Function):
         return (out, *states)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         ts: TensorState = ctx.ts
         steps, batch, rows, input_size, hidden, layers, directions, _, _ = ctx.dims
         if all(g is None for g in grads):
@@ -114,14 +114,14 @@ class _Gather(torch.autograd.Function):
     batch, padding a packed one); its backward lays the gradient back out (zeros where padded)."""
 
     @staticmethod
-    def forward(ctx: Any, ts: TensorState, name: str, shape: tuple, source: EmuTensor) -> EmuTensor:  # type: ignore[override]
+    def forward(ctx: Any, ts: TensorState, name: str, shape: tuple, source: EmuTensor) -> EmuTensor:
         out = ts.new(shape, source.dtype, source.emu_device)
         _charge_copy(ts, source.emu_device, out.numel(), source.dtype, name, False)
         ctx.ts, ctx.name, ctx.spec = ts, name, (tuple(source.shape), source.dtype, source.emu_device)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         shape, dtype, dev = ctx.spec
         out = ctx.ts.new(shape, dtype, dev)
         _charge_copy(ctx.ts, dev, out.numel(), dtype, ctx.name + "_backward", True)
@@ -148,7 +148,7 @@ def _make_pack(rt: Runtime, orig: Callable) -> Callable:
         data, batch_sizes = orig(_stand_in(input), lengths, batch_first)
         return _Gather.apply(ts, "_pack_padded_sequence", tuple(data.shape), input), batch_sizes
 
-    _pack_padded_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
+    _pack_padded_sequence.__wrapped__ = orig
     return _pack_padded_sequence
 
 
@@ -169,7 +169,7 @@ def _make_pad(rt: Runtime, orig: Callable) -> Callable:
         padded, lengths = orig(_stand_in(data), batch_sizes, batch_first, padding_value, total_length)
         return _Gather.apply(ts, "_pad_packed_sequence", tuple(padded.shape), data), lengths
 
-    _pad_packed_sequence.__wrapped__ = orig  # type: ignore[attr-defined]
+    _pad_packed_sequence.__wrapped__ = orig
     return _pad_packed_sequence
 
 
@@ -216,7 +216,7 @@ def _make(rt: Runtime, mode: str, orig: Callable) -> Callable:
         dims = (steps, batch, rows, input.shape[-1], hidden, num_layers, directions, layout, for_backward)
         return _FusedRNN.apply(ts, mode, dims, dtype, len(states), input, *states, *params)
 
-    rnn.__wrapped__ = orig  # type: ignore[attr-defined]
+    rnn.__wrapped__ = orig
     return rnn
 
 

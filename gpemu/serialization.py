@@ -163,7 +163,7 @@ def _place(obj: Any, saved: dict[int, str], map_location: Any, memo: dict[int, A
             out_d._metadata = obj._metadata  # type: ignore[attr-defined]
         return out_d
     if isinstance(obj, dict):
-        out_d2 = {}
+        out_d2: dict[Any, Any] = {}
         memo[id(obj)] = out_d2
         for k, v in obj.items():
             out_d2[k] = _place(v, saved, map_location, memo)

@@ -20,7 +20,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
@@ -103,19 +103,19 @@ def _parse_to(args: tuple, kwargs: dict) -> tuple[Any, Any, bool, bool, Any]:
     """(device, dtype, non_blocking, copy, memory_format) of a Tensor.to / Module.to call."""
     kwargs = dict(kwargs)
     copy = bool(kwargs.pop("copy", False))
-    args = list(args)
-    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+    rest = list(args)
+    if rest and isinstance(rest[0], int) and not isinstance(rest[0], bool):
         # .to(0): the CPU build cannot parse an int device in C; an int means cuda:N.
-        kwargs.setdefault("device", torch.device("cuda", args.pop(0)))
+        kwargs.setdefault("device", torch.device("cuda", rest.pop(0)))
     elif "device" in kwargs and isinstance(kwargs["device"], int) and not isinstance(kwargs["device"], bool):
         kwargs["device"] = torch.device("cuda", kwargs["device"])
-    if args and isinstance(args[0], torch.Tensor):
-        other = args.pop(0)
+    if rest and isinstance(rest[0], torch.Tensor):
+        other = rest.pop(0)
         kwargs.setdefault("device", other.device)
         kwargs.setdefault("dtype", other.dtype)
-    if len(args) >= 4:  # (device, dtype, non_blocking, copy)
-        copy = bool(args.pop(3))
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if len(rest) >= 4:  # (device, dtype, non_blocking, copy)
+        copy = bool(rest.pop(3))
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
     return device, dtype, bool(non_blocking), copy, memory_format
 
 
@@ -140,10 +140,10 @@ def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
                 return self
             # torch's C++ .to() initialises CUDA for a cuda target: convert here instead.
             out = self
-            if dtype is not None and dtype != self.dtype:
-                out = orig_to(self, dtype=dtype, non_blocking=non_blocking)
+            if dtype is not None and dtype != self.dtype:  # (an emulated op: its result is emulated)
+                out = cast(EmuTensor, orig_to(self, dtype=dtype, non_blocking=non_blocking))
             elif copy and idx == self.emu_device:
-                out = self.clone()
+                out = cast(EmuTensor, self.clone())
             if idx != out.emu_device:
                 out = PeerCopy.apply(out, idx) if out.requires_grad and torch.is_grad_enabled() else peer_copy(out, idx)
             return out
@@ -210,7 +210,7 @@ def _emulated_factory(ts: TensorState, orig: Callable, name: str, args: tuple, k
     if args and isinstance(args[0], EmuTensor):
         # *_like / as_tensor of an emulated tensor: runs through dispatch on its device.
         out = orig(*args, **kw) if name not in ("tensor",) else args[0].detach().clone()
-        if out.emu_device != dev:
+        if out.get_device() != dev:
             out = out.to(_DEVICES[dev])
     elif name in _DATA_FACTORIES:
         out = to_emulated(orig(*args, **kw), dev)

@@ -80,12 +80,12 @@ class _ToDevice(torch.autograd.Function):
     """Host -> emulated copy that keeps autograd (grads flow back as host placeholders)."""
 
     @staticmethod
-    def forward(ctx: Any, ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:  # type: ignore[override]
+    def forward(ctx: Any, ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
         ctx.host_dtype = t.dtype
         return _emulate_plain(ts, t.detach(), dev, non_blocking)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         host = to_host(grad) if isinstance(grad, EmuTensor) else grad
         return None, host.to(ctx.host_dtype), None, None
 
@@ -121,10 +121,10 @@ class PeerCopy(torch.autograd.Function):
     """:func:`peer_copy` that keeps autograd (the gradient goes back to the source device)."""
 
     @staticmethod
-    def forward(ctx: Any, t: EmuTensor, idx: int) -> EmuTensor:  # type: ignore[override]
+    def forward(ctx: Any, t: EmuTensor, idx: int) -> EmuTensor:
         ctx.src = t.emu_device
         return peer_copy(t, idx)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         return peer_copy(grad, ctx.src), None

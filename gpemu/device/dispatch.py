@@ -58,4 +58,4 @@ def _owner(args: tuple) -> TensorState | None:
     return rt.tensors if rt is not None else None
 
 
-EmuTensor.__torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[method-assign,assignment]
+EmuTensor.__torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[assignment]

@@ -35,8 +35,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["EmuTensor", "unhide_grad", "WRAPPER_ATTRIBUTES", "TYPE_NAMES", "DTYPE_NAMES"]
 
 _DEVICES = [torch.device("cuda", i) for i in range(64)]
-_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
-_REQUIRES_GRAD_METHOD = torch._C.TensorBase.requires_grad_
+# torch's C-level descriptors and methods of a tensor (its stubs type the descriptors as values):
+# calling them bypasses the Python-level overrides below.
+_TENSOR_BASE: Any = torch._C.TensorBase
+_REQUIRES_GRAD = _TENSOR_BASE.requires_grad
+_REQUIRES_GRAD_METHOD = _TENSOR_BASE.requires_grad_
+_DATA = _TENSOR_BASE.data
 # Attributes every emulated tensor carries (the six fields above); a gradient with more was
 # marked by the program and is never reused by the fast paths.
 WRAPPER_ATTRIBUTES = 6
@@ -52,7 +56,7 @@ class EmuTensor(torch.Tensor):
     emu_meta: torch.Tensor | None
     emu_state: TensorState
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # (torch's own idiom)
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, device: int = 0, requires_grad: bool = False) -> EmuTensor:
@@ -76,16 +80,16 @@ class EmuTensor(torch.Tensor):
     def is_meta(self) -> bool:  # type: ignore[override]
         return False
 
-    def get_device(self) -> int:  # type: ignore[override]
+    def get_device(self) -> int:
         return self.emu_device
 
-    def data_ptr(self) -> int:  # type: ignore[override]
+    def data_ptr(self) -> int:
         block = self.emu_block
         base = block.address if block is not None else 0
-        return base + self.storage_offset() * self.element_size()
+        return base + int(self.storage_offset()) * self.element_size()
 
     @property
-    def data(self) -> torch.Tensor:  # type: ignore[override]
+    def data(self) -> torch.Tensor:
         return self.detach()
 
     @data.setter
@@ -93,7 +97,7 @@ class EmuTensor(torch.Tensor):
         # ``param.data = x`` swaps the TensorImpl's metadata in C++; the Python-side state
         # (device index, memory block, shadow) must follow or the accounting goes wrong.
         unhide_grad(self)
-        torch._C.TensorBase.data.__set__(self, new)
+        _DATA.__set__(self, new)
         self.emu_state.param_generation += 1
         self.emu_state.shadow_writes += 1
         if isinstance(new, EmuTensor):
@@ -106,7 +110,7 @@ class EmuTensor(torch.Tensor):
     # requires_grad changes of parameters invalidate replay recordings (gpemu.fastpaths.replay
     # keys on a generation counter instead of reading every parameter's flag on every call).
     @property
-    def requires_grad(self) -> bool:  # type: ignore[override]
+    def requires_grad(self) -> bool:
         return _REQUIRES_GRAD.__get__(self)
 
     @requires_grad.setter
@@ -117,7 +121,7 @@ class EmuTensor(torch.Tensor):
         if getattr(self, "_is_param", False):
             ts.param_generation += 1
 
-    def requires_grad_(self, requires_grad: bool = True) -> EmuTensor:  # type: ignore[override]
+    def requires_grad_(self, requires_grad: bool = True) -> EmuTensor:
         # torch's method, not the property: on a non-leaf that requires grad, requires_grad_(True)
         # is allowed (HF's gradient checkpointing calls it on embedding outputs).
         _REQUIRES_GRAD_METHOD(self, requires_grad)
@@ -133,7 +137,7 @@ class EmuTensor(torch.Tensor):
     # Python code marks its group exposed; setting a parameter's gradient detaches a hidden
     # group for real first.
     @property
-    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
         g = _GRAD_GET(self)
         if g is not None:
             block = g.__dict__.get("emu_block")
@@ -156,13 +160,13 @@ class EmuTensor(torch.Tensor):
 
     _grad = grad  # (torch's alias, as its C property)
 
-    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+    def record_stream(self, stream: Any) -> None:
         """No-op: emulated blocks are freed when the last tensor dies; stream-ordered reuse
         is not modelled."""
 
-    def new_tensor(
+    def new_tensor(  # type: ignore[override]  # (torch's stub spells its keywords differently)
         self, data: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False, **kwargs: Any
-    ) -> torch.Tensor:  # type: ignore[override]
+    ) -> torch.Tensor:
         idx = self.emu_device if device is None else self.emu_state.device_index(device)
         host = torch.as_tensor(
             data.cpu() if isinstance(data, torch.Tensor) else data, dtype=dtype or self.dtype
@@ -173,12 +177,12 @@ class EmuTensor(torch.Tensor):
         return out.requires_grad_(requires_grad) if requires_grad else out
 
     # -- ways back ---------------------------------------------------------------------------
-    def tolist(self) -> Any:  # type: ignore[override]
+    def tolist(self) -> Any:
         from .copies import to_host
 
         return to_host(self, reason="tolist").tolist()
 
-    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+    def numpy(self, *, force: bool = False) -> Any:
         if force:
             from .copies import to_host
 
@@ -227,7 +231,7 @@ class EmuTensor(torch.Tensor):
                 extra += ", requires_grad=True"
             return f"{prefix}tensor({contents}{extra})"
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: Any) -> Any:
         # gpemu.serialization installs the real reduction for its run (torch.save of emulated
         # tensors); without it an emulated tensor has nothing to pickle.
         raise TypeError(
@@ -235,14 +239,14 @@ class EmuTensor(torch.Tensor):
             "(torch.save writes its placeholder values)"
         )
 
-    def __deepcopy__(self, memo: dict) -> EmuTensor:
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad():
             new = self.clone(memory_format=torch.preserve_format)
         new.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
-            new._is_param = True  # type: ignore[attr-defined]
+            new._is_param = True
         memo[id(self)] = new
         if self.grad is not None:
             import copy
@@ -251,8 +255,8 @@ class EmuTensor(torch.Tensor):
         return new
 
 
-_GRAD_GET = torch._C.TensorBase.grad.__get__
-_GRAD_SET = torch._C.TensorBase.grad.__set__
+_GRAD_GET = _TENSOR_BASE.grad.__get__
+_GRAD_SET = _TENSOR_BASE.grad.__set__
 
 
 def unhide_grad(t: torch.Tensor) -> None:

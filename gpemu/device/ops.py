@@ -211,7 +211,7 @@ def _outputs(ts: TensorState, func: Any, entry: OpEntry, mout: Any, emus: list, 
     whether the entry may be cached. An output that is an input's meta tensor is that input (in
     place); one on an input's storage is a view sharing its block; others are new allocations."""
     in_metas = [meta_of(e) for e in emus]
-    storages = {}
+    storages: dict[int, int] = {}  # an input's storage -> its index
     for i, m in enumerate(in_metas):
         try:
             storages.setdefault(m.untyped_storage()._cdata, i)

@@ -60,7 +60,7 @@ def signature(args: Any, emus: list, exact: bool) -> tuple:
 def call_signature(args: Any, emus: list) -> tuple:
     """:func:`signature` (floats by value) for a module call: emulated tensors by shape, strides,
     dtype and device, not by where they sit in their storage."""
-    out = []
+    out: list[Any] = []
     for a in args:
         c = a.__class__
         if c is EmuTensor:

@@ -118,7 +118,7 @@ def _amp_update_scale(func: Any, args: tuple, kwargs: dict) -> Any:
     return scale
 
 
-def detach(func: Any, args: tuple, kwargs: dict) -> Any:
+def detach(func: Any, args: tuple, kwargs: dict | None) -> Any:
     # Hot (autograd detaches every gradient it stores): an alias with the same metadata.
     t = args[0]
     k = t.emu_key

@@ -55,7 +55,7 @@ class OutputSpec(NamedTuple):
 
     shape: Any
     stride: Any
-    offset: int
+    offset: int | torch.SymInt
     dtype: torch.dtype | None
     nbytes: int
     alias: int | None
@@ -205,7 +205,7 @@ class TensorState:
         self,
         shape: Any,
         stride: Any,
-        offset: int,
+        offset: int | torch.SymInt,
         dtype: torch.dtype,
         dev: int,
         block: Any,
@@ -254,7 +254,7 @@ class TensorState:
         src = emus[alias]
         if write:
             return src
-        return self.wrap(shape, stride, offset, dtype, src.emu_device, src.emu_block)
+        return self.wrap(shape, stride, offset, src.dtype if dtype is None else dtype, src.emu_device, src.emu_block)
 
     @staticmethod
     def spec_of(t: EmuTensor) -> OutputSpec:
@@ -421,11 +421,11 @@ def device_index(device: Any) -> int | None:
     return cuda_index(device, rt.current_device if rt is not None else 0)
 
 
-def storage_nbytes(shape: tuple, stride: tuple, offset: int, itemsize: int) -> int:
+def storage_nbytes(shape: tuple, stride: tuple, offset: int | torch.SymInt, itemsize: int) -> int:
     if 0 in shape:
         return 0
     extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
-    return (offset + extent) * itemsize
+    return int(offset + extent) * itemsize
 
 
 def from_meta(

@@ -53,9 +53,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["GradientState"]
 
 _getrefcount = sys.getrefcount
-_REQUIRES_GRAD = torch._C.TensorBase.requires_grad.__get__
-_gget = torch._C.TensorBase.grad.__get__  # p.grad as torch stores it (C-level; map() loops)
-_gset = torch._C.TensorBase.grad.__set__
+_TENSOR_BASE: Any = torch._C.TensorBase  # (its stubs type the C-level descriptors as values)
+_REQUIRES_GRAD = _TENSOR_BASE.requires_grad.__get__
+_gget = _TENSOR_BASE.grad.__get__  # p.grad as torch stores it (C-level; map() loops)
+_gset = _TENSOR_BASE.grad.__set__
 
 
 class GradSpec(NamedTuple):
@@ -434,9 +435,10 @@ def _rearm(gs: _GradSet) -> bool:
     params = gs.params
     if not all(map(is_, map(_gget, params), repeat(None))):
         return False
-    group = gs.parent
+    group, spares = gs.parent, gs.spares
+    assert spares is not None  # (a released set keeps its wrappers)
     group.reacquire()  # may raise OOM, before anything changed
-    deque(map(_gset, params, gs.spares), 0)
+    deque(map(_gset, params, spares), 0)
     group.exposed = False
     gs.spares = None
     gs.parent = None

@@ -99,7 +99,7 @@ class _FusedLoss(torch.autograd.Function):
         rec: _Record,
         orig: Callable,
         options: tuple,
-        input: EmuTensor,  # type: ignore[override]
+        input: EmuTensor,
         target: EmuTensor,
         weight: EmuTensor | None,
     ) -> EmuTensor:
@@ -108,9 +108,10 @@ class _FusedLoss(torch.autograd.Function):
         state = rec.state
         ts = state.ts
         mem = ts.memory[dev]
-        if rec.grad_spec is not None:  # replay
+        out_spec = rec.out_spec
+        if rec.grad_spec is not None and out_spec is not None:  # replay
             state.stats["replayed"] += 1
-            out = ts.build(rec.out_spec, [], dev)
+            out = ts.build(out_spec, [], dev)
             ctx.saved_block = mem.allocate(rec.saved_bytes) if rec.saved_bytes else None
             mem.touch(rec.fwd_extra)
             ts.charge(rec.fwd_seconds, dev, "cross_entropy")
@@ -123,25 +124,25 @@ class _FusedLoss(torch.autograd.Function):
             leaf = input.detach().requires_grad_(input.requires_grad)
             with ts.cost_tap() as tap, mem.peak_scope() as scope:
                 inner = orig(leaf, target, weight, None, options[0], None, options[1], options[2])
-        rec.out_spec = ts.spec_of(inner)
+        spec = rec.out_spec = ts.spec_of(inner)
         rec.fwd_seconds = tap.seconds
-        rec.saved_bytes = max(0, mem.allocated - before - rec.out_spec.nbytes)
+        rec.saved_bytes = max(0, mem.allocated - before - spec.nbytes)
         rec.fwd_extra = max(0, scope.peak - mem.allocated)
         ctx.inner = (leaf, inner)
         ctx.saved_block = None
         # A new wrapper on the same memory (not a view of an intermediate: autograd treats views
         # returned from a Function specially).
-        spec = rec.out_spec
-        return ts.wrap(spec.shape, spec.stride, spec.offset, spec.dtype, dev, inner.emu_block)
+        return ts.wrap(spec.shape, spec.stride, spec.offset, inner.dtype, dev, inner.emu_block)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         rec: _Record = ctx.rec
         dev = rec.dev
         ts = rec.state.ts
         mem = ts.memory[dev]
-        if ctx.inner is None:  # replay
+        if ctx.inner is None:  # replay (a recording's backward has run: its gradient is known)
             _replayed_backward(ctx)
+            assert rec.grad_spec is not None
             out = ts.build(rec.grad_spec, [], dev)
             mem.touch(rec.bwd_extra)
             return None, None, None, out, None, None
@@ -177,6 +178,7 @@ def _direct_run(node: Any) -> Any:
     _replayed_backward(node)
     rec: _Record = node.rec
     mem = rec.state.ts.memory[rec.dev]
+    assert rec.grad_spec is not None  # (see _direct_ready)
     nbytes = rec.grad_spec.nbytes
     block = mem.allocate(nbytes) if nbytes else None
     mem.touch(rec.bwd_extra)

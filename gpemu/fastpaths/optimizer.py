@@ -58,6 +58,9 @@ from gpemu.device import EmuTensor
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
 
+    from .gradients import GradientState
+    from .replay import ReplayState
+
 __all__ = ["install", "fast_path_info", "OptimizerFastPath"]
 
 _get_shadow = attrgetter("emu_shadow")
@@ -75,6 +78,11 @@ class OptimizerFastPath:
         self.enabled = True  # False once the run ended (optimizers made in it run plainly)
         self.plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan] = weakref.WeakKeyDictionary()
         self.stats = {"fast": 0, "real": 0, "zero_grad_fast": 0, "module_zero_grad_fast": 0}
+
+    def end(self) -> None:
+        """The run ended: optimizers made in it step plainly from now on."""
+        self.enabled = False
+        self.plans.clear()
 
 
 def fast_path_info() -> dict[str, int]:
@@ -136,7 +144,7 @@ class _Plan:
         self.state: Any = None
         self.n_state = 0
         self.groups: Any = None
-        self.group_sig: tuple = ()
+        self.group_sig: tuple | None = ()
         self.params: list = []
         self.has_grad: list[bool] = []
         self.steps: list[torch.Tensor] = []  # CPU step counters of parameters with gradients
@@ -252,7 +260,8 @@ class _All:
 
 
 _ALL = _All()
-_gget = torch._C.TensorBase.grad.__get__  # (C-level: the fast path's own look is no exposure)
+_TENSOR_BASE: Any = torch._C.TensorBase  # (its stubs type the C-level descriptors as values)
+_gget = _TENSOR_BASE.grad.__get__  # (C-level: the fast path's own look is no exposure)
 
 
 def _grads_ok(params: list, has_grad: Any) -> bool:
@@ -380,14 +389,14 @@ def _profile_hook_step(func: Callable, engine: Any) -> Callable:
     return wrapper
 
 
-def _make_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
+def _make_zero_grad(fp: OptimizerFastPath, gradients: GradientState, inner: Callable) -> Callable:
     """``Optimizer.zero_grad`` with a fast ``set_to_none=True``: the same loop without torch's
     profiler range and foreach bookkeeping, and each dropped emulated gradient that nothing else
     references is kept by :meth:`gpemu.fastpaths.gradients.GradientState.drop_gradients`, so the
     next replayed backward reuses its wrapper instead of creating a new tensor object per
     parameter. Torch's own ``zero_grad`` runs for ``set_to_none=False``, while the torch profiler
     records, and before the optimizer set up its profile name."""
-    drop_gradients = fp.gradients.drop_gradients
+    drop_gradients = gradients.drop_gradients
     stats = fp.stats
     engine = fp.engine
 
@@ -403,13 +412,15 @@ def _make_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
     return zero_grad
 
 
-def _make_module_zero_grad(fp: OptimizerFastPath, inner: Callable) -> Callable:
+def _make_module_zero_grad(
+    fp: OptimizerFastPath, gradients: GradientState, replay: ReplayState, inner: Callable
+) -> Callable:
     """``Module.zero_grad(set_to_none=True)`` as the optimizer's fast one, over the module's
     parameters (the replay fast path's cached walk of the module tree): a replayed module's
     gradient set is given back whole. Torch's own runs for ``set_to_none=False``, replicas, and
     while the torch profiler records."""
-    drop_gradients = fp.gradients.drop_gradients
-    params_of = fp.replay.params_of
+    drop_gradients = gradients.drop_gradients
+    params_of = replay.params_of
     stats = fp.stats
     engine = fp.engine
 
@@ -451,13 +462,9 @@ def install(rt: Runtime) -> None:
     from torch.optim.optimizer import Optimizer
 
     if fp.gradients is not None:
-        rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(fp, Optimizer.zero_grad))
+        rt.patcher.replace(Optimizer, "zero_grad", _make_zero_grad(fp, fp.gradients, Optimizer.zero_grad))
         if fp.replay is not None:
             M = torch.nn.Module
-            rt.patcher.replace(M, "zero_grad", _make_module_zero_grad(fp, M.zero_grad))
-
-    def end() -> None:
-        fp.enabled = False
-        fp.plans.clear()
-
-    rt.patcher.on_restore(end)
+            zero_grad = _make_module_zero_grad(fp, fp.gradients, fp.replay, M.zero_grad)
+            rt.patcher.replace(M, "zero_grad", zero_grad)
+    rt.patcher.on_restore(fp.end)

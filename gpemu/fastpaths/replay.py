@@ -209,7 +209,7 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
                 return _unit_call(R, orig_call, self, args, kwargs, trees, engine)
             finally:
                 local.open = True
-        tree = trees.data.get(_weakref(self)) if trees else None
+        tree = trees.data.get(_weakref(self)) if trees else None  # type: ignore[attr-defined]  # (the dict itself: faster)
         # The cached walk's first parameter (valid while no Module attribute changed anywhere):
         # the generator behind module.parameters() costs ~5 µs per call.
         first = tree.first if tree is not None and tree.gen == R.structure_gen else None
@@ -246,6 +246,13 @@ class _Tree:
     dicts kept their sizes; hooks are re-checked on every call (one C-level ``any``)."""
 
     __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
+    gen: int
+    params: list
+    flags: tuple
+    hook_dicts: list
+    dicts: list
+    lens: list[int]
+    first: Any
 
 
 def _walk(R: ReplayState, module: torch.nn.Module) -> tuple[list, tuple, bool]:
@@ -406,8 +413,9 @@ def _outer_call(
 # replay
 # ----------------------------------------------------------------------------------------------
 def _new_outputs(rec: Recording, dev: int) -> list:
-    build = rec.state.ts.build
-    return [build(spec, (), dev) for spec in rec.out_specs]  # (a plain value is kept as is)
+    build, specs = rec.state.ts.build, rec.out_specs
+    assert specs is not None  # (only a replayable recording is replayed)
+    return [build(spec, [], dev) for spec in specs]  # (a plain value is kept as is)
 
 
 def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -> Any:
@@ -519,7 +527,8 @@ def _accumulator(t: torch.Tensor) -> Any:
         return get_gradient_edge(t).node
     with torch.enable_grad(), torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON_DISPATCH):
         view = t.view_as(t)
-    return view.grad_fn.next_functions[0][0]
+    node: Any = view.grad_fn  # (made above: a view of a leaf that requires grad)
+    return node.next_functions[0][0]
 
 
 def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
@@ -534,7 +543,7 @@ class _ReplayFunction(torch.autograd.Function):
         ctx: Any,
         rec: Recording,
         direct: _Direct | None,
-        t0: float | None,  # type: ignore[override]
+        t0: float | None,
         *tensors: torch.Tensor,
     ) -> tuple:
         _charge(rec.fwd_seconds, "forward", rec, t0)
@@ -566,7 +575,7 @@ class _ReplayFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         # (the gradients' values are never read: only which inputs need one)
         return _replay_backward(ctx, None)
 
@@ -653,7 +662,7 @@ def _hub_nodes(roots: Any) -> list:
     return found
 
 
-def _placeholder_grad(R: ReplayState, t: torch.Tensor) -> EmuTensor:
+def _placeholder_grad(R: ReplayState, t: EmuTensor) -> EmuTensor:
     spec = grad_spec(t, t.emu_device)
     ts = R.ts
     block = ts.memory[spec.device].allocate(spec.nbytes) if spec.nbytes else None
@@ -724,7 +733,7 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
     the engine would hold them) and gradients; its C++ and per-node Python glue cost ~12 µs per
     step. Any other graph, hooks registered anywhere since the graph was built, anomaly mode, a
     recording profiler or a functorch transform: False, and the engine runs as usual."""
-    lnode = loss.grad_fn
+    lnode: Any = loss.grad_fn
     head = R.heads.get(type(lnode))
     if (
         head is None
@@ -738,7 +747,7 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
     gen = R.hook_generation
     if getattr(lnode, "hook_gen", None) != gen:
         return False
-    rnode = None
+    rnode: Any = None
     for fn, _ in lnode.next_functions:
         if fn is None:
             continue
@@ -774,7 +783,7 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
 _run_engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def _implicit_grad(R: ReplayState, t: EmuTensor) -> EmuTensor:
+def _implicit_grad(R: ReplayState, t: EmuTensor) -> torch.Tensor:
     """The implicit gradient of scalar loss ``t``: op by op the first time for its metadata (its
     GPU time measured), built directly afterwards with the same charge and memory, skipping a
     dispatch and torch's checks (~8 us of each training step's host time)."""
