@@ -7,13 +7,18 @@ reverse order, so torch ends exactly as it was (tests compare the attributes).
 Why a registry and not ``unittest.mock.patch``: several ``torch.cuda`` submodules import
 functions by name (``from . import current_device``), so one logical patch touches many
 attributes; and some originals are absent (``torch.cuda.set_device`` may not exist on a CPU
-build), which must be restored as "absent" again.
+build), which must be restored as "absent" again. Modules too slow to import on every patch
+(``torch.distributed.tensor``) are patched when the program imports them
+(:meth:`Patcher.after_import`), and the import hook leaves with the rest.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -35,6 +40,53 @@ class _Record:
     name: str
     original: Any  # MISSING when the attribute did not exist
     in_dict: bool  # whether the original lived in owner.__dict__ (vs inherited)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """An import hook: runs ``callback(module)`` right after module ``name`` is executed."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+        self.busy = False  # finding the module's own spec, below (not for this hook)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name or self.busy:
+            return None
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _LoadThenCall(spec.loader, self.callback)
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _LoadThenCall(importlib.abc.Loader):
+    """The module's own loader, then the hook's callback on the executed module (the module keeps
+    its own loader: nothing of the hook stays on it)."""
+
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
+        self.loader = loader
+        self.callback = callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.callback(module)
 
 
 class Patcher:
@@ -97,6 +149,18 @@ class Patcher:
     def on_restore(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` at restore time (for things that are not attributes: hooks, modes)."""
         self._undo.append(undo)
+
+    def after_import(self, module_name: str, callback: Callable[[ModuleType], None]) -> None:
+        """Run ``callback(module)`` for module ``module_name``: now if it is imported, else right
+        after the program imports it (gpemu does not import slow modules it may never need). The
+        callback patches through this patcher as usual; :meth:`restore_all` removes the hook."""
+        module = sys.modules.get(module_name)
+        if module is not None:
+            callback(module)
+            return
+        hook = _AfterImport(module_name, callback)
+        sys.meta_path.insert(0, hook)
+        self.on_restore(hook.remove)
 
     # ------------------------------------------------------------------ restore
     def restore_all(self) -> None:

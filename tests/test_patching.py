@@ -89,3 +89,44 @@ def test_a_script_patching_itself_under_gpemu_run_keeps_the_command_lines_run(tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gpus 1 False" in proc.stdout  # the command line's single GPU
     assert "the run keeps the command line's settings (num_gpus=2 asked, 1 in use)" in proc.stderr
+
+
+def test_after_import_patches_a_module_when_the_program_imports_it(tmp_path, monkeypatch):
+    """A module not imported yet: the callback runs right after the program's import executes it
+    (the module keeps its own loader); restore_all undoes the patch and removes the hook, so a
+    later import is left alone."""
+    import sys
+
+    (tmp_path / "gpemu_late_module.py").write_text("VALUE = 'original'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    p = Patcher()
+
+    def patch_it(module: types.ModuleType) -> None:
+        seen.append(module.VALUE)  # executed before the callback
+        p.replace(module, "VALUE", "patched")
+
+    hooks_before = list(sys.meta_path)
+    try:
+        p.after_import("gpemu_late_module", patch_it)
+        assert seen == []  # nothing imported it yet
+        import gpemu_late_module
+
+        assert seen == ["original"] and gpemu_late_module.VALUE == "patched"
+        assert type(gpemu_late_module.__loader__).__name__ == "SourceFileLoader"
+        p.restore_all()
+        assert gpemu_late_module.VALUE == "original" and sys.meta_path == hooks_before
+        del sys.modules["gpemu_late_module"]
+        import gpemu_late_module  # noqa: F811  (imported again, after the restore)
+
+        assert seen == ["original"] and gpemu_late_module.VALUE == "original"
+    finally:
+        sys.modules.pop("gpemu_late_module", None)
+        p.restore_all()
+
+
+def test_after_import_of_an_imported_module_runs_at_once():
+    seen = []
+    p = Patcher()
+    p.after_import("json", lambda module: seen.append(module.__name__))
+    assert seen == ["json"] and not p.active  # no hook left to remove

@@ -25,6 +25,7 @@ and writes ``data/params.json``.
 from __future__ import annotations
 
 from .classify import COMPUTE_CLASSES, MEMORY_CLASSES, OpClass, OpFeatures, classify
+from .comm import Collective, Link, collective_seconds, gpu_link
 from .gpus import DONORS, GPUS, GpuSheet, find_gpu, gpu_sheet
 from .model import CostModel, StepSeconds, Uncertainty, curve_key, default_model, op_seconds
 from .precision import FP32, Precision, compute_peak
@@ -53,4 +54,8 @@ __all__ = [
     "OpRecorder",
     "StepOps",
     "record_step",
+    "Collective",
+    "Link",
+    "collective_seconds",
+    "gpu_link",
 ]

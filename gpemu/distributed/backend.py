@@ -1,0 +1,72 @@
+"""Process groups on emulated GPUs: NCCL runs as gloo.
+
+``init_process_group('nccl')`` and ``new_group(backend='nccl')`` use gloo instead (also inside
+``'cuda:nccl,cpu:gloo'`` strings): NCCL does not exist on the CPU build, gloo works between local
+processes, so ranks really rendezvous and really exchange small messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .meeting import ORIGINAL
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime import Runtime
+
+__all__ = ["map_backend", "ProcessGroups"]
+
+
+def map_backend(backend: Any) -> Any:
+    """'nccl' -> 'gloo', 'cuda:nccl,cpu:gloo' -> 'cuda:gloo,cpu:gloo'; other names unchanged."""
+    if backend is None:
+        return None
+    text = str(backend)
+    if ":" not in text:
+        return "gloo" if text.lower() == "nccl" else backend
+    parts = []
+    for item in text.split(","):
+        device, _, name = item.partition(":")
+        parts.append(f"{device.strip()}:{'gloo' if name.strip().lower() == 'nccl' else name.strip()}")
+    return ",".join(parts)
+
+
+class ProcessGroups:
+    """``init_process_group``, ``new_group`` and ``is_nccl_available`` of one run (patched in as
+    bound methods)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def replacements(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "init_process_group": self.init_process_group,
+            "new_group": self.new_group,
+            "is_nccl_available": self.is_nccl_available,
+        }
+
+    def init_process_group(self, backend: Any = None, *args: Any, **kwargs: Any) -> None:
+        rt = self.rt
+        device_id = kwargs.pop("device_id", None)  # gloo cannot bind a (meta-backed) CUDA device
+        mapped = map_backend(backend) if backend is not None else "gloo"
+        if backend is not None and mapped != backend:
+            rt.say_once(f"torch.distributed backend {backend!r} runs as {mapped!r} (NCCL needs real GPUs)")
+        ORIGINAL["init_process_group"](mapped, *args, **kwargs)
+        if device_id is not None:
+            index = device_id if isinstance(device_id, int) else torch.device(device_id).index
+            if index is not None:
+                rt.current_device = rt.check_device(index)
+
+    def new_group(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("device_id", None)
+        if "backend" in kwargs:
+            kwargs["backend"] = map_backend(kwargs["backend"])
+        elif len(args) >= 3:
+            args = (*args[:2], map_backend(args[2]), *args[3:])
+        return ORIGINAL["new_group"](*args, **kwargs)
+
+    def is_nccl_available(self) -> bool:
+        return True

@@ -1,0 +1,392 @@
+"""c10d's collectives (``dist.all_reduce(t)``, ...) on emulated tensors; host tensors go to gloo.
+
+Every collective shares one preamble (:func:`c10d_form`): host tensors only, torch's own function;
+a group this rank is not in, nothing (as torch); the work object only for ``async_op=True``. The
+body is the emulated case, and calls the collective of :mod:`.collectives` that the functional
+form calls too; reduce, scatter, gather, the list all-gather and point-to-point are c10d's only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed import distributed_c10d as c10d_module
+
+from ..costmodel.comm import Collective
+from ..device import EmuTensor, host_shadow
+from ..hostvalues import SHADOW_MAX_ELEMENTS
+from .collectives import Call, Collectives, Root
+from .meeting import (
+    HOST_PATH,
+    ORIGINAL,
+    any_emulated,
+    device_of,
+    group_rank,
+    known_or_host,
+    knows,
+    outside,
+    proxy,
+    proxy_dtype,
+    store,
+    tensor_bytes,
+    values_op,
+)
+
+__all__ = ["C10d", "c10d_form", "C10D_NAMES"]
+
+_SUM = dist.ReduceOp.SUM
+# The c10d functions replaced (module attributes of torch.distributed and every by-name copy).
+C10D_NAMES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "scatter",
+    "gather",
+    "all_to_all_single",
+    "all_to_all",
+    "barrier",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+)
+# Other names of the single-tensor all-gather and reduce-scatter, where this torch has them.
+_ALIASES = {
+    "all_gather_single": "all_gather_into_tensor",
+    "_all_gather_base": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+}
+
+
+def c10d_form(torch_name: str, outside_value: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The preamble of c10d collective ``torch_name`` (the decorated method has torch's signature
+    and is the emulated case only): without an emulated tensor among the arguments, torch's own
+    function runs (:data:`HOST_PATH`); on a rank outside the group, nothing (``outside_value``);
+    the body's work object is returned only for ``async_op=True`` (where the signature has it)."""
+
+    def form(body: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(body)
+        returns_work = "async_op" in signature.parameters
+
+        @functools.wraps(body)
+        def collective(self: C10d, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(self, *args, **kwargs)
+            given = bound.arguments
+            if not any_emulated(*given.values()):
+                return HOST_PATH[torch_name](*bound.args[1:], **bound.kwargs)
+            if outside(given.get("group")):
+                return outside_value
+            result = body(self, *args, **kwargs)
+            return result if not returns_work or given.get("async_op") else None
+
+        return collective
+
+    return form
+
+
+class C10d:
+    """The c10d collectives of one run (patched in as bound methods)."""
+
+    def __init__(self, shared: Collectives) -> None:
+        self.shared = shared
+
+    def replacements(self) -> dict[str, Callable[..., Any]]:
+        """torch name -> this run's function, for the names this torch has."""
+        table = {name: getattr(self, name) for name in C10D_NAMES}
+        table.update({alias: getattr(self, ours) for alias, ours in _ALIASES.items() if alias in ORIGINAL})
+        return table
+
+    # ---------------------------------------------------------------- shared with the functional form
+    @c10d_form("all_reduce")
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = _SUM, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
+        call = Call("all_reduce", group, device_of(tensor))
+        return self.shared.all_reduce(call, [tensor], [tensor], values_op(op), [tensor_bytes(tensor)])
+
+    @c10d_form("all_reduce_coalesced")
+    def all_reduce_coalesced(
+        self, tensors: list, op: Any = _SUM, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
+        tensors = list(tensors)
+        call = Call("all_reduce_coalesced", group, device_of(tensors))
+        nbytes = sum(tensor_bytes(t) for t in tensors)  # one message
+        return self.shared.all_reduce(call, tensors, tensors, values_op(op), [nbytes])
+
+    @c10d_form("broadcast")
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+        group_src: int | None = None,
+    ) -> Any:
+        return self.shared.broadcast(Call("broadcast", group, device_of(tensor)), tensor, tensor, Root(src, group_src))
+
+    @c10d_form("all_gather_into_tensor")
+    def all_gather_into_tensor(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        call = Call("all_gather_into_tensor", group, device_of(output_tensor, input_tensor))
+        return self.shared.all_gather(call, [input_tensor], [output_tensor])
+
+    @c10d_form("reduce_scatter_tensor")
+    def reduce_scatter_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Any = _SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        call = Call("reduce_scatter_tensor", group, device_of(output, input))
+        full = proxy(input) if knows(input) else None
+        return self.shared.reduce_scatter(call, [full], [output], values_op(op), [tensor_bytes(input)])
+
+    @c10d_form("reduce_scatter")
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list,
+        op: Any = _SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        call = Call("reduce_scatter", group, device_of(output, input_list))
+        values = [host_shadow(t) if isinstance(t, EmuTensor) else t for t in input_list]
+        known = all(v is not None for v in values) and sum(t.numel() for t in input_list) <= SHADOW_MAX_ELEMENTS
+        full = torch.cat([proxy(t, v) for t, v in zip(input_list, values, strict=False)]) if known else None
+        nbytes = sum(tensor_bytes(t) for t in input_list)
+        return self.shared.reduce_scatter(call, [full], [output], values_op(op), [nbytes])
+
+    @c10d_form("all_to_all_single")
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        call = Call("all_to_all_single", group, device_of(output, input))
+        return self.shared.all_to_all(call, [tensor_bytes(input)], [output])
+
+    @c10d_form("all_to_all")
+    def all_to_all(
+        self,
+        output_tensor_list: list,
+        input_tensor_list: list,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        call = Call("all_to_all", group, device_of(output_tensor_list, input_tensor_list))
+        nbytes = sum(tensor_bytes(t) for t in input_tensor_list)
+        return self.shared.all_to_all(call, [nbytes], output_tensor_list)
+
+    # ---------------------------------------------------------------- c10d's own
+    @c10d_form("reduce")
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int | None = None,
+        op: Any = _SUM,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+        group_dst: int | None = None,
+    ) -> Any:
+        call, how, shared = Call("reduce", group, device_of(tensor)), values_op(op), self.shared
+        is_root = Root(dst, group_dst).is_me(group)
+        seconds = shared.seconds(Collective.REDUCE, [tensor_bytes(tensor)], call)
+        met = shared.charge(call, seconds, knows(tensor) and how.op is not None)
+        work = met.work
+        if met.everyone_knows:
+            value, work = shared.reduced(proxy(tensor), how, group)
+            if is_root:
+                store(tensor, value)
+        elif is_root:
+            store(tensor, None)
+        return work
+
+    @c10d_form("all_gather")
+    def all_gather(
+        self, tensor_list: list, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> Any:
+        call, shared = Call("all_gather", group, device_of(tensor, tensor_list)), self.shared
+        seconds = shared.seconds(Collective.ALL_GATHER, [tensor_bytes(tensor) * call.world], call)
+        met = shared.charge(call, seconds, known_or_host(tensor))
+        work = met.work
+        if not met.everyone_knows:
+            for dst in tensor_list:
+                store(dst, None)
+            return work
+        share = proxy(tensor)
+        outs = [torch.zeros_like(share) for _ in tensor_list]
+        work = ORIGINAL["all_gather"](outs, share, group=group, async_op=True)
+        work.wait()
+        shared.values_sent()
+        for dst, value in zip(tensor_list, outs, strict=False):
+            store(dst, value)
+        return work
+
+    @c10d_form("scatter")
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list | None = None,
+        src: int | None = None,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+        group_src: int | None = None,
+    ) -> Any:
+        call, shared = Call("scatter", group, device_of(tensor, scatter_list)), self.shared
+        world, share, shares = call.world, tensor.numel(), scatter_list or []
+        is_root = Root(src, group_src).is_me(group)
+        knowing = not is_root or (
+            bool(shares) and all(known_or_host(t) for t in shares) and share * world <= SHADOW_MAX_ELEMENTS
+        )
+        met = shared.charge(call, shared.seconds(Collective.SCATTER, [tensor_bytes(tensor) * world], call), knowing)
+        work, value = met.work, None
+        if met.everyone_knows:
+            dtype = proxy_dtype(tensor)
+            joined = torch.cat([proxy(t) for t in shares]) if is_root else torch.zeros(share * world, dtype=dtype)
+            work = ORIGINAL["broadcast"](joined.to(dtype), src=src, group=group, async_op=True, group_src=group_src)
+            work.wait()
+            shared.values_sent()
+            rank = group_rank(group)
+            value = joined[rank * share : (rank + 1) * share]
+        store(tensor, value)
+        return work
+
+    @c10d_form("gather")
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list | None = None,
+        dst: int | None = None,
+        group: ProcessGroup | None = None,
+        async_op: bool = False,
+        group_dst: int | None = None,
+    ) -> Any:
+        call, shared = Call("gather", group, device_of(tensor, gather_list)), self.shared
+        world = call.world
+        met = shared.charge(
+            call, shared.seconds(Collective.GATHER, [tensor_bytes(tensor) * world], call), knows(tensor)
+        )
+        work, outs = met.work, None
+        if met.everyone_knows:
+            share = proxy(tensor)
+            outs = [torch.zeros_like(share) for _ in range(world)]
+            work = ORIGINAL["all_gather"](outs, share, group=group, async_op=True)
+            work.wait()
+            shared.values_sent()
+        for i, t in enumerate(gather_list or ()):
+            store(t, outs[i] if outs is not None else None)
+        return work
+
+    def barrier(self, group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None) -> Any:
+        # gloo has no per-device barrier; the device list only matters to NCCL.
+        return ORIGINAL["barrier"](group=group, async_op=async_op)
+
+    # ---------------------------------------------------------------- point to point
+    @c10d_form("isend")
+    def isend(
+        self,
+        tensor: torch.Tensor,
+        dst: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_dst: int | None = None,
+    ) -> Any:
+        # A header (when the transfer can end, whether values follow), then the known values.
+        call, shared = Call("send", group, device_of(tensor)), self.shared
+        engine = shared.parts.engine
+        stream = engine.stream(call.dev)
+        start = max(stream.busy_until, engine.now())
+        finish = start + shared.seconds(Collective.SEND, [tensor_bytes(tensor)], call)
+        knowing = knows(tensor)
+        header = torch.tensor([finish, 1.0 if knowing else 0.0], dtype=torch.float64)
+        work = ORIGINAL["isend"](header, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        work.wait()
+        if knowing:
+            work = ORIGINAL["isend"](proxy(tensor), dst=dst, group=group, tag=tag, group_dst=group_dst)
+            work.wait()
+            shared.values_sent()
+        stream.enqueue(finish - start, "comm", call.name, 0, start)
+        shared.parts.rt.recorder.add_many(("comm_collectives", 1.0), ("comm_messages", 1.0))
+        return work
+
+    @c10d_form("irecv")
+    def irecv(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_src: int | None = None,
+    ) -> Any:
+        call, shared = Call("recv", group, device_of(tensor)), self.shared
+        engine = shared.parts.engine
+        stream = engine.stream(call.dev)
+        start = max(stream.busy_until, engine.now())
+        header = torch.zeros(2, dtype=torch.float64)
+        work = ORIGINAL["irecv"](header, src=src, group=group, tag=tag, group_src=group_src)
+        work.wait()
+        value = None
+        if header[1].item():
+            if src is None and group_src is None:  # received from any rank: the values come from it
+                src = work._source_rank()
+            value = proxy(tensor)
+            work = ORIGINAL["irecv"](value, src=src, group=group, tag=tag, group_src=group_src)
+            work.wait()
+            shared.values_sent()
+        finish = max(float(header[0]), start + shared.seconds(Collective.SEND, [tensor_bytes(tensor)], call))
+        stream.enqueue(finish - start, "comm", call.name, 0, start)
+        shared.parts.rt.recorder.add_many(("comm_collectives", 1.0), ("comm_messages", 1.0))
+        store(tensor, value)
+        return work
+
+    @c10d_form("send")
+    def send(
+        self,
+        tensor: torch.Tensor,
+        dst: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_dst: int | None = None,
+    ) -> None:
+        self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+
+    @c10d_form("recv", outside_value=-1)
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_src: int | None = None,
+    ) -> int:
+        """The sender's global rank."""
+        work = self.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+        if src is not None:
+            return src
+        if group_src is None:
+            return work._source_rank()
+        return dist.get_global_rank(group if group is not None else c10d_module._get_default_group(), group_src)
