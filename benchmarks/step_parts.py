@@ -50,7 +50,7 @@ def main() -> None:
         "--compare-direct",
         action="store_true",
         help="alternate blocks of 10 iterations with loss.backward() run with and without the "
-        "autograd engine (gpemu.fastpaths.replay._direct_backward)",
+        "autograd engine (gpemu.fastpaths.backward._direct_backward)",
     )
     a = p.parse_args()
     if a.batch_size < 1 or a.iterations < 10:

@@ -65,6 +65,7 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.optimizer_hooks",  # optimizer step time, iteration marks           (time)
     "gpemu.model_time",  # outermost module's forward/backward time        (time)
     "gpemu.fastpaths.replay",  # module forward/backward record/replay           (fast path)
+    "gpemu.fastpaths.backward",  # engine-free loss.backward(), targeted gradients (fast path)
     "gpemu.fastpaths.loss",  # cross-entropy as one op after a recorded call   (fast path)
     "gpemu.fastpaths.optimizer",  # skipped optimizer steps, fast zero_grad      (fast path)
     "gpemu.autocast",  # autocast('cuda') dtype behaviour                (device)

@@ -561,7 +561,7 @@ def test_backward_inputs_subset_sets_only_those_gradients(rt) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# hub mode: replays pass one leaf to autograd instead of every parameter (gpemu.fastpaths.replay._Direct)
+# hub mode: replays pass one leaf to autograd instead of every parameter (gpemu.fastpaths.replay.Direct)
 # ----------------------------------------------------------------------------------------------
 def _plain_iterations(model: nn.Module, x: torch.Tensor, n: int) -> None:
     for _ in range(n):
@@ -712,7 +712,7 @@ def test_implicit_loss_gradient_costs_what_ones_like_costs(rt) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# loss.backward() without the autograd engine (gpemu.fastpaths.replay._direct_backward)
+# loss.backward() without the autograd engine (gpemu.fastpaths.backward._direct_backward)
 # ----------------------------------------------------------------------------------------------
 def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
     """n training steps of a small classifier; GPU spans (kind, duration, start offset), memory
@@ -836,6 +836,7 @@ def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch
     """The emulator's own host time in a replayed forward, a replayed loss and the engine-free
     backward is not on the emulated host timeline (gpemu.time.TimeEngine.enter); the program's
     own time between them is."""
+    import gpemu.fastpaths.backward as backwardfp
     import gpemu.fastpaths.loss as lossfp
     import gpemu.fastpaths.replay as replayfp
 
@@ -862,7 +863,7 @@ def test_replayed_forward_loss_and_backward_are_emulator_entries(rt, monkeypatch
         return inner
 
     monkeypatch.setattr(replayfp, "_new_outputs", slowed(replayfp._new_outputs))
-    monkeypatch.setattr(replayfp, "_replay_backward", slowed(replayfp._replay_backward))
+    monkeypatch.setattr(backwardfp, "replay_backward", slowed(replayfp.replay_backward))
     monkeypatch.setattr(lossfp, "_replayed_backward", slowed(lossfp._replayed_backward))
     torch.cuda.synchronize()
     t0 = rt.engine.now()

@@ -6,7 +6,8 @@ work per training step smaller, so that it hides behind emulated GPU time as a r
 host work hides behind a real GPU.
 
 * :mod:`.replay` — an outermost module's recorded forward/backward replayed as one autograd node;
-  engine-free ``loss.backward()`` for an ordinary training step's graph;
+* :mod:`.backward` — engine-free ``loss.backward()`` for an ordinary training step's graph, and
+  targeted gradients through a replay whose parameters are not autograd inputs;
 * :mod:`.gradients` — a replayed module's parameter gradients kept as one set between steps;
 * :mod:`.loss` — ``F.cross_entropy`` replayed as one op after a recorded op-by-op call;
 * :mod:`.optimizer` — ``step()`` of SGD/Adam/AdamW skipped once its state exists (no arithmetic to

@@ -116,7 +116,7 @@ class _FusedLoss(torch.autograd.Function):
             mem.touch(rec.fwd_extra)
             ts.charge(rec.fwd_seconds, dev, "cross_entropy")
             ctx.inner = None
-            ctx.hook_gen = state.replay.hook_generation  # (see gpemu.fastpaths.replay._direct_backward)
+            ctx.hook_gen = state.replay.hook_generation  # (see gpemu.fastpaths.backward._direct_backward)
             return out
         # Record: run the ops one by one on a leaf of our own, keep its graph for backward.
         before = mem.allocated
@@ -173,7 +173,7 @@ def _direct_ready(node: Any) -> bool:
 
 
 def _direct_run(node: Any) -> Any:
-    """The replayed loss backward for :func:`gpemu.fastpaths.replay._direct_backward`: its input
+    """The replayed loss backward for :func:`gpemu.fastpaths.backward._direct_backward`: its input
     gradient as a memory block (the next node never reads its values)."""
     _replayed_backward(node)
     rec: _Record = node.rec

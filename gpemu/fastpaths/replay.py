@@ -27,7 +27,7 @@ it returns them to autograd. Gradient wrappers that ``zero_grad()`` dropped and 
 references are handed out again as the next replayed backward's gradients
 (:mod:`gpemu.fastpaths.gradients`). After ``config.tuning.hub_after`` plain backwards, a
 recording's replays pass one "hub" leaf to autograd instead of every parameter (see
-:class:`_Direct`); ``torch.autograd.grad``/``backward(inputs=...)`` are patched to answer for
+:class:`Direct`); ``torch.autograd.grad``/``backward(inputs=...)`` are patched to answer for
 parameters of such a graph. An ordinary step's ``loss.backward()`` may run without the autograd
 engine (:func:`_direct_backward`).
 
@@ -46,19 +46,30 @@ from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_unflatten
 
 from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
 from gpemu.device import EmuTensor
-from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device, graph_nodes
+from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device
 
 from .gradients import GradientState, grad_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
 
-__all__ = ["install", "Recording", "ReplayState", "replay_info"]
+__all__ = [
+    "install",
+    "Recording",
+    "ReplayState",
+    "replay_info",
+    "Direct",
+    "ReplayFunction",
+    "ReplayBackward",
+    "replay_backward",
+    "charge_recording",
+    "functorch_active",
+]
 
 _nn_module = torch.nn.modules.module
 _weakref = weakref.ref
@@ -123,7 +134,7 @@ class ReplayState:
         self.hook_generation = 0
         # Calls of a module whose object argument was new each time (see _outer_call).
         self.object_misses: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-        self.hub_used = False  # some replay ran in hub mode (see _Direct)
+        self.hub_used = False  # some replay ran in hub mode (see Direct)
         self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run
         # Graph heads that can hand a replayed module its output's gradient without the engine:
         # node class -> (ready(node) -> bool, without side effects; run(node) -> the memory block
@@ -180,13 +191,13 @@ class Recording(CallRecord):
         self.hook_gen = -1  # state.hook_generation when grad_param_list was found to have no hooks
         # Reused between calls: its AccumulateGrad node reference keeps the parameter's
         # accumulator alive, so get_gradient_edge (~3 µs of Python) runs once per recording.
-        self.direct: _Direct | None = None
+        self.direct: Direct | None = None
         # Consecutive replayed backwards that were plain ``loss.backward()`` calls (every
         # parameter accumulator ran); _NEVER once a targeted one (autograd.grad, inputs=) was seen.
         self.plain = 0
-        self.hub_direct: _Direct | None = None
+        self.hub_direct: Direct | None = None
         # The parameters' accumulator nodes, looked up (and watched by the gradient sets) once
-        # per recording: shared by its plain and hub-mode _Direct (see _Direct.__init__).
+        # per recording: shared by its plain and hub-mode Direct (see Direct.__init__).
         self.param_nodes: list | None = None
 
 
@@ -323,6 +334,8 @@ def _outer_call(
     dev: int,
     t0: float | None = None,
 ) -> Any:
+    """An outermost module call: replayed when a recording of the same situation exists, else
+    run op by op (recorded when its outputs can be made again)."""
     run_charged = R.model_time.run_charged
     params, flags, hooks = _walk(R, module)
     if _graph_task() != -1:
@@ -330,15 +343,44 @@ def _outer_call(
         # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
         # forward's; a replay saves none. Op by op, never recorded.
         return run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0)
-    if hooks or _global_hooks():
-        reason: str | None = "module hooks are registered"
-    else:
-        reason = R.unreplayable.get(module)
-    if reason is not None:
+    reason = "module hooks are registered" if hooks or _global_hooks() else R.unreplayable.get(module)
+    emus: list = []
+    key = None if reason is not None else _call_key(R, args, kwargs, flags, emus)
+    if reason is None and key is None:
+        reason = "a module argument is not hashable"
+    if reason is not None or key is None:
         # Its submodules' calls are units of their own: they may be replayed (an HF model whose
         # output holds a cache object: its layers are replayed).
         return run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0, open_children=True)
-    emus: list = []
+    table = R.records.get(module)
+    if table is None:
+        table = R.records[module] = {}
+    rec, key = _lookup(R, module, table, key)
+    reason = R.unreplayable.get(module)
+    if reason is not None:  # (given up just now)
+        return run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0, open_children=True)
+    if rec is not None and (
+        rec.params is params  # the cached walk's own list: nothing changed
+        or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))
+    ):
+        # A replay runs no user code: an emulator entry (gpemu.time.HostTime.call), its host
+        # time is not the program's.
+        return R.ts.call(_replay, rec, emus, params, t0)
+    rec = Recording(R)
+    out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
+    if rec.out_specs is not None and rec.treespec is not None:
+        R.stats["recorded"] += 1
+        if len(table) >= _RECORDS_PER_MODULE:
+            del table[next(iter(table))]  # the oldest situation goes
+        table[key] = rec
+    elif rec.not_replayable is not None:
+        R.unreplayable[module] = rec.not_replayable
+    return out
+
+
+def _call_key(R: ReplayState, args: tuple, kwargs: dict, flags: tuple, emus: list) -> tuple | None:
+    """The situation a call is recorded under (None: an argument cannot be part of a key). Its
+    inputs' signature is at ``_IN_SIG``; ``emus`` gets the emulated tensors among them."""
     sig = R.ts.call_signature
     try:
         in_sig = (sig(args, emus), sig(tuple(kwargs.items()), emus) if kwargs else None)
@@ -357,56 +399,30 @@ def _outer_call(
         )
         hash(key)
     except TypeError:
-        return run_charged(
-            orig_call,
-            module,
-            args,
-            kwargs,
-            dev,
-            params,
-            None,
-            "a module argument is not hashable",
-            t0,
-            open_children=True,
-        )
-    table = R.records.get(module)
-    if table is None:
-        table = R.records[module] = {}
+        return None
+    return key
+
+
+def _lookup(R: ReplayState, module: torch.nn.Module, table: dict, key: tuple) -> tuple[Recording | None, tuple]:
+    """The recording of ``key`` in ``table`` (None: none yet), and the key it is kept under.
+
+    An argument that is an object (not a tensor or a plain value) is keyed by identity: a new one
+    at every call (a KV cache an HF layer updates) never matches, and a replay would skip what
+    the call does to it. Such a recording is kept under its objects' weak references; twice new,
+    and the module runs op by op from now on (``R.unreplayable``), its submodules as units."""
     rec = table.get(key)
-    weak = _weakened(in_sig) if rec is None else None
-    if weak is not None:
-        # An argument is an object (not a tensor or a plain value), keyed by identity: a new one
-        # at every call (a KV cache an HF layer updates) never matches, and a replay would skip
-        # what the call does to it. Twice new: op by op from now on, its submodules as units.
-        # Such a recording is kept under its objects' weak references.
-        key = key[:_IN_SIG] + (weak,) + key[_IN_SIG + 1 :]
-        rec = table.get(key)
-    if rec is None and weak is not None:
+    weak = _weakened(key[_IN_SIG]) if rec is None else None
+    if weak is None:
+        return rec, key
+    key = key[:_IN_SIG] + (weak,) + key[_IN_SIG + 1 :]
+    rec = table.get(key)
+    if rec is None:
         misses = R.object_misses.get(module, 0) + 1
         R.object_misses[module] = misses
         if misses >= 2:
             R.unreplayable[module] = "an argument is an object the call may change, new at every call"
             table.clear()  # (its keys hold earlier calls' objects)
-            return run_charged(
-                orig_call, module, args, kwargs, dev, params, None, R.unreplayable[module], t0, open_children=True
-            )
-    if rec is not None and (
-        rec.params is params  # the cached walk's own list: nothing changed
-        or (len(rec.params) == len(params) and all(map(is_, rec.params, params)))
-    ):
-        # A replay runs no user code: an emulator entry (gpemu.time.TimeEngine.enter), its
-        # host time is not the program's.
-        return R.ts.call(_replay, rec, emus, params, t0)
-    rec = Recording(R)
-    out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
-    if rec.out_specs is not None and rec.treespec is not None:
-        R.stats["recorded"] += 1
-        if len(table) >= _RECORDS_PER_MODULE:
-            del table[next(iter(table))]  # the oldest situation goes
-        table[key] = rec
-    elif rec.not_replayable is not None:
-        R.unreplayable[module] = rec.not_replayable
-    return out
+    return rec, key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,7 +440,7 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
     dev = rec.dev
     mem = R.ts.memory[dev]
     if not torch.is_grad_enabled():
-        _charge(rec.fwd_seconds, "forward", rec, t0)
+        charge_recording(rec.fwd_seconds, "forward", rec, t0)
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, dev)
         if rec.profiled_peak is not None:
@@ -439,22 +455,22 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
             hooked = any(p._post_accumulate_grad_hooks is not None or p._backward_hooks for p in grad_params)
             rec.hook_gen = -1 if hooked else R.hook_generation
         if rec.hook_gen == R.hook_generation:
-            # No hooks on the parameters: backward may set .grad itself (see _ReplayFunction).
+            # No hooks on the parameters: backward may set .grad itself (see ReplayFunction).
             hub_after = R.hub_after
-            if hub_after >= 0 and rec.plain >= hub_after and not R.no_hub and not _functorch_active():
+            if hub_after >= 0 and rec.plain >= hub_after and not R.no_hub and not functorch_active():
                 direct = rec.hub_direct
                 if direct is None or direct.n_inputs != len(emus):
                     hub = R.ts.wrap((0,), (1,), 0, torch.float32, rec.dev, None, requires_grad=True)
-                    direct = rec.hub_direct = _Direct(rec, len(emus), grad_params, rec.dev, hub)
+                    direct = rec.hub_direct = Direct(rec, len(emus), grad_params, rec.dev, hub)
                 R.hub_used = True
                 R.stats["hub"] = R.stats.get("hub", 0) + 1
                 outs = _apply_replay(rec, direct, t0, *emus, direct.hub)
                 return _unflatten(outs, rec.treespec)
             direct = rec.direct
             if direct is None or direct.n_inputs != len(emus):
-                direct = rec.direct = _Direct(rec, len(emus), grad_params, rec.dev)
-    if _functorch_active():
-        outs = _ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
+                direct = rec.direct = Direct(rec, len(emus), grad_params, rec.dev)
+    if functorch_active():
+        outs = ReplayFunction.apply(rec, direct, t0, *emus, *grad_params)
     else:
         # autograd.Function.apply without its per-argument Python pass (functorch's dead-wrapper
         # unwrapping, only needed under functorch transforms): ~160 arguments per call.
@@ -462,7 +478,7 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
     return _unflatten(outs, rec.treespec)
 
 
-_functorch_active = torch._C._are_functorch_transforms_active
+functorch_active = torch._C._are_functorch_transforms_active
 
 
 def _unflatten(outs: Any, treespec: Any) -> Any:
@@ -473,7 +489,7 @@ def _unflatten(outs: Any, treespec: Any) -> Any:
     return tree_unflatten(list(outs), treespec)
 
 
-class _Direct:
+class Direct:
     """Lets the replayed backward store parameter gradients directly (``p.grad = g``) instead
     of returning them to autograd, which would run one AccumulateGrad node (and a Python-dispatched
     ``detach``) per parameter: the biggest host cost of an emulated backward. Used only when the
@@ -531,22 +547,22 @@ def _accumulator(t: torch.Tensor) -> Any:
     return node.next_functions[0][0]
 
 
-def _charge(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
+def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
     # (through the tensor state: inside another model's charge nothing more is charged, and an
     # enclosing model priced by its ops counts it)
     rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at)
 
 
-class _ReplayFunction(torch.autograd.Function):
+class ReplayFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
         rec: Recording,
-        direct: _Direct | None,
+        direct: Direct | None,
         t0: float | None,
         *tensors: torch.Tensor,
     ) -> tuple:
-        _charge(rec.fwd_seconds, "forward", rec, t0)
+        charge_recording(rec.fwd_seconds, "forward", rec, t0)
         ctx.set_materialize_grads(False)  # the gradients' values are never read (see gpemu.model_time._BackwardStart)
         R = rec.state
         mem = R.ts.memory[rec.dev]
@@ -577,10 +593,10 @@ class _ReplayFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         # (the gradients' values are never read: only which inputs need one)
-        return _replay_backward(ctx, None)
+        return replay_backward(ctx, None)
 
 
-def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
+def replay_backward(ctx: Any, plain: bool | None) -> tuple:
     """The replayed backward: charges the module's backward time, makes the inputs' and the
     parameters' gradients (memory and metadata), frees the saved activations. ``plain``: the
     caller knows every parameter accumulator runs (:func:`_direct_backward`); None: ask the
@@ -595,11 +611,11 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
         rec.owed += 1
         ts.engine.note_backward(rec.dev)
     else:
-        _charge(rec.bwd_seconds, "backward", rec)
+        charge_recording(rec.bwd_seconds, "backward", rec)
     result: list[Any] = [None, None, None]
     needs = ctx.needs_input_grad[3:]
     specs = ctx.specs
-    direct: _Direct | None = ctx.direct
+    direct: Direct | None = ctx.direct
     if direct is not None:
         if plain is not None:
             runs = plain
@@ -643,210 +659,11 @@ def _replay_backward(ctx: Any, plain: bool | None) -> tuple:
     return tuple(result)
 
 
-# torch._C._FunctionBase.apply bound to _ReplayFunction (see _replay).
-_apply_replay = super(torch.autograd.Function, _ReplayFunction).apply
+# The graph node class torch makes for ReplayFunction (what a replay's grad_fn is).
+ReplayBackward = ReplayFunction._backward_cls
 
-
-# ----------------------------------------------------------------------------------------------
-# targeted gradients through a hub-mode graph (see _Direct)
-# ----------------------------------------------------------------------------------------------
-def _hub_nodes(roots: Any) -> list:
-    """The hub-mode replay nodes in the autograd graph of ``roots`` (tensor or sequence)."""
-    items = [roots] if isinstance(roots, (torch.Tensor, GradientEdge)) else list(roots)
-    # tensors and GradientEdges (torch.autograd.graph.get_gradient_edge) as roots
-    found = []
-    for fn in graph_nodes([t.grad_fn if isinstance(t, torch.Tensor) else getattr(t, "node", None) for t in items]):
-        direct = getattr(fn, "direct", None)
-        if isinstance(direct, _Direct) and direct.hub is not None:
-            found.append(fn)
-    return found
-
-
-def _placeholder_grad(R: ReplayState, t: EmuTensor) -> EmuTensor:
-    spec = grad_spec(t, t.emu_device)
-    ts = R.ts
-    block = ts.memory[spec.device].allocate(spec.nbytes) if spec.nbytes else None
-    return ts.wrap(spec.shape, spec.stride, 0, spec.dtype, spec.device, block)
-
-
-def _targeted(R: ReplayState, roots: Any, inputs: Any) -> tuple[list, set[int], list] | None:
-    """(inputs as a list, ids of those a hub-mode graph holds, its nodes), or None when the call
-    can go to torch unchanged. Ends hub mode for the run once such a graph is met."""
-    if not R.hub_used or inputs is None:
-        return None
-    nodes = _hub_nodes(roots)
-    if not nodes:
-        return None
-    R.no_hub = True  # the program asks for targeted gradients: keep every parameter an input
-    if isinstance(inputs, dict):
-        inputs = list(inputs.values())
-    ins = [inputs] if isinstance(inputs, (torch.Tensor, GradientEdge)) else list(inputs)
-    covered = {id(p) for fn in nodes for p in fn.direct.params}
-    if not any(id(t) in covered for t in ins):
-        return None
-    return ins, covered, nodes
-
-
-def _charge_skipped(nodes: list) -> None:
-    """Backward time of hub-mode replays whose backward autograd will not run."""
-    for fn in nodes:
-        _charge(fn.rec.bwd_seconds, "backward", fn.rec)
-
-
-def _make_grad(R: ReplayState, orig: Any) -> Any:
-    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(inputs, dict) and R.hub_used:  # named inputs: the same, as a dict
-            values = grad(outputs, list(inputs.values()), *args, **kwargs)
-            return dict(zip(inputs.keys(), values, strict=False))
-        found = _targeted(R, outputs, inputs)
-        if found is None:
-            return orig(outputs, inputs, *args, **kwargs)
-        ins, covered, nodes = found
-        others = [t for t in ins if id(t) not in covered]
-        if others:
-            got = iter(orig(outputs, others, *args, **kwargs))
-        else:
-            got = iter(())
-            _charge_skipped(nodes)
-        # the parameters a hub graph holds get placeholder gradients (shape/dtype/device and
-        # memory are all an emulated gradient has)
-        return tuple(_placeholder_grad(R, t) if id(t) in covered else next(got) for t in ins)
-
-    grad.__wrapped__ = orig  # type: ignore[attr-defined]
-    return grad
-
-
-# ----------------------------------------------------------------------------------------------
-# loss.backward() without the autograd engine, for the graph every training step builds
-# ----------------------------------------------------------------------------------------------
-_ReplayBackward = _ReplayFunction._backward_cls
-_anomaly_on = torch.is_anomaly_enabled
-_profiler_on = torch.autograd._profiler_enabled  # a profiler records the engine's nodes: let it
-
-
-def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
-    """``loss.backward()`` for the graph of an ordinary training step, run without the autograd
-    engine: a replayed loss (a registered head) on an output of a hub-mode replayed module whose
-    other inputs need no gradient. The engine would call exactly the two nodes' backward
-    functions and an accumulator that receives nothing, so they are called here directly, with
-    the same charges, memory (the implicit gradient and the loss's input gradient are held while
-    the engine would hold them) and gradients; its C++ and per-node Python glue cost ~12 µs per
-    step. Any other graph, hooks registered anywhere since the graph was built, anomaly mode, a
-    recording profiler or a functorch transform: False, and the engine runs as usual."""
-    lnode: Any = loss.grad_fn
-    head = R.heads.get(type(lnode))
-    if (
-        head is None
-        or not R.direct_enabled
-        or _anomaly_on()
-        or _functorch_active()
-        or _profiler_on()
-        or not head[0](lnode)
-    ):
-        return False
-    gen = R.hook_generation
-    if getattr(lnode, "hook_gen", None) != gen:
-        return False
-    rnode: Any = None
-    for fn, _ in lnode.next_functions:
-        if fn is None:
-            continue
-        if rnode is not None or type(fn) is not _ReplayBackward:
-            return False
-        rnode = fn
-    if rnode is None or rnode.hook_gen != gen:
-        return False
-    direct = rnode.direct
-    if direct is None or direct.hub is None or rnode.rec.hub_direct is not direct:
-        return False
-    edges = rnode.next_functions
-    if edges[-1][0] is not direct.node or any(fn is not None for fn, _ in edges[:-1]):
-        return False  # an input of the module needs a gradient: the engine's business
-    cost = R.implicit.get(loss.emu_key)
-    if cost is None:
-        return False  # the implicit gradient's cost is measured on the engine path first
-    dev = loss.emu_device
-    ts = R.ts
-    ts.charge(cost, dev, "ones_like.default")
-    # torch.autograd.backward holds the implicit gradient until the whole backward has run
-    implicit = ts.memory[dev].allocate(loss.element_size())
-    with torch.no_grad():  # as the engine runs backward without create_graph
-        grad_block = head[1](lnode)
-        _replay_backward(rnode, True)
-        del grad_block  # the engine frees the module's incoming gradient after its node ran
-    del implicit
-    R.stats["direct_backward"] = R.stats.get("direct_backward", 0) + 1
-    return True
-
-
-# torch.autograd.backward's own engine entry (logging hooks, context for device threads).
-_run_engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
-
-
-def _implicit_grad(R: ReplayState, t: EmuTensor) -> torch.Tensor:
-    """The implicit gradient of scalar loss ``t``: op by op the first time for its metadata (its
-    GPU time measured), built directly afterwards with the same charge and memory, skipping a
-    dispatch and torch's checks (~8 us of each training step's host time)."""
-    ts = R.ts
-    cost = R.implicit.get(t.emu_key)
-    if cost is None:
-        with ts.cost_tap() as tap:
-            g = torch.ones_like(t, memory_format=torch.preserve_format)
-        R.implicit[t.emu_key] = tap.seconds
-        return g
-    dev = t.emu_device
-    ts.charge(cost, dev, "ones_like.default")
-    nbytes = t.element_size()
-    return ts.wrap((), (), 0, t.dtype, dev, ts.memory[dev].allocate(nbytes))
-
-
-def _make_backward(R: ReplayState, orig: Any) -> Any:
-    engine = R.ts.engine
-
-    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        if (
-            type(tensors) is EmuTensor
-            and args
-            and args[0] is None
-            and not tensors.emu_key[0]
-            and tensors.emu_shadow is None
-            and tensors.requires_grad
-            and "grad_variables" not in kwargs
-        ):
-            # loss.backward(): a scalar's implicit gradient (placeholder values: no shadow to keep)
-            defaults = len(args) == 3 and args[2] is False and kwargs.get("inputs") is None and len(kwargs) <= 1
-            # (the engine-free backward runs no user code: an emulator entry)
-            if defaults and engine.call(_direct_backward, R, tensors):
-                return None
-            grad = _implicit_grad(R, tensors)
-            if defaults and _run_engine is not None and not _functorch_active():
-                # Tensor.backward()'s own call with its defaults: one tensor, its gradient made
-                # above, no inputs, no create_graph. torch.autograd.backward's argument handling
-                # (~8 µs) has nothing to decide here; its engine call is made as it would make it.
-                _run_engine((tensors,), (grad,), bool(args[1]), False, (), allow_unreachable=True, accumulate_grad=True)
-                return None
-            args = (grad,) + args[1:]
-        # inputs: keyword (Tensor.backward passes it so) or the sixth positional argument
-        inputs = kwargs.get("inputs", args[4] if len(args) > 4 else None)
-        found = _targeted(R, tensors, inputs)
-        if found is None:
-            return orig(tensors, *args, **kwargs)
-        ins, covered, nodes = found
-        for t in ins:
-            if id(t) in covered and t.grad is None:
-                t.grad = _placeholder_grad(R, t)  # an existing gradient accumulates in place
-        others = [t for t in ins if id(t) not in covered]
-        if others:
-            if len(args) > 4:
-                args = args[:4] + (others,) + args[5:]
-            else:
-                kwargs["inputs"] = others
-            return orig(tensors, *args, **kwargs)
-        _charge_skipped(nodes)
-        return None
-
-    backward.__wrapped__ = orig  # type: ignore[attr-defined]
-    return backward
+# torch._C._FunctionBase.apply bound to ReplayFunction (see _replay).
+_apply_replay = super(torch.autograd.Function, ReplayFunction).apply
 
 
 # ----------------------------------------------------------------------------------------------
@@ -893,9 +710,7 @@ def install(rt: Runtime) -> None:
     # registrations that write the dicts directly, and _apply (it may swap parameters in place).
     for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
         p.replace(M, name, _bump_structure(R, getattr(M, name), swaps=name == "_apply"))
-    # Targeted gradients through a hub-mode replay are answered here (see _Direct).
-    p.replace(torch.autograd, "grad", _make_grad(R, torch.autograd.grad))
-    p.replace(torch.autograd, "backward", _make_backward(R, torch.autograd.backward))
+    # (torch.autograd.grad / backward: gpemu.fastpaths.backward, installed next)
     # Parameter hooks decide whether the replayed backward may store .grad itself.
     T = torch.Tensor
     for name in ("register_hook", "register_post_accumulate_grad_hook"):
