@@ -23,20 +23,30 @@ batch 201..233, 33 rows) are dropped and counted.
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import io
 import json
 import sys
 from pathlib import Path
 
-from .specs import ARTIFACT_FOLDER_NAMES, SHIPPED_GPUS
-
-_SHORT = {s.name: s.short_name for s in SHIPPED_GPUS}
 _MiB = 1 << 20
 
 
 def _fmt(x: float) -> str:
     return f"{x:.6g}"
+
+
+@functools.cache
+def _short_name(gpu_folder: str) -> str:
+    """The short name (e.g. ``V100``) of a GPU folder of the artifact: its name is one of the
+    measured GPU's aliases in the table of GPU facts (``Tesla_V100-PCIE-32GB``)."""
+    from gpemu.costmodel.gpus import find_gpu
+
+    sheet = find_gpu(gpu_folder)
+    if sheet is None or not sheet.measured:
+        raise ValueError(f"{gpu_folder!r} is not the folder of a measured GPU of gpemu.costmodel.gpus.GPUS")
+    return sheet.short_name
 
 
 def _batch(text: str) -> int | None:
@@ -59,7 +69,7 @@ def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
     rows: list[tuple[str, str, str, int, str]] = []
 
     def add(gpu_folder: str, model: str, kind: str, bs: int, value: str) -> None:
-        rows.append((_SHORT[ARTIFACT_FOLDER_NAMES[gpu_folder]], model, kind, bs, value))
+        rows.append((_short_name(gpu_folder), model, kind, bs, value))
         counts[kind] = counts.get(kind, 0) + 1
 
     for kind in ("forward", "backward"):

@@ -532,9 +532,8 @@ def check_generation(spec: GpuSpec) -> GpuSpec:
     """``spec`` if its generation is one the cost model knows (or unknown); ValueError naming the
     valid ones otherwise. (Imports the cost model's GPU table: not for hot paths.)"""
     if spec.generation is not None:
-        from .specs import generations
+        from gpemu.costmodel.gpus import GENERATIONS as valid
 
-        valid = generations()
         if spec.generation not in valid:
             raise ValueError(
                 f"GpuSpec.generation of {spec.name!r} must be one of {', '.join(valid)}, got {spec.generation!r}"

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .costmodel.gpus import compute_capability
 from .costs import attention_price
-from .gpus import compute_capability
 from .tensor import EmuTensor, TensorState
 
 if TYPE_CHECKING:  # pragma: no cover

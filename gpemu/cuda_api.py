@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .costmodel.gpus import compute_capability
 from .devices import cuda_index
 from .engine import EmuEvent, VirtualStream
-from .gpus import compute_capability
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -714,3 +714,23 @@ def test_a_kepler_gpu_priced_with_another_generation_s_curves_delivers_its_share
     assert carried.generation == "turing" and carried.peak == v100.fp32_flops
     assert carried_share("kepler", "calibrated:Tesla K80") == 1.0
     assert carried_share("maxwell", "kepler") == pytest.approx(1.35)
+
+
+def test_compute_capability_of_a_gpu_that_does_not_say_its_own():
+    """Its own, else the table's GPU of that name, else its generation's usual one, else that of
+    the generation an unknown GPU is priced as (the A100's 8.0)."""
+    import dataclasses
+
+    from gpemu.costmodel.gpus import DEFAULT_GENERATION, compute_capability, generation_capability
+    from gpemu.db.specs import shipped_gpus
+
+    t4 = next(s for s in shipped_gpus() if s.short_name == "T4")
+    unsaid = dataclasses.replace(t4, compute_capability=None)
+    assert compute_capability(t4) == compute_capability(unsaid) == (7, 5)
+    assert compute_capability(dataclasses.replace(t4, compute_capability=(7, 2))) == (7, 2)
+    other = dataclasses.replace(unsaid, name="Lab Card", aliases=("LAB",))
+    assert compute_capability(other) == (7, 5)  # turing's usual
+    assert compute_capability(dataclasses.replace(other, generation="ada")) == (8, 9)
+    assert compute_capability(dataclasses.replace(other, generation=None)) == (8, 0)
+    assert generation_capability(DEFAULT_GENERATION) == gpu_sheet("A100").compute_capability == (8, 0)
+    assert generation_capability("rubin") is None

@@ -13,7 +13,7 @@ kernel at stride > 1), and the pass (``.fwd`` / ``.bwd``) — and of its GPU's g
 calibrated per generation against the peak the database's
 measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 convolutions,
 ``memory`` for bandwidth-bound classes). A request is served by the first generation in the GPU's
-donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
+donor chain (:func:`gpemu.costmodel.gpus.donor_chain`) that has a curve of that key *on the path the
 op runs on*, with the requesting GPU's own peaks and SM count; this is how a datasheet-only GPU
 (H100, L4, ...) and fp16/bf16 tensor-core work (calibrated only on the A100) get numbers. A curve
 carried to another generation's GPU prices it against that GPU's peaks scaled by what the two SM
@@ -51,7 +51,7 @@ import numpy as np
 
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
 from .curve import Curve, kernel_arrays, kernel_seconds, queue_arrays, queue_seconds
-from .gpus import DONORS, GpuSheet, gpu_sheet
+from .gpus import GpuSheet, donor_chain, gpu_sheet
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
 from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, carried_share, tensor_plateau
 from .table import CLASSES, DTYPES, OpTable
@@ -241,7 +241,7 @@ class CostModel:
         if hit is not None:
             return hit
         base, _, phase = key.partition(".")
-        chain = DONORS.get(gpu.generation, DONORS["ampere"])
+        chain = donor_chain(gpu.generation)
         other = "fwd" if phase == "bwd" else "bwd"
         bases = (
             (base,)
