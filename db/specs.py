@@ -77,4 +77,3 @@ def __getattr__(name: str) -> Any:  # SHIPPED_GPUS, as before schema 2, without 
     if name == "SHIPPED_GPUS":
         return shipped_gpus()
     raise AttributeError(f"module 'gpemu.db.specs' has no attribute {name!r}")
-
