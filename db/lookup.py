@@ -36,7 +36,6 @@ from .records import (
 
 __all__ = [
     "ProfileDB",
-    "validate_measurement",
     "clean_measurement",
     "measurement_row",
     "gpu_row",
@@ -473,11 +472,6 @@ def clean_measurement(row: Measurement | Mapping[str, Any]) -> dict[str, Any]:
         metadata=dict(meta) if meta else {},
     )
     return d
-
-
-def validate_measurement(row: Measurement | Mapping[str, Any]) -> Measurement:
-    """Check one measurement; returns it with its unit filled in. ValueError says what is wrong."""
-    return Measurement(**clean_measurement(row))
 
 
 def measurement_row(m: Measurement | Mapping[str, Any], gpu_id: int, model_id: int) -> dict[str, Any]:

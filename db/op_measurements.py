@@ -41,7 +41,6 @@ __all__ = [
     "read_measurements",
     "write_curves",
     "read_curves",
-    "calibrated_gpus",
     "op_gpus",
     "stamps",
 ]
@@ -224,14 +223,6 @@ def read_curves(engine: Engine, gpu: str) -> list[OpCurveRow]:
         )
         for r in found
     ]
-
-
-def calibrated_gpus(engine: Engine) -> list[str]:
-    """Names of the GPUs that have fitted curves."""
-    if not _has(engine, op_curves):
-        return []
-    with engine.connect() as conn:
-        return [r[0] for r in conn.execute(select(op_curves.c.gpu).distinct().order_by(op_curves.c.gpu))]
 
 
 def op_gpus(engine: Engine) -> list[str]:

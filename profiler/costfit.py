@@ -69,7 +69,6 @@ __all__ = [
     "FitData",
     "GenFit",
     "fit_generation",
-    "fit_all",
     "params_document",
     "lomo",
     "logo",
@@ -408,17 +407,6 @@ def fit_generation(
         uses_k0=prob.uses_k0,
         cost=float(res.cost),
     )
-
-
-def fit_all(data: FitData, progress: Callable[[str], None] | None = None) -> dict[str, GenFit]:
-    """One fit per measured GPU (generation), on every model."""
-    fits = {}
-    for g in data.gpus:
-        if progress:
-            progress(g)
-        fit = fit_generation(data, g)
-        fits[fit.generation] = fit
-    return fits
 
 
 def model_of(fits: dict[str, GenFit], uncertainty: dict | None = None) -> CostModel:
