@@ -22,6 +22,8 @@ one call, so the ops inside it are not re-cast.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +34,7 @@ from .tensor import EmuTensor
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "AutocastMode", "LOWER_PRECISION", "FP32", "PROMOTE"]
+__all__ = ["install", "AutocastMode", "AutocastRegions", "LOWER_PRECISION", "FP32", "PROMOTE"]
 
 LOWER_PRECISION = (
     "matmul",
@@ -264,38 +266,55 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     return out
 
 
+class AutocastRegions:
+    """The CUDA autocast regions of one run: an enabled ``autocast('cuda')`` region pushes the
+    :class:`AutocastMode`, nested regions share it (and its cast cache), and the outermost exit
+    drops the cache, as CUDA autocast's is dropped."""
+
+    def __init__(self, original_enter: Callable[..., Any], original_exit: Callable[..., Any]) -> None:
+        self.original_enter = original_enter
+        self.original_exit = original_exit
+        self.depth = 0  # enabled CUDA regions open now
+        self.mode: AutocastMode | None = None
+
+    def enter(self, region: Any) -> Any:
+        result = self.original_enter(region)
+        pushed = None
+        if getattr(region, "device", None) == "cuda" and torch.is_autocast_enabled("cuda"):
+            if self.mode is None or self.depth == 0:
+                self.mode = AutocastMode()
+            self.mode.__enter__()
+            pushed = self.mode
+            self.depth += 1
+        # What this region pushed (None: nothing), for its own exit; a region object may be re-entered.
+        region.__dict__.setdefault("_gpemu_modes", []).append(pushed)
+        return result
+
+    def exit(self, region: Any, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
+        stack = region.__dict__.get("_gpemu_modes") or [None]
+        pushed = stack.pop()
+        if pushed is not None:
+            pushed.__exit__(exc_type, exc_val, exc_tb)
+            self.depth -= 1
+            if self.depth == 0:
+                pushed.cast_cache.clear()  # like CUDA autocast's cache, dropped at the outermost exit
+        return self.original_exit(region, exc_type, exc_val, exc_tb)
+
+
+def _autocast_method(ours: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """A method of torch's ``autocast`` class that runs ``ours`` (which calls the original)."""
+
+    @functools.wraps(original)
+    def method(region: Any, *args: Any) -> Any:
+        return ours(region, *args)
+
+    return method
+
+
 def install(rt: Runtime) -> None:
     """Wrap autocast's __enter__/__exit__ so an enabled autocast('cuda') region pushes the mode."""
     from torch.amp.autocast_mode import autocast
 
-    orig_enter = autocast.__enter__
-    orig_exit = autocast.__exit__
-    depth = {"n": 0}
-    shared: dict[str, AutocastMode | None] = {"mode": None}
-
-    def __enter__(self: Any) -> Any:
-        result = orig_enter(self)
-        pushed = None
-        if getattr(self, "device", None) == "cuda" and torch.is_autocast_enabled("cuda"):
-            mode = shared["mode"]
-            if mode is None or depth["n"] == 0:
-                mode = shared["mode"] = AutocastMode()
-            mode.__enter__()
-            pushed = mode
-            depth["n"] += 1
-        stack = self.__dict__.setdefault("_gpemu_modes", [])
-        stack.append(pushed)
-        return result
-
-    def __exit__(self: Any, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
-        stack = self.__dict__.get("_gpemu_modes") or [None]
-        pushed = stack.pop()
-        if pushed is not None:
-            pushed.__exit__(exc_type, exc_val, exc_tb)
-            depth["n"] -= 1
-            if depth["n"] == 0:
-                pushed.cast_cache.clear()  # like CUDA autocast's cache, dropped at the outermost exit
-        return orig_exit(self, exc_type, exc_val, exc_tb)
-
-    rt.patcher.replace(autocast, "__enter__", __enter__)
-    rt.patcher.replace(autocast, "__exit__", __exit__)
+    regions = AutocastRegions(autocast.__enter__, autocast.__exit__)
+    rt.patcher.replace(autocast, "__enter__", _autocast_method(regions.enter, autocast.__enter__))
+    rt.patcher.replace(autocast, "__exit__", _autocast_method(regions.exit, autocast.__exit__))
