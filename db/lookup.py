@@ -115,13 +115,23 @@ class ProfileDB:
             self._names_cache = names
             return names
 
-    def _invalidate(self) -> None:
+    def invalidate(self) -> None:
+        """Forget what this object cached of the database: for writers that go to its tables
+        directly (an import), so that the next lookup reads what they wrote."""
         with self._lock:
             self._names_cache = None
             self._series.clear()
             self._sources.clear()
             self._fits.clear()
             self._dists.clear()
+
+    def gpu_row_id(self, name: str) -> int | None:
+        """The id of the GPU row this name or alias means (as :meth:`gpu` matches it), or None."""
+        return self._names().gpu_keys.get(normalize_name(name))
+
+    def model_row_id(self, name: str) -> int | None:
+        """The id of the model row this name means (as :meth:`model` matches it), or None."""
+        return self._names().model_keys.get(name.strip().lower())
 
     def _gpu_id(self, name: str) -> int:
         names = self._names()
@@ -328,7 +338,7 @@ class ProfileDB:
         check_generation(spec)
         with self.engine.begin() as conn:
             upsert(conn, S.gpus, [gpu_row(spec)], ("name",))
-        self._invalidate()
+        self.invalidate()
 
     def add_model(self, info: ModelInfo) -> None:
         """Insert or update a model (matched by name)."""
@@ -336,7 +346,7 @@ class ProfileDB:
             raise TypeError(f"add_model takes a ModelInfo, got {type(info).__name__}")
         with self.engine.begin() as conn:
             upsert(conn, S.models, [model_row(info)], ("name",))
-        self._invalidate()
+        self.invalidate()
 
     def add_measurements(self, rows: Iterable[Measurement | Mapping[str, Any]]) -> int:
         """Upsert measurements in one transaction (all or none). Returns the number written.
