@@ -55,6 +55,14 @@ def _batch(text: str) -> int | None:
     return int(b) if b == int(b) else None
 
 
+def _timed_batch(text: str) -> int:
+    """The batch size of a measured time: always a whole number (fill-ins are memory rows only)."""
+    b = _batch(text)
+    if b is None:
+        raise ValueError(f"a time row has the fractional batch size {text!r}")
+    return b
+
+
 def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
     prof = shared_data / "gpemu-artifact" / "profiled_data"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,22 +84,22 @@ def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
         for f in sorted((prof / "time" / "compute" / kind).glob("*/*/time_by_batch_size.csv")):
             gpu, model = f.parent.parent.name, f.parent.name
             for r in list(csv.reader(f.open()))[1:]:
-                add(gpu, model, kind, _batch(r[0]), _fmt(float(r[1])))
+                add(gpu, model, kind, _timed_batch(r[0]), _fmt(float(r[1])))
     for f in sorted((prof / "time" / "transfer").glob("*/*/data_transfer_time_by_batch_size.csv")):
         gpu, model = f.parent.parent.name, f.parent.name
         for r in list(csv.reader(f.open()))[1:]:
-            add(gpu, model, "h2d_transfer", _batch(r[0]), _fmt(float(r[1])))
+            add(gpu, model, "h2d_transfer", _timed_batch(r[0]), _fmt(float(r[1])))
     for f in sorted((prof / "time" / "transfer").glob("*/*/model_transfer_time.txt")):
         add(f.parent.parent.name, f.parent.name, "model_transfer", 0, _fmt(float(f.read_text().strip())))
     for f in sorted((prof / "memory").glob("*/*/memory.csv")):
         gpu, model = f.parent.parent.name, f.parent.name
-        for r in csv.DictReader(f.open()):
-            bs = _batch(r["batch_size"])
+        for cells in csv.DictReader(f.open()):
+            bs = _batch(cells["batch_size"])
             if bs is None:
                 counts["dropped_fractional_memory_rows"] += 1
                 continue
             for kind, col in (("peak_memory", "peak"), ("persistent_memory", "persistent")):
-                value = float(r[col])
+                value = float(cells[col])
                 if value < 0:  # a regression fill-in gone below zero: not a measurement
                     counts["dropped_negative_memory_rows"] += 1
                     continue

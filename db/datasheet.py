@@ -168,7 +168,7 @@ def _check(f: Field, value: Any) -> Any:
     if f.kind == "int":
         ok = ok and float(value).is_integer()
     rng = f"from {f.low:g} to {f.high:g}" + _unit(f.key)
-    if not ok or not (f.low <= value <= f.high):  # type: ignore[operator]
+    if not ok or not (f.low <= value <= f.high):
         what = "a whole number" if f.kind == "int" else "a number"
         shown = f"{value:g}" if isinstance(value, numbers.Real) and not isinstance(value, bool) else repr(value)
         raise ValueError(f"{label} must be {what} {rng}, got {shown}")

@@ -97,9 +97,9 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
     with db.engine.connect() as conn:
         for r in conn.execute(q):
             if r[0] in gpu_names and r[1] in model_names:
-                r = list(r)
-                r[2] = json.loads(r[2] or "{}")
-                rows.append([r[i] for i in order])
+                cells = list(r)
+                cells[2] = json.loads(cells[2] or "{}")
+                rows.append([cells[i] for i in order])
         dists = conn.execute(select(S.distributions).order_by(S.distributions.c.name)).mappings().all()
     ops, curves = [], []
     for gpu in op_gpus(db.engine):

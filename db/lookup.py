@@ -12,7 +12,7 @@ import numbers
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from sqlalchemy import Engine, Table, func, insert, select, update
@@ -410,13 +410,13 @@ def _extrapolation_line(xs: np.ndarray, ys: np.ndarray, above: bool) -> tuple[fl
     return float(slope), float(intercept)
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """An integer, not a bool (numpy integers too)."""
     # type() first: the ABC isinstance check is slow across an import's many rows.
     return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: Any) -> TypeGuard[float]:
     """A real number, not a bool (numpy scalars too)."""
     return type(x) is float or type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Real))
 
@@ -501,7 +501,7 @@ def gpu_row(s: GpuSpec) -> dict[str, Any]:
     return row
 
 
-def spec_from_row(r: Mapping[str, Any]) -> GpuSpec:
+def spec_from_row(r: Mapping[Any, Any]) -> GpuSpec:
     """A gpus-table row (a mapping of its columns) as a GpuSpec; columns a row lacks are unknown."""
 
     def opt(col: str) -> Any:
@@ -575,7 +575,10 @@ def upsert(
         )
         if tuples is None:
             tuples = [tuple(r[c] for c in cols) for r in rows]
-        conn.connection.driver_connection.executemany(sql, tuples)
+        driver = conn.connection.driver_connection
+        if driver is None:  # (SQLAlchemy hands a live connection's; None only once it is closed)
+            raise RuntimeError(f"the connection to {conn.engine.url!r} is closed")
+        driver.executemany(sql, tuples)
         return
     if tuples is not None:
         rows = [dict(zip(cols, t, strict=False)) for t in tuples]

@@ -249,6 +249,6 @@ def stamps(engine: Engine, gpu: str) -> tuple[dict[tuple, str], dict[tuple, str]
     if _has(engine, op_curves):
         t = op_curves
         with engine.connect() as conn:
-            for r in conn.execute(select(t.c.key, t.c.path, t.c.fitted_at).where(t.c.gpu == gpu)):
-                fitted[tuple(r[:2])] = r[2]
+            for row in conn.execute(select(t.c.key, t.c.path, t.c.fitted_at).where(t.c.gpu == gpu)):
+                fitted[tuple(row[:2])] = row[2]
     return measured, fitted
