@@ -223,14 +223,15 @@ class AutocastMode(TorchFunctionMode):
                 "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
                 "safe to autocast."
             )
+        target: torch.dtype | None
         if in_lower:
             target = torch.get_autocast_dtype("cuda")
         elif in_fp32:
             target = torch.float32
         else:
             target = _widest(args, kwargs)
-            if target is None:
-                return func(*args, **kwargs)
+        if target is None:  # promote, but all of one floating type: nothing to cast
+            return func(*args, **kwargs)
         args = tuple(self._cast(a, target) for a in args)
         kwargs = {k: self._cast(v, target) for k, v in kwargs.items()}
         return func(*args, **kwargs)

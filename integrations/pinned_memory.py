@@ -140,7 +140,8 @@ class PinnedHostPool:
         self._lock_failures = 0
         self._bytes_locked = 0
         self.warning: str | None = None
-        _all_pools.add(self)
+        key = id(self)
+        _all_pools[key] = weakref.ref(self, lambda _ref: _all_pools.pop(key, None))
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -265,7 +266,9 @@ class PinnedHostPool:
 
 
 _pool: PinnedHostPool | None = None
-_all_pools: weakref.WeakSet[PinnedHostPool] = weakref.WeakSet()  # for is_pinned()
+# Every pool of this process, for is_pinned(): weak references, by the pool's id (a WeakSet's own
+# iteration costs ~2 us, and is_pinned runs on every input copy).
+_all_pools: dict[int, weakref.ref[PinnedHostPool]] = {}
 # Whether any pool of this process ever mapped a block: until then no tensor can be pinned, and
 # is_pinned (asked on every input copy) answers at once.
 _has_blocks = [False]
@@ -321,9 +324,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         return False
     if ptr == 0:
         return False
-    # The WeakSet's own iteration costs ~2 us (guards, pending removals); this runs on every
-    # input copy, so walk a snapshot of its weak references instead.
-    for ref in tuple(_all_pools.data):
+    for ref in tuple(_all_pools.values()):
         pool = ref()
         if pool is not None and pool.owns(ptr):
             return True
