@@ -122,7 +122,8 @@ class FitData:
         parts = [replace(tables[n], model=np.full(len(tables[n]), i, dtype=np.int32)) for i, n in enumerate(names)]
         table = concat_tables(parts)
         meas = load_measurements(db, names)
-        measured, measured_eval = {}, {}
+        measured: dict[str, np.ndarray] = {}
+        measured_eval: dict[str, np.ndarray] = {}
         for g in meas.gpus:
             for store, batches in ((measured, FIT_BATCHES), (measured_eval, EVAL_BATCHES)):
                 arr = np.full((len(names), 2, len(batches)), np.nan)
@@ -357,13 +358,15 @@ class _Problem:
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
         return self.lo_full[self.free], self.hi_full[self.free]
 
-    def _sums(self, th: np.ndarray, jac: bool):
+    def _sums(self, th: np.ndarray, jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each (model, pass, batch)'s predicted seconds, and with ``jac`` their derivatives by
+        every parameter."""
         params = th.reshape(-1, _NP)[self.kidx]
         le, lx0, p, lh, lk0 = (params[:, j] for j in range(_NP))
         h = np.exp(lh)
         s = np.zeros(self.nres)
         npar = self.nfull
-        ds = np.zeros(self.nres * npar) if jac else None
+        ds = np.zeros(self.nres * npar if jac else 0)
         cols = self.kidx * _NP
         for bi in range(self.nb):
             gout = C.kernel_arrays(
@@ -647,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lomo_pred = lomo(
                 data,
                 full,
-                progress=lambda g, n: (pb.update(t_cv, description=f"LOMO {g} {n}"), pb.advance(t_cv)),
+                progress=lambda g, n: pb.update(t_cv, description=f"LOMO {g} {n}", advance=1),
                 cache=db.meta().get("data_version", ""),
             )
         logo_pred = logo(data, full)
@@ -669,8 +672,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             same = False
         print("identical to" if same else "differs from", args.out)
         return 0 if same else 1
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(args.out, "w", encoding="utf-8") as out:
+        out.write(text)
     print("wrote", args.out)
     return 0
 

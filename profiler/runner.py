@@ -200,8 +200,8 @@ def profile_models(
     spec = store.gpu(gpu)
     if spec is None:
         log(f"'{gpu}' is new to the database: measuring its FLOP rate and bandwidths")
-        store.add_gpu(measure_gpu_spec(device, gpu, memory_bytes))
-        spec = store.gpu(gpu)
+        spec = measure_gpu_spec(device, gpu, memory_bytes)
+        store.add_gpu(spec)
     gpu = spec.name
     report.gpu = gpu
     meta = run_metadata(device, gpu, memory_bytes)
