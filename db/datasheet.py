@@ -18,6 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpemu.costmodel.gpus import (
+    DEFAULT_PCIE_GEN,
+    GENERATIONS,
+    PINNED_SHARE,
+    datasheet_memory_bytes,
+    first_generation_with,
+    generation_capability,
+    pageable_copy_rate,
+    pinned_copy_rate,
+)
+
 from .records import GpuSpec, normalize_name, parse_compute_capability
 
 __all__ = [
@@ -101,7 +112,7 @@ FIELDS: tuple[Field, ...] = (
         100_000,
         scale=1e12,
     ),
-    Field("pcie_gen", "int", "PCIe generation of the x16 host link [default: 4]", 1, 7),
+    Field("pcie_gen", "int", f"PCIe generation of the x16 host link [default: {DEFAULT_PCIE_GEN}]", 1, 7),
     Field(
         "nvlink_gbs",
         "float",
@@ -113,7 +124,7 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "host_pinned_gbs",
         "float",
-        "host->GPU copies from pinned memory, GB/s [default: 0.8 x the PCIe link]",
+        f"host->GPU copies from pinned memory, GB/s [default: {PINNED_SHARE:g} x the PCIe link]",
         0.1,
         10_000,
         scale=1e9,
@@ -154,10 +165,8 @@ def _check(f: Field, value: Any) -> Any:
             raise ValueError(f"{label} must be a list of short names such as [RTX3090], got {value!r}")
         return tuple(n.strip() for n in names)
     if f.kind == "generation":
-        from gpemu.costmodel.gpus import GENERATIONS as valid
-
-        if not isinstance(value, str) or value.strip().lower() not in valid:
-            raise ValueError(f"{label} must be one of {', '.join(valid)}, got {value!r}")
+        if not isinstance(value, str) or value.strip().lower() not in GENERATIONS:
+            raise ValueError(f"{label} must be one of {', '.join(GENERATIONS)}, got {value!r}")
         return value.strip().lower()
     if f.kind == "cc":
         try:
@@ -218,8 +227,6 @@ _TENSOR_CORE_FIELDS = {
 def _check_tensor_cores(v: dict[str, Any]) -> None:
     """Tensor-core figures the generation can have, in TFLOP/s: a unit older generations lack is
     0 (ValueError when given), and a figure under a quarter of FP32 is a unit slip."""
-    from gpemu.costmodel.gpus import GENERATIONS, first_generation_with
-
     gen = v["generation"]
     for key, unit in _TENSOR_CORE_FIELDS.items():
         first = first_generation_with(unit)
@@ -242,13 +249,6 @@ def _check_tensor_cores(v: dict[str, Any]) -> None:
 def _spec(v: dict[str, Any], provenance: str) -> GpuSpec:
     """The GpuSpec of checked fields; what they leave out is filled in from the GPU facts (PCIe
     generation, host-copy rates, the generation's compute capability)."""
-    from gpemu.costmodel.gpus import (
-        DEFAULT_PCIE_GEN,
-        datasheet_memory_bytes,
-        generation_capability,
-        pageable_copy_rate,
-        pinned_copy_rate,
-    )
 
     def scaled(key: str) -> float | None:
         return None if v[key] is None else v[key] * _BY_KEY[key].scale
