@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.amp.autocast_mode import autocast
 from torch.overrides import TorchFunctionMode
 
 from .tensor import EmuTensor
@@ -272,13 +273,13 @@ class AutocastRegions:
     :class:`AutocastMode`, nested regions share it (and its cast cache), and the outermost exit
     drops the cache, as CUDA autocast's is dropped."""
 
-    def __init__(self, original_enter: Callable[..., Any], original_exit: Callable[..., Any]) -> None:
+    def __init__(self, original_enter: Callable[..., object], original_exit: Callable[..., object]) -> None:
         self.original_enter = original_enter
         self.original_exit = original_exit
         self.depth = 0  # enabled CUDA regions open now
         self.mode: AutocastMode | None = None
 
-    def enter(self, region: Any) -> Any:
+    def enter(self, region: autocast) -> object:
         result = self.original_enter(region)
         pushed = None
         if getattr(region, "device", None) == "cuda" and torch.is_autocast_enabled("cuda"):
@@ -291,7 +292,7 @@ class AutocastRegions:
         region.__dict__.setdefault("_gpemu_modes", []).append(pushed)
         return result
 
-    def exit(self, region: Any, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
+    def exit(self, region: autocast, exc_type: object, exc_val: object, exc_tb: object) -> object:
         stack = region.__dict__.get("_gpemu_modes") or [None]
         pushed = stack.pop()
         if pushed is not None:
@@ -302,11 +303,11 @@ class AutocastRegions:
         return self.original_exit(region, exc_type, exc_val, exc_tb)
 
 
-def _autocast_method(ours: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+def _autocast_method(ours: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
     """A method of torch's ``autocast`` class that runs ``ours`` (which calls the original)."""
 
     @functools.wraps(original)
-    def method(region: Any, *args: Any) -> Any:
+    def method(region: autocast, *args: object) -> object:
         return ours(region, *args)
 
     return method
@@ -314,8 +315,6 @@ def _autocast_method(ours: Callable[..., Any], original: Callable[..., Any]) -> 
 
 def install(rt: Runtime) -> None:
     """Wrap autocast's __enter__/__exit__ so an enabled autocast('cuda') region pushes the mode."""
-    from torch.amp.autocast_mode import autocast
-
     regions = AutocastRegions(autocast.__enter__, autocast.__exit__)
     rt.patcher.replace(autocast, "__enter__", _autocast_method(regions.enter, autocast.__enter__))
     rt.patcher.replace(autocast, "__exit__", _autocast_method(regions.exit, autocast.__exit__))

@@ -45,7 +45,7 @@ class ScalerEmulation:
     method it stands for does (:data:`METHODS`), and runs only for an enabled CUDA scaler
     (:func:`_emulated`); any other scaler keeps torch's own method."""
 
-    def __init__(self, rt: Runtime, originals: dict[str, Callable[..., Any]]) -> None:
+    def __init__(self, rt: Runtime, originals: dict[str, Callable[..., object]]) -> None:
         self.rt = rt
         self.originals = originals  # torch's methods, by their names
 
@@ -55,10 +55,15 @@ class ScalerEmulation:
             engine.stream(device.index or 0).enqueue(seconds, "op", name)
 
     def unscale_grads(
-        self, scaler: Any, optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool
-    ) -> dict[torch.device, Any]:
+        self,
+        scaler: GradScaler,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
         """One memory-bound kernel per device over its gradients; a found-inf flag per device."""
-        per_device: dict[torch.device, Any] = {}
+        per_device: dict[torch.device, torch.Tensor] = {}
         nbytes: dict[torch.device, int] = collections.defaultdict(int)
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -76,7 +81,14 @@ class ScalerEmulation:
             self._charge(device, 2 * n / bandwidth, "amp unscale")
         return per_device
 
-    def maybe_opt_step(self, scaler: Any, optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
+    def maybe_opt_step(
+        self,
+        scaler: GradScaler,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict,
+        *args: Any,  # (handed to optimizer.step as the script gave them)
+        **kwargs: Any,
+    ) -> float | None:
         """The optimizer step, after the host waited for the backward pass as found_inf.item() makes
         it wait on a real GPU (a sync point); no inf is ever found."""
         engine = self.rt.engine
@@ -85,7 +97,7 @@ class ScalerEmulation:
                 engine.stream(device.index or 0).synchronize("GradScaler.step")
         return optimizer.step(*args, **kwargs)
 
-    def update(self, scaler: Any, new_scale: Any = None) -> None:
+    def update(self, scaler: GradScaler, new_scale: float | torch.Tensor | None = None) -> None:
         """The scale set or grown on the host mirror, and copied to the device-side tensors."""
         scale, _ = scaler._check_scale_growth_tracker("update")
         m = _mirror(scaler)
@@ -107,13 +119,13 @@ class ScalerEmulation:
                 scaler._growth_tracker.fill_(m.growth)
         scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
 
-    def get_scale(self, scaler: Any) -> float:
+    def get_scale(self, scaler: GradScaler) -> float:
         return _mirror(scaler).scale
 
-    def get_growth_tracker(self, scaler: Any) -> int:
+    def get_growth_tracker(self, scaler: GradScaler) -> int:
         return _mirror(scaler).growth
 
-    def load_state_dict(self, scaler: Any, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, scaler: GradScaler, state_dict: dict[str, Any]) -> None:
         self.originals["load_state_dict"](scaler, state_dict)
         scaler.__dict__["_gpemu_mirror"] = _ScaleMirror(state_dict["scale"], state_dict["_growth_tracker"])
 
@@ -129,18 +141,18 @@ METHODS: dict[str, str] = {
 }
 
 
-def _emulated(scaler: Any) -> bool:
+def _emulated(scaler: GradScaler) -> bool:
     return getattr(scaler, "_device", None) == "cuda" and getattr(scaler, "_enabled", False)
 
 
-def _mirror(scaler: Any) -> _ScaleMirror:
+def _mirror(scaler: GradScaler) -> _ScaleMirror:
     m = scaler.__dict__.get("_gpemu_mirror")
     if m is None:
         m = scaler.__dict__["_gpemu_mirror"] = _ScaleMirror(scaler._init_scale, scaler._init_growth_tracker)
     return m
 
 
-def _given_scale(new_scale: Any) -> float:
+def _given_scale(new_scale: float | torch.Tensor) -> float:
     """``update(new_scale)``'s value, checked as torch checks it."""
     if isinstance(new_scale, float):
         return new_scale
@@ -152,12 +164,12 @@ def _given_scale(new_scale: Any) -> float:
     return float(new_scale.item())
 
 
-def _scaler_method(emulated: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+def _scaler_method(emulated: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
     """A GradScaler method: ``emulated`` for an enabled CUDA scaler, torch's ``original`` otherwise
     (named and documented as the original)."""
 
     @functools.wraps(original)
-    def method(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+    def method(scaler: GradScaler, *args: object, **kwargs: object) -> object:
         if _emulated(scaler):
             return emulated(scaler, *args, **kwargs)
         return original(scaler, *args, **kwargs)

@@ -389,7 +389,7 @@ class PinnedState:
     # The DataLoader pin thread and the main thread both pin.
     _stats_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def pin_memory(self, tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
+    def pin_memory(self, tensor: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
         """``Tensor.pin_memory()`` of this run: a copy on the pinned pool (a plain pageable copy
         with ``config.pinned`` False, what an emulator without pinned memory does)."""
         if tensor.device.type != "cpu":
@@ -405,16 +405,16 @@ class PinnedState:
             self.recorder.add("pin_bytes", tensor.numel() * tensor.element_size())
         return out
 
-    def is_pinned(self, tensor: torch.Tensor, device: Any = None) -> bool:
+    def is_pinned(self, tensor: torch.Tensor, device: str | torch.device | None = None) -> bool:
         """``Tensor.is_pinned()``: whether the tensor's storage lives in the pinned pool."""
         return is_pinned(tensor)
 
 
-def _tensor_method(ours: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+def _tensor_method(ours: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
     """A ``torch.Tensor`` method that runs ``ours`` (named and documented as torch's ``original``)."""
 
     @functools.wraps(original)
-    def method(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def method(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
         return ours(tensor, *args, **kwargs)
 
     return method
