@@ -23,15 +23,13 @@ batch 201..233, 33 rows) are dropped and counted.
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import io
 import json
 import sys
 from pathlib import Path
 
-from .specs import ARTIFACT_FOLDER_NAMES, SHIPPED_GPUS
-
-_SHORT = {s.name: s.short_name for s in SHIPPED_GPUS}
 _MiB = 1 << 20
 
 
@@ -39,10 +37,30 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
+@functools.cache
+def _short_name(gpu_folder: str) -> str:
+    """The short name (e.g. ``V100``) of a GPU folder of the artifact: its name is one of the
+    measured GPU's aliases in the table of GPU facts (``Tesla_V100-PCIE-32GB``)."""
+    from gpemu.costmodel.gpus import find_gpu
+
+    sheet = find_gpu(gpu_folder)
+    if sheet is None or not sheet.measured:
+        raise ValueError(f"{gpu_folder!r} is not the folder of a measured GPU of gpemu.costmodel.gpus.GPUS")
+    return sheet.short_name
+
+
 def _batch(text: str) -> int | None:
     """Whole-number batch size, or None for a fractional one (a regression fill-in)."""
     b = float(text)
     return int(b) if b == int(b) else None
+
+
+def _timed_batch(text: str) -> int:
+    """The batch size of a measured time: always a whole number (fill-ins are memory rows only)."""
+    b = _batch(text)
+    if b is None:
+        raise ValueError(f"a time row has the fractional batch size {text!r}")
+    return b
 
 
 def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
@@ -59,29 +77,29 @@ def convert(shared_data: Path, out_dir: Path) -> dict[str, int]:
     rows: list[tuple[str, str, str, int, str]] = []
 
     def add(gpu_folder: str, model: str, kind: str, bs: int, value: str) -> None:
-        rows.append((_SHORT[ARTIFACT_FOLDER_NAMES[gpu_folder]], model, kind, bs, value))
+        rows.append((_short_name(gpu_folder), model, kind, bs, value))
         counts[kind] = counts.get(kind, 0) + 1
 
     for kind in ("forward", "backward"):
         for f in sorted((prof / "time" / "compute" / kind).glob("*/*/time_by_batch_size.csv")):
             gpu, model = f.parent.parent.name, f.parent.name
             for r in list(csv.reader(f.open()))[1:]:
-                add(gpu, model, kind, _batch(r[0]), _fmt(float(r[1])))
+                add(gpu, model, kind, _timed_batch(r[0]), _fmt(float(r[1])))
     for f in sorted((prof / "time" / "transfer").glob("*/*/data_transfer_time_by_batch_size.csv")):
         gpu, model = f.parent.parent.name, f.parent.name
         for r in list(csv.reader(f.open()))[1:]:
-            add(gpu, model, "h2d_transfer", _batch(r[0]), _fmt(float(r[1])))
+            add(gpu, model, "h2d_transfer", _timed_batch(r[0]), _fmt(float(r[1])))
     for f in sorted((prof / "time" / "transfer").glob("*/*/model_transfer_time.txt")):
         add(f.parent.parent.name, f.parent.name, "model_transfer", 0, _fmt(float(f.read_text().strip())))
     for f in sorted((prof / "memory").glob("*/*/memory.csv")):
         gpu, model = f.parent.parent.name, f.parent.name
-        for r in csv.DictReader(f.open()):
-            bs = _batch(r["batch_size"])
+        for cells in csv.DictReader(f.open()):
+            bs = _batch(cells["batch_size"])
             if bs is None:
                 counts["dropped_fractional_memory_rows"] += 1
                 continue
             for kind, col in (("peak_memory", "peak"), ("persistent_memory", "persistent")):
-                value = float(r[col])
+                value = float(cells[col])
                 if value < 0:  # a regression fill-in gone below zero: not a measurement
                     counts["dropped_negative_memory_rows"] += 1
                     continue

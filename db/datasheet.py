@@ -3,9 +3,9 @@
 One table (:data:`FIELDS`) says every field's key, unit, range and meaning; the command line's
 options and a YAML/JSON file use the same keys, and :func:`spec_from_datasheet` checks either
 the same way: the first bad field is one ``ValueError`` naming it and what is valid, and nothing
-is written. Facts about GPU generations (which ones have TF32 / BF16 / FP16 tensor cores, the
-usual compute capability, the pageable host-copy rate) are read from the datasheet table
-``gpemu.costmodel.gpus.GPUS``, never restated here.
+is written. What a datasheet leaves out (which generations have TF32 / BF16 / FP16 tensor cores,
+the usual compute capability, the PCIe generation and the host-copy rates, memory "GB" read as
+GiB) is taken from the one place of GPU facts, ``gpemu.costmodel.gpus``, never restated here.
 """
 
 from __future__ import annotations
@@ -13,11 +13,21 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gpemu.costmodel.gpus import (
+    DEFAULT_PCIE_GEN,
+    GENERATIONS,
+    PINNED_SHARE,
+    datasheet_memory_bytes,
+    first_generation_with,
+    generation_capability,
+    pageable_copy_rate,
+    pinned_copy_rate,
+)
 
 from .records import GpuSpec, normalize_name, parse_compute_capability
 
@@ -28,10 +38,9 @@ __all__ = [
     "read_datasheet_file",
     "datasheet_of",
     "check_names_free",
-    "pcie_link_rate",
 ]
 
-_GiB = 1 << 30
+_GiB = 1 << 30  # (a unit, for the memory_gb field's scale and datasheet_of)
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,7 @@ FIELDS: tuple[Field, ...] = (
         100_000,
         scale=1e12,
     ),
-    Field("pcie_gen", "int", "PCIe generation of the x16 host link [default: 4]", 1, 7),
+    Field("pcie_gen", "int", f"PCIe generation of the x16 host link [default: {DEFAULT_PCIE_GEN}]", 1, 7),
     Field(
         "nvlink_gbs",
         "float",
@@ -115,7 +124,7 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "host_pinned_gbs",
         "float",
-        "host->GPU copies from pinned memory, GB/s [default: 0.8 x the PCIe link]",
+        f"host->GPU copies from pinned memory, GB/s [default: {PINNED_SHARE:g} x the PCIe link]",
         0.1,
         10_000,
         scale=1e9,
@@ -133,27 +142,6 @@ FIELDS: tuple[Field, ...] = (
 _BY_KEY = {f.key: f for f in FIELDS}
 # Keys of `gpemu db export` GPU entries: such a file goes to `gpemu db import` instead.
 _EXPORT_KEYS = {"memory_bytes", "fp32_flops", "memory_bandwidth", "sm_count"}
-
-
-def pcie_link_rate(gen: int) -> float:
-    """A PCIe x16 link's rate per direction, bytes/s (Gen3 15.75 GB/s, doubling each generation)."""
-    return 15.75e9 * 2.0 ** (gen - 3)
-
-
-def _first_generation_with(attr: str) -> str:
-    from gpemu.costmodel.gpus import GENERATIONS, GPUS
-
-    return min((s.generation for s in GPUS if getattr(s, attr) > 0), key=GENERATIONS.index)
-
-
-def _pageable_for(pcie_gen: int) -> float:
-    """The median pageable host-copy rate of the shipped sheets with this PCIe generation (the
-    nearest generation they have): that rate is host-memcpy bound, not a datasheet figure."""
-    from gpemu.costmodel.gpus import GPUS
-
-    gens = sorted({s.pcie_gen for s in GPUS})
-    nearest = min(gens, key=lambda g: (abs(g - pcie_gen), -g))
-    return statistics.median(s.host_link_bandwidth_pageable for s in GPUS if s.pcie_gen == nearest)
 
 
 def _unit(key: str) -> str:
@@ -177,11 +165,8 @@ def _check(f: Field, value: Any) -> Any:
             raise ValueError(f"{label} must be a list of short names such as [RTX3090], got {value!r}")
         return tuple(n.strip() for n in names)
     if f.kind == "generation":
-        from .specs import generations
-
-        valid = generations()
-        if not isinstance(value, str) or value.strip().lower() not in valid:
-            raise ValueError(f"{label} must be one of {', '.join(valid)}, got {value!r}")
+        if not isinstance(value, str) or value.strip().lower() not in GENERATIONS:
+            raise ValueError(f"{label} must be one of {', '.join(GENERATIONS)}, got {value!r}")
         return value.strip().lower()
     if f.kind == "cc":
         try:
@@ -192,7 +177,7 @@ def _check(f: Field, value: Any) -> Any:
     if f.kind == "int":
         ok = ok and float(value).is_integer()
     rng = f"from {f.low:g} to {f.high:g}" + _unit(f.key)
-    if not ok or not (f.low <= value <= f.high):  # type: ignore[operator]
+    if not ok or not (f.low <= value <= f.high):
         what = "a whole number" if f.kind == "int" else "a number"
         shown = f"{value:g}" if isinstance(value, numbers.Real) and not isinstance(value, bool) else repr(value)
         raise ValueError(f"{label} must be {what} {rng}, got {shown}")
@@ -204,6 +189,14 @@ def spec_from_datasheet(values: Mapping[str, Any], *, provenance: str = "user") 
 
     Raises ValueError for the first bad field: an unknown key, a missing required one, a value
     out of its range, or a tensor-core figure a GPU of that generation cannot have."""
+    v = _checked_fields(values)
+    _check_tensor_cores(v)
+    return _spec(v, provenance)
+
+
+def _checked_fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Every field of :data:`FIELDS` checked (None where left out); ValueError for the first
+    unknown, missing or bad one."""
     unknown = sorted(k for k in values if k not in _BY_KEY)
     if unknown:
         if _EXPORT_KEYS & set(values):
@@ -221,17 +214,23 @@ def spec_from_datasheet(values: Mapping[str, Any], *, provenance: str = "user") 
             v[f.key] = None
             continue
         v[f.key] = _check(f, raw)
-    from gpemu.costmodel.gpus import GENERATIONS
+    return v
 
+
+_TENSOR_CORE_FIELDS = {
+    "tf32_tensor_tflops": "tf32_tensor_flops",
+    "fp16_tensor_tflops": "fp16_tensor_flops",
+    "bf16_tensor_tflops": "bf16_tensor_flops",
+}
+
+
+def _check_tensor_cores(v: dict[str, Any]) -> None:
+    """Tensor-core figures the generation can have, in TFLOP/s: a unit older generations lack is
+    0 (ValueError when given), and a figure under a quarter of FP32 is a unit slip."""
     gen = v["generation"]
-    later = GENERATIONS.index(gen)
-    for key, attr in (
-        ("tf32_tensor_tflops", "tf32_tensor_flops"),
-        ("fp16_tensor_tflops", "fp16_tensor_flops"),
-        ("bf16_tensor_tflops", "bf16_tensor_flops"),
-    ):
-        first = _first_generation_with(attr)
-        if later < GENERATIONS.index(first):
+    for key, unit in _TENSOR_CORE_FIELDS.items():
+        first = first_generation_with(unit)
+        if GENERATIONS.index(gen) < GENERATIONS.index(first):
             if v[key]:
                 raise ValueError(
                     f"{key} (--{key.replace('_', '-')}): {gen} GPUs have no such tensor cores (the "
@@ -245,33 +244,30 @@ def spec_from_datasheet(values: Mapping[str, Any], *, provenance: str = "user") 
                 f"{key} (--{key.replace('_', '-')}) = {v[key]:g} TFLOP/s is under a quarter of the FP32 "
                 f"peak ({fp32:g}): give TFLOP/s (not FLOP/s or GFLOP/s), or 0 for none"
             )
-    pcie = v["pcie_gen"] or 4
-    link = pcie_link_rate(pcie)
-    pinned = v["host_pinned_gbs"] * 1e9 if v["host_pinned_gbs"] else 0.8 * link
-    pageable = v["host_pageable_gbs"] * 1e9 if v["host_pageable_gbs"] else _pageable_for(pcie)
-    if v["compute_capability"] is None:
-        from gpemu.gpus import generation_capability
 
-        v["compute_capability"] = generation_capability(gen)
-    sc = _BY_KEY
+
+def _spec(v: dict[str, Any], provenance: str) -> GpuSpec:
+    """The GpuSpec of checked fields; what they leave out is filled in from the GPU facts (PCIe
+    generation, host-copy rates, the generation's compute capability)."""
 
     def scaled(key: str) -> float | None:
-        return None if v[key] is None else v[key] * sc[key].scale
+        return None if v[key] is None else v[key] * _BY_KEY[key].scale
 
-    tensor16 = scaled("fp16_tensor_tflops") or 0.0
+    pcie = v["pcie_gen"] or DEFAULT_PCIE_GEN
+    fp32 = v["fp32_tflops"] * _BY_KEY["fp32_tflops"].scale
     fp16_plain = scaled("fp16_tflops")
     return GpuSpec(
         name=v["name"],
         aliases=v["aliases"] or (),
-        memory_bytes=int(round(v["memory_gb"] * _GiB)),
-        fp32_flops=fp32 * 1e12,
-        fp16_flops=max(tensor16, fp16_plain or 0.0) or fp32 * 1e12,
-        memory_bandwidth=scaled("bandwidth_gbs"),
-        host_link_bandwidth_pinned=pinned,  # type: ignore[arg-type]
-        host_link_bandwidth_pageable=pageable,
+        memory_bytes=datasheet_memory_bytes(v["memory_gb"]),
+        fp32_flops=fp32,
+        fp16_flops=max(scaled("fp16_tensor_tflops") or 0.0, fp16_plain or 0.0) or fp32,
+        memory_bandwidth=v["bandwidth_gbs"] * _BY_KEY["bandwidth_gbs"].scale,
+        host_link_bandwidth_pinned=scaled("host_pinned_gbs") or pinned_copy_rate(pcie),
+        host_link_bandwidth_pageable=scaled("host_pageable_gbs") or pageable_copy_rate(pcie),
         sm_count=v["sms"],
-        generation=gen,
-        compute_capability=v["compute_capability"],
+        generation=v["generation"],
+        compute_capability=v["compute_capability"] or generation_capability(v["generation"]),
         fp64_flops=scaled("fp64_tflops"),
         fp16_nontensor_flops=fp16_plain,
         tf32_tensor_flops=scaled("tf32_tensor_tflops"),

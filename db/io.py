@@ -19,10 +19,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 
@@ -97,9 +97,9 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
     with db.engine.connect() as conn:
         for r in conn.execute(q):
             if r[0] in gpu_names and r[1] in model_names:
-                r = list(r)
-                r[2] = json.loads(r[2] or "{}")
-                rows.append([r[i] for i in order])
+                cells = list(r)
+                cells[2] = json.loads(cells[2] or "{}")
+                rows.append([cells[i] for i in order])
         dists = conn.execute(select(S.distributions).order_by(S.distributions.c.name)).mappings().all()
     ops, curves = [], []
     for gpu in op_gpus(db.engine):
@@ -527,104 +527,53 @@ def _parse_dist_cells(c: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+_Row = TypeVar("_Row")
+
+
+def _accepted(
+    rows: Iterable[tuple[str, Any]],
+    parse: Callable[[Any], _Row],
+    report: ImportReport,
+    what: str,
+    errors: tuple[type[Exception], ...] = (TypeError, ValueError),
+) -> list[_Row]:
+    """``parse`` of every row it accepts; each row it refuses (or that could not be read: an
+    exception in its place) is reported as rejected, its reason after ``what``."""
+    out = []
+    for where, raw in rows:
+        try:
+            if isinstance(raw, Exception):
+                raise raw
+            out.append(parse(raw))
+        except errors as exc:
+            report.rejected.append(Rejected(where, f"{what}{exc}"))
+    return out
+
+
 def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) -> ImportReport:
+    """Every valid row of every section written (GPUs and models first: measurements refer to
+    them), every other row reported with its reason."""
     report = ImportReport()
-    gpu_rows, model_rows = [], []
     # Which GPU each name and alias already means: an imported GPU may not take another's name
     # (lookups resolve to the first GPU with a name, so the import's alias would silently be dead).
     owner = {normalize_name(n): s.name for s in db.gpus() for n in (s.name, *s.aliases)}
-    for where, raw in sections["gpus"]:
-        try:
-            if isinstance(raw, Exception):
-                raise raw
-            spec = check_generation(GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU")))
-            for n in (spec.name, *spec.aliases):
-                if owner.setdefault(normalize_name(n), spec.name) != spec.name:
-                    raise ValueError(f"{n!r} already names {owner[normalize_name(n)]}; give {spec.name} another alias")
-            gpu_rows.append(gpu_row(spec))
-        except (TypeError, ValueError, AttributeError) as exc:
-            report.rejected.append(Rejected(where, f"bad GPU spec: {exc}"))
-    for where, raw in sections["models"]:
-        try:
-            if isinstance(raw, Exception):
-                raise raw
-            info = ModelInfo(**_only(raw, _MODEL_COLUMNS, "model"))
-            model_rows.append(model_row(info))
-        except (TypeError, ValueError, AttributeError) as exc:
-            report.rejected.append(Rejected(where, f"bad model info: {exc}"))
+    described = (TypeError, ValueError, AttributeError)
+    gpu_rows = _accepted(sections["gpus"], lambda raw: _gpu(raw, owner), report, "bad GPU spec: ", described)
+    model_rows = _accepted(sections["models"], _model, report, "bad model info: ", described)
     if gpu_rows or model_rows:
         with db.engine.begin() as conn:
             upsert(conn, S.gpus, gpu_rows, ("name",))
             upsert(conn, S.models, model_rows, ("name",))
-        db._invalidate()
+        db.invalidate()
     report.gpus, report.models = len(gpu_rows), len(model_rows)
-
-    # Resolve names once (the import may hold thousands of rows per GPU/model pair).
-    names = db._names()
-    gpu_ids = names.gpu_keys
-    model_ids = names.model_keys
-    prepared: list[dict[str, Any]] = []
-    gpu_cache: dict[str, int | None] = {}
-    for where, raw in sections["measurements"]:
-        try:
-            if isinstance(raw, Exception):
-                raise raw
-            m = clean_measurement(raw)
-            gid = gpu_cache.get(m["gpu"], -1)
-            if gid == -1:
-                gid = gpu_cache[m["gpu"]] = gpu_ids.get(normalize_name(m["gpu"]))
-            if gid is None:
-                raise ValueError(f"unknown GPU {m['gpu']!r} and the import has no spec for it")
-            mid = model_ids.get(m["model"].strip().lower())
-            if mid is None:
-                raise ValueError(f"unknown model {m['model']!r} and the import has no info for it")
-            prepared.append(measurement_row(m, gid, mid))
-        except (TypeError, ValueError) as exc:
-            report.rejected.append(Rejected(where, str(exc)))
-    dist_rows = []
-    for where, raw in sections["distributions"]:
-        try:
-            if isinstance(raw, Exception):
-                raise raw
-            d = _only(raw, _DIST_COLUMNS, "distribution")
-            samples = d.get("samples")
-            if d.get("unit") not in ("seconds", "bytes"):
-                raise ValueError(f"unit must be 'seconds' or 'bytes', got {d.get('unit')!r}")
-            if (
-                not isinstance(d.get("name"), str)
-                or not d["name"].strip()
-                or not isinstance(samples, list)
-                or not samples
-                or not all(is_number(x) and math.isfinite(x) and x >= 0 for x in samples)
-            ):
-                raise ValueError("needs a name and a non-empty list of finite sample values >= 0")
-            dist_rows.append(
-                {
-                    "name": d["name"],
-                    "unit": d["unit"],
-                    "samples_json": json.dumps(samples),
-                    "source": d.get("source") or "",
-                    "description": d.get("description") or "",
-                }
-            )
-        except (TypeError, ValueError) as exc:
-            report.rejected.append(Rejected(where, f"bad distribution: {exc}"))
+    prepared = _accepted(sections["measurements"], _MeasurementRows(db), report, "")
+    dist_rows = _accepted(sections["distributions"], _distribution, report, "bad distribution: ")
     # A GPU's own calibration (gpemu profile --ops): keyed by GPU name, like the tables themselves;
     # written per (GPU, time stamp) so an import keeps when each row was measured or fitted.
-    ops: dict[tuple[str, str | None], list[OpMeasurement]] = {}
-    curves: dict[tuple[str, str | None], list[OpCurveRow]] = {}
-    for section, parse, into, what in (
-        ("op_measurements", _op_measurement, ops, "op measurement"),
-        ("op_curves", _op_curve, curves, "op curve"),
-    ):
-        for where, raw in sections.get(section, []):
-            try:
-                if isinstance(raw, Exception):
-                    raise raw
-                gpu, when, row = parse(raw)
-                into.setdefault((gpu, when), []).append(row)  # type: ignore[arg-type]
-            except (TypeError, ValueError) as exc:
-                report.rejected.append(Rejected(where, f"bad {what}: {exc}"))
+    ops = _by_gpu_and_time(
+        _accepted(sections.get("op_measurements", []), _op_measurement, report, "bad op measurement: ")
+    )
+    curves = _by_gpu_and_time(_accepted(sections.get("op_curves", []), _op_curve, report, "bad op curve: "))
     with db.engine.begin() as conn:
         upsert(conn, S.measurements, prepared, ("gpu_id", "model_id", "kind", "batch_size", "world_size"))
         upsert(conn, S.distributions, dist_rows, ("name",))
@@ -632,9 +581,75 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
         report.op_measurements += write_op_measurements(db.engine, gpu, op_rows, when)
     for (gpu, when), curve_rows in curves.items():
         report.op_curves += write_curves(db.engine, gpu, curve_rows, when)
-    db._invalidate()
+    db.invalidate()
     report.measurements, report.distributions = len(prepared), len(dist_rows)
     return report
+
+
+def _gpu(raw: Any, owner: dict[str, str]) -> dict[str, Any]:
+    """The gpus-table row of one imported GPU; its names join ``owner`` (normalised name ->
+    the GPU it means), and a name another GPU already has is refused."""
+    spec = check_generation(GpuSpec(**_only(raw, _GPU_COLUMNS, "GPU")))
+    for n in (spec.name, *spec.aliases):
+        if owner.setdefault(normalize_name(n), spec.name) != spec.name:
+            raise ValueError(f"{n!r} already names {owner[normalize_name(n)]}; give {spec.name} another alias")
+    return gpu_row(spec)
+
+
+def _model(raw: Any) -> dict[str, Any]:
+    return model_row(ModelInfo(**_only(raw, _MODEL_COLUMNS, "model")))
+
+
+class _MeasurementRows:
+    """Measurements as rows of the measurements table, their GPU and model resolved to the
+    database's rows (names resolved once per GPU: an import may hold thousands of rows each)."""
+
+    def __init__(self, db: ProfileDB) -> None:
+        self.db = db
+        self.gpu_ids: dict[str, int | None] = {}
+
+    def __call__(self, raw: Any) -> dict[str, Any]:
+        m = clean_measurement(raw)
+        if m["gpu"] not in self.gpu_ids:
+            self.gpu_ids[m["gpu"]] = self.db.gpu_row_id(m["gpu"])
+        gid = self.gpu_ids[m["gpu"]]
+        if gid is None:
+            raise ValueError(f"unknown GPU {m['gpu']!r} and the import has no spec for it")
+        mid = self.db.model_row_id(m["model"])
+        if mid is None:
+            raise ValueError(f"unknown model {m['model']!r} and the import has no info for it")
+        return measurement_row(m, gid, mid)
+
+
+def _distribution(raw: Any) -> dict[str, Any]:
+    """The distributions-table row of one imported distribution (finite samples >= 0)."""
+    d = _only(raw, _DIST_COLUMNS, "distribution")
+    samples = d.get("samples")
+    if d.get("unit") not in ("seconds", "bytes"):
+        raise ValueError(f"unit must be 'seconds' or 'bytes', got {d.get('unit')!r}")
+    if (
+        not isinstance(d.get("name"), str)
+        or not d["name"].strip()
+        or not isinstance(samples, list)
+        or not samples
+        or not all(is_number(x) and math.isfinite(x) and x >= 0 for x in samples)
+    ):
+        raise ValueError("needs a name and a non-empty list of finite sample values >= 0")
+    return {
+        "name": d["name"],
+        "unit": d["unit"],
+        "samples_json": json.dumps(samples),
+        "source": d.get("source") or "",
+        "description": d.get("description") or "",
+    }
+
+
+def _by_gpu_and_time(rows: Iterable[tuple[str, str | None, _Row]]) -> dict[tuple[str, str | None], list[_Row]]:
+    """Op rows grouped by (GPU name, time stamp), the unit they are written in."""
+    out: dict[tuple[str, str | None], list[_Row]] = {}
+    for gpu, when, row in rows:
+        out.setdefault((gpu, when), []).append(row)
+    return out
 
 
 def _only(raw: Any, allowed: list[str], what: str) -> dict[str, Any]:

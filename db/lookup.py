@@ -12,7 +12,7 @@ import numbers
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from sqlalchemy import Engine, Table, func, insert, select, update
@@ -36,7 +36,6 @@ from .records import (
 
 __all__ = [
     "ProfileDB",
-    "validate_measurement",
     "clean_measurement",
     "measurement_row",
     "gpu_row",
@@ -116,13 +115,23 @@ class ProfileDB:
             self._names_cache = names
             return names
 
-    def _invalidate(self) -> None:
+    def invalidate(self) -> None:
+        """Forget what this object cached of the database: for writers that go to its tables
+        directly (an import), so that the next lookup reads what they wrote."""
         with self._lock:
             self._names_cache = None
             self._series.clear()
             self._sources.clear()
             self._fits.clear()
             self._dists.clear()
+
+    def gpu_row_id(self, name: str) -> int | None:
+        """The id of the GPU row this name or alias means (as :meth:`gpu` matches it), or None."""
+        return self._names().gpu_keys.get(normalize_name(name))
+
+    def model_row_id(self, name: str) -> int | None:
+        """The id of the model row this name means (as :meth:`model` matches it), or None."""
+        return self._names().model_keys.get(name.strip().lower())
 
     def _gpu_id(self, name: str) -> int:
         names = self._names()
@@ -329,7 +338,7 @@ class ProfileDB:
         check_generation(spec)
         with self.engine.begin() as conn:
             upsert(conn, S.gpus, [gpu_row(spec)], ("name",))
-        self._invalidate()
+        self.invalidate()
 
     def add_model(self, info: ModelInfo) -> None:
         """Insert or update a model (matched by name)."""
@@ -337,7 +346,7 @@ class ProfileDB:
             raise TypeError(f"add_model takes a ModelInfo, got {type(info).__name__}")
         with self.engine.begin() as conn:
             upsert(conn, S.models, [model_row(info)], ("name",))
-        self._invalidate()
+        self.invalidate()
 
     def add_measurements(self, rows: Iterable[Measurement | Mapping[str, Any]]) -> int:
         """Upsert measurements in one transaction (all or none). Returns the number written.
@@ -401,13 +410,13 @@ def _extrapolation_line(xs: np.ndarray, ys: np.ndarray, above: bool) -> tuple[fl
     return float(slope), float(intercept)
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """An integer, not a bool (numpy integers too)."""
     # type() first: the ABC isinstance check is slow across an import's many rows.
     return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: Any) -> TypeGuard[float]:
     """A real number, not a bool (numpy scalars too)."""
     return type(x) is float or type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Real))
 
@@ -475,11 +484,6 @@ def clean_measurement(row: Measurement | Mapping[str, Any]) -> dict[str, Any]:
     return d
 
 
-def validate_measurement(row: Measurement | Mapping[str, Any]) -> Measurement:
-    """Check one measurement; returns it with its unit filled in. ValueError says what is wrong."""
-    return Measurement(**clean_measurement(row))
-
-
 def measurement_row(m: Measurement | Mapping[str, Any], gpu_id: int, model_id: int) -> dict[str, Any]:
     """A validated measurement (or the dict clean_measurement made) as a measurements-table row."""
     d = m if isinstance(m, dict) else {f: getattr(m, f) for f in MEASUREMENT_FIELDS}
@@ -497,7 +501,7 @@ def gpu_row(s: GpuSpec) -> dict[str, Any]:
     return row
 
 
-def spec_from_row(r: Mapping[str, Any]) -> GpuSpec:
+def spec_from_row(r: Mapping[Any, Any]) -> GpuSpec:
     """A gpus-table row (a mapping of its columns) as a GpuSpec; columns a row lacks are unknown."""
 
     def opt(col: str) -> Any:
@@ -532,9 +536,8 @@ def check_generation(spec: GpuSpec) -> GpuSpec:
     """``spec`` if its generation is one the cost model knows (or unknown); ValueError naming the
     valid ones otherwise. (Imports the cost model's GPU table: not for hot paths.)"""
     if spec.generation is not None:
-        from .specs import generations
+        from gpemu.costmodel.gpus import GENERATIONS as valid
 
-        valid = generations()
         if spec.generation not in valid:
             raise ValueError(
                 f"GpuSpec.generation of {spec.name!r} must be one of {', '.join(valid)}, got {spec.generation!r}"
@@ -572,7 +575,10 @@ def upsert(
         )
         if tuples is None:
             tuples = [tuple(r[c] for c in cols) for r in rows]
-        conn.connection.driver_connection.executemany(sql, tuples)
+        driver = conn.connection.driver_connection
+        if driver is None:  # (SQLAlchemy hands a live connection's; None only once it is closed)
+            raise RuntimeError(f"the connection to {conn.engine.url!r} is closed")
+        driver.executemany(sql, tuples)
         return
     if tuples is not None:
         rows = [dict(zip(cols, t, strict=False)) for t in tuples]

@@ -41,7 +41,6 @@ __all__ = [
     "read_measurements",
     "write_curves",
     "read_curves",
-    "calibrated_gpus",
     "op_gpus",
     "stamps",
 ]
@@ -226,14 +225,6 @@ def read_curves(engine: Engine, gpu: str) -> list[OpCurveRow]:
     ]
 
 
-def calibrated_gpus(engine: Engine) -> list[str]:
-    """Names of the GPUs that have fitted curves."""
-    if not _has(engine, op_curves):
-        return []
-    with engine.connect() as conn:
-        return [r[0] for r in conn.execute(select(op_curves.c.gpu).distinct().order_by(op_curves.c.gpu))]
-
-
 def op_gpus(engine: Engine) -> list[str]:
     """Names of the GPUs with stored kernels or curves."""
     names: set[str] = set()
@@ -258,6 +249,6 @@ def stamps(engine: Engine, gpu: str) -> tuple[dict[tuple, str], dict[tuple, str]
     if _has(engine, op_curves):
         t = op_curves
         with engine.connect() as conn:
-            for r in conn.execute(select(t.c.key, t.c.path, t.c.fitted_at).where(t.c.gpu == gpu)):
-                fitted[tuple(r[:2])] = r[2]
+            for row in conn.execute(select(t.c.key, t.c.path, t.c.fitted_at).where(t.c.gpu == gpu)):
+                fitted[tuple(row[:2])] = row[2]
     return measured, fitted

@@ -142,7 +142,8 @@ def parse_compute_capability(value: Any) -> tuple[int, int] | None:
     elif isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_whole(v) for v in value):
         major, minor = int(value[0]), int(value[1])
     elif isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        major, minor = int(value), int(round((value - int(value)) * 10))
+        number = float(value)
+        major, minor = int(number), int(round((number - int(number)) * 10))
     if major is None or minor is None or not (1 <= major <= 99 and 0 <= minor <= 9):
         raise ValueError(f"compute capability must be MAJOR.MINOR such as 8.0 or 9.0, got {value!r}")
     return major, minor

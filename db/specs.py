@@ -1,4 +1,4 @@
-"""The GPUs the database ships: every sheet of ``gpemu.costmodel.gpus.GPUS``, the one table of GPU facts.
+"""The GPUs the database ships: every sheet of ``gpemu.costmodel.gpus.GPUS``, the one place of GPU facts.
 
 That table holds each GPU's datasheet figures and their sources (NVIDIA's datasheets and
 whitepapers, one K80 being one GK210 die as CUDA sees it); this module only turns its sheets into
@@ -19,21 +19,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpemu.gpus import generation_capability
-
 from .records import GpuSpec
 
 if TYPE_CHECKING:
     from gpemu.costmodel.gpus import GpuSheet
 
-__all__ = [
-    "shipped_gpus",
-    "spec_from_sheet",
-    "generations",
-    "generation_capability",
-    "gpu_facts_digest",
-    "ARTIFACT_FOLDER_NAMES",
-]
+__all__ = ["shipped_gpus", "spec_from_sheet", "gpu_facts_digest"]
 
 
 def spec_from_sheet(sheet: GpuSheet, provenance: str = "datasheet") -> GpuSpec:
@@ -50,7 +41,7 @@ def spec_from_sheet(sheet: GpuSheet, provenance: str = "datasheet") -> GpuSpec:
         host_link_bandwidth_pageable=float(sheet.host_link_bandwidth_pageable),
         sm_count=int(sheet.sm_count),
         generation=sheet.generation,
-        compute_capability=tuple(sheet.compute_capability),  # type: ignore[arg-type]
+        compute_capability=sheet.compute_capability,
         fp64_flops=float(sheet.fp64_flops),
         fp16_nontensor_flops=float(sheet.fp16_flops),
         tf32_tensor_flops=float(sheet.tf32_tensor_flops),
@@ -71,13 +62,6 @@ def shipped_gpus() -> tuple[GpuSpec, ...]:
     return tuple(spec_from_sheet(s) for s in GPUS)
 
 
-def generations() -> tuple[str, ...]:
-    """The architecture names a GPU's ``generation`` may take (oldest first)."""
-    from gpemu.costmodel.gpus import GENERATIONS
-
-    return tuple(GENERATIONS)
-
-
 @functools.lru_cache(maxsize=1)
 def gpu_facts_digest() -> str:
     """Hash of the datasheet table's source: a changed table means default databases get rebuilt."""
@@ -93,14 +77,3 @@ def __getattr__(name: str) -> Any:  # SHIPPED_GPUS, as before schema 2, without 
     if name == "SHIPPED_GPUS":
         return shipped_gpus()
     raise AttributeError(f"module 'gpemu.db.specs' has no attribute {name!r}")
-
-
-# Folder names in the GPEmu artifact -> our canonical names (used by the converter).
-ARTIFACT_FOLDER_NAMES: dict[str, str] = {
-    "NVIDIA_A100-SXM4-40GB": "NVIDIA A100-SXM4-40GB",
-    "Quadro_RTX_6000": "Quadro RTX 6000",
-    "Tesla_K80": "Tesla K80",
-    "Tesla_M40": "Tesla M40",
-    "Tesla_P100-PCIE-16GB": "Tesla P100-PCIE-16GB",
-    "Tesla_V100-PCIE-32GB": "Tesla V100-PCIE-32GB",
-}

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .costmodel.gpus import compute_capability
 from .costs import attention_price
 from .device import EmuTensor, TensorState
-from .gpus import compute_capability
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime

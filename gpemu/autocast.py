@@ -22,9 +22,12 @@ one call, so the ops inside it are not re-cast.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.amp.autocast_mode import autocast
 from torch.overrides import TorchFunctionMode
 
 from .device import EmuTensor
@@ -32,7 +35,7 @@ from .device import EmuTensor
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "AutocastMode", "LOWER_PRECISION", "FP32", "PROMOTE"]
+__all__ = ["install", "AutocastMode", "AutocastRegions", "LOWER_PRECISION", "FP32", "PROMOTE"]
 
 LOWER_PRECISION = (
     "matmul",
@@ -221,14 +224,15 @@ class AutocastMode(TorchFunctionMode):
                 "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
                 "safe to autocast."
             )
+        target: torch.dtype | None
         if in_lower:
             target = torch.get_autocast_dtype("cuda")
         elif in_fp32:
             target = torch.float32
         else:
             target = _widest(args, kwargs)
-            if target is None:
-                return func(*args, **kwargs)
+        if target is None:  # promote, but all of one floating type: nothing to cast
+            return func(*args, **kwargs)
         args = tuple(self._cast(a, target) for a in args)
         kwargs = {k: self._cast(v, target) for k, v in kwargs.items()}
         return func(*args, **kwargs)
@@ -264,38 +268,53 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     return out
 
 
-def install(rt: Runtime) -> None:
-    """Wrap autocast's __enter__/__exit__ so an enabled autocast('cuda') region pushes the mode."""
-    from torch.amp.autocast_mode import autocast
+class AutocastRegions:
+    """The CUDA autocast regions of one run: an enabled ``autocast('cuda')`` region pushes the
+    :class:`AutocastMode`, nested regions share it (and its cast cache), and the outermost exit
+    drops the cache, as CUDA autocast's is dropped."""
 
-    orig_enter = autocast.__enter__
-    orig_exit = autocast.__exit__
-    depth = {"n": 0}
-    shared: dict[str, AutocastMode | None] = {"mode": None}
+    def __init__(self, original_enter: Callable[..., object], original_exit: Callable[..., object]) -> None:
+        self.original_enter = original_enter
+        self.original_exit = original_exit
+        self.depth = 0  # enabled CUDA regions open now
+        self.mode: AutocastMode | None = None
 
-    def __enter__(self: Any) -> Any:
-        result = orig_enter(self)
+    def enter(self, region: autocast) -> object:
+        result = self.original_enter(region)
         pushed = None
-        if getattr(self, "device", None) == "cuda" and torch.is_autocast_enabled("cuda"):
-            mode = shared["mode"]
-            if mode is None or depth["n"] == 0:
-                mode = shared["mode"] = AutocastMode()
-            mode.__enter__()
-            pushed = mode
-            depth["n"] += 1
-        stack = self.__dict__.setdefault("_gpemu_modes", [])
-        stack.append(pushed)
+        if getattr(region, "device", None) == "cuda" and torch.is_autocast_enabled("cuda"):
+            if self.mode is None or self.depth == 0:
+                self.mode = AutocastMode()
+            self.mode.__enter__()
+            pushed = self.mode
+            self.depth += 1
+        # What this region pushed (None: nothing), for its own exit; a region object may be re-entered.
+        region.__dict__.setdefault("_gpemu_modes", []).append(pushed)
         return result
 
-    def __exit__(self: Any, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
-        stack = self.__dict__.get("_gpemu_modes") or [None]
+    def exit(self, region: autocast, exc_type: object, exc_val: object, exc_tb: object) -> object:
+        stack = region.__dict__.get("_gpemu_modes") or [None]
         pushed = stack.pop()
         if pushed is not None:
             pushed.__exit__(exc_type, exc_val, exc_tb)
-            depth["n"] -= 1
-            if depth["n"] == 0:
+            self.depth -= 1
+            if self.depth == 0:
                 pushed.cast_cache.clear()  # like CUDA autocast's cache, dropped at the outermost exit
-        return orig_exit(self, exc_type, exc_val, exc_tb)
+        return self.original_exit(region, exc_type, exc_val, exc_tb)
 
-    rt.patcher.replace(autocast, "__enter__", __enter__)
-    rt.patcher.replace(autocast, "__exit__", __exit__)
+
+def _autocast_method(ours: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
+    """A method of torch's ``autocast`` class that runs ``ours`` (which calls the original)."""
+
+    @functools.wraps(original)
+    def method(region: autocast, *args: object) -> object:
+        return ours(region, *args)
+
+    return method
+
+
+def install(rt: Runtime) -> None:
+    """Wrap autocast's __enter__/__exit__ so an enabled autocast('cuda') region pushes the mode."""
+    regions = AutocastRegions(autocast.__enter__, autocast.__exit__)
+    rt.patcher.replace(autocast, "__enter__", _autocast_method(regions.enter, autocast.__enter__))
+    rt.patcher.replace(autocast, "__exit__", _autocast_method(regions.exit, autocast.__exit__))

@@ -171,18 +171,14 @@ def model_times(rt: Runtime, identity: ModelIdentity, batch_size: int, device: i
 
 def _lookup_times(rt: Runtime, identity: ModelIdentity, batch: int, device: int) -> ModelTimes | None:
     if identity.parts:
-        parts = [_lookup_times(rt, p, batch, device) for p in identity.parts]
-        if any(p is None for p in parts) or len({p.gpu for p in parts}) != 1:  # type: ignore[union-attr]
+        found = [_lookup_times(rt, p, batch, device) for p in identity.parts]
+        parts = [p for p in found if p is not None]
+        if len(parts) != len(found) or len({p.gpu for p in parts}) != 1:
             return None
         prov = "measured"
         for p in parts:
-            prov = _worst(prov, p.provenance)  # type: ignore[union-attr]
-        return ModelTimes(
-            sum(p.forward for p in parts),
-            sum(p.backward for p in parts),  # type: ignore[union-attr]
-            prov,
-            parts[0].gpu,
-        )  # type: ignore[union-attr]
+            prov = _worst(prov, p.provenance)
+        return ModelTimes(sum(p.forward for p in parts), sum(p.backward for p in parts), prov, parts[0].gpu)
     if identity.name is None or rt.db is None:
         return None
     gpu = measured_on(rt.db, (rt.gpus[device], reference_gpu(rt, device)), identity.name, "forward", "backward")
@@ -506,7 +502,8 @@ def _implementation_traffic(optimizer: torch.optim.Optimizer, memo: dict) -> tup
         return None
     if key in memo:
         return memo[key]
-    step = type(optimizer).step
+    optimizer_class: Any = type(optimizer)  # (torch types it as Optimizer, whose __init__ needs defaults)
+    step = optimizer_class.step
     while hasattr(step, "__wrapped__"):  # torch's hook and no-grad wrappers (and gpemu's)
         step = step.__wrapped__
     result = None
@@ -515,7 +512,7 @@ def _implementation_traffic(optimizer: torch.optim.Optimizer, memo: dict) -> tup
         for p in probe:
             p.grad = torch.zeros_like(p)
         # foreach off: the same passes as the foreach kernels, as ops the recorder knows.
-        meta_opt = type(optimizer)([{**settings, "params": probe, "foreach": False}])
+        meta_opt = optimizer_class([{**settings, "params": probe, "foreach": False}])
         with torch.no_grad():
             step(meta_opt)
             rec = OpRecorder()

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .costmodel.gpus import compute_capability
 from .devices import cuda_index
-from .gpus import compute_capability
 from .time import EmuEvent, VirtualStream
 from .units import format_bytes
 

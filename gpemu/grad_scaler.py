@@ -12,14 +12,17 @@ memory-bound kernel over the gradients, and ``step()`` waits for the backward pa
 from __future__ import annotations
 
 import collections
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install"]
+__all__ = ["install", "ScalerEmulation", "METHODS"]
 
 
 class _ScaleMirror:
@@ -37,42 +40,30 @@ class _ScaleMirror:
         self.growth = int(growth)
 
 
-def install(rt: Runtime) -> None:
-    """Patch ``torch.amp.GradScaler`` (and so ``torch.cuda.amp.GradScaler``) for this run."""
-    from torch.amp import grad_scaler as gs
+class ScalerEmulation:
+    """The emulated ``GradScaler`` methods of one run. Each takes the scaler first, as the
+    method it stands for does (:data:`METHODS`), and runs only for an enabled CUDA scaler
+    (:func:`_emulated`); any other scaler keeps torch's own method."""
 
-    cls = gs.GradScaler
-    orig = {
-        name: cls.__dict__[name]
-        for name in (
-            "_unscale_grads_",
-            "_maybe_opt_step",
-            "update",
-            "get_scale",
-            "_get_growth_tracker",
-            "load_state_dict",
-        )
-    }
+    def __init__(self, rt: Runtime, originals: dict[str, Callable[..., object]]) -> None:
+        self.rt = rt
+        self.originals = originals  # torch's methods, by their names
 
-    def emulated(self: Any) -> bool:
-        return getattr(self, "_device", None) == "cuda" and getattr(self, "_enabled", False)
+    def _charge(self, device: torch.device, seconds: float, name: str) -> None:
+        engine = self.rt.engine
+        if engine is not None and device.type == "cuda":
+            engine.stream(device.index or 0).enqueue(seconds, "op", name)
 
-    def mirror(self: Any) -> _ScaleMirror:
-        m = self.__dict__.get("_gpemu_mirror")
-        if m is None:
-            m = _ScaleMirror(self._init_scale, self._init_growth_tracker)
-            self.__dict__["_gpemu_mirror"] = m
-        return m
-
-    def charge(device: torch.device, seconds: float, name: str) -> None:
-        eng = rt.engine
-        if eng is not None and device.type == "cuda":
-            eng.stream(device.index or 0).enqueue(seconds, "op", name)
-
-    def _unscale_grads_(self: Any, optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool) -> dict:
-        if not emulated(self):
-            return orig["_unscale_grads_"](self, optimizer, inv_scale, found_inf, allow_fp16)
-        per_device: dict[torch.device, Any] = {}
+    def unscale_grads(
+        self,
+        scaler: GradScaler,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """One memory-bound kernel per device over its gradients; a found-inf flag per device."""
+        per_device: dict[torch.device, torch.Tensor] = {}
         nbytes: dict[torch.device, int] = collections.defaultdict(int)
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -86,74 +77,109 @@ def install(rt: Runtime) -> None:
                     per_device[grad.device] = torch.full((), 0.0, dtype=torch.float32, device=grad.device)
         for device, n in nbytes.items():
             # A memory-bound kernel: read and write every gradient once.
-            bandwidth = float(getattr(rt.gpus[device.index or 0], "memory_bandwidth", 0) or 900e9)
-            charge(device, 2 * n / bandwidth, "amp unscale")
+            bandwidth = float(self.rt.gpus[device.index or 0].memory_bandwidth)
+            self._charge(device, 2 * n / bandwidth, "amp unscale")
         return per_device
 
-    def _maybe_opt_step(self: Any, optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
-        if not emulated(self):
-            return orig["_maybe_opt_step"](self, optimizer, optimizer_state, *args, **kwargs)
-        eng = rt.engine
-        # found_inf.item() is a sync point on a real GPU: the host waits for the backward pass.
+    def maybe_opt_step(
+        self,
+        scaler: GradScaler,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict,
+        *args: Any,  # (handed to optimizer.step as the script gave them)
+        **kwargs: Any,
+    ) -> float | None:
+        """The optimizer step, after the host waited for the backward pass as found_inf.item() makes
+        it wait on a real GPU (a sync point); no inf is ever found."""
+        engine = self.rt.engine
         for device in optimizer_state["found_inf_per_device"]:
-            if eng is not None and device.type == "cuda":
-                eng.stream(device.index or 0).synchronize("GradScaler.step")
+            if engine is not None and device.type == "cuda":
+                engine.stream(device.index or 0).synchronize("GradScaler.step")
         return optimizer.step(*args, **kwargs)
 
-    def update(self: Any, new_scale: Any = None) -> None:
-        if not emulated(self):
-            return orig["update"](self, new_scale)
-        _scale, _ = self._check_scale_growth_tracker("update")
-        m = mirror(self)
+    def update(self, scaler: GradScaler, new_scale: float | torch.Tensor | None = None) -> None:
+        """The scale set or grown on the host mirror, and copied to the device-side tensors."""
+        scale, _ = scaler._check_scale_growth_tracker("update")
+        m = _mirror(scaler)
         if new_scale is not None:
-            if isinstance(new_scale, float):
-                m.scale = new_scale
-            else:
-                if not (isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 and not new_scale.requires_grad):
-                    raise AssertionError(
-                        "new_scale should be a float or a 1-element torch.cuda.FloatTensor "
-                        "or torch.FloatTensor with requires_grad=False."
-                    )
-                m.scale = float(new_scale.item())
+            m.scale = _given_scale(new_scale)
             m.growth = 0
         else:
-            found = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+            found = [f for st in scaler._per_optimizer_states.values() for f in st["found_inf_per_device"].values()]
             if len(found) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
             m.growth += 1
-            if m.growth >= self._growth_interval:
-                m.scale *= self._growth_factor
+            if m.growth >= scaler._growth_interval:
+                m.scale *= scaler._growth_factor
                 m.growth = 0
         # Keep the device-side tensors in step (their host shadows, where the device layer keeps them).
         with torch.no_grad():
-            _scale.fill_(m.scale)
-            if self._growth_tracker is not None:
-                self._growth_tracker.fill_(m.growth)
-        self._per_optimizer_states = collections.defaultdict(gs._refresh_per_optimizer_state)
+            scale.fill_(m.scale)
+            if scaler._growth_tracker is not None:
+                scaler._growth_tracker.fill_(m.growth)
+        scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
 
-    def get_scale(self: Any) -> float:
-        if not emulated(self):
-            return orig["get_scale"](self)
-        return mirror(self).scale
+    def get_scale(self, scaler: GradScaler) -> float:
+        return _mirror(scaler).scale
 
-    def _get_growth_tracker(self: Any) -> int:
-        if not emulated(self):
-            return orig["_get_growth_tracker"](self)
-        return mirror(self).growth
+    def get_growth_tracker(self, scaler: GradScaler) -> int:
+        return _mirror(scaler).growth
 
-    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-        orig["load_state_dict"](self, state_dict)
-        if emulated(self):
-            self.__dict__["_gpemu_mirror"] = _ScaleMirror(state_dict["scale"], state_dict["_growth_tracker"])
+    def load_state_dict(self, scaler: GradScaler, state_dict: dict[str, Any]) -> None:
+        self.originals["load_state_dict"](scaler, state_dict)
+        scaler.__dict__["_gpemu_mirror"] = _ScaleMirror(state_dict["scale"], state_dict["_growth_tracker"])
 
-    for name, fn in (
-        ("_unscale_grads_", _unscale_grads_),
-        ("_maybe_opt_step", _maybe_opt_step),
-        ("update", update),
-        ("get_scale", get_scale),
-        ("_get_growth_tracker", _get_growth_tracker),
-        ("load_state_dict", load_state_dict),
-    ):
-        fn.__name__ = name
-        fn.__qualname__ = f"GradScaler.{name}"
-        rt.patcher.replace(cls, name, fn)
+
+# GradScaler's method -> the ScalerEmulation method that stands for it on an enabled CUDA scaler.
+METHODS: dict[str, str] = {
+    "_unscale_grads_": "unscale_grads",
+    "_maybe_opt_step": "maybe_opt_step",
+    "update": "update",
+    "get_scale": "get_scale",
+    "_get_growth_tracker": "get_growth_tracker",
+    "load_state_dict": "load_state_dict",
+}
+
+
+def _emulated(scaler: GradScaler) -> bool:
+    return getattr(scaler, "_device", None) == "cuda" and getattr(scaler, "_enabled", False)
+
+
+def _mirror(scaler: GradScaler) -> _ScaleMirror:
+    m = scaler.__dict__.get("_gpemu_mirror")
+    if m is None:
+        m = scaler.__dict__["_gpemu_mirror"] = _ScaleMirror(scaler._init_scale, scaler._init_growth_tracker)
+    return m
+
+
+def _given_scale(new_scale: float | torch.Tensor) -> float:
+    """``update(new_scale)``'s value, checked as torch checks it."""
+    if isinstance(new_scale, float):
+        return new_scale
+    if not (isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 and not new_scale.requires_grad):
+        raise AssertionError(
+            "new_scale should be a float or a 1-element torch.cuda.FloatTensor "
+            "or torch.FloatTensor with requires_grad=False."
+        )
+    return float(new_scale.item())
+
+
+def _scaler_method(emulated: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
+    """A GradScaler method: ``emulated`` for an enabled CUDA scaler, torch's ``original`` otherwise
+    (named and documented as the original)."""
+
+    @functools.wraps(original)
+    def method(scaler: GradScaler, *args: object, **kwargs: object) -> object:
+        if _emulated(scaler):
+            return emulated(scaler, *args, **kwargs)
+        return original(scaler, *args, **kwargs)
+
+    return method
+
+
+def install(rt: Runtime) -> None:
+    """Patch ``torch.amp.GradScaler`` (and so ``torch.cuda.amp.GradScaler``) for this run."""
+    originals = {name: GradScaler.__dict__[name] for name in METHODS}
+    emulation = ScalerEmulation(rt, originals)
+    for name, ours in METHODS.items():
+        rt.patcher.replace(GradScaler, name, _scaler_method(getattr(emulation, ours), originals[name]))

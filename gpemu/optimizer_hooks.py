@@ -13,6 +13,7 @@ Whether the step's foreach kernels are executed at all is the optimizer fast pat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,8 +22,9 @@ from .costs import optimizer_step_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
+    from .time import TimeEngine
 
-__all__ = ["install", "optimizer_device"]
+__all__ = ["install", "optimizer_device", "StepHooks"]
 
 
 def optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
@@ -36,7 +38,7 @@ def optimizer_device(optimizer: torch.optim.Optimizer) -> int | None:
     return None
 
 
-def _uncovered(engine: Any, closure: Any) -> Any:
+def _uncovered(engine: TimeEngine, closure: Callable[[], Any]) -> Callable[[], Any]:
     """``closure`` run outside the optimizer step's charge (which covers the step's own ops)."""
 
     def run_closure() -> Any:
@@ -49,13 +51,16 @@ def _uncovered(engine: Any, closure: Any) -> Any:
     return run_closure
 
 
-def install(rt: Runtime) -> None:
-    """Register the global step hooks for this run (removed by ``gpemu.unpatch()``)."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+class StepHooks:
+    """The global optimizer-step hooks of one run: :meth:`before_step` takes the step's own ops
+    out of per-op charging, :meth:`after_step` charges the step as one and ends the iteration."""
 
-    engine = rt.engine
+    def __init__(self, rt: Runtime, engine: TimeEngine) -> None:
+        self.rt = rt
+        self.engine = engine
 
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple | None:
+        engine = self.engine
         # The step's own ops are covered by one optimizer charge (no per-op time inside).
         engine.set_charged(True)
         # A closure (Lightning's automatic optimization, LBFGS) runs the forward and backward
@@ -68,16 +73,23 @@ def install(rt: Runtime) -> None:
             return (args[0], _uncovered(engine, args[1]), *args[2:]), kwargs
         return None
 
-    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        engine = self.engine
         engine.set_charged(False)
         device = optimizer_device(optimizer)
         if device is None or device >= engine.num_devices:
             return  # a CPU optimizer: no GPU time
-        seconds, _ = optimizer_step_seconds(rt, optimizer, device)
+        seconds, _ = optimizer_step_seconds(self.rt, optimizer, device)
         engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
         engine.end_iteration(device)
 
-    pre = register_optimizer_step_pre_hook(before_step)
-    post = register_optimizer_step_post_hook(after_step)
+
+def install(rt: Runtime) -> None:
+    """Register the global step hooks for this run (removed by ``gpemu.unpatch()``)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    hooks = StepHooks(rt, rt.engine)
+    pre = register_optimizer_step_pre_hook(hooks.before_step)
+    post = register_optimizer_step_post_hook(hooks.after_step)
     rt.patcher.on_restore(pre.remove)
     rt.patcher.on_restore(post.remove)

@@ -2,7 +2,7 @@
 
 A datasheet-only GPU (an H100, an added card) has no rows of its own. Its measured model times,
 input and model transfer times and memory come from its **reference GPU**: the first GPU with
-measurements along its generation's donor chain (:data:`gpemu.costmodel.gpus.DONORS`; an H100
+measurements along its generation's donor chain (:func:`gpemu.costmodel.gpus.donor_chain`; an H100
 takes the A100's, a T4 the RTX 6000's). Forward and backward are then scaled to the GPU by the
 cost model (:mod:`gpemu.costs`); the other kinds are used as measured there.
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .costmodel import gpu_sheet
-from .costmodel.gpus import DONORS
+from .costmodel.gpus import donor_chain
 
 if TYPE_CHECKING:
     from .db import GpuSpec
@@ -32,7 +32,7 @@ def reference_gpu(db: Any, spec: GpuSpec) -> GpuSpec | None:
     if any(g.name == spec.name for g in measured):
         return spec
     generation = spec.generation or gpu_sheet(spec).generation
-    for donor in DONORS.get(generation, DONORS["ampere"]):
+    for donor in donor_chain(generation):
         for g in measured:
             if (g.generation or gpu_sheet(g).generation) == donor:
                 return g

@@ -40,6 +40,7 @@ import torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
+    from gpemu.time import TimeEngine
 
 __all__ = [
     "GpuPreprocess",
@@ -89,7 +90,7 @@ class MemoryCurve:
         return int(round(self.plateau_bytes * scale * self.fraction(batch_index)))
 
     @classmethod
-    def from_samples(cls, samples: Sequence[float], batch_size: int) -> MemoryCurve:
+    def from_samples(cls, samples: Sequence[float] | np.ndarray, batch_size: int) -> MemoryCurve:
         """Build from memory samples taken once per batch (the first sample is before batch 0)."""
         arr = np.asarray(samples, dtype=float)
         if arr.ndim != 1 or arr.size < 2 or arr.max() <= 0:
@@ -175,6 +176,17 @@ def _batch_size_of(batch: Any) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Ready:
+    """What a run gives the step at its first batch: the run, its time engine, the emulated
+    device the step runs on and the per-batch seconds it samples."""
+
+    rt: Runtime
+    engine: TimeEngine
+    device: int
+    samples: np.ndarray
+
+
 class GpuPreprocess:
     """One GPU preprocessing step per batch, timed and sized from measurements.
 
@@ -222,8 +234,7 @@ class GpuPreprocess:
         self.batch_size = batch_size
         self._memory_arg = memory
         self._rng = np.random.default_rng(seed)
-        self._rt: Runtime | None = None
-        self._samples: np.ndarray | None = None
+        self._ready: _Ready | None = None
         self._curve: MemoryCurve | None = None
         self._blocks: list[Any] = []
         self._held = 0
@@ -234,17 +245,15 @@ class GpuPreprocess:
         self.sampled: list[float] = []  # every drawn per-batch time, in order
 
     # ------------------------------------------------------------------ set-up on first use
-    def _setup(self) -> Runtime:
+    def _setup(self) -> _Ready:
         rt = _runtime()
-        if self._rt is rt:
-            return rt
-        self._rt = rt
+        if self._ready is not None and self._ready.rt is rt:
+            return self._ready
         self.device = rt.check_device(self.device if self.device is not None else rt.current_device)
-        self._samples = (
-            self._given_samples if self._given_samples is not None else rt.db.distribution(self.distribution)
-        )
-        if self._samples.size == 0:
+        samples = self._given_samples if self._given_samples is not None else rt.db.distribution(self.distribution)
+        if samples.size == 0:
             raise ValueError(f"distribution {self.distribution!r} has no samples")
+        self._ready = _Ready(rt, rt.engine, self.device, samples)
         memory = self._memory_arg
         if memory == "auto":
             try:
@@ -257,7 +266,7 @@ class GpuPreprocess:
             self._curve = MemoryCurve(DALI_MEMORY_CURVE.steps, memory, self.batch_size or DALI_MEMORY_CURVE.batch_size)
         else:
             self._curve = None
-        return rt
+        return self._ready
 
     # ------------------------------------------------------------------ one batch
     def __call__(self, batch: Any = None) -> Any:
@@ -269,13 +278,14 @@ class GpuPreprocess:
                 "GpuPreprocess runs on the training process's emulated GPU, not in a DataLoader worker "
                 "process: wrap the loader instead (`for batch in prep.wrap(loader)`) or use num_workers=0"
             )
-        rt = self._setup()
+        ready = self._setup()
+        rt = ready.rt
         with self._lock:
             index = self.batches
             self.batches += 1
             if self.batch_size is None:
                 self.batch_size = _batch_size_of(batch)
-            seconds = float(self._rng.choice(self._samples))
+            seconds = float(self._rng.choice(ready.samples))
             self.sampled.append(seconds)
         cpu = seconds * self.cpu_share
         gpu = seconds - cpu
@@ -283,8 +293,8 @@ class GpuPreprocess:
             burn_cpu(cpu, self.cpu_threads)
             self.cpu_seconds += cpu
             rt.recorder.add("preprocess_cpu_seconds", cpu)
-        self._grow_memory(rt, index)
-        rt.engine.stream(self.device).enqueue(gpu, "preprocess", self.distribution)
+        self._grow_memory(ready, index)
+        ready.engine.stream(ready.device).enqueue(gpu, "preprocess", self.distribution)
         self.gpu_seconds += gpu
         rt.recorder.add("preprocess_seconds", gpu)
         return batch
@@ -300,17 +310,18 @@ class GpuPreprocess:
         """GPU memory this step holds now."""
         return self._held
 
-    def _grow_memory(self, rt: Runtime, index: int) -> None:
+    def _grow_memory(self, ready: _Ready, index: int) -> None:
         if self._curve is None:
             return
         target = self._curve.bytes_after(index, self.batch_size)
         if target <= self._held:
             return
         grow = target - self._held
+        rt = ready.rt
         trackers = rt.memory
         if trackers:
             # A real allocation on the emulated device: counts in memory_allocated and can OOM.
-            tracker = trackers[self.device]
+            tracker = trackers[ready.device]
             self._blocks.append(tracker.allocate(grow))
             tracker.sample()
         self._held = target

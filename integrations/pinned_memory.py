@@ -28,6 +28,7 @@ import collections
 import ctypes
 import ctypes.util
 import errno
+import functools
 import mmap
 import os
 import resource
@@ -36,13 +37,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from gpemu.recorder import Recorder
     from gpemu.runtime import Runtime
 
 __all__ = [
@@ -138,7 +140,8 @@ class PinnedHostPool:
         self._lock_failures = 0
         self._bytes_locked = 0
         self.warning: str | None = None
-        _all_pools.add(self)
+        key = id(self)
+        _all_pools[key] = weakref.ref(self, lambda _ref: _all_pools.pop(key, None))
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -263,7 +266,9 @@ class PinnedHostPool:
 
 
 _pool: PinnedHostPool | None = None
-_all_pools: weakref.WeakSet[PinnedHostPool] = weakref.WeakSet()  # for is_pinned()
+# Every pool of this process, for is_pinned(): weak references, by the pool's id (a WeakSet's own
+# iteration costs ~2 us, and is_pinned runs on every input copy).
+_all_pools: dict[int, weakref.ref[PinnedHostPool]] = {}
 # Whether any pool of this process ever mapped a block: until then no tensor can be pinned, and
 # is_pinned (asked on every input copy) answers at once.
 _has_blocks = [False]
@@ -319,9 +324,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         return False
     if ptr == 0:
         return False
-    # The WeakSet's own iteration costs ~2 us (guards, pending removals); this runs on every
-    # input copy, so walk a snapshot of its weak references instead.
-    for ref in tuple(_all_pools.data):
+    for ref in tuple(_all_pools.values()):
         pool = ref()
         if pool is not None and pool.owns(ptr):
             return True
@@ -382,6 +385,39 @@ class PinnedState:
     enabled: bool
     pins: int = 0  # pin_memory() calls this run
     pin_seconds: float = 0.0  # host time they took
+    recorder: Recorder | None = None  # the run's (pinned bytes are counted there)
+    # The DataLoader pin thread and the main thread both pin.
+    _stats_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def pin_memory(self, tensor: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
+        """``Tensor.pin_memory()`` of this run: a copy on the pinned pool (a plain pageable copy
+        with ``config.pinned`` False, what an emulator without pinned memory does)."""
+        if tensor.device.type != "cpu":
+            # An emulated cuda tensor (or any non-CPU one): same message CUDA gives.
+            raise RuntimeError(f"cannot pin '{tensor.type()}' only dense CPU tensors can be pinned")
+        start = time.perf_counter()
+        out = pin(tensor, self.pool) if self.enabled else tensor.clone()
+        elapsed = time.perf_counter() - start
+        with self._stats_lock:
+            self.pins += 1
+            self.pin_seconds += elapsed
+        if self.recorder is not None:
+            self.recorder.add("pin_bytes", tensor.numel() * tensor.element_size())
+        return out
+
+    def is_pinned(self, tensor: torch.Tensor, device: str | torch.device | None = None) -> bool:
+        """``Tensor.is_pinned()``: whether the tensor's storage lives in the pinned pool."""
+        return is_pinned(tensor)
+
+
+def _tensor_method(ours: Callable[..., object], original: Callable[..., object]) -> Callable[..., object]:
+    """A ``torch.Tensor`` method that runs ``ours`` (named and documented as torch's ``original``)."""
+
+    @functools.wraps(original)
+    def method(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        return ours(tensor, *args, **kwargs)
+
+    return method
 
 
 def install(rt: Runtime) -> None:
@@ -389,36 +425,12 @@ def install(rt: Runtime) -> None:
     let the transfers component ask whether a host tensor is pinned."""
     pool = host_pool()
     pool.set_notify(rt.say_once)
-    state = rt.pinned = PinnedState(pool, bool(rt.config.pinned))
+    state = rt.pinned = PinnedState(pool, bool(rt.config.pinned), recorder=rt.recorder)
     if rt.transfers is not None:
         rt.transfers.is_pinned = is_pinned
     rt.patcher.on_restore(lambda: pool.set_notify(None))
     if _warning:
         rt.recorder.note(_warning)  # this process already failed to lock before this run
-
-    original_pin = torch.Tensor.pin_memory
-    recorder = rt.recorder
-    stats_lock = threading.Lock()
-
-    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
-        if self.device.type != "cpu":
-            # An emulated cuda tensor (or any non-CPU one): same message CUDA gives.
-            raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
-        start = time.perf_counter()
-        if state.enabled:
-            out = pin(self, pool)
-        else:
-            out = self.clone()  # a plain pageable copy: what an emulator without pinned memory does
-        elapsed = time.perf_counter() - start
-        with stats_lock:  # the DataLoader pin thread and the main thread both pin
-            state.pins += 1
-            state.pin_seconds += elapsed
-        recorder.add("pin_bytes", self.numel() * self.element_size())
-        return out
-
-    def tensor_is_pinned(self: torch.Tensor, device: Any = None) -> bool:
-        return is_pinned(self)
-
-    pin_memory.__doc__ = original_pin.__doc__
-    rt.patcher.replace(torch.Tensor, "pin_memory", pin_memory)
-    rt.patcher.replace(torch.Tensor, "is_pinned", tensor_is_pinned)
+    T = torch.Tensor
+    rt.patcher.replace(T, "pin_memory", _tensor_method(state.pin_memory, T.pin_memory))
+    rt.patcher.replace(T, "is_pinned", _tensor_method(state.is_pinned, T.is_pinned))

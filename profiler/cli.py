@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
+    from .ops import OpsReport
+    from .runner import ProfileOptions, ProfileReport
+    from .store import ProfileStore
 
 __all__ = ["profile", "parse_memory_size"]
 
@@ -160,29 +171,7 @@ def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None
     help="With --ops: about five sizes per op class, 1 warm-up and at most 5 samples per kernel "
     "(a minute or less on a GPU; a coarser fit).",
 )
-def profile(
-    models: tuple[str, ...],
-    gpu_name: str,
-    device: str,
-    batch_sizes: str,
-    max_batch_size: int,
-    input_shape: str | None,
-    input_dtype: str,
-    num_classes: int | None,
-    warmup: int,
-    iterations: int,
-    optimizer: str,
-    memory_limit: int | None,
-    ddp_world_sizes: str,
-    ddp_batch_sizes: str | None,
-    db_url: str | None,
-    resume: bool,
-    export_path: str | None,
-    no_progress: bool,
-    ops_mode: bool = False,
-    op_classes: tuple[str, ...] = (),
-    quick: bool = False,
-) -> None:
+def profile(**given: Any) -> None:
     """Measure models on this machine's GPU into the profile database.
 
     \b
@@ -205,99 +194,156 @@ def profile(
     """
     from rich.console import Console
 
-    from gpemu.cli import UserError
-
-    err_console = Console(stderr=True)
-
-    if ops_mode:
-        if models:
+    args = _Args(**given)
+    console = Console(stderr=True)
+    if args.ops_mode:
+        if args.models:
             raise click.UsageError("--ops times single kernels, not models: run --model and --ops separately")
-        _profile_ops(device, gpu_name, op_classes, quick, warmup, iterations, db_url, no_progress, err_console)
+        _profile_ops(args, console)
         return
-    if op_classes or quick:
+    if args.op_classes or args.quick:
         raise click.UsageError("--classes and --quick go with --ops")
-
-    if not models and not export_path:
+    if not args.models and not args.export_path:
         raise click.UsageError("nothing to do: give at least one --model to profile, or --export FILE")
+    _profile_models(args, console)
 
+
+@dataclass(frozen=True)
+class _Args:
+    """What the command line asked for (the options of :func:`profile`, by their names)."""
+
+    models: tuple[str, ...]
+    gpu_name: str
+    device: str
+    batch_sizes: str
+    max_batch_size: int
+    input_shape: str | None
+    input_dtype: str
+    num_classes: int | None
+    warmup: int
+    iterations: int
+    optimizer: str
+    memory_limit: int | None
+    ddp_world_sizes: str
+    ddp_batch_sizes: str | None
+    db_url: str | None
+    resume: bool
+    export_path: str | None
+    no_progress: bool
+    ops_mode: bool = False
+    op_classes: tuple[str, ...] = ()
+    quick: bool = False
+
+    @property
+    def named_gpu(self) -> str | None:
+        """The name to store under; None: what the device reports (--gpu-name auto)."""
+        name = self.gpu_name.strip()
+        return None if name.lower() == "auto" else name
+
+
+@dataclass(frozen=True)
+class _ModelsJob:
+    """The models to measure, and the DDP iteration times to add (no world sizes: none)."""
+
+    options: ProfileOptions
+    ddp_world_sizes: list[int]
+    ddp_batch_sizes: list[int]
+
+
+def _models_job(args: _Args) -> _ModelsJob | None:
+    """The measurement --model asks for, its options checked and its device found (before any
+    database work, so that without a GPU the refusal comes first); None without --model."""
+    from .device import resolve_device
     from .models import parse_dtype, parse_input_shape
+    from .runner import ProfileOptions
     from .sweep import parse_batch_sizes
 
-    sizes = parse_batch_sizes(batch_sizes, max_batch_size)
-    ddp_sizes = parse_batch_sizes(ddp_batch_sizes, max_batch_size) if ddp_batch_sizes else sizes
-    shape = parse_input_shape(input_shape) if input_shape else None
-    dtype = parse_dtype(input_dtype)
+    sizes = parse_batch_sizes(args.batch_sizes, args.max_batch_size)
+    ddp_sizes = parse_batch_sizes(args.ddp_batch_sizes, args.max_batch_size) if args.ddp_batch_sizes else sizes
+    shape = parse_input_shape(args.input_shape) if args.input_shape else None
+    dtype = parse_dtype(args.input_dtype)
+    if not args.models:
+        return None
+    dev = resolve_device(args.device)
+    options = ProfileOptions(
+        models=list(args.models),
+        batch_sizes=sizes,
+        device=dev,
+        gpu_name=args.named_gpu,
+        input_shape=shape,
+        input_dtype=dtype,
+        num_classes=args.num_classes,
+        warmup=args.warmup,
+        iterations=args.iterations,
+        optimizer=args.optimizer,
+        memory_limit=args.memory_limit,
+        force=not args.resume,
+    )
+    return _ModelsJob(options, _world_sizes(args.ddp_world_sizes, dev), ddp_sizes)
 
+
+def _profile_models(args: _Args, console: Console) -> None:
+    """--model (the models measured into the database) and / or --export."""
     import torch
 
-    from .device import resolve_device
-    from .runner import Interrupted, ProfileOptions
+    from gpemu.cli import UserError
+
     from .store import ProfileStore
 
-    # The device first: without a GPU the refusal comes before any database work.
-    dev = resolve_device(device) if models else None
-    world_sizes = _world_sizes(ddp_world_sizes, dev) if dev is not None else []
-    store = ProfileStore.open(db_url)
+    job = _models_job(args)
+    store = ProfileStore.open(args.db_url)
     try:
-        if models:
-            assert dev is not None
-            opts = ProfileOptions(
-                models=list(models),
-                batch_sizes=sizes,
-                device=dev,
-                gpu_name=None if gpu_name.strip().lower() == "auto" else gpu_name.strip(),
-                input_shape=shape,
-                input_dtype=dtype,
-                num_classes=num_classes,
-                warmup=warmup,
-                iterations=iterations,
-                optimizer=optimizer,
-                memory_limit=memory_limit,
-                force=not resume,
-            )
-            try:
-                report = _run_with_progress(store, opts, no_progress, err_console)
-                ddp_units = 0
-                if world_sizes:
-                    from .ddp import profile_ddp
-
-                    ddp_units = profile_ddp(
-                        store, opts, world_sizes, ddp_sizes, log=lambda msg: err_console.print(msg, highlight=False)
-                    )
-            except Interrupted as exc:
-                r = exc.report
-                err_console.print(
-                    f"[yellow]interrupted[/yellow]: {len(r.measured)} (model, batch size) unit(s) saved this run; "
-                    f"the database is consistent. Run the same command again to go on from there.",
-                    highlight=False,
-                )
-                raise click.exceptions.Exit(130) from None
-            lim = f"; {ddp_units} DDP unit(s)" if world_sizes else ""
-            lim += "".join(f"; {m}: out of memory at batch {b}" for m, (b, _) in report.limits.items())
-            err_console.print(
-                f"[green]done[/green]: {len(report.measured)} unit(s) measured, "
-                f"{len(report.skipped)} already in the database, on '{report.gpu}'{lim}",
-                highlight=False,
-            )
-        if export_path:
+        gpu = _measure_models(store, job, args.no_progress, console) if job is not None else None
+        if args.export_path:
             from .export import export_database
 
             # After a run: that GPU's measurements (a lab shares its own, not the shipped data).
-            if models:
-                only = [report.gpu]
-            elif gpu_name.strip().lower() != "auto":
-                only = [gpu_name.strip()]
-            else:
-                only = None
-            n = export_database(store, Path(export_path), gpus=only)
-            err_console.print(f"exported {n} measurement(s) to {export_path}", highlight=False)
+            only = [gpu] if gpu is not None else [args.named_gpu] if args.named_gpu is not None else None
+            n = export_database(store, Path(args.export_path), gpus=only)
+            console.print(f"exported {n} measurement(s) to {args.export_path}", highlight=False)
     except torch.OutOfMemoryError as exc:  # outside a unit (e.g. moving the model): one clear line
         raise UserError(f"out of memory before measuring started: {exc}") from None
     finally:
         store.close()
 
 
-def _world_sizes(text: str, dev) -> list[int]:  # type: ignore[no-untyped-def]
+def _measure_models(store: ProfileStore, job: _ModelsJob, no_progress: bool, console: Console) -> str:
+    """Every unit of the job (and its DDP units), with progress and a closing line; the name of
+    the GPU the rows went to. Ctrl-C exits with 130 (the units finished are saved)."""
+    from .runner import Interrupted
+
+    try:
+        report = _run_with_progress(store, job.options, no_progress, console)
+        ddp_units = 0
+        if job.ddp_world_sizes:
+            from .ddp import profile_ddp
+
+            ddp_units = profile_ddp(
+                store,
+                job.options,
+                job.ddp_world_sizes,
+                job.ddp_batch_sizes,
+                log=lambda msg: console.print(msg, highlight=False),
+            )
+    except Interrupted as exc:
+        r = exc.report
+        console.print(
+            f"[yellow]interrupted[/yellow]: {len(r.measured)} (model, batch size) unit(s) saved this run; "
+            f"the database is consistent. Run the same command again to go on from there.",
+            highlight=False,
+        )
+        raise click.exceptions.Exit(130) from None
+    lim = f"; {ddp_units} DDP unit(s)" if job.ddp_world_sizes else ""
+    lim += "".join(f"; {m}: out of memory at batch {b}" for m, (b, _) in report.limits.items())
+    console.print(
+        f"[green]done[/green]: {len(report.measured)} unit(s) measured, "
+        f"{len(report.skipped)} already in the database, on '{report.gpu}'{lim}",
+        highlight=False,
+    )
+    return report.gpu
+
+
+def _world_sizes(text: str, dev: torch.device) -> list[int]:
     low = text.strip().lower()
     if low in ("none", "0", ""):
         return []
@@ -322,7 +368,7 @@ def _world_sizes(text: str, dev) -> list[int]:  # type: ignore[no-untyped-def]
     return sizes
 
 
-def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore[no-untyped-def]
+def _run_with_progress(store: ProfileStore, opts: ProfileOptions, no_progress: bool, console: Console) -> ProfileReport:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -362,81 +408,26 @@ def _run_with_progress(store, opts, no_progress: bool, console):  # type: ignore
         )
 
 
-def _profile_ops(
-    device: str,
-    gpu_name: str,
-    op_classes: tuple[str, ...],
-    quick: bool,
-    warmup: int,
-    iterations: int,
-    db_url: str | None,
-    no_progress: bool,
-    console,
-) -> None:  # type: ignore[no-untyped-def]
+def _profile_ops(args: _Args, console: Console) -> None:
+    """--ops: this GPU's kernels timed, its op curves fitted and stored, and shown."""
     import torch
 
     from gpemu.cli import UserError
 
     from .device import resolve_device
-    from .ops import parse_classes, profile_ops
+    from .ops import parse_classes
     from .store import ProfileStore
 
-    classes = parse_classes(op_classes)
-    # No GPU: one line saying so, before any database work (resolve_device's own message offers
-    # --device cpu, which --ops has no use for).
-    if device.strip().lower() == "cpu":
-        raise UserError("--ops times CUDA kernels with CUDA events and needs a GPU; --device cpu is for models only")
-    if not torch.cuda.is_available():
-        build = (
-            "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
-        )
-        raise UserError(
-            f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
-            "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)"
-        )
-    try:  # the fit needs scipy (an extra): say so before minutes of timing, not after
-        import scipy.optimize  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "gpemu profile --ops fits the measured kernels with scipy, which is not installed: "
-            "pip install 'gpemu[profile]'"
-        ) from None
-    dev = resolve_device(device)
-    if quick:
+    classes = parse_classes(args.op_classes)
+    _check_can_time_kernels(args.device)
+    dev = resolve_device(args.device)
+    warmup, iterations = args.warmup, args.iterations
+    if args.quick:
         warmup, iterations = min(warmup, 1), min(iterations, 5)
-    name = None if gpu_name.strip().lower() == "auto" else gpu_name.strip()
     debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
-    store = ProfileStore.open(db_url)
+    store = ProfileStore.open(args.db_url)
     try:
-
-        def log(msg: str) -> None:
-            console.print(msg, highlight=False)
-
-        if no_progress:
-            report = profile_ops(store, dev, name, classes, quick, warmup, iterations, log=log)
-        else:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            with Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-            ) as bar:
-                task = bar.add_task("kernels", total=None)
-                report = profile_ops(
-                    store,
-                    dev,
-                    name,
-                    classes,
-                    quick,
-                    warmup,
-                    iterations,
-                    progress=lambda key: bar.update(task, description=key, advance=1),
-                    set_total=lambda n: bar.update(task, total=n),
-                    log=lambda m: bar.console.print(m, highlight=False),
-                )
+        report = _time_kernels(store, dev, classes, warmup, iterations, args, console)
     except torch.OutOfMemoryError as exc:
         raise UserError(f"out of memory while timing kernels: {exc}; try --quick or fewer --classes") from None
     except RuntimeError as exc:  # a CUDA error: one line unless --debug
@@ -447,6 +438,77 @@ def _profile_ops(
         ) from None
     finally:
         store.close()
+    _print_curves(report, console)
+
+
+def _check_can_time_kernels(device: str) -> None:
+    """One line (UserError) when --ops cannot run here: on the CPU, without a CUDA GPU, or without
+    scipy for the fit (said before minutes of timing, not after)."""
+    import torch
+
+    from gpemu.cli import UserError
+
+    # resolve_device's own message offers --device cpu, which --ops has no use for.
+    if device.strip().lower() == "cpu":
+        raise UserError("--ops times CUDA kernels with CUDA events and needs a GPU; --device cpu is for models only")
+    if not torch.cuda.is_available():
+        build = (
+            "this PyTorch has no CUDA support (CPU build)" if torch.version.cuda is None else "PyTorch sees no CUDA GPU"
+        )
+        raise UserError(
+            f"gpemu profile --ops times kernels on the GPU it calibrates, but {build}; run it on "
+            "that GPU's machine (to try it without one: gpemu run --gpu V100 -- gpemu profile --ops --quick)"
+        )
+    try:
+        import scipy.optimize  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "gpemu profile --ops fits the measured kernels with scipy, which is not installed: "
+            "pip install 'gpemu[profile]'"
+        ) from None
+
+
+def _time_kernels(
+    store: ProfileStore,
+    dev: torch.device,
+    classes: Sequence[str],
+    warmup: int,
+    iterations: int,
+    args: _Args,
+    console: Console,
+) -> OpsReport:
+    """The sweep timed and fitted (:func:`gpemu.profiler.ops.profile_ops`), behind a progress bar
+    unless --no-progress."""
+    from .ops import profile_ops
+
+    name, quick = args.named_gpu, args.quick
+    if args.no_progress:
+        return profile_ops(
+            store, dev, name, classes, quick, warmup, iterations, log=lambda m: console.print(m, highlight=False)
+        )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("kernels", total=None)
+        return profile_ops(
+            store,
+            dev,
+            name,
+            classes,
+            quick,
+            warmup,
+            iterations,
+            progress=lambda key: bar.update(task, description=key, advance=1),
+            set_total=lambda n: bar.update(task, total=n),
+            log=lambda m: bar.console.print(m, highlight=False),
+        )
+
+
+def _print_curves(report: OpsReport, console: Console) -> None:
+    """The run's notes, the fitted curves as a table, and the closing line."""
+    from rich.table import Table
+
     for note in report.notes:
         console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
     if report.uncovered:
@@ -455,8 +517,6 @@ def _profile_ops(
             f"(the host could not queue ahead of the GPU), e.g. {report.uncovered[0]}",
             highlight=False,
         )
-    from rich.table import Table
-
     table = Table(title=f"op curves of {report.gpu}", title_justify="left")
     # Short headers: the curve names must stay whole in an 80-column terminal.
     for col in ("curve", "path", "kernels", "e", "x0 /SM", "p", "rms"):

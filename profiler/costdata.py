@@ -15,6 +15,7 @@ the recording code or torch changes.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import os
 import sys
@@ -95,10 +96,14 @@ def load_arrays(name: str) -> dict[str, np.ndarray] | None:
 
 def save_arrays(name: str, arrays: dict[str, np.ndarray]) -> None:
     """Cache arrays under ``name`` (written atomically: concurrent runs never read half a file)."""
-    path = cache_dir() / f"{name}.npz"
+    _write_npz(cache_dir() / f"{name}.npz", arrays)
+
+
+def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``arrays`` in one compressed .npz at ``path``, written atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez_compressed(tmp, **arrays)
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]  # (numpy's stub reads **arrays as its allow_pickle)
     os.replace(tmp, path)
 
 
@@ -106,15 +111,15 @@ def repo_models() -> dict[str, Callable[[], object]]:
     """``examples.tvmodels.MODELS`` of the gpemu repository: importable as it is, or found in the
     working directory or next to this file's checkout (``profiler/`` sits at the repository's
     root). Raises ``ImportError`` outside a checkout: the installed package does not need it."""
-    try:
-        from examples import tvmodels  # type: ignore[import-not-found]
+    try:  # (the repository's examples/, not a package: imported by name)
+        tvmodels = importlib.import_module("examples.tvmodels")
     except ImportError:
         roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
         root = next((r for r in roots if (r / "examples" / "tvmodels.py").exists()), None)
         if root is None:
             raise ImportError("examples/tvmodels.py not found: run from a gpemu repository checkout") from None
         sys.path.insert(0, str(root))
-        from examples import tvmodels  # type: ignore[import-not-found]
+        tvmodels = importlib.import_module("examples.tvmodels")
     return tvmodels.MODELS
 
 
@@ -157,11 +162,7 @@ def model_tables(
             progress(name)
         cached[name] = record_model(builders[name])
     if missing and use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {f"{n}/{k}": v for n, t in cached.items() for k, v in t.to_arrays().items()}
-        tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-        np.savez_compressed(tmp, **arrays)
-        os.replace(tmp, path)
+        _write_npz(path, {f"{n}/{k}": v for n, t in cached.items() for k, v in t.to_arrays().items()})
         for old in path.parent.glob("optables-*.npz"):  # tables of older code are never read again
             if old != path and ".tmp" not in old.name:
                 old.unlink(missing_ok=True)

@@ -69,7 +69,6 @@ __all__ = [
     "FitData",
     "GenFit",
     "fit_generation",
-    "fit_all",
     "params_document",
     "lomo",
     "logo",
@@ -123,7 +122,8 @@ class FitData:
         parts = [replace(tables[n], model=np.full(len(tables[n]), i, dtype=np.int32)) for i, n in enumerate(names)]
         table = concat_tables(parts)
         meas = load_measurements(db, names)
-        measured, measured_eval = {}, {}
+        measured: dict[str, np.ndarray] = {}
+        measured_eval: dict[str, np.ndarray] = {}
         for g in meas.gpus:
             for store, batches in ((measured, FIT_BATCHES), (measured_eval, EVAL_BATCHES)):
                 arr = np.full((len(names), 2, len(batches)), np.nan)
@@ -206,6 +206,18 @@ def _is_gemm(key: str, path: str) -> bool:
     return key.split(".")[0] == "gemm" and path == "simt"
 
 
+@dataclass
+class _KeyParameters:
+    """One curve key's five fitting parameters (log e, log x0, p, log h, log k0): their bounds,
+    prior means and prior weights; ``fixed_e``: a plateau the fit may not move (GEMMs)."""
+
+    lo: list[float]
+    hi: list[float]
+    mu: list[float]
+    weight: list[float]
+    fixed_e: float | None = None
+
+
 class _Problem:
     """Residuals and analytic Jacobian of one GPU's fit over a subset of models."""
 
@@ -218,11 +230,21 @@ class _Problem:
         keys = data.keys[sel]
         self.keys = tuple(sorted(set(keys.tolist())))
         self.kidx = np.searchsorted(np.array(self.keys), keys)
-        is_comp = np.isin(tab.cls, _COMPUTE_CODES)
-        has_depth = depth_mask(tab, is_comp)
-        is_mm = np.isin(tab.cls, [CLASSES.index(c) for c in MATMUL_CLASSES])
-        intensity = np.isin(tab.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
-        # Calibration peaks: fp32 with PyTorch's default TF32 switches (A100 convolutions: TF32).
+        self._calibration_peaks(tab)
+        self.batches = np.asarray(batches, dtype=float)
+        self._batch_terms(tab)
+        self._sequences(tab, train)
+        self.nb = len(self.batches)
+        train_idx = np.flatnonzero(train)
+        self.nres = len(train_idx) * 2 * self.nb
+        self.logm = np.log(data.measured[gpu][train_idx]).reshape(-1)
+        self.valid = np.isfinite(self.logm)
+        self.w = np.tile(np.where(self.batches >= 16, 1.0, _SMALL_WEIGHT), len(train_idx) * 2)
+        self._parameters()
+
+    def _calibration_peaks(self, tab: OpTable) -> None:
+        """Each op's peak (fp32 with PyTorch's default TF32 switches: the A100's convolutions are
+        TF32), each key's path, and which keys have a shape term."""
         self.peak = np.empty(len(tab))
         self.paths: dict[str, str] = {}
         self.uses_k0: dict[str, bool] = {}
@@ -236,83 +258,94 @@ class _Problem:
                 path, pk = "memory", self.sheet.memory_bandwidth
             self.peak[m] = pk
             self.paths[k] = path
-        self.batches = np.asarray(batches, dtype=float)
+
+    def _batch_terms(self, tab: OpTable) -> None:
+        """Per fit batch size: each op's work and shape term, and the matmul family's roofline
+        floor as the model prices it (0: none)."""
+        is_comp = np.isin(tab.cls, _COMPUTE_CODES)
+        has_depth = depth_mask(tab, is_comp)
+        is_mm = np.isin(tab.cls, [CLASSES.index(c) for c in MATMUL_CLASSES])
+        intensity = np.isin(tab.cls, [CLASSES.index(c) for c in INTENSITY_CLASSES])
         shaped = [work_and_shape(tab, b, is_comp, has_depth, intensity) for b in self.batches]
         self.work = [w for w, _ in shaped]
         self.z = [z for _, z in shaped]
-        # The matmul family's roofline floor, as the model prices it (0: none).
         self.floor = [
             np.where(is_mm, floor_seconds(tab.nbytes(b), self.sheet.memory_bandwidth), 0.0) for b in self.batches
         ]
-        # Sequences: one per (training model, pass), contiguous in the table.
-        train_idx = np.flatnonzero(train)
-        local = np.searchsorted(train_idx, tab.model).astype(np.int64)
+
+    def _sequences(self, tab: OpTable, train: np.ndarray) -> None:
+        """The ops as sequences, one per (training model, pass), contiguous in the table."""
+        local = np.searchsorted(np.flatnonzero(train), tab.model).astype(np.int64)
         seg = local * 2 + tab.backward.astype(np.int64)
         change = np.r_[True, seg[1:] != seg[:-1]]
         self.seg_start = np.flatnonzero(change)
         self.seg_id = np.cumsum(change) - 1
         self.seg_row = seg[self.seg_start]  # (model, pass) of each sequence
-        self.nb = len(self.batches)
-        self.nres = len(train_idx) * 2 * self.nb
-        self.logm = np.log(data.measured[gpu][train_idx]).reshape(-1)
-        self.valid = np.isfinite(self.logm)
-        self.w = np.tile(np.where(self.batches >= 16, 1.0, _SMALL_WEIGHT), len(train_idx) * 2)
-        # Parameters: 5 per key (log e, log x0, p, log h, log k0); memory keys have no k0.
-        nk = len(self.keys)
-        self.nfull = _NP * nk
-        lo, hi, mu, pw = [], [], [], []
-        fixed_e: dict[int, float] = {}
-        for i, k in enumerate(self.keys):
-            path = self.paths[k]
-            e_lo, e_hi = _e_bounds(k, path)
-            x0_hi, k0_hi, h_hi = 1e12, 1e4, 3e-4
-            if path == "memory" and not self.uses_k0[k]:
-                # Streaming kernels fill the GPU within KERNEL_RAMP_MAX of work at the datasheet
-                # bandwidth: else x0 absorbs the CNNs' per-op costs (their reductions and copies are
-                # tiny) and a large one - a transformer's bias-gradient sum over 8192 tokens - is
-                # priced at a tenth of the bandwidth. (Depthwise convolutions and pooling, priced
-                # by their intensity, keep the ramp the data gives them.)
-                x0_hi = KERNEL_RAMP_MAX * self.sheet.memory_bandwidth / self.sheet.sm_count
-            if _is_gemm(k, path):
-                # Depth term: a GEMM's rate halves at K <= 64 at the latest (below that writing its
-                # output tile, not multiplying, bounds it; the roofline floor prices that). Unbounded,
-                # the fit gives the classifier GEMMs k0 in the thousands (whole-model times cannot
-                # place their few microseconds) and a transformer's K = 768 GEMMs a 13x slowdown.
-                k0_hi = 64.0
-                # Host time: eager PyTorch issues a GEMM (or its backward) in tens of microseconds;
-                # unbounded, the CNNs' per-layer backward costs land on their one GEMM (0.3 ms),
-                # and a transformer, with four GEMMs a layer, would be host-bound on any GPU.
-                h_hi = 5e-5
-                # Plateau: the published rate (not identifiable here). Ramp: at most
-                # KERNEL_RAMP_MAX of work at that rate below x0, else x0 absorbs per-op costs
-                # that a transformer's many GEMMs would each be charged.
-                fixed_e[i] = GEMM_PLATEAU_SIMT
-                pk = float(self.peak[self.kidx == i][0])
-                x0_hi = KERNEL_RAMP_MAX * pk * GEMM_PLATEAU_SIMT / self.sheet.sm_count
-            lo += [math.log(e_lo), math.log(1.0), 0.3, math.log(2e-6), math.log(0.01)]
-            hi += [math.log(e_hi), math.log(x0_hi), 1.0, math.log(h_hi), math.log(k0_hi)]
-            mu += [
+
+    def _parameters(self) -> None:
+        """Bounds, priors and which parameters are free: 5 per key (log e, log x0, p, log h,
+        log k0); memory keys have no k0, GEMMs a fixed plateau."""
+        per_key = [self._key_parameters(k, i) for i, k in enumerate(self.keys)]
+        self.nfull = _NP * len(self.keys)
+        self.lo_full = np.array([x for kp in per_key for x in kp.lo])
+        self.hi_full = np.array([x for kp in per_key for x in kp.hi])
+        self.mu_full = np.array([x for kp in per_key for x in kp.mu])
+        self.pw_full = np.array([x for kp in per_key for x in kp.weight])
+        free = np.ones(self.nfull, dtype=bool)
+        for i, (k, kp) in enumerate(zip(self.keys, per_key, strict=True)):
+            if not self.uses_k0[k]:
+                free[_NP * i + 4] = False  # no shape term
+            if kp.fixed_e is not None:
+                free[_NP * i] = False
+                self.mu_full[_NP * i] = math.log(kp.fixed_e)
+        self.free = np.flatnonzero(free)
+        self.template = self.mu_full.copy()
+        self.template[~free] = math.log(1e-9)
+        for i, kp in enumerate(per_key):
+            if kp.fixed_e is not None:
+                self.template[_NP * i] = math.log(kp.fixed_e)
+
+    def _key_parameters(self, k: str, i: int) -> _KeyParameters:
+        path = self.paths[k]
+        e_lo, e_hi = _e_bounds(k, path)
+        x0_hi, k0_hi, h_hi = 1e12, 1e4, 3e-4
+        fixed_e = None
+        if path == "memory" and not self.uses_k0[k]:
+            # Streaming kernels fill the GPU within KERNEL_RAMP_MAX of work at the datasheet
+            # bandwidth: else x0 absorbs the CNNs' per-op costs (their reductions and copies are
+            # tiny) and a large one - a transformer's bias-gradient sum over 8192 tokens - is
+            # priced at a tenth of the bandwidth. (Depthwise convolutions and pooling, priced
+            # by their intensity, keep the ramp the data gives them.)
+            x0_hi = KERNEL_RAMP_MAX * self.sheet.memory_bandwidth / self.sheet.sm_count
+        if _is_gemm(k, path):
+            # Depth term: a GEMM's rate halves at K <= 64 at the latest (below that writing its
+            # output tile, not multiplying, bounds it; the roofline floor prices that). Unbounded,
+            # the fit gives the classifier GEMMs k0 in the thousands (whole-model times cannot
+            # place their few microseconds) and a transformer's K = 768 GEMMs a 13x slowdown.
+            k0_hi = 64.0
+            # Host time: eager PyTorch issues a GEMM (or its backward) in tens of microseconds;
+            # unbounded, the CNNs' per-layer backward costs land on their one GEMM (0.3 ms),
+            # and a transformer, with four GEMMs a layer, would be host-bound on any GPU.
+            h_hi = 5e-5
+            # Plateau: the published rate (not identifiable here). Ramp: at most
+            # KERNEL_RAMP_MAX of work at that rate below x0, else x0 absorbs per-op costs
+            # that a transformer's many GEMMs would each be charged.
+            fixed_e = GEMM_PLATEAU_SIMT
+            pk = float(self.peak[self.kidx == i][0])
+            x0_hi = KERNEL_RAMP_MAX * pk * GEMM_PLATEAU_SIMT / self.sheet.sm_count
+        return _KeyParameters(
+            lo=[math.log(e_lo), math.log(1.0), 0.3, math.log(2e-6), math.log(0.01)],
+            hi=[math.log(e_hi), math.log(x0_hi), 1.0, math.log(h_hi), math.log(k0_hi)],
+            mu=[
                 min(max(_PRIOR["le"][0], math.log(e_lo)), math.log(e_hi)),
                 min(_PRIOR["lx0_memory" if path == "memory" else "lx0_compute"][0], math.log(x0_hi) - 0.1),
                 _PRIOR["p"][0],
                 min(_PRIOR["lh"][0], math.log(h_hi) - 0.1),
                 min(_PRIOR["lk0" if path != "memory" else "lk0_intensity"][0], math.log(k0_hi) - 0.1),
-            ]
-            pw += [_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]]
-        self.lo_full, self.hi_full = np.array(lo), np.array(hi)
-        self.mu_full, self.pw_full = np.array(mu), np.array(pw)
-        free = np.ones(self.nfull, dtype=bool)
-        for i, k in enumerate(self.keys):
-            if not self.uses_k0[k]:
-                free[_NP * i + 4] = False  # no shape term
-            if i in fixed_e:
-                free[_NP * i] = False
-                self.mu_full[_NP * i] = math.log(fixed_e[i])
-        self.free = np.flatnonzero(free)
-        self.template = self.mu_full.copy()
-        self.template[~free] = math.log(1e-9)
-        for i, e in fixed_e.items():
-            self.template[_NP * i] = math.log(e)
+            ],
+            weight=[_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]],
+            fixed_e=fixed_e,
+        )
 
     def full(self, x: np.ndarray) -> np.ndarray:
         th = self.template.copy()
@@ -325,13 +358,15 @@ class _Problem:
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
         return self.lo_full[self.free], self.hi_full[self.free]
 
-    def _sums(self, th: np.ndarray, jac: bool):
+    def _sums(self, th: np.ndarray, jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each (model, pass, batch)'s predicted seconds, and with ``jac`` their derivatives by
+        every parameter."""
         params = th.reshape(-1, _NP)[self.kidx]
         le, lx0, p, lh, lk0 = (params[:, j] for j in range(_NP))
         h = np.exp(lh)
         s = np.zeros(self.nres)
         npar = self.nfull
-        ds = np.zeros(self.nres * npar) if jac else None
+        ds = np.zeros(self.nres * npar if jac else 0)
         cols = self.kidx * _NP
         for bi in range(self.nb):
             gout = C.kernel_arrays(
@@ -408,17 +443,6 @@ def fit_generation(
         uses_k0=prob.uses_k0,
         cost=float(res.cost),
     )
-
-
-def fit_all(data: FitData, progress: Callable[[str], None] | None = None) -> dict[str, GenFit]:
-    """One fit per measured GPU (generation), on every model."""
-    fits = {}
-    for g in data.gpus:
-        if progress:
-            progress(g)
-        fit = fit_generation(data, g)
-        fits[fit.generation] = fit
-    return fits
 
 
 def model_of(fits: dict[str, GenFit], uncertainty: dict | None = None) -> CostModel:
@@ -626,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lomo_pred = lomo(
                 data,
                 full,
-                progress=lambda g, n: (pb.update(t_cv, description=f"LOMO {g} {n}"), pb.advance(t_cv)),
+                progress=lambda g, n: pb.update(t_cv, description=f"LOMO {g} {n}", advance=1),
                 cache=db.meta().get("data_version", ""),
             )
         logo_pred = logo(data, full)
@@ -648,8 +672,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             same = False
         print("identical to" if same else "differs from", args.out)
         return 0 if same else 1
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(args.out, "w", encoding="utf-8") as out:
+        out.write(text)
     print("wrote", args.out)
     return 0
 

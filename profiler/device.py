@@ -105,7 +105,8 @@ def _driver_version() -> str | None:
         except (OSError, subprocess.SubprocessError, IndexError):
             pass
     try:
-        v = torch._C._cuda_getDriverVersion()  # CUDA driver API version, e.g. 12040
+        # CUDA driver API version, e.g. 12040 (CUDA builds only: torch's stubs do not declare it)
+        v = torch._C._cuda_getDriverVersion()  # type: ignore[attr-defined]
         return f"cuda-driver-api {v // 1000}.{(v % 1000) // 10}"
     except Exception:
         return None
@@ -134,7 +135,7 @@ def run_metadata(device: torch.device, gpu_name: str, memory_bytes: int) -> dict
     return meta
 
 
-def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int = 3) -> float:
+def _best_of(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 3) -> float:
     fn()
     sync()
     best = float("inf")
@@ -146,19 +147,22 @@ def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int = 3)
     return max(best, 1e-9)
 
 
+def _matmul_rate(a: torch.Tensor, sync: Callable[[], None]) -> float:
+    """FLOP/s of ``a @ a`` (square), best of 3."""
+    n = int(a.shape[0])
+    return 2 * n**3 / _best_of(lambda: torch.mm(a, a), sync)
+
+
 def measure_gpu_spec(device: torch.device, name: str, memory_bytes: int) -> GpuSpec:
     """A GpuSpec for a device the database does not know, rates measured (best of 3)."""
     is_cuda = device.type == "cuda"
     sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if is_cuda else (lambda: None)
     n = 4096 if is_cuda else 512
     a = torch.randn(n, n, device=device)
-    fp32 = 2 * n**3 / _best_of(lambda: torch.mm(a, a), sync)
-    if is_cuda:
-        h = a.half()
-        fp16 = 2 * n**3 / _best_of(lambda: torch.mm(h, h), sync)
-    else:
-        fp16 = fp32  # CPU fp16 matmul is emulated; the fp32 rate is the honest upper figure
-    a = h = None  # free the matrices before the bandwidth buffers
+    fp32 = _matmul_rate(a, sync)
+    # CPU fp16 matmul is emulated; the fp32 rate is the honest upper figure.
+    fp16 = _matmul_rate(a.half(), sync) if is_cuda else fp32
+    del a  # free the matrices before the bandwidth buffers
     nbytes = (256 if is_cuda else 32) << 20
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     bandwidth = 2 * nbytes / _best_of(lambda: buf.clone(), sync)  # read + write

@@ -9,16 +9,17 @@ per-sample shape and dtype decide the inputs. Factories that take ``num_classes`
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from gpemu.identify import structural_fingerprint
 
 __all__ = [
     "ModelSpecError",
@@ -183,7 +184,7 @@ def _from_factory(target: str, num_classes: int | None) -> tuple[Any, Any]:
     kwargs: dict[str, Any] = {}
     if num_classes is not None:
         try:
-            params = inspect.signature(factory).parameters
+            params: Mapping[str, inspect.Parameter] = inspect.signature(factory).parameters
         except (TypeError, ValueError):
             params = {}
         if "num_classes" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -227,16 +228,15 @@ def _import_user_module(mod_name: str, target: str) -> Any:
 
 
 def _from_torchvision(name: str, num_classes: int | None) -> nn.Module:
-    try:
-        import torchvision  # noqa: F401
-        from torchvision import models as tvm
+    try:  # (an optional dependency: imported by name, so the type checker needs no stubs of it)
+        tvm = importlib.import_module("torchvision.models")
     except Exception as exc:  # ImportError, or the CUDA-less build's OSError/RuntimeError
         raise ModelSpecError(
             f"model {name!r} looks like a torchvision name, but torchvision cannot be imported here "
             f"({type(exc).__name__}: {exc}); install torchvision, or give a factory as "
             f"module:callable (e.g. mypkg.models:build_net)"
         ) from exc
-    kwargs = {"weights": None}
+    kwargs: dict[str, Any] = {"weights": None}
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
     try:
@@ -253,25 +253,3 @@ def _guess_num_classes(module: nn.Module) -> int | None:
         if isinstance(m, nn.Linear):
             last = m
     return last.out_features if last is not None else None
-
-
-def structural_fingerprint(module: nn.Module) -> str:
-    """Class name, parameter count and a hash of module types and parameter shapes.
-
-    Used when ``gpemu.identify.structural_fingerprint`` is not available, so the emulator can
-    recognise a user's model as one that was profiled. Values and device do not matter.
-    """
-    try:
-        from gpemu.identify import structural_fingerprint as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        return shared(module)
-    h = hashlib.sha256()
-    for name, sub in module.named_modules():
-        h.update(f"m:{name}:{type(sub).__name__};".encode())
-    count = 0
-    for name, p in module.named_parameters():
-        count += p.numel()
-        h.update(f"p:{name}:{tuple(p.shape)};".encode())
-    return f"{type(module).__name__}:{count}:{h.hexdigest()[:16]}"

@@ -200,8 +200,8 @@ def profile_models(
     spec = store.gpu(gpu)
     if spec is None:
         log(f"'{gpu}' is new to the database: measuring its FLOP rate and bandwidths")
-        store.add_gpu(measure_gpu_spec(device, gpu, memory_bytes))
-        spec = store.gpu(gpu)
+        spec = measure_gpu_spec(device, gpu, memory_bytes)
+        store.add_gpu(spec)
     gpu = spec.name
     report.gpu = gpu
     meta = run_metadata(device, gpu, memory_bytes)
@@ -220,128 +220,153 @@ def profile_models(
     drop(0)
 
     with _SigintGuard() as guard:
+        session = _Session(store, opts, gpu, sizes, meta, report, guard, advance, drop, log)
         try:
             for spec_text in opts.models:
-                _profile_one(store, opts, spec_text, gpu, sizes, meta, report, guard, advance, drop, log)
+                session.profile(spec_text)
         except KeyboardInterrupt:
             raise Interrupted(report) from None
     return report
 
 
-def _profile_one(
-    store: ProfileStore,
-    opts: ProfileOptions,
-    spec_text: str,
-    gpu: str,
-    sizes: list[int],
-    meta: dict[str, Any],
-    report: ProfileReport,
-    guard: _SigintGuard,
-    advance: Callable[[str, int], None],
-    drop: Callable[[int], None],
-    log: Callable[[str], None],
-) -> None:
-    name = model_name_of(spec_text)
-    # Loaded even when everything is done, so a different model reusing the name is caught.
-    lm = load_model(spec_text, opts.input_shape, opts.input_dtype, opts.num_classes)
-    if not opts.force:
-        _check_same_model(store, lm)
-    todo = list(sizes)
-    if not opts.force:
-        done = store.done_batch_sizes(gpu, name)
-        limit = store.limit(gpu, name)
+@dataclass
+class _Session:
+    """What every model of one :func:`profile_models` run shares: where rows go, the options,
+    the GPU, the run's metadata and report, the Ctrl-C guard and the progress callbacks."""
+
+    store: ProfileStore
+    opts: ProfileOptions
+    gpu: str
+    sizes: list[int]
+    meta: dict[str, Any]
+    report: ProfileReport
+    guard: _SigintGuard
+    advance: Callable[[str, int], None]
+    drop: Callable[[int], None]  # units that will not be measured after all
+    log: Callable[[str], None]
+
+    def profile(self, spec_text: str) -> None:
+        """One model: its model transfer, then its batch sizes until one runs out of memory."""
+        name = model_name_of(spec_text)
+        # Loaded even when everything is done, so a different model reusing the name is caught.
+        lm = load_model(spec_text, self.opts.input_shape, self.opts.input_dtype, self.opts.num_classes)
+        if not self.opts.force:
+            _check_same_model(self.store, lm)
+        todo = self._batch_sizes_to_measure(name)
+        if not todo and not self.opts.force and self.store.has_model_transfer(self.gpu, name):
+            return
+        measurer = Measurer(lm, self.opts.device, self.opts.optimizer, self.opts.memory_limit)
+        model_meta = {
+            **self.meta,
+            "input_shape": list(lm.sample_shape),
+            "input_dtype": str(lm.input_dtype).removeprefix("torch."),
+            "num_classes": lm.num_classes,
+            "model_spec": lm.spec,
+        }
+        self._model_transfer(name, lm, measurer, model_meta)
+        below = min(todo, default=0)
+        largest_fit = max((b for b in self.store.done_batch_sizes(self.gpu, name) if b < below), default=0)
+        for i, bs in enumerate(todo):
+            self.advance(f"{name}: batch {bs}", 0)
+            measured = _measure(name, measurer, lm, bs, self.opts)
+            if isinstance(measured, str):  # out of memory: this model's limit on the GPU
+                measurer.release()
+                self._record_limit(name, bs, largest_fit, measured, model_meta, rest=len(todo) - i)
+                break
+            rows = unit_rows(self.gpu, name, measured, model_meta)
+            with self.guard.critical():
+                self.store.write_unit(rows)
+            largest_fit = bs
+            self.report.measured.append((name, bs))
+            self.advance(f"{name}: batch {bs}", 1)
+        measurer.release()
+        del measurer, lm
+        if self.opts.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _batch_sizes_to_measure(self, name: str) -> list[int]:
+        """The batch sizes of ``name`` still to measure: all with --force, else those neither in
+        the database nor at or above a batch size that ran out of memory before (said once)."""
+        todo = list(self.sizes)
+        if self.opts.force:
+            return todo
+        done = self.store.done_batch_sizes(self.gpu, name)
+        limit = self.store.limit(self.gpu, name)
         skip = [b for b in todo if b in done or (limit is not None and b >= limit.oom_batch_size)]
         if skip:
-            report.skipped.extend((name, b) for b in skip)
-            drop(len(skip))
-            advance(f"{name}: {len(skip)} batch size(s) already done", 0)
+            self.report.skipped.extend((name, b) for b in skip)
+            self.drop(len(skip))
+            self.advance(f"{name}: {len(skip)} batch size(s) already done", 0)
             if limit is not None and any(b >= limit.oom_batch_size for b in skip):
-                log(
-                    f"{name}: batch sizes >= {limit.oom_batch_size} skipped (out of memory on {gpu} before; "
+                self.log(
+                    f"{name}: batch sizes >= {limit.oom_batch_size} skipped (out of memory on {self.gpu} before; "
                     f"--force to retry)"
                 )
-        todo = [b for b in todo if b not in skip]
-        if not todo and store.has_model_transfer(gpu, name):
-            return
-    measurer = Measurer(lm, opts.device, opts.optimizer, opts.memory_limit)
-    model_meta = {
-        **meta,
-        "input_shape": list(lm.sample_shape),
-        "input_dtype": str(lm.input_dtype).removeprefix("torch."),
-        "num_classes": lm.num_classes,
-        "model_spec": lm.spec,
-    }
+        return [b for b in todo if b not in skip]
 
-    advance(f"{name}: model transfer", 0)
-    if opts.force or not store.has_model_transfer(gpu, name):
-        transfer = measurer.measure_model_transfer()
-    else:
-        transfer = None
-        measurer.to_device()
-    # Registered (upserted) before any measurement row, since rows refer to it; FLOPs are
-    # counted on the device. Every run that measures something refreshes it.
-    _register_model(store, lm, measurer)
-    if opts.force:
-        store.clear_limit(gpu, name)
-    if transfer is not None:
-        row = _stat_row(gpu, name, "model_transfer", 0, transfer, model_meta, now_iso())
-        with guard.critical():
-            store.write_unit([row])
-        report.model_transfers.append(name)
+    def _model_transfer(self, name: str, lm: LoadedModel, measurer: Measurer, model_meta: dict[str, Any]) -> None:
+        """The model moved to the device (timed unless the database has it), and registered."""
+        self.advance(f"{name}: model transfer", 0)
+        if self.opts.force or not self.store.has_model_transfer(self.gpu, name):
+            transfer = measurer.measure_model_transfer()
+        else:
+            transfer = None
+            measurer.to_device()
+        # Registered (upserted) before any measurement row, since rows refer to it; FLOPs are
+        # counted on the device. Every run that measures something refreshes it.
+        _register_model(self.store, lm, measurer)
+        if self.opts.force:
+            self.store.clear_limit(self.gpu, name)
+        if transfer is not None:
+            row = _stat_row(self.gpu, name, "model_transfer", 0, transfer, model_meta, now_iso())
+            with self.guard.critical():
+                self.store.write_unit([row])
+            self.report.model_transfers.append(name)
 
-    largest_fit = max((b for b in store.done_batch_sizes(gpu, name) if b < min(todo, default=0)), default=0)
-    for i, bs in enumerate(todo):
-        advance(f"{name}: batch {bs}", 0)
-        oom: str | None = None
-        try:
-            m = measurer.measure(bs, opts.warmup, opts.iterations)
-        except torch.OutOfMemoryError as exc:
-            # Only the text is kept: the exception's frames hold the batch's tensors, which must be
-            # gone before release() returns their memory to the device.
-            oom = (str(exc).strip().splitlines() or ["out of memory"])[0]
-        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ModelSpecError(
-                f"{name}: a training iteration failed at batch size {bs} ({type(exc).__name__}: {first}); "
-                f"check --input-shape (now {','.join(map(str, lm.sample_shape))}), --input-dtype and "
-                f"--num-classes, or let the factory return (model, sample_batch). Units measured so far are saved."
-            ) from exc
-        if oom is not None:
-            measurer.release()
-            message = oom
-            extra = [
-                Measurement(
-                    gpu=gpu,
-                    model=name,
-                    kind=LIMIT_KIND,
-                    batch_size=0,
-                    value=float(largest_fit),
-                    source="gpemu profile",
-                    measured_at=now_iso(),
-                    metadata={**model_meta, "oom_batch_size": bs},
-                )
-            ]
-            with guard.critical():
-                store.record_limit(gpu, name, bs, largest_fit, message, model_meta, extra)
-            report.limits[name] = (bs, largest_fit)
-            rest = len(todo) - i
-            log(
-                f"{name}: out of memory at batch size {bs} on {gpu} (largest that fit: {largest_fit or 'none'}); "
-                f"skipping {rest - 1} larger batch size(s), going on with the next model"
+    def _record_limit(
+        self, name: str, bs: int, largest_fit: int, message: str, model_meta: dict[str, Any], rest: int
+    ) -> None:
+        """Batch size ``bs`` ran out of memory: stored as the model's limit; the ``rest`` batch
+        sizes from it on are dropped."""
+        extra = [
+            Measurement(
+                gpu=self.gpu,
+                model=name,
+                kind=LIMIT_KIND,
+                batch_size=0,
+                value=float(largest_fit),
+                source="gpemu profile",
+                measured_at=now_iso(),
+                metadata={**model_meta, "oom_batch_size": bs},
             )
-            drop(rest)
-            advance(f"{name}: out of memory at {bs}", 0)
-            break
-        rows = unit_rows(gpu, name, m, model_meta)
-        with guard.critical():
-            store.write_unit(rows)
-        largest_fit = bs
-        report.measured.append((name, bs))
-        advance(f"{name}: batch {bs}", 1)
-    measurer.release()
-    del measurer, lm
-    if opts.device.type == "cuda":
-        torch.cuda.empty_cache()
+        ]
+        with self.guard.critical():
+            self.store.record_limit(self.gpu, name, bs, largest_fit, message, model_meta, extra)
+        self.report.limits[name] = (bs, largest_fit)
+        self.log(
+            f"{name}: out of memory at batch size {bs} on {self.gpu} (largest that fit: {largest_fit or 'none'}); "
+            f"skipping {rest - 1} larger batch size(s), going on with the next model"
+        )
+        self.drop(rest)
+        self.advance(f"{name}: out of memory at {bs}", 0)
+
+
+def _measure(name: str, measurer: Measurer, lm: LoadedModel, bs: int, opts: ProfileOptions) -> BatchMeasurement | str:
+    """One unit's measurement, or the first line of its out-of-memory error. Any other failure
+    of the training iteration is a ModelSpecError saying which options to check."""
+    try:
+        return measurer.measure(bs, opts.warmup, opts.iterations)
+    except torch.OutOfMemoryError as exc:
+        # Only the text is kept: the exception's frames hold the batch's tensors, which must be
+        # gone before release() returns their memory to the device.
+        return (str(exc).strip().splitlines() or ["out of memory"])[0]
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelSpecError(
+            f"{name}: a training iteration failed at batch size {bs} ({type(exc).__name__}: {first}); "
+            f"check --input-shape (now {','.join(map(str, lm.sample_shape))}), --input-dtype and "
+            f"--num-classes, or let the factory return (model, sample_batch). Units measured so far are saved."
+        ) from exc
 
 
 def _input_size(shape: tuple[int, ...]) -> int | None:

@@ -55,12 +55,12 @@ def _parse_part(part: str, spec: str, max_batch: int) -> list[int]:
         return parse_batch_sizes(DEFAULT_SWEEP, max_batch)
     if low == "pow2" or low.startswith("pow2:"):
         lo, hi = (1, max_batch) if low == "pow2" else _range(low[5:], spec)
-        out, p = [], 1
+        powers, p = [], 1
         while p <= hi:
             if p >= lo:
-                out.append(p)
+                powers.append(p)
             p *= 2
-        return out
+        return powers
     if low.startswith("dense:"):
         lo, hi = _range(low[6:], spec)
         return list(range(lo, hi + 1))

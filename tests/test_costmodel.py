@@ -374,6 +374,48 @@ def test_the_library_imports_nothing_else_of_gpemu():
                 assert n.split(".")[0] != "gpemu" or n.startswith("gpemu.costmodel"), (path.name, n)
 
 
+def _costmodel_imports() -> dict[str, set[str]]:
+    """Module -> the library's modules it imports, as the type checker reads them: ``from . import
+    curve`` reads the package (its ``__init__``) as well as ``curve``."""
+    import ast
+    from pathlib import Path
+
+    import gpemu.costmodel as pkg
+
+    graph: dict[str, set[str]] = {}
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        name = "" if path.stem == "__init__" else path.stem
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update({""} | {a.name for a in node.names})
+    return graph
+
+
+def test_the_library_has_no_import_cycle():
+    """No module of gpemu.costmodel needs, through its imports, the package ``__init__`` that
+    imports it (``from . import curve`` in model.py made model, classify, precision, record,
+    table and the package one knot the type checker had to check together)."""
+    graph = _costmodel_imports()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    assert graph[""] >= {"classify", "gpus", "model"}  # the package imports its parts ...
+    assert [m for m in graph if reaches(m, m)] == []  # ... and none of them leads back to itself
+
+
 def test_op_tables_scale_with_the_batch_exactly():
     """Recorded at batch 2 and 4, a model's features at batch 16 equal a recording at 16."""
     from gpemu.costmodel.table import affine_table, table_from_ops
@@ -672,3 +714,23 @@ def test_a_kepler_gpu_priced_with_another_generation_s_curves_delivers_its_share
     assert carried.generation == "turing" and carried.peak == v100.fp32_flops
     assert carried_share("kepler", "calibrated:Tesla K80") == 1.0
     assert carried_share("maxwell", "kepler") == pytest.approx(1.35)
+
+
+def test_compute_capability_of_a_gpu_that_does_not_say_its_own():
+    """Its own, else the table's GPU of that name, else its generation's usual one, else that of
+    the generation an unknown GPU is priced as (the A100's 8.0)."""
+    import dataclasses
+
+    from gpemu.costmodel.gpus import DEFAULT_GENERATION, compute_capability, generation_capability
+    from gpemu.db.specs import shipped_gpus
+
+    t4 = next(s for s in shipped_gpus() if s.short_name == "T4")
+    unsaid = dataclasses.replace(t4, compute_capability=None)
+    assert compute_capability(t4) == compute_capability(unsaid) == (7, 5)
+    assert compute_capability(dataclasses.replace(t4, compute_capability=(7, 2))) == (7, 2)
+    other = dataclasses.replace(unsaid, name="Lab Card", aliases=("LAB",))
+    assert compute_capability(other) == (7, 5)  # turing's usual
+    assert compute_capability(dataclasses.replace(other, generation="ada")) == (8, 9)
+    assert compute_capability(dataclasses.replace(other, generation=None)) == (8, 0)
+    assert generation_capability(DEFAULT_GENERATION) == gpu_sheet("A100").compute_capability == (8, 0)
+    assert generation_capability("rubin") is None

@@ -322,6 +322,28 @@ def test_grad_scaler_stays_enabled_and_grows_on_schedule(rt4, make) -> None:
         scaler.update()
 
 
+def test_grad_scaler_unscales_in_one_memory_bound_kernel_and_leaves_cpu_scalers_to_torch(rt4) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    scaler.scale(model(torch.randn(8, 32, device="cuda")).float().mean()).backward()
+    scaler.unscale_(opt)
+    spans = [s for s in rt4.recorder.spans if s.name == "amp unscale"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(spans) == 1  # read and write every gradient once, at the GPU's memory bandwidth
+    assert spans[0].end - spans[0].start == pytest.approx(2 * grad_bytes / rt4.gpus[0].memory_bandwidth)
+    # A CPU scaler in the same run is torch's own: its scale is a real tensor that grows.
+    cpu = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    w = torch.nn.Parameter(torch.ones(3))
+    cpu_opt = torch.optim.SGD([w], lr=0.1)
+    cpu.scale((w * 2).sum()).backward()
+    cpu.step(cpu_opt)
+    cpu.update()
+    assert cpu.get_scale() == 8.0 and "_gpemu_mirror" not in cpu.__dict__
+    assert w.grad is not None and torch.equal(w.grad, torch.full((3,), 2.0))  # torch unscaled it in place
+    assert torch.allclose(w.detach(), torch.full((3,), 0.8))
+
+
 class _no_disable_warning:
     def __enter__(self):
         import warnings

@@ -465,3 +465,32 @@ def test_every_shipped_gpu_round_trips_through_datasheet_units():
                 spec.name,
                 key,
             )
+
+
+def test_what_a_datasheet_leaves_out_is_what_the_shipped_gpus_have():
+    """A GPU added without its PCIe generation, host-copy rates or compute capability gets them
+    from the same facts the shipped table is written with: every datasheet-only GPU, entered
+    without them, comes back with the table's own figures."""
+    from gpemu.costmodel.gpus import DEFAULT_PCIE_GEN, GPUS, generation_capability
+    from gpemu.db.datasheet import datasheet_of, spec_from_datasheet
+    from gpemu.db.specs import shipped_gpus
+
+    by_name = {g.name: g for g in GPUS}
+    left_out = ("host_pinned_gbs", "host_pageable_gbs", "compute_capability")
+    checked = 0
+    for spec in shipped_gpus():
+        sheet = by_name[spec.name]
+        if sheet.measured:  # copy rates measured on its host
+            continue
+        sheet_values = datasheet_of(spec)
+        entered = {k: x for k, x in sheet_values.items() if k not in left_out}
+        if sheet.pcie_gen == DEFAULT_PCIE_GEN:
+            del entered["pcie_gen"]
+        added = spec_from_datasheet(entered)
+        assert added.pcie_gen == sheet.pcie_gen, sheet.name
+        assert added.host_link_bandwidth_pinned == sheet.host_link_bandwidth_pinned, sheet.name
+        assert added.host_link_bandwidth_pageable == sheet.host_link_bandwidth_pageable, sheet.name
+        usual = generation_capability(sheet.generation)
+        assert added.compute_capability == usual and usual[0] == sheet.compute_capability[0], sheet.name
+        checked += 1
+    assert checked >= 8

@@ -21,7 +21,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import flops as F
+from .flops import (
+    attention_backward_flops,
+    attention_forward_flops,
+    bmm_flops,
+    conv_backward_flops,
+    conv_forward_flops,
+    gemm_flops,
+)
+from .flops import shape as shape_of
 
 __all__ = ["OpClass", "OpFeatures", "classify", "op_name", "COMPUTE_CLASSES", "MEMORY_CLASSES"]
 
@@ -494,19 +502,19 @@ def _gemm(name: str, args: tuple, out_ts: list[Any]) -> tuple[float, int]:
         ts = ts[1:]  # the added tensor (bias / input) is not a GEMM operand
     if len(ts) < 2:
         return 0.0, 0
-    a, b = F.shape(ts[0]), F.shape(ts[1])
+    a, b = shape_of(ts[0]), shape_of(ts[1])
     if name in ("mv", "addmv"):
-        return F.gemm_flops(a[0], a[1], 1), a[1]
+        return gemm_flops(a[0], a[1], 1), a[1]
     if name in ("dot", "vdot"):
         return 2.0 * a[0], a[0]
     if name in ("addr", "outer"):
         return 2.0 * a[0] * b[0], 1
     if len(a) >= 3 or len(b) >= 3 or name in ("bmm", "baddbmm", "addbmm"):
         if len(a) >= 2 and len(b) >= 2:
-            flops = F.bmm_flops(a, b) if len(a) >= len(b) else F.bmm_flops(a, b) * math.prod(b[:-2])
+            flops = bmm_flops(a, b) if len(a) >= len(b) else bmm_flops(a, b) * math.prod(b[:-2])
             return flops, a[-1]
     if len(a) == 2 and len(b) == 2:
-        return F.gemm_flops(a[0], a[1], b[1]), a[1]
+        return gemm_flops(a[0], a[1], b[1]), a[1]
     # other ranks (linear / matmul composites on odd shapes): output elements x 2K
     k = a[-1]
     n_out = sum(int(t.numel()) for t in out_ts[:1])
@@ -522,7 +530,7 @@ def _conv(name: str, args: tuple, kwargs: dict, out: Any, out_ts: list[Any]) -> 
         transposed = bool(args[7]) if len(args) > 7 else False
         groups = int(args[9]) if len(args) > 9 else 1
         mask = list(args[10]) if len(args) > 10 else [True, True, False]
-        flops = F.conv_backward_flops(F.shape(grad_out), F.shape(x), F.shape(w), transposed, mask)
+        flops = conv_backward_flops(shape_of(grad_out), shape_of(x), shape_of(w), transposed, mask)
         stride_arg = args[4] if len(args) > 4 else [1]
         # Read only what the requested gradients need: grad_out always, input for the weight
         # gradient, weight for the input gradient.
@@ -535,9 +543,9 @@ def _conv(name: str, args: tuple, kwargs: dict, out: Any, out_ts: list[Any]) -> 
         if name == "_conv_depthwise2d":
             groups = int(x.shape[1])
         stride_arg = args[3] if len(args) > 3 else kwargs.get("stride", [1])
-        flops = F.conv_forward_flops(F.shape(x), F.shape(w), F.shape(out_ts[0]), transposed)
+        flops = conv_forward_flops(shape_of(x), shape_of(w), shape_of(out_ts[0]), transposed)
         nbytes = _bytes_moved(list(_tensors(args[:3])), out_ts)
-    w_shape = F.shape(w)
+    w_shape = shape_of(w)
     kernel = math.prod(w_shape[2:]) if len(w_shape) > 2 else 1
     in_per_group = w_shape[0] if transposed else w_shape[1]
     c_in = int(x.shape[1]) if len(x.shape) > 1 else 1
@@ -564,8 +572,8 @@ def _attention(name: str, args: tuple, out_ts: list[Any]) -> float:
     ts = [t for t in _tensors(args) if len(t.shape) >= 3]
     try:
         if "backward" in name:
-            return F.attention_backward_flops(F.shape(ts[1]), F.shape(ts[2]), F.shape(ts[3]))
-        return F.attention_forward_flops(F.shape(ts[0]), F.shape(ts[1]), F.shape(ts[2]))
+            return attention_backward_flops(shape_of(ts[1]), shape_of(ts[2]), shape_of(ts[3]))
+        return attention_forward_flops(shape_of(ts[0]), shape_of(ts[1]), shape_of(ts[2]))
     except (IndexError, ValueError):
         return 0.0
 

@@ -1,24 +1,32 @@
-"""GPU datasheets: the facts the cost model prices ops with, for measured and datasheet-only GPUs.
+"""GPU facts: the one place gpemu writes them down, for measured and datasheet-only GPUs.
 
-A plain table (:data:`GPUS`, one :class:`GpuSheet` per GPU) that the database layer can import.
+A plain table (:data:`GPUS`, one :class:`GpuSheet` per GPU) and the rules that follow from it:
+generations (:data:`GENERATIONS`, :data:`DONORS`, :func:`generation_capability`,
+:func:`first_generation_with`), host links (:func:`pcie_link_rate`, :func:`pinned_copy_rate`,
+:func:`pageable_copy_rate`), what an unknown GPU is taken for (:data:`DEFAULT_GENERATION`,
+:data:`DEFAULT_PCIE_GEN`) and a GPU's compute capability (:func:`compute_capability`). The
+profile database's GPU rows (``gpemu.db.GpuSpec``) are made from these sheets
+(``gpemu.db.specs``), and ``gpemu gpus add`` fills in what a datasheet leaves out from these
+rules (``gpemu.db.datasheet``); neither restates a figure.
+
 Figures are NVIDIA's public datasheets / whitepapers unless a comment says otherwise. Tensor-core
 rates are **dense** (NVIDIA's headline figures for Ampere and later are 2:4-sparse, twice these).
 ``0`` means "this GPU has no such unit" (e.g. no TF32 before Ampere, no BF16 tensor cores on
 Volta/Turing).
 
 Fields: FLOP rates in FLOP/s, bandwidths in bytes/s, memory in bytes (the datasheet's "GB" read as
-GiB, as gpemu.db.specs does; CUDA reports a few hundred MiB less).
+GiB, :func:`datasheet_memory_bytes`; CUDA reports a few hundred MiB less).
 
 * ``fp32_flops`` / ``fp64_flops``: non-tensor (SIMT/FMA) peaks at boost clock.
 * ``fp16_flops``: non-tensor FP16 rate (2x FP32 on P100, 1x on Kepler/Maxwell where FP16 is
   only a storage format, 2x on Volta and later).
 * ``tf32_tensor_flops``, ``fp16_tensor_flops``, ``bf16_tensor_flops``: dense tensor-core peaks with
   FP32 accumulation (what PyTorch uses).
-* ``host_link_bandwidth_pinned``: the PCIe link's theoretical rate per direction x 0.8 (the share
-  page-locked copies reach); ``host_link_bandwidth_pageable``: pageable copies go through a
-  staging buffer and are host-memcpy bound — measured values for the six GPUs of the database
-  (median of the GPEmu artifact's input copies, as gpemu.db.specs has them), an estimate for the
-  others (see :data:`_PAGEABLE_GEN3` / :data:`_PAGEABLE_GEN4PLUS`).
+* ``host_link_bandwidth_pinned``: the PCIe link's theoretical rate per direction x
+  :data:`PINNED_SHARE` (the share page-locked copies reach); ``host_link_bandwidth_pageable``:
+  pageable copies go through a staging buffer and are host-memcpy bound — measured values for the
+  six GPUs of the database (median of the GPEmu artifact's input copies), an estimate for the
+  others (:func:`pageable_copy_rate`).
 * ``nvlink_bandwidth``: the datasheet's total NVLink bandwidth per GPU (both directions, all
   links), 0 without NVLink; the "bus bandwidth" a ring all-reduce can approach is about half.
   ``nvlink_bridge``: that NVLink is a bridge joining two cards (PCIe cards: Quadro RTX 6000,
@@ -26,37 +34,55 @@ GiB, as gpemu.db.specs does; CUDA reports a few hundred MiB less).
 * ``generation``: architecture (``kepler`` ... ``blackwell``); :data:`DONORS` says whose calibrated
   curves a generation without measurements uses.
 
-The six GPUs of the profile database carry the same figures as ``gpemu.db.specs`` (its source
-comments apply), one K80 being one GK210 die (half the board), as CUDA sees it.
+The six GPUs of the profile database are the ``measured`` sheets, one K80 being one GK210 die
+(half the board), as CUDA sees it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 __all__ = [
     "GpuSheet",
+    "GpuFacts",
     "GPUS",
     "GENERATIONS",
     "DONORS",
+    "DEFAULT_GENERATION",
+    "DEFAULT_PCIE_GEN",
+    "PINNED_SHARE",
     "MEASURED_GENERATION_GPU",
     "gpu_sheet",
     "find_gpu",
     "sheet_from_spec",
+    "donor_chain",
+    "generation_capability",
+    "first_generation_with",
+    "compute_capability",
+    "pcie_link_rate",
+    "pinned_copy_rate",
+    "pageable_copy_rate",
+    "datasheet_memory_bytes",
 ]
 
 _GiB = 1 << 30
 _GB = 10**9
 _T = 1e12
-# PCIe x16 per direction: Gen3 15.75 GB/s, Gen4 31.5, Gen5 63.0; pinned copies reach ~80%.
-_LINK = {3: 15.75e9, 4: 31.5e9, 5: 63.0e9}
+# Page-locked host copies reach about this share of the PCIe link's rate.
+PINNED_SHARE = 0.8
 # Pageable copies are bound by the host's memcpy into the staging buffer, not the link: the median
 # of the five measured Gen3 hosts (4.18-6.24 GB/s), and the measured Gen4 host (A100) for newer
 # links — no newer host was measured, so this is an estimate.
 _PAGEABLE_GEN3 = 4.54e9
 _PAGEABLE_GEN4PLUS = 4.66e9
+# A GPU whose PCIe generation is not known (every GPU of the table from Ampere on has Gen4 or newer).
+DEFAULT_PCIE_GEN = 4
 
 GENERATIONS = ("kepler", "maxwell", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell")
+# A GPU whose generation is not known is priced as an Ampere GPU: the only calibrated generation
+# with tensor-core curves.
+DEFAULT_GENERATION = "ampere"
 
 # Whose calibrated curves a generation uses, nearest relative first; the first one that has a
 # curve of the needed key on the needed path (tensor / SIMT / memory) wins. Measured generations
@@ -76,6 +102,27 @@ DONORS: dict[str, tuple[str, ...]] = {
     "hopper": ("hopper", "ampere", "turing", "volta", "pascal", "maxwell", "kepler"),
     "blackwell": ("blackwell", "ampere", "turing", "volta", "pascal", "maxwell", "kepler"),
 }
+
+
+def pcie_link_rate(gen: int) -> float:
+    """A PCIe x16 link's rate per direction, bytes/s: Gen3 15.75 GB/s, doubling each generation."""
+    return 15.75e9 * 2.0 ** (gen - 3)
+
+
+def pinned_copy_rate(pcie_gen: int) -> float:
+    """Host->GPU copies from page-locked memory over a PCIe x16 link of this generation, bytes/s."""
+    return pcie_link_rate(pcie_gen) * PINNED_SHARE
+
+
+def pageable_copy_rate(pcie_gen: int) -> float:
+    """Host->GPU copies from pageable memory on a host with this PCIe generation, bytes/s (host
+    memcpy bound: measured on Gen3 and Gen4 hosts, the Gen4 figure taken for newer ones)."""
+    return _PAGEABLE_GEN3 if pcie_gen <= 3 else _PAGEABLE_GEN4PLUS
+
+
+def datasheet_memory_bytes(gb: float) -> int:
+    """A datasheet's memory size in "GB", as bytes: read as GiB, as for every GPU of the table."""
+    return int(round(gb * _GiB))
 
 
 @dataclass(frozen=True)
@@ -108,6 +155,32 @@ class GpuSheet:
         return self.aliases[0] if self.aliases else self.name
 
 
+class GpuFacts(Protocol):
+    """A GPU the table may not have, as the profile database describes it (``gpemu.db.GpuSpec``):
+    its name and aliases and the figures every GPU has. The optional figures (``generation``,
+    ``compute_capability``, ``fp64_flops``, ``fp16_nontensor_flops``, the tensor-core peaks,
+    ``pcie_gen``, ``nvlink_bandwidth``) are read where present; None or absent means not known."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def memory_bandwidth(self) -> float: ...
+    @property
+    def fp32_flops(self) -> float: ...
+    @property
+    def fp16_flops(self) -> float: ...  # the tensor-core rate where the GPU has one
+    @property
+    def host_link_bandwidth_pinned(self) -> float: ...
+    @property
+    def host_link_bandwidth_pageable(self) -> float: ...
+    @property
+    def sm_count(self) -> int: ...
+
+
 def _sheet(
     name: str,
     aliases: tuple[str, ...],
@@ -135,7 +208,7 @@ def _sheet(
         generation=gen,
         compute_capability=cc,
         sm_count=sms,
-        memory_bytes=int(mem_gb * _GiB),
+        memory_bytes=datasheet_memory_bytes(mem_gb),
         memory_bandwidth=bw_gbs * _GB,
         fp32_flops=fp32 * _T,
         fp64_flops=fp64 * _T,
@@ -144,10 +217,8 @@ def _sheet(
         fp16_tensor_flops=fp16_tc * _T,
         bf16_tensor_flops=bf16_tc * _T,
         pcie_gen=pcie,
-        host_link_bandwidth_pinned=_LINK[pcie] * 0.8,
-        host_link_bandwidth_pageable=pageable
-        if pageable is not None
-        else (_PAGEABLE_GEN3 if pcie <= 3 else _PAGEABLE_GEN4PLUS),
+        host_link_bandwidth_pinned=pinned_copy_rate(pcie),
+        host_link_bandwidth_pageable=pageable if pageable is not None else pageable_copy_rate(pcie),
         nvlink_bandwidth=nvlink_gbs * _GB,
         measured=measured,
         source=source,
@@ -505,10 +576,19 @@ def find_gpu(name: str) -> GpuSheet | None:
     return _INDEX.get(_norm(name))
 
 
-def gpu_sheet(gpu: str | GpuSheet | object) -> GpuSheet:
-    """A :class:`GpuSheet` from a sheet, a name / alias, or any object with ``name`` (and
-    ``aliases``) such as ``gpemu.db.GpuSpec``; an unknown spec object becomes a sheet of its own
-    (see :func:`sheet_from_spec`). Raises ``KeyError`` for an unknown name."""
+def _table_sheet(gpu: GpuFacts) -> GpuSheet | None:
+    """The sheet of the table that ``gpu``'s name or one of its aliases names, or None."""
+    for name in (gpu.name, *gpu.aliases):
+        hit = find_gpu(name)
+        if hit is not None:
+            return hit
+    return None
+
+
+def gpu_sheet(gpu: str | GpuSheet | GpuFacts) -> GpuSheet:
+    """A :class:`GpuSheet` from a sheet, a name / alias, or a GPU the database describes
+    (``gpemu.db.GpuSpec``, matched by name and aliases); a GPU the table does not have becomes a
+    sheet of its own (see :func:`sheet_from_spec`). Raises ``KeyError`` for an unknown name."""
     if isinstance(gpu, GpuSheet):
         return gpu
     if isinstance(gpu, str):
@@ -516,35 +596,30 @@ def gpu_sheet(gpu: str | GpuSheet | object) -> GpuSheet:
         if hit is None:
             raise KeyError(f"unknown GPU {gpu!r}; known: {', '.join(g.short_name for g in GPUS)}")
         return hit
-    for n in (getattr(gpu, "name", None), *getattr(gpu, "aliases", ())):
-        if isinstance(n, str) and find_gpu(n) is not None:
-            return find_gpu(n)  # type: ignore[return-value]
-    return sheet_from_spec(gpu)
+    return _table_sheet(gpu) or sheet_from_spec(gpu)
 
 
-def sheet_from_spec(spec: object, generation: str | None = None) -> GpuSheet:
-    """A sheet for a GPU the table does not know, from a ``gpemu.db.GpuSpec``-like object
-    (``fp32_flops``, ``fp16_flops``, ``memory_bandwidth``, ``sm_count``, ...). The spec's own
+def sheet_from_spec(spec: GpuFacts, generation: str | None = None) -> GpuSheet:
+    """A sheet for a GPU the table does not know, from its database description. The spec's own
     figures are used where it has them (``gpemu gpus add`` records generation, compute capability,
     tensor-core peaks, PCIe generation, NVLink); what it leaves unknown (None) is inferred: FP16
-    above 2.5x FP32 is taken as tensor-core FP16, the generation defaults to ``ampere`` (the only
-    calibrated generation with tensor-core curves)."""
+    above 2.5x FP32 is taken as tensor-core FP16, the generation is :data:`DEFAULT_GENERATION`,
+    the PCIe generation :data:`DEFAULT_PCIE_GEN`; an unknown compute capability stays (0, 0)."""
 
     def own(attr: str, default: float) -> float:
         v = getattr(spec, attr, None)
         return default if v is None else float(v)
 
-    fp32 = float(spec.fp32_flops)
-    fp16 = float(getattr(spec, "fp16_flops", fp32))
+    fp32, fp16 = float(spec.fp32_flops), float(spec.fp16_flops)
     guessed_tensor = fp16 if fp16 > 2.5 * fp32 else 0.0
     cc = getattr(spec, "compute_capability", None)
     return GpuSheet(
-        name=str(getattr(spec, "name", "unknown GPU")),
-        aliases=tuple(getattr(spec, "aliases", ())),
-        generation=generation or getattr(spec, "generation", None) or "ampere",
-        compute_capability=tuple(cc) if cc else (0, 0),
-        sm_count=int(getattr(spec, "sm_count", 80)),
-        memory_bytes=int(getattr(spec, "memory_bytes", 16 * _GiB)),
+        name=str(spec.name),
+        aliases=tuple(spec.aliases),
+        generation=generation or getattr(spec, "generation", None) or DEFAULT_GENERATION,
+        compute_capability=(int(cc[0]), int(cc[1])) if cc else (0, 0),
+        sm_count=int(spec.sm_count),
+        memory_bytes=int(spec.memory_bytes),
         memory_bandwidth=float(spec.memory_bandwidth),
         fp32_flops=fp32,
         fp64_flops=own("fp64_flops", fp32 / 32),
@@ -552,9 +627,49 @@ def sheet_from_spec(spec: object, generation: str | None = None) -> GpuSheet:
         tf32_tensor_flops=own("tf32_tensor_flops", 0.0),
         fp16_tensor_flops=own("fp16_tensor_flops", guessed_tensor),
         bf16_tensor_flops=own("bf16_tensor_flops", 0.0),
-        pcie_gen=int(getattr(spec, "pcie_gen", None) or 4),
-        host_link_bandwidth_pinned=float(getattr(spec, "host_link_bandwidth_pinned", _LINK[4] * 0.8)),
-        host_link_bandwidth_pageable=float(getattr(spec, "host_link_bandwidth_pageable", _PAGEABLE_GEN4PLUS)),
+        pcie_gen=int(getattr(spec, "pcie_gen", None) or DEFAULT_PCIE_GEN),
+        host_link_bandwidth_pinned=float(spec.host_link_bandwidth_pinned),
+        host_link_bandwidth_pageable=float(spec.host_link_bandwidth_pageable),
         nvlink_bandwidth=own("nvlink_bandwidth", 0.0),
         source=getattr(spec, "source", "") or "built from a GpuSpec (not in the datasheet table)",
     )
+
+
+# ---------------------------------------------------------------------- generations
+def donor_chain(generation: str | None) -> tuple[str, ...]:
+    """Whose calibrated curves and measurements a GPU of ``generation`` takes, nearest first
+    (:data:`DONORS`; an unknown generation takes :data:`DEFAULT_GENERATION`'s)."""
+    return DONORS.get(generation or DEFAULT_GENERATION, DONORS[DEFAULT_GENERATION])
+
+
+def generation_capability(generation: str) -> tuple[int, int] | None:
+    """The compute capability most sheets of ``generation`` have (Ampere: 8.0, the A100's;
+    Ada 8.9), or None for a generation the table does not have."""
+    seen: dict[tuple[int, int], int] = {}
+    for s in GPUS:
+        if s.generation == generation:
+            seen[s.compute_capability] = seen.get(s.compute_capability, 0) + 1
+    return max(seen, key=lambda cc: (seen[cc], cc)) if seen else None
+
+
+def first_generation_with(unit: str) -> str:
+    """The oldest generation with a sheet that has ``unit`` (a rate field of :class:`GpuSheet`
+    such as ``"tf32_tensor_flops"``): GPUs of older generations have none."""
+    return min((s.generation for s in GPUS if getattr(s, unit) > 0), key=GENERATIONS.index)
+
+
+def compute_capability(gpu: GpuFacts) -> tuple[int, int]:
+    """(major, minor) of a GPU: its own (``gpemu.db.GpuSpec.compute_capability``), else that of
+    the sheet its name or an alias names, else its generation's usual one, else
+    :data:`DEFAULT_GENERATION`'s (the generation it is priced as)."""
+    own = getattr(gpu, "compute_capability", None)
+    if own:
+        return int(own[0]), int(own[1])
+    sheet = _table_sheet(gpu)
+    if sheet is not None:
+        return sheet.compute_capability
+    for generation in (getattr(gpu, "generation", None), DEFAULT_GENERATION):
+        usual = generation_capability(generation) if generation else None
+        if usual is not None:
+            return usual
+    raise LookupError(f"the GPU table has no {DEFAULT_GENERATION} GPU to take the compute capability of")

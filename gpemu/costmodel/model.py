@@ -13,7 +13,7 @@ kernel at stride > 1), and the pass (``.fwd`` / ``.bwd``) — and of its GPU's g
 calibrated per generation against the peak the database's
 measurements ran at (``path``: ``simt`` FP32, ``tensor`` for the A100's TF32 convolutions,
 ``memory`` for bandwidth-bound classes). A request is served by the first generation in the GPU's
-donor chain (:data:`gpemu.costmodel.gpus.DONORS`) that has a curve of that key *on the path the
+donor chain (:func:`gpemu.costmodel.gpus.donor_chain`) that has a curve of that key *on the path the
 op runs on*, with the requesting GPU's own peaks and SM count; this is how a datasheet-only GPU
 (H100, L4, ...) and fp16/bf16 tensor-core work (calibrated only on the A100) get numbers. A curve
 carried to another generation's GPU prices it against that GPU's peaks scaled by what the two SM
@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from . import curve as C
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
-from .gpus import DONORS, GpuSheet, gpu_sheet
+from .curve import Curve, kernel_arrays, kernel_seconds, queue_arrays, queue_seconds
+from .gpus import GpuSheet, donor_chain, gpu_sheet
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
 from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, carried_share, tensor_plateau
 from .table import CLASSES, DTYPES, OpTable
@@ -183,7 +183,7 @@ class StepSeconds:
 
 @dataclass(frozen=True)
 class _Resolved:
-    curve: C.Curve
+    curve: Curve
     generation: str
 
 
@@ -194,7 +194,7 @@ class _Priced:
     supplied the curve. Peak and bandwidth are the GPU's datasheet figures, scaled by
     :func:`~gpemu.costmodel.published.carried_share` when the curve is another generation's."""
 
-    curve: C.Curve
+    curve: Curve
     peak: float
     floor: bool
     generation: str
@@ -210,10 +210,10 @@ class CostModel:
 
     def __init__(self, params: Mapping[str, Any]) -> None:
         self.params = dict(params)
-        self.generations: dict[str, dict[str, C.Curve]] = {}
+        self.generations: dict[str, dict[str, Curve]] = {}
         for gen, g in params.get("generations", {}).items():
             self.generations[gen] = {
-                k: C.Curve(e=v["e"], x0=v["x0"], p=v["p"], h=v["h"], k0=v.get("k0", 0.0), path=v.get("path", "simt"))
+                k: Curve(e=v["e"], x0=v["x0"], p=v["p"], h=v["h"], k0=v.get("k0", 0.0), path=v.get("path", "simt"))
                 for k, v in g["curves"].items()
             }
         self._memo: dict[tuple, _Resolved] = {}
@@ -241,7 +241,7 @@ class CostModel:
         if hit is not None:
             return hit
         base, _, phase = key.partition(".")
-        chain = DONORS.get(gpu.generation, DONORS["ampere"])
+        chain = donor_chain(gpu.generation)
         other = "fwd" if phase == "bwd" else "bwd"
         bases = (
             (base,)
@@ -321,7 +321,7 @@ class CostModel:
         else:
             work = op.nbytes * scale
             z = op.flops / work if op.op_class in INTENSITY_CLASSES and work > 0 else 0.0
-        g = C.kernel_seconds(work, pr.peak, sheet.sm_count, pr.curve, z)
+        g = kernel_seconds(work, pr.peak, sheet.sm_count, pr.curve, z)
         if pr.floor:
             g = max(g, float(floor_seconds(op.nbytes * scale, pr.bandwidth)))
         return pr.curve.h, g
@@ -348,7 +348,7 @@ class CostModel:
         """Seconds of a sequence of ops issued one after another (a forward or a backward pass):
         host and GPU time overlapped as a queue (:func:`~gpemu.costmodel.curve.queue_seconds`)."""
         sheet = gpu_sheet(gpu)
-        return C.queue_seconds(self._price(o, sheet, precision) for o in ops if o.op_class is not OpClass.FREE)
+        return queue_seconds(self._price(o, sheet, precision) for o in ops if o.op_class is not OpClass.FREE)
 
     # ------------------------------------------------------------------ many ops
     def table_terms(self, table: OpTable, gpu: str | GpuSheet | Any, precision: Precision = FP32) -> dict[str, Any]:
@@ -409,7 +409,7 @@ class CostModel:
         :meth:`table_terms` to price many batch sizes without resolving curves again)."""
         tm = terms if terms is not None else self.table_terms(table, gpu, precision)
         work, z = work_and_shape(table, batch, tm["is_comp"], tm["has_depth"], tm["intensity"], tm["scale"])
-        g = C.kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], z, grads=False)[0]
+        g = kernel_arrays(work, tm["peak"], tm["sms"], tm["le"], tm["lx0"], tm["p"], tm["lk0"], z, grads=False)[0]
         fl = tm["floor"]
         if fl.any():
             g[fl] = np.maximum(g[fl], floor_seconds(table.nbytes(batch)[fl] * tm["scale"][fl], tm["bw"][fl]))
@@ -432,7 +432,7 @@ class CostModel:
         seg = table.model.astype(np.int64) * 2 + table.backward.astype(np.int64)
         starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
         seg_id = np.cumsum(np.r_[False, seg[1:] != seg[:-1]])
-        t = C.queue_arrays(tm["h"], g, starts, seg_id, grads=False)[0]
+        t = queue_arrays(tm["h"], g, starts, seg_id, grads=False)[0]
         out = np.zeros(n_models * 2)
         out[seg[starts]] = t
         return out.reshape(n_models, 2)
@@ -518,7 +518,7 @@ _MIX_GROUPS = {
 }
 
 
-def tensor_from_simt(curve: C.Curve, sheet: GpuSheet, peak: float) -> C.Curve:
+def tensor_from_simt(curve: Curve, sheet: GpuSheet, peak: float) -> Curve:
     """A tensor-core curve (against ``peak``) for work of which only a SIMT curve (against the FP32
     rate) was calibrated. The kernel keeps its standing relative to a large GEMM on the same units:
     its plateau is ``e`` x the tensor-core GEMM plateau of the generation (published) / the SIMT

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .classify import OpClass, OpFeatures, classify
 
-__all__ = ["OpRecorder", "StepOps", "record_step", "to_meta"]
+__all__ = ["OpRecorder", "StepOps", "record_step"]
 
 
 class OpRecorder(TorchDispatchMode):
@@ -75,13 +75,6 @@ class StepOps:
     forward: list[OpFeatures] = field(default_factory=list)
     loss: list[OpFeatures] = field(default_factory=list)
     backward: list[OpFeatures] = field(default_factory=list)
-
-
-def to_meta(x: Any) -> Any:
-    """A meta tensor with ``x``'s shape, dtype and ``requires_grad``; anything else unchanged."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta", requires_grad=x.requires_grad)
-    return x
 
 
 def _sum_loss(out: Any) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from .meeting import lockstep, tensor_bytes
 from .run_parts import RunParts
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import VirtualStream
+    from ..time import VirtualStream
 
 __all__ = ["EmulatedReducer", "GradientBucket", "MeasuredComm"]
 
