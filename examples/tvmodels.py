@@ -616,7 +616,7 @@ class ShuffleNetV2(nn.Module):
         )
         cin = cout
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        stages = zip(("stage2", "stage3", "stage4"), stages_repeats, stages_out_channels[1:], strict=True)
+        stages = zip(("stage2", "stage3", "stage4"), stages_repeats, stages_out_channels[1:4], strict=True)
         for name, repeats, cout in stages:
             units = [_ShuffleUnit(cin, cout, 2)] + [_ShuffleUnit(cout, cout, 1) for _ in range(repeats - 1)]
             setattr(self, name, nn.Sequential(*units))
