@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 SECRET = "s3cr3t-pw"
 UNREACHABLE_PG = f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/x"
 

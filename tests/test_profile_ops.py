@@ -139,6 +139,7 @@ def _worst_refit_errors(rows, curves, shipped, sheet) -> Worst:
     return Worst(worst_far, worst_noisy)
 
 
+@pytest.mark.slow
 def test_closed_loop_recovers_the_cost_models_v100_curves(db_copy: str) -> None:
     report = _profile("V100", db_copy)
     sheet = gpu_sheet("V100")
@@ -258,6 +259,7 @@ def test_sweep_kernels_are_one_op_of_their_key() -> None:
         ops.parse_classes(["gemmm"])
 
 
+@pytest.mark.subprocess
 def test_cli_without_a_gpu_is_one_clear_line(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("gpemu")
     out = subprocess.run(
@@ -284,6 +286,7 @@ def test_cli_help_and_usage_errors() -> None:
     assert r.exit_code == 2 and "go with --ops" in r.output
 
 
+@pytest.mark.slow
 def test_calibration_survives_a_rebuild_of_the_default_database(tmp_path: Path) -> None:
     from gpemu.db.build import ensure_default_db, make_engine, sqlite_url
 
