@@ -5,7 +5,7 @@ Every test session builds the default profile database once, in its own data dir
 started by tests (``gpemu run``) find the same database.
 
 Markers (registered in setup.cfg) set the slow real-component tests apart, so a developer can run
-the fast unit tests alone (README, "Tests"). This file keeps them honest: a test that starts a
+the fast unit tests alone (README, "Developing"). This file keeps them honest: a test that starts a
 child process (a broker, ``gpemu run``, torchrun, a spawned rank, a DataLoader worker, ...) without
 one of the CHILD_MARKERS fails at teardown, saying so.
 """
@@ -16,6 +16,7 @@ import os
 import resource
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import pytest
@@ -91,8 +92,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, None]:
-    outcome = yield
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield  # pluggy's Result: the report made by pytest
     before = item.stash.get(_BEFORE, None)
     if call.when != "teardown" or before is None:
         return
@@ -100,7 +101,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     item.config.stash.setdefault(_SPAWNED, []).append(item.nodeid)
     marked = CHILD_MARKERS & {m.name for m in item.iter_markers()}
-    report = outcome.get_result()  # type: ignore[attr-defined]
+    report = outcome.get_result()
     if not marked and report.passed:
         report.outcome = "failed"
         report.longrepr = (
