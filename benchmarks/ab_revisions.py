@@ -26,9 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine import machine
-
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, machine
 
 
 def stage(rev: str, into: Path) -> Path:

@@ -38,20 +38,17 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from _common import machine, progress_bar  # (puts the repository on sys.path)
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from machine import machine  # noqa: E402  (CPU model, cores, load average now)
-
-import gpemu  # noqa: E402
-from examples import tvmodels  # noqa: E402
-from gpemu import costs  # noqa: E402
-from gpemu.clock import VirtualClock  # noqa: E402
-from gpemu.identify import identify  # noqa: E402
+import gpemu
+from examples import tvmodels
+from gpemu import costs
+from gpemu.clock import VirtualClock
+from gpemu.identify import identify
 
 BATCHES = (16, 32, 64, 128, 256)
 
@@ -79,12 +76,51 @@ def step(model: nn.Module, host_batch: torch.Tensor) -> None:
     torch.cuda.synchronize()
 
 
+class BatchResult(NamedTuple):
+    """One batch size of one (GPU, model): emulated and target seconds per iteration."""
+
+    batch: int
+    emulated: float  # NaN: out of emulated GPU memory
+    target: float
+    stand_in: bool  # run as a stand-in module with a configured model name
+    idle: float  # GPU idle seconds per iteration waiting for the host
+
+
+class Case(NamedTuple):
+    """One measured (GPU, model, batch size) of a pass, with its relative error."""
+
+    gpu: str
+    model: str
+    batch: int
+    emulated: float
+    target: float
+    stand_in: bool
+    error: float
+
+
+class PassResult(NamedTuple):
+    """A pass's cases, the combinations that ran out of emulated memory, and each case's GPU idle
+    time (waiting for the host) as a share of its target."""
+
+    cases: list[Case]
+    oom: list[str]
+    idles: list[float]
+
+
+class Combo(NamedTuple):
+    """What a pass runs for one (GPU, model): the batch sizes, in run order."""
+
+    gpu: str
+    model: str
+    batches: list[int]
+
+
 def run_combo(
     gpu: str, model_name: str, batches: list[int], virtual: bool, inputs: dict[int, torch.Tensor], iterations: int
-) -> list[tuple[int, float, float, bool]]:
-    """Returns (batch, emulated seconds/iteration, target seconds, stand-in?) per batch size."""
+) -> list[BatchResult]:
+    """Emulated and target time per batch size of ``batches``."""
     module, standin = build(model_name)
-    out = []
+    out: list[BatchResult] = []
     with gpemu.emulate(
         gpu=gpu, model=model_name if standin else None, summary=False, clock=VirtualClock() if virtual else None
     ) as rt:
@@ -112,7 +148,7 @@ def run_combo(
                 # The emulated GPU's memory is tracked: a batch the card cannot hold fails as on
                 # the real card (the database's figures for it are the authors' fill-ins).
                 model.zero_grad(set_to_none=True)
-                out.append((bs, float("nan"), target, standin, 0.0))
+                out.append(BatchResult(bs, float("nan"), target, standin, 0.0))
                 continue
             clock = engine.clock.now if virtual else time.perf_counter
             first = len(rt.recorder.spans)
@@ -124,7 +160,7 @@ def run_combo(
             # work yet (its own Python time after a blocking copy, before the forward's enqueue).
             spans = sorted(rt.recorder.spans[first:], key=lambda sp: sp.start)
             idle = sum(max(0.0, b.start - a.end) for a, b in zip(spans, spans[1:], strict=False)) / iterations
-            out.append((bs, elapsed, target, standin, idle))
+            out.append(BatchResult(bs, elapsed, target, standin, idle))
     return out
 
 
@@ -134,31 +170,7 @@ def stats(errors: list[float]) -> str:
     return f"n={len(a)}  mean |error| {100 * sum(a) / len(a):.3f}%  p99 {100 * p99:.3f}%  worst {100 * a[-1]:.3f}%"
 
 
-def progress_bar():
-    """A rich progress bar on stderr (removed when done, so the printed figures stay clean)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[now]}"),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="real-clock pass on a stratified subset (default)")
@@ -178,7 +190,71 @@ def main() -> None:
     )
     p.add_argument("--models", default=None, help="comma-separated subset of models (default: all)")
     p.add_argument("--show-worst", type=int, default=8)
-    a = p.parse_args()
+    return p
+
+
+def plan_pass(gpus: list[str], models: list[str], quick: bool) -> list[Combo]:
+    """Every (GPU, model) at every batch size, or with ``quick`` 6 models per GPU spread over the
+    list, one batch size each, rotating."""
+    plan = []
+    for gi, gpu in enumerate(gpus):
+        chosen = models
+        if quick:
+            step_ = max(1, len(models) // 6)
+            chosen = models[gi % step_ :: step_][:6]
+        for mi, name in enumerate(chosen):
+            plan.append(Combo(gpu, name, [BATCHES[(gi + mi) % len(BATCHES)]] if quick else list(BATCHES)))
+    return plan
+
+
+def run_pass(
+    title: str, plan: list[Combo], virtual: bool, inputs: dict[int, torch.Tensor], iterations: int
+) -> PassResult:
+    cases: list[Case] = []
+    oom: list[str] = []
+    idles: list[float] = []
+    with progress_bar(now_field=True) as progress:
+        task = progress.add_task(title, total=sum(len(c.batches) for c in plan), now="")
+        for combo in plan:
+            progress.update(task, now=f"{combo.gpu}/{combo.model}")
+            for r in run_combo(combo.gpu, combo.model, combo.batches, virtual, inputs, 1 if virtual else iterations):
+                progress.advance(task)
+                if r.emulated != r.emulated:
+                    oom.append(f"{combo.gpu}/{combo.model}/bs{r.batch}")
+                    continue
+                idles.append(r.idle / r.target)
+                error = (r.emulated - r.target) / r.target
+                cases.append(Case(combo.gpu, combo.model, r.batch, r.emulated, r.target, r.stand_in, error))
+    return PassResult(cases, oom, idles)
+
+
+def report_pass(title: str, took: float, result: PassResult, worst: int) -> None:
+    cases, oom, idles = result
+    print(f"\n== {title}: {stats([c.error for c in cases])}  ({took:.1f} s wall; machine: {machine()})")
+    if oom:
+        print(f"   skipped, out of emulated GPU memory ({len(oom)}): {', '.join(oom)}")
+    for tag, sel in (
+        ("identified by structure", [c for c in cases if not c.stand_in]),
+        ("configured stand-ins *", [c for c in cases if c.stand_in]),
+    ):
+        if sel:
+            print(f"   {tag:26} {stats([c.error for c in sel])}")
+    mean_signed = sum(c.error for c in cases) / len(cases)
+    print(
+        f"   mean signed error {100 * mean_signed:+.3f}% (positive: emulation slower than the real GPU); "
+        f"GPU idle waiting for the host inside iterations: mean {100 * sum(idles) / len(idles):.3f}% "
+        f"of the target"
+    )
+    print(f"   worst {worst}:")
+    for c in sorted(cases, key=lambda c: -abs(c.error))[:worst]:
+        print(
+            f"     {c.gpu:8} {c.model + ('*' if c.stand_in else ''):20} bs{c.batch:<4} emulated "
+            f"{1e3 * c.emulated:9.2f} ms  target {1e3 * c.target:9.2f} ms  {100 * c.error:+.3f}%"
+        )
+
+
+def main() -> None:
+    a = _parser().parse_args()
 
     from gpemu.config import EmuConfig
     from gpemu.db import open_profile_db
@@ -196,60 +272,17 @@ def main() -> None:
         f"{', '.join(standins) or 'none'}"
     )
 
-    passes = [] if a.real_only else [("virtual clock, all combinations", True, None)]
+    passes = [] if a.real_only else [("virtual clock, all combinations", True, False)]
     if not a.virtual_only:
         if a.full:
-            passes.append(("real clock, all combinations", False, None))
+            passes.append(("real clock, all combinations", False, False))
         else:
-            passes.append(("real clock, stratified subset (--quick)", False, "quick"))
+            passes.append(("real clock, stratified subset (--quick)", False, True))
 
-    for title, virtual, subset in passes:
+    for title, virtual, quick in passes:
         started = time.perf_counter()
-        rows: list = []
-        oom: list[str] = []
-        idles: list[float] = []
-        plan = []  # (gpu, model, batch sizes) in run order
-        for gi, gpu in enumerate(gpus):
-            chosen = models
-            if subset == "quick":  # 6 models per GPU spread over the list, batch sizes rotating
-                step_ = max(1, len(models) // 6)
-                chosen = models[gi % step_ :: step_][:6]
-            for mi, name in enumerate(chosen):
-                plan.append((gpu, name, list(BATCHES) if subset is None else [BATCHES[(gi + mi) % len(BATCHES)]]))
-        with progress_bar() as progress:
-            task = progress.add_task(title, total=sum(len(b) for _, _, b in plan), now="")
-            for gpu, name, batches in plan:
-                progress.update(task, now=f"{gpu}/{name}")
-                iters = 1 if virtual else a.iterations
-                for bs, emu, target, standin, idle in run_combo(gpu, name, batches, virtual, inputs, iters):
-                    progress.advance(task)
-                    if emu != emu:
-                        oom.append(f"{gpu}/{name}/bs{bs}")
-                        continue
-                    idles.append(idle / target)
-                    rows.append((gpu, name, bs, emu, target, standin, (emu - target) / target))
-        took = time.perf_counter() - started
-        print(f"\n== {title}: {stats([r[-1] for r in rows])}  ({took:.1f} s wall; machine: {machine()})")
-        if oom:
-            print(f"   skipped, out of emulated GPU memory ({len(oom)}): {', '.join(oom)}")
-        for tag, sel in (
-            ("identified by structure", [r for r in rows if not r[5]]),
-            ("configured stand-ins *", [r for r in rows if r[5]]),
-        ):
-            if sel:
-                print(f"   {tag:26} {stats([r[-1] for r in sel])}")
-        mean_signed = sum(r[-1] for r in rows) / len(rows)
-        print(
-            f"   mean signed error {100 * mean_signed:+.3f}% (positive: emulation slower than the real GPU); "
-            f"GPU idle waiting for the host inside iterations: mean {100 * sum(idles) / len(idles):.3f}% "
-            f"of the target"
-        )
-        print(f"   worst {a.show_worst}:")
-        for gpu, name, bs, emu, target, standin, err in sorted(rows, key=lambda r: -abs(r[-1]))[: a.show_worst]:
-            print(
-                f"     {gpu:8} {name + ('*' if standin else ''):20} bs{bs:<4} emulated {1e3 * emu:9.2f} ms  "
-                f"target {1e3 * target:9.2f} ms  {100 * err:+.3f}%"
-            )
+        result = run_pass(title, plan_pass(gpus, models, quick), virtual, inputs, a.iterations)
+        report_pass(title, time.perf_counter() - started, result, a.show_worst)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,22 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "compat"))
-import scenarios  # noqa: E402
-from machine import machine  # noqa: E402
+from _common import machine  # (puts the repository on sys.path)
+
+from tests.compat import scenarios
+
+HEADER = (
+    "client",
+    "scenario",
+    "GPU",
+    "works",
+    "wall ms/step",
+    "GPU ms/step",
+    "host/GPU",
+    "provenance",
+    "expected",
+    "run s",
+)
 
 
 def torch_build(python: str) -> str:
@@ -38,51 +51,31 @@ def torch_build(python: str) -> str:
     return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated scenario names")
     p.add_argument("--python", default=sys.executable, help="interpreter (its torch) that runs the scenarios")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--keep", default="", help="run in this folder and keep each run's output and metrics")
-    args = p.parse_args()
+    return p
+
+
+def run_scenario(s: scenarios.Scenario, base: Path, python: str) -> list[dict]:
+    """Runs one scenario under ``gpemu run`` (its output kept in ``base/<name>``): a row per case."""
+    t0 = time.perf_counter()
     try:
-        chosen = (
-            [scenarios.by_name(n) for n in args.only.split(",")]
-            if args.only
-            else [s for s in scenarios.SCENARIOS if s.matrix]
-        )
-    except KeyError as exc:
-        p.error(f"--only: {exc.args[0]}")
-    print(f"# torch {torch_build(args.python)}; python {platform.python_version()}; {machine()}", flush=True)
-    header = (
-        "client",
-        "scenario",
-        "GPU",
-        "works",
-        "wall ms/step",
-        "GPU ms/step",
-        "host/GPU",
-        "provenance",
-        "expected",
-        "run s",
-    )
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header), flush=True)
+        result = scenarios.run(s, base / s.name, python)
+    except subprocess.TimeoutExpired:
+        result = None
+    if result is not None:
+        (base / s.name / "output.txt").write_text(result.output)
+    gpu_ms = result.gpu_ms_per_step() if result else None
     rows = []
-    base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="compat-matrix-"))
-    for s in chosen:
-        t0 = time.perf_counter()
-        try:
-            result = scenarios.run(s, base / s.name, args.python)
-        except subprocess.TimeoutExpired:
-            result = None
-        if result is not None:
-            (base / s.name / "output.txt").write_text(result.output)
-        gpu_ms = result.gpu_ms_per_step() if result else None
-        for case in s.cases:
-            steps, wall_ms = result.cases.get(case.name, (None, None)) if result else (None, None)
-            works = bool(result and result.returncode == 0 and steps == case.steps)
-            row = {
+    for case in s.cases:
+        steps, wall_ms = result.cases.get(case.name, (None, None)) if result else (None, None)
+        works = bool(result and result.returncode == 0 and steps == case.steps)
+        rows.append(
+            {
                 "client": case.client,
                 "scenario": s.name,
                 "case": case.name,
@@ -97,27 +90,48 @@ def main() -> None:
                 "run_s": round(time.perf_counter() - t0, 1),
                 "error": None if works else (result.output[-1500:] if result else "timeout"),
             }
+        )
+    return rows
+
+
+def table_line(row: dict) -> str:
+    """One row of the markdown table (HEADER's columns)."""
+    wall_ms, gpu_ms = row["wall_ms_per_step"], row["gpu_ms_per_step"]
+    cells = [
+        row["client"],
+        row["scenario"],
+        row["gpu"],
+        "yes" if row["works"] else "NO",
+        f"{wall_ms:.1f}" if wall_ms is not None else "-",
+        f"{gpu_ms:.1f}" if gpu_ms is not None else "(with the others)",
+        f"{wall_ms / gpu_ms:.2f}" if wall_ms and gpu_ms else "-",
+        str(row["provenance"]),
+        row["expected"],
+        f"{row['run_s']:.0f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    p = _parser()
+    args = p.parse_args()
+    try:
+        chosen = (
+            [scenarios.by_name(n) for n in args.only.split(",")]
+            if args.only
+            else [s for s in scenarios.SCENARIOS if s.matrix]
+        )
+    except KeyError as exc:
+        p.error(f"--only: {exc.args[0]}")
+    print(f"# torch {torch_build(args.python)}; python {platform.python_version()}; {machine()}", flush=True)
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER), flush=True)
+    rows = []
+    base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="compat-matrix-"))
+    for s in chosen:
+        for row in run_scenario(s, base, args.python):
             rows.append(row)
-            ratio = f"{wall_ms / row['gpu_ms_per_step']:.2f}" if wall_ms and row["gpu_ms_per_step"] else "-"
-            print(
-                "| "
-                + " | ".join(
-                    [
-                        row["client"],
-                        s.name,
-                        row["gpu"],
-                        "yes" if works else "NO",
-                        f"{wall_ms:.1f}" if wall_ms is not None else "-",
-                        f"{row['gpu_ms_per_step']:.1f}" if row["gpu_ms_per_step"] is not None else "(with the others)",
-                        ratio,
-                        str(row["provenance"]),
-                        s.provenance,
-                        f"{row['run_s']:.0f}",
-                    ]
-                )
-                + " |",
-                flush=True,
-            )
+            print(table_line(row), flush=True)
     for row in rows:
         if not row["works"]:
             print(f"\n## {row['scenario']} / {row['case']} failed:\n{row['error']}")

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import machine  # (puts the repository on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from examples import tvmodels
 
 
 def main() -> None:
@@ -40,8 +39,6 @@ def main() -> None:
     if args.autograd_edges:
         autograd_edges(args.autograd_edges)
         return
-
-    import tvmodels
 
     import gpemu
     from gpemu import device as tensor
@@ -78,6 +75,7 @@ def main() -> None:
     print(
         f"model={args.model} batch={args.batch} gpu={args.gpu} replay={not args.no_replay} optimizer={args.optimizer}"
     )
+    print(f"machine: {machine()}")
     print(f"first iteration (recording) host time: {host[0] * 1e3:.1f} ms")
     print(
         f"steady host time per iteration: median {statistics.median(steady) * 1e3:.2f} ms, "

@@ -46,7 +46,7 @@ import gc
 import random
 import time
 
-from machine import machine
+from _common import machine
 
 from gpemu.clock import RealClock
 from gpemu.recorder import Recorder
@@ -233,7 +233,7 @@ def run_instrumented(
     }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=10_000)
     p.add_argument("--fwd-ms", type=float, default=0.8)
@@ -258,6 +258,61 @@ def main() -> None:
         help="engine return_allowance in us (default: calibrated; 0 = the old engine behaviour)",
     )
     p.add_argument("--no-instrumented", action="store_true", help="headline pass only")
+    return p
+
+
+def print_headline(k: int, r: dict) -> None:
+    """The headline pass of one --sync-every value: the figure, and what it is made of."""
+    print(
+        f"  sync every {k:3d}: sum of targets {r['target_s']:.4f} s, elapsed {r['elapsed_s']:.4f} s, "
+        f"error {r['error_pct']:+.4f}% ({r['late_per_iter_us']:+.2f} us/iteration)  "
+        f"[target |error| <= 0.1%: {'met' if abs(r['error_pct']) <= 0.1 else 'NOT met'}]",
+        flush=True,
+    )
+    err_ms = 1e3 * (r["elapsed_s"] - r["target_s"])
+    print(
+        f"      error {err_ms:+.2f} ms = GPU idle gaps {1e3 * r['gaps_s']:.2f} ms (median {r['gap_median_us']:.1f} "
+        f"us, {r['gaps_over_1ms']} over 1 ms, longest {r['gap_max_ms']:.1f} ms) + last wake-up late "
+        f"{1e3 * r['final_late_s']:.3f} ms + first enqueue {1e3 * r['first_start_s']:.3f} ms; "
+        f"allowance {1e6 * r['allowance_s'][1]:.2f} us per long wait "
+        f"({1e6 * r['allowance_s'][0]:.2f} short), wake-up lateness forgiven "
+        f"{1e3 * r['forgiven_s']:.1f} ms; full garbage collections in the loop: {r['gc_full']} "
+        f"({1e3 * r['gc_full_s']:.1f} ms)",
+        flush=True,
+    )
+    # Diagnostic only (not the figure): a gap over 1 ms is the whole process held (preempted by
+    # another process on this shared machine, or a garbage collection), which would idle a
+    # real GPU too.
+    print(
+        f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (process held: preemption, GC) "
+        f"the error would be {100 * (r['elapsed_s'] - r['target_s'] - r['big_gaps_s']) / r['target_s']:+.4f}%",
+        flush=True,
+    )
+
+
+def print_instrumented(m: dict) -> None:
+    """The instrumented pass: the old definition, and the host time after each sync split in parts."""
+    print(
+        f"      instrumented pass (marks in the loop; old definition): error {m['error_pct']:+.4f}% "
+        f"({m['late_per_iter_us']:+.2f} us/iteration), GPU idle gaps {1e3 * m['gaps_s']:.2f} ms "
+        f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited; without its "
+        f"{m['big_gaps']} gap(s) over 1 ms: "
+        f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%; full garbage "
+        f"collections in the loop: {m['gc_full']} ({1e3 * m['gc_full_s']:.1f} ms))",
+        flush=True,
+    )
+    print(
+        f"      raw host time after those syncs: emulator return path {1e3 * m['return_s']:.2f} ms "
+        f"(median {m['return_med_us']:.2f} us), loop's own Python {1e3 * m['loop_s']:.2f} ms "
+        f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
+        f"(median {m['entry_med_us']:.2f} us); return+entry median {m['path_med_us']:.2f} us vs "
+        f"long-wait allowance {1e6 * m['allowance_s'][1]:.2f} us",
+        flush=True,
+    )
+
+
+def main() -> None:
+    p = _parser()
     a = p.parse_args()
     if a.iterations < 1 or a.fwd_ms < 0 or a.bwd_ms < 0:
         p.error("iterations must be >= 1 and times >= 0")
@@ -272,51 +327,11 @@ def main() -> None:
     for k in (int(v) for v in a.sync_every.split(",")):
         plan = make_plan(a.iterations, a.fwd_ms, a.bwd_ms, a.jitter, a.seed, k)
         r = run_headline(plan, a.host_work_ms, allowance)
-        print(
-            f"  sync every {k:3d}: sum of targets {r['target_s']:.4f} s, elapsed {r['elapsed_s']:.4f} s, "
-            f"error {r['error_pct']:+.4f}% ({r['late_per_iter_us']:+.2f} us/iteration)  "
-            f"[target |error| <= 0.1%: {'met' if abs(r['error_pct']) <= 0.1 else 'NOT met'}]",
-            flush=True,
-        )
-        err_ms = 1e3 * (r["elapsed_s"] - r["target_s"])
-        print(
-            f"      error {err_ms:+.2f} ms = GPU idle gaps {1e3 * r['gaps_s']:.2f} ms (median {r['gap_median_us']:.1f} "
-            f"us, {r['gaps_over_1ms']} over 1 ms, longest {r['gap_max_ms']:.1f} ms) + last wake-up late "
-            f"{1e3 * r['final_late_s']:.3f} ms + first enqueue {1e3 * r['first_start_s']:.3f} ms; "
-            f"allowance {1e6 * r['allowance_s'][1]:.2f} us per long wait "
-            f"({1e6 * r['allowance_s'][0]:.2f} short), wake-up lateness forgiven "
-            f"{1e3 * r['forgiven_s']:.1f} ms; full garbage collections in the loop: {r['gc_full']} "
-            f"({1e3 * r['gc_full_s']:.1f} ms)",
-            flush=True,
-        )
-        # Diagnostic only (not the figure): a gap over 1 ms is the whole process held (preempted by
-        # another process on this shared machine, or a garbage collection), which would idle a
-        # real GPU too.
-        print(
-            f"      diagnostic: without the {r['gaps_over_1ms']} gap(s) over 1 ms (process held: preemption, GC) "
-            f"the error would be {100 * (r['elapsed_s'] - r['target_s'] - r['big_gaps_s']) / r['target_s']:+.4f}%",
-            flush=True,
-        )
+        print_headline(k, r)
         if a.no_instrumented:
             continue
         m = run_instrumented(plan, a.host_work_ms, allowance)
-        print(
-            f"      instrumented pass (marks in the loop; old definition): error {m['error_pct']:+.4f}% "
-            f"({m['late_per_iter_us']:+.2f} us/iteration), GPU idle gaps {1e3 * m['gaps_s']:.2f} ms "
-            f"({1e3 * m['gaps_after_sync_s']:.2f} ms after the {m['syncs']} syncs that waited; without its "
-            f"{m['big_gaps']} gap(s) over 1 ms: "
-            f"{100 * (m['elapsed_s'] - m['target_s'] - m['big_gaps_s']) / m['target_s']:+.4f}%; full garbage "
-            f"collections in the loop: {m['gc_full']} ({1e3 * m['gc_full_s']:.1f} ms))",
-            flush=True,
-        )
-        print(
-            f"      raw host time after those syncs: emulator return path {1e3 * m['return_s']:.2f} ms "
-            f"(median {m['return_med_us']:.2f} us), loop's own Python {1e3 * m['loop_s']:.2f} ms "
-            f"(median {m['loop_med_us']:.2f} us), emulator entry path {1e3 * m['entry_s']:.2f} ms "
-            f"(median {m['entry_med_us']:.2f} us); return+entry median {m['path_med_us']:.2f} us vs "
-            f"long-wait allowance {1e6 * m['allowance_s'][1]:.2f} us",
-            flush=True,
-        )
+        print_instrumented(m)
     print(
         f"  machine: {machine()}; what remains with a sync every "
         f"iteration is the loop's own time between a sync's return and its next enqueue (a real program pays "

@@ -39,13 +39,13 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, NamedTuple  # noqa: E402
 
 import numpy as np  # noqa: E402
-from machine import machine  # noqa: E402
+from _common import machine, progress_bar  # noqa: E402  (puts the repository on sys.path)
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if TYPE_CHECKING:
+    from gpemu.profiler.costfit import FitData
 
 FAMILIES = (
     ("alexnet", "AlexNet"),
@@ -68,29 +68,6 @@ def family(name: str) -> str:
         if name.startswith(prefix):
             return label
     return name
-
-
-def progress_bar():
-    """A rich progress bar on stderr, removed when done (the printed figures stay clean)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description:<44}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
 
 
 def pct(x: float) -> str:
@@ -422,8 +399,18 @@ def shipped_fits(params: dict) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+class Fits(NamedTuple):
+    """What the tables are made of: the data, the full fits and the cross-validations."""
+
+    data: FitData
+    full: dict  # generation -> GenFit, fitted on every model
+    lomo: dict[str, np.ndarray]  # GPU -> leave-one-model-out predictions
+    logo: dict  # GPU -> {"op model", "transfer", "donor"}: leave-one-GPU-out
+    before: dict[str, np.ndarray] | None  # --before: today's estimator's predictions
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--before", action="store_true", help="also today's estimator (gpemu.costs.estimate_module)")
     ap.add_argument("--no-cache", action="store_true", help="recompute op lists, LOMO and --before figures")
     ap.add_argument(
@@ -433,21 +420,16 @@ def main() -> int:
         "python -m gpemu.profiler.costfit wrote from the same fit; ~10 min on 2 cores)",
     )
     ap.add_argument("--worst", type=int, default=10, help="worst cases listed per table (default 10)")
-    args = ap.parse_args()
-    print(f"machine: {machine()}")
-    import torch
+    return ap
 
-    import gpemu
+
+def cross_validate(args: argparse.Namespace, db, data_version: str) -> Fits:
+    """Records the op lists, fits (or reads the shipped fits), and runs LOMO, LOGO and --before,
+    with a progress bar."""
     from gpemu.costmodel.model import CostModel
-    from gpemu.db import open_profile_db
     from gpemu.profiler import costfit as F
-    from gpemu.profiler.costdata import cache_dir
 
-    print(f"torch {torch.__version__}, numpy {np.__version__}; cache {cache_dir()}")
-    db = open_profile_db(gpemu.EmuConfig.from_env())
-    meta = db.meta()
-    started = time.perf_counter()
-    with progress_bar() as pb:
+    with progress_bar(description_width=44) as pb:
         t_rec = pb.add_task("op lists (meta device, cached)", total=None)
         data = F.FitData.build(db, progress=lambda n: pb.update(t_rec, description=f"recording {n}"))
         pb.update(t_rec, total=1, completed=1)
@@ -466,39 +448,37 @@ def main() -> int:
             pb.update(t_cv, description=f"LOMO {short(g)} {n}")
             pb.advance(t_cv)
 
-        lomo = F.lomo(data, full, progress=lomo_progress, cache=None if args.no_cache else meta.get("data_version", ""))
+        lomo = F.lomo(data, full, progress=lomo_progress, cache=None if args.no_cache else data_version)
         logo = F.logo(data, full)
         before = before_predictions(data, db, list(data.gpus), not args.no_cache, pb) if args.before else None
-    took = time.perf_counter() - started
-    print(
-        f"database: {meta.get('source', '')} (data {meta.get('data_version', '')}); "
-        f"{len(data.names)} models x {len(data.gpus)} GPUs x batch {', '.join(map(str, F.EVAL_BATCHES))} "
-        f"= {len(data.names) * len(data.gpus) * len(F.EVAL_BATCHES)} cases; {took:.0f} s"
-    )
+    return Fits(data, full, lomo, logo, before)
 
+
+def report(fits: Fits, worst: int) -> None:
+    """The tables: in sample, LOMO, LOGO (op model and transfer), and the notes that go with them."""
+    from gpemu.costmodel.model import CostModel
+    from gpemu.profiler import costfit as F
+
+    data, full, lomo, logo, before = fits
     shipped = CostModel.load()
     in_sample = {g: F.predict(shipped, data, g, list(range(len(data.names)))) for g in data.gpus}
     table("shipped parameters, in sample (fitted on every model; for reference)", data, in_sample, None)
     table("leave-one-model-out: each model priced by curves fitted without it", data, lomo, before)
-    worst_cases("leave-one-model-out", data, lomo, args.worst)
+    worst_cases("leave-one-model-out", data, lomo, worst)
     by_family("leave-one-model-out", data, lomo, before)
     donors = {g: f"<- {short(v['donor'])}" for g, v in logo.items()}
+    op_model = {g: v["op model"] for g, v in logo.items()}
     table(
         "leave-one-GPU-out, op model: each GPU from its datasheet + the donor generation's curves",
         data,
-        {g: v["op model"] for g, v in logo.items()},
+        op_model,
         None,
         donors,
     )
-    no_a100 = {g: v["op model"] for g, v in logo.items() if "A100" not in g}
-    print(
-        "   "
-        + row(
-            "all but A100 (see note)",
-            F.summary(np.stack([F.errors(p, data.measured_eval[g]) for g, p in no_a100.items()])),
-        )
-    )
-    worst_cases("leave-one-GPU-out, op model", data, {g: v["op model"] for g, v in logo.items()}, args.worst)
+    no_a100 = {g: p for g, p in op_model.items() if "A100" not in g}
+    errors = np.stack([F.errors(p, data.measured_eval[g]) for g, p in no_a100.items()])
+    print("   " + row("all but A100 (see note)", F.summary(errors)))
+    worst_cases("leave-one-GPU-out, op model", data, op_model, worst)
     table(
         "leave-one-GPU-out, transfer: the model's time measured on the donor GPU x the op model's ratio",
         data,
@@ -508,7 +488,7 @@ def main() -> int:
     )
     logo_analysis(data, full, logo)
     if before:
-        worst_cases("today's estimator (estimate_module)", data, before, args.worst)
+        worst_cases("today's estimator (estimate_module)", data, before, worst)
     print(
         "\nnote: LOGO for the A100 has no donor with tensor-core measurements (every other measured GPU ran "
         "fp32 on SIMT units), so its TF32 convolutions take the donor's SIMT curves carried to tensor cores "
@@ -520,6 +500,31 @@ def main() -> int:
             "note: --before's efficiency is calibrated on each GPU's own database models at batch 64 "
             "(the held-out model included), so it is not a leave-one-out figure; it is what gpemu does today."
         )
+
+
+def main() -> int:
+    args = _parser().parse_args()
+    print(f"machine: {machine()}")
+    import torch
+
+    import gpemu
+    from gpemu.db import open_profile_db
+    from gpemu.profiler import costfit as F
+    from gpemu.profiler.costdata import cache_dir
+
+    print(f"torch {torch.__version__}, numpy {np.__version__}; cache {cache_dir()}")
+    db = open_profile_db(gpemu.EmuConfig.from_env())
+    meta = db.meta()
+    started = time.perf_counter()
+    fits = cross_validate(args, db, meta.get("data_version", ""))
+    took = time.perf_counter() - started
+    names, gpus = fits.data.names, fits.data.gpus
+    print(
+        f"database: {meta.get('source', '')} (data {meta.get('data_version', '')}); "
+        f"{len(names)} models x {len(gpus)} GPUs x batch {', '.join(map(str, F.EVAL_BATCHES))} "
+        f"= {len(names) * len(gpus) * len(F.EVAL_BATCHES)} cases; {took:.0f} s"
+    )
+    report(fits, args.worst)
     return 0
 
 

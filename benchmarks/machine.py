@@ -7,8 +7,8 @@ another. So the line also carries the CPU's family / model numbers, its clock, a
 fixed reference loop of interpreter work (:func:`reference_loop_ms`): a host time divided by it
 is comparable across machines, to first order.
 
-Imported by the scripts in this folder as ``from machine import machine`` (a script's own
-folder is first on ``sys.path``)."""
+The scripts in this folder import it through their shared helpers: ``from _common import machine``.
+"""
 
 from __future__ import annotations
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
-from pathlib import Path
 
+import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from examples import tvmodels
 
 DEFAULT = "resnet50:32,resnet50:128,resnet18:64,alexnet:128,vgg16:32,mobilenet_v2:64"
 
@@ -27,7 +26,6 @@ def main() -> None:
     ap.add_argument("--gpu", default="V100")
     ap.add_argument("--cases", default=DEFAULT)
     args = ap.parse_args()
-    import tvmodels
 
     import gpemu
     from gpemu.clock import VirtualClock

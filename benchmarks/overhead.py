@@ -52,20 +52,16 @@ import gc
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from _common import machine, reference_loop_ms  # (puts the repository on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from machine import machine, reference_loop_ms  # noqa: E402
-
-import gpemu  # noqa: E402
-from examples import tvmodels  # noqa: E402
-from gpemu.clock import VirtualClock  # noqa: E402
+import gpemu
+from examples import tvmodels
+from gpemu.clock import VirtualClock
 
 DEFAULT_MODELS = (
     "alexnet",
@@ -234,8 +230,18 @@ def _main_real(models: list[str], batches: list[int], iterations: int) -> None:
     print(f"machine after: {machine()}")
 
 
-def main() -> None:
-    global TRANSFORMER_BATCH
+class Row(NamedTuple):
+    """One emulated case of the table: host time as a share of the emulated step."""
+
+    share: float
+    gpu: str
+    model: str
+    batch: int
+    host: float  # median host seconds per iteration
+    emulated: float  # emulated GPU seconds per iteration
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="V100,A100")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
@@ -268,6 +274,95 @@ def main() -> None:
         default=TRANSFORMER_BATCH,
         help="gpt2_small's batch (sequences of 1024 tokens; --batches is for the other models)",
     )
+    return p
+
+
+def cases(a: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(GPU, model, batch) of every case, in run order."""
+    batches = [int(b) for b in a.batches.split(",")]
+    return [(gpu, name, bs) for gpu in a.gpus.split(",") for name in a.models.split(",") for bs in batches]
+
+
+def _main_compare(a: argparse.Namespace) -> None:
+    """--compare-grad-reuse / --compare-hub: blocks of 5 iterations with and without, interleaved."""
+    what = "reuse" if a.compare_grad_reuse else "hub"
+    print(f"{'gpu':6} {'model':14} {'bs':>4} {what + ' ms':>9} {'no ' + what + ' ms':>12} {'saved':>7}")
+
+    def toggle(rt: gpemu.runtime.Runtime, i: int) -> bool:
+        on = (i // 5) % 2 == 0
+        if a.compare_grad_reuse:
+            rt.replay.gradients.spare_limit = 100_000 if on else 0
+        else:
+            rt.replay.hub_after = 2 if on else -1
+        return on
+
+    for gpu, name, bs in cases(a):
+        *_, stats = measure(gpu, name, bs, a.iterations, toggle)
+        on = statistics.median(stats["host_by_mode"][True])
+        off = statistics.median(stats["host_by_mode"][False])
+        print(f"{gpu:6} {name:14} {bs:4d} {1e3 * on:9.2f} {1e3 * off:12.2f} {100 * (off - on) / off:6.0f}%", flush=True)
+
+
+def _main_emulated(a: argparse.Namespace) -> list[Row]:
+    """The table: each case's host time per iteration beside its emulated step."""
+    # no spares, no gradient sets: every backward wraps new gradients
+    tuning = {"spare_limit": 0} if a.no_grad_reuse else {}
+    print(
+        f"{'gpu':6} {'model':14} {'bs':>4} {'host ms/iter':>13} {'p90':>8} {'cpu ms/iter':>12} {'emulated ms':>12} "
+        f"{'share':>8} {'cpu share':>9}  load"
+    )
+    rows = []
+    for gpu, name, bs in cases(a):
+        try:
+            med, p90, emu, stats = measure(gpu, name, bs, a.iterations, tuning=tuning)
+        except torch.cuda.OutOfMemoryError:
+            print(f"{gpu:6} {name:14} {bs:4d}  out of memory on the emulated GPU (as on the real one)", flush=True)
+            continue
+        cpu = stats["cpu"]
+        row = Row(med / emu, gpu, name, stats["batch"], med, emu)  # (gpt2_small: --transformer-batch)
+        rows.append(row)
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(
+            f"{gpu:6} {name:14} {row.batch:4d} {1e3 * med:13.3f} {1e3 * p90:8.3f} {1e3 * cpu:12.3f} "
+            f"{1e3 * emu:12.2f} "
+            f"{100 * row.share:7.3f}% {100 * cpu / emu:8.3f}%  {load}",
+            flush=True,
+        )
+    return rows
+
+
+def _print_worst(rows: list[Row]) -> None:
+    """The worst cases at batch >= 32 against the 1% target, and how far the figure carries."""
+    worst_share = max((r.share for r in rows if r.batch >= 32 or r.model == "gpt2_small"), default=0.0)
+    big = [r for r in rows if r.batch >= 32]
+    if len(big) > 5:
+        print(
+            "worst cases at batch >= 32: "
+            + "; ".join(
+                f"{r.gpu}/{r.model}/{r.batch} {100 * r.share:.2f}% ({1e3 * r.host:.2f} of {1e3 * r.emulated:.1f} ms)"
+                for r in sorted(big, reverse=True)[:5]
+            )
+        )
+        print(f"cases at batch >= 32 within 1%: {sum(1 for r in big if r.share <= 0.01)} of {len(big)}")
+    print(
+        f"worst host share of the emulated step at batch >= 32 (and gpt2_small): {100 * worst_share:.2f}% "
+        f"(target <= 1%: {'met' if worst_share <= 0.01 else 'NOT met'}); machine: {machine()}"
+    )
+    if big:
+        # Host time in units of the machine's reference loop: comparable across machines (to first
+        # order), so a figure from a faster machine can be carried to a slower one.
+        w = max(big)
+        ref = reference_loop_ms() * 1e-3
+        print(
+            f"worst case {w.gpu}/{w.model}/{w.batch}: host {1e6 * w.host:.1f} us = {w.host / ref:.4f} reference loops; "
+            f"it stays within 1% on any machine whose reference loop takes <= "
+            f"{1e3 * 0.01 * w.emulated / (w.host / ref):.2f} ms"
+        )
+
+
+def main() -> None:
+    global TRANSFORMER_BATCH
+    p = _parser()
     a = p.parse_args()
     TRANSFORMER_BATCH = a.transformer_batch
     if a.models == "all":
@@ -282,84 +377,10 @@ def main() -> None:
         if not torch.cuda.is_available():
             p.error("--real runs the step on this machine's CUDA GPU, and torch sees none here")
         _main_real(a.models.split(","), [int(b) for b in a.batches.split(",")], a.iterations)
-        return
-    # no spares, no gradient sets: every backward wraps new gradients
-    tuning = {"spare_limit": 0} if a.no_grad_reuse else {}
-    if a.compare_grad_reuse or a.compare_hub:
-        what = "reuse" if a.compare_grad_reuse else "hub"
-        print(f"{'gpu':6} {'model':14} {'bs':>4} {what + ' ms':>9} {'no ' + what + ' ms':>12} {'saved':>7}")
-
-        def toggle(rt: gpemu.runtime.Runtime, i: int) -> bool:
-            on = (i // 5) % 2 == 0
-            if a.compare_grad_reuse:
-                rt.replay.gradients.spare_limit = 100_000 if on else 0
-            else:
-                rt.replay.hub_after = 2 if on else -1
-            return on
-
-        for gpu in a.gpus.split(","):
-            for name in a.models.split(","):
-                for bs in (int(b) for b in a.batches.split(",")):
-                    *_, stats = measure(gpu, name, bs, a.iterations, toggle)
-                    on = statistics.median(stats["host_by_mode"][True])
-                    off = statistics.median(stats["host_by_mode"][False])
-                    print(
-                        f"{gpu:6} {name:14} {bs:4d} {1e3 * on:9.2f} {1e3 * off:12.2f} {100 * (off - on) / off:6.0f}%",
-                        flush=True,
-                    )
-        return
-    print(
-        f"{'gpu':6} {'model':14} {'bs':>4} {'host ms/iter':>13} {'p90':>8} {'cpu ms/iter':>12} {'emulated ms':>12} "
-        f"{'share':>8} {'cpu share':>9}  load"
-    )
-    worst_share = 0.0
-    rows = []
-    for gpu in a.gpus.split(","):
-        for name in a.models.split(","):
-            for bs in (int(b) for b in a.batches.split(",")):
-                try:
-                    med, p90, emu, stats = measure(gpu, name, bs, a.iterations, tuning=tuning)
-                except torch.cuda.OutOfMemoryError:
-                    print(
-                        f"{gpu:6} {name:14} {bs:4d}  out of memory on the emulated GPU (as on the real one)", flush=True
-                    )
-                    continue
-                share = med / emu
-                cpu = stats["cpu"]
-                bs_run = stats["batch"]  # (gpt2_small: --transformer-batch)
-                rows.append((share, gpu, name, bs_run, med, emu))
-                if bs_run >= 32 or name == "gpt2_small":
-                    worst_share = max(worst_share, share)
-                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-                print(
-                    f"{gpu:6} {name:14} {bs_run:4d} {1e3 * med:13.3f} {1e3 * p90:8.3f} {1e3 * cpu:12.3f} "
-                    f"{1e3 * emu:12.2f} "
-                    f"{100 * share:7.3f}% {100 * cpu / emu:8.3f}%  {load}",
-                    flush=True,
-                )
-    big = [r for r in rows if r[3] >= 32]
-    if len(big) > 5:
-        print(
-            "worst cases at batch >= 32: "
-            + "; ".join(
-                f"{g}/{n}/{b} {100 * sh:.2f}% ({1e3 * m:.2f} of {1e3 * e:.1f} ms)"
-                for sh, g, n, b, m, e in sorted(big, reverse=True)[:5]
-            )
-        )
-        print(f"cases at batch >= 32 within 1%: {sum(1 for r in big if r[0] <= 0.01)} of {len(big)}")
-    print(
-        f"worst host share of the emulated step at batch >= 32 (and gpt2_small): {100 * worst_share:.2f}% "
-        f"(target <= 1%: {'met' if worst_share <= 0.01 else 'NOT met'}); machine: {machine()}"
-    )
-    if big:
-        # Host time in units of the machine's reference loop: comparable across machines (to first
-        # order), so a figure from a faster machine can be carried to a slower one.
-        sh, g, n, b, m, e = max(big)
-        ref = reference_loop_ms() * 1e-3
-        print(
-            f"worst case {g}/{n}/{b}: host {1e6 * m:.1f} us = {m / ref:.4f} reference loops; it stays within 1% "
-            f"on any machine whose reference loop takes <= {1e3 * 0.01 * e / (m / ref):.2f} ms"
-        )
+    elif a.compare_grad_reuse or a.compare_hub:
+        _main_compare(a)
+    else:
+        _print_worst(_main_emulated(a))
 
 
 if __name__ == "__main__":

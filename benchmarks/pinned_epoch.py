@@ -28,11 +28,17 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from _common import REPO  # (puts the repository on sys.path)
 from torch.utils.data import DataLoader, Dataset
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from examples.tvmodels import alexnet
+
+if TYPE_CHECKING:
+    from gpemu.runtime import Runtime
 
 
 class Images(Dataset):
@@ -69,10 +75,85 @@ class GcWatch:
             self.seconds += time.perf_counter() - self._t
 
 
-def run_one(setting: str, batches: int, workers: int, gpu_seconds: float | None) -> dict:
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    from tvmodels import alexnet
+class Epoch(NamedTuple):
+    """One epoch of the loop: batches, seconds, and seconds spent waiting for the loader."""
 
+    batches: int
+    seconds: float
+    data_wait: float
+
+
+def timed_epoch(loader: DataLoader, step: Callable[[torch.Tensor, torch.Tensor], None]) -> Epoch:
+    data_wait = 0.0
+    start = time.perf_counter()
+    it = iter(loader)
+    n = 0
+    while True:
+        t = time.perf_counter()
+        try:
+            images, target = next(it)
+        except StopIteration:
+            break
+        data_wait += time.perf_counter() - t
+        step(images, target)
+        n += 1
+    return Epoch(n, time.perf_counter() - start, data_wait)
+
+
+class EmulatedStep:
+    """The training step of the PyTorch ImageNet example, on the (emulated) GPU."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def __call__(self, images: torch.Tensor, target: torch.Tensor) -> None:
+        images = images.cuda(non_blocking=True)
+        target = target.cuda(non_blocking=True)
+        loss = self.criterion(self.model(images), target)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        loss.item()  # sync point every iteration, like the ImageNet example's meters
+
+
+class SleepingStep:
+    """The GPU work the 'on' run charged per iteration, as sleep to absolute deadlines."""
+
+    def __init__(self, gpu_seconds: float) -> None:
+        from gpemu.clock import RealClock
+
+        self.clock = RealClock()
+        self.gpu_seconds = gpu_seconds
+        self.deadline = 0.0
+
+    def __call__(self, images: torch.Tensor, target: torch.Tensor) -> None:
+        self.deadline = max(self.deadline, time.perf_counter()) + self.gpu_seconds
+        self.clock.wait_until(self.deadline)
+
+
+def emulator_figures(rt: Runtime, batches: int) -> dict:
+    """What the emulated run charged per iteration, its host waits and its pinned pool's figures."""
+    spans = list(rt.recorder.spans)
+    out: dict = {
+        "gpu_s_per_iter": sum(s.end - s.start for s in spans if not s.name.startswith("model")) / max(batches, 1),
+        "transfer_s_per_iter": sum(
+            s.end - s.start for s in spans if s.kind == "transfer" and not s.name.startswith("model")
+        )
+        / max(batches, 1),
+    }
+    waits: dict[str, float] = {}
+    for w in rt.recorder.waits:
+        waits[w.reason] = waits.get(w.reason, 0.0) + (w.end - w.start)
+    out["host_waits_s"] = waits
+    pinned = rt.pinned  # None: the pinned-memory component is not installed
+    out["pin_s"] = pinned.pin_seconds if pinned is not None else 0.0
+    out["pool"] = pinned.pool.stats().as_dict() if pinned is not None and pinned.enabled else None
+    return out
+
+
+def run_one(setting: str, batches: int, workers: int, gpu_seconds: float | None) -> dict:
     torch.set_num_threads(1)
     loader = DataLoader(
         Images(batches),
@@ -83,74 +164,32 @@ def run_one(setting: str, batches: int, workers: int, gpu_seconds: float | None)
         prefetch_factor=2 if workers else None,
     )
     rt = None
+    step: Callable[[torch.Tensor, torch.Tensor], None]
     if setting in ("on", "off"):
         import gpemu
 
         rt = gpemu.patch(gpu="P100", model="alexnet", pinned=(setting == "on"), summary=False)
-        device = "cuda"
+        step = EmulatedStep(alexnet().cuda())
     else:
-        device = "cpu"
         loader.pin_memory = False  # no accelerator: torch would warn and not pin anyway
-        from gpemu.clock import RealClock
-
-        clock = RealClock()
-    model = alexnet()
-    if device == "cuda":
-        model = model.cuda()
-    criterion = torch.nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        assert gpu_seconds is not None, "the reference run sleeps for the 'on' run's GPU time"
+        step = SleepingStep(gpu_seconds)
     watch = GcWatch()
-    data_wait = 0.0
     flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     gc.callbacks.append(watch)
-    start = time.perf_counter()
-    deadline = start
-    it = iter(loader)
-    n = 0
-    while True:
-        t = time.perf_counter()
-        try:
-            images, target = next(it)
-        except StopIteration:
-            break
-        data_wait += time.perf_counter() - t
-        if device == "cuda":
-            images = images.cuda(non_blocking=True)
-            target = target.cuda(non_blocking=True)
-            loss = criterion(model(images), target)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            loss.item()  # sync point every iteration, like the ImageNet example's meters
-        else:
-            # The GPU work the 'on' run charged per iteration, as sleep to absolute deadlines.
-            deadline = max(deadline, time.perf_counter()) + gpu_seconds
-            clock.wait_until(deadline)
-        n += 1
-    elapsed = time.perf_counter() - start
+    epoch = timed_epoch(loader, step)
     gc.callbacks.remove(watch)
     out = {
         "setting": setting,
-        "batches": n,
-        "epoch_s": elapsed,
-        "data_wait_s": data_wait,
+        "batches": epoch.batches,
+        "epoch_s": epoch.seconds,
+        "data_wait_s": epoch.data_wait,
         "gc_counts": watch.count,
         "gc_s": watch.seconds,
         "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0,
     }
     if rt is not None:
-        spans = [s for s in rt.recorder.spans]
-        out["gpu_s_per_iter"] = sum(s.end - s.start for s in spans if not s.name.startswith("model")) / max(n, 1)
-        out["transfer_s_per_iter"] = sum(
-            s.end - s.start for s in spans if s.kind == "transfer" and not s.name.startswith("model")
-        ) / max(n, 1)
-        waits: dict[str, float] = {}
-        for w in rt.recorder.waits:
-            waits[w.reason] = waits.get(w.reason, 0.0) + (w.end - w.start)
-        out["host_waits_s"] = waits
-        pinned = rt.pinned
-        out["pin_s"] = pinned.get("pin_seconds", 0.0)
-        out["pool"] = pinned["pool"].stats().as_dict() if "pool" in pinned else None
+        out.update(emulator_figures(rt, epoch.batches))
     return out
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from machine import machine
+from _common import machine
 
 
 class _Wrapper(torch.Tensor):

@@ -17,20 +17,15 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import machine  # (puts the repository on sys.path)
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from machine import machine  # noqa: E402
-
-import gpemu  # noqa: E402
-from examples import tvmodels  # noqa: E402
-from gpemu.clock import VirtualClock  # noqa: E402
+import gpemu
+from examples import tvmodels
+from gpemu.clock import VirtualClock
 
 PHASES = ("input copy", "forward", "label copy", "loss", "backward", "optimizer step", "zero_grad", "synchronize")
 

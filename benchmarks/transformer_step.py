@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from machine import machine
+from _common import machine
 
 PRECISIONS = {"fp32": None, "tf32": None, "bf16": "bfloat16", "fp16": "float16"}
 

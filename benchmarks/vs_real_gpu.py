@@ -36,19 +36,16 @@ import tempfile
 from pathlib import Path
 
 import torch
+from _common import machine  # (puts the repository on sys.path)
+from accuracy import build  # the model on uninitialised host memory, as accuracy.py builds it
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from accuracy import build  # noqa: E402  (the model on uninitialised host memory, as accuracy.py builds it)
-from machine import machine  # noqa: E402
-
-import gpemu  # noqa: E402
-from examples import tvmodels  # noqa: E402
-from gpemu.clock import VirtualClock  # noqa: E402
-from gpemu.db.build import ensure_default_db, make_engine, open_url, sqlite_url  # noqa: E402
-from gpemu.db.io import import_path  # noqa: E402
-from gpemu.db.op_measurements import read_curves, write_curves  # noqa: E402
+import gpemu
+from examples import tvmodels
+from gpemu.clock import VirtualClock
+from gpemu.db.build import ensure_default_db, make_engine, open_url, sqlite_url
+from gpemu.db.io import import_path
+from gpemu.db.op_measurements import read_curves, write_curves
 
 PHASES = ("forward", "backward", "optimizer_step")
 

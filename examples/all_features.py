@@ -63,35 +63,77 @@ class SmallConvNet(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-def train_steps(model, loader, sgd, adam, scaler, device, steps: int, first_step: int = 0) -> int:
+class Training:
+    """A model, its two optimizers (SGD for the features, Adam for the head), AMP's gradient scaler
+    and the step count: what a checkpoint saves and a resumed run loads."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.step = 0
+        self.model = model
+        self.sgd = torch.optim.SGD(model.features.parameters(), lr=0.05, momentum=0.9)
+        self.adam = torch.optim.Adam(model.head.parameters(), lr=1e-3)
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "sgd": self.sgd.state_dict(),
+            "adam": self.adam.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        self.model.load_state_dict(checkpoint["model"])
+        self.sgd.load_state_dict(checkpoint["sgd"])
+        self.adam.load_state_dict(checkpoint["adam"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        self.step = checkpoint["step"]
+
+
+def train_steps(run: Training, loader: DataLoader, device: torch.device, steps: int) -> None:
+    """Mixed-precision training steps, each timed with CUDA events."""
+    model, scaler = run.model, run.scaler
     model.train()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    step = first_step
+    last = run.step + steps
     for images, labels in loader:
-        if step >= first_step + steps:
+        if run.step >= last:
             break
         images = images.cuda(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         start.record()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = F.cross_entropy(model(images), labels)
-        sgd.zero_grad(set_to_none=True)
-        adam.zero_grad(set_to_none=True)
+        run.sgd.zero_grad(set_to_none=True)
+        run.adam.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        scaler.unscale_(sgd)
+        scaler.unscale_(run.sgd)
         nn.utils.clip_grad_norm_(model.features.parameters(), max_norm=5.0)
-        scaler.step(sgd)
-        scaler.step(adam)
+        scaler.step(run.sgd)
+        scaler.step(run.adam)
         scaler.update()
         end.record()
         end.synchronize()
         print(
-            f"step {step}: loss {loss.item():.3f}  GPU time {start.elapsed_time(end):.2f} ms  "
+            f"step {run.step}: loss {loss.item():.3f}  GPU time {start.elapsed_time(end):.2f} ms  "
             f"scale {scaler.get_scale():.0f}",
             flush=True,
         )
-        step += 1
-    return step
+        run.step += 1
+
+
+def save_and_resume(run: Training) -> Training:
+    """Saves a checkpoint and loads it onto cuda:0 into a new model and optimizers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "checkpoint.pt")
+        torch.save(run.state_dict(), path)
+        print(f"checkpoint saved at step {run.step} ({os.path.getsize(path) / 2**20:.2f} MiB)")
+        checkpoint = torch.load(path, map_location="cuda:0")
+    resumed = Training(SmallConvNet().cuda())
+    resumed.load_state_dict(checkpoint)
+    print(f"resumed from step {resumed.step} on {next(resumed.model.parameters()).device}")
+    return resumed
 
 
 def largest_batch_that_fits(model: nn.Module, device: torch.device, start_batch: int, image_size: int) -> int:
@@ -112,16 +154,7 @@ def largest_batch_that_fits(model: nn.Module, device: torch.device, start_batch:
     raise RuntimeError("not even batch 1 fits")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="training steps before the checkpoint")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--oom-batch", type=int, default=4096, help="first batch tried in the OOM probe (224x224)")
-    args = parser.parse_args()
-
-    if not torch.cuda.is_available():
-        raise SystemExit("this example needs an NVIDIA GPU (or `gpemu run --gpu V100 -- python ...`)")
+def describe_gpus() -> None:
     print(
         f"GPUs: {torch.cuda.device_count()}  "
         f"({', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))})"
@@ -136,6 +169,28 @@ def main() -> None:
         f"accelerator: {acc} (available: {torch.accelerator.is_available()}, "
         f"count: {torch.accelerator.device_count()}, current index: {torch.accelerator.current_device_index()})"
     )
+
+
+def use_second_gpu() -> None:
+    with torch.cuda.device(1):
+        x = torch.ones(1024, 1024, device="cuda")
+        y = (x @ x).sum()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated(1) / 2**20
+        print(f"second GPU: {x.device}, {allocated:.1f} MiB allocated, result on {y.device}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="training steps before the checkpoint")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--oom-batch", type=int, default=4096, help="first batch tried in the OOM probe (224x224)")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        raise SystemExit("this example needs an NVIDIA GPU (or `gpemu run --gpu V100 -- python ...`)")
+    describe_gpus()
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda:0")
@@ -144,56 +199,22 @@ def main() -> None:
     loader = DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, pin_memory=True, drop_last=True
     )
-    model = SmallConvNet().cuda()
-    sgd = torch.optim.SGD(model.features.parameters(), lr=0.05, momentum=0.9)
-    adam = torch.optim.Adam(model.head.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cuda")
-
+    run = Training(SmallConvNet().cuda())
     t0 = time.perf_counter()
-    step = train_steps(model, loader, sgd, adam, scaler, device, args.steps)
-    print(f"trained {step} steps in {time.perf_counter() - t0:.2f} s wall time")
+    train_steps(run, loader, device, args.steps)
+    print(f"trained {run.step} steps in {time.perf_counter() - t0:.2f} s wall time")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "checkpoint.pt")
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "sgd": sgd.state_dict(),
-                "adam": adam.state_dict(),
-                "scaler": scaler.state_dict(),
-                "step": step,
-            },
-            path,
-        )
-        print(f"checkpoint saved at step {step} ({os.path.getsize(path) / 2**20:.2f} MiB)")
-        checkpoint = torch.load(path, map_location="cuda:0")
-    resumed = SmallConvNet().cuda()
-    resumed.load_state_dict(checkpoint["model"])
-    sgd = torch.optim.SGD(resumed.features.parameters(), lr=0.05, momentum=0.9)
-    sgd.load_state_dict(checkpoint["sgd"])
-    adam = torch.optim.Adam(resumed.head.parameters(), lr=1e-3)
-    adam.load_state_dict(checkpoint["adam"])
-    scaler = torch.amp.GradScaler("cuda")
-    scaler.load_state_dict(checkpoint["scaler"])
-    print(f"resumed from step {checkpoint['step']} on {next(resumed.parameters()).device}")
-    train_steps(resumed, loader, sgd, adam, scaler, device, 2, first_step=checkpoint["step"])
+    resumed = save_and_resume(run)
+    train_steps(resumed, loader, device, 2)
 
-    fits = largest_batch_that_fits(resumed, device, args.oom_batch, 224)
+    fits = largest_batch_that_fits(resumed.model, device, args.oom_batch, 224)
     print(f"largest batch that fits at 224x224: {fits}")
     print(
         f"peak memory: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB allocated, "
         f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB reserved"
     )
-
     if torch.cuda.device_count() > 1:
-        with torch.cuda.device(1):
-            x = torch.ones(1024, 1024, device="cuda")
-            y = (x @ x).sum()
-            torch.cuda.synchronize()
-            print(
-                f"second GPU: {x.device}, {torch.cuda.memory_allocated(1) / 2**20:.1f} MiB allocated, "
-                f"result on {y.device}"
-            )
+        use_second_gpu()
     print("done")
 
 

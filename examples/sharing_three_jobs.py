@@ -30,11 +30,22 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
-def iteration_cost(batch_size: int) -> tuple[float, int, int]:
-    """(seconds, peak bytes, persistent bytes) of one ResNet-50 training iteration on a P100: the
-    database's forward + backward, which together are the measured loop's whole iteration."""
+class IterationCost(NamedTuple):
+    """One ResNet-50 training iteration on a P100, from the profile database."""
+
+    seconds: float
+    peak_bytes: int
+    persistent_bytes: int
+
+
+def iteration_cost(batch_size: int) -> IterationCost:
+    """The database's forward + backward, which together are the measured loop's whole iteration."""
     from gpemu.config import EmuConfig
     from gpemu.db import open_profile_db
 
@@ -45,7 +56,7 @@ def iteration_cost(batch_size: int) -> tuple[float, int, int]:
     )
     peak = int(db.lookup("P100", "resnet50", batch_size, "peak_memory").value)
     persistent = int(db.lookup("P100", "resnet50", batch_size, "persistent_memory").value)
-    return seconds, peak, persistent
+    return IterationCost(seconds, peak, persistent)
 
 
 # One emulated training job (--full): an ordinary PyTorch loop; gpemu makes it run on an emulated
@@ -130,7 +141,7 @@ def run_full_jobs(
         r.join()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--amqp", help="broker URL (default: start a private broker)")
     ap.add_argument("--spacing", type=float, default=30.0, help="seconds between job starts")
@@ -147,102 +158,96 @@ def main() -> None:
         "--full", action="store_true", help="run each job as a PyTorch training process under gpemu.patch(sharing=...)"
     )
     args = ap.parse_args()
-
-    from gpemu.integrations.sharing.client import SharingClient
-
-    seconds, peak, persistent = iteration_cost(args.batch_size)
     try:
-        durations = [float(x) for x in args.durations.split(",")]
+        args.durations = [float(x) for x in args.durations.split(",")]
     except ValueError:
         ap.error(f"--durations must be comma-separated seconds, got {args.durations!r}")
-    counts = [max(1, int(d / seconds)) for d in durations]
-    print(f"ResNet-50 bs{args.batch_size} on P100: {seconds * 1e3:.1f} ms/iteration, iterations per job: {counts}")
+    return args
 
-    broker = None
-    url = args.amqp
-    if url is None:
-        from gpemu.integrations.sharing.broker import RabbitBroker
 
-        broker = RabbitBroker.start()
-        url = broker.url
+def start_manager(url: str, policy: str) -> subprocess.Popen:
+    """The sharing manager (``gpemu share-manager``) for one P100, as its own process."""
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-    manager = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            code,
-            "share-manager",
-            "--amqp",
-            url,
-            "--device",
-            "0=P100",
-            "--policy",
-            args.policy,
-            "--log-level",
-            "warning",
-        ]
-    )
-    marks: dict[str, list[float]] = {}
-    t0 = time.monotonic() + (20.0 if args.full else 2.0)  # --full: time for the processes to start
+    argv = ["share-manager", "--amqp", url, "--device", "0=P100", "--policy", policy, "--log-level", "warning"]
+    return subprocess.Popen([sys.executable, "-c", code, *argv])
 
-    progress = progress_bar()
-    task = progress.add_task("iterations of all jobs", total=sum(counts))
 
-    def advance() -> None:
-        progress.advance(task)
+def client_job(
+    url: str,
+    name: str,
+    start_at: float,
+    iterations: int,
+    cost: IterationCost,
+    t0: float,
+    times: list[float],
+    progress: Progress,
+    task: TaskID,
+) -> None:
+    """One job driven through SharingClient: from ``start_at`` on, ask for one iteration of GPU
+    time after another, recording when each was served."""
+    from gpemu.integrations.sharing.client import SharingClient
 
-    def job(k: int) -> None:
+    while time.monotonic() < start_at:
+        time.sleep(0.01)
+    with SharingClient(url, job_id=name, persistent_bytes=cost.persistent_bytes) as c:
+        for _ in range(iterations):
+            c.run(cost.seconds, cost.peak_bytes, "iteration")
+            times.append(time.monotonic() - t0)
+            progress.advance(task)
+    progress.console.print(f"{name} finished at {time.monotonic() - t0:.1f} s", highlight=False)
+
+
+def run_client_jobs(
+    url: str,
+    counts: list[int],
+    spacing: float,
+    cost: IterationCost,
+    t0: float,
+    marks: dict[str, list[float]],
+    progress: Progress,
+    task: TaskID,
+) -> None:
+    """Every job a thread driving SharingClient (the default: no emulated PyTorch needed)."""
+    threads = []
+    for k, n in enumerate(counts):
         name = f"job{k + 1}"
-        times = marks.setdefault(name, [])
-        while time.monotonic() < t0 + k * args.spacing:
-            time.sleep(0.01)
-        with SharingClient(url, job_id=name, persistent_bytes=persistent) as c:
-            for _ in range(counts[k]):
-                c.run(seconds, peak, "iteration")
-                times.append(time.monotonic() - t0)
-                advance()
-        progress.console.print(f"{name} finished at {time.monotonic() - t0:.1f} s", highlight=False)
+        marks[name] = []
+        job_args = (url, name, t0 + k * spacing, n, cost, t0, marks[name], progress, task)
+        threads.append(threading.Thread(target=client_job, args=job_args, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)  # a timed join lets Ctrl-C through
 
-    try:
-        with progress:
-            if args.full:
-                run_full_jobs(url, counts, args.spacing, args.batch_size, t0, marks, advance)
-            else:
-                threads = [threading.Thread(target=job, args=(k,), daemon=True) for k in range(len(counts))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    while t.is_alive():
-                        t.join(0.2)  # a timed join lets Ctrl-C through
-    finally:
-        manager.terminate()
-        manager.wait(10)
-        if broker is not None:
-            broker.stop()
 
+def throughput(ts: list[float], end: float, batch_size: int, window: float = 2.0) -> tuple[list[float], list[float]]:
+    """A job's images/s in windows of ``window`` seconds, from the times its iterations ended.
+
+    Each iteration is spread over the time between its end and the previous one's (the first,
+    whose start is unknown, is left out): counting whole iteration ends per window swung by one
+    iteration (+-8% at 163 ms a window of 2 s) and drew a job above "alone"."""
+    spans = [(a, b) for a, b in zip(ts, ts[1:], strict=False) if b > a]
+    xs, ys = [], []
+    t = 0.0
+    while t < end:
+        n = sum(max(0.0, min(b, t + window) - max(a, t)) / (b - a) for a, b in spans)
+        xs.append(t + window / 2)
+        ys.append(n * batch_size / window)
+        t += window
+    return xs, ys
+
+
+def plot(marks: dict[str, list[float]], args: argparse.Namespace, seconds: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    window = 2.0
-    if not all(marks.values()):
-        sys.exit(f"a job recorded no iterations: {', '.join(n for n, ts in marks.items() if not ts)}")
     end = max(ts[-1] for ts in marks.values())
     for name, ts in marks.items():
-        # Each iteration is spread over the time between its end and the previous one's (the
-        # first, whose start is unknown, is left out): counting whole iteration ends per window
-        # swung by one iteration (+-8% at 163 ms a window of 2 s) and drew a job above "alone".
-        spans = [(a, b) for a, b in zip(ts, ts[1:], strict=False) if b > a]
-        xs, ys = [], []
-        t = 0.0
-        while t < end:
-            n = sum(max(0.0, min(b, t + window) - max(a, t)) / (b - a) for a, b in spans)
-            xs.append(t + window / 2)
-            ys.append(n * args.batch_size / window)
-            t += window
-        ax.plot(xs, ys, label=name)
+        ax.plot(*throughput(ts, end, args.batch_size), label=name)
     ax.axhline(args.batch_size / seconds, color="grey", ls=":", lw=1, label="alone")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("throughput (images/s)")
@@ -251,6 +256,45 @@ def main() -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the data, not on it
     fig.tight_layout()
     fig.savefig(args.out, dpi=150)
+
+
+def main() -> None:
+    args = parse_args()
+    cost = iteration_cost(args.batch_size)
+    counts = [max(1, int(d / cost.seconds)) for d in args.durations]
+    print(f"ResNet-50 bs{args.batch_size} on P100: {cost.seconds * 1e3:.1f} ms/iteration, iterations per job: {counts}")
+
+    broker = None
+    url = args.amqp
+    if url is None:
+        from gpemu.integrations.sharing.broker import RabbitBroker
+
+        broker = RabbitBroker.start()
+        url = broker.url
+    manager = start_manager(url, args.policy)
+    marks: dict[str, list[float]] = {}
+    t0 = time.monotonic() + (20.0 if args.full else 2.0)  # --full: time for the processes to start
+    progress = progress_bar()
+    task = progress.add_task("iterations of all jobs", total=sum(counts))
+
+    def advance() -> None:
+        progress.advance(task)
+
+    try:
+        with progress:
+            if args.full:
+                run_full_jobs(url, counts, args.spacing, args.batch_size, t0, marks, advance)
+            else:
+                run_client_jobs(url, counts, args.spacing, cost, t0, marks, progress, task)
+    finally:
+        manager.terminate()
+        manager.wait(10)
+        if broker is not None:
+            broker.stop()
+
+    if not all(marks.values()):
+        sys.exit(f"a job recorded no iterations: {', '.join(n for n, ts in marks.items() if not ts)}")
+    plot(marks, args, cost.seconds)
     print(f"figure written to {args.out}")
 
 

@@ -60,6 +60,7 @@ def _attention(gpu: str, dtype: torch.dtype, backend=None) -> tuple[int, float, 
         gpemu.unpatch()
 
 
+@pytest.mark.slow
 def test_a_flash_kernel_keeps_no_scores_and_the_math_path_does():
     flash_peak, fwd, bwd, grads = _attention("A100", torch.float16)
     out_bytes = 8 * 12 * 1024 * 64 * 2
@@ -74,6 +75,7 @@ def test_a_flash_kernel_keeps_no_scores_and_the_math_path_does():
     assert forced > 8 * 12 * 1024 * 1024 * 2
 
 
+@pytest.mark.slow
 def test_tensor_cores_make_half_precision_attention_faster():
     _, fwd16, bwd16, _ = _attention("A100", torch.float16)
     _, fwd32, bwd32, _ = _attention("A100", torch.float32)  # the memory-efficient kernel, no tensor cores

@@ -59,6 +59,7 @@ def test_gpus_lists_measured_and_datasheet_gpus(runner):
     assert "H100 datasheet" in data["H100"]["source"]
 
 
+@pytest.mark.slow
 def test_show_datasheet_gpu_says_what_is_measured_and_what_is_scaled(runner):
     """A datasheet-only GPU: forward/backward scaled from the reference GPU with the cost model's
     ±, the other kinds labelled as the reference GPU's measurements."""
@@ -110,6 +111,7 @@ def test_show_provenance_beyond_and_between(runner, tmp_path):
     assert "extrapolated" in table
 
 
+@pytest.mark.subprocess
 def test_unknown_gpu_is_one_line_suggesting_v100():
     res = _gpemu("show", "resnet50", "--gpu", "V1000", "--batch-size", "128")
     assert res.returncode == 2
@@ -123,6 +125,7 @@ def test_bad_batch_size_is_refused(runner, bad):
     assert res.exit_code == 2 and "batch-size" in res.output
 
 
+@pytest.mark.slow
 def test_db_path_init_export_import_with_db_url(runner, tmp_path):
     default = runner.invoke(cli, ["db", "path"])
     # (its first line: a second one says when the default database is not built yet, which
@@ -159,6 +162,7 @@ def test_db_path_init_export_import_with_db_url(runner, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_db_import_reports_rejected_rows_and_fails(runner, tmp_path):
     src = tmp_path / "mine.csv"
     src.write_text(
@@ -175,6 +179,7 @@ def test_db_import_reports_rejected_rows_and_fails(runner, tmp_path):
     assert "mine.csv:4: value must be a finite number >= 0" in res.stderr
 
 
+@pytest.mark.subprocess
 def test_gpemu_db_env_var_is_honoured(tmp_path):
     url = f"sqlite:///{tmp_path / 'env.sqlite'}"
     res = _gpemu("gpus", "--json", env={"GPEMU_DB": url})
@@ -183,6 +188,7 @@ def test_gpemu_db_env_var_is_honoured(tmp_path):
     assert res.returncode == 2 and "gpemu db init" in res.stderr
 
 
+@pytest.mark.slow
 def test_show_lists_ddp_iterations_per_world_size(runner, tmp_path):
     url = f"sqlite:///{tmp_path / 'ddp.sqlite'}"
     src = tmp_path / "base.json"

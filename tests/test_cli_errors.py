@@ -9,7 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 SECRET = "s3cr3t-pw"
+UNREACHABLE_PG = f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/x"
 
 # One interpreter runs every case (imports once): main() per argv, stderr captured per case.
 DRIVER = r"""
@@ -43,10 +48,9 @@ def _run_all(cases: list[list[str]], tmp_path: Path) -> list[tuple[object, str, 
     return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
-def test_every_subcommand_fails_in_one_clear_line(tmp_path):
-    corrupt = tmp_path / "corrupt.sqlite"
-    corrupt.write_bytes(b"this is not a SQLite database" * 50)
-    good = f"sqlite:///{tmp_path / 'good.sqlite'}"
+def _write_bad_files(tmp_path: Path) -> None:
+    """A corrupt SQLite file and export files each wrong in one way, in ``tmp_path``."""
+    (tmp_path / "corrupt.sqlite").write_bytes(b"this is not a SQLite database" * 50)
     files = {
         "measurements-list.json": json.dumps(
             {"format": "gpemu-profile-db", "schema_version": 1, "measurements": [1, 2]}
@@ -58,48 +62,39 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    unreachable_pg = f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/x"
-    cases = {  # argv -> what the one line must say
-        ("gpus", "--db", unreachable_pg): "Connection refused",
+
+
+def _database_cases(tmp_path: Path, good: str) -> dict[tuple[str, ...], str]:
+    """The database subcommands and --db (argv -> what the one line must say)."""
+    corrupt = f"sqlite:///{tmp_path / 'corrupt.sqlite'}"
+    return {
+        ("gpus", "--db", UNREACHABLE_PG): "Connection refused",
         ("models", "--db", f"nosuchdialect://u:{SECRET}@h/x"): "--db takes a SQLAlchemy URL",
         ("show", "resnet50", "--gpu", "V100", "-b", "8", "--db", f"postgresql://u:{SECRET}@[::1"): "--db takes",
-        ("db", "init", "--db", f"sqlite:///{corrupt}"): "not an intact SQLite database",
-        ("db", "export", str(tmp_path / "out.json"), "--db", f"sqlite:///{corrupt}"): "not an intact SQLite",
+        ("db", "init", "--db", corrupt): "not an intact SQLite database",
+        ("db", "export", str(tmp_path / "out.json"), "--db", corrupt): "not an intact SQLite",
         ("db", "import", str(tmp_path / "measurements-list.json"), "--db", good): '"measurements" must be an object',
         ("db", "import", str(tmp_path / "models-int.json"), "--db", good): '"models" must be a list of objects',
         ("db", "import", str(tmp_path / "deep.json"), "--db", good): "nests JSON arrays or objects too deeply",
-        (
-            "db",
-            "import",
-            str(tmp_path / "future.json"),
-            "--db",
-            good,
-        ): "schema_version 99; it was written by a newer gpemu",
+        ("db", "import", str(tmp_path / "future.json"), "--db", good): (
+            "schema_version 99; it was written by a newer gpemu"
+        ),
         ("db", "import", str(tmp_path / "wide.csv"), "--db", good): "no field longer than 128 KiB",
         ("db", "export", "/proc/no/such/dir/x.json", "--db", good): "/proc/no",
         ("db", "path", "--db", "not a url"): "is not a SQLAlchemy URL",
+    }
+
+
+def _run_and_gpus_cases(tmp_path: Path, good: str) -> dict[tuple[str, ...], str]:
+    """``gpemu run`` and ``gpemu gpus add`` (argv -> what the one line must say)."""
+    gpu_sheet = ("--generation", "ampere", "--sms", "8", "--memory-gb", "8", "--bandwidth-gbs", "100")
+    return {
         ("run", "--gpus", "two", "--", "python", "-c", "1"): "unknown GPU 'two'; valid GPUs: K80, M40, P100, V100",
         ("run", "--gpu", "H900", "--", "python", "-c", "1"): "B200; add one from its datasheet with `gpemu gpus add` "
         "(see docs/adding.md)",
-        (
-            "gpus",
-            "add",
-            "X",
-            "--generation",
-            "ampere",
-            "--sms",
-            "8",
-            "--memory-gb",
-            "8",
-            "--bandwidth-gbs",
-            "100",
-            "--fp32-tflops",
-            "5",
-            "--pcie-gen",
-            "9",
-            "--db",
-            good,
-        ): "pcie_gen (--pcie-gen) must be a whole number from 1 to 7",
+        ("gpus", "add", "X", *gpu_sheet, "--fp32-tflops", "5", "--pcie-gen", "9", "--db", good): (
+            "pcie_gen (--pcie-gen) must be a whole number from 1 to 7"
+        ),
         (
             "gpus",
             "add",
@@ -109,14 +104,16 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
             good,
         ): "is a `gpemu db export` file: import it",
         ("gpus", "add", "--file", str(tmp_path / "nope.yaml"), "--db", good): "cannot read",
-        ("run", "--db", unreachable_pg, "--gpu", "V100", "--", "python", "-c", "1"): "postgresql+psycopg://u:***@",
-        (
-            "share-manager",
-            "--amqp",
-            f"amqp://u:{SECRET}@h:notaport/",
-            "--device",
-            "0=V100:1GiB",
-        ): "not a usable AMQP URL",
+        ("run", "--db", UNREACHABLE_PG, "--gpu", "V100", "--", "python", "-c", "1"): "postgresql+psycopg://u:***@",
+    }
+
+
+def _service_cases(tmp_path: Path) -> dict[tuple[str, ...], str]:
+    """The sharing manager, Kubernetes and profiler subcommands (argv -> what the one line must say)."""
+    return {
+        ("share-manager", "--amqp", f"amqp://u:{SECRET}@h:notaport/", "--device", "0=V100:1GiB"): (
+            "not a usable AMQP URL"
+        ),
         (
             "share-manager",
             "--amqp",
@@ -130,10 +127,16 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
         ("k8s", "devices", "create", "--gpu", "V100", "--dir", "/proc/no/such"): "/proc/no",
         ("k8s", "plugin", "--sharing", f"amqp://u:{SECRET}@h:xx/", "--device-dir", str(tmp_path)): "not a usable AMQP",
         ("k8s", "probe", "--device-plugin-dir", str(tmp_path)): "no plugin socket",
-        ("profile", "--device", "cpu", "--model", "resnet18", "--db", unreachable_pg): "Connection refused",
+        ("profile", "--device", "cpu", "--model", "resnet18", "--db", UNREACHABLE_PG): "Connection refused",
     }
+
+
+def test_every_subcommand_fails_in_one_clear_line(tmp_path):
+    _write_bad_files(tmp_path)
+    good = f"sqlite:///{tmp_path / 'good.sqlite'}"
+    cases = {**_database_cases(tmp_path, good), **_run_and_gpus_cases(tmp_path, good), **_service_cases(tmp_path)}
     results = _run_all([list(argv) for argv in cases], tmp_path)
-    for (argv, expected), (rc, err, out) in zip(cases.items(), results, strict=False):
+    for (argv, expected), (rc, err, out) in zip(cases.items(), results, strict=True):
         lines = err.strip().splitlines()
         assert rc == 2, (argv, rc, err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err[-2000:])

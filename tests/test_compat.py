@@ -20,6 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "compat"))
 import scenarios  # noqa: E402
 
+pytestmark = pytest.mark.compat
+
 pytest.importorskip("torch")
 
 SUITE = [s for s in scenarios.SCENARIOS if s.suite]

@@ -110,6 +110,7 @@ def test_shipped_row_counts_per_kind(pdb):
     assert pdb.count() == sum(pdb.count(k) for k in KINDS)
 
 
+@pytest.mark.slow
 def test_measured_values_equal_the_shipped_file(pdb):
     rows = _shipped_rows()
     rng = np.random.default_rng(0)

@@ -32,6 +32,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_concurrent_first_use_builds_once(tmp_path):
     """DataLoader workers / DDP ranks open the database at the same moment on first use."""
     data_dir = tmp_path / "data"
@@ -71,6 +72,7 @@ def _meta(path) -> dict[str, str]:
         con.close()
 
 
+@pytest.mark.slow
 def test_outdated_or_broken_database_is_rebuilt(tmp_path):
     path = ensure_default_db(tmp_path)
     assert _meta(path)["data_version"] == data_version()
@@ -90,6 +92,7 @@ def test_outdated_or_broken_database_is_rebuilt(tmp_path):
     assert db.lookup("K80", "vgg16", 32, "backward").provenance == "measured"
 
 
+@pytest.mark.slow
 def test_data_dir_with_odd_characters_is_built_once(tmp_path):
     from gpemu.db.build import _is_current
 
@@ -110,6 +113,7 @@ def test_unreadable_file_is_not_current(tmp_path):
     assert not _is_current(tmp_path / "missing.sqlite")
 
 
+@pytest.mark.slow
 def test_db_url_is_used_as_is_and_filled_on_request(tmp_path):
     url = f"sqlite:///{tmp_path / 'custom.sqlite'}"
     cfg = EmuConfig(db_url=url, data_dir=str(tmp_path / "unused"))
@@ -197,6 +201,7 @@ def _gpemu(*args: str, data_dir) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.subprocess
 def test_upgrade_keeps_imported_and_profiled_rows_and_says_so(tmp_path):
     """Import rows, change data_version (what every upgrade does), run any command: still there."""
     data = tmp_path / "data"
@@ -230,6 +235,7 @@ def test_upgrade_keeps_imported_and_profiled_rows_and_says_so(tmp_path):
     assert again.returncode == 0 and "rebuilt" not in again.stderr and "RTX3090" in again.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["DROP TABLE meta", "UPDATE meta SET value='0' WHERE key='schema_version'"])
 def test_unreadable_meta_or_other_schema_rebuilds_without_losing_rows(tmp_path, damage):
     path = ensure_default_db(tmp_path)
@@ -250,6 +256,7 @@ def test_unreadable_meta_or_other_schema_rebuilds_without_losing_rows(tmp_path, 
     assert _meta(path)["schema_version"] == "2"
 
 
+@pytest.mark.slow
 def test_a_file_that_is_not_a_database_is_kept_aside_and_reported(tmp_path, capsys):
     path = default_db_path(tmp_path)
     path.write_bytes(b"SQLite format 3\x00 but then garbage" * 100)
@@ -261,6 +268,7 @@ def test_a_file_that_is_not_a_database_is_kept_aside_and_reported(tmp_path, caps
     assert open_profile_db(EmuConfig(data_dir=str(tmp_path))).count() == open_profile_db(EmuConfig.from_env()).count()
 
 
+@pytest.mark.slow
 def test_changed_shipped_gpu_is_replaced_and_named(tmp_path, capsys):
     path = ensure_default_db(tmp_path)
     con = sqlite3.connect(path)
@@ -324,6 +332,7 @@ def test_schema_1_database_at_a_url_is_upgraded_in_place_keeping_its_rows(tmp_pa
     assert again.gpu("NEW").compute_capability == (8, 9) and again.gpu("OLD").name == "Old Card"
 
 
+@pytest.mark.slow
 def test_rebuild_keeps_a_user_gpu_whose_alias_now_names_a_shipped_one_and_says_so(tmp_path, capsys):
     """Your own "H100" from before gpemu shipped one: kept under its name; the alias now means
     the shipped GPU, and the rebuild says so."""

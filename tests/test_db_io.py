@@ -27,6 +27,7 @@ def fresh(tmp_path):
     db.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["json", "csv"])
 def test_round_trip_into_empty_database_reproduces_every_row(pdb, fresh, tmp_path, fmt):
     out = tmp_path / ("subset.json" if fmt == "json" else "subset_csv")
@@ -50,6 +51,7 @@ def test_round_trip_into_empty_database_reproduces_every_row(pdb, fresh, tmp_pat
     assert (fresh.distribution("norm-ffcv") == pdb.distribution("norm-ffcv")).all()
 
 
+@pytest.mark.slow
 def test_reimport_is_idempotent(pdb, fresh, tmp_path):
     out = tmp_path / "subset.json"
     export_db(pdb, out, gpus=["A100"], models=["vgg16"])
@@ -252,6 +254,7 @@ def test_export_carries_a_gpus_own_calibration(fresh, tmp_path, fmt):
     target.close()
 
 
+@pytest.mark.slow
 def test_export_of_some_gpus_carries_only_their_calibration(pdb, fresh, tmp_path):
     export_db(pdb, tmp_path / "v100.json", gpus=["V100"], models=["alexnet"])
     import_path(fresh, tmp_path / "v100.json")

@@ -21,6 +21,8 @@ from gpemu.db.build import open_url
 from gpemu.db.io import export_db, import_path
 from gpemu.db.schema import SCHEMA_VERSION
 
+pytestmark = pytest.mark.postgres
+
 pytest.importorskip("psycopg")
 
 

@@ -247,6 +247,7 @@ def _more_collectives(rt, rank: int, model, ddp, opt) -> dict:  # noqa: ANN001
     return out
 
 
+@pytest.mark.torchrun
 def test_ddp_two_real_gloo_processes(tmp_path: Path, _gpemu_data_dir: Path) -> None:
     import torch.multiprocessing as mp
 

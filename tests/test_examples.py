@@ -32,6 +32,7 @@ def test_examples_do_not_import_gpemu() -> None:
         assert not re.search(r"^\s*(import|from)\s+gpemu", text, re.M), script
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_all_features(gpus: str, tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
@@ -55,6 +56,7 @@ def test_all_features(gpus: str, tmp_path: Path) -> None:
         assert json.loads(metrics.read_text())
 
 
+@pytest.mark.subprocess
 def test_imagenet_classifier_uses_measured_resnet50_times() -> None:
     proc = _gpemu_run(
         ["--gpu", "V100", "--no-summary"],
@@ -65,12 +67,15 @@ def test_imagenet_classifier_uses_measured_resnet50_times() -> None:
     assert "measured" in proc.stderr  # GPU time came from the profile database
 
 
+@pytest.mark.subprocess
 def test_language_model() -> None:
     proc = _gpemu_run(["--gpu", "A100", "--no-summary"], ["python", "language_model.py", "--steps", "3"])
     assert re.search(r"GPT with [\d.]+M parameters on NVIDIA A100", proc.stdout)
     assert len(re.findall(r"step \d: loss \d+\.\d{3}", proc.stdout)) == 3
 
 
+@pytest.mark.torchrun
+@pytest.mark.subprocess
 def test_ddp_under_torchrun() -> None:
     proc = _gpemu_run(
         ["--gpu", "V100", "--gpus", "2", "--no-summary"],
@@ -82,6 +87,7 @@ def test_ddp_under_torchrun() -> None:
     assert "world 2: 2 steps" in out and "128 samples" in out
 
 
+@pytest.mark.subprocess
 def test_gpu_preprocessing_under_gpemu_run() -> None:
     """The example that uses gpemu's own API runs under `gpemu run` too (on the run's GPU)."""
     proc = _gpemu_run(["--gpu", "A100"], ["python", "gpu_preprocessing.py", "--batches", "4"])

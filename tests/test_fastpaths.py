@@ -155,6 +155,7 @@ def test_walk_cache_sees_new_submodules_training_flags_and_hooks(rt) -> None:
     assert calls == [1]  # hooks force the op-by-op path
 
 
+@pytest.mark.slow
 def test_grouped_gradient_memory_freed_with_the_gradients(rt) -> None:
     model = _net()
     mem = rt.memory[0]

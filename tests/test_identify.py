@@ -36,6 +36,7 @@ def meta_model(name: str, **kw) -> nn.Module:
         return tvmodels.MODELS[name](**kw)
 
 
+@pytest.mark.slow
 def test_tvmodels_match_torchvision_class_and_parameter_count():
     """examples/tvmodels.py builds torchvision's architectures: the class names, parameter counts and
     buffer sizes of the shipped model facts (db/data/models.csv, made with torchvision itself)."""

@@ -18,6 +18,8 @@ from kubelet_standin import KubeletStandIn  # noqa: E402
 from gpemu.k8s.devices import create_devices  # noqa: E402
 from gpemu.k8s.plugin import EmuGpuPlugin, PluginOptions  # noqa: E402
 
+pytestmark = pytest.mark.k8s
+
 SCRIPT = "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_name(0))"
 
 

@@ -23,6 +23,8 @@ from gpemu.k8s import api_pb2  # noqa: E402
 from gpemu.k8s.devices import create_devices, device_file  # noqa: E402
 from gpemu.k8s.plugin import EmuGpuPlugin, PluginConfigError, PluginOptions, load_plugin_config  # noqa: E402
 
+pytestmark = pytest.mark.k8s
+
 RES = "gpemu.io/emugpu"
 
 

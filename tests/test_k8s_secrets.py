@@ -40,6 +40,7 @@ def test_secrets_are_made_once_root_only_and_never_printed(tmp_path):
     assert not any(v.strip() in defs for v in values.values())  # salted hashes only
 
 
+@pytest.mark.broker
 def test_broker_config_boots_rabbitmq_with_the_two_users_and_no_guest(tmp_path):
     root = tmp_path / "secrets"
     ensure_secrets(root)

@@ -53,12 +53,14 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.subprocess
 def test_import_contracts_are_kept(tmp_path: Path) -> None:
     result = _lint(_stage(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
 
 
+@pytest.mark.subprocess
 def test_a_wrong_way_import_breaks_the_contracts(tmp_path: Path) -> None:
     root = _stage(tmp_path)
     engine = root / "gpemu" / "time" / "engine.py"

@@ -240,6 +240,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_gpemu_run_writes_summary_metrics_and_trace(tmp_path):
     """End to end through `gpemu run`: the unmodified script's exit prints and writes both files."""
     script = tmp_path / "train.py"

@@ -2,6 +2,8 @@
 
 import types
 
+import pytest
+
 from gpemu.patching import Patcher
 
 
@@ -64,6 +66,7 @@ def test_patching_again_with_other_settings_names_them():
     gpemu.unpatch()
 
 
+@pytest.mark.subprocess
 def test_a_script_patching_itself_under_gpemu_run_keeps_the_command_lines_run(tmp_path, capsys):
     """`gpemu run --gpu V100 -- python script.py` where the script calls gpemu.patch(...) itself
     (as examples/gpu_preprocessing.py does): the script runs on the command line's run."""

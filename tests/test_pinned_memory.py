@@ -194,6 +194,7 @@ def _run_as_nobody(body) -> dict:
     return result
 
 
+@pytest.mark.subprocess
 def test_unprivileged_user_gets_unlocked_pool_and_one_clear_warning() -> None:
     # Patch in the parent: the child (like a DataLoader worker) inherits the patched torch;
     # `nobody` could not open the root-owned test database.
@@ -229,6 +230,7 @@ def test_unprivileged_user_gets_unlocked_pool_and_one_clear_warning() -> None:
     assert "ulimit -l unlimited" in lines[0] and "CAP_IPC_LOCK" in lines[0]
 
 
+@pytest.mark.subprocess
 def test_dataloader_pin_thread_yields_pinned_batches_and_reuses_blocks() -> None:
     from torch.utils.data import DataLoader, Dataset
 

@@ -182,6 +182,7 @@ def test_cpu_memory_estimate_counts_activations_once(factories: Path) -> None:
 
 
 # ------------------------------------------------------------------ the pipeline
+@pytest.mark.subprocess
 def test_rows_metadata_and_model_info(factories: Path, db_url: str) -> None:
     assert (
         run_profile(
@@ -341,6 +342,7 @@ def _child_env(factories: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.subprocess
 def test_sigint_leaves_database_consistent_and_rerun_completes(
     factories: Path, db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -397,6 +399,7 @@ def test_sigint_leaves_database_consistent_and_rerun_completes(
     db.close()
 
 
+@pytest.mark.torchrun
 def test_ddp_iteration_times_with_gloo(factories: Path, db_url: str) -> None:
     # Real torch.distributed: two spawned ranks, gloo, DDP's all-reduce in backward.
     assert run_profile(db_url, "--model", "profmodels:small", "--batch-sizes", "2,4", "--ddp-world-sizes", "2") == 0

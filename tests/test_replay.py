@@ -178,6 +178,7 @@ def test_outermost_module_owns_forward_and_backward_time(rt):
     assert forward + backward > 0.8 * recorded_ops
 
 
+@pytest.mark.slow
 def test_replay_memory_matches_recording(rt):
     model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.Tanh()).cuda()
     mem = rt.memory[0]

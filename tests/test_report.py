@@ -155,6 +155,7 @@ def test_plot_helpers_for_long_runs(tmp_path):
     assert list(lo) == [1, 2, 2, 7] and list(hi) == [1, 5, 2, 7]
 
 
+@pytest.mark.slow
 def test_plot_a_long_run(tmp_path, capsys):
     _, path = _scripted_trace(tmp_path / "long.json", [0.0, 0.002, 0.02], 2000)
     png = tmp_path / "long.png"

@@ -74,6 +74,7 @@ def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complet
     return subprocess.run(["gpemu", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.subprocess
 def test_bootstrap_chains_an_existing_sitecustomize_and_keeps_the_exit_code(tmp_path: Path) -> None:
     own = tmp_path / "own"
     own.mkdir()
@@ -101,6 +102,7 @@ def test_bootstrap_chains_an_existing_sitecustomize_and_keeps_the_exit_code(tmp_
     assert "cuda: True 1 Tesla K80" in proc.stdout
 
 
+@pytest.mark.subprocess
 def test_bootstrap_failure_is_one_line_and_exit_2(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="1", GPEMU_GPU="Z9000")
     proc = subprocess.run(
@@ -117,6 +119,7 @@ def test_bootstrap_failure_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Fatal Python error" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_a_python_without_gpemu_is_refused_as_the_command_and_warned_about_below(tmp_path: Path) -> None:
     """`python` on PATH may not be the Python gpemu is installed in (a venv not activated): run as
     the command it would train on the CPU as if no GPU were asked for. It stops with one line
@@ -136,6 +139,7 @@ def test_a_python_without_gpemu_is_refused_as_the_command_and_warned_about_below
     assert f"[gpemu] warning: this Python ({bare}) cannot import gpemu" in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_bootstrap_does_nothing_without_enable(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(BOOTSTRAP_DIR), GPEMU_ENABLE="0", GPEMU_GPU="Z9000")
     proc = subprocess.run(
@@ -187,6 +191,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.subprocess
 def test_dataloader_workers_and_mp_spawn_children_see_the_gpus(tmp_path: Path) -> None:
     (tmp_path / "children_probe.py").write_text(CHILDREN_MODULE)
     proc = _run(["run", "--gpu", "A100", "--gpus", "2", "--no-summary", "-m", "children_probe"], cwd=tmp_path)

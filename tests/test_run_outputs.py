@@ -33,6 +33,7 @@ LONG_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
 def test_stop_signal_still_writes_summary_metrics_and_trace(signame, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
@@ -120,6 +121,7 @@ def test_a_rank_prints_one_block_of_marked_lines_for_its_own_gpu(monkeypatch, ca
     assert "placeholders" not in err  # said once, by rank 0
 
 
+@pytest.mark.subprocess
 def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
     script.write_text("def f(:\n")
@@ -132,6 +134,7 @@ def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
     assert time.monotonic() - started < 120
 
 
+@pytest.mark.subprocess
 def test_errors_are_one_line_in_logs() -> None:
     """Not a terminal (a log file, a pipe): rich must not hard-wrap the message at 80 columns."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "COLUMNS"}

@@ -71,6 +71,7 @@ def test_full_module_pickle(rt, tmp_path):
     assert loaded[1].running_mean.device.type == "cuda"
 
 
+@pytest.mark.subprocess
 def test_file_loads_without_gpemu(rt, tmp_path):
     path = _checkpoint(tmp_path)
     gpemu.unpatch()

@@ -20,6 +20,8 @@ from gpemu.integrations.sharing.client import SharingClient  # noqa: E402
 from gpemu.integrations.sharing.manager import DeviceSpec, SharingManager  # noqa: E402
 from gpemu.integrations.sharing.status import fetch_status  # noqa: E402
 
+pytestmark = pytest.mark.broker
+
 GiB = 1 << 30
 LEASE = 0.6
 

@@ -101,6 +101,7 @@ def _exercise() -> None:
     torch.cuda.nvtx.range_pop()
 
 
+@pytest.mark.slow
 def test_unpatch_restores_every_attribute() -> None:
     before = _snapshot()
     was_initialized = torch.cuda.is_initialized()
@@ -122,6 +123,7 @@ def test_unpatch_restores_every_attribute() -> None:
         torch.cuda.current_device()
 
 
+@pytest.mark.slow
 def test_patch_unpatch_twice_is_clean() -> None:
     before = _snapshot()
     for gpus in (1, 3):
