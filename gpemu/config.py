@@ -24,7 +24,15 @@ from .units import redact_url
 if TYPE_CHECKING:  # pragma: no cover
     from .clock import Clock
 
-__all__ = ["EmuConfig", "Tuning", "ConfigError", "ENV_PREFIX", "GRANULARITIES"]
+__all__ = [
+    "EmuConfig",
+    "Tuning",
+    "ConfigError",
+    "ENV_PREFIX",
+    "GRANULARITIES",
+    "amqp_url_problem",
+    "fill_amqp_password",
+]
 
 ENV_PREFIX = "GPEMU_"
 
@@ -346,3 +354,46 @@ def _coerce(name: str, value: Any) -> Any:
                 )
             return Tuning(**value)
     return value
+
+
+def fill_amqp_password(url: str, password: str | None) -> str:
+    """``url`` with ``password`` filled in when the URL names a user but no password (the URL's own
+    password wins): how a job, the share-manager and the device plugin's containers build the
+    URL they connect with from a password kept off the command line."""
+    if not password or "://" not in url:
+        return url
+    from urllib.parse import quote
+
+    scheme, rest = url.split("://", 1)
+    if "@" not in rest:
+        return url
+    creds, host = rest.rsplit("@", 1)
+    if ":" in creds:
+        return url
+    return f"{scheme}://{creds}:{quote(password, safe='')}@{host}"
+
+
+def amqp_url_problem(url: str, password: str | None = None) -> str | None:
+    """Why ``url`` (with ``password`` filled in where it names a user without one) is no URL a
+    broker connection can use, or None when it is. The reason never contains the password.
+
+    A URL that names a user but no password, with no password given, is refused here: pika's
+    parser fails on it with a TypeError that says nothing about the URL."""
+    if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
+        return "it must be an amqp:// or amqps:// URL"
+    rest = url.split("://", 1)[1]
+    creds = rest.rsplit("@", 1)[0] if "@" in rest else None
+    if creds is not None and ":" not in creds and not password:
+        return f"it names the broker user {creds!r} but no password (give the password in a file, or in the URL)"
+    full = fill_amqp_password(url, password)
+    try:
+        import pika
+
+        pika.URLParameters(full)
+    except Exception as exc:
+        text = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        secret = full.split("://", 1)[1].rsplit("@", 1)[0].partition(":")[2] if "@" in full else ""
+        for hidden in {secret, password or ""} - {""}:
+            text = text.replace(hidden, "***")
+        return text or type(exc).__name__
+    return None

@@ -119,17 +119,9 @@ def load_job_credentials(device_dir: str | os.PathLike[str] | None) -> JobCreden
 
 def with_password(url: str, password: str | None) -> str:
     """``url`` with ``password`` filled in when the URL names a user but no password."""
-    if not password or "://" not in url:
-        return url
-    from urllib.parse import quote
+    from gpemu.config import fill_amqp_password
 
-    scheme, rest = url.split("://", 1)
-    if "@" not in rest:
-        return url
-    creds, host = rest.rsplit("@", 1)
-    if ":" in creds:  # the URL's own password wins
-        return url
-    return f"{scheme}://{creds}:{quote(password, safe='')}@{host}"
+    return fill_amqp_password(url, password)
 
 
 @dataclass(frozen=True)
