@@ -245,6 +245,10 @@ class EmuConfig:
             raise ConfigError(f"tuning must be a gpemu.config.Tuning, got {type(self.tuning).__name__}")
         if self.device_gpus is not None and len(self.device_gpus) == 0:
             raise ConfigError("device_gpus, when given, must name at least one GPU")
+        if self.device_gpus is not None and len(self.device_gpus) > 64:
+            raise ConfigError(f"device_gpus names {len(self.device_gpus)} GPUs; at most 64 per process")
+        if self.data_dir is not None:
+            _expanded_dir(self.data_dir)
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
@@ -258,8 +262,14 @@ class EmuConfig:
     @property
     def default_data_dir(self) -> Path:
         if self.data_dir:
-            return Path(self.data_dir).expanduser()
-        return Path.home() / ".local" / "share" / "gpemu"
+            return _expanded_dir(self.data_dir)
+        try:
+            return Path.home() / ".local" / "share" / "gpemu"
+        except RuntimeError:  # no HOME and no passwd entry (a bare container user)
+            raise ConfigError(
+                "cannot find a home directory for the default data directory; set GPEMU_DATA_DIR "
+                "to a writable directory or GPEMU_DB to a database URL"
+            ) from None
 
     def replace(self, **changes: Any) -> EmuConfig:
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
@@ -293,6 +303,32 @@ class EmuConfig:
         return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}"
 
 
+def _expanded_dir(text: str) -> Path:
+    """``text`` as a directory path with ``~`` / ``~user`` expanded; ConfigError when that fails."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ConfigError(
+            f"data_dir {text!r} starts with a home directory that does not exist here; give an "
+            "existing path (e.g. ~/gpemu-data or /tmp/gpemu)"
+        ) from None
+
+
+def _name_list(name: str, value: str) -> tuple[str, ...] | None:
+    """A comma-separated list of names (``V100,A100``); None for an empty setting. A list with an
+    empty entry (``' , '``, ``',,,'``, ``'V100,,A100'``) is refused instead of silently dropped."""
+    if not value.strip():
+        return None
+    items = tuple(v.strip() for v in value.split(","))
+    if not all(items):
+        what = "GPU models" if name == "device_gpus" else "emuGPU ids"
+        raise ConfigError(
+            f"{name} ({_env_name(name)}) must be {what} separated by commas (e.g. V100,A100), got {value!r}, "
+            "which has an empty entry"
+        )
+    return items
+
+
 # Settings that cannot travel through the environment (objects, not text).
 _NOT_IN_ENV = frozenset(("clock",))
 
@@ -322,8 +358,7 @@ def _coerce(name: str, value: Any) -> Any:
         return bool(value)
     if name in ("device_gpus", "visible_devices"):
         if isinstance(value, str):
-            items = tuple(v.strip() for v in value.split(",") if v.strip())
-            return items or None
+            return _name_list(name, value)
         return tuple(value) if value is not None else None
     if name in ("model", "db_url", "sharing", "job_id", "metrics_path", "trace_path", "device_dir", "data_dir"):
         if isinstance(value, str):

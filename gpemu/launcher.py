@@ -37,10 +37,12 @@ def build_config(gpu: str | None = None, gpus: str | int | None = None, **settin
         text = str(gpus).strip()
         if text.lstrip("-").isdigit():
             overrides["num_gpus"] = int(text)
-        elif text:
+        elif text.replace(",", "").strip():
             overrides["device_gpus"] = text
         else:
-            raise ConfigError("--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100)")
+            raise ConfigError(
+                f"--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100), got {gpus!r}"
+            )
     config = EmuConfig.from_env(gpu=gpu, **overrides)
     if (
         (gpu is not None or "num_gpus" in overrides)
