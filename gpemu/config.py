@@ -42,6 +42,11 @@ class ConfigError(ValueError):
 
 
 _MEMORY_MODES = ("tracked", "profiled")
+# What a sharing manager accepts from a job (gpemu.integrations.sharing.protocol's MAX_BYTES,
+# MAX_ID_LEN, MIN_WEIGHT, MAX_WEIGHT; the core cannot import that plugin).
+SHARING_MAX_BYTES = 1 << 50
+SHARING_MAX_ID_LEN = 200
+SHARING_MIN_WEIGHT, SHARING_MAX_WEIGHT = 1e-3, 1e6
 # What one request to a sharing manager covers (the time engine hands work over at these points).
 GRANULARITIES = ("iteration", "sync", "forward-backward")
 _TRUE = {"1", "true", "yes", "on"}
@@ -224,23 +229,19 @@ class EmuConfig:
         if (
             not isinstance(self.sharing_weight, (int, float))
             or isinstance(self.sharing_weight, bool)
-            or not 0 < self.sharing_weight <= 1e6
+            or not SHARING_MIN_WEIGHT <= self.sharing_weight <= SHARING_MAX_WEIGHT
         ):
-            raise ConfigError(f"sharing_weight must be a number above 0 (at most 1e6), got {self.sharing_weight!r}")
+            raise ConfigError(
+                f"sharing_weight must be a number from {SHARING_MIN_WEIGHT:g} to {SHARING_MAX_WEIGHT:g}, "
+                f"got {self.sharing_weight!r}"
+            )
         if (
             not isinstance(self.sharing_lease_s, (int, float))
             or isinstance(self.sharing_lease_s, bool)
             or not 0.5 <= self.sharing_lease_s <= 3600
         ):
             raise ConfigError(f"sharing_lease_s must be seconds from 0.5 to 3600, got {self.sharing_lease_s!r}")
-        if self.sharing_persistent_bytes is not None and (
-            not isinstance(self.sharing_persistent_bytes, int)
-            or isinstance(self.sharing_persistent_bytes, bool)
-            or self.sharing_persistent_bytes < 0
-        ):
-            raise ConfigError(
-                f"sharing_persistent_bytes must be a byte count >= 0, got {self.sharing_persistent_bytes!r}"
-            )
+        self._check_sharing_ids()
         if not isinstance(self.tuning, Tuning):
             raise ConfigError(f"tuning must be a gpemu.config.Tuning, got {type(self.tuning).__name__}")
         if self.device_gpus is not None and len(self.device_gpus) == 0:
@@ -252,6 +253,25 @@ class EmuConfig:
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
+
+    def _check_sharing_ids(self) -> None:
+        """The settings a sharing manager would refuse at a job's registration, refused here
+        (bounds restated from the sharing protocol; tests/test_sharing.py checks them equal)."""
+        persistent = self.sharing_persistent_bytes
+        if persistent is not None and (
+            not isinstance(persistent, int) or isinstance(persistent, bool) or not 0 <= persistent <= SHARING_MAX_BYTES
+        ):
+            raise ConfigError(
+                f"sharing_persistent_bytes must be a byte count from 0 to {SHARING_MAX_BYTES} (1 PiB), "
+                f"got {persistent!r}"
+            )
+        ids = [("job_id", self.job_id)] + [("visible_devices", d) for d in self.visible_devices or ()]
+        for name, value in ids:
+            if value is not None and (len(value) > SHARING_MAX_ID_LEN or not value.isprintable()):
+                raise ConfigError(
+                    f"{name} must be printable text of at most {SHARING_MAX_ID_LEN} characters, got "
+                    f"{value[:40]!r}{'...' if len(value) > 40 else ''}"
+                )
 
     # ------------------------------------------------------------------ derived
     @property

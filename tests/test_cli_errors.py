@@ -156,6 +156,11 @@ def test_odd_data_dir_and_empty_gpu_lists_are_one_clear_line(tmp_path):
         ({"GPEMU_GPUS": ",,,"}, ["run", "--", "python", "-c", "1"], "has an empty entry"),
         ({}, ["run", "--gpus", " , ", "--", "python", "-c", "1"], "--gpus must be a count"),
         ({}, ["run", "--gpus", "V100,,A100", "--", "python", "-c", "1"], "has an empty entry"),
+        (
+            {"GPEMU_SHARING_PERSISTENT_BYTES": str(2**51)},
+            ["run", "--share", "amqp://guest:guest@127.0.0.1/", "--", "python", "-c", "1"],
+            "sharing_persistent_bytes must be a byte count from 0 to 1125899906842624",
+        ),
     ]
     for extra, argv, expected in cases:
         proc = subprocess.run(

@@ -139,6 +139,46 @@ def closed_loop(h: Harness, durations: dict[str, float], horizon: float, depth: 
     return served
 
 
+def _flooded_waits(policy: str, depth: int = 16, horizon: float = 20.0) -> tuple[list[float], int]:
+    """A 20 ms job (one request in flight) beside a job keeping ``depth`` legal 0.5 s requests in
+    flight, quantum 0.5 s, lookahead 10 ms: the 20 ms job's waits (queued time per request) and
+    how many requests it got served."""
+    h = Harness(policy, quantum_s=0.5, lookahead_s=0.01, lease_s=1e9)
+    h.register("flood")
+    h.register("small")
+    h.inbox.clear()
+    sent = {"small": 0.0}
+    for k in range(depth):
+        h.request("flood", f"flood-{k}", 0.5)
+    h.request("small", "small-0", 0.02)
+    waits: list[float] = []
+    counters = {"flood": depth - 1, "small": 0}
+    while h.now < horizon:
+        h.advance_to(h.core.next_deadline())
+        for job in ("flood", "small"):
+            box = h.inbox.get(job, [])
+            while box:
+                reply = box.pop(0)
+                assert reply["type"] == "done", reply
+                if job == "small":
+                    waits.append(h.now - sent["small"] - 0.02)
+                    sent["small"] = h.now
+                counters[job] += 1
+                h.request(job, f"{job}-{counters[job]}", 0.5 if job == "flood" else 0.02)
+    return waits, len(waits)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "round-robin", "weighted"])
+def test_a_job_with_many_requests_in_flight_does_not_starve_another(policy):
+    """docs/sharing.md: no job holds the emuGPU more than one quantum while others wait, under
+    every policy. A job's share of the queue must not grow with the requests it keeps in flight
+    (fifo served the flooder's 16 queued requests first: 8 s per 20 ms request)."""
+    waits, served = _flooded_waits(policy)
+    p99 = sorted(waits)[int(0.99 * (len(waits) - 1))]
+    assert p99 <= 1.5 * 0.5, f"{policy}: p99 wait {p99:.3f} s"
+    assert served >= 30  # about one per quantum of the flooder's over 20 s
+
+
 # ---------------------------------------------------------------------- policies
 def test_round_robin_gives_equal_jobs_equal_shares():
     h = Harness("round-robin")
@@ -794,3 +834,14 @@ def test_rejections_not_yet_summarised_are_logged_when_the_manager_stops(caplog)
         h.core.flush_log(5.0, final=True)  # the manager stops
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("30 more message(s) rejected in the last 4 s") for line in lines), lines[-3:]
+
+
+def test_the_config_checks_a_job_against_the_protocols_own_bounds():
+    from gpemu import config
+
+    assert (config.SHARING_MAX_BYTES, config.SHARING_MAX_ID_LEN) == (P.MAX_BYTES, P.MAX_ID_LEN)
+    assert (config.SHARING_MIN_WEIGHT, config.SHARING_MAX_WEIGHT) == (P.MIN_WEIGHT, P.MAX_WEIGHT)
+    with pytest.raises(config.ConfigError, match="sharing_persistent_bytes must be a byte count from 0"):
+        config.EmuConfig(sharing_persistent_bytes=2**51)
+    with pytest.raises(config.ConfigError, match="job_id must be printable text"):
+        config.EmuConfig(job_id="x" * 201)

@@ -944,3 +944,64 @@ def test_kubernetes_allocate_gives_each_container_credentials_that_work(broker, 
         plugin.stop()
         kubelet.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_second_manager_on_the_same_broker_refuses_in_one_line(broker, purge, tmp_path):
+    """Two managers for one emuGPU split the request queue and ran two timelines (19.9 s of GPU
+    time granted in 10.1 s): the second one now refuses, and the first serves on alone."""
+    log = tmp_path / "first.log"
+    first = start_manager_process(broker.url, log)
+    try:
+        c = client(broker.url, "solo")
+        c.register()  # the first manager answers: it holds the lease
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))",
+                "share-manager",
+                "--amqp",
+                broker.url,
+                "--device",
+                "0=P100:16GiB",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert len(lines) == 1 and "another sharing manager already serves" in lines[0], second.stderr
+        start = time.monotonic()
+        results = [c.run(0.05, GiB) for _ in range(20)]
+        wall = time.monotonic() - start
+        assert wall >= 20 * 0.05 and all(r.waited_s < 0.05 for r in results)  # one timeline, not two
+        c.close()
+        assert first.poll() is None, log.read_text()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(10)
+
+
+def test_a_rejected_request_reaches_the_job_signed_at_once(broker, purge):
+    """A request the manager rejects (1e9 s of GPU time, sent raw by a registered job) is
+    answered with a signed error the job accepts, instead of a reply dropped as forged and a
+    60 s wait; settings the manager would reject are refused when the job starts."""
+    mgr = ThreadManager(broker.url)
+    try:
+        c = client(broker.url, "raw")
+        c.register()
+        start = time.monotonic()
+        reply = c._call(
+            {"type": "request", "job_id": "raw", "request_id": "r-1e9", "device": "0", "seconds": 1e9, "peak_bytes": 0}
+        )
+        assert time.monotonic() - start < 5 and c.forged_replies == 0
+        assert reply["type"] == "error" and reply["code"] == P.ERR_BAD_MESSAGE and "seconds" in reply["reason"]
+        with pytest.raises(ValueError, match="seconds must be from 0 to 3600"):
+            c.run(1e9)
+        c.close()
+        with pytest.raises(ValueError, match="persistent_bytes must be from 0"):
+            client(broker.url, "huge", persistent_bytes=2**51)
+        assert mgr.m.core.rejected >= 1
+    finally:
+        mgr.stop()

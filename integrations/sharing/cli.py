@@ -186,7 +186,14 @@ def share_manager(
     refusing work whose memory would not fit."""
     from gpemu.cli import UserError
 
-    from .manager import DEFAULT_BACKDATE_S, DEFAULT_LOOKAHEAD_S, DEFAULT_QUANTUM_S, SharingManager, parse_device
+    from .manager import (
+        DEFAULT_BACKDATE_S,
+        DEFAULT_LOOKAHEAD_S,
+        DEFAULT_QUANTUM_S,
+        ManagerConflict,
+        SharingManager,
+        parse_device,
+    )
     from .policies import load_policy
 
     url = resolve_amqp_url(url, amqp_password, amqp_password_file, "--amqp")
@@ -236,7 +243,10 @@ def share_manager(
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: manager.stop())
-    manager.serve_forever()
+    try:
+        manager.serve_forever()
+    except ManagerConflict as exc:
+        raise UserError(str(exc)) from None
 
 
 @click.command("share-status")

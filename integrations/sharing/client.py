@@ -258,9 +258,14 @@ class SharingClient:
             raise ValueError("lease_s and manager_timeout_s must be positive seconds")
         if key is not None and (not isinstance(key, bytes) or len(key) != P.KEY_BYTES):
             raise ValueError(f"a job key must be {P.KEY_BYTES} bytes")
+        job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
+        try:  # what the manager would refuse, refused here: at start, with its reason
+            P.check_job_settings(job_id, str(device), persistent_bytes, weight)
+        except P.ProtocolError as exc:
+            raise ValueError(f"sharing job setting: {exc.reason}") from None
         self.url = url
         self.safe_url = redact_url(url)
-        self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.job_id = job_id
         self.device = str(device)
         self.persistent_bytes = int(persistent_bytes)
         self.weight = float(weight)
@@ -491,6 +496,9 @@ class SharingClient:
             self.persistent_bytes = int(persistent_bytes)  # also what a (re-)registration reports
         if not isinstance(seconds, (int, float)) or not 0 <= seconds <= P.MAX_SECONDS:
             raise ValueError(f"seconds must be from 0 to {P.MAX_SECONDS:g}, got {seconds!r}")
+        for name, value in (("peak_bytes", peak_bytes), ("persistent_bytes", persistent_bytes)):
+            if value is not None and (isinstance(value, bool) or not 0 <= int(value) <= P.MAX_BYTES):
+                raise ValueError(f"{name} must be a byte count from 0 to {P.MAX_BYTES}, got {value!r}")
         with self._lock:
             rid = uuid.uuid4().hex
             start = time.monotonic()
