@@ -72,6 +72,9 @@ def _validate(config: EmuConfig) -> None:
         db.gpu(name)  # UnknownNameError (a ValueError) suggests the close match
     if config.model:
         db.model(config.model)
+    from .run_outputs import check_output_paths
+
+    check_output_paths(config)  # before the script starts, not after hours of training
 
 
 def child_env(config: EmuConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:

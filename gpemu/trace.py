@@ -18,6 +18,7 @@ recompute the summary from the file alone (:func:`load_trace`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -161,12 +162,16 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
         },
     }
     p = Path(path)
-    if not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
-    os.replace(tmp, p)
+    try:  # a reader never sees half a file; a failed write (full disk) leaves no temporary file
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     return p
 
 

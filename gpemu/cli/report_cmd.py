@@ -91,6 +91,12 @@ def report(trace: Path, other: Path | None, plot_path: Path | None, as_json: boo
         raise click.BadParameter(
             f"the figure's file name must end in .png, .pdf or .svg, got {plot_path.name!r}", param_hint="--plot"
         )
+    if plot_path is not None:
+        from gpemu.run_outputs import unwritable_reason
+
+        reason = unwritable_reason(plot_path)
+        if reason is not None:
+            raise click.BadParameter(f"cannot write the figure to {plot_path} ({reason})", param_hint="--plot")
     records = load_trace(trace)  # TraceError (a ValueError) -> one clear line
     summary = compute_summary(records)
     if other is not None:
@@ -696,7 +702,29 @@ def plot_timeline(records: Any, summary: dict[str, Any], path: Path, bins: int =
         + (f"  ({records.config})" if records.config else ""),
         fontsize="medium",
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
     return path
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Save through a temporary file beside ``path`` (same suffix: it picks the format): a figure
+    that cannot be written leaves neither a 0-byte file nor a temporary one."""
+    import contextlib
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):
+            from gpemu.cli import UserError
+
+            raise UserError(f"cannot write the figure to {path}: {exc.strerror or exc}") from None
+        raise
