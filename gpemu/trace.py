@@ -13,7 +13,7 @@ Loads in https://ui.perfetto.dev and chrome://tracing:
 
 Times are relative to patch time. ``otherData`` holds what a summary needs besides the events
 (GPU names, counters, memory tracker peaks) and the summary itself, so ``gpemu report`` can
-recompute the summary from the file alone (:func:`load_trace`).
+recompute the summary from the file alone (:func:`gpemu.trace_reader.load_trace`).
 """
 
 from __future__ import annotations
@@ -24,19 +24,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .observe import RunRecords, Timeline, compute_summary, json_safe
-from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
+from .observe import Timeline, compute_summary, json_safe
 
-__all__ = ["write_trace", "trace_events", "load_trace", "TraceError", "TRACE_FORMAT"]
+__all__ = ["write_trace", "trace_events", "TRACE_FORMAT"]
 
 TRACE_FORMAT = "gpemu-trace/1"
 HOST_TID = 0
 IDLE_TID = 99999  # after the streams in the viewer (sort index below)
 _MiB = float(1 << 20)
-
-
-class TraceError(ValueError):
-    """A file that is not a trace written by gpemu (or is damaged)."""
 
 
 def _us(t: float, t0: float) -> float:
@@ -173,79 +168,3 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
             tmp.unlink()
         raise
     return p
-
-
-def load_trace(path: str | os.PathLike[str]) -> Any:
-    """Read a trace written by :func:`write_trace` back into :class:`gpemu.observe.RunRecords`
-    (times in seconds since patch time)."""
-
-    p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"no trace file at {str(p)!r}; write one with `gpemu run --trace trace.json -- ...`")
-    try:
-        doc = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(
-            f"{p} is not JSON ({exc}); `gpemu report` reads traces written by `gpemu run --trace FILE`"
-        ) from None
-    other = doc.get("otherData") if isinstance(doc, dict) else None
-    if (
-        not isinstance(other, dict)
-        or other.get("format") != TRACE_FORMAT
-        or not isinstance(doc.get("traceEvents"), list)
-    ):
-        raise TraceError(
-            f"{p} is not a gpemu trace (expected a JSON object with traceEvents and "
-            f"otherData.format {TRACE_FORMAT!r}); write one with `gpemu run --trace FILE`"
-        )
-    gpus = other.get("gpus")
-    if not isinstance(gpus, list) or not gpus:
-        raise TraceError(f"{p}: otherData.gpus must list the emulated GPUs")
-    rec = RunRecords(
-        gpus=[str(g) for g in gpus],
-        counters=dict(other.get("counters") or {}),
-        notes=list(other.get("notes") or []),
-        started_at=0.0,
-        ended_at=float(other.get("ended_us") or 0.0) / 1e6,
-        memory_stats=list(other.get("memory_stats") or []),
-        config=str(other.get("config") or ""),
-        models=[m for m in other.get("models") or [] if isinstance(m, dict) and "model" in m],
-    )
-    try:
-        for e in doc["traceEvents"]:
-            ph, cat = e.get("ph"), e.get("cat")
-            if ph == "M":
-                continue
-            device = int(e["pid"]) - 1
-            ts = float(e["ts"]) / 1e6
-            args = e.get("args") or {}
-            if ph == "X" and "enqueued_us" in args:
-                rec.spans.append(
-                    GpuSpan(
-                        device,
-                        int(args.get("stream", int(e["tid"]) - 1)),
-                        str(args.get("kind", cat)),
-                        str(e.get("name", "")),
-                        ts,
-                        ts + float(e.get("dur", 0)) / 1e6,
-                        float(args["enqueued_us"]) / 1e6,
-                    )
-                )
-            elif ph == "X" and cat == "host-wait":
-                rec.waits.append(
-                    HostWait(device, str(args.get("reason", e.get("name", ""))), ts, ts + float(e.get("dur", 0)) / 1e6)
-                )
-            elif ph == "i" and cat == "iteration":
-                rec.iterations.append(IterationMark(device, ts, int(args.get("index", 0))))
-            elif ph == "C" and e.get("name") == "memory":
-                rec.memory.append(
-                    MemorySample(
-                        device,
-                        ts,
-                        int(round(float(args["allocated_MiB"]) * _MiB)),
-                        int(round(float(args["reserved_MiB"]) * _MiB)),
-                    )
-                )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TraceError(f"{p}: a trace event is malformed ({type(exc).__name__}: {exc})") from None
-    return rec

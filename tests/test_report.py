@@ -168,7 +168,7 @@ def test_plot_a_long_run(tmp_path, capsys):
 
 def test_compare_ignores_rounding_noise(tmp_path):
     from gpemu.cli.report_cmd import compare_rows
-    from gpemu.trace import load_trace
+    from gpemu.trace_reader import load_trace
 
     _, a = _scripted_trace(tmp_path / "a.json", [0.01], 5)
     sa = compute_summary(load_trace(a))

@@ -85,7 +85,7 @@ def report(trace: Path, other: Path | None, plot_path: Path | None, as_json: boo
       gpemu report trace.json --json > metrics.json       the summary as JSON
     """
     from gpemu.observe import compute_summary, format_summary, json_safe
-    from gpemu.trace import load_trace
+    from gpemu.trace_reader import load_trace
 
     if plot_path is not None and plot_path.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise click.BadParameter(
