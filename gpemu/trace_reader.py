@@ -10,7 +10,8 @@ read as hostile input:
 * **bounded**: every value the report keeps is built with a bounded depth, number of items and
   string length, and the file with a bounded number of events and GPUs (gpemu emulates at most
   64 per process), so the summary printed from it is bounded too;
-* **validated**: every number is finite and within its range (times are not negative), every
+* **validated**: every number is finite and within its range (durations and sizes are not
+  negative; times are relative to patch time, so work recorded before it is), every
   field has its type; anything else is one :class:`TraceError` naming what was wrong.
 
 ijson (not ``json.load``) because the standard library has no streaming parser: bounding the
@@ -42,7 +43,7 @@ _OTHER_LIMITS = {  # otherData fields the report uses: (depth, items, string len
     "format": (0, 0, 64),
     "gpus": (1, MAX_GPUS, 256),
     "config": (0, 0, 2048),
-    "ended_us": (0, 0, 0),
+    "ended_us": (0, 0, 64),
     "counters": (1, 10_000, 256),
     "notes": (1, 1_000, 4096),
     "models": (2, 256, 512),
@@ -104,10 +105,12 @@ def _skip(events: Iterator[tuple[str, Any]], event: str) -> None:
                 return
 
 
-def _number(e: dict[str, Any], key: str, where: str, default: float | None = None, hi: float = MAX_US) -> float:
+def _number(
+    e: dict[str, Any], key: str, where: str, default: float | None = None, hi: float = MAX_US, lo: float = 0.0
+) -> float:
     value = e.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
-        raise TraceError(f"{where}: {key} must be a number from 0 to {hi:g}, got {str(value)[:40]!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise TraceError(f"{where}: {key} must be a number from {lo:g} to {hi:g}, got {str(value)[:40]!r}")
     return float(value)
 
 
@@ -134,12 +137,14 @@ def _add_event(rec: RunRecords, e: Any, n: int) -> None:
     if ph not in ("X", "i", "C"):
         return
     device = _integer(e, "pid", where, hi=MAX_GPUS) - 1
-    ts = _number(e, "ts", where) / 1e6
+    ts = _number(e, "ts", where, lo=-MAX_US) / 1e6  # (before patch time: negative, and fine)
     if ph == "X" and "enqueued_us" in args:
         stream = _integer(args, "stream", where, _integer(e, "tid", where, 1) - 1, hi=1 << 20)
         end = ts + _number(e, "dur", where, 0) / 1e6
         kind = str(args.get("kind", cat))
-        rec.spans.append(GpuSpan(device, stream, kind, str(name), ts, end, _number(args, "enqueued_us", where) / 1e6))
+        rec.spans.append(
+            GpuSpan(device, stream, kind, str(name), ts, end, _number(args, "enqueued_us", where, lo=-MAX_US) / 1e6)
+        )
     elif ph == "X" and cat == "host-wait":
         end = ts + _number(e, "dur", where, 0) / 1e6
         rec.waits.append(HostWait(device, str(args.get("reason", name)), ts, end))
@@ -201,7 +206,7 @@ def _records(other: dict[str, Any], rec: RunRecords) -> RunRecords:
             _integer(s, key, f"otherData.memory_stats[{d}]", hi=1 << 60)
     rec.gpus = list(gpus)
     rec.counters, rec.notes, rec.memory_stats = dict(counters), list(notes), [dict(s) for s in stats]
-    rec.ended_at = _number(other, "ended_us", "otherData", 0) / 1e6
+    rec.ended_at = _number(other, "ended_us", "otherData", 0, lo=-MAX_US) / 1e6
     rec.config = other.get("config") if isinstance(other.get("config"), str) else ""
     rec.models = [m for m in models if isinstance(m, dict) and isinstance(m.get("model"), str)]
     for kind, items in (

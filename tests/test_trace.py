@@ -150,7 +150,7 @@ def test_load_trace_rejects_other_files(tmp_path):
             }
         )
     )
-    with pytest.raises(TraceError, match="trace event 1: ts must be a number from 0"):
+    with pytest.raises(TraceError, match="trace event 1: ts must be a number from -1e"):
         load_trace(bad)
 
 
@@ -187,7 +187,7 @@ def _hostile_files(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "inf-ts.json": (event(ts=777).replace('"ts": 777', '"ts": 1e400'), "overflow"),
         "big-int-ts.json": (event(ts=777).replace('"ts": 777', f'"ts": {huge}'), "is not JSON"),
         "nan.json": (event(ts=777).replace('"ts": 777', '"ts": NaN'), "is not JSON"),
-        "negative-ts.json": (event(ts=-449910.0), "ts must be a number from 0"),
+        "nan-dur.json": (event(dur="NaN"), "dur must be a number from 0"),
         "negative-dur.json": (event(dur=-5.0), "dur must be a number from 0"),
         "deep.json": ('{"traceEvents": [' + "[" * 200_000 + "]" * 200_000 + "]}", "nested deeper"),
         "deep-ignored.json": ('{"x": ' + "[" * 200_000 + "]" * 200_000 + "}", "not a gpemu trace"),
@@ -202,7 +202,7 @@ def _hostile_files(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "gpus-million.json": (doc(other_gpus=["V100"] * 1_000_000), "otherData.gpus: more than 64 items"),
         "gpus-none.json": (doc(other_gpus=[]), "otherData.gpus must list the emulated GPUs"),
         "pid-beyond.json": (event(pid=3), "is on GPU 2, but otherData.gpus lists 1 GPU(s)"),
-        "ended-neg.json": (doc(other_ended_us=-1), "ended_us must be a number from 0"),
+        "ended-str.json": (doc(other_ended_us="soon"), "ended_us must be a number from"),
         "truncated.json": (json.dumps(_good_doc())[:-30], "is not JSON"),
         "binary.json": ("\x00\xff garbage", "is not JSON"),
         "array.json": ("[1, 2, 3]", "not a gpemu trace"),
