@@ -1,7 +1,7 @@
 """The device-plugin DaemonSet's own commands, run as the kubelet would run them on a node.
 
 The manifest's initContainers (`gpemu k8s secrets`, `gpemu k8s devices create`) and its plugin
-container (`gpemu k8s plugin ... --sharing amqp://gpemu-jobs@$(NODE_IP)... --sharing-password-file
+container (`gpemu k8s plugin ... --sharing amqp://gpemu-jobs@gpemu-sharing... --sharing-password-file
 ...`) are taken from k8s/device-plugin-daemonset.yaml word for word; only the node's paths are
 moved into a temporary directory and $(VARS) expanded the way Kubernetes expands them. A
 kubelet stand-in (tests/kubelet_standin.py) then registers the plugin and allocates an emuGPU.
@@ -84,7 +84,7 @@ def test_the_device_plugin_starts_as_the_daemonset_runs_it_and_hands_out_credent
         proc.wait(10)
         kubelet.stop()
     envs = dict(response.envs)
-    assert envs["GPEMU_SHARING"] == "amqp://gpemu-jobs@127.0.0.1:5672/%2F"  # no password in the environment
+    assert envs["GPEMU_SHARING"] == "amqp://gpemu-jobs@gpemu-sharing.gpemu-system.svc:5672/%2F"  # no password
     mount = next(m for m in response.mounts if m.container_path.endswith("sharing.json"))
     creds = json.loads(Path(mount.host_path).read_text())
     assert creds["amqp_password"] == (node / "secrets" / "jobs-password").read_text().strip()
