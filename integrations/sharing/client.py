@@ -67,6 +67,10 @@ class SharingUnavailableError(RuntimeError):
     """The broker or the sharing manager did not answer for too long."""
 
 
+class _RouteGone(Exception):
+    """Our own request queue is gone (a new manager): register again, then resend."""
+
+
 class SharingRefusedError(ValueError):
     """The manager refused to register the job (its persistent memory does not fit, bad id, ...)."""
 
@@ -282,6 +286,7 @@ class SharingClient:
         self.last_manager_contact = time.monotonic()
         self.reply_queue: str | None = None
         self.presence: str | None = None  # set by the heartbeat thread
+        self.route: str | None = None  # our own request queue's routing key (from "registered")
         self.resends = 0
         self.reconnects = 0
         self.forged_replies = 0  # replies dropped: not signed by the manager with our key
@@ -400,7 +405,9 @@ class SharingClient:
             expiration=expiration,
             headers={P.SIG_HEADER: P.sign(self.key, body)},
         )
-        ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, body, props, mandatory=mandatory)
+        # Registered: through the job's own queue (see protocol, "Routes"); else the shared one.
+        route = self.route if payload.get("type") != "register" and self.route else P.REQUEST_ROUTING_KEY
+        ch.basic_publish(P.REQUEST_EXCHANGE, route, body, props, mandatory=mandatory)
 
     def _publish(self, payload: dict[str, Any]) -> None:
         if payload.get("type") == "request":  # every (re)send says when it left: see backdate_s
@@ -440,6 +447,15 @@ class SharingClient:
                     reply = self._replies.pop(rid, None)
                 if reply is not None:
                     return reply
+            except pex.UnroutableError:
+                if payload.get("type") == "register" or self.route is None:
+                    raise SharingUnavailableError(
+                        f"the sharing manager's request queue on {self.safe_url} is gone; "
+                        "is `gpemu share-manager` running?"
+                    ) from None
+                # Our route's queue is gone with the manager that made it: register again.
+                self.route, self.needs_register = None, True
+                raise _RouteGone() from None
             except (pex.AMQPError, OSError):
                 # Broker gone (restart): reconnect and resend with the same id.
                 self._conn = None
@@ -470,6 +486,7 @@ class SharingClient:
                     f"the sharing manager refused job {self.job_id!r}: {reply.get('reason', reply.get('type'))}"
                 )
             self.same_host = reply.get("same_host") is True
+            self.route = reply["route"] if P.valid_route(reply.get("route")) else None
             self.needs_register = False
             self.registered = True
             lease = reply.get("lease_s")
@@ -517,7 +534,10 @@ class SharingClient:
                 }
                 if persistent_bytes is not None:
                     payload["persistent_bytes"] = self.persistent_bytes
-                reply = self._call(payload)
+                try:
+                    reply = self._call(payload)
+                except _RouteGone:
+                    continue  # register again (same request id: never served twice)
                 kind_ = reply.get("type")
                 if kind_ == "granted":
                     return self._wait_for_grant(rid, float(seconds), reply, start)

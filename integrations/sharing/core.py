@@ -301,6 +301,7 @@ class SharingCore(Scheduler):
             now,
             reply_to,
             same_host=bool(self.host) and msg.host == self.host,
+            route=P.new_route(),
         )
         self.jobs[msg.job_id] = job
         dev.jobs[msg.job_id] = view
@@ -323,6 +324,7 @@ class SharingCore(Scheduler):
             "job_id": job.job_id,
             "lease_s": self.lease_s,
             "same_host": job.same_host,
+            "route": job.route,
         }
 
     def _on_request(self, job: JobState, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:

@@ -18,7 +18,15 @@ from typing import Any
 from . import protocol as P
 from .core import SharingCore
 from .policies import Policy
-from .state import DEFAULT_BACKDATE_S, DEFAULT_LOOKAHEAD_S, DEFAULT_QUANTUM_S, DeviceSpec, Outgoing, gib
+from .state import (
+    DEFAULT_BACKDATE_S,
+    DEFAULT_LOOKAHEAD_S,
+    DEFAULT_QUANTUM_S,
+    MAX_ACTIVE_PER_JOB,
+    DeviceSpec,
+    Outgoing,
+    gib,
+)
 
 __all__ = ["SharingManager", "ManagerConflict"]
 
@@ -28,6 +36,11 @@ class ManagerConflict(RuntimeError):
 
 
 log = logging.getLogger("gpemu.sharing.manager")
+
+# Unacknowledged deliveries of the shared request queue in flight to the manager: registrations
+# and status requests, acknowledged at once. Small, so a flood of malformed messages there holds
+# at most this many ahead of a job's own queue in the manager's socket.
+SHARED_PREFETCH = 64
 
 
 @dataclass
@@ -71,7 +84,7 @@ class SharingManager:
         status_interval_s: float = 1.0,
         reconnect_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
-        prefetch: int = 2000,
+        prefetch: int = SHARED_PREFETCH,
         lookahead_s: float = DEFAULT_LOOKAHEAD_S,
         backdate_s: float = DEFAULT_BACKDATE_S,
         quantum_s: float | None = DEFAULT_QUANTUM_S,
@@ -96,8 +109,8 @@ class SharingManager:
         self.status_interval_s = status_interval_s
         self.reconnect_s = reconnect_s
         self.clock = clock
-        # Unacked requests the broker may push ahead: requests stay unacked while queued here,
-        # so this bounds how many jobs can wait at once, not throughput.
+        # Unacked deliveries of the shared queue the broker may push ahead (registrations; jobs'
+        # requests come through their own queues, each with its own window).
         self.prefetch = prefetch
         self._stop = threading.Event()
         self._conn: Any = None
@@ -112,6 +125,9 @@ class SharingManager:
         self.connections = 0  # times the manager got ready on a broker connection
         self.connected = threading.Event()
         self.conflict: str | None = None  # set when another manager holds the request queue
+        self._routes: dict[str, str] = {}  # job id -> the route whose queue this connection consumes
+        self._ready_routes: set[str] = set()  # routes whose queue is declared, bound and consumed
+        self._held: dict[str, list[Outgoing]] = {}  # "registered" replies waiting for their route
 
     def stop(self) -> None:
         """Ask the loop to end (thread-safe); it returns within a few milliseconds."""
@@ -170,6 +186,9 @@ class SharingManager:
             self._timer_at = None
             self._watch.clear()  # every watch channel went with the connection
             self._watch_of.clear()
+            self._routes.clear()  # and every job's queue (exclusive): declared again on reconnect
+            self._ready_routes.clear()
+            self._held.clear()
             if self._stop.is_set():
                 self.core.flush_log(self.clock(), final=True)  # rejections of the last window
                 if self.conflict is not None:
@@ -268,6 +287,7 @@ class SharingManager:
         self._close()
 
     def _on_consuming(self, _frame: Any) -> None:
+        self._sync_routes()
         # Jobs could not reach us while the broker was away: their leases restart now.
         now = self.clock()
         for job in self.core.jobs.values():
@@ -303,7 +323,13 @@ class SharingManager:
         import pika
 
         ch = self._ch
+        self._sync_routes()
         for out in outs:
+            payload = out.payload or {}
+            if payload.get("type") == "registered" and payload.get("route") not in self._ready_routes:
+                # The job publishes to its route as soon as it reads this: not before it exists.
+                self._held.setdefault(payload["route"], []).append(out)
+                continue
             if out.reply_to and out.payload is not None:
                 body = P.encode(out.payload)
                 headers = {P.SIG_HEADER: P.sign(out.key, body)} if out.key is not None else None
@@ -321,6 +347,57 @@ class SharingManager:
                 if tag is not None:
                     ch.basic_ack(tag)
         self._unwatch_dropped()
+
+    # ------------------------------------------------------------------ each job's own queue
+    def _sync_routes(self) -> None:
+        """Consume a queue of its own for every registered job (see protocol, "Routes"), and stop
+        consuming those of jobs that left. Declared, bound and consumed in a chain of callbacks
+        (pika sends a channel's RPCs one at a time); the job's "registered" reply is held until
+        the chain ends, so the job never publishes to a route that does not exist yet."""
+        ch = self._ch
+        if ch is None or not ch.is_open or not self.connected.is_set():
+            return
+        for job_id, job in self.core.jobs.items():
+            if self._routes.get(job_id) != job.route and job.route:
+                old = self._routes.get(job_id)
+                if old is not None:
+                    self._drop_route(old)
+                self._routes[job_id] = job.route
+                self._open_route(job.route)
+        for job_id in [j for j in self._routes if j not in self.core.jobs]:
+            self._drop_route(self._routes.pop(job_id))
+
+    def _open_route(self, route: str) -> None:
+        ch, queue = self._ch, P.route_queue(route)
+        steps = [
+            lambda cb: ch.queue_declare(queue, exclusive=True, callback=cb),
+            lambda cb: ch.queue_bind(queue, P.REQUEST_EXCHANGE, routing_key=route, callback=cb),
+            lambda cb: ch.basic_qos(prefetch_count=2 * MAX_ACTIVE_PER_JOB, callback=cb),
+            lambda cb: ch.basic_consume(queue, self._on_message, consumer_tag=route, callback=cb),
+        ]
+
+        def run(i: int) -> None:
+            if ch is not self._ch or not ch.is_open:
+                return
+            if i < len(steps):
+                steps[i](lambda _frame: run(i + 1))
+                return
+            self._ready_routes.add(route)
+            held = self._held.pop(route, [])
+            if held:
+                self._send(held)
+
+        run(0)
+
+    def _drop_route(self, route: str) -> None:
+        self._held.pop(route, None)
+        ch = self._ch
+        if ch is None or not ch.is_open:
+            return
+        if route in self._ready_routes:
+            self._ready_routes.discard(route)
+            ch.basic_cancel(route)
+        ch.queue_delete(P.route_queue(route))  # (its unacked messages were acknowledged by the core)
 
     # ------------------------------------------------------------------ presence of jobs
     def _watch_presence(self) -> None:

@@ -47,7 +47,14 @@ consumer. When the job's connection closes (the process died, even with ``kill -
 hands the message to the manager at once, which frees the job's GPU time and memory without
 waiting for its lease.
 
-Replies from the manager (``type``): ``registered`` (same_host, lease_s), ``done`` (waited_s,
+Routes: the ``registered`` reply gives the job its *route*, a secret routing key (``job.<32 hex>``)
+under which the manager consumes a queue of that job's own (``gpemu.sharing.job.<hex>``, exclusive
+to the manager's connection). The job publishes its requests, heartbeats and deregistration
+with it, so they never wait behind other jobs' messages (nor a flood of malformed ones) in the
+shared request queue, which then carries registrations and status requests only. A route that
+is gone (the manager restarted) makes a publish unroutable: the job registers again.
+
+Replies from the manager (``type``): ``registered`` (same_host, lease_s, route), ``done`` (waited_s,
 served_s), ``granted`` (start, end: the manager's ``time.monotonic()`` when the work starts and
 ends on the emuGPU's timeline; remaining_s: end minus the manager's clock when the grant was
 written; waited_s, idle_s — sent before the work starts, so the job waits locally until
@@ -82,6 +89,10 @@ __all__ = [
     "STATUS_EXCHANGE",
     "REPLY_PREFIX",
     "SIG_HEADER",
+    "JOB_QUEUE_PREFIX",
+    "new_route",
+    "valid_route",
+    "route_queue",
     "JOB_PERMISSIONS",
     "ProtocolError",
     "Message",
@@ -120,6 +131,7 @@ REQUEST_ROUTING_KEY = "request"
 STATUS_EXCHANGE = "gpemu.sharing.status"
 REPLY_PREFIX = "gpemu.sharing.reply."
 SIG_HEADER = "gpemu-sig"
+JOB_QUEUE_PREFIX = "gpemu.sharing.job."  # the manager's per-job request queues
 
 # Broker permissions of the user jobs connect as (RabbitMQ configure / write / read patterns).
 JOB_PERMISSIONS: dict[str, str] = {
@@ -159,6 +171,7 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "deregister": (),
     "status": ("request_id",),
 }
+_ROUTE_RE = re.compile(r"^job\.[0-9a-f]{32}$")
 _QUEUE_RE = re.compile(r"^gpemu\.sharing\.reply\.[A-Za-z0-9_-]{8,128}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 # JSON strings (escapes included): what is left after removing them must hold one object only.
@@ -238,6 +251,22 @@ def verify(key: bytes | None, body: bytes, sig: Any) -> bool:
 def derive_job_key(secret: bytes, job_id: str) -> bytes:
     """The key of ``job_id`` under a manager's job secret (the device plugin derives the same)."""
     return hmac.new(secret, b"gpemu-sharing-job\0" + job_id.encode(), hashlib.sha256).digest()
+
+
+def new_route() -> str:
+    """A fresh, unguessable routing key for one job's requests (see "Routes" above)."""
+    import secrets
+
+    return "job." + secrets.token_hex(16)
+
+
+def valid_route(route: Any) -> bool:
+    return isinstance(route, str) and bool(_ROUTE_RE.match(route))
+
+
+def route_queue(route: str) -> str:
+    """The manager's queue for the job with this route."""
+    return JOB_QUEUE_PREFIX + route[len("job.") :]
 
 
 def reply_queue_name() -> str:

@@ -149,6 +149,7 @@ class JobState:
     same_host: bool = False  # its time.monotonic() is ours: absolute deadlines, send times
     served_count: int = 0
     presence: str | None = None  # the job's presence queue (see protocol)
+    route: str = ""  # the routing key of the job's own request queue (see protocol, "Routes")
     done: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     active: dict[str, QueuedRequest] = field(default_factory=dict)
 
