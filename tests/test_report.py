@@ -143,7 +143,7 @@ def test_compare_json_holds_both(tmp_path, capsys):
 
 
 def test_plot_helpers_for_long_runs(tmp_path):
-    from gpemu.cli.report_cmd import _envelope, _memory_series, _nice_step
+    from gpemu.cli.report_plot import _envelope, _memory_series, _nice_step
 
     assert [_nice_step(n, 150) for n in (30, 150, 151, 2000)] == [1, 1, 2, 20]
     records, _ = _scripted_trace(tmp_path / "t.json", [0.002], 3)
