@@ -40,29 +40,8 @@ def _us(t: float, t0: float) -> float:
 
 def trace_events(records: Any) -> list[dict[str, Any]]:
     """Trace events for :class:`gpemu.observe.RunRecords` (metadata first)."""
-
     t0 = records.started_at
-    events: list[dict[str, Any]] = []
-    streams: dict[int, set[int]] = {d: set() for d in range(records.num_devices)}
-    for s in records.spans:
-        streams.setdefault(s.device, set()).add(s.stream)
-    for d, gpu in enumerate(records.gpus):
-        pid = d + 1
-        events.append(
-            {"name": "process_name", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"name": f"GPU {d} ({gpu})"}}
-        )
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"sort_index": d}})
-        threads = [(HOST_TID, "host (waits for GPU, iterations)", 0)]
-        threads += [
-            (sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
-            for sid in sorted(streams.get(d, ()))
-        ]
-        threads.append((IDLE_TID, "GPU idle (data stall / other)", 1 << 20))
-        for tid, name, order in threads:
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            events.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}}
-            )
+    events = _metadata_events(records)
     for s in records.spans:
         events.append(
             {
@@ -91,30 +70,48 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
         )
     for m in records.iterations:
         events.append(
-            {
-                "name": f"iteration {m.index}",
-                "cat": "iteration",
-                "ph": "i",
-                "s": "p",
-                "ts": _us(m.time, t0),
-                "pid": m.device + 1,
-                "tid": HOST_TID,
-                "args": {"index": m.index},
-            }
-        )
-    for m in records.memory:
+            {"name": f"iteration {m.index}", "cat": "iteration", "ph": "i", "s": "p", "ts": _us(m.time, t0),
+             "pid": m.device + 1, "tid": HOST_TID, "args": {"index": m.index}}
+        )  # fmt: skip
+    for sample in records.memory:
         events.append(
-            {
-                "name": "memory",
-                "cat": "memory",
-                "ph": "C",
-                "ts": _us(m.time, t0),
-                "pid": m.device + 1,
-                "tid": HOST_TID,
-                "args": {"allocated_MiB": m.allocated / _MiB, "reserved_MiB": m.reserved / _MiB},
-            }
+            {"name": "memory", "cat": "memory", "ph": "C", "ts": _us(sample.time, t0), "pid": sample.device + 1,
+             "tid": HOST_TID,
+             "args": {"allocated_MiB": sample.allocated / _MiB, "reserved_MiB": sample.reserved / _MiB}}
+        )  # fmt: skip
+    return events + _idle_events(records)
+
+
+def _metadata_events(records: Any) -> list[dict[str, Any]]:
+    """A process per GPU, a thread per stream plus the host and idle threads, in display order."""
+    events: list[dict[str, Any]] = []
+    streams: dict[int, set[int]] = {d: set() for d in range(records.num_devices)}
+    for s in records.spans:
+        streams.setdefault(s.device, set()).add(s.stream)
+    for d, gpu in enumerate(records.gpus):
+        pid = d + 1
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"name": f"GPU {d} ({gpu})"}}
         )
-    # Idle segments: derived (report recomputes them from the spans), drawn for the eye.
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"sort_index": d}})
+        threads = [(HOST_TID, "host (waits for GPU, iterations)", 0)]
+        threads += [
+            (sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
+            for sid in sorted(streams.get(d, ()))
+        ]
+        threads.append((IDLE_TID, "GPU idle (data stall / other)", 1 << 20))
+        for tid, name, order in threads:
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}}
+            )
+    return events
+
+
+def _idle_events(records: Any) -> list[dict[str, Any]]:
+    """Idle segments: derived (report recomputes them from the spans), drawn for the eye."""
+    t0 = records.started_at
+    events: list[dict[str, Any]] = []
     for d in range(records.num_devices):
         timeline = Timeline([s for s in records.spans if s.device == d])
         for start, end, cat, detail in timeline.segments:
@@ -122,17 +119,9 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
                 continue
             name = f"data stall (waiting for {detail})" if cat == "data_stall" else "idle, work enqueued"
             events.append(
-                {
-                    "name": name,
-                    "cat": cat,
-                    "ph": "X",
-                    "ts": _us(start, t0),
-                    "dur": round((end - start) * 1e6, 3),
-                    "pid": d + 1,
-                    "tid": IDLE_TID,
-                    "args": {},
-                }
-            )
+                {"name": name, "cat": cat, "ph": "X", "ts": _us(start, t0), "dur": round((end - start) * 1e6, 3),
+                 "pid": d + 1, "tid": IDLE_TID, "args": {}}
+            )  # fmt: skip
     return events
 
 

@@ -92,114 +92,100 @@ def _per_iteration(dev: dict[str, Any], win: dict[str, Any] | None, key: str, ki
     return value / n if n > 0 else None
 
 
-def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def _rel(x: float | None, y: float | None) -> str:
+    """Relative change of y against x ("" when either is missing)."""
+    if x is None or y is None:
+        return ""
+    tiny = 5e-6  # below what the table shows (0.00 ms): rounding noise, not a change
+    if abs(x) < tiny:
+        return "" if abs(y) < tiny else "from 0"
+    change = 100 * (y - x) / x
+    return f"{change if abs(change) >= 0.05 else 0.0:+.1f}%"  # no "-0.0%" from float noise
+
+
+def _pp(x: float | None, y: float | None) -> str:
+    return "" if x is None or y is None else f"{100 * (y - x):+.1f} pp"
+
+
+def _fmt_s(x: float | None) -> str:
+    from gpemu.observe import format_seconds
+
+    return "-" if x is None else format_seconds(x)
+
+
+def _fmt_p(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+Row = tuple[str, str, str, str]  # (what, A, B, change)
+
+
+def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[Row]:
     """Rows ``(what, a, b, change)`` comparing two summaries, GPU by GPU. Times are per iteration
     of the steady state (whole run when a run has no steady state), so runs of different lengths
     compare; the change is relative for times and sizes, in percentage points for shares."""
-    from gpemu.observe import WINDOW_NAMES
-    from gpemu.observe import format_seconds as _secs
-    from gpemu.observe import format_size as _bytes
+    from gpemu.observe import format_size
 
-    def rel(x: float | None, y: float | None) -> str:
-        if x is None or y is None:
-            return ""
-        tiny = 5e-6  # below what the table shows (0.00 ms): rounding noise, not a change
-        if abs(x) < tiny:
-            return "" if abs(y) < tiny else "from 0"
-        change = 100 * (y - x) / x
-        return f"{change if abs(change) >= 0.05 else 0.0:+.1f}%"  # no "-0.0%" from float noise
-
-    def pp(x: float | None, y: float | None) -> str:
-        return "" if x is None or y is None else f"{100 * (y - x):+.1f} pp"
-
-    def fmt_s(x: float | None) -> str:
-        return "-" if x is None else _secs(x)
-
-    def fmt_p(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.1f}%"
-
-    rows: list[tuple[str, str, str, str]] = []
-    rows.append(("GPUs", ", ".join(a["gpus"]), ", ".join(b["gpus"]), ""))
-    rows.append(("iterations", str(a["iterations"]), str(b["iterations"]), ""))
-    rows.append(("run (since patch)", _secs(a["run_s"]), _secs(b["run_s"]), rel(a["run_s"], b["run_s"])))
+    rows: list[Row] = [
+        ("GPUs", ", ".join(a["gpus"]), ", ".join(b["gpus"]), ""),
+        ("iterations", str(a["iterations"]), str(b["iterations"]), ""),
+        ("run (since patch)", _fmt_s(a["run_s"]), _fmt_s(b["run_s"]), _rel(a["run_s"], b["run_s"])),
+    ]
+    prefix_all = a["num_gpus"] > 1 or b["num_gpus"] > 1
     for d in range(min(a["num_gpus"], b["num_gpus"])):
-        da, db = a["devices"][d], b["devices"][d]
-        wa, wb = da["steady"] or da["whole"], db["steady"] or db["whole"]
-        if wa is None and wb is None:
-            continue
-        names = {WINDOW_NAMES.get(x["au_window"] or "", "-") for x in (da, db)}
-        prefix = f"GPU {d} " if a["num_gpus"] > 1 or b["num_gpus"] > 1 else ""
-        rows.append(
-            (
-                f"{prefix}window".strip(),
-                WINDOW_NAMES.get(da["au_window"] or "", "-"),
-                WINDOW_NAMES.get(db["au_window"] or "", "-"),
-                "" if len(names) == 1 else "differs",
-            )
-        )
-        ita, itb = da["iteration_time"], db["iteration_time"]
-        for label, key in (("iteration time, mean", "mean_s"), ("iteration time, median", "median_s")):
-            x = ita[key] if ita else None
-            y = itb[key] if itb else None
-            rows.append((prefix + label, fmt_s(x), fmt_s(y), rel(x, y)))
-        for label, key in (
-            ("GPU busy / iteration", "busy_s"),
-            ("data stall / iteration", "data_stall_s"),
-            ("other idle / iteration", "other_idle_s"),
-        ):
-            x, y = _per_iteration(da, wa, key), _per_iteration(db, wb, key)
-            rows.append((prefix + label, fmt_s(x), fmt_s(y), rel(x, y)))
-        x, y = (da["au"] if wa else None), (db["au"] if wb else None)
-        rows.append((prefix + "accelerator utilisation (AU)", fmt_p(x), fmt_p(y), pp(x, y)))
-        x, y = (wa["data_stall_share"] if wa else None), (wb["data_stall_share"] if wb else None)
-        rows.append((prefix + "data stall share", fmt_p(x), fmt_p(y), pp(x, y)))
-        kinds: list[str] = []
-        for w in (wa, wb):
-            for k in (w or {}).get("busy_by_kind_s", {}):
-                if k not in kinds:
-                    kinds.append(k)
-        for k in kinds:
-            x = _per_iteration(da, wa, "busy_by_kind_s", k)
-            y = _per_iteration(db, wb, "busy_by_kind_s", k)
-            rows.append((prefix + f"  {k} / iteration", fmt_s(x), fmt_s(y), rel(x, y)))
-        ha, hb = da["host_waits"], db["host_waits"]
-        x = ha["total_s"] / da["iterations"] if da["iterations"] else None
-        y = hb["total_s"] / db["iterations"] if db["iterations"] else None
-        rows.append((prefix + "host waited for GPU / iteration (whole run)", fmt_s(x), fmt_s(y), rel(x, y)))
-        ma, mb = da["memory"], db["memory"]
-        rows.append(
-            (
-                prefix + "peak memory allocated",
-                _bytes(ma["peak_allocated_bytes"]),
-                _bytes(mb["peak_allocated_bytes"]),
-                rel(ma["peak_allocated_bytes"], mb["peak_allocated_bytes"]),
-            )
-        )
-        rows.append(
-            (
-                prefix + "persistent memory",
-                _bytes(ma["persistent_bytes"]),
-                _bytes(mb["persistent_bytes"]),
-                rel(ma["persistent_bytes"], mb["persistent_bytes"]),
-            )
-        )
+        rows += _device_rows(a["devices"][d], b["devices"][d], f"GPU {d} " if prefix_all else "")
     ta, tb = a["transfers"], b["transfers"]
-    rows.append(
+    for label, key in (("host->GPU bytes (whole run)", "h2d_bytes"), ("host->GPU pinned bytes", "h2d_pinned_bytes")):
+        rows.append((label, format_size(ta[key]), format_size(tb[key]), _rel(ta[key], tb[key])))
+    return rows
+
+
+def _device_rows(da: dict[str, Any], db: dict[str, Any], prefix: str) -> list[Row]:
+    """One GPU's rows: window, iteration time, busy / stall / idle per iteration, shares, kinds,
+    host waits, memory."""
+    from gpemu.observe import WINDOW_NAMES, format_size
+
+    wa, wb = da["steady"] or da["whole"], db["steady"] or db["whole"]
+    if wa is None and wb is None:
+        return []
+    names = {WINDOW_NAMES.get(x["au_window"] or "", "-") for x in (da, db)}
+    rows: list[Row] = [
         (
-            "host->GPU bytes (whole run)",
-            _bytes(ta["h2d_bytes"]),
-            _bytes(tb["h2d_bytes"]),
-            rel(ta["h2d_bytes"], tb["h2d_bytes"]),
+            f"{prefix}window".strip(),
+            WINDOW_NAMES.get(da["au_window"] or "", "-"),
+            WINDOW_NAMES.get(db["au_window"] or "", "-"),
+            "" if len(names) == 1 else "differs",
         )
-    )
-    rows.append(
-        (
-            "host->GPU pinned bytes",
-            _bytes(ta["h2d_pinned_bytes"]),
-            _bytes(tb["h2d_pinned_bytes"]),
-            rel(ta["h2d_pinned_bytes"], tb["h2d_pinned_bytes"]),
-        )
-    )
+    ]
+    ita, itb = da["iteration_time"], db["iteration_time"]
+    for label, key in (("iteration time, mean", "mean_s"), ("iteration time, median", "median_s")):
+        x = ita[key] if ita else None
+        y = itb[key] if itb else None
+        rows.append((prefix + label, _fmt_s(x), _fmt_s(y), _rel(x, y)))
+    for label, key in (
+        ("GPU busy / iteration", "busy_s"),
+        ("data stall / iteration", "data_stall_s"),
+        ("other idle / iteration", "other_idle_s"),
+    ):
+        x, y = _per_iteration(da, wa, key), _per_iteration(db, wb, key)
+        rows.append((prefix + label, _fmt_s(x), _fmt_s(y), _rel(x, y)))
+    x, y = (da["au"] if wa else None), (db["au"] if wb else None)
+    rows.append((prefix + "accelerator utilisation (AU)", _fmt_p(x), _fmt_p(y), _pp(x, y)))
+    x, y = (wa["data_stall_share"] if wa else None), (wb["data_stall_share"] if wb else None)
+    rows.append((prefix + "data stall share", _fmt_p(x), _fmt_p(y), _pp(x, y)))
+    kinds: list[str] = []
+    for w in (wa, wb):
+        kinds += [k for k in (w or {}).get("busy_by_kind_s", {}) if k not in kinds]
+    for k in kinds:
+        x, y = _per_iteration(da, wa, "busy_by_kind_s", k), _per_iteration(db, wb, "busy_by_kind_s", k)
+        rows.append((prefix + f"  {k} / iteration", _fmt_s(x), _fmt_s(y), _rel(x, y)))
+    ha, hb = da["host_waits"], db["host_waits"]
+    x = ha["total_s"] / da["iterations"] if da["iterations"] else None
+    y = hb["total_s"] / db["iterations"] if db["iterations"] else None
+    rows.append((prefix + "host waited for GPU / iteration (whole run)", _fmt_s(x), _fmt_s(y), _rel(x, y)))
+    ma, mb = da["memory"], db["memory"]
+    for label, key in (("peak memory allocated", "peak_allocated_bytes"), ("persistent memory", "persistent_bytes")):
+        rows.append((prefix + label, format_size(ma[key]), format_size(mb[key]), _rel(ma[key], mb[key])))
     return rows
 
 

@@ -199,53 +199,48 @@ class SharingCore(Scheduler):
         job.presence = queue
         self.presence_seen.append((job.job_id, queue))
 
-    def _on_register(
-        self, msg: P.Message, reply_to: str | None, tag: Any, now: float, body: bytes, sig: str | None
+    def _refuse(
+        self,
+        msg: P.Message,
+        reply_to: str | None,
+        tag: Any,
+        now: float,
+        reason: str,
+        code: str = P.ERR_BAD_MESSAGE,
+        key: bytes | None = None,
     ) -> list[Outgoing]:
+        """A rejection of ``msg`` (see :meth:`_reject`), as the handlers return it."""
+        return [self._reject(reason, msg.request_id or None, reply_to, tag, msg.job_id, now, code, key)]
+
+    def _register_key(self, msg: P.Message, body: bytes, sig: str | None) -> tuple[bytes | None, str | None]:
+        """(the registering job's key, why it is refused): derived from the job secret, or the
+        job's own; the register must be signed with it."""
         if self.job_secret is not None:
-            key = P.derive_job_key(self.job_secret, msg.job_id)
+            key: bytes | None = P.derive_job_key(self.job_secret, msg.job_id)
             if msg.key is not None and msg.key != key:
                 key = None  # a key of its own where the manager derives them: not a job it issued
         else:
             key = msg.key
             if key is None:
-                return [
-                    self._reject(
-                        f"register of job {P.short(msg.job_id)} carries no key; this manager has no "
-                        "job secret, so each job sends its own",
-                        msg.request_id,
-                        reply_to,
-                        tag,
-                        msg.job_id,
-                        now,
-                    )
-                ]
-        if not P.verify(key, body, sig):
-            return [
-                self._reject(
-                    f"{P.ERR_BAD_SIGNATURE}: register of job {P.short(msg.job_id)} is not signed with its key",
-                    msg.request_id,
-                    reply_to,
-                    tag,
-                    msg.job_id,
-                    now,
-                    P.ERR_BAD_SIGNATURE,
+                return None, (
+                    f"register of job {P.short(msg.job_id)} carries no key; this manager has no "
+                    "job secret, so each job sends its own"
                 )
-            ]
+        if not P.verify(key, body, sig):
+            return None, f"{P.ERR_BAD_SIGNATURE}: register of job {P.short(msg.job_id)} is not signed with its key"
+        return key, None
+
+    def _on_register(
+        self, msg: P.Message, reply_to: str | None, tag: Any, now: float, body: bytes, sig: str | None
+    ) -> list[Outgoing]:
+        key, problem = self._register_key(msg, body, sig)
+        if key is None:
+            code = P.ERR_BAD_SIGNATURE if problem and problem.startswith(P.ERR_BAD_SIGNATURE) else P.ERR_BAD_MESSAGE
+            return self._refuse(msg, reply_to, tag, now, problem or "", code)
         dev = self.devices.get(msg.device)
         if dev is None:
-            return [
-                self._reject(
-                    f"unknown emuGPU {P.short(msg.device)}; this manager has {', '.join(self.devices)}",
-                    msg.request_id,
-                    reply_to,
-                    tag,
-                    msg.job_id,
-                    now,
-                    P.ERR_UNKNOWN_DEVICE,
-                    key,
-                )
-            ]
+            reason = f"unknown emuGPU {P.short(msg.device)}; this manager has {', '.join(self.devices)}"
+            return self._refuse(msg, reply_to, tag, now, reason, P.ERR_UNKNOWN_DEVICE, key)
         job = self.jobs.get(msg.job_id)
         if job is not None:
             # A duplicate delivery, or the same job registering again with its key (it took an
@@ -255,31 +250,11 @@ class SharingCore(Scheduler):
                 if msg.presence:
                     self._saw_presence(job, msg.presence)
                 return [Outgoing(reply_to, self._registered(job, msg.request_id), [tag], job.key)]
-            return [
-                self._reject(
-                    f"job id {P.short(msg.job_id)} is already registered",
-                    msg.request_id,
-                    reply_to,
-                    tag,
-                    msg.job_id,
-                    now,
-                    P.ERR_JOB_EXISTS,
-                    key,
-                )
-            ]
+            reason = f"job id {P.short(msg.job_id)} is already registered"
+            return self._refuse(msg, reply_to, tag, now, reason, P.ERR_JOB_EXISTS, key)
         if len(self.jobs) >= self.max_jobs:
-            return [
-                self._reject(
-                    f"this manager already serves {self.max_jobs} jobs",
-                    msg.request_id,
-                    reply_to,
-                    tag,
-                    msg.job_id,
-                    now,
-                    P.ERR_BUSY,
-                    key,
-                )
-            ]
+            return self._refuse(msg, reply_to, tag, now, f"this manager already serves {self.max_jobs} jobs",
+                                P.ERR_BUSY, key)  # fmt: skip
         used = sum(self.jobs[j].persistent_bytes for j in dev.jobs)
         if used + msg.persistent_bytes > dev.spec.capacity_bytes:
             self.refused += 1
@@ -290,12 +265,16 @@ class SharingCore(Scheduler):
             )
             log.info("%s (job %r)", reason, msg.job_id)
             return [Outgoing(reply_to, {"type": "refused", "request_id": msg.request_id, "reason": reason}, [tag], key)]
+        return [Outgoing(reply_to, self._registered(self._admit(msg, dev, key, reply_to, now)), [tag], key)]
+
+    def _admit(self, msg: P.Message, dev: DeviceState, key: bytes, reply_to: str | None, now: float) -> JobState:
+        """A new job on ``dev``: its state, its place in the policy, its route."""
         view = JobView(msg.job_id, msg.weight)
         job = JobState(
             msg.job_id,
             msg.device,
             key,
-            msg.persistent_bytes,
+            int(msg.persistent_bytes or 0),
             msg.request_id,
             view,
             now,
@@ -312,10 +291,10 @@ class SharingCore(Scheduler):
             "job %r registered on emuGPU %s (persistent %s, weight %g)",
             msg.job_id,
             dev.spec.name,
-            gib(msg.persistent_bytes),
+            gib(job.persistent_bytes),
             msg.weight,
         )
-        return [Outgoing(reply_to, self._registered(job), [tag], key)]
+        return job
 
     def _registered(self, job: JobState, rid: str | None = None) -> dict[str, Any]:
         return {
