@@ -77,7 +77,7 @@ _SOURCE = "GPEmu artifact (Wang et al., PVLDB 18(6), 2025, doi:10.14778/3725688.
 
 
 def _data_path(name: str) -> Any:
-    return resources.files("gpemu.db").joinpath("data", name)
+    return resources.files("gpemu.db").joinpath("data").joinpath(name)
 
 
 @functools.lru_cache(maxsize=1)

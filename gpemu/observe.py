@@ -267,7 +267,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         waits = [w for w in records.waits if w.device == d]
         samples = [m for m in records.memory if m.device == d]
         dev: dict[str, Any] = {"device": d, "gpu": gpu, "iterations": len(marks), "spans": len(spans)}
-        if timeline.start is not None:
+        if timeline.start is not None and timeline.end is not None:
             a, b = timeline.start, timeline.end
             dev["whole"] = _window(timeline, spans, a, b, t0)
             # A mark can fall after the last span's end (the host was behind): clip to the work.
@@ -467,7 +467,7 @@ def _device_lines(dev: dict[str, Any]) -> list[str]:
 def model_source(m: dict[str, Any]) -> str:
     """``resnet50 on H100: scaled (GPU, from A100) ±19% (p90 52%)``: where a model's time came from."""
     fwd, bwd = m.get("forward"), m.get("backward")
-    how = fwd if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
+    how = str(fwd or "") if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
     if "scaled" in (fwd, bwd) and m.get("scaled_for"):
         how += f" ({m['scaled_for']})"
     return f"{m['model']} on {m['gpu']}: {how or '-'}" + (f" {m['uncertainty']}" if m.get("uncertainty") else "")

@@ -251,8 +251,9 @@ class StopSignalHandler:
 
     def restore(self) -> None:
         """Back to the default action, unless the program has installed its own handler since."""
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(self.signum) is self:
-            signal.signal(self.signum, signal.SIG_DFL)
+        signum = self.signum
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signum) is self:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 class RunOutputs:

@@ -207,7 +207,8 @@ def _records(other: dict[str, Any], rec: RunRecords) -> RunRecords:
     rec.gpus = list(gpus)
     rec.counters, rec.notes, rec.memory_stats = dict(counters), list(notes), [dict(s) for s in stats]
     rec.ended_at = _number(other, "ended_us", "otherData", 0, lo=-MAX_US) / 1e6
-    rec.config = other.get("config") if isinstance(other.get("config"), str) else ""
+    config = other.get("config")
+    rec.config = config if isinstance(config, str) else ""
     rec.models = [m for m in models if isinstance(m, dict) and isinstance(m.get("model"), str)]
     for kind, items in (
         ("span", rec.spans),

@@ -195,7 +195,7 @@ def plugin_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = {"poll_interval": "poll_interval_s", "removed_grace": "removed_grace_s"}
     options = load_plugin_config(config_path) if config_path else PluginOptions()
-    changes = {names.get(k, k): v for k, v in flags.items() if v is not None}
+    changes: dict[str, Any] = {names.get(k, k): v for k, v in flags.items() if v is not None}
     if sharing_password_file:
         changes["sharing_password"] = read_secret_file(sharing_password_file, "broker password").decode()
     elif sharing_password:

@@ -307,8 +307,9 @@ def gpus_add(
             if getattr(spec, attr)
         )
         cc = spec.compute_capability
+        cc_text = f"{cc[0]}.{cc[1]}" if cc else "?"
         click.echo(
-            f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc[0]}.{cc[1]}, "
+            f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc_text}, "
             f"{spec.sm_count} SMs, {spec.memory_bytes / (1 << 30):g} GiB at {spec.memory_bandwidth / 1e9:g} GB/s, "
             f"FP32 {spec.fp32_flops / 1e12:g} TFLOP/s" + (f", tensor {tc}" if tc else ", no tensor cores")
         )

@@ -195,7 +195,11 @@ class _Heartbeat(threading.Thread):
                         queue,
                         expiration=str(int(c.lease_s * 1000)),
                     )
-                if self._marker is not None and time.monotonic() - self._marker[1] > _PRESENCE_RENEW_S:
+                if (
+                    ch is not None
+                    and self._marker is not None
+                    and time.monotonic() - self._marker[1] > _PRESENCE_RENEW_S
+                ):
                     tag, self._marker = self._marker[0], None
                     ch.basic_reject(tag, requeue=True)  # comes straight back to us, the active consumer
                 deadline = time.monotonic() + period
@@ -442,7 +446,7 @@ class SharingClient:
                     sent = True
                     next_resend = now + self.resend_s
                 reply = self._replies.pop(rid, None)
-                if reply is None:
+                if reply is None and self._conn is not None:
                     self._conn.process_data_events(time_limit=min(self.resend_s, max(0.0, next_resend - now)))
                     reply = self._replies.pop(rid, None)
                 if reply is not None:
@@ -558,7 +562,7 @@ class SharingClient:
         received = time.monotonic()
         end, remaining = reply.get("end"), reply.get("remaining_s")
         exact = self.same_host and isinstance(end, (int, float))
-        if exact:
+        if exact and isinstance(end, (int, float)):
             deadline = float(end)
         elif isinstance(remaining, (int, float)):
             # Another host's clock: count from the reply (late by the reply's travel time).

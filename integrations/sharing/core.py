@@ -256,10 +256,11 @@ class SharingCore(Scheduler):
             return self._refuse(msg, reply_to, tag, now, f"this manager already serves {self.max_jobs} jobs",
                                 P.ERR_BUSY, key)  # fmt: skip
         used = sum(self.jobs[j].persistent_bytes for j in dev.jobs)
-        if used + msg.persistent_bytes > dev.spec.capacity_bytes:
+        persistent = int(msg.persistent_bytes or 0)  # (always set on a register: see protocol)
+        if used + persistent > dev.spec.capacity_bytes:
             self.refused += 1
             reason = (
-                f"registration refused: persistent memory {gib(msg.persistent_bytes)} does not fit on "
+                f"registration refused: persistent memory {gib(persistent)} does not fit on "
                 f"emuGPU {dev.spec.name} ({dev.spec.gpu}, {gib(dev.spec.capacity_bytes)}): "
                 f"{gib(used)} is held by {len(dev.jobs)} other job(s)"
             )

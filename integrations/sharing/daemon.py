@@ -497,8 +497,8 @@ class SharingManager:
         self._timer = self._timer_at = None
         if self._ch is None or not self._ch.is_open:
             return
-        deadline = self.core.precise_deadline()
-        if deadline is not None and deadline <= self.core.next_deadline() + self.SPIN_S:
+        deadline, next_one = self.core.precise_deadline(), self.core.next_deadline()
+        if deadline is not None and next_one is not None and deadline <= next_one + self.SPIN_S:
             while 0 < deadline - self.clock() <= self.SPIN_S:
                 pass  # the reply goes out on time instead of one timer granule late
         self._send(self.core.advance(self.clock()))

@@ -128,8 +128,7 @@ class Scheduler:
                     f"{gib(dev.spec.capacity_bytes)} total): this request's peak {gib(need)} plus "
                     f"{gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it"
                 )
-                payload = {"type": "refused", "request_id": req.rid, "reason": reason}
-                return [self._answer(job, req, payload)]
+                return [self._answer(job, req, {"type": "refused", "request_id": req.rid, "reason": reason})]
         # Back-to-back work starts when the previous slot ends, not when the loop noticed;
         # on an idle emuGPU a new request starts when the job sent it (same host, see backdate_s).
         free = tail.end if tail is not None else min(now, dev.free_at)
@@ -160,6 +159,7 @@ class Scheduler:
         job.served_count += 1
         if not req.grant:
             return []
+        assert req.deadline is not None
         payload = {
             "type": "granted",
             "request_id": req.rid,
