@@ -99,7 +99,7 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--amqp", help="broker URL (default: start a private broker)")
     ap.add_argument("--jobs", default="1,4,16", help="comma-separated concurrent job counts")
@@ -124,8 +124,68 @@ def main() -> None:
         default=None,
         help="jobs spin this long before a slot's end after sleeping (SharingClient.SPIN_MARGIN_S)",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def _start_manager(url: str, extra: list[str]) -> subprocess.Popen:
+    code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "share-manager", "--amqp", url, "--device", "0=V100:32GiB"]
+        + ["--policy", "round-robin", "--log-level", "warning", *extra]
+    )
+
+
+def _ms(xs: list[float], q: float | None) -> str:
+    if not xs:
+        return "n/a"
+    return f"{(percentile(xs, q) if q is not None else sum(xs) / len(xs)) * 1e3:.3f}"
+
+
+def _run_jobs(args: argparse.Namespace, url: str, n: int) -> list:
+    """``n`` concurrent jobs (processes or threads), started together; their results."""
+    ctx = mp.get_context("spawn")
+    start_at = time.time() + 3.0 + 0.3 * n
+    jobs_args = [
+        (url, f"bench-{n}-{i}", args.requests, args.seconds, start_at, args.legacy, args.client_spin) for i in range(n)
+    ]
+    if args.mode == "processes":
+        out: mp.Queue | queue.Queue = ctx.Queue()
+        workers: list = [ctx.Process(target=job, args=(*a, out)) for a in jobs_args]
+    else:
+        out = queue.Queue()
+        workers = [threading.Thread(target=job, args=(*a, out)) for a in jobs_args]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join()
+    return results
+
+
+def _print_row(args: argparse.Namespace, n: int, results: list) -> None:
+    rows = [row for rs, _, _ in results for row in rs]
+    old = [o for _, o, _ in rows]
+    added = [a for a, _, _ in rows if a is not None]
+    parts = [p for _, _, p in rows if p is not None]
+    # Jobs start their measured requests together (start_at); from the first start to the
+    # last finish the emuGPU served len(rows) * seconds.
+    span = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)
+    busy = f"{100 * len(rows) * args.seconds / span:8.1f}%"
+    split = (
+        f"        {_ms([p[0] for p in parts], 0.99)} / {_ms([p[1] for p in parts], 0.99)} / "
+        f"{_ms([p[2] for p in parts], 0.99)}, {100 * sum(p[0] > 0 for p in parts) / len(parts):.1f}%"
+        if parts
+        else ""
+    )
+    print(
+        f"{n:>5} {args.mode:>10} {len(rows):>9} {_ms(added, 0.5):>10} {_ms(added, 0.99):>10} "
+        f"{_ms(added, None):>7} {_ms(old, 0.5):>8} {_ms(old, 0.99):>8} {_ms(old, None):>9} {busy:>9}" + split,
+        flush=True,
+    )
+
+
+def main() -> None:
+    args = _arguments()
     broker = None
     url = args.amqp
     if url is None:
@@ -133,30 +193,12 @@ def main() -> None:
 
         broker = RabbitBroker.start()
         url = broker.url
-    code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
     extra = []
     if args.lookahead is not None:
         extra += ["--lookahead", str(args.lookahead)]
     if args.backdate is not None:
         extra += ["--backdate", str(args.backdate)]
-    manager = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            code,
-            "share-manager",
-            "--amqp",
-            url,
-            "--device",
-            "0=V100:32GiB",
-            "--policy",
-            "round-robin",
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-    )
-    ctx = mp.get_context("spawn")
+    manager = _start_manager(url, extra)
     try:
         time.sleep(2.0)
         print(
@@ -172,47 +214,7 @@ def main() -> None:
             f"p99 of: grant late / wake late / idle (ms), % grants late"
         )
         for n in [int(x) for x in args.jobs.split(",")]:
-            start_at = time.time() + 3.0 + 0.3 * n
-            jobs_args = [
-                (url, f"bench-{n}-{i}", args.requests, args.seconds, start_at, args.legacy, args.client_spin)
-                for i in range(n)
-            ]
-            if args.mode == "processes":
-                out: mp.Queue | queue.Queue = ctx.Queue()
-                workers = [ctx.Process(target=job, args=(*a, out)) for a in jobs_args]
-            else:
-                out = queue.Queue()
-                workers = [threading.Thread(target=job, args=(*a, out)) for a in jobs_args]
-            for w in workers:
-                w.start()
-            results = [out.get(timeout=600) for _ in workers]
-            for w in workers:
-                w.join()
-            rows = [row for rs, _, _ in results for row in rs]
-            old = [o for _, o, _ in rows]
-            added = [a for a, _, _ in rows if a is not None]
-            parts = [p for _, _, p in rows if p is not None]
-            # Jobs start their measured requests together (start_at); from the first start to the
-            # last finish the emuGPU served len(rows) * seconds.
-            span = max(t1 for _, _, t1 in results) - min(t0 for _, t0, _ in results)
-            busy = f"{100 * len(rows) * args.seconds / span:8.1f}%"
-
-            def ms(xs: list[float], q: float | None) -> str:
-                if not xs:
-                    return "n/a"
-                return f"{(percentile(xs, q) if q is not None else sum(xs) / len(xs)) * 1e3:.3f}"
-
-            print(
-                f"{n:>5} {args.mode:>10} {len(rows):>9} {ms(added, 0.5):>10} {ms(added, 0.99):>10} "
-                f"{ms(added, None):>7} {ms(old, 0.5):>8} {ms(old, 0.99):>8} {ms(old, None):>9} {busy:>9}"
-                + (
-                    f"        {ms([p[0] for p in parts], 0.99)} / {ms([p[1] for p in parts], 0.99)} / "
-                    f"{ms([p[2] for p in parts], 0.99)}, {100 * sum(p[0] > 0 for p in parts) / len(parts):.1f}%"
-                    if parts
-                    else ""
-                ),
-                flush=True,
-            )
+            _print_row(args, n, _run_jobs(args, url, n))
         print(f"# load average {load()} at the end")
     finally:
         manager.terminate()

@@ -1,25 +1,29 @@
 """Build the profile database from the shipped data, and open it safely from many processes.
 
-The default database is one SQLite file in ``EmuConfig.default_data_dir``. DataLoader workers
-and DDP ranks all call ``gpemu.patch()`` at the same moment, so the first build happens under
-an exclusive file lock, into a temporary file that is atomically renamed into place: a reader
-never sees a half-built database, and only one process builds it. A database built by another
-schema or data version (or whose ``meta`` cannot be read) is rebuilt the same way (readers
-holding the old file keep reading it).
+The default database is one SQLite file per schema version in ``EmuConfig.default_data_dir``,
+``profiles-v<schema>.sqlite``: a gpemu of another schema (an older release, which named its file
+``profiles.sqlite``, or a newer one) never opens this file, so it can neither wipe it nor misread
+it. DataLoader workers and DDP ranks all call ``gpemu.patch()`` at the same moment, so every
+build or refresh happens under the data directory's exclusive build lock, and only its holder
+writes ``*.building`` files (so a holder removes any it finds: left by a builder killed mid-way).
 
-A rebuild never drops a user's row. Shipped measurements carry the source tag
-``gpemu-artifact``; everything else in the old file is the user's and is carried into the new
-one: measurements with another source (imported, profiled), GPUs, models and distributions the
-shipped data does not have, and tables gpemu.db does not own (the profiler's limits). The old
-file is kept next to the new one as ``profiles.sqlite.previous`` (one that cannot be read at all
-as ``profiles.sqlite.unreadable-<time>``), and the rebuild says on stderr what it did.
+* **First use** of a schema's file: built from the shipped data into a temporary file, the
+  user's rows carried in from the most recently used file of an older schema (which is left as
+  it was, for the releases that use it), then published under its name at once (a reader never
+  sees a half-built database).
+* **New shipped data** (or ``gpemu db init --force``): the live file is refreshed in place in one
+  SQLite write transaction, after a backup (:mod:`gpemu.db.upgrade`). Writers of other
+  processes wait on SQLite's lock and write into the same file: no acknowledged row is lost.
+* **A damaged file** (its ``meta`` cannot be read, or names another schema): rebuilt into a new
+  file carrying over what can be read, the old one kept beside it.
+
+Each of these says on stderr what it did with the user's rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import datetime as _dt
 import fcntl
 import functools
@@ -42,11 +46,14 @@ from sqlalchemy.pool import NullPool, StaticPool
 
 from . import schema as S
 from .lookup import ProfileDB, gpu_row, model_row, upsert
-from .records import ARTIFACT_SOURCE, KIND_UNITS, ModelInfo, normalize_name
+from .records import ARTIFACT_SOURCE, KIND_UNITS, ModelInfo
 from .specs import gpu_facts_digest, shipped_gpus
+from .upgrade import BACKUP_SUFFIX, RebuildReport, carry_over, refresh_in_place
 
 __all__ = [
     "DEFAULT_DB_NAME",
+    "LEGACY_DB_NAME",
+    "predecessor",
     "data_version",
     "default_db_path",
     "ensure_default_db",
@@ -59,7 +66,10 @@ __all__ = [
     "RebuildReport",
 ]
 
-DEFAULT_DB_NAME = "profiles.sqlite"
+# One file per schema version: a gpemu of another schema never opens (nor rebuilds) this one.
+DEFAULT_DB_NAME = f"profiles-v{S.SCHEMA_VERSION}.sqlite"
+LEGACY_DB_NAME = "profiles.sqlite"  # the one file of every gpemu before per-schema names
+LOCK_NAME = "profiles.build.lock"
 _DATA_FILES = ("measurements.csv.gz", "models.csv", "distributions.json.gz")
 # Per row a short tag (277k copies); the full citation is stored once, in the meta table.
 _ROW_SOURCE = ARTIFACT_SOURCE
@@ -67,7 +77,7 @@ _SOURCE = "GPEmu artifact (Wang et al., PVLDB 18(6), 2025, doi:10.14778/3725688.
 
 
 def _data_path(name: str) -> Any:
-    return resources.files("gpemu.db").joinpath("data", name)
+    return resources.files("gpemu.db").joinpath("data").joinpath(name)
 
 
 @functools.lru_cache(maxsize=1)
@@ -338,9 +348,9 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def ensure_default_db(data_dir: Path, *, force: bool = False) -> Path:
-    """Build (or rebuild when outdated) the default SQLite database; returns its path.
+    """Build (or refresh when outdated) the default SQLite database; returns its path.
 
-    A rebuild carries the user's rows over from the old file and says so on stderr."""
+    The user's rows are always kept, and what happened to them is said on stderr."""
     data_dir = Path(data_dir)
     path = default_db_path(data_dir)
     if not force and _is_current(path):
@@ -353,8 +363,8 @@ def ensure_default_db(data_dir: Path, *, force: bool = False) -> Path:
             "to a writable directory or GPEMU_DB to a database URL"
         ) from None
     try:
-        path, report = _build_locked(data_dir, path, force)
-    except PermissionError as exc:
+        report = _build_locked(data_dir, path, force)
+    except (PermissionError, sqlite3.OperationalError) as exc:
         raise ValueError(
             f"cannot build the profile database in {data_dir}: {exc}; set GPEMU_DATA_DIR to a "
             "writable directory or GPEMU_DB to a database URL"
@@ -364,86 +374,117 @@ def ensure_default_db(data_dir: Path, *, force: bool = False) -> Path:
     return path
 
 
-@dataclasses.dataclass
-class RebuildReport:
-    """What a rebuild of the default database did with the old file."""
-
-    path: Path
-    why: str  # "shipped data a -> b", "schema 1 -> 2", "its meta table could not be read", "--force"
-    kept: dict[str, int] = dataclasses.field(default_factory=dict)  # rows carried over, per table
-    shadowed: list[str] = dataclasses.field(default_factory=list)  # user's versions of shipped names
-    conflicts: list[str] = dataclasses.field(default_factory=list)  # user's aliases now naming shipped GPUs
-    backup: Path | None = None
-    unreadable: str | None = None  # why the old file could not be read (nothing carried over)
-
-    def message(self) -> str:
-        head = f"profile database {self.path} rebuilt ({self.why})"
-        if self.unreadable is not None:
-            return (
-                f"{head}: the old file could not be read ({self.unreadable}); it is kept as {self.backup}, "
-                "nothing was carried over from it"
-            )
-        label = {
-            "gpus": "GPU(s)",
-            "models": "model(s)",
-            "measurements": "measurement(s)",
-            "distributions": "distribution(s)",
-        }
-        kept = (
-            ", ".join(f"{n} {label.get(table, table)}" for table, n in self.kept.items() if n) or "no rows of your own"
-        )
-        out = f"{head}: kept {kept}"
-        if self.shadowed:
-            # (the old file's row differs from the new shipped one: the user changed it, or the
-            # shipped facts changed since; gpus and models rows carry no source to tell which)
-            out += (
-                f"; the new shipped data replaces the old file's rows for {', '.join(self.shadowed[:5])}"
-                + (f" and {len(self.shadowed) - 5} more" if len(self.shadowed) > 5 else "")
-                + " (your changes, or facts an earlier gpemu shipped)"
-            )
-        if self.conflicts:
-            out += "; the alias " + "; the alias ".join(self.conflicts)
-        return out + (f"; the old file is kept as {self.backup}" if self.backup else "")
-
-
-def _build_locked(data_dir: Path, path: Path, force: bool) -> tuple[Path, RebuildReport | None]:
-    with _exclusive(data_dir / (DEFAULT_DB_NAME + ".lock")):
-        if not force and _is_current(path):  # another process built it while we waited
-            return path, None
-        fd, tmp = tempfile.mkstemp(prefix=DEFAULT_DB_NAME + ".", suffix=".building", dir=data_dir)
-        os.close(fd)
+def _build_locked(data_dir: Path, path: Path, force: bool) -> RebuildReport | None:
+    with _exclusive(data_dir / LOCK_NAME):
+        _remove_stale_builds(data_dir)
+        schema, version = _current_versions(path) if path.exists() else (None, None)
+        if not force and (schema, version) == (str(S.SCHEMA_VERSION), data_version()):
+            return None  # another process built it while we waited
+        fresh = _build_shipped(data_dir)
         try:
-            engine = make_engine(sqlite_url(tmp))
-
-            @event.listens_for(engine, "connect")
-            def _fast_build(dbapi_conn: Any, _record: Any) -> None:
-                # Nobody else sees this file until the rename, so durability per statement is
-                # wasted work; the rename publishes it whole.
-                dbapi_conn.execute("PRAGMA synchronous=OFF")
-                dbapi_conn.execute("PRAGMA journal_mode=OFF")
-
-            try:
-                load_shipped(engine)
-            finally:
-                engine.dispose()
-            report = _carry_over(path, Path(tmp), force) if path.exists() else None
-            with open(tmp, "rb+") as fh:  # on disk before it gets its public name
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; others only read it
-            if report is not None:
-                report.backup = _keep_old(path, report.unreadable is not None)
-            os.replace(tmp, path)  # atomic: readers see the old file or the complete new one
-        except BaseException:
+            if not path.exists():
+                return _first_build(data_dir, path, fresh)
+            if schema == str(S.SCHEMA_VERSION):
+                why = (
+                    "gpemu db init --force"
+                    if version == data_version()
+                    else f"shipped data {version} -> {data_version()}"
+                )
+                report = RebuildReport(path=path, why=why)
+                refresh_in_place(path, fresh, report)
+                return report
+            return _replace_damaged(path, fresh, schema)
+        finally:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    return path, report
+                fresh.unlink()
+
+
+def _remove_stale_builds(data_dir: Path) -> None:
+    """``*.building`` files: only the build lock's holder writes them, so any found by the holder
+    were left by a build that was killed (kill -9, power loss) and are removed."""
+    for stale in data_dir.glob("*.building"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def _build_shipped(data_dir: Path) -> Path:
+    """A new file in ``data_dir`` holding the shipped data only (not yet under any public name)."""
+    fd, tmp = tempfile.mkstemp(prefix=DEFAULT_DB_NAME + ".", suffix=".building", dir=data_dir)
+    os.close(fd)
+    try:
+        engine = make_engine(sqlite_url(tmp))
+
+        @event.listens_for(engine, "connect")
+        def _fast_build(dbapi_conn: Any, _record: Any) -> None:
+            # Nobody else sees this file until it is published, so durability per statement is
+            # wasted work; it is fsynced once before it gets its name.
+            dbapi_conn.execute("PRAGMA synchronous=OFF")
+            dbapi_conn.execute("PRAGMA journal_mode=OFF")
+
+        try:
+            load_shipped(engine)
+        finally:
+            engine.dispose()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def _publish(fresh: Path, path: Path) -> None:
+    """Give the finished file its public name (atomic: readers see no file or the whole one)."""
+    with open(fresh, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.chmod(fresh, 0o644)  # mkstemp makes it private; others only read it
+    os.replace(fresh, path)
+
+
+def predecessor(data_dir: Path) -> Path | None:
+    """The default database of another schema that this one's first build carries rows from: the
+    readable file of the newest schema below (or equal to) this one, including the single
+    ``profiles.sqlite`` of releases before per-schema names (a per-schema file first, then the
+    most recently written, on a tie). None when there is none."""
+    usable: list[tuple[int, bool, float, Path]] = []
+    for p in [data_dir / LEGACY_DB_NAME, *data_dir.glob("profiles-v*.sqlite")]:
+        if p.name == DEFAULT_DB_NAME or not p.is_file():
+            continue
+        schema, _ = _current_versions(p)
+        if schema is not None and schema.isdigit() and int(schema) <= S.SCHEMA_VERSION:
+            usable.append((int(schema), p.name != LEGACY_DB_NAME, p.stat().st_mtime, p))
+    return max(usable)[3] if usable else None
+
+
+def _first_build(data_dir: Path, path: Path, fresh: Path) -> RebuildReport | None:
+    old = predecessor(data_dir)
+    report = None
+    if old is not None:
+        schema, version = _current_versions(old)
+        report = RebuildReport(path=path, why=f"first use of schema {S.SCHEMA_VERSION}", how="built", source=old)
+        carry_over(old, fresh, report)
+        if report.unreadable is not None:  # (it was readable a moment ago: say so, carry nothing)
+            report.backup = old
+    _publish(fresh, path)
+    return report
+
+
+def _replace_damaged(path: Path, fresh: Path, schema: str | None) -> RebuildReport:
+    why = (
+        "its meta table could not be read"
+        if schema is None
+        else f"it says schema {schema}, its name {S.SCHEMA_VERSION}"
+    )
+    report = RebuildReport(path=path, why=why)
+    carry_over(path, fresh, report)
+    report.backup = _keep_old(path, report.unreadable is not None)
+    _publish(fresh, path)
+    return report
 
 
 def _keep_old(path: Path, unreadable: bool) -> Path:
     """Keep the old file under a second name (a hard link: ``path`` never disappears)."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    backup = path.with_name(path.name + (f".unreadable-{stamp}" if unreadable else ".previous"))
+    backup = path.with_name(path.name + (f".unreadable-{stamp}" if unreadable else BACKUP_SUFFIX))
     with contextlib.suppress(FileNotFoundError):
         backup.unlink()
     try:
@@ -453,99 +494,3 @@ def _keep_old(path: Path, unreadable: bool) -> Path:
 
         shutil.copy2(path, backup)
     return backup
-
-
-_SHIPPED_TABLES = {t.name for t in S.metadata.sorted_tables}
-
-
-def _carry_over(old: Path, new: Path, force: bool) -> RebuildReport:
-    """Copy the user's rows from the old default database into the freshly built one."""
-    schema, version = _current_versions(old)
-    if force and (schema, version) == (str(S.SCHEMA_VERSION), data_version()):
-        why = "gpemu db init --force"
-    elif schema is None:
-        why = "its meta table could not be read"
-    elif schema != str(S.SCHEMA_VERSION):
-        why = f"schema {schema} -> {S.SCHEMA_VERSION}"
-    else:
-        why = f"shipped data {version} -> {data_version()}"
-    report = RebuildReport(path=old, why=why)
-    con = sqlite3.connect(new.resolve().as_uri(), uri=True, timeout=60)  # uri: ATTACH takes one too
-    try:
-        con.execute("ATTACH DATABASE ? AS old", (f"{old.resolve().as_uri()}?mode=ro",))
-        with con:
-            report.kept = _copy_user_rows(con, report.shadowed, report.conflicts)
-    except sqlite3.Error as exc:
-        report.kept, report.shadowed, report.conflicts = {}, [], []
-        report.unreadable = str(exc)
-    finally:
-        con.close()
-    return report
-
-
-def _columns(con: sqlite3.Connection, schema: str, table: str) -> list[str]:
-    return [r[1] for r in con.execute(f'PRAGMA {schema}.table_info("{table}")')]
-
-
-def _copy_user_rows(con: sqlite3.Connection, shadowed: list[str], conflicts: list[str]) -> dict[str, int]:
-    """Within one transaction on the new file (``main``) with the old one attached as ``old``."""
-    old_tables = {r[0]: r[1] for r in con.execute("SELECT name, sql FROM old.sqlite_master WHERE type='table'")}
-    missing = [t for t in ("gpus", "models", "measurements") if t not in old_tables]
-    if missing:
-        raise sqlite3.DatabaseError(f"no table {', '.join(missing)}")
-    kept: dict[str, int] = {}
-    # GPUs, models and distributions the shipped data does not have: the user's own.
-    for table in ("gpus", "models", "distributions"):
-        if table not in old_tables:
-            continue
-        cols = [c for c in _columns(con, "main", table) if c != "id" and c in _columns(con, "old", table)]
-        names = ", ".join(cols)
-        cur = con.execute(
-            f"INSERT INTO main.{table} ({names}) SELECT {names} FROM old.{table} "
-            f"WHERE name NOT IN (SELECT name FROM main.{table})"
-        )
-        kept[table] = cur.rowcount
-        # Shipped names the user had changed: the shipped version wins; say so.
-        cmp = " OR ".join(f"o.{c} IS NOT n.{c}" for c in cols if c != "name")
-        shadowed += [
-            r[0]
-            for r in con.execute(f"SELECT o.name FROM old.{table} o JOIN main.{table} n ON n.name = o.name WHERE {cmp}")
-        ]
-    # Measurements not from the shipped data, matched to the new ids by GPU and model name.
-    cols = [
-        c
-        for c in _columns(con, "main", "measurements")
-        if c not in ("id", "gpu_id", "model_id") and c in _columns(con, "old", "measurements")
-    ]
-    src = ", ".join(f"m.{c}" for c in cols)
-    sets = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in ("kind", "batch_size", "world_size"))
-    cur = con.execute(
-        f"INSERT INTO main.measurements (gpu_id, model_id, {', '.join(cols)}) "
-        f"SELECT ng.id, nm.id, {src} FROM old.measurements m "
-        "JOIN old.gpus og ON og.id = m.gpu_id JOIN old.models om ON om.id = m.model_id "
-        "JOIN main.gpus ng ON ng.name = og.name JOIN main.models nm ON nm.name = om.name "
-        "WHERE m.source IS NOT ? "
-        f"ON CONFLICT (gpu_id, model_id, kind, batch_size, world_size) DO UPDATE SET {sets}",
-        (_ROW_SOURCE,),
-    )
-    kept["measurements"] = cur.rowcount
-    # A kept GPU's alias that now names a shipped GPU (e.g. your "H100" before gpemu shipped one).
-    shipped: dict[str, str] = {}
-    for name, aliases, prov in con.execute("SELECT name, aliases, provenance FROM main.gpus ORDER BY id"):
-        for n in (name, *json.loads(aliases or "[]")):
-            key = normalize_name(n)
-            if prov == "datasheet":
-                shipped.setdefault(key, name)
-            elif key in shipped:
-                conflicts.append(f"{n!r} of {name} now names the shipped {shipped[key]} (use {name!r})")
-    # Tables gpemu.db does not own (e.g. the profiler's profile_limits): copied whole.
-    for table, sql in old_tables.items():
-        if table in _SHIPPED_TABLES or table.startswith("sqlite_") or not sql:
-            continue
-        con.execute(sql)
-        for (index_sql,) in con.execute(
-            "SELECT sql FROM old.sqlite_master WHERE type='index' AND tbl_name=? AND sql IS NOT NULL", (table,)
-        ).fetchall():
-            con.execute(index_sql)
-        kept[f"row(s) of {table}"] = con.execute(f'INSERT INTO main."{table}" SELECT * FROM old."{table}"').rowcount
-    return kept

@@ -24,7 +24,15 @@ from .units import redact_url
 if TYPE_CHECKING:  # pragma: no cover
     from .clock import Clock
 
-__all__ = ["EmuConfig", "Tuning", "ConfigError", "ENV_PREFIX", "GRANULARITIES"]
+__all__ = [
+    "EmuConfig",
+    "Tuning",
+    "ConfigError",
+    "ENV_PREFIX",
+    "GRANULARITIES",
+    "amqp_url_problem",
+    "fill_amqp_password",
+]
 
 ENV_PREFIX = "GPEMU_"
 
@@ -34,6 +42,11 @@ class ConfigError(ValueError):
 
 
 _MEMORY_MODES = ("tracked", "profiled")
+# What a sharing manager accepts from a job (gpemu.integrations.sharing.protocol's MAX_BYTES,
+# MAX_ID_LEN, MIN_WEIGHT, MAX_WEIGHT; the core cannot import that plugin).
+SHARING_MAX_BYTES = 1 << 50
+SHARING_MAX_ID_LEN = 200
+SHARING_MIN_WEIGHT, SHARING_MAX_WEIGHT = 1e-3, 1e6
 # What one request to a sharing manager covers (the time engine hands work over at these points).
 GRANULARITIES = ("iteration", "sync", "forward-backward")
 _TRUE = {"1", "true", "yes", "on"}
@@ -216,30 +229,49 @@ class EmuConfig:
         if (
             not isinstance(self.sharing_weight, (int, float))
             or isinstance(self.sharing_weight, bool)
-            or not 0 < self.sharing_weight <= 1e6
+            or not SHARING_MIN_WEIGHT <= self.sharing_weight <= SHARING_MAX_WEIGHT
         ):
-            raise ConfigError(f"sharing_weight must be a number above 0 (at most 1e6), got {self.sharing_weight!r}")
+            raise ConfigError(
+                f"sharing_weight must be a number from {SHARING_MIN_WEIGHT:g} to {SHARING_MAX_WEIGHT:g}, "
+                f"got {self.sharing_weight!r}"
+            )
         if (
             not isinstance(self.sharing_lease_s, (int, float))
             or isinstance(self.sharing_lease_s, bool)
             or not 0.5 <= self.sharing_lease_s <= 3600
         ):
             raise ConfigError(f"sharing_lease_s must be seconds from 0.5 to 3600, got {self.sharing_lease_s!r}")
-        if self.sharing_persistent_bytes is not None and (
-            not isinstance(self.sharing_persistent_bytes, int)
-            or isinstance(self.sharing_persistent_bytes, bool)
-            or self.sharing_persistent_bytes < 0
-        ):
-            raise ConfigError(
-                f"sharing_persistent_bytes must be a byte count >= 0, got {self.sharing_persistent_bytes!r}"
-            )
+        self._check_sharing_ids()
         if not isinstance(self.tuning, Tuning):
             raise ConfigError(f"tuning must be a gpemu.config.Tuning, got {type(self.tuning).__name__}")
         if self.device_gpus is not None and len(self.device_gpus) == 0:
             raise ConfigError("device_gpus, when given, must name at least one GPU")
+        if self.device_gpus is not None and len(self.device_gpus) > 64:
+            raise ConfigError(f"device_gpus names {len(self.device_gpus)} GPUs; at most 64 per process")
+        if self.data_dir is not None:
+            _expanded_dir(self.data_dir)
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
+
+    def _check_sharing_ids(self) -> None:
+        """The settings a sharing manager would refuse at a job's registration, refused here
+        (bounds restated from the sharing protocol; tests/test_sharing.py checks them equal)."""
+        persistent = self.sharing_persistent_bytes
+        if persistent is not None and (
+            not isinstance(persistent, int) or isinstance(persistent, bool) or not 0 <= persistent <= SHARING_MAX_BYTES
+        ):
+            raise ConfigError(
+                f"sharing_persistent_bytes must be a byte count from 0 to {SHARING_MAX_BYTES} (1 PiB), "
+                f"got {persistent!r}"
+            )
+        ids = [("job_id", self.job_id)] + [("visible_devices", d) for d in self.visible_devices or ()]
+        for name, value in ids:
+            if value is not None and (len(value) > SHARING_MAX_ID_LEN or not value.isprintable()):
+                raise ConfigError(
+                    f"{name} must be printable text of at most {SHARING_MAX_ID_LEN} characters, got "
+                    f"{value[:40]!r}{'...' if len(value) > 40 else ''}"
+                )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -250,8 +282,14 @@ class EmuConfig:
     @property
     def default_data_dir(self) -> Path:
         if self.data_dir:
-            return Path(self.data_dir).expanduser()
-        return Path.home() / ".local" / "share" / "gpemu"
+            return _expanded_dir(self.data_dir)
+        try:
+            return Path.home() / ".local" / "share" / "gpemu"
+        except RuntimeError:  # no HOME and no passwd entry (a bare container user)
+            raise ConfigError(
+                "cannot find a home directory for the default data directory; set GPEMU_DATA_DIR "
+                "to a writable directory or GPEMU_DB to a database URL"
+            ) from None
 
     def replace(self, **changes: Any) -> EmuConfig:
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
@@ -285,6 +323,32 @@ class EmuConfig:
         return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}"
 
 
+def _expanded_dir(text: str) -> Path:
+    """``text`` as a directory path with ``~`` / ``~user`` expanded; ConfigError when that fails."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ConfigError(
+            f"data_dir {text!r} starts with a home directory that does not exist here; give an "
+            "existing path (e.g. ~/gpemu-data or /tmp/gpemu)"
+        ) from None
+
+
+def _name_list(name: str, value: str) -> tuple[str, ...] | None:
+    """A comma-separated list of names (``V100,A100``); None for an empty setting. A list with an
+    empty entry (``' , '``, ``',,,'``, ``'V100,,A100'``) is refused instead of silently dropped."""
+    if not value.strip():
+        return None
+    items = tuple(v.strip() for v in value.split(","))
+    if not all(items):
+        what = "GPU models" if name == "device_gpus" else "emuGPU ids"
+        raise ConfigError(
+            f"{name} ({_env_name(name)}) must be {what} separated by commas (e.g. V100,A100), got {value!r}, "
+            "which has an empty entry"
+        )
+    return items
+
+
 # Settings that cannot travel through the environment (objects, not text).
 _NOT_IN_ENV = frozenset(("clock",))
 
@@ -314,8 +378,7 @@ def _coerce(name: str, value: Any) -> Any:
         return bool(value)
     if name in ("device_gpus", "visible_devices"):
         if isinstance(value, str):
-            items = tuple(v.strip() for v in value.split(",") if v.strip())
-            return items or None
+            return _name_list(name, value)
         return tuple(value) if value is not None else None
     if name in ("model", "db_url", "sharing", "job_id", "metrics_path", "trace_path", "device_dir", "data_dir"):
         if isinstance(value, str):
@@ -346,3 +409,46 @@ def _coerce(name: str, value: Any) -> Any:
                 )
             return Tuning(**value)
     return value
+
+
+def fill_amqp_password(url: str, password: str | None) -> str:
+    """``url`` with ``password`` filled in when the URL names a user but no password (the URL's own
+    password wins): how a job, the share-manager and the device plugin's containers build the
+    URL they connect with from a password kept off the command line."""
+    if not password or "://" not in url:
+        return url
+    from urllib.parse import quote
+
+    scheme, rest = url.split("://", 1)
+    if "@" not in rest:
+        return url
+    creds, host = rest.rsplit("@", 1)
+    if ":" in creds:
+        return url
+    return f"{scheme}://{creds}:{quote(password, safe='')}@{host}"
+
+
+def amqp_url_problem(url: str, password: str | None = None) -> str | None:
+    """Why ``url`` (with ``password`` filled in where it names a user without one) is no URL a
+    broker connection can use, or None when it is. The reason never contains the password.
+
+    A URL that names a user but no password, with no password given, is refused here: pika's
+    parser fails on it with a TypeError that says nothing about the URL."""
+    if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
+        return "it must be an amqp:// or amqps:// URL"
+    rest = url.split("://", 1)[1]
+    creds = rest.rsplit("@", 1)[0] if "@" in rest else None
+    if creds is not None and ":" not in creds and not password:
+        return f"it names the broker user {creds!r} but no password (give the password in a file, or in the URL)"
+    full = fill_amqp_password(url, password)
+    try:
+        import pika
+
+        pika.URLParameters(full)
+    except Exception as exc:
+        text = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        secret = full.split("://", 1)[1].rsplit("@", 1)[0].partition(":")[2] if "@" in full else ""
+        for hidden in {secret, password or ""} - {""}:
+            text = text.replace(hidden, "***")
+        return text or type(exc).__name__
+    return None

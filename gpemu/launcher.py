@@ -37,10 +37,12 @@ def build_config(gpu: str | None = None, gpus: str | int | None = None, **settin
         text = str(gpus).strip()
         if text.lstrip("-").isdigit():
             overrides["num_gpus"] = int(text)
-        elif text:
+        elif text.replace(",", "").strip():
             overrides["device_gpus"] = text
         else:
-            raise ConfigError("--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100)")
+            raise ConfigError(
+                f"--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100), got {gpus!r}"
+            )
     config = EmuConfig.from_env(gpu=gpu, **overrides)
     if (
         (gpu is not None or "num_gpus" in overrides)
@@ -70,6 +72,9 @@ def _validate(config: EmuConfig) -> None:
         db.gpu(name)  # UnknownNameError (a ValueError) suggests the close match
     if config.model:
         db.model(config.model)
+    from .run_outputs import check_output_paths
+
+    check_output_paths(config)  # before the script starts, not after hours of training
 
 
 def child_env(config: EmuConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:

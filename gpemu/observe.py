@@ -267,7 +267,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         waits = [w for w in records.waits if w.device == d]
         samples = [m for m in records.memory if m.device == d]
         dev: dict[str, Any] = {"device": d, "gpu": gpu, "iterations": len(marks), "spans": len(spans)}
-        if timeline.start is not None:
+        if timeline.start is not None and timeline.end is not None:
             a, b = timeline.start, timeline.end
             dev["whole"] = _window(timeline, spans, a, b, t0)
             # A mark can fall after the last span's end (the host was behind): clip to the work.
@@ -380,6 +380,9 @@ def _by(d: dict[str, float], limit: int = 6) -> str:
 WINDOW_NAMES = {"steady": "steady state", "whole": "whole run"}
 
 
+_LABEL_WIDTH = 34
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The summary as aligned text (what ``gpemu run`` prints at exit and ``gpemu report`` prints).
 
@@ -397,64 +400,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {format_seconds(s['run_s'])}"
         + (f"  ({s['config']})" if s.get("config") else "")
     ]
-    w = 34
     for dev in shown:
-        whole, steady = dev["whole"], dev["steady"]
-        mem = dev["memory"]
-        if whole is None:
-            lines.append(
-                f"GPU {dev['device']} ({dev['gpu']}): no GPU work recorded"
-                + (
-                    f"; peak {format_size(mem['peak_allocated_bytes'])} allocated"
-                    if mem["peak_allocated_bytes"]
-                    else ""
-                )
-            )
-            continue
-        lines.append(f"GPU {dev['device']} ({dev['gpu']})")
-        cols = [("whole run", whole)] + ([("steady state", steady)] if steady else [])
-        lines.append("  " + "".ljust(w) + "".join(name.ljust(26) for name, _ in cols))
-
-        def row(label: str, fn: Any, cols: list = cols) -> None:
-            lines.append("  " + label.ljust(w) + "".join(fn(win).ljust(26) for _, win in cols))
-
-        row("window (since patch)", lambda x: f"{x['start_s']:.3f}-{x['end_s']:.3f} s")
-        row("wall time", lambda x: format_seconds(x["wall_s"]))
-        row("GPU busy", lambda x: f"{format_seconds(x['busy_s'])} ({_pct(x['utilisation'])})")
-        row(
-            "data stall (host not ready)",
-            lambda x: f"{format_seconds(x['data_stall_s'])} ({_pct(x['data_stall_share'])})",
-        )
-        row("other idle (deps, sharing)", lambda x: format_seconds(x["other_idle_s"]))
-        window = WINDOW_NAMES.get(dev["au_window"] or "", "whole run")
-        lines.append("  " + "accelerator utilisation (AU)".ljust(w) + f"{_pct(dev['au'])} ({window})")
-        it = dev["iteration_time"]
-        if it:
-            lines.append(
-                "  "
-                + "iteration time".ljust(w)
-                + f"mean {format_seconds(it['mean_s'])}, median {format_seconds(it['median_s'])}, "
-                f"max {format_seconds(it['max_s'])}"
-            )
-        head = steady or whole
-        lines.append("  " + f"GPU busy by kind ({window})".ljust(w) + _by(head["busy_by_kind_s"]))
-        lines.append("  " + f"stall, waiting for ({window})".ljust(w) + _by(head["stall_before_s"]))
-        hw = dev["host_waits"]
-        lines.append(
-            "  "
-            + "host waited for GPU".ljust(w)
-            + (
-                f"{format_seconds(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})"
-                if hw["count"]
-                else "-"
-            )
-        )
-        cap = f" of {format_size(mem['capacity_bytes'])}" if mem["capacity_bytes"] else ""
-        lines.append(
-            "  " + "memory".ljust(w) + f"peak {format_size(mem['peak_allocated_bytes'])} allocated / "
-            f"{format_size(mem['peak_reserved_bytes'])} reserved{cap}, "
-            f"persistent {format_size(mem['persistent_bytes'])}" + (f", {mem['ooms']} OOM(s)" if mem["ooms"] else "")
-        )
+        lines += _device_lines(dev)
+    w = _LABEL_WIDTH
     models = s.get("models") or []
     if models:
         lines.append("model time".ljust(w + 2) + "; ".join(model_source(m) for m in models))
@@ -468,10 +416,58 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _device_lines(dev: dict[str, Any]) -> list[str]:
+    """One GPU's block of the summary: its windows side by side, then one line per fact."""
+    w = _LABEL_WIDTH
+    whole, steady, mem = dev["whole"], dev["steady"], dev["memory"]
+    if whole is None:
+        peak = mem["peak_allocated_bytes"]
+        return [
+            f"GPU {dev['device']} ({dev['gpu']}): no GPU work recorded"
+            + (f"; peak {format_size(peak)} allocated" if peak else "")
+        ]
+    cols = [("whole run", whole)] + ([("steady state", steady)] if steady else [])
+    lines = [f"GPU {dev['device']} ({dev['gpu']})", "  " + "".ljust(w) + "".join(name.ljust(26) for name, _ in cols)]
+
+    def row(label: str, fn: Any) -> None:
+        lines.append("  " + label.ljust(w) + "".join(fn(win).ljust(26) for _, win in cols))
+
+    row("window (since patch)", lambda x: f"{x['start_s']:.3f}-{x['end_s']:.3f} s")
+    row("wall time", lambda x: format_seconds(x["wall_s"]))
+    row("GPU busy", lambda x: f"{format_seconds(x['busy_s'])} ({_pct(x['utilisation'])})")
+    row("data stall (host not ready)", lambda x: f"{format_seconds(x['data_stall_s'])} ({_pct(x['data_stall_share'])})")
+    row("other idle (deps, sharing)", lambda x: format_seconds(x["other_idle_s"]))
+    window = WINDOW_NAMES.get(dev["au_window"] or "", "whole run")
+    lines.append("  " + "accelerator utilisation (AU)".ljust(w) + f"{_pct(dev['au'])} ({window})")
+    it = dev["iteration_time"]
+    if it:
+        lines.append(
+            "  "
+            + "iteration time".ljust(w)
+            + f"mean {format_seconds(it['mean_s'])}, median {format_seconds(it['median_s'])}, "
+            f"max {format_seconds(it['max_s'])}"
+        )
+    head = steady or whole
+    lines.append("  " + f"GPU busy by kind ({window})".ljust(w) + _by(head["busy_by_kind_s"]))
+    lines.append("  " + f"stall, waiting for ({window})".ljust(w) + _by(head["stall_before_s"]))
+    hw = dev["host_waits"]
+    waited = (
+        f"{format_seconds(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})" if hw["count"] else "-"
+    )
+    lines.append("  " + "host waited for GPU".ljust(w) + waited)
+    cap = f" of {format_size(mem['capacity_bytes'])}" if mem["capacity_bytes"] else ""
+    lines.append(
+        "  " + "memory".ljust(w) + f"peak {format_size(mem['peak_allocated_bytes'])} allocated / "
+        f"{format_size(mem['peak_reserved_bytes'])} reserved{cap}, "
+        f"persistent {format_size(mem['persistent_bytes'])}" + (f", {mem['ooms']} OOM(s)" if mem["ooms"] else "")
+    )
+    return lines
+
+
 def model_source(m: dict[str, Any]) -> str:
     """``resnet50 on H100: scaled (GPU, from A100) ±19% (p90 52%)``: where a model's time came from."""
     fwd, bwd = m.get("forward"), m.get("backward")
-    how = fwd if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
+    how = str(fwd or "") if fwd == bwd or bwd is None else f"forward {fwd}, backward {bwd}"
     if "scaled" in (fwd, bwd) and m.get("scaled_for"):
         how += f" ({m['scaled_for']})"
     return f"{m['model']} on {m['gpu']}: {how or '-'}" + (f" {m['uncertainty']}" if m.get("uncertainty") else "")

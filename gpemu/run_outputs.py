@@ -17,21 +17,36 @@ previous disposition.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from .config import ConfigError, EmuConfig
 from .observe import compute_summary, format_summary, json_safe, records_from_runtime
 from .trace import write_trace
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "finish", "write_metrics", "per_rank_path", "PLACEHOLDER_NOTE", "STOP_SIGNALS"]
+__all__ = [
+    "install",
+    "finish",
+    "write_metrics",
+    "write_atomically",
+    "unwritable_reason",
+    "check_output_paths",
+    "per_rank_path",
+    "RunOutputs",
+    "StopSignalHandler",
+    "PLACEHOLDER_NOTE",
+    "STOP_SIGNALS",
+]
 
 # Said once at the end of a run's summary: the first thing a newcomer wonders about.
 PLACEHOLDER_NOTE = (
@@ -53,14 +68,64 @@ def per_rank_path(path: str | os.PathLike[str], rank: int | None) -> Path:
 
 
 def write_metrics(s: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write a summary as JSON, atomically (a reader never sees half a file)."""
+    """Write a summary as JSON, atomically (a reader never sees half a file, and a write that
+    fails, e.g. on a full disk, leaves no temporary file behind)."""
+    text = json.dumps(json_safe(s), indent=2) + "\n"
+    return write_atomically(path, lambda f: f.write(text))
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[str]], Any]) -> Path:
+    """Create ``path`` (and its directory) through a temporary file beside it, renamed into place
+    when ``write`` finished; the temporary file is removed when anything fails."""
     p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(json_safe(s), indent=2) + "\n")
-    os.replace(tmp, p)
+    try:
+        with open(tmp, "w") as f:
+            write(f)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     return p
+
+
+def unwritable_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why a file could not be created at ``path`` (checked before a run, so a bad --metrics or
+    --trace path is found at start, not after hours of training), or None. The directory that
+    would hold it (or its nearest existing ancestor, the rest being made when writing) is probed
+    by creating and removing an empty file there: permissions, read-only file systems and
+    pseudo file systems all answer as they will at the end. A full disk shows only when writing."""
+    import tempfile
+
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        return "it exists and is not a regular file"
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gpemu-probe-", dir=parent)
+    except OSError as exc:
+        return f"cannot create a file in {parent}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def check_output_paths(config: EmuConfig) -> None:
+    """ConfigError naming each --metrics / --trace path no file could be written to."""
+    for option, path in (
+        ("--metrics (GPEMU_METRICS)", config.metrics_path),
+        ("--trace (GPEMU_TRACE)", config.trace_path),
+    ):
+        if path:
+            reason = unwritable_reason(path)
+            if reason is not None:
+                raise ConfigError(f"{option} {path}: cannot write there ({reason})")
 
 
 def _rank() -> int | None:
@@ -120,9 +185,11 @@ def _died_of_an_exception() -> bool:
 def finish(rt: Runtime) -> dict[str, Any] | None:
     """End-of-run output: print the summary, write metrics JSON and trace as configured.
 
-    A process that did no GPU work (a DataLoader worker, a helper Python started under
-    ``gpemu run``) writes nothing, so it cannot overwrite the real run's files; it says so only
-    when the program used the emulated GPU and still recorded no work."""
+    The summary is printed whatever happens to the files: a file that cannot be written (full
+    disk, a directory removed during the run) is one line naming its path. A process that did
+    no GPU work (a DataLoader worker, a helper Python started under ``gpemu run``) writes nothing,
+    so it cannot overwrite the real run's files; it says so only when the program used the
+    emulated GPU and still recorded no work."""
     records = records_from_runtime(rt)
     if not records.spans and not records.iterations:
         if rt.config.summary and not _is_worker_process() and _touched_gpu(rt) and not _died_of_an_exception():
@@ -138,13 +205,10 @@ def finish(rt: Runtime) -> dict[str, Any] | None:
         if not rank:
             lines.append(PLACEHOLDER_NOTE)
     if rt.config.metrics_path:
-        path = write_metrics(s, per_rank_path(rt.config.metrics_path, rank))
-        lines.append(f"[gpemu] metrics written to {path}")
+        lines.append(_write_one("metrics", per_rank_path(rt.config.metrics_path, rank), lambda p: write_metrics(s, p)))
     if rt.config.trace_path:
-        path = write_trace(records, per_rank_path(rt.config.trace_path, rank), summary=s)
         lines.append(
-            f"[gpemu] trace written to {path} (open in https://ui.perfetto.dev or chrome://tracing; "
-            f"`gpemu report {path}`)"
+            _write_one("trace", per_rank_path(rt.config.trace_path, rank), lambda p: write_trace(records, p, summary=s))
         )
     if lines:
         text = "\n".join(lines)
@@ -154,56 +218,88 @@ def finish(rt: Runtime) -> dict[str, Any] | None:
     return s
 
 
-def _install_stop_signals(rt: Runtime, at_exit: Any) -> None:
-    """SIGTERM/SIGHUP whose action is the default (kill the process, skipping atexit): write the
-    run's outputs first, then die of the same signal. Signals the program handles or ignores
-    are left alone. Python sets handlers only from the main thread; elsewhere nothing is done."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    pid = os.getpid()
-    for name in STOP_SIGNALS:
-        signum = getattr(signal, name, None)
-        if signum is None:
-            continue
+def _write_one(what: str, path: Path, write: Callable[[Path], Path]) -> str:
+    """Write one output file; the line saying where it went, or why it could not be written."""
+    try:
+        written = write(path)
+    except OSError as exc:
+        return f"[gpemu] could not write the {what} to {path}: {exc.strerror or exc}"
+    if what == "trace":
+        return (
+            f"[gpemu] trace written to {written} (open in https://ui.perfetto.dev or chrome://tracing; "
+            f"`gpemu report {written}`)"
+        )
+    return f"[gpemu] {what} written to {written}"
+
+
+class StopSignalHandler:
+    """The handler of one stop signal (SIGTERM/SIGHUP) whose action was the default: writes the
+    run's outputs, then dies of the same signal as it would have without gpemu."""
+
+    def __init__(self, signum: int, outputs: RunOutputs) -> None:
+        self.signum = signum
+        self.outputs = outputs
+        self.pid = os.getpid()
+
+    def __call__(self, received: int, frame: Any) -> None:
+        # A forked child (a DataLoader worker) inherits this handler and a copy of the parent's
+        # records: it must not write the parent's files.
+        if os.getpid() == self.pid:
+            self.outputs.at_exit()
+        signal.signal(received, signal.SIG_DFL)
+        os.kill(os.getpid(), received)  # the default action, as without gpemu
+
+    def restore(self) -> None:
+        """Back to the default action, unless the program has installed its own handler since."""
+        signum = self.signum
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signum) is self:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+class RunOutputs:
+    """The end-of-run output of one run: written once, at exit or on a stop signal."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._done = threading.Lock()
+
+    def at_exit(self) -> None:
+        if not self._done.acquire(blocking=False):
+            return  # already written (a stop signal arrived while or after exiting)
         try:
-            if signal.getsignal(signum) is not signal.SIG_DFL:
+            finish(self.rt)
+        except Exception as exc:  # never turn a finished training run into a crash at exit
+            print(f"[gpemu] could not write the run summary: {type(exc).__name__}: {exc}", file=sys.stderr)
+            if self.rt.config.debug:
+                raise
+
+    def install_stop_signals(self) -> None:
+        """SIGTERM/SIGHUP whose action is the default (kill the process, skipping atexit): write
+        the run's outputs first. Signals the program handles or ignores are left alone. Python
+        sets handlers only from the main thread; elsewhere nothing is done."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is None:
                 continue
-        except (OSError, ValueError):
-            continue
-
-        def on_signal(received: int, frame: Any) -> None:
-            # A forked child (a DataLoader worker) inherits this handler and a copy of the
-            # parent's records: it must not write the parent's files.
-            if os.getpid() == pid:
-                at_exit()
-            signal.signal(received, signal.SIG_DFL)
-            os.kill(os.getpid(), received)  # the default action, as without gpemu
-
-        signal.signal(signum, on_signal)
-
-        def restore(signum: int = signum, handler: Any = on_signal) -> None:
-            if threading.current_thread() is threading.main_thread() and signal.getsignal(signum) is handler:
-                signal.signal(signum, signal.SIG_DFL)
-
-        rt.patcher.on_restore(restore)
+            try:
+                if signal.getsignal(signum) is not signal.SIG_DFL:
+                    continue
+            except (OSError, ValueError):
+                continue
+            handler = StopSignalHandler(signum, self)
+            signal.signal(signum, handler)
+            self.rt.patcher.on_restore(handler.restore)
 
 
 def install(rt: Runtime) -> None:
-    """Register the end-of-run output for this run (unregistered again by ``gpemu.unpatch()``)."""
+    """Register the end-of-run output for this run (unregistered again by ``gpemu.unpatch()``).
 
-    done = threading.Lock()
-
-    def at_exit() -> None:
-        if not done.acquire(blocking=False):
-            return  # already written (a stop signal arrived while or after exiting)
-        try:
-            finish(rt)
-        except Exception as exc:  # never turn a finished training run into a crash at exit
-            print(f"[gpemu] could not write the run summary: {type(exc).__name__}: {exc}", file=sys.stderr)
-            if rt.config.debug:
-                raise
-
-    atexit.register(at_exit)
-    rt.patcher.on_restore(lambda: atexit.unregister(at_exit))
-    _install_stop_signals(rt, at_exit)
-    rt.at_exit = at_exit
+    An output path no file could be written to fails here, at start, with one line."""
+    check_output_paths(rt.config)
+    outputs = RunOutputs(rt)
+    atexit.register(outputs.at_exit)
+    rt.patcher.on_restore(lambda: atexit.unregister(outputs.at_exit))
+    outputs.install_stop_signals()
+    rt.at_exit = outputs.at_exit

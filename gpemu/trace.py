@@ -13,29 +13,25 @@ Loads in https://ui.perfetto.dev and chrome://tracing:
 
 Times are relative to patch time. ``otherData`` holds what a summary needs besides the events
 (GPU names, counters, memory tracker peaks) and the summary itself, so ``gpemu report`` can
-recompute the summary from the file alone (:func:`load_trace`).
+recompute the summary from the file alone (:func:`gpemu.trace_reader.load_trace`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from .observe import RunRecords, Timeline, compute_summary, json_safe
-from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
+from .observe import Timeline, compute_summary, json_safe
 
-__all__ = ["write_trace", "trace_events", "load_trace", "TraceError", "TRACE_FORMAT"]
+__all__ = ["write_trace", "trace_events", "TRACE_FORMAT"]
 
 TRACE_FORMAT = "gpemu-trace/1"
 HOST_TID = 0
 IDLE_TID = 99999  # after the streams in the viewer (sort index below)
 _MiB = float(1 << 20)
-
-
-class TraceError(ValueError):
-    """A file that is not a trace written by gpemu (or is damaged)."""
 
 
 def _us(t: float, t0: float) -> float:
@@ -44,29 +40,8 @@ def _us(t: float, t0: float) -> float:
 
 def trace_events(records: Any) -> list[dict[str, Any]]:
     """Trace events for :class:`gpemu.observe.RunRecords` (metadata first)."""
-
     t0 = records.started_at
-    events: list[dict[str, Any]] = []
-    streams: dict[int, set[int]] = {d: set() for d in range(records.num_devices)}
-    for s in records.spans:
-        streams.setdefault(s.device, set()).add(s.stream)
-    for d, gpu in enumerate(records.gpus):
-        pid = d + 1
-        events.append(
-            {"name": "process_name", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"name": f"GPU {d} ({gpu})"}}
-        )
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"sort_index": d}})
-        threads = [(HOST_TID, "host (waits for GPU, iterations)", 0)]
-        threads += [
-            (sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
-            for sid in sorted(streams.get(d, ()))
-        ]
-        threads.append((IDLE_TID, "GPU idle (data stall / other)", 1 << 20))
-        for tid, name, order in threads:
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            events.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}}
-            )
+    events = _metadata_events(records)
     for s in records.spans:
         events.append(
             {
@@ -95,30 +70,48 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
         )
     for m in records.iterations:
         events.append(
-            {
-                "name": f"iteration {m.index}",
-                "cat": "iteration",
-                "ph": "i",
-                "s": "p",
-                "ts": _us(m.time, t0),
-                "pid": m.device + 1,
-                "tid": HOST_TID,
-                "args": {"index": m.index},
-            }
-        )
-    for m in records.memory:
+            {"name": f"iteration {m.index}", "cat": "iteration", "ph": "i", "s": "p", "ts": _us(m.time, t0),
+             "pid": m.device + 1, "tid": HOST_TID, "args": {"index": m.index}}
+        )  # fmt: skip
+    for sample in records.memory:
         events.append(
-            {
-                "name": "memory",
-                "cat": "memory",
-                "ph": "C",
-                "ts": _us(m.time, t0),
-                "pid": m.device + 1,
-                "tid": HOST_TID,
-                "args": {"allocated_MiB": m.allocated / _MiB, "reserved_MiB": m.reserved / _MiB},
-            }
+            {"name": "memory", "cat": "memory", "ph": "C", "ts": _us(sample.time, t0), "pid": sample.device + 1,
+             "tid": HOST_TID,
+             "args": {"allocated_MiB": sample.allocated / _MiB, "reserved_MiB": sample.reserved / _MiB}}
+        )  # fmt: skip
+    return events + _idle_events(records)
+
+
+def _metadata_events(records: Any) -> list[dict[str, Any]]:
+    """A process per GPU, a thread per stream plus the host and idle threads, in display order."""
+    events: list[dict[str, Any]] = []
+    streams: dict[int, set[int]] = {d: set() for d in range(records.num_devices)}
+    for s in records.spans:
+        streams.setdefault(s.device, set()).add(s.stream)
+    for d, gpu in enumerate(records.gpus):
+        pid = d + 1
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"name": f"GPU {d} ({gpu})"}}
         )
-    # Idle segments: derived (report recomputes them from the spans), drawn for the eye.
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": HOST_TID, "args": {"sort_index": d}})
+        threads = [(HOST_TID, "host (waits for GPU, iterations)", 0)]
+        threads += [
+            (sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
+            for sid in sorted(streams.get(d, ()))
+        ]
+        threads.append((IDLE_TID, "GPU idle (data stall / other)", 1 << 20))
+        for tid, name, order in threads:
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": order}}
+            )
+    return events
+
+
+def _idle_events(records: Any) -> list[dict[str, Any]]:
+    """Idle segments: derived (report recomputes them from the spans), drawn for the eye."""
+    t0 = records.started_at
+    events: list[dict[str, Any]] = []
     for d in range(records.num_devices):
         timeline = Timeline([s for s in records.spans if s.device == d])
         for start, end, cat, detail in timeline.segments:
@@ -126,17 +119,9 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
                 continue
             name = f"data stall (waiting for {detail})" if cat == "data_stall" else "idle, work enqueued"
             events.append(
-                {
-                    "name": name,
-                    "cat": cat,
-                    "ph": "X",
-                    "ts": _us(start, t0),
-                    "dur": round((end - start) * 1e6, 3),
-                    "pid": d + 1,
-                    "tid": IDLE_TID,
-                    "args": {},
-                }
-            )
+                {"name": name, "cat": cat, "ph": "X", "ts": _us(start, t0), "dur": round((end - start) * 1e6, 3),
+                 "pid": d + 1, "tid": IDLE_TID, "args": {}}
+            )  # fmt: skip
     return events
 
 
@@ -161,86 +146,14 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
         },
     }
     p = Path(path)
-    if not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
-    os.replace(tmp, p)
+    try:  # a reader never sees half a file; a failed write (full disk) leaves no temporary file
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     return p
-
-
-def load_trace(path: str | os.PathLike[str]) -> Any:
-    """Read a trace written by :func:`write_trace` back into :class:`gpemu.observe.RunRecords`
-    (times in seconds since patch time)."""
-
-    p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"no trace file at {str(p)!r}; write one with `gpemu run --trace trace.json -- ...`")
-    try:
-        doc = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(
-            f"{p} is not JSON ({exc}); `gpemu report` reads traces written by `gpemu run --trace FILE`"
-        ) from None
-    other = doc.get("otherData") if isinstance(doc, dict) else None
-    if (
-        not isinstance(other, dict)
-        or other.get("format") != TRACE_FORMAT
-        or not isinstance(doc.get("traceEvents"), list)
-    ):
-        raise TraceError(
-            f"{p} is not a gpemu trace (expected a JSON object with traceEvents and "
-            f"otherData.format {TRACE_FORMAT!r}); write one with `gpemu run --trace FILE`"
-        )
-    gpus = other.get("gpus")
-    if not isinstance(gpus, list) or not gpus:
-        raise TraceError(f"{p}: otherData.gpus must list the emulated GPUs")
-    rec = RunRecords(
-        gpus=[str(g) for g in gpus],
-        counters=dict(other.get("counters") or {}),
-        notes=list(other.get("notes") or []),
-        started_at=0.0,
-        ended_at=float(other.get("ended_us") or 0.0) / 1e6,
-        memory_stats=list(other.get("memory_stats") or []),
-        config=str(other.get("config") or ""),
-        models=[m for m in other.get("models") or [] if isinstance(m, dict) and "model" in m],
-    )
-    try:
-        for e in doc["traceEvents"]:
-            ph, cat = e.get("ph"), e.get("cat")
-            if ph == "M":
-                continue
-            device = int(e["pid"]) - 1
-            ts = float(e["ts"]) / 1e6
-            args = e.get("args") or {}
-            if ph == "X" and "enqueued_us" in args:
-                rec.spans.append(
-                    GpuSpan(
-                        device,
-                        int(args.get("stream", int(e["tid"]) - 1)),
-                        str(args.get("kind", cat)),
-                        str(e.get("name", "")),
-                        ts,
-                        ts + float(e.get("dur", 0)) / 1e6,
-                        float(args["enqueued_us"]) / 1e6,
-                    )
-                )
-            elif ph == "X" and cat == "host-wait":
-                rec.waits.append(
-                    HostWait(device, str(args.get("reason", e.get("name", ""))), ts, ts + float(e.get("dur", 0)) / 1e6)
-                )
-            elif ph == "i" and cat == "iteration":
-                rec.iterations.append(IterationMark(device, ts, int(args.get("index", 0))))
-            elif ph == "C" and e.get("name") == "memory":
-                rec.memory.append(
-                    MemorySample(
-                        device,
-                        ts,
-                        int(round(float(args["allocated_MiB"]) * _MiB)),
-                        int(round(float(args["reserved_MiB"]) * _MiB)),
-                    )
-                )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TraceError(f"{p}: a trace event is malformed ({type(exc).__name__}: {exc})") from None
-    return rec

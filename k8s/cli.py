@@ -195,7 +195,7 @@ def plugin_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = {"poll_interval": "poll_interval_s", "removed_grace": "removed_grace_s"}
     options = load_plugin_config(config_path) if config_path else PluginOptions()
-    changes = {names.get(k, k): v for k, v in flags.items() if v is not None}
+    changes: dict[str, Any] = {names.get(k, k): v for k, v in flags.items() if v is not None}
     if sharing_password_file:
         changes["sharing_password"] = read_secret_file(sharing_password_file, "broker password").decode()
     elif sharing_password:
@@ -207,7 +207,7 @@ def plugin_cmd(
 
         options = replace(options, **changes)
     if options.sharing:
-        _check_amqp_url(options.sharing)
+        _check_amqp_url(options.sharing, options.sharing_password)
     EmuGpuPlugin(options).run_forever()
 
 
@@ -224,17 +224,17 @@ def read_secret_file(path: str, what: str) -> bytes:
     return data
 
 
-def _check_amqp_url(url: str) -> None:
-    """A --sharing URL pika cannot use is one line (password redacted), not a failure per Allocate."""
-    import pika
-
+def _check_amqp_url(url: str, password: str | None) -> None:
+    """A --sharing URL the containers could not use is one line at start (password redacted), not
+    a failure per Allocate. Checked as the containers will use it: with the password from
+    --sharing-password-file filled in (the URL the DaemonSet passes names the user only)."""
+    from gpemu.config import amqp_url_problem
     from gpemu.units import redact_url
 
-    try:
-        pika.URLParameters(url)
-    except Exception as exc:
-        text = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise UserError(f"--sharing {redact_url(url)!r} is not a usable AMQP URL: {text}") from None
+    problem = amqp_url_problem(url, password)
+    if problem is not None:
+        hint = "; give the password with --sharing-password-file" if "no password" in problem else ""
+        raise UserError(f"--sharing {redact_url(url)!r} is not a usable AMQP URL: {problem}{hint}")
 
 
 @k8s.command("secrets")

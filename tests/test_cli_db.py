@@ -130,7 +130,7 @@ def test_db_path_init_export_import_with_db_url(runner, tmp_path):
     default = runner.invoke(cli, ["db", "path"])
     # (its first line: a second one says when the default database is not built yet, which
     # depends on whether an earlier test of this session built it)
-    assert default.exit_code == 0 and default.output.splitlines()[0].strip().endswith("profiles.sqlite")
+    assert default.exit_code == 0 and default.output.splitlines()[0].strip().endswith("profiles-v2.sqlite")
 
     url = f"sqlite:///{tmp_path / 'sub.sqlite'}"
     assert runner.invoke(cli, ["db", "path", "--db", url]).output.strip() == url

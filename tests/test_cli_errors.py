@@ -147,3 +147,33 @@ def test_every_subcommand_fails_in_one_clear_line(tmp_path):
 def test_db_path_never_prints_a_password(tmp_path):
     [(rc, err, out)] = _run_all([["db", "path", "--db", f"postgresql://u:{SECRET}@h/d"]], tmp_path)
     assert rc == 0 and out.strip() == "postgresql://u:***@h/d" and SECRET not in err
+
+
+def test_odd_data_dir_and_empty_gpu_lists_are_one_clear_line(tmp_path):
+    """GPEMU_DATA_DIR naming a user that does not exist, and GPU lists with empty entries, as a user
+    types them (environment and --gpus): one line each, never a traceback nor a silent 1 x V100."""
+    base = {**os.environ, "COLUMNS": "1000"}
+    base.pop("GPEMU_DB", None)
+    cases = [
+        ({"GPEMU_DATA_DIR": "~nosuchuser-gpemu/x"}, ["gpus"], "starts with a home directory that does not exist"),
+        ({"GPEMU_GPUS": ",,,"}, ["run", "--", "python", "-c", "1"], "has an empty entry"),
+        ({}, ["run", "--gpus", " , ", "--", "python", "-c", "1"], "--gpus must be a count"),
+        ({}, ["run", "--gpus", "V100,,A100", "--", "python", "-c", "1"], "has an empty entry"),
+        (
+            {"GPEMU_SHARING_PERSISTENT_BYTES": str(2**51)},
+            ["run", "--share", "amqp://guest:guest@127.0.0.1/", "--", "python", "-c", "1"],
+            "sharing_persistent_bytes must be a byte count from 0 to 1125899906842624",
+        ),
+    ]
+    for extra, argv, expected in cases:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))", *argv],
+            capture_output=True,
+            text=True,
+            env={**base, **extra},
+            cwd=tmp_path,
+            timeout=120,
+        )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (argv, proc.stderr)

@@ -86,7 +86,7 @@ def test_outdated_or_broken_database_is_rebuilt(tmp_path):
     con.close()
     ensure_default_db(tmp_path)
     assert _meta(path)["data_version"] == data_version()
-    assert os.stat(path).st_ino != ino
+    assert os.stat(path).st_ino == ino  # refreshed in place: open connections keep writing into it
 
     db = open_profile_db(EmuConfig(data_dir=str(tmp_path)))
     assert db.lookup("K80", "vgg16", 32, "backward").provenance == "measured"
@@ -219,7 +219,7 @@ def test_upgrade_keeps_imported_and_profiled_rows_and_says_so(tmp_path):
     shown = _gpemu("show", "mynet", "--gpu", "RTX3090", "-b", "8", "--json", data_dir=data)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["measurements"]["forward"]["value"] == 0.0123
-    assert "rebuilt (shipped data 0000 -> " in shown.stderr
+    assert "refreshed in place (shipped data 0000 -> " in shown.stderr
     assert "kept 1 GPU(s), 1 model(s), 2 measurement(s), 1 row(s) of profile_limits" in shown.stderr
     assert _meta(path)["data_version"] == data_version()
     db = open_profile_db(EmuConfig(data_dir=str(data)))
@@ -230,7 +230,7 @@ def test_upgrade_keeps_imported_and_profiled_rows_and_says_so(tmp_path):
     con = sqlite3.connect(path)
     assert con.execute("SELECT gpu, oom_batch_size FROM profile_limits").fetchall() == [("RTX3090", 512)]
     con.close()
-    assert (data / "profiles.sqlite.previous").exists()  # and the old file itself is kept
+    assert (data / "profiles-v2.sqlite.previous").exists()  # and a copy from before is kept
     again = _gpemu("gpus", data_dir=data)  # current now: no second rebuild, no message
     assert again.returncode == 0 and "rebuilt" not in again.stderr and "RTX3090" in again.stdout
 
@@ -262,7 +262,7 @@ def test_a_file_that_is_not_a_database_is_kept_aside_and_reported(tmp_path, caps
     path.write_bytes(b"SQLite format 3\x00 but then garbage" * 100)
     ensure_default_db(tmp_path)
     err = capsys.readouterr().err
-    kept = [p for p in tmp_path.iterdir() if p.name.startswith("profiles.sqlite.unreadable-")]
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("profiles-v2.sqlite.unreadable-")]
     assert len(kept) == 1 and kept[0].read_bytes().startswith(b"SQLite format 3\x00 but then garbage")
     assert "could not be read" in err and "nothing was carried over" in err and str(kept[0]) in err
     assert open_profile_db(EmuConfig(data_dir=str(tmp_path))).count() == open_profile_db(EmuConfig.from_env()).count()

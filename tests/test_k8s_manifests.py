@@ -233,3 +233,23 @@ def test_dockerfile_structure():
     assert "CMD" in instructions or "ENTRYPOINT" in instructions
     # Nothing world-writable: no chmod granting "other" write, no 777/666 modes.
     assert not re.search(r"chmod\s+(-R\s+)?(a\+[rwxX]*w|o\+[rwxX]*w|[0-7]?[0-7][0-7][2367]\b)", runs), runs
+
+
+def test_no_plain_amqp_on_a_host_port_and_every_container_is_confined():
+    """The broker is reached through a node-local Service, not a hostPort; every container drops
+    every capability and cannot gain privileges; the broker does not run as root."""
+    for name, spec in _pod_specs():
+        assert not spec.get("hostNetwork"), name
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            assert all("hostPort" not in port for port in c.get("ports", [])), (name, c["name"])
+            sc = c.get("securityContext") or {}
+            assert sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities") == {"drop": ["ALL"]}, (
+                name,
+                c["name"],
+            )
+            assert not sc.get("privileged"), (name, c["name"])
+            if c["name"] == "rabbitmq":
+                assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0
+    services = [d for _, d in _docs() if d["kind"] == "Service"]
+    broker = next(d for d in services if d["metadata"]["name"] == "gpemu-sharing")
+    assert broker["spec"]["internalTrafficPolicy"] == "Local" and broker["spec"].get("type", "ClusterIP") == "ClusterIP"

@@ -69,9 +69,9 @@ def test_broker_config_boots_rabbitmq_with_the_two_users_and_no_guest(tmp_path):
 def test_the_plugins_copies_of_the_sharing_protocol_facts_match_it():
     """gpemu.k8s restates two facts of the sharing protocol (the packages are independent)."""
     from gpemu.integrations.sharing import client, protocol
-    from gpemu.k8s import plugin, secrets
+    from gpemu.k8s import allocation, secrets
 
     assert secrets.JOB_PERMISSIONS == protocol.JOB_PERMISSIONS
-    assert plugin._CREDENTIALS_NAME == client.CREDENTIALS_FILE
+    assert allocation.CREDENTIALS_NAME == client.CREDENTIALS_FILE
     for secret, job_id in ((b"s" * 32, "k8s-0123abcd"), (bytes(range(40)), "k8s-x.1")):
-        assert plugin.derive_job_key(secret, job_id) == protocol.derive_job_key(secret, job_id)
+        assert allocation.derive_job_key(secret, job_id) == protocol.derive_job_key(secret, job_id)

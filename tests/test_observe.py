@@ -300,7 +300,7 @@ def test_summary_says_where_each_models_time_came_from(tmp_path):
     autocast is scaled for precision (no measurement checks that ratio: no ±); a model the
     database does not know is estimated with the cost model's cross-validated ±."""
     from examples import tvmodels
-    from gpemu import trace
+    from gpemu import trace, trace_reader
 
     with torch.device("meta"):
         net = tvmodels.resnet18()
@@ -325,4 +325,4 @@ def test_summary_says_where_each_models_time_came_from(tmp_path):
     )
     # a trace keeps them for `gpemu report`
     path = trace.write_trace(records, tmp_path / "trace.json")
-    assert trace.load_trace(path).models == records.models
+    assert trace_reader.load_trace(path).models == records.models

@@ -143,7 +143,7 @@ def test_compare_json_holds_both(tmp_path, capsys):
 
 
 def test_plot_helpers_for_long_runs(tmp_path):
-    from gpemu.cli.report_cmd import _envelope, _memory_series, _nice_step
+    from gpemu.cli.report_plot import _envelope, _memory_series, _nice_step
 
     assert [_nice_step(n, 150) for n in (30, 150, 151, 2000)] == [1, 1, 2, 20]
     records, _ = _scripted_trace(tmp_path / "t.json", [0.002], 3)
@@ -169,7 +169,7 @@ def test_plot_a_long_run(tmp_path, capsys):
 
 def test_compare_ignores_rounding_noise(tmp_path):
     from gpemu.cli.report_cmd import compare_rows
-    from gpemu.trace import load_trace
+    from gpemu.trace_reader import load_trace
 
     _, a = _scripted_trace(tmp_path / "a.json", [0.01], 5)
     sa = compute_summary(load_trace(a))

@@ -149,3 +149,76 @@ def test_errors_are_one_line_in_logs() -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and len(lines[0]) > 80, proc.stderr
     assert lines[0].startswith("error: unknown GPU 'V1OO'") and "valid gpus:" in lines[0].lower()
+
+
+SMALL_SCRIPT = textwrap.dedent("""
+    import torch
+    model = torch.nn.Linear(64, 10).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.randn(32, 64).cuda()).sum()
+        opt.zero_grad(); loss.backward(); opt.step(); loss.item()
+    print("script done", flush=True)
+""")
+
+
+@pytest.mark.subprocess
+def test_an_unwritable_output_path_is_one_line_at_start(tmp_path: Path) -> None:
+    """A --metrics path no file can be created at fails `gpemu run` before the script runs,
+    naming the path, instead of costing the summary at the end of the run."""
+    script = tmp_path / "train.py"
+    script.write_text(SMALL_SCRIPT)
+    proc = subprocess.run(
+        [*GPEMU, "run", "--metrics", "/proc/self/gpemu/m.json", "--", "python", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "script done" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/proc/self/gpemu/m.json" in lines[-1] and "cannot write there" in lines[-1]
+
+
+@pytest.mark.subprocess
+def test_outputs_that_fail_to_write_keep_the_summary_and_leave_no_temp_files(tmp_path: Path) -> None:
+    """A disk that fills up during the run (here: a 200-byte file size limit): the script's output
+    and exit status are kept, the summary is printed, each failed file is one line with its path,
+    and no temporary file stays behind."""
+    import resource
+
+    script = tmp_path / "train.py"
+    script.write_text(SMALL_SCRIPT)
+    out = tmp_path / "out"
+
+    def full_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+
+    proc = subprocess.run(
+        [*GPEMU, "run", "--metrics", str(out / "m.json"), "--trace", str(out / "t.json"), "--", "python", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=full_disk,
+    )
+    assert proc.returncode == 0 and "script done" in proc.stdout, proc.stderr[-2000:]
+    assert "gpemu summary:" in proc.stderr
+    assert f"could not write the metrics to {out / 'm.json'}: File too large" in proc.stderr
+    assert f"could not write the trace to {out / 't.json'}: File too large" in proc.stderr
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.subprocess
+def test_report_plot_to_an_unwritable_path_is_one_line(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    script = tmp_path / "train.py"
+    script.write_text(SMALL_SCRIPT)
+    made = subprocess.run(
+        [*GPEMU, "run", "--trace", str(trace), "--", "python", str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = subprocess.run(
+        [*GPEMU, "report", str(trace), "--plot", "/proc/self/x/fig.png"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "cannot write the figure to /proc/self/x/fig.png" in proc.stderr

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +13,8 @@ from gpemu.clock import VirtualClock
 from gpemu.observe import RunRecords, compute_summary
 from gpemu.recorder import Recorder
 from gpemu.time import TimeEngine
-from gpemu.trace import IDLE_TID, TraceError, load_trace, write_trace
+from gpemu.trace import IDLE_TID, write_trace
+from gpemu.trace_reader import TraceError, load_trace
 
 START = 50.0
 
@@ -146,5 +150,107 @@ def test_load_trace_rejects_other_files(tmp_path):
             }
         )
     )
-    with pytest.raises(TraceError, match="malformed"):
+    with pytest.raises(TraceError, match="trace event 1: ts must be a number from -1e"):
         load_trace(bad)
+
+
+# ---------------------------------------------------------------------------- hostile traces
+def _good_doc() -> dict:
+    return {
+        "traceEvents": [
+            {"name": "fwd", "cat": "forward", "ph": "X", "ts": 10.0, "dur": 5.0, "pid": 1, "tid": 1,
+             "args": {"kind": "forward", "stream": 0, "enqueued_us": 9.0}},
+            {"name": "iteration 0", "cat": "iteration", "ph": "i", "s": "p", "ts": 15.0, "pid": 1, "tid": 0,
+             "args": {"index": 0}},
+        ],
+        "otherData": {"format": "gpemu-trace/1", "gpus": ["V100"], "ended_us": 20.0, "counters": {}, "notes": []},
+    }  # fmt: skip
+
+
+def _hostile_files(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """Name -> the expected start of the one error line, for crafted files (JSON text or bytes)."""
+
+    def doc(**changes) -> str:
+        d = _good_doc()
+        for path, value in changes.items():
+            where, key = (d["otherData"], path[6:]) if path.startswith("other_") else (d, path)
+            where[key] = value
+        return json.dumps(d)
+
+    def event(**fields) -> str:
+        d = _good_doc()
+        d["traceEvents"][0].update(fields)
+        return json.dumps(d)
+
+    huge = "1" + "0" * 400
+    return {
+        "inf-ts.json": (event(ts=777).replace('"ts": 777', '"ts": 1e400'), "overflow"),
+        "big-int-ts.json": (event(ts=777).replace('"ts": 777', f'"ts": {huge}'), "is not JSON"),
+        "nan.json": (event(ts=777).replace('"ts": 777', '"ts": NaN'), "is not JSON"),
+        "nan-dur.json": (event(dur="NaN"), "dur must be a number from 0"),
+        "negative-dur.json": (event(dur=-5.0), "dur must be a number from 0"),
+        "deep.json": ('{"traceEvents": [' + "[" * 200_000 + "]" * 200_000 + "]}", "nested deeper"),
+        "deep-ignored.json": ('{"x": ' + "[" * 200_000 + "]" * 200_000 + "}", "not a gpemu trace"),
+        "events-dict.json": (doc(traceEvents={"a": 1}), "traceEvents must be a list"),
+        "events-str.json": (doc(traceEvents="x"), "traceEvents must be a list"),
+        "event-int.json": (doc(traceEvents=[5]), "trace event 1: must be an object"),
+        "counters-list.json": (doc(other_counters=[1, 2]), "otherData.counters must map names to numbers"),
+        "counters-str.json": (doc(other_counters={"a": "x"}), "otherData.counters must map names to numbers"),
+        "notes-dict.json": (doc(other_notes={"a": 1}), "otherData.notes must be a list of strings"),
+        "memory-stats-int.json": (doc(other_memory_stats=7), "memory_stats must be lists of objects"),
+        "memory-stats-neg.json": (doc(other_memory_stats=[{"capacity": -1}]), "capacity must be a whole number"),
+        "gpus-million.json": (doc(other_gpus=["V100"] * 1_000_000), "otherData.gpus: more than 64 items"),
+        "gpus-none.json": (doc(other_gpus=[]), "otherData.gpus must list the emulated GPUs"),
+        "pid-beyond.json": (event(pid=3), "is on GPU 2, but otherData.gpus lists 1 GPU(s)"),
+        "ended-str.json": (doc(other_ended_us="soon"), "ended_us must be a number from"),
+        "truncated.json": (json.dumps(_good_doc())[:-30], "is not JSON"),
+        "binary.json": ("\x00\xff garbage", "is not JSON"),
+        "array.json": ("[1, 2, 3]", "not a gpemu trace"),
+    }
+
+
+@pytest.mark.subprocess
+def test_hostile_traces_are_one_line_each_never_a_traceback(tmp_path):
+    """Crafted files through `gpemu report` as a user runs it: one error line each (what was
+    wrong), no traceback, no NaN/Inf/negative time printed as a result."""
+    cases = _hostile_files(tmp_path)
+    for name, (text, _) in cases.items():
+        (tmp_path / name).write_text(text)
+    driver = (
+        "import contextlib, io, json, sys\nfrom gpemu.cli import main\nout = []\n"
+        "for f in sys.argv[1:]:\n    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        rc = main(['report', f])\n    out.append([rc, err.getvalue()])\nprint(json.dumps(out))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, *(str(tmp_path / n) for n in cases)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (name, (_, expected)), (rc, err) in zip(cases.items(), json.loads(proc.stdout.splitlines()[-1]), strict=True):
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, err[-500:])
+        assert expected in lines[0], (name, lines[0])
+
+
+@pytest.mark.subprocess
+def test_a_large_value_under_an_ignored_key_is_streamed_not_loaded(tmp_path):
+    """100 MB under a key the report does not read (the stored summary): memory stays bounded."""
+    d = _good_doc()
+    path = tmp_path / "bomb.json"
+    body = json.dumps(d)
+    with open(path, "w") as f:
+        f.write(body[:-1] + ', "bomb": [')
+        chunk = ",".join(['"' + "x" * 1000 + '"'] * 1000)
+        for i in range(100):
+            f.write(("," if i else "") + chunk)
+        f.write("]}")
+    code = (
+        "import resource, sys\nfrom gpemu.trace_reader import load_trace\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\nrec = load_trace(sys.argv[1])\n"
+        "print(len(rec.spans), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spans, grew_mib = map(int, proc.stdout.split())
+    assert spans == 1 and grew_mib < 50, f"reading grew RSS by {grew_mib} MiB"

@@ -115,64 +115,53 @@ def gpus(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
 
         click.echo(json.dumps([{**gpu_json(s), "measurements": counts.get(s.name, 0)} for s in specs], indent=2))
         return
+    _print_gpu_table(specs, counts)
+
+
+def _gpu_status(spec: Any, rows: int) -> str:
+    """measured: the database has model times on it; datasheet: shipped figures only; added:
+    figures someone entered (`gpemu gpus add`, an import); profiled: rates `gpemu profile` measured."""
+    if rows:
+        return "[green]measured[/green]"
+    if spec.provenance == "datasheet":
+        return "[yellow]datasheet[/yellow]"
+    return f"[yellow]{'added' if spec.provenance == 'user' else spec.provenance}[/yellow]"
+
+
+def _gpu_row(spec: Any, rows: int, width: int) -> list[str]:
+    cc = f"{spec.compute_capability[0]}.{spec.compute_capability[1]}" if spec.compute_capability else "?"
+    bf16 = spec.bf16_tensor_flops
+    bf16_text = "?" if bf16 is None else ("-" if bf16 == 0 else _g(bf16, 1e12, 4))
+    row = [spec.short_name] + ([spec.name] if width >= 110 else [])
+    row += [
+        spec.generation or "?",
+        cc,
+        _gpu_status(spec, rows),
+        f"{rows:,}" if rows else "-",
+        f"{spec.memory_bytes / (1 << 30):.0f}",
+        str(spec.sm_count),
+        _g(spec.fp32_flops, 1e12),
+        bf16_text,
+        _g(spec.memory_bandwidth, 1e9, 4),
+    ]
+    return row + ([_short(spec.source or "", 60)] if width >= 150 else [])
+
+
+def _print_gpu_table(specs: list[Any], counts: dict[str, int]) -> None:
     # Oldest architecture first; measured before datasheet-only within one.
     specs = sorted(specs, key=lambda s: (s.compute_capability or (99, 0), s.name not in counts, s.short_name.lower()))
     n_measured = sum(1 for s in specs if s.name in counts)
     # Readable at 80 columns; the full name and the source join when the terminal is wider.
     width = console.width
-    cols = (
-        [("GPU", "left")]
-        + ([("name", "left")] if width >= 110 else [])
-        + [
-            ("gen", "left"),
-            ("cc", "right"),
-            ("status", "left"),
-            ("rows", "right"),
-            ("GiB", "right"),
-            ("SMs", "right"),
-            ("FP32", "right"),
-            ("BF16", "right"),
-            ("mem GB/s", "right"),
-        ]
-    )
+    cols = [("GPU", "left")] + ([("name", "left")] if width >= 110 else [])
+    cols += [("gen", "left"), ("cc", "right"), ("status", "left"), ("rows", "right"), ("GiB", "right"),
+             ("SMs", "right"), ("FP32", "right"), ("BF16", "right"), ("mem GB/s", "right")]  # fmt: skip
     cols += [("source", "left")] if width >= 150 else []
     t = _table(f"{len(specs)} GPUs: {n_measured} measured, {len(specs) - n_measured} datasheet-only", cols)
     if width >= 150:
         t.columns[-1].no_wrap = False
-    for s in specs:
-        n = counts.get(s.name, 0)
-        # measured: the database has model times on it; datasheet: shipped figures only; added:
-        # figures someone entered (`gpemu gpus add`, an import); profiled: rates `gpemu profile` measured.
-        status = (
-            "[green]measured[/green]"
-            if n
-            else "[yellow]datasheet[/yellow]"
-            if s.provenance == "datasheet"
-            else f"[yellow]{'added' if s.provenance == 'user' else s.provenance}[/yellow]"
-        )
-        cc = f"{s.compute_capability[0]}.{s.compute_capability[1]}" if s.compute_capability else "?"
-        bf16 = (
-            "?"
-            if s.bf16_tensor_flops is None
-            else ("-" if s.bf16_tensor_flops == 0 else _g(s.bf16_tensor_flops, 1e12, 4))
-        )
-        row = (
-            [s.short_name]
-            + ([s.name] if width >= 110 else [])
-            + [
-                s.generation or "?",
-                cc,
-                status,
-                f"{n:,}" if n else "-",
-                f"{s.memory_bytes / (1 << 30):.0f}",
-                str(s.sm_count),
-                _g(s.fp32_flops, 1e12),
-                bf16,
-                _g(s.memory_bandwidth, 1e9, 4),
-            ]
-        )
-        row += [_short(s.source or "", 60)] if width >= 150 else []
-        t.add_row(*row)
+    for spec in specs:
+        t.add_row(*_gpu_row(spec, counts.get(spec.name, 0), width))
     console.print(t)
     if not specs:
         console.print("the database is empty: fill it with `gpemu db init` or `gpemu db import`")
@@ -318,8 +307,9 @@ def gpus_add(
             if getattr(spec, attr)
         )
         cc = spec.compute_capability
+        cc_text = f"{cc[0]}.{cc[1]}" if cc else "?"
         click.echo(
-            f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc[0]}.{cc[1]}, "
+            f"added {spec.name} ({spec.short_name}): {spec.generation}, compute capability {cc_text}, "
             f"{spec.sm_count} SMs, {spec.memory_bytes / (1 << 30):g} GiB at {spec.memory_bandwidth / 1e9:g} GB/s, "
             f"FP32 {spec.fp32_flops / 1e12:g} TFLOP/s" + (f", tensor {tc}" if tc else ", no tensor cores")
         )

@@ -54,17 +54,13 @@ def resolve_amqp_url(url: str, password: str | None, password_file: str | None, 
             password = read_secret_file(password_file, "broker password").decode()
         except UnicodeDecodeError:
             raise UserError(f"the broker password file {password_file} is not UTF-8 text") from None
-    full = with_password(url, password)
-    try:
-        import pika
+    from gpemu.config import amqp_url_problem
 
-        pika.URLParameters(full)
-    except Exception as exc:
-        text = (str(exc).splitlines() or [type(exc).__name__])[0]
-        if password:
-            text = text.replace(password, "***")
-        raise UserError(f"{option} {redact_url(url)!r} is not a usable AMQP URL: {text[:200]}") from None
-    return full
+    problem = amqp_url_problem(url, password)
+    if problem is not None:
+        hint = f"; give it with {option}-password-file or $GPEMU_AMQP_PASSWORD" if "no password" in problem else ""
+        raise UserError(f"{option} {redact_url(url)!r} is not a usable AMQP URL: {problem}{hint}")
+    return with_password(url, password)
 
 
 def password_options(f: Any) -> Any:
@@ -190,7 +186,14 @@ def share_manager(
     refusing work whose memory would not fit."""
     from gpemu.cli import UserError
 
-    from .manager import DEFAULT_BACKDATE_S, DEFAULT_LOOKAHEAD_S, DEFAULT_QUANTUM_S, SharingManager, parse_device
+    from .manager import (
+        DEFAULT_BACKDATE_S,
+        DEFAULT_LOOKAHEAD_S,
+        DEFAULT_QUANTUM_S,
+        ManagerConflict,
+        SharingManager,
+        parse_device,
+    )
     from .policies import load_policy
 
     url = resolve_amqp_url(url, amqp_password, amqp_password_file, "--amqp")
@@ -240,7 +243,10 @@ def share_manager(
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: manager.stop())
-    manager.serve_forever()
+    try:
+        manager.serve_forever()
+    except ManagerConflict as exc:
+        raise UserError(str(exc)) from None
 
 
 @click.command("share-status")

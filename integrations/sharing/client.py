@@ -67,6 +67,10 @@ class SharingUnavailableError(RuntimeError):
     """The broker or the sharing manager did not answer for too long."""
 
 
+class _RouteGone(Exception):
+    """Our own request queue is gone (a new manager): register again, then resend."""
+
+
 class SharingRefusedError(ValueError):
     """The manager refused to register the job (its persistent memory does not fit, bad id, ...)."""
 
@@ -119,17 +123,9 @@ def load_job_credentials(device_dir: str | os.PathLike[str] | None) -> JobCreden
 
 def with_password(url: str, password: str | None) -> str:
     """``url`` with ``password`` filled in when the URL names a user but no password."""
-    if not password or "://" not in url:
-        return url
-    from urllib.parse import quote
+    from gpemu.config import fill_amqp_password
 
-    scheme, rest = url.split("://", 1)
-    if "@" not in rest:
-        return url
-    creds, host = rest.rsplit("@", 1)
-    if ":" in creds:  # the URL's own password wins
-        return url
-    return f"{scheme}://{creds}:{quote(password, safe='')}@{host}"
+    return fill_amqp_password(url, password)
 
 
 @dataclass(frozen=True)
@@ -199,7 +195,11 @@ class _Heartbeat(threading.Thread):
                         queue,
                         expiration=str(int(c.lease_s * 1000)),
                     )
-                if self._marker is not None and time.monotonic() - self._marker[1] > _PRESENCE_RENEW_S:
+                if (
+                    ch is not None
+                    and self._marker is not None
+                    and time.monotonic() - self._marker[1] > _PRESENCE_RENEW_S
+                ):
                     tag, self._marker = self._marker[0], None
                     ch.basic_reject(tag, requeue=True)  # comes straight back to us, the active consumer
                 deadline = time.monotonic() + period
@@ -266,9 +266,14 @@ class SharingClient:
             raise ValueError("lease_s and manager_timeout_s must be positive seconds")
         if key is not None and (not isinstance(key, bytes) or len(key) != P.KEY_BYTES):
             raise ValueError(f"a job key must be {P.KEY_BYTES} bytes")
+        job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
+        try:  # what the manager would refuse, refused here: at start, with its reason
+            P.check_job_settings(job_id, str(device), persistent_bytes, weight)
+        except P.ProtocolError as exc:
+            raise ValueError(f"sharing job setting: {exc.reason}") from None
         self.url = url
         self.safe_url = redact_url(url)
-        self.job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.job_id = job_id
         self.device = str(device)
         self.persistent_bytes = int(persistent_bytes)
         self.weight = float(weight)
@@ -285,6 +290,7 @@ class SharingClient:
         self.last_manager_contact = time.monotonic()
         self.reply_queue: str | None = None
         self.presence: str | None = None  # set by the heartbeat thread
+        self.route: str | None = None  # our own request queue's routing key (from "registered")
         self.resends = 0
         self.reconnects = 0
         self.forged_replies = 0  # replies dropped: not signed by the manager with our key
@@ -403,7 +409,9 @@ class SharingClient:
             expiration=expiration,
             headers={P.SIG_HEADER: P.sign(self.key, body)},
         )
-        ch.basic_publish(P.REQUEST_EXCHANGE, P.REQUEST_ROUTING_KEY, body, props, mandatory=mandatory)
+        # Registered: through the job's own queue (see protocol, "Routes"); else the shared one.
+        route = self.route if payload.get("type") != "register" and self.route else P.REQUEST_ROUTING_KEY
+        ch.basic_publish(P.REQUEST_EXCHANGE, route, body, props, mandatory=mandatory)
 
     def _publish(self, payload: dict[str, Any]) -> None:
         if payload.get("type") == "request":  # every (re)send says when it left: see backdate_s
@@ -438,11 +446,20 @@ class SharingClient:
                     sent = True
                     next_resend = now + self.resend_s
                 reply = self._replies.pop(rid, None)
-                if reply is None:
+                if reply is None and self._conn is not None:
                     self._conn.process_data_events(time_limit=min(self.resend_s, max(0.0, next_resend - now)))
                     reply = self._replies.pop(rid, None)
                 if reply is not None:
                     return reply
+            except pex.UnroutableError:
+                if payload.get("type") == "register" or self.route is None:
+                    raise SharingUnavailableError(
+                        f"the sharing manager's request queue on {self.safe_url} is gone; "
+                        "is `gpemu share-manager` running?"
+                    ) from None
+                # Our route's queue is gone with the manager that made it: register again.
+                self.route, self.needs_register = None, True
+                raise _RouteGone() from None
             except (pex.AMQPError, OSError):
                 # Broker gone (restart): reconnect and resend with the same id.
                 self._conn = None
@@ -473,6 +490,7 @@ class SharingClient:
                     f"the sharing manager refused job {self.job_id!r}: {reply.get('reason', reply.get('type'))}"
                 )
             self.same_host = reply.get("same_host") is True
+            self.route = reply["route"] if P.valid_route(reply.get("route")) else None
             self.needs_register = False
             self.registered = True
             lease = reply.get("lease_s")
@@ -499,6 +517,9 @@ class SharingClient:
             self.persistent_bytes = int(persistent_bytes)  # also what a (re-)registration reports
         if not isinstance(seconds, (int, float)) or not 0 <= seconds <= P.MAX_SECONDS:
             raise ValueError(f"seconds must be from 0 to {P.MAX_SECONDS:g}, got {seconds!r}")
+        for name, value in (("peak_bytes", peak_bytes), ("persistent_bytes", persistent_bytes)):
+            if value is not None and (isinstance(value, bool) or not 0 <= int(value) <= P.MAX_BYTES):
+                raise ValueError(f"{name} must be a byte count from 0 to {P.MAX_BYTES}, got {value!r}")
         with self._lock:
             rid = uuid.uuid4().hex
             start = time.monotonic()
@@ -517,7 +538,10 @@ class SharingClient:
                 }
                 if persistent_bytes is not None:
                     payload["persistent_bytes"] = self.persistent_bytes
-                reply = self._call(payload)
+                try:
+                    reply = self._call(payload)
+                except _RouteGone:
+                    continue  # register again (same request id: never served twice)
                 kind_ = reply.get("type")
                 if kind_ == "granted":
                     return self._wait_for_grant(rid, float(seconds), reply, start)
@@ -538,7 +562,7 @@ class SharingClient:
         received = time.monotonic()
         end, remaining = reply.get("end"), reply.get("remaining_s")
         exact = self.same_host and isinstance(end, (int, float))
-        if exact:
+        if exact and isinstance(end, (int, float)):
             deadline = float(end)
         elif isinstance(remaining, (int, float)):
             # Another host's clock: count from the reply (late by the reply's travel time).

@@ -47,7 +47,14 @@ consumer. When the job's connection closes (the process died, even with ``kill -
 hands the message to the manager at once, which frees the job's GPU time and memory without
 waiting for its lease.
 
-Replies from the manager (``type``): ``registered`` (same_host, lease_s), ``done`` (waited_s,
+Routes: the ``registered`` reply gives the job its *route*, a secret routing key (``job.<32 hex>``)
+under which the manager consumes a queue of that job's own (``gpemu.sharing.job.<hex>``, exclusive
+to the manager's connection). The job publishes its requests, heartbeats and deregistration
+with it, so they never wait behind other jobs' messages (nor a flood of malformed ones) in the
+shared request queue, which then carries registrations and status requests only. A route that
+is gone (the manager restarted) makes a publish unroutable: the job registers again.
+
+Replies from the manager (``type``): ``registered`` (same_host, lease_s, route), ``done`` (waited_s,
 served_s), ``granted`` (start, end: the manager's ``time.monotonic()`` when the work starts and
 ends on the emuGPU's timeline; remaining_s: end minus the manager's clock when the grant was
 written; waited_s, idle_s — sent before the work starts, so the job waits locally until
@@ -82,6 +89,10 @@ __all__ = [
     "STATUS_EXCHANGE",
     "REPLY_PREFIX",
     "SIG_HEADER",
+    "JOB_QUEUE_PREFIX",
+    "new_route",
+    "valid_route",
+    "route_queue",
     "JOB_PERMISSIONS",
     "ProtocolError",
     "Message",
@@ -90,6 +101,10 @@ __all__ = [
     "MAX_SECONDS",
     "MAX_BYTES",
     "MAX_BODY",
+    "MAX_ID_LEN",
+    "MIN_WEIGHT",
+    "MAX_WEIGHT",
+    "check_job_settings",
     "KEY_BYTES",
     "ERR_UNKNOWN_JOB",
     "ERR_BAD_SIGNATURE",
@@ -116,6 +131,7 @@ REQUEST_ROUTING_KEY = "request"
 STATUS_EXCHANGE = "gpemu.sharing.status"
 REPLY_PREFIX = "gpemu.sharing.reply."
 SIG_HEADER = "gpemu-sig"
+JOB_QUEUE_PREFIX = "gpemu.sharing.job."  # the manager's per-job request queues
 
 # Broker permissions of the user jobs connect as (RabbitMQ configure / write / read patterns).
 JOB_PERMISSIONS: dict[str, str] = {
@@ -128,6 +144,7 @@ MAX_SECONDS = 3600.0  # one request longer than an hour of GPU time is a bug in 
 MAX_BYTES = 1 << 50
 MAX_BODY = 16 * 1024  # a real message is a few hundred bytes
 MAX_ID_LEN = 200
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e6  # a job's weight under the weighted policies
 MAX_CLOCK = 1e12  # a time.monotonic() reading (seconds since boot) is far below this
 KEY_BYTES = 32
 _QUOTE = 60  # characters of hostile input a reason may quote
@@ -154,6 +171,7 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "deregister": (),
     "status": ("request_id",),
 }
+_ROUTE_RE = re.compile(r"^job\.[0-9a-f]{32}$")
 _QUEUE_RE = re.compile(r"^gpemu\.sharing\.reply\.[A-Za-z0-9_-]{8,128}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 # JSON strings (escapes included): what is left after removing them must hold one object only.
@@ -167,6 +185,10 @@ class ProtocolError(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.request_id = request_id
+        # Who sent it, when the message says so legibly (job id; a register's own key): lets the
+        # manager sign the rejection for a sender that proves it holds that job's key.
+        self.job_id: str | None = None
+        self.key: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +253,22 @@ def derive_job_key(secret: bytes, job_id: str) -> bytes:
     return hmac.new(secret, b"gpemu-sharing-job\0" + job_id.encode(), hashlib.sha256).digest()
 
 
+def new_route() -> str:
+    """A fresh, unguessable routing key for one job's requests (see "Routes" above)."""
+    import secrets
+
+    return "job." + secrets.token_hex(16)
+
+
+def valid_route(route: Any) -> bool:
+    return isinstance(route, str) and bool(_ROUTE_RE.match(route))
+
+
+def route_queue(route: str) -> str:
+    """The manager's queue for the job with this route."""
+    return JOB_QUEUE_PREFIX + route[len("job.") :]
+
+
 def reply_queue_name() -> str:
     """A fresh, unguessable queue name under the reply prefix."""
     import uuid
@@ -275,6 +313,15 @@ def _number(name: str, value: Any, lo: float, hi: float, request_id: str | None)
     return value
 
 
+def check_job_settings(job_id: Any, device: Any, persistent_bytes: Any, weight: Any) -> None:
+    """What a job registers with, checked against the bounds the manager checks it against, so a
+    job with a setting the manager would reject fails when it starts, with the same reason."""
+    _text("job_id", job_id, None)
+    _text("device", device, None)
+    _bytes("persistent_bytes", persistent_bytes, None)
+    _number("weight", weight, MIN_WEIGHT, MAX_WEIGHT, None)
+
+
 def _bytes(name: str, value: Any, request_id: str | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{name} must be an integer number of bytes, got {short(value)}", request_id)
@@ -299,8 +346,22 @@ def decode(body: Any) -> Any:
 
 
 def parse_message(body: bytes) -> Message:
-    """Decode and validate one message from a job. Raises :class:`ProtocolError`."""
+    """Decode and validate one message from a job. Raises :class:`ProtocolError`, which names the
+    sender's job id (and a register's own key) when those fields are well-formed."""
     data = decode(body)
+    try:
+        return _validated(data)
+    except ProtocolError as exc:
+        if isinstance(data, dict):
+            job_id, key = data.get("job_id"), data.get("key")
+            if isinstance(job_id, str) and 0 < len(job_id) <= MAX_ID_LEN and job_id.isprintable():
+                exc.job_id = job_id
+            if isinstance(key, str) and _HEX_RE.match(key):
+                exc.key = bytes.fromhex(key)
+        raise
+
+
+def _validated(data: Any) -> Message:
     if not isinstance(data, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(data).__name__}")
     rid = data.get("request_id") if isinstance(data.get("request_id"), str) else None
@@ -351,7 +412,7 @@ def parse_message(body: bytes) -> Message:
             out["host"] = _text("host", data["host"], rid)
         out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)
         if "weight" in data:
-            out["weight"] = float(_number("weight", data["weight"], 1e-3, 1e6, rid))
+            out["weight"] = float(_number("weight", data["weight"], MIN_WEIGHT, MAX_WEIGHT, rid))
         if "key" in data:
             if not isinstance(data["key"], str) or not _HEX_RE.match(data["key"]):
                 raise ProtocolError(f"key must be {KEY_BYTES} bytes as 64 lower-case hex digits", rid)
