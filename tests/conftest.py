@@ -37,6 +37,19 @@ def _gpemu_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Generator[objec
         os.environ["GPEMU_DATA_DIR"] = old
 
 
+@pytest.fixture
+def rt(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
+    """A run on emulated V100s and a virtual clock (exact, instant), no summary at exit; as many
+    GPUs as the test's ``gpus(n)`` marker says (default 1). Unpatched after the test."""
+    import gpemu
+    from gpemu.clock import VirtualClock
+
+    marker = request.node.get_closest_marker("gpus")
+    num_gpus = int(marker.args[0]) if marker is not None else 1
+    yield gpemu.patch(gpu="V100", num_gpus=num_gpus, summary=False, clock=VirtualClock())
+    gpemu.unpatch()
+
+
 @pytest.fixture(autouse=True)
 def _always_unpatch() -> Generator[None, None, None]:
     """A failing test must not leave torch patched for the next one."""

@@ -6,16 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import gpemu
-from gpemu.clock import VirtualClock
-
-
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
-
 
 def test_autocast_op_lists(rt):
     lin = nn.Linear(8, 4).cuda()

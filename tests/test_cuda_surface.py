@@ -13,12 +13,7 @@ import gpemu
 from gpemu.clock import VirtualClock
 from gpemu.cuda_api import SURFACE, CudaSurface
 
-
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
+pytestmark = pytest.mark.gpus(2)  # (the rt fixture's run: tests/conftest.py)
 
 
 def test_reset_accumulated_memory_stats_restarts_the_historical_counters(rt) -> None:

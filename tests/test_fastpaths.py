@@ -17,13 +17,6 @@ from gpemu.fastpaths import optimizer as ofp
 from gpemu.fastpaths import replay
 
 
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
-
-
 def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
 

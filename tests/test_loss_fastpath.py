@@ -13,13 +13,6 @@ from gpemu.clock import VirtualClock
 from gpemu.fastpaths import loss as loss_fastpath
 
 
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
-
-
 def _step(loss_fn, logits_leaf: torch.Tensor, target: torch.Tensor, **kw) -> dict:
     """GPU time charged, memory kept and peak, output and gradient metadata of one loss + backward."""
     engine = gpemu.runtime.current().engine

@@ -12,12 +12,7 @@ from gpemu.clock import VirtualClock
 from gpemu.memory import MemoryTracker, round_size
 from gpemu.units import format_bytes
 
-
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
+pytestmark = pytest.mark.gpus(2)  # (the rt fixture's run: tests/conftest.py)
 
 
 def test_tracker_rounding_reserved_peak_and_stats():

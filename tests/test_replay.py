@@ -26,13 +26,6 @@ class Net(nn.Module):
         return {"logits": self.fc(h.flatten(1)), "features": (h, h.mean())}
 
 
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
-
-
 def _specs(tree):
     leaves, spec = torch.utils._pytree.tree_flatten(tree)
     return spec, [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in leaves]

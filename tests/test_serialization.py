@@ -10,15 +10,9 @@ import torch
 from torch import nn
 
 import gpemu
-from gpemu.clock import VirtualClock
 from gpemu.device import EmuTensor
 
-
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
+pytestmark = pytest.mark.gpus(2)  # (the rt fixture's run: tests/conftest.py)
 
 
 def _checkpoint(tmp_path):

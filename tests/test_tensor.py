@@ -7,15 +7,9 @@ import pytest
 import torch
 
 import gpemu
-from gpemu.clock import VirtualClock
 from gpemu.device import EmuTensor, cache_info, device_index, to_emulated
 
-
-@pytest.fixture
-def rt():
-    r = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock=VirtualClock())
-    yield r
-    gpemu.unpatch()
+pytestmark = pytest.mark.gpus(2)  # (the rt fixture's run: tests/conftest.py)
 
 
 def test_cuda_tensor_reports_cuda_device_and_keeps_metadata(rt):
