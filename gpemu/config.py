@@ -32,6 +32,7 @@ __all__ = [
     "GRANULARITIES",
     "amqp_url_problem",
     "fill_amqp_password",
+    "costmodel_cache_dir",
 ]
 
 ENV_PREFIX = "GPEMU_"
@@ -321,6 +322,14 @@ class EmuConfig:
         gpus = ",".join(self.gpus_per_device)
         share = f" sharing={redact_url(self.sharing)}" if self.sharing else ""
         return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}"
+
+
+def costmodel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the profiler's tools cache the cost model's recorded op tables
+    (``GPEMU_COSTMODEL_CACHE``, default ``~/.cache/gpemu/costmodel``): outside the repository."""
+    env = os.environ if environ is None else environ
+    text = env.get(f"{ENV_PREFIX}COSTMODEL_CACHE")
+    return _expanded_dir(text) if text else Path.home() / ".cache" / "gpemu" / "costmodel"
 
 
 def _expanded_dir(text: str) -> Path:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gpemu.config import costmodel_cache_dir
 from gpemu.costmodel.table import OpTable, affine_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,9 +50,8 @@ _SOURCES = ("classify.py", "flops.py", "record.py", "table.py", "measured_loop.p
 
 
 def cache_dir() -> Path:
-    """Where recorded op tables are cached (outside the repository)."""
-    env = os.environ.get("GPEMU_COSTMODEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "gpemu" / "costmodel"
+    """Where recorded op tables are cached (outside the repository; gpemu.config says where)."""
+    return costmodel_cache_dir()
 
 
 def _library_dir() -> Path:
