@@ -50,15 +50,16 @@ def stage(rev: str, into: Path) -> Path:
     return root
 
 
-def overhead_rows(out: str) -> dict[tuple, float]:
-    """benchmarks/overhead.py's table: (gpu, model, batch) -> host ms per iteration."""
+def overhead_rows(out: str, column: int = 3) -> dict[tuple, float]:
+    """benchmarks/overhead.py's table: (gpu, model, batch) -> host ms per iteration (``column``
+    3: wall time; 5: the running thread's CPU time, less disturbed by a busy machine)."""
     rows = {}
     for line in out.splitlines():
         parts = line.split()
         # gpu, model, batch, host ms/iter, ..., a share in % (the table gained columns over time)
         if len(parts) >= 7 and parts[2].isdigit() and any(x.endswith("%") for x in parts[4:]):
             try:
-                rows[(parts[0], parts[1], int(parts[2]))] = float(parts[3])
+                rows[(parts[0], parts[1], int(parts[2]))] = float(parts[column])
             except ValueError:
                 continue
     return rows
@@ -76,6 +77,13 @@ def main() -> None:
         help="run each revision's own copy of the benchmark script (default), or the new "
         "revision's on both (cases only the new script has, e.g. added models, get a "
         "before figure)",
+    )
+    p.add_argument(
+        "--value",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="compare overhead.py's wall time per iteration (default) or its thread CPU time (on a busy "
+        "machine the less disturbed of the two)",
     )
     p.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [args]: path relative to the repository")
     a = p.parse_args()
@@ -108,12 +116,12 @@ def main() -> None:
                     )
                     if proc.returncode != 0:
                         sys.exit(f"{rev}: the benchmark failed:\n{proc.stderr[-2000:]}")
-                    results[rev].append(overhead_rows(proc.stdout))
+                    results[rev].append(overhead_rows(proc.stdout, 3 if a.value == "wall" else 5))
                     print(f"  round {r + 1}: {rev} done (load {os.getloadavg()[0]:.2f})", flush=True)
         except KeyboardInterrupt:
             sys.exit("interrupted")
     keys = sorted(set().union(*results[a.old]) & set().union(*results[a.new]))
-    print(f"\n{'case':34} {'old ms':>8} {'new ms':>8} {'change':>8}")
+    print(f"\n{'case':34} {'old ms':>8} {'new ms':>8} {'change':>8}   ({a.value} time per iteration)")
     worst = 0.0
     for key in keys:
         old = statistics.median(r[key] for r in results[a.old] if key in r)

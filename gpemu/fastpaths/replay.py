@@ -355,8 +355,10 @@ def _outer_call(
     table = R.records.get(module)
     if table is None:
         table = R.records[module] = {}
-    rec, key = _lookup(R, module, table, key)
-    reason = R.unreplayable.get(module)
+    rec = table.get(key)
+    if rec is None:
+        rec, key = _lookup(R, module, table, key)
+        reason = R.unreplayable.get(module)
     if reason is not None:  # (given up just now)
         return run_charged(orig_call, module, args, kwargs, dev, params, None, reason, t0, open_children=True)
     if rec is not None and (
@@ -404,16 +406,16 @@ def _call_key(R: ReplayState, args: tuple, kwargs: dict, flags: tuple, emus: lis
 
 
 def _lookup(R: ReplayState, module: torch.nn.Module, table: dict, key: tuple) -> tuple[Recording | None, tuple]:
-    """The recording of ``key`` in ``table`` (None: none yet), and the key it is kept under.
+    """The recording of ``key`` in ``table`` when ``table[key]`` has none (None: none yet), and
+    the key it is kept under.
 
     An argument that is an object (not a tensor or a plain value) is keyed by identity: a new one
     at every call (a KV cache an HF layer updates) never matches, and a replay would skip what
     the call does to it. Such a recording is kept under its objects' weak references; twice new,
     and the module runs op by op from now on (``R.unreplayable``), its submodules as units."""
-    rec = table.get(key)
-    weak = _weakened(key[_IN_SIG]) if rec is None else None
+    weak = _weakened(key[_IN_SIG])
     if weak is None:
-        return rec, key
+        return None, key
     key = key[:_IN_SIG] + (weak,) + key[_IN_SIG + 1 :]
     rec = table.get(key)
     if rec is None:
@@ -429,9 +431,17 @@ def _lookup(R: ReplayState, module: torch.nn.Module, table: dict, key: tuple) ->
 # replay
 # ----------------------------------------------------------------------------------------------
 def _new_outputs(rec: Recording, dev: int) -> list:
-    build, specs = rec.state.ts.build, rec.out_specs
+    ts, specs = rec.state.ts, rec.out_specs
     assert specs is not None  # (only a replayable recording is replayed)
-    return [build(spec, [], dev) for spec in specs]  # (a plain value is kept as is)
+    mem, wrap = ts.memory[dev], ts.wrap
+    outs = []
+    for spec in specs:  # (TensorState.build's new-allocation case, written out: per replayed call)
+        if spec.dtype is None:  # a plain value, kept in the shape's place
+            outs.append(spec.shape)
+        else:
+            block = mem.allocate(spec.nbytes) if spec.nbytes else None
+            outs.append(wrap(spec.shape, spec.stride, spec.offset, spec.dtype, dev, block))
+    return outs
 
 
 def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -> Any:

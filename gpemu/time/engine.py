@@ -64,8 +64,8 @@ class TimeEngine(HostTime):
         self._stream_type: type[VirtualStream] = VirtualStream
         self._default = [VirtualStream(self, d, 0, 0) for d in range(num_devices)]
         self._backend: GpuTimeBackend | None = None
-        self.timeline: Timeline = LocalTimeline(self, self.recorder, self._busy)
         self._backward_since_mark = [False] * num_devices
+        self.timeline: Timeline = LocalTimeline(self, self.recorder, self._busy, self._backward_since_mark)
         self._memory = memory
         self.current_device: Callable[[], int] = current_device if current_device is not None else (lambda: 0)
 
@@ -161,13 +161,7 @@ class TimeEngine(HostTime):
             now = (local.entry if local.depth else self.read_clock()) - local.late
             if now < local.floor:
                 now = local.floor
-        if at is not None and at < now:
-            now = at
-        if seconds < 0 or seconds != seconds:
-            raise ValueError(f"GPU work must take a non-negative time, got {seconds!r} s for {kind} {name!r}")
-        if kind == "backward":
-            self._backward_since_mark[stream.device_index] = True
-        return self.timeline.enqueue(stream, seconds, kind, name, peak_bytes, now)
+        return self.timeline.enqueue(stream, seconds, kind, name, peak_bytes, now, at)
 
     def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
         """``stream.enqueue(seconds, kind, name)`` then ``stream.synchronize(reason)`` in one
@@ -263,11 +257,12 @@ class TimeEngine(HostTime):
         self.synchronize(None, "backend-switch")
         self.close()
         self._backend = backend
+        seen = self._backward_since_mark
         if backend is None:
-            self.timeline = LocalTimeline(self, self.recorder, self._busy)
+            self.timeline = LocalTimeline(self, self.recorder, self._busy, seen)
         else:
             self.timeline = SharedTimeline(
-                self, self.recorder, self._busy, backend, self.granularity, self.default_stream, self._peak_bytes
+                self, self.recorder, self._busy, seen, backend, self.granularity, self.default_stream, self._peak_bytes
             )
 
     def close(self) -> None:

@@ -61,7 +61,7 @@ class VirtualStream:
         now = (local.entry if local.depth else eng.read_clock()) - local.late
         if now < local.floor:
             now = local.floor
-        return eng.enqueue(self, seconds, kind, name, peak_bytes, at, now)
+        return eng.timeline.enqueue(self, seconds, kind, name, peak_bytes, now, at)
 
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""

@@ -65,9 +65,10 @@ class Timeline(Protocol):
     """What the engine asks of a timeline strategy."""
 
     def enqueue(
-        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float, at: float | None
     ) -> float:
-        """Add work issued at host time ``now``; returns when it ends (an estimate when shared)."""
+        """Add work issued at host time ``now`` (``at``: earlier, when it really was); returns
+        when it ends (an estimate when shared). Refuses a negative or NaN duration."""
         ...
 
     def wait_device(self, device: int, deadline: float, reason: str) -> None:
@@ -109,19 +110,34 @@ def _wait_for_time(host: HostTime, mark: EventMark) -> None:
         host.leave()
 
 
-class LocalTimeline:
-    """Deadline arithmetic on the host's clock (see the module's docstring)."""
+def bad_duration(seconds: float, kind: str, name: str) -> ValueError:
+    return ValueError(f"GPU work must take a non-negative time, got {seconds!r} s for {kind} {name!r}")
 
-    def __init__(self, host: HostTime, recorder: Recorder, busy: list[float]) -> None:
+
+class LocalTimeline:
+    """Deadline arithmetic on the host's clock (see the module's docstring).
+
+    ``busy``: the latest end of any work on each device (all streams); ``backward_seen``: whether
+    a backward ran on each device since the last iteration mark; both shared with the engine."""
+
+    def __init__(self, host: HostTime, recorder: Recorder, busy: list[float], backward_seen: list[bool]) -> None:
         self.host = host
         self.recorder = recorder
-        self.busy = busy  # latest end of any work on each device (all streams), shared with the engine
+        self.busy = busy
+        self.backward_seen = backward_seen
         self.lock = threading.Lock()
 
     def enqueue(
-        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float, at: float | None
     ) -> float:
+        # (the whole of an enqueue: the per-kernel path, one call from the stream)
+        if at is not None and at < now:
+            now = at
+        if seconds < 0 or seconds != seconds:
+            raise bad_duration(seconds, kind, name)
         device = stream.device_index
+        if kind == "backward":
+            self.backward_seen[device] = True
         with self.lock:
             start = stream.busy_until if stream.busy_until > now else now
             end = start + seconds
@@ -141,7 +157,7 @@ class LocalTimeline:
         host.enter()
         try:
             end = stream.enqueue(seconds, kind, name)
-            host.forget_wait()
+            host.local.host.wait_deadline = None  # (forget_wait: settle() forgives this wait only)
             if end > host.now():
                 host.wait_until(end, stream.device_index, reason)
         finally:
@@ -190,6 +206,7 @@ class SharedTimeline:
         host: HostTime,
         recorder: Recorder,
         busy: list[float],
+        backward_seen: list[bool],
         backend: GpuTimeBackend,
         granularity: str,
         default_stream: Callable[[int], VirtualStream],
@@ -198,6 +215,7 @@ class SharedTimeline:
         self.host = host
         self.recorder = recorder
         self.busy = busy
+        self.backward_seen = backward_seen
         self.backend = backend
         self.granularity = granularity
         self.default_stream = default_stream
@@ -207,9 +225,15 @@ class SharedTimeline:
         self.workers: dict[int, BackendWorker] = {}
 
     def enqueue(
-        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float
+        self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float, at: float | None
     ) -> float:
+        if at is not None and at < now:
+            now = at
+        if seconds < 0 or seconds != seconds:
+            raise bad_duration(seconds, kind, name)
         device = stream.device_index
+        if kind == "backward":
+            self.backward_seen[device] = True
         self.pending[device].append(PendingWork(stream.stream_id, seconds, kind, name, now, peak_bytes))
         if self.granularity == "forward-backward" and kind == "backward":
             self.flush(device)
