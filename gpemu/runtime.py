@@ -75,6 +75,7 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.serialization",  # torch.save/torch.load of emulated tensors       (device)
     "gpemu.cuda_api",  # torch.cuda / torch.accelerator / backends        (surface)
     "gpemu.graphs",  # torch.cuda.CUDAGraph: capture, replay, graph pools (surface)
+    "gpemu.compiled",  # torch.compile: eager, or CUDA graph replays       (surface)
     "gpemu.grad_scaler",  # GradScaler enabled on emulated GPUs            (surface)
     "gpemu.distributed",  # nccl->gloo, emulated DDP                        (surface)
     "gpemu.integrations.pinned_memory",  # mlock-backed pin_memory()          (host side)
