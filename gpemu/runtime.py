@@ -71,6 +71,7 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.fastpaths.optimizer",  # skipped optimizer steps, fast zero_grad      (fast path)
     "gpemu.autocast",  # autocast('cuda') dtype behaviour                (device)
     "gpemu.attention",  # scaled_dot_product_attention's fused kernels    (device)
+    "gpemu.flex_attention",  # FlexAttention's fused kernel, block masks       (device)
     "gpemu.rnn",  # nn.LSTM / GRU / RNN as one cuDNN op             (device)
     "gpemu.serialization",  # torch.save/torch.load of emulated tensors       (device)
     "gpemu.cuda_api",  # torch.cuda / torch.accelerator / backends        (surface)
