@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "uses_cuda_graphs", "GraphReplays", "CompiledModule"]
+__all__ = ["install", "uses_cuda_graphs", "GraphReplays", "CompiledModule", "mark_step_begin"]
 
 _COMPILE_NOTE = (
     "torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
@@ -172,8 +172,17 @@ def _make_module_compile(rt: Runtime) -> Callable:
     return compile
 
 
+def mark_step_begin() -> None:
+    """``torch.compiler.cudagraph_mark_step_begin()``: a new iteration begins, so torch may
+    overwrite the previous one's graph outputs. The emulated replays make new outputs each call,
+    so there is nothing to mark (torch's own imports CUDA-only parts of the C extension)."""
+
+
 def install(rt: Runtime) -> None:
-    """Replace ``torch.compile`` and ``nn.Module.compile`` (through ``rt.patcher``)."""
+    """Replace ``torch.compile``, ``nn.Module.compile`` and ``torch.compiler.cudagraph_mark_step_begin``
+    (through ``rt.patcher``)."""
     rt.patcher.replace(torch, "compile", _make_compile(rt, torch.compile))
     if hasattr(torch.nn.Module, "compile"):
         rt.patcher.replace(torch.nn.Module, "compile", _make_module_compile(rt))
+    if hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+        rt.patcher.replace(torch.compiler, "cudagraph_mark_step_begin", mark_step_begin)

@@ -117,6 +117,15 @@ def test_compiled_functions_and_module_compile(rt, clock):
     assert all(b.start == pytest.approx(a.end, abs=1e-12) for a, b in pairwise(replay))
 
 
+def test_a_training_loop_that_marks_its_steps_runs(rt, clock):
+    """torch.compiler.cudagraph_mark_step_begin() (called each step with reduce-overhead) imports
+    CUDA-only parts of torch's C extension on the CPU build."""
+    model = torch.compile(_Layers(clock).cuda(), mode="reduce-overhead")
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        model(torch.empty(8, 512, device="cuda")).sum().backward()
+
+
 def test_without_cuda_graphs_the_model_itself_comes_back(rt, clock, capsys):
     model = _Layers(clock).cuda()
     assert torch.compile(model) is model
