@@ -87,7 +87,7 @@ def test_capture_is_refused_on_the_default_stream_and_for_a_second_capture(rt):
         g.capture_begin()
     with pytest.raises(RuntimeError, match="without a preceding successful capture"):
         torch.cuda.CUDAGraph().replay()
-    with pytest.raises(ValueError, match="Unknown capture error mode"):
+    with pytest.raises(RuntimeError, match="Unknown capture error mode"):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="loose"):
             pass
 

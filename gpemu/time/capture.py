@@ -58,9 +58,9 @@ class StreamCapture:
     __slots__ = ("stream", "mode", "thread", "work", "invalid")
 
     def __init__(self, stream: VirtualStream, mode: str) -> None:
-        if mode not in CAPTURE_MODES:
-            raise ValueError(
-                f"Unknown capture error mode {mode!r}. Expected one of: {', '.join(repr(m) for m in CAPTURE_MODES)}"
+        if mode not in CAPTURE_MODES:  # (torch's message)
+            raise RuntimeError(
+                f"Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got {mode}"
             )
         self.stream = stream
         self.mode = mode
