@@ -1,17 +1,27 @@
 """``scaled_dot_product_attention`` on emulated GPUs (component ``gpemu.attention``).
 
-On a CUDA build, ``F.scaled_dot_product_attention`` picks a fused kernel: FlashAttention-2 where
-the GPU and inputs allow it, else the memory-efficient kernel, else the math path (which
-materialises the ``L x S`` scores). On the CPU build the emulated tensors would always take the
-math path: ~10 ops, and memory for the full scores (+816 MiB for one GPT-2 call at 1024 tokens
-where a flash kernel keeps ~24 MiB), i.e. spurious OOMs at long sequences. Here the kernel is
-chosen as torch's CUDA dispatcher chooses it (``sdp_utils``, simplified), honouring
-``torch.backends.cuda.{flash,mem_efficient,math}_sdp_enabled()`` and ``torch.nn.attention.sdpa_kernel``:
+On a CUDA build, ``F.scaled_dot_product_attention`` picks a fused kernel: cuDNN attention,
+FlashAttention-2 or the memory-efficient kernel where the GPU and inputs allow it, else the math
+path (which materialises the ``L x S`` scores and, for grouped-query attention, repeats the keys
+and values per query head). On the CPU build the emulated tensors would always take the math
+path: ~10 ops, and memory for the full scores (+816 MiB for one GPT-2 call at 1024 tokens where a
+flash kernel keeps ~24 MiB), i.e. spurious OOMs at long sequences. Here the kernel is chosen as
+torch's CUDA dispatcher chooses it (:func:`choose_kernel`: ``select_sdp_backend`` and the
+``can_use_*`` checks of torch's ``sdp_utils.cpp``), honouring
+``torch.backends.cuda.{flash,mem_efficient,math,cudnn}_sdp_enabled()`` and
+``torch.nn.attention.sdpa_kernel``:
 
-* **flash**: fp16/bf16, compute capability 8.0 or newer, head dim at most 256 and a multiple
-  of 8, no explicit mask (``is_causal`` is fine), same head count for keys and queries;
-* **memory-efficient**: fp32/fp16/bf16 (bf16 from 8.0), capability 5.0 or newer, head dim a
-  multiple of 8 (4 in fp32), an explicit mask allowed;
+* **order**: flash, memory-efficient, math, cuDNN; cuDNN first on Hopper and Blackwell
+  (sm 9.0, 10.x) with cuDNN newer than 9.15 (torch's ``check_prefer_cudnn_attention``);
+* **flash**: fp16/bf16, sm 8.0 to 12.1, one head dim (q, k, v) of at most 256, no explicit
+  mask, ``is_causal`` only with equal query and key lengths;
+* **memory-efficient**: fp32/fp16 (and bf16 from sm 8.0), sm 5.0 to 12.1, head dims aligned to
+  the GEMM alignment (8 halves / 4 floats on tensor cores), an explicit mask allowed;
+* **cuDNN**: fp16/bf16, sm 8.0 to 12.1, head dims multiples of 8 up to 128 (256 on sm 9.0/10.x
+  with cuDNN newer than 9.22), an explicit mask allowed;
+* **grouped-query attention** (``enable_gqa=True``, query heads a multiple of the key/value
+  heads): all three fused kernels take it as it is (flash and memory-efficient with as many key
+  as value heads); without ``enable_gqa``, unequal head counts take the math path;
 * **math**: everything else — torch's own composite runs op by op, as on the GPU.
 
 A fused kernel runs as one emulated op: its output (in the kernel's memory layout), the softmax
@@ -23,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -35,46 +45,176 @@ from .device import EmuTensor, TensorState
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "choose_kernel"]
+__all__ = ["install", "choose_kernel", "AttentionCall", "SdpBackends", "KERNEL_OPS"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_CUDNN_PREFERRED_FROM = 91500  # cuDNN version above which torch puts cuDNN attention first (sm 9.0/10.x)
+_CUDNN_D256_FROM = 92200  # cuDNN version above which head dims up to 256 run on sm 9.0/10.x
+
+# The aten op each fused kernel is (its name on the emulated timeline, its DTensor sharding rule).
+KERNEL_OPS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+}
+
+
+class AttentionCall(NamedTuple):
+    """What torch's CUDA dispatcher looks at to pick an attention kernel (4-d ``B x H x L x D``)."""
+
+    dtype: torch.dtype
+    head_dim: int  # query and key
+    value_dim: int
+    query_heads: int
+    key_heads: int
+    value_heads: int
+    query_len: int
+    key_len: int
+    has_mask: bool = False
+    causal: bool = False
+    gqa: bool = False  # enable_gqa
+    same_dtype: bool = True
+    key_dim: int | None = None  # None: head_dim
+    dropout: float = 0.0
+    requires_grad: bool = False
+    batch: int = 1
+
+    @classmethod
+    def of(cls, q: Any, k: Any, v: Any, mask: Any, dropout: float, causal: bool, gqa: bool) -> AttentionCall:
+        """The call's facts from its tensors (``B x H x L x D``; 3-d inputs have one head)."""
+
+        def heads(t: Any) -> int:
+            return int(t.shape[-3]) if t.dim() >= 4 else 1
+
+        return cls(
+            q.dtype,
+            int(q.shape[-1]),
+            int(v.shape[-1]),
+            heads(q),
+            heads(k),
+            heads(v),
+            int(q.shape[-2]),
+            int(k.shape[-2]),
+            mask is not None,
+            bool(causal),
+            bool(gqa),
+            q.dtype == k.dtype == v.dtype,
+            int(k.shape[-1]),
+            float(dropout),
+            any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
+            int(q.shape[0]) if q.dim() >= 4 else 1,
+        )
+
+
+class SdpBackends(NamedTuple):
+    """Which SDPA kernels torch may use (``torch.backends.cuda.*_sdp_enabled()``)."""
+
+    flash: bool = True
+    efficient: bool = True
+    math: bool = True
+    cudnn: bool = True
+
+    @classmethod
+    def enabled(cls) -> SdpBackends:
+        b = torch.backends.cuda
+        return cls(b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
+
+
+def _heads_ok(call: AttentionCall, same_kv_heads: bool) -> bool:
+    """torch's ``check_batch_size_and_num_heads_dense``: equal head counts, or grouped-query
+    attention (``enable_gqa``) with key/value heads dividing the query heads."""
+    q, k, v = call.query_heads, call.key_heads, call.value_heads
+    if not call.gqa:
+        return q == k == v
+    if same_kv_heads and k != v:
+        return False
+    return q % k == 0 and q % v == 0
+
+
+def _can_flash(capability: tuple[int, int], call: AttentionCall) -> bool:
+    dim = call.head_dim
+    training_limit = capability in ((8, 6), (8, 7), (8, 8), (8, 9), (12, 0), (12, 1)) and call.requires_grad
+    return (
+        call.dtype in _HALF
+        and (8, 0) <= capability <= (12, 1)
+        and not call.has_mask
+        and dim == (call.key_dim or dim) == call.value_dim
+        and dim <= 256
+        and not (training_limit and (192 < dim <= 224 or (dim > 224 and call.dropout > 0)))
+        and not (call.causal and call.query_len != call.key_len)
+        and _heads_ok(call, same_kv_heads=True)
+    )
+
+
+def _gemm_alignment(capability: tuple[int, int], dtype: torch.dtype) -> int:
+    """torch's ``minimum_gemm_alignment``: elements a head dim must be a multiple of."""
+    half = dtype in _HALF
+    tensor_cores = capability >= (8, 0) or (capability >= (7, 0) and half)
+    alignment = 4 if capability >= (8, 0) else 1
+    return max(alignment, 128 // (16 if half else 32)) if tensor_cores else alignment
+
+
+def _can_efficient(capability: tuple[int, int], call: AttentionCall) -> bool:
+    dtypes = (torch.float32, *_HALF) if capability >= (8, 0) else (torch.float32, torch.float16)
+    align = _gemm_alignment(capability, call.dtype)
+    return (
+        call.dtype in dtypes
+        and (5, 0) <= capability <= (12, 1)
+        and call.head_dim == (call.key_dim or call.head_dim)
+        and call.head_dim % align == 0
+        and call.value_dim % align == 0
+        and _heads_ok(call, same_kv_heads=True)
+    )
+
+
+def _can_cudnn(capability: tuple[int, int], call: AttentionCall, version: int) -> bool:
+    hopper_or_blackwell = capability == (9, 0) or capability[0] == 10
+    d256 = hopper_or_blackwell and version > _CUDNN_D256_FROM
+    limit = 256 if d256 else 128
+    dims = (call.key_dim or call.head_dim, call.value_dim)
+    backward_ok = not (call.requires_grad and d256) or dims in ((192, 128), (256, 256)) or max(dims) <= 128
+    return (
+        call.dtype in _HALF
+        and (8, 0) <= capability <= (12, 1)
+        and call.dropout * 16 == int(call.dropout * 16)
+        and call.batch <= 65535
+        and call.query_heads <= 65535
+        and max(dims) <= limit
+        and dims[0] % 8 == 0
+        and dims[1] % 8 == 0
+        and call.key_len != 1
+        and not (call.dropout > 0 and call.query_len == 1)
+        and backward_ok
+        and _heads_ok(call, same_kv_heads=False)
+    )
+
+
+def _priority(capability: tuple[int, int], cudnn_version: int) -> tuple[str, ...]:
+    """torch's ``priority_order``: cuDNN first on sm 9.0/10.x with a recent cuDNN."""
+    if cudnn_version > _CUDNN_PREFERRED_FROM and capability[0] in (9, 10) and capability[1] in (0, 3):
+        return ("cudnn", "flash", "efficient", "math")
+    return ("flash", "efficient", "math", "cudnn")
 
 
 def choose_kernel(
-    capability: tuple[int, int],
-    dtype: torch.dtype,
-    head_dim: int,
-    value_dim: int,
-    has_mask: bool,
-    same_heads: bool,
-    enabled: tuple[bool, bool, bool],
+    capability: tuple[int, int], call: AttentionCall, enabled: SdpBackends, cudnn_version: int = 0
 ) -> str:
-    """``"flash"``, ``"efficient"`` or ``"math"``: the kernel torch's CUDA dispatcher would run.
-    ``enabled``: whether flash, memory-efficient and math attention are enabled (torch's flags)."""
-    flash_on, efficient_on, _ = enabled
-    if not same_heads:
-        return "math"  # grouped-query attention: the fused kernels want equal head counts here
-    if (
-        flash_on
-        and dtype in _HALF
-        and capability >= (8, 0)
-        and head_dim == value_dim
-        and head_dim <= 256
-        and head_dim % 8 == 0
-        and not has_mask
-    ):
-        return "flash"
-    align = 4 if dtype == torch.float32 else 8
-    if (
-        efficient_on
-        and dtype in (torch.float32, *_HALF)
-        and capability >= (5, 0)
-        and not (dtype == torch.bfloat16 and capability < (8, 0))
-        and head_dim % align == 0
-        and value_dim % align == 0
-    ):
-        return "efficient"
-    return "math"
+    """``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``: the kernel torch's CUDA
+    dispatcher would run for ``call`` on a GPU of compute ``capability`` (``enabled``: torch's
+    flags; ``cudnn_version``: ``torch.backends.cudnn.version()``). Raises torch's error when
+    no enabled kernel can run it."""
+    if not call.same_dtype:
+        return "math"
+    checks = {
+        "flash": lambda: enabled.flash and _can_flash(capability, call),
+        "efficient": lambda: enabled.efficient and _can_efficient(capability, call),
+        "cudnn": lambda: enabled.cudnn and _can_cudnn(capability, call, cudnn_version),
+        "math": lambda: enabled.math,
+    }
+    for kernel in _priority(capability, cudnn_version):
+        if checks[kernel]():
+            return kernel
+    raise RuntimeError("No available kernel. Aborting execution.")
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -99,8 +239,10 @@ class _FusedAttention(torch.autograd.Function):
         bh = 1
         for n in batch:
             bh *= n
-        rt = ts.rt
-        price = attention_price(rt, dev, bh, length, source, heads_dim, value_dim, q.dtype, causal, False)
+        kv_bh = bh // q.shape[-3] * k.shape[-3] if q.dim() == 4 else bh  # grouped-query: fewer key/value heads
+        price = attention_price(
+            ts.rt, dev, bh, length, source, heads_dim, value_dim, q.dtype, causal, False, kv_batch_heads=kv_bh
+        )
         ts.charge(price.gpu, dev, f"{kernel}_attention", price)
         # Output in the kernel's layout: (B, L, H, Dv) in memory, seen as (B, H, L, Dv).
         shape = (*batch, length, value_dim)
@@ -112,20 +254,22 @@ class _FusedAttention(torch.autograd.Function):
             stride = torch.empty(shape, device="meta").stride()
         nbytes = bh * length * value_dim * q.element_size()
         out = ts.wrap(shape, stride, 0, q.dtype, dev, mem.allocate(nbytes))
-        rows = length if kernel == "flash" else (length + 31) // 32 * 32
+        rows = (length + 31) // 32 * 32 if kernel == "efficient" else length
         ctx.kept = mem.allocate(bh * rows * 4)  # logsumexp, fp32, kept for backward
         ctx.ts, ctx.kernel, ctx.causal, ctx.mask_grad = ts, kernel, causal, isinstance(mask, torch.Tensor)
         ctx.shapes = [(t.shape, t.dtype) for t in (q, k, v)]
-        ctx.dims = (bh, length, source, heads_dim, value_dim, q.dtype, dev)
+        ctx.dims = (bh, kv_bh, length, source, heads_dim, value_dim, q.dtype, dev)
         ctx.mask_spec = (mask.shape, mask.dtype) if isinstance(mask, torch.Tensor) else None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         ts: TensorState = ctx.ts
-        bh, length, source, head_dim, value_dim, dtype, dev = ctx.dims
+        bh, kv_bh, length, source, head_dim, value_dim, dtype, dev = ctx.dims
         mem = ts.memory[dev]
-        price = attention_price(ts.rt, dev, bh, length, source, head_dim, value_dim, dtype, ctx.causal, True)
+        price = attention_price(
+            ts.rt, dev, bh, length, source, head_dim, value_dim, dtype, ctx.causal, True, kv_batch_heads=kv_bh
+        )
         ts.charge(price.gpu, dev, f"{ctx.kernel}_attention_backward", price)
         # Workspace: an fp32 accumulator for dQ (and the softmax row sums), for the kernel's run.
         mem.touch(bh * length * head_dim * 4 + bh * length * 4)
@@ -148,42 +292,67 @@ def _held(t: Any) -> EmuTensor | None:
     return None
 
 
-def _fused_op(
-    capability: tuple[int, int],
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    dropout_p: float,
-    causal: bool,
-    scale: Any,
-    orig: Callable,
-) -> Any:
+def _kernel(
+    capability: tuple[int, int], q: Any, k: Any, v: Any, mask: Any, dropout: float, causal: bool, gqa: bool
+) -> str:
+    call = AttentionCall.of(q, k, v, mask, dropout, causal, gqa)
+    return choose_kernel(capability, call, SdpBackends.enabled(), int(torch.backends.cudnn.version() or 0))
+
+
+def _fused_op(capability: tuple[int, int], args: _SdpaArgs, orig: Callable) -> Any:
     """SDPA over tensor subclasses that hold emulated tensors (DTensor): the fused aten op a GPU
     picks, dispatched through the subclass (its sharding rules), so each shard runs that op on its
     emulated tensors. The CPU build's choice for meta-backed inputs is the math composite, which a
     DTensor cannot run (it builds a plain mask tensor)."""
-    kernel = choose_kernel(
-        capability,
-        q.dtype,
-        q.shape[-1],
-        v.shape[-1],
-        mask is not None,
-        q.shape[1] == k.shape[1] == v.shape[1] and q.dtype == k.dtype == v.dtype,
-        (
-            torch.backends.cuda.flash_sdp_enabled(),
-            torch.backends.cuda.mem_efficient_sdp_enabled(),
-            torch.backends.cuda.math_sdp_enabled(),
-        ),
-    )
+    q, k, v, mask, dropout, causal, scale, gqa = args
+    kernel = _kernel(capability, q, k, v, mask, dropout, causal, gqa)
+    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if kernel == "flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, bool(causal), scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, bool(causal), scale=scale)[0]
     if kernel == "efficient":
-        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, mask, need_lse, dropout_p, bool(causal), scale=scale
+            q, k, v, mask, need_lse, dropout, bool(causal), scale=scale
         )[0]
-    return orig(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale)
+    if kernel == "cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, mask, need_lse, dropout, bool(causal), False, scale=scale
+        )[0]
+    return orig(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+class _SdpaArgs(NamedTuple):
+    """One ``scaled_dot_product_attention`` call's arguments."""
+
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any
+    dropout_p: float
+    is_causal: bool
+    scale: Any
+    enable_gqa: bool
+
+    def run(self, orig: Callable) -> Any:
+        """The call as torch's own function runs it (the math path here)."""
+        return orig(
+            self.query,
+            self.key,
+            self.value,
+            attn_mask=self.attn_mask,
+            dropout_p=self.dropout_p,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
+
+def _on_held_tensors(capabilities: list[tuple[int, int]], args: _SdpaArgs, orig: Callable) -> Any:
+    """SDPA over anything but three emulated tensors: tensor subclasses holding emulated tensors
+    take the fused op a GPU picks (:func:`_fused_op`), the rest torch's own function."""
+    inner = _held(args.query)
+    if inner is not None and args.query.dim() == 4 and _held(args.key) is not None and _held(args.value) is not None:
+        return _fused_op(capabilities[inner.emu_device], args, orig)
+    return args.run(orig)
 
 
 def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
@@ -201,32 +370,13 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
         scale: Any = None,
         enable_gqa: bool = False,
     ) -> Any:
+        args = _SdpaArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if (
             not (type(query) is EmuTensor and type(key) is EmuTensor and type(value) is EmuTensor)
             or query.dim() < 3
             or torch._C._len_torch_function_stack()
         ):
-            inner = _held(query)
-            if (
-                inner is not None
-                and query.dim() == 4
-                and _held(key) is not None
-                and _held(value) is not None
-                and not enable_gqa
-            ):
-                return _fused_op(
-                    capabilities[inner.emu_device], query, key, value, attn_mask, dropout_p, is_causal, scale, orig
-                )
-            return orig(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
+            return _on_held_tensors(capabilities, args, orig)
         q, k, v = query, key, value
         if torch.is_autocast_enabled("cuda"):  # what autocast would do to this op's inputs
             dtype = torch.get_autocast_dtype("cuda")
@@ -234,31 +384,9 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
             q, k, v = (
                 cast(EmuTensor, t.to(dtype)) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v)
             )
-        same_heads = q.dim() != 4 or (q.shape[1] == k.shape[1] == v.shape[1])
-        kernel = choose_kernel(
-            capabilities[q.emu_device],
-            q.dtype,
-            q.shape[-1],
-            v.shape[-1],
-            attn_mask is not None,
-            same_heads and q.dtype == k.dtype == v.dtype,
-            (
-                torch.backends.cuda.flash_sdp_enabled(),
-                torch.backends.cuda.mem_efficient_sdp_enabled(),
-                torch.backends.cuda.math_sdp_enabled(),
-            ),
-        )
+        kernel = _kernel(capabilities[q.emu_device], q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
         if kernel == "math":
-            return orig(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
+            return args.run(orig)
         return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask)
 
     scaled_dot_product_attention.__wrapped__ = orig

@@ -299,17 +299,23 @@ def attention_price(
     dtype: torch.dtype,
     causal: bool,
     backward: bool,
+    *,
+    kv_batch_heads: int | None = None,
+    density: float | None = None,
 ) -> OpPrice:
-    """One fused attention kernel (flash or memory-efficient) over ``batch_heads`` heads of
-    ``length`` queries and ``source`` keys: two matrix products forward, five backward (the
-    scores are recomputed); a causal mask skips half of the blocks."""
-    flops = 2.0 * batch_heads * length * source * (head_dim + value_dim)
+    """One fused attention kernel (flash, memory-efficient, cuDNN or FlexAttention's) over
+    ``batch_heads`` heads of ``length`` queries and ``source`` keys: two matrix products forward,
+    five backward (the scores are recomputed); a causal mask skips half of the blocks.
+    ``kv_batch_heads``: the key/value heads read (fewer with grouped-query attention; default as
+    many as the query's); ``density``: the fraction of score blocks computed (a block mask's; it
+    replaces the causal half)."""
+    computed = density if density is not None else (0.5 if causal else 1.0)
+    flops = 2.0 * batch_heads * length * source * (head_dim + value_dim) * computed
     if backward:
         flops *= 2.5
-    if causal:
-        flops *= 0.5
     element = dtype.itemsize
-    nbytes = batch_heads * (length * head_dim + source * (head_dim + value_dim) + length * value_dim) * element
+    kv_heads = batch_heads if kv_batch_heads is None else kv_batch_heads
+    nbytes = (batch_heads * length * (head_dim + value_dim) + kv_heads * source * (head_dim + value_dim)) * element
     if backward:
         nbytes *= 2
     name = "_scaled_dot_product_flash_attention" + ("_backward" if backward else "")

@@ -317,7 +317,8 @@ class CudaSurface:
         return self.StreamContext(stream)
 
     def is_current_stream_capturing(self) -> bool:
-        return False
+        """Whether a CUDA graph capture is under way on the current stream (:mod:`gpemu.graphs`)."""
+        return self.rt.engine.capture_here(self.rt.current_device) is not None
 
     # ------------------------------------------------------------ memory statistics
     def memory_allocated(self, device: Any = None) -> int:

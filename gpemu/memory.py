@@ -13,6 +13,10 @@ Model of the caching allocator (enough for ``memory_allocated``/``memory_reserve
   emptied, raises ``torch.cuda.OutOfMemoryError`` with PyTorch's message, before anything is
   changed, so catching it and retrying with a smaller batch works.
 
+CUDA graphs: while a graph is captured, the device's allocations come from the graph's private
+pool (:class:`PrivatePool`); memory freed back to a pool stays reserved for it, unusable by other
+allocations, until every graph using the pool is reset or deleted.
+
 Fragmentation is not modelled. Memory samples for the recorder are taken at forward/backward
 boundaries by the replay path (never per op).
 """
@@ -37,6 +41,8 @@ __all__ = [
     "GroupBlock",
     "SubBlock",
     "PeakScope",
+    "PrivatePool",
+    "PoolBlock",
     "install",
     "round_size",
     "MIN_BLOCK",
@@ -63,6 +69,7 @@ class Block:
 
     __slots__ = ("tracker", "size", "__weakref__")
     parent = None  # a share of a group allocation has one (SubBlock)
+    pool: PrivatePool | None = None  # a CUDA graph's private pool it came from (PoolBlock)
 
     def __init__(self, tracker: MemoryTracker, size: int) -> None:
         self.tracker = tracker
@@ -90,6 +97,84 @@ class Block:
         raise TypeError("an emulated GPU memory block cannot be pickled")
 
 
+class PoolBlock(Block):
+    """An allocation from a CUDA graph's private pool: when it dies, its bytes go back to the pool."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, tracker: MemoryTracker, size: int, pool: PrivatePool) -> None:
+        super().__init__(tracker, size)
+        self.pool = pool
+
+    def __del__(self) -> None:
+        try:
+            pool = self.pool
+            if pool is not None:
+                pool.give(self.size)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class PrivatePool:
+    """A CUDA graph's private memory pool on one device: what a capture allocates comes from it
+    (graphs given the same ``pool`` handle share one), and what its tensors free stays in it.
+
+    ``size``: the bytes the pool holds (its high-water mark); ``live``: those in live tensors. The
+    rest is reserved for the pool's graphs (the tracker's ``pool_spare``) until :meth:`release`, when no
+    graph uses the pool any more: then it goes back to the caching allocator, and so do the
+    pool's live tensors' bytes when they die."""
+
+    __slots__ = ("tracker", "size", "live", "users", "open", "__weakref__")
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+        self.size = 0
+        self.live = 0
+        self.users = 0  # graphs holding the pool (gpemu.graphs)
+        self.open = True
+
+    def take(self, size: int) -> None:
+        """Account an allocation of ``size`` rounded bytes from the pool: from its free bytes
+        first, the rest as new memory of the device (OOM before any change)."""
+        t = self.tracker
+        from_pool = min(size, self.size - self.live) if self.open else 0
+        new_alloc = t.allocated + size
+        spare = t.pool_spare - from_pool
+        if new_alloc + spare > t.reserved:
+            t._grow(new_alloc + spare, size)
+        t.allocated = new_alloc
+        t.pool_spare = spare
+        if new_alloc > t.peak_allocated:
+            t.peak_allocated = new_alloc
+        t.num_allocs += 1
+        t.num_alloc_calls += 1
+        self.size += size - from_pool
+        self.live += size
+
+    def give(self, size: int) -> None:
+        """A tensor of the pool died: its bytes stay with the pool while it is open."""
+        t = self.tracker
+        t.allocated -= size
+        t.num_allocs -= 1
+        t.num_frees += 1
+        self.live -= size
+        if self.open:
+            t.pool_spare += size
+        else:
+            self.size -= size
+
+    def release(self) -> None:
+        """No graph uses the pool any more: its free bytes go back to the caching allocator."""
+        if self.open:
+            self.tracker.pool_spare -= self.size - self.live
+            self.size = self.live
+            self.open = False
+
+    def reopen(self) -> None:
+        """A graph captures into the pool again (its handle was passed to a new capture)."""
+        self.open = True
+
+
 class GroupBlock(Block):
     """The one allocation behind a group (:meth:`MemoryTracker.allocate_group`). Besides dying
     with its last share like any block, it can be given back and taken again as a whole while
@@ -97,10 +182,11 @@ class GroupBlock(Block):
     gradients at ``zero_grad`` and hand the same wrappers out at the next backward, and this
     keeps that to one tracker call each way instead of one object per parameter."""
 
-    __slots__ = ("held", "hidden", "exposed", "owner")
+    __slots__ = ("held", "hidden", "exposed", "owner", "pool")
 
     def __init__(self, tracker: MemoryTracker, size: int) -> None:
         super().__init__(tracker, size)
+        self.pool = tracker.pool  # a CUDA graph's pool while one is captured
         self.held = True
         # Kept here for the gradient sets (read by the emulated tensor's ``grad`` property, which
         # reaches a gradient's group through its block): ``hidden``, the shares are attached
@@ -116,18 +202,25 @@ class GroupBlock(Block):
         """Give the memory back now (as if every share had died); the shares stay usable."""
         if self.held:
             self.held = False
-            self.tracker._release(self.size)
+            self._give_back()
 
     def reacquire(self) -> None:
         """Take the memory again, as a new allocation of the same size (OOM before any change)."""
         if not self.held:
             self.tracker._account(self.size)
+            self.pool = self.tracker.pool
             self.held = True
+
+    def _give_back(self) -> None:
+        if self.pool is not None:
+            self.pool.give(self.size)
+        else:
+            self.tracker._release(self.size)
 
     def __del__(self) -> None:
         if self.held:
             try:
-                self.tracker._release(self.size)
+                self._give_back()
             except Exception:  # interpreter shutdown
                 pass
 
@@ -187,15 +280,23 @@ class MemoryTracker:
         self.num_frees = 0
         self.num_ooms = 0
         self.num_alloc_retries = 0
+        # CUDA graphs (gpemu.graphs): the private pool allocations come from while a graph is
+        # captured, and the bytes pools hold beyond their live tensors (reserved, not allocated).
+        self.pool: PrivatePool | None = None
+        self.pool_spare = 0
 
     # ------------------------------------------------------------------ hot path
     def allocate(self, nbytes: int) -> Block:
         """Account one allocation; return its :class:`Block` (freed when garbage)."""
         # (round_size and _account inline: every emulated tensor's allocation comes here)
         size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK if nbytes > 0 else 0
+        pool = self.pool
+        if pool is not None:
+            pool.take(size)
+            return PoolBlock(self, size, pool)
         new_alloc = self.allocated + size
-        if new_alloc > self.reserved:
-            self._grow(new_alloc, size)
+        if new_alloc + self.pool_spare > self.reserved:
+            self._grow(new_alloc + self.pool_spare, size)
         self.allocated = new_alloc
         if new_alloc > self.peak_allocated:
             self.peak_allocated = new_alloc
@@ -205,9 +306,12 @@ class MemoryTracker:
 
     def _account(self, size: int) -> None:
         """Count an allocation of ``size`` already-rounded bytes (no block object)."""
+        if self.pool is not None:
+            self.pool.take(size)
+            return
         new_alloc = self.allocated + size
-        if new_alloc > self.reserved:
-            self._grow(new_alloc, size)
+        if new_alloc + self.pool_spare > self.reserved:
+            self._grow(new_alloc + self.pool_spare, size)
         self.allocated = new_alloc
         if new_alloc > self.peak_allocated:
             self.peak_allocated = new_alloc
@@ -232,15 +336,16 @@ class MemoryTracker:
             offset += size
         return out
 
-    def _grow(self, new_alloc: int, size: int) -> None:
-        reserved = _round_segment(new_alloc)
+    def _grow(self, footprint: int, size: int) -> None:
+        """Reserve memory for ``footprint`` bytes (allocated plus held by graph pools)."""
+        reserved = _round_segment(footprint)
         if reserved > self.capacity:
             # Like the caching allocator: release cached segments and retry before failing.
             self.num_alloc_retries += 1
-            if new_alloc > self.capacity:
+            if footprint > self.capacity:
                 self.num_ooms += 1
                 raise torch.cuda.OutOfMemoryError(self.oom_message(size))
-            reserved = new_alloc
+            reserved = footprint
         self.reserved = reserved
         if reserved > self.peak_reserved:
             self.peak_reserved = reserved
@@ -257,6 +362,11 @@ class MemoryTracker:
             return
         # allocate() and the block's immediate free, without making the block (hot path)
         size = round_size(extra)
+        pool = self.pool
+        if pool is not None:
+            pool.take(size)
+            pool.give(size)
+            return
         self._account(size)
         self._release(size)
 
@@ -302,8 +412,9 @@ class MemoryTracker:
         self.num_ooms = 0
 
     def empty_cache(self) -> None:
-        """Like torch.cuda.empty_cache(): give unused cached segments back."""
-        self.reserved = _round_segment(self.allocated)
+        """Like torch.cuda.empty_cache(): give unused cached segments back (not those that CUDA
+        graphs' pools hold)."""
+        self.reserved = _round_segment(self.allocated + self.pool_spare)
 
     def sample(self) -> None:
         """Append (allocated, reserved) now to the run's recorder (forward/backward boundaries).

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .fastpaths.loss import LossState
     from .fastpaths.optimizer import OptimizerFastPath
     from .fastpaths.replay import ReplayState
+    from .graphs import GraphState
     from .identify import IdentifyState
     from .memory import MemoryTracker
     from .model_time import ModelTime
@@ -70,9 +71,12 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.fastpaths.optimizer",  # skipped optimizer steps, fast zero_grad      (fast path)
     "gpemu.autocast",  # autocast('cuda') dtype behaviour                (device)
     "gpemu.attention",  # scaled_dot_product_attention's fused kernels    (device)
+    "gpemu.flex_attention",  # FlexAttention's fused kernel, block masks       (device)
     "gpemu.rnn",  # nn.LSTM / GRU / RNN as one cuDNN op             (device)
     "gpemu.serialization",  # torch.save/torch.load of emulated tensors       (device)
     "gpemu.cuda_api",  # torch.cuda / torch.accelerator / backends        (surface)
+    "gpemu.graphs",  # torch.cuda.CUDAGraph: capture, replay, graph pools (surface)
+    "gpemu.compiled",  # torch.compile: eager, or CUDA graph replays       (surface)
     "gpemu.grad_scaler",  # GradScaler enabled on emulated GPUs            (surface)
     "gpemu.distributed",  # nccl->gloo, emulated DDP                        (surface)
     "gpemu.integrations.pinned_memory",  # mlock-backed pin_memory()          (host side)
@@ -100,6 +104,7 @@ class Runtime:
     transfers: TransferState = field(init=False, repr=False)  # gpemu.transfers
     model_time: ModelTime = field(init=False, repr=False)  # gpemu.model_time
     cuda: CudaSurface = field(init=False, repr=False)  # gpemu.cuda_api
+    graphs: GraphState = field(init=False, repr=False)  # gpemu.graphs
     costs: CostState | None = None  # gpemu.costs (made on first use)
     identities: IdentifyState | None = None  # gpemu.identify (made on first use)
     replay: ReplayState | None = None  # gpemu.fastpaths.replay

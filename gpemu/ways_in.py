@@ -10,7 +10,6 @@
   usual and parameters keep their Python objects (as on a real GPU, so optimizers built before the
   move keep working), and the model transfer is charged once for the whole module
   (:meth:`gpemu.transfers.TransferState.model_to_device`) instead of once per tensor;
-* ``torch.compile`` / ``Module.compile``: the model runs eagerly (said once);
 * optimizers may take their foreach path over emulated tensors.
 """
 
@@ -78,11 +77,6 @@ FACTORIES = (
     "tril_indices",
     "triu_indices",
     "normal",
-)
-
-_COMPILE_NOTE = (
-    "torch.compile is not applied on emulated GPUs: the model runs eagerly (GPU time "
-    "still comes from the profile database or the per-op estimate)"
 )
 
 
@@ -407,17 +401,6 @@ def _make_module_cpu(rt: Runtime, orig_cpu: Callable) -> Callable:
     return cpu
 
 
-def _make_compile(rt: Runtime, orig: Callable) -> Callable:
-    @functools.wraps(orig)
-    def compile(model: Any = None, **kwargs: Any) -> Any:
-        rt.say_once(_COMPILE_NOTE)
-        if model is None:  # used as a decorator factory: @torch.compile(mode=...)
-            return lambda fn: fn
-        return model
-
-    return compile
-
-
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
@@ -443,16 +426,11 @@ def install(rt: Runtime) -> None:
         orig = getattr(torch, name, None)
         if orig is not None:
             p.replace(torch, name, _make_factory(ts, orig, name))
-    # torch.compile cannot trace meta-backed wrapper tensors; emulated GPU time comes from
-    # profiles of eager runs anyway, so compiled models run eagerly (said once).
-    p.replace(torch, "compile", _make_compile(rt, torch.compile))
     M = torch.nn.Module
     p.replace(M, "to", _make_module_to(rt, ts, M.to))
     p.replace(M, "cuda", _make_module_cuda(rt, ts, M.cuda))
     p.replace(M, "cpu", _make_module_cpu(rt, M.cpu))
     p.replace(M, "to_empty", _make_module_to_empty(rt, ts, M.to_empty))
-    if hasattr(M, "compile"):
-        p.replace(M, "compile", lambda self, *a, **k: rt.say_once(_COMPILE_NOTE))
     # Optimizers choose their foreach (multi-tensor) path only for listed tensor types.
     import torch.optim.optimizer as opt_mod
     import torch.utils._foreach_utils as fe_mod

@@ -7,29 +7,58 @@ import torch
 from torch.nn import functional as F
 
 import gpemu
-from gpemu.attention import choose_kernel
+from gpemu.attention import AttentionCall, SdpBackends, choose_kernel
 from gpemu.clock import VirtualClock
 
-ALL_ON = (True, True, True)
+ALL_ON = SdpBackends()
+FLASH_OFF = SdpBackends(flash=False)
+ONLY_MATH = SdpBackends(flash=False, efficient=False, cudnn=False)
+ONLY_CUDNN = SdpBackends(flash=False, efficient=False, math=False)
+NEW_CUDNN = 91600  # newer than 9.15: torch puts cuDNN attention first on sm 9.0 / 10.x
+
+
+def _call(dtype=torch.float16, dims=(64, 64), heads=(16, 16, 16), **facts) -> AttentionCall:
+    facts = {"query_len": 1024, "key_len": 1024, **facts}
+    return AttentionCall(dtype, dims[0], dims[1], *heads, **facts)
+
+
+GQA = {"heads": (32, 8, 8), "gqa": True}
 
 
 @pytest.mark.parametrize(
-    "capability, dtype, dims, mask, same, enabled, kernel",
+    "capability, call, enabled, cudnn, kernel",
     [
-        ((8, 0), torch.float16, (64, 64), False, True, ALL_ON, "flash"),  # A100, fp16
-        ((9, 0), torch.bfloat16, (128, 128), False, True, ALL_ON, "flash"),  # H100, bf16
-        ((8, 0), torch.float32, (64, 64), False, True, ALL_ON, "efficient"),  # fp32: no flash
-        ((8, 0), torch.float16, (64, 64), True, True, ALL_ON, "efficient"),  # an explicit mask
-        ((7, 0), torch.float16, (64, 64), False, True, ALL_ON, "efficient"),  # V100: no flash
-        ((7, 0), torch.bfloat16, (64, 64), False, True, ALL_ON, "math"),  # bf16 before Ampere
-        ((3, 7), torch.float32, (64, 64), False, True, ALL_ON, "math"),  # K80
-        ((8, 0), torch.float16, (64, 64), False, False, ALL_ON, "math"),  # unequal head counts
-        ((8, 0), torch.float16, (64, 64), False, True, (False, True, True), "efficient"),
-        ((8, 0), torch.float16, (64, 64), False, True, (False, False, True), "math"),
+        ((8, 0), _call(), ALL_ON, 0, "flash"),  # A100, fp16
+        ((9, 0), _call(torch.bfloat16, (128, 128)), ALL_ON, 0, "flash"),  # H100, bf16
+        ((8, 0), _call(torch.float32), ALL_ON, 0, "efficient"),  # fp32: no flash
+        ((8, 0), _call(has_mask=True), ALL_ON, 0, "efficient"),  # an explicit mask
+        ((7, 0), _call(), ALL_ON, 0, "efficient"),  # V100: no flash
+        ((7, 0), _call(torch.bfloat16), ALL_ON, 0, "math"),  # bf16 before Ampere
+        ((3, 7), _call(torch.float32), ALL_ON, 0, "math"),  # K80
+        ((8, 0), _call(heads=(16, 8, 8)), ALL_ON, 0, "math"),  # unequal head counts without enable_gqa
+        ((8, 0), _call(), FLASH_OFF, 0, "efficient"),
+        ((8, 0), _call(), ONLY_MATH, 0, "math"),
+        ((8, 0), _call(causal=True, query_len=1, key_len=1024), ALL_ON, 0, "efficient"),  # flash: causal needs L == S
+        ((8, 9), _call(dims=(200, 200), requires_grad=True), ALL_ON, 0, "efficient"),  # L4 training, head dim 200
+        # grouped-query attention (Llama-3: 32 query heads, 8 key/value heads)
+        ((8, 0), _call(torch.bfloat16, (128, 128), **GQA), ALL_ON, 0, "flash"),
+        ((9, 0), _call(torch.bfloat16, (128, 128), **GQA), ALL_ON, 0, "flash"),
+        ((9, 0), _call(torch.bfloat16, (128, 128), **GQA), ALL_ON, NEW_CUDNN, "cudnn"),
+        ((8, 0), _call(torch.bfloat16, (128, 128), **GQA), ALL_ON, NEW_CUDNN, "flash"),  # cuDNN first only on 9.0/10.x
+        ((8, 0), _call(torch.float32, (128, 128), **GQA), ALL_ON, 0, "efficient"),
+        ((7, 0), _call(torch.float16, (128, 128), **GQA), ALL_ON, 0, "efficient"),
+        ((8, 0), _call(heads=(32, 8, 4), gqa=True), ALL_ON, 0, "math"),  # flash/efficient want as many K as V heads
+        ((8, 0), _call(heads=(32, 8, 4), gqa=True), ONLY_CUDNN, 0, "cudnn"),
+        ((8, 0), _call(heads=(32, 6, 6), gqa=True), ONLY_MATH, 0, "math"),
     ],
 )
-def test_kernel_choice_follows_torchs_cuda_dispatcher(capability, dtype, dims, mask, same, enabled, kernel):
-    assert choose_kernel(capability, dtype, dims[0], dims[1], mask, same, enabled) == kernel
+def test_kernel_choice_follows_torchs_cuda_dispatcher(capability, call, enabled, cudnn, kernel):
+    assert choose_kernel(capability, call, enabled, cudnn) == kernel
+
+
+def test_no_enabled_kernel_is_torchs_error():
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        choose_kernel((8, 0), _call(heads=(32, 6, 6), gqa=True), ONLY_CUDNN, 0)
 
 
 def _attention(gpu: str, dtype: torch.dtype, backend=None) -> tuple[int, float, float, tuple]:
@@ -80,6 +109,25 @@ def test_tensor_cores_make_half_precision_attention_faster():
     _, fwd16, bwd16, _ = _attention("A100", torch.float16)
     _, fwd32, bwd32, _ = _attention("A100", torch.float32)  # the memory-efficient kernel, no tensor cores
     assert fwd32 > 4 * fwd16 and bwd32 > 4 * bwd16
+
+
+@pytest.mark.parametrize("gpu", ["A100", "H100"])
+def test_grouped_query_attention_runs_the_fused_kernel(gpu):
+    """Llama-3's attention (32 query heads, 8 key/value heads, bf16) at 2 x 2048 tokens keeps what
+    a fused kernel keeps (output and statistics), not the math path's repeated keys and scores."""
+    with gpemu.emulate(gpu=gpu, summary=False, clock=VirtualClock()) as rt:
+        q = torch.empty(2, 32, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        first = len(rt.recorder.spans)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        peak = torch.cuda.max_memory_allocated() - base
+        out.sum().backward()
+        names = {s.name for s in rt.recorder.spans[first:] if "attention" in s.name}
+        assert out.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert peak <= q.numel() * 2 + 2 * 32 * 2048 * 4 + 2 * 512  # output + logsumexp
+    assert names == {"flash_attention", "flash_attention_backward"}
 
 
 def test_requires_grad_true_on_a_computed_tensor_that_requires_grad():

@@ -4,8 +4,9 @@ virtual streams and events, sync points, and how enqueued work becomes time.
 Rooms: :mod:`~gpemu.time.host` (each host thread's emulated time; the emulator's own time,
 forgiven), :mod:`~gpemu.time.timeline` (local deadline arithmetic, or a sharing manager's
 backend), :mod:`~gpemu.time.streams` (``torch.cuda.Stream`` / ``Event`` shapes),
-:mod:`~gpemu.time.engine` (the run's :class:`TimeEngine`), :mod:`~gpemu.time.allowance` (the
-return allowance, measured once per process).
+:mod:`~gpemu.time.engine` (the run's :class:`TimeEngine`), :mod:`~gpemu.time.capture` (CUDA
+graph capture: a capturing stream records its work), :mod:`~gpemu.time.allowance` (the return
+allowance, measured once per process).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..clock import RealClock
 from .allowance import calibrate_return_allowance
+from .capture import BACKWARD_MARK, CAPTURE_INVALIDATED, ITERATION_END, CapturedWork, StreamCapture
 from .engine import TimeEngine
 from .host import HostState, HostTime
 from .streams import EmuEvent, VirtualStream
@@ -30,6 +32,11 @@ __all__ = [
     "EmuEvent",
     "EventMark",
     "GpuTimeBackend",
+    "StreamCapture",
+    "CapturedWork",
+    "BACKWARD_MARK",
+    "ITERATION_END",
+    "CAPTURE_INVALIDATED",
     "install",
     "calibrate_return_allowance",
 ]

@@ -23,9 +23,10 @@ from ..config import GRANULARITIES
 from ..devices import check_ordinal
 from ..recorder import Recorder
 from .allowance import MAX_ALLOWANCE, calibrate_return_allowance
+from .capture import BACKWARD_MARK, ITERATION_END, StreamCapture, capture_refusal
 from .host import HostTime
 from .streams import VirtualStream
-from .timeline import GpuTimeBackend, LocalTimeline, SharedTimeline, Timeline
+from .timeline import GpuTimeBackend, LocalTimeline, SharedTimeline, Timeline, bad_duration
 
 __all__ = ["TimeEngine"]
 
@@ -68,6 +69,9 @@ class TimeEngine(HostTime):
         self.timeline: Timeline = LocalTimeline(self, self.recorder, self._busy, self._backward_since_mark)
         self._memory = memory
         self.current_device: Callable[[], int] = current_device if current_device is not None else (lambda: 0)
+        # CUDA graph captures under way, by stream (replaced, never changed in place: the hot
+        # paths read it without the lock).
+        self.captures: dict[VirtualStream, StreamCapture] = {}
 
     # ------------------------------------------------------------------ streams
     def check_device(self, device: int) -> int:
@@ -161,11 +165,19 @@ class TimeEngine(HostTime):
             now = (local.entry if local.depth else self.read_clock()) - local.late
             if now < local.floor:
                 now = local.floor
+        if self.captures:
+            capture = self.captures.get(stream)
+            if capture is not None:  # a capturing stream records its work; nothing runs now
+                if seconds < 0 or seconds != seconds:
+                    raise bad_duration(seconds, kind, name)
+                capture.record(seconds, kind, name, peak_bytes)
+                return now if now > stream.busy_until else stream.busy_until
         return self.timeline.enqueue(stream, seconds, kind, name, peak_bytes, now, at)
 
     def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
         """``stream.enqueue(seconds, kind, name)`` then ``stream.synchronize(reason)`` in one
         call: a blocking copy (every pageable input batch)."""
+        self.refuse_if_capturing(reason)
         self.timeline.enqueue_wait(stream, seconds, kind, name, reason)
 
     def device_busy_until(self, device: int) -> float:
@@ -173,6 +185,7 @@ class TimeEngine(HostTime):
 
     def synchronize(self, device: int | None = None, reason: str = "synchronize") -> None:
         """Host waits until every stream of ``device`` (all devices when None) is idle."""
+        self.refuse_if_capturing(reason)
         self.enter()
         try:
             devices = range(self.num_devices) if device is None else (self.check_device(device),)
@@ -229,12 +242,22 @@ class TimeEngine(HostTime):
     # ------------------------------------------------------------------ iterations
     def note_backward(self, device: int) -> None:
         """A backward pass ran on ``device`` (also one charged op by op, whose spans are ops):
-        the next optimizer step ends an iteration."""
+        the next optimizer step ends an iteration. Captured as a mark while this thread's stream
+        on ``device`` is capturing (its replays note it)."""
+        capture = self.capture_here(device)
+        if capture is not None:
+            capture.record(0.0, BACKWARD_MARK, "")
+            return
         self._backward_since_mark[device] = True
 
     def end_iteration(self, device: int) -> None:
         """An optimizer step finished on ``device``: mark an iteration (at the GPU time its work
-        ends) and hand the iteration's work to a backend when one is plugged in."""
+        ends) and hand the iteration's work to a backend when one is plugged in. Captured as a
+        mark while this thread's stream on ``device`` is capturing (its replays end the iteration)."""
+        capture = self.capture_here(device)
+        if capture is not None:
+            capture.record(0.0, ITERATION_END, "")
+            return
         if not self._backward_since_mark[device]:
             # e.g. a second optimizer in the same iteration, or steps without backward
             return
@@ -242,6 +265,56 @@ class TimeEngine(HostTime):
         self.timeline.iteration_ended(device)
         t = max(self.now(), self._busy[device])
         self.recorder.iteration(device, t)
+
+    # ------------------------------------------------------------------ CUDA graph capture
+    def begin_capture(self, stream: VirtualStream, mode: str = "global") -> StreamCapture:
+        """From now on, work enqueued on ``stream`` is recorded instead of run, and sync points
+        are refused as CUDA refuses them (``mode``: ``"global"``, ``"thread_local"`` or
+        ``"relaxed"``, see :mod:`gpemu.time.capture`) until :meth:`end_capture`."""
+        if not isinstance(stream, VirtualStream) or stream.engine is not self:
+            raise TypeError(f"expected a gpemu stream of this run, got {stream!r}")
+        if stream.stream_id == 0:
+            raise RuntimeError(
+                "CUDA graphs must be captured on a non-default stream. "
+                "(However, after capture, it's ok to replay them on the default stream.)"
+            )
+        capture = StreamCapture(stream, mode)
+        with self._lock:
+            if stream in self.captures:
+                raise RuntimeError(f"Cannot begin a CUDA graph capture on {stream!r}: it is already capturing")
+            self.captures = {**self.captures, stream: capture}
+        return capture
+
+    def end_capture(self, stream: VirtualStream) -> StreamCapture:
+        """Stop :meth:`begin_capture` on ``stream``; returns what it recorded."""
+        with self._lock:
+            capture = self.captures.get(stream)
+            if capture is None:
+                raise RuntimeError(f"Called capture_end on {stream!r}, which is not capturing")
+            self.captures = {s: c for s, c in self.captures.items() if c is not capture}
+        return capture
+
+    def capture_of(self, stream: VirtualStream) -> StreamCapture | None:
+        """The capture under way on ``stream`` (None: it runs its work)."""
+        captures = self.captures
+        return captures.get(stream) if captures else None
+
+    def capture_here(self, device: int) -> StreamCapture | None:
+        """The capture under way on the calling thread's current stream of ``device``."""
+        return self.capture_of(self.stream(device)) if self.captures else None
+
+    def refuse_if_capturing(self, reason: str) -> None:
+        """A sync point (``reason``): raise CUDA's error, and invalidate the captures concerned,
+        when a capture under way forbids waiting in this thread."""
+        captures = self.captures
+        if not captures:
+            return
+        me = threading.get_ident()
+        refusing = [c for c in captures.values() if c.refuses(me)]
+        for capture in refusing:
+            capture.invalid = capture.invalid or reason
+        if refusing:
+            raise capture_refusal(reason)
 
     # ------------------------------------------------------------------ backend
     @property

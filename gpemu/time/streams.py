@@ -61,11 +61,14 @@ class VirtualStream:
         now = (local.entry if local.depth else eng.read_clock()) - local.late
         if now < local.floor:
             now = local.floor
+        if eng.captures:  # (a CUDA graph capture: the engine records the work of a capturing stream)
+            return eng.enqueue(self, seconds, kind, name, peak_bytes, at, now)
         return eng.timeline.enqueue(self, seconds, kind, name, peak_bytes, now, at)
 
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
         eng = self.engine
+        eng.refuse_if_capturing(reason)
         local = eng.local.host
         outer = not local.depth
         if outer:
@@ -118,8 +121,8 @@ class VirtualStream:
         self.engine.pop_stream()
 
     def is_capturing(self) -> bool:
-        """No CUDA graph capture in emulation (Adam/AdamW ask the current stream)."""
-        return False
+        """Whether a CUDA graph capture is under way on this stream (optimizers ask it)."""
+        return self.engine.capture_of(self) is not None
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -184,6 +187,7 @@ class EmuEvent:
         """Host waits until the event has completed."""
         if self._engine is None or self.mark is None:
             return
+        self._engine.refuse_if_capturing("torch.cuda.Event.synchronize")
         self._engine.timeline.wait_mark(self.mark)
 
     def wait(self, stream: VirtualStream | None = None) -> None:
