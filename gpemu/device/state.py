@@ -47,6 +47,7 @@ __all__ = [
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _META = torch.device("meta")
 
+_inference_mode = torch.is_inference_mode_enabled
 
 class OutputSpec(NamedTuple):
     """One output of an op, as the op cache keeps it (:meth:`TensorState.build` makes it again):
@@ -254,7 +255,20 @@ class TensorState:
         src = emus[alias]
         if write:
             return src
-        return self.wrap(shape, stride, offset, src.dtype if dtype is None else dtype, src.emu_device, src.emu_block)
+        return self.view(src, shape, stride, offset, src.dtype if dtype is None else dtype)
+
+    def view(
+        self, src: EmuTensor, shape: Any, stride: Any, offset: int | torch.SymInt, dtype: torch.dtype
+    ) -> EmuTensor:
+        """A view of ``src`` (its memory block, this metadata).
+
+        Inside ``inference_mode`` a view of a tensor made outside it is a normal tensor sharing its
+        base's version counter (a CUDA view's TensorImpl inherits its base's keys); a wrapper made
+        there would be an inference tensor, which autograd's view bookkeeping refuses."""
+        if _inference_mode() and not src.is_inference():
+            with torch.inference_mode(False):
+                return self.wrap(shape, stride, offset, dtype, src.emu_device, src.emu_block)
+        return self.wrap(shape, stride, offset, dtype, src.emu_device, src.emu_block)
 
     @staticmethod
     def spec_of(t: EmuTensor) -> OutputSpec:
