@@ -46,8 +46,8 @@ __all__ = [
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _META = torch.device("meta")
-
 _inference_mode = torch.is_inference_mode_enabled
+
 
 class OutputSpec(NamedTuple):
     """One output of an op, as the op cache keeps it (:meth:`TensorState.build` makes it again):
@@ -395,6 +395,15 @@ class TensorState:
     def set_block(t: EmuTensor, block: Any) -> None:
         """``t`` now lives in memory ``block`` (a gradient given a share of a group's block)."""
         t.emu_block = block
+
+    def resize_block(self, t: EmuTensor, nbytes: int) -> None:
+        """``t``'s storage resized to ``nbytes`` (:class:`gpemu.device.storage.EmuStorage`): its
+        block (shared by its views) freed or allocated anew; a tensor without one gets one."""
+        block = t.emu_block
+        if block is not None:
+            block.resize(nbytes)
+        elif nbytes > 0:
+            t.emu_block = self.memory[t.emu_device].allocate(nbytes)
 
     @staticmethod
     def release(t: EmuTensor) -> None:
