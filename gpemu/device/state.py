@@ -42,6 +42,7 @@ __all__ = [
     "device_index",
     "from_meta",
     "meta_of",
+    "as_meta",
 ]
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -462,6 +463,13 @@ def from_meta(
     t = ts.wrap(meta.shape, meta.stride(), meta.storage_offset(), meta.dtype, dev, block, requires_grad)
     t.emu_meta = meta
     return t
+
+
+def as_meta(t: EmuTensor) -> torch.Tensor:
+    """A new meta tensor with ``t``'s shape, strides and dtype: what a GPU tensor's ``.to("meta")``
+    or ``empty_like(t, device="meta")`` gives (no memory). Only the program's explicit requests
+    come here: torch itself names the wrapper's own device, meta, for "the same device"."""
+    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=_META)
 
 
 def meta_of(t: EmuTensor) -> torch.Tensor:
