@@ -76,9 +76,10 @@ class CostTap:
     and ``reference_seconds``, the same pass priced as the profile database measured (fp32 on the
     device's reference GPU) — their ratio carries a measured model's time to this GPU and precision.
     Work charged as a span (a replayed unit) counts as GPU time at both prices. ``mix``: GPU
-    seconds per kind of work of the priced ops (the cost model's uncertainty depends on it)."""
+    seconds per kind of work of the priced ops, ``precisions``: per dtype (the cost model's
+    uncertainty depends on both)."""
 
-    __slots__ = ("seconds", "charged", "mix", "_host", "_finish", "_finish_ref", "own")
+    __slots__ = ("seconds", "charged", "mix", "precisions", "_host", "_finish", "_finish_ref", "own")
 
     def __init__(self) -> None:
         # ``own``: for a module's backward window, which ops are its own (:class:`OwnNodes`);
@@ -87,6 +88,7 @@ class CostTap:
         self.seconds = 0.0
         self.charged = 0.0
         self.mix: dict[str, float] = {}
+        self.precisions: dict[str, float] = {}  # GPU seconds per dtype of the priced ops
         self._host = 0.0  # host issue time so far (the queue's host side)
         self._finish = 0.0  # when the pass's GPU work ends, at this GPU and precision
         self._finish_ref = 0.0  # the same at the reference price
@@ -346,6 +348,7 @@ class TensorState:
                 tap.add(cost, host, reference)
                 if price is not None:
                     tap.mix[price.mix] = tap.mix.get(price.mix, 0.0) + cost
+                    tap.precisions[price.precision] = tap.precisions.get(price.precision, 0.0) + cost
 
     def open_tap(self) -> CostTap:
         """Start summing the GPU time of the ops this thread charges from now on (they are still
