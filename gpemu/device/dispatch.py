@@ -47,8 +47,12 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     arg_sig = signature(args, emus, exact)
     kw_sig = keyword_signature(kwargs, emus, exact) if kwargs else None
     ts = emus[0].emu_state if emus else current_state()
+    backward = current_task() != -1 and backward_pass(ts)
+    if backward and emus:
+        # (however the backward pass was started: a model's own marks see only module calls)
+        ts.engine.note_backward(emus[0].emu_device)
     # (one op's price differs between the passes: see backward_pass; and with the TF32 switches)
-    key = (fid, arg_sig, kw_sig, current_task() != -1 and backward_pass(ts), tf32_matmul(), tf32_cudnn())
+    key = (fid, arg_sig, kw_sig, backward, tf32_matmul(), tf32_cudnn())
     return ts.call(cached_op, ts, key, func, args, kwargs, emus)
 
 
