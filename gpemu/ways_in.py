@@ -326,6 +326,43 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
     return new
 
 
+def _cuda_for_cpp(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on cuda for torch's C++ too: a fake tensor of a FakeTensorMode (an
+    emulated tensor's C++ device is meta). The Python methods that take a device guard (copy_,
+    new_tensor) fail on such a tensor in the CPU build, which has no CUDA guard; on a GPU the guard
+    changes nothing here."""
+    return type(t) is not torch.Tensor and not isinstance(t, EmuTensor) and t.device.type == "cuda"
+
+
+def _make_tensor_copy(orig: Callable) -> Callable:
+    """``dst.copy_(src)`` (the mode's own decompositions copy into fake tensors: ``uniform_``): into
+    a tensor on cuda for C++, the op is dispatched as for any other tensor."""
+    copy_op = torch.ops.aten.copy_.default
+
+    @functools.wraps(orig)
+    def copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+        if _cuda_for_cpp(self):
+            return copy_op(self, src, non_blocking)
+        return orig(self, src, non_blocking)
+
+    return copy_
+
+
+def _make_tensor_new_tensor(orig: Callable) -> Callable:
+    """``t.new_tensor(data, ...)`` of a tensor on cuda for C++ (``trunc_normal_`` reads its bounds
+    so under a fake mode): made by ``torch.tensor`` with ``t``'s dtype and device as defaults."""
+
+    @functools.wraps(orig)
+    def new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not _cuda_for_cpp(self) or args:
+            return orig(self, data, *args, **kwargs)
+        kwargs.setdefault("dtype", self.dtype)
+        kwargs.setdefault("device", self.device)
+        return torch.tensor(data, **kwargs)
+
+    return new_tensor
+
+
 def _make_device_context_tf(ts: TensorState, orig_tf: Callable) -> Callable:
     """``torch.set_default_device('cuda')`` / ``with torch.device('cuda')``: torch's DeviceContext
     mode adds ``device='cuda'`` to factories; route those to emulated factories."""
@@ -490,6 +527,8 @@ def install(rt: Runtime) -> None:
     p.replace(T, "type", _make_tensor_type(ts, T.type))
     for name in ("new_empty", "new_zeros", "new_ones", "new_full"):
         p.replace(T, name, _make_tensor_new(ts, getattr(T, name)))
+    p.replace(T, "copy_", _make_tensor_copy(T.copy_))
+    p.replace(T, "new_tensor", _make_tensor_new_tensor(T.new_tensor))
     from torch.utils._device import DeviceContext, _device_constructors
 
     _device_constructors()  # fill its cache with torch's own functions before ours replace them

@@ -58,6 +58,12 @@ def test_factories_under_fake_tensor_mode_make_fake_tensors_and_take_no_memory(r
         ]
         with torch.device("cuda"):
             made.append(torch.ones(1024))
+        # Fake tensors on cuda for C++ too: the methods that take a device guard (the CPU build
+        # has none for CUDA) work as on a GPU: uniform_'s decomposition copies into its tensor.
+        made.append(made[0].uniform_(-1, 1))
+        made.append(nn.init.kaiming_uniform_(made[1]))
+        made.append(made[2].new_tensor([1.0, 2.0]))
+        made[2].copy_(made[3].float())
     for t in made:
         assert isinstance(t, FakeTensor) and t.device == torch.device("cuda:0"), t
     assert torch.cuda.memory_allocated() == before
