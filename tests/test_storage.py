@@ -72,6 +72,11 @@ def _fsdp_rank(rank: int, port: int, out_dir: str, data_dir: str) -> None:
         "after_backward": torch.cuda.memory_allocated(),
         "grads": [p.grad is not None for p in model.parameters()],
     }
+    # The step's DTensor ops propagate their sharding on fake tensors: no memory for those.
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    result.update(after_step=torch.cuda.memory_allocated(), step_peak=torch.cuda.max_memory_allocated())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -79,7 +84,9 @@ def _fsdp_rank(rank: int, port: int, out_dir: str, data_dir: str) -> None:
 @pytest.mark.torchrun
 def test_fsdp2_per_rank_memory_follows_its_sharding(tmp_path: Path, _gpemu_data_dir: Path) -> None:
     """8 Linear(1024, 1024) on 2 ranks: after forward and backward each rank holds its half of
-    the parameters and of the gradients (FSDP2 freed the unsharded ones with resize_(0))."""
+    the parameters and of the gradients (FSDP2 freed the unsharded ones with resize_(0)); a fused
+    AdamW step adds its halves of the two states and nothing more (its ops' sharding propagation
+    makes fake tensors)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fsdp_rank, args=(free_port(), str(tmp_path), str(_gpemu_data_dir)), nprocs=2, join=True)
@@ -88,3 +95,4 @@ def test_fsdp2_per_rank_memory_follows_its_sharding(tmp_path: Path, _gpemu_data_
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert all(r["grads"])
         assert 2 * half <= r["after_backward"] < 2 * half + 2**20, r  # parameters + gradients (+ a little)
+        assert 4 * half <= r["after_step"] <= r["step_peak"] < 4 * half + 2**20, r  # + AdamW's two states
