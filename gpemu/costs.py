@@ -82,6 +82,7 @@ class OpPrice(NamedTuple):
     host: float  # seconds the cost model's calibration hosts took to issue it
     reference: float  # its kernel's seconds as the database measured: fp32 on the reference GPU
     mix: str  # the kind of work: dense_conv, light_conv, gemm or memory (uncertainty)
+    precision: str = "float32"  # the dtype it ran in (uncertainty: the figures were measured in fp32)
 
 
 _NOTHING = OpPrice(0.0, 0.0, 0.0, "memory")
@@ -229,14 +230,23 @@ def backward_seconds(rt: Runtime, identity: ModelIdentity, batch_size: int, devi
 
 
 def uncertainty(
-    rt: Runtime, device: int, mix: dict[str, float] | None = None, transferred: bool = False
+    rt: Runtime,
+    device: int,
+    mix: dict[str, float] | None = None,
+    transferred: bool = False,
+    precisions: dict[str, float] | None = None,
 ) -> Uncertainty | None:
     """The cost model's cross-validated error for an estimate on ``device``'s GPU; ``mix``: GPU
     seconds per kind of work of the ops priced (the dominant kind narrows the figure);
     ``transferred``: a measured time carried from another GPU by the cost model's ratio
-    (provenance ``scaled``), whose error is the leave-one-GPU-out error of such transfers."""
+    (provenance ``scaled``), whose error is the leave-one-GPU-out error of such transfers;
+    ``precisions``: GPU seconds per dtype of the ops priced (one other than the figures' fp32
+    makes the figure say so: :attr:`Uncertainty.unchecked`)."""
     dominant = max(mix, key=lambda k: mix[k]) if mix else None
-    return default_model().uncertainty(_device(rt, device).sheet, dominant, transferred=transferred)
+    precision = max(precisions, key=lambda k: precisions[k]) if precisions else None
+    return default_model().uncertainty(
+        _device(rt, device).sheet, dominant, transferred=transferred, precision=precision
+    )
 
 
 # --------------------------------------------------------------------------------- single ops
@@ -267,7 +277,7 @@ def _price(rt: Runtime, device: int, op: OpFeatures) -> OpPrice:
         reference = gpu  # exactly as measured: the ratio is 1
     else:
         reference = model.op_seconds(ref_op, d.reference_sheet, FP32)
-    return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)))
+    return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)), op.dtype)
 
 
 def op_price(
@@ -392,7 +402,7 @@ def rnn_price(
             if backward:
                 gemm(k_in, rows, n)  # weight gradients, over all timesteps at once
                 gemm(hidden, rows, n)
-    return OpPrice(gpu, host, reference, "gemm")
+    return OpPrice(gpu, host, reference, "gemm", d)
 
 
 def copy_price(rt: Runtime, device: int, nbytes: int, dtype: torch.dtype, backward: bool = False) -> OpPrice:

@@ -10,7 +10,9 @@ Order of evidence:
    database has one. A replaced classification head (``model.fc = nn.Linear(2048, 10)``) is
    recognised too: the count is compared as if the head had the dataset's 1000 classes.
    A wrapper module whose own structure matches nothing but which *contains* identified
-   submodules is identified by them (outermost identified submodules own the time).
+   submodules is identified by them (outermost identified submodules own the time): by those
+   its first call's forward calls, once per call (:func:`confirm_parts`), so a copy it holds but
+   never calls (an EMA model) costs nothing and a model called twice (a siamese network) twice.
 3. **estimated** — nothing matches: time comes from the ops it runs, priced by the cost model
    (``gpemu.costs``, ``gpemu.costmodel``).
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .runtime import Runtime
 
-__all__ = ["ModelIdentity", "IdentifyState", "identify", "structural_fingerprint", "SOURCES"]
+__all__ = ["ModelIdentity", "IdentifyState", "identify", "confirm_parts", "structural_fingerprint", "SOURCES"]
 
 SOURCES = ("configured", "fingerprint", "estimated")
 _DATASET_CLASSES = 1000  # the profiled torchvision models are ImageNet classifiers
@@ -47,12 +49,17 @@ class ModelIdentity:
     param_count: int
     fingerprint: str
     info: ModelInfo | None = None
-    # Identified submodules of a wrapper: their times add up to the wrapper's.
+    # Identified submodules of a wrapper: their times add up to the wrapper's. Until a call
+    # confirms them (confirm_parts), every identified submodule it holds (``candidates``: weak
+    # references to them, in the same order).
     parts: tuple[ModelIdentity, ...] = ()
+    candidates: tuple[weakref.ref, ...] = field(default=(), repr=False)
     # Models priced by their ops: per-(kind, batch, device) seconds of the calls that ran.
     estimates: dict[tuple[str, int, int], float] = field(default_factory=dict, repr=False)
     param_bytes: int = 0
     param_shapes: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # A submodule of a model already said (the script calls it directly): its notes are not said.
+    quiet: bool = False
 
     @property
     def label(self) -> str:
@@ -80,6 +87,7 @@ class IdentifyState:
 
     cache: weakref.WeakKeyDictionary[nn.Module, ModelIdentity] = field(default_factory=weakref.WeakKeyDictionary)
     configured_taken: bool = False  # the configured model was given to a module
+    said: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)  # models whose identity was said
 
 
 def _state(rt: Runtime) -> IdentifyState:
@@ -100,9 +108,19 @@ def identify(rt: Runtime, module: nn.Module, quiet: bool = False) -> ModelIdenti
         pass
     except TypeError:  # not weak-referenceable: identify without caching
         return _identify(rt, module, st, quiet)
-    ident = _identify(rt, module, st, quiet)
+    part = _part_of_said(module, st)
+    ident = _identify(rt, module, st, quiet or part)
+    ident.quiet = part
+    if not quiet and not part and ident.param_count:
+        st.said.add(module)
     cache[module] = ident
     return ident
+
+
+def _part_of_said(module: nn.Module, st: IdentifyState) -> bool:
+    """Whether ``module`` is a submodule of a model whose identity was said (a script calling a
+    model's part directly: an encoder, a head)."""
+    return any(model is not module and any(sub is module for sub in model.modules()) for model in st.said)
 
 
 def _counts(module: nn.Module) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
@@ -129,13 +147,18 @@ def _identify(rt: Runtime, module: nn.Module, st: IdentifyState, quiet: bool = F
             rt.say_once(f"model {cls} ({count:,} parameters): GPU time of dataset model {info.name!r} (configured)")
             return ModelIdentity(info.name, "configured", cls, count, fp, info, param_bytes=nbytes, param_shapes=shapes)
     if match is not None:
-        rt.say_once(f"model {cls} ({count:,} parameters) identified as {match.name!r} by its structure")
+        if not quiet:
+            rt.say_once(f"model {cls} ({count:,} parameters) identified as {match.name!r} by its structure")
         return ModelIdentity(match.name, "fingerprint", cls, count, fp, match, param_bytes=nbytes, param_shapes=shapes)
-    parts = tuple(_identified_children(rt, module, st))
-    if parts:
+    found = _identified_children(rt, module, st)
+    if found:
+        parts = tuple(ident for ident, _ in found)
         names = "+".join(p.name or "?" for p in parts)
-        rt.say_once(f"model {cls}: GPU time of its identified submodule(s) {names}")
-        return ModelIdentity(names, parts[0].source, cls, count, fp, None, parts=parts, param_bytes=nbytes)
+        # (said when a call confirms which of them its forward calls: confirm_parts)
+        refs = tuple(weakref.ref(child) for _, child in found)
+        return ModelIdentity(
+            names, parts[0].source, cls, count, fp, None, parts=parts, candidates=refs, param_bytes=nbytes
+        )
     if count > 0 and not quiet:
         rt.say_once(
             f"model {cls} ({count:,} parameters) matches no dataset model: GPU time estimated "
@@ -184,9 +207,35 @@ def _count_with_dataset_head(module: nn.Module, count: int) -> int | None:
     return count - out * (fan_in + bias) + _DATASET_CLASSES * (fan_in + bias)
 
 
-def _identified_children(rt: Runtime, module: nn.Module, st: IdentifyState) -> list[ModelIdentity]:
+def confirm_parts(rt: Runtime, module: nn.Module, ident: ModelIdentity, called: list[int]) -> ModelIdentity:
+    """The identity of wrapper ``module`` from what its first call's forward called (``called``:
+    ids of the modules called inside it, in order): each identified submodule it holds, once per
+    call of it. Replaces ``ident`` (see :attr:`ModelIdentity.candidates`) in the run's cache; a
+    wrapper that called none of them is priced by the ops it runs."""
+    by_id = {id(m): (p, m) for p, ref in zip(ident.parts, ident.candidates, strict=True) if (m := ref()) is not None}
+    parts = tuple(by_id[i][0] for i in called if i in by_id)
+    cls, count = ident.class_name, ident.param_count
+    if parts:
+        names = "+".join(p.name or "?" for p in parts)
+        rt.say_once(f"model {cls}: GPU time of the identified submodule(s) its forward calls: {names}")
+        new = ModelIdentity(names, parts[0].source, cls, count, ident.fingerprint, None, parts=parts)
+    else:
+        rt.say_once(
+            f"model {cls} ({count:,} parameters): its forward calls none of its identified submodules; "
+            "GPU time estimated from the ops it runs"
+        )
+        new = ModelIdentity(None, "estimated", cls, count, ident.fingerprint, None)
+    new.param_bytes = ident.param_bytes
+    try:
+        _state(rt).cache[module] = new
+    except TypeError:  # not weak-referenceable
+        pass
+    return new
+
+
+def _identified_children(rt: Runtime, module: nn.Module, st: IdentifyState) -> list[tuple[ModelIdentity, nn.Module]]:
     """Outermost submodules that match a dataset model (depth-first, not below a match)."""
-    found: list[ModelIdentity] = []
+    found: list[tuple[ModelIdentity, nn.Module]] = []
 
     def visit(mod: nn.Module) -> None:
         for child in mod.children():
@@ -204,7 +253,7 @@ def _identified_children(rt: Runtime, module: nn.Module, st: IdentifyState) -> l
                     st.cache[child] = ident
                 except TypeError:
                     pass
-                found.append(ident)
+                found.append((ident, child))
             else:
                 visit(child)
 

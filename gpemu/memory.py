@@ -80,10 +80,28 @@ class Block:
         """A fake device address, unique while the block lives (data_ptr() tells storages apart)."""
         return id(self) << 4
 
+    def resize(self, nbytes: int) -> None:
+        """Its storage resized to ``nbytes`` (``untyped_storage().resize_``): freed at 0, else a new
+        allocation of that size replaces it (CUDA allocates the new buffer, copies, then frees the
+        old one: both count at the peak). OutOfMemoryError before any change."""
+        size = round_size(nbytes)
+        old = self.size
+        if size == old:
+            return
+        tracker = self.tracker
+        if size:
+            tracker._account(size)
+        if old:
+            tracker._release(old)
+        self.size = size
+
     def __del__(self) -> None:
+        size = self.size
+        if not size:  # (an empty request or a storage resized to 0 holds no allocation)
+            return
         try:  # (MemoryTracker._release inline: every emulated tensor's memory goes back here)
             tracker = self.tracker
-            tracker.allocated -= self.size
+            tracker.allocated -= size
             tracker.num_allocs -= 1
             tracker.num_frees += 1
         except Exception:  # interpreter shutdown: nothing left to account for
@@ -247,6 +265,12 @@ class SubBlock:
     def __deepcopy__(self, memo: dict) -> Block:
         return self.parent.tracker.allocate(self.size)
 
+    def resize(self, nbytes: int) -> None:
+        raise NotImplementedError(
+            "gpemu: resizing the storage of a gradient kept in a shared group allocation is not emulated; "
+            "give the parameter a gradient of its own first (p.grad = p.grad.clone())"
+        )
+
     def __reduce__(self) -> Any:
         raise TypeError("an emulated GPU memory block cannot be pickled")
 
@@ -289,7 +313,9 @@ class MemoryTracker:
     def allocate(self, nbytes: int) -> Block:
         """Account one allocation; return its :class:`Block` (freed when garbage)."""
         # (round_size and _account inline: every emulated tensor's allocation comes here)
-        size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK if nbytes > 0 else 0
+        if nbytes <= 0:
+            return Block(self, 0)  # (CUDA's allocator hands out nothing for an empty request)
+        size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
         pool = self.pool
         if pool is not None:
             pool.take(size)

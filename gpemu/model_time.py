@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import costs
 from .device import EmuTensor, OutputSpec, OwnNodes
-from .identify import identify
+from .identify import confirm_parts, identify
 from .reference import measured_on
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
@@ -142,6 +142,13 @@ class ModelTime:
         own (its ancestor's outputs could not be replayed, its own may)."""
         return getattr(self.local, "open", False)
 
+    def note_call(self, module: torch.nn.Module) -> None:
+        """A module called inside an outermost call: noted while a wrapper's first forward finds
+        out which of its identified submodules it calls (see ``_forward``)."""
+        watch = getattr(self.local, "watch", None)
+        if watch is not None:
+            watch.append(id(module))
+
     def enter(self) -> None:
         self.local.depth = 1
 
@@ -202,6 +209,7 @@ class ModelTime:
             if grads:
                 if record is not None and ok:
                     record.backward_pending = True
+                ident = call.ident  # (a wrapper's, confirmed by its forward: see _forward)
                 info = _BackwardInfo(
                     self,
                     record if ok else None,
@@ -245,6 +253,11 @@ class ModelTime:
             scope_of_charges = engine.uncharged() if in_backward else _nothing()
         else:
             scope_of_charges = engine.charged_scope()
+        # A wrapper known by the identified submodules it holds: which its forward calls decides
+        # (the modules called inside are noted in ``watch``: see note_call).
+        watch: list[int] | None = [] if call.ident.candidates else None
+        outer_watch = getattr(self.local, "watch", None)
+        self.local.watch = watch
         tap = ts.open_tap()
         try:
             with mem.peak_scope() as scope, scope_of_charges, again:
@@ -253,16 +266,34 @@ class ModelTime:
             ts.close_tap(tap)
             self.local.open = was_open
             self.local.level = call.level
+            self.local.watch = outer_watch
         call.fwd_peak = scope.peak
+        uncharged = call.times is not None  # its ops ran under the measured time's cover
+        if watch is not None:
+            call.ident = confirm_parts(rt, module, call.ident, watch)
+            if uncharged:
+                call.times = costs.model_times(rt, call.ident, call.batch, call.dev)
         if call.times is None:
             call.fwd_s = _pass_seconds(tap, unit)
             call.ident.estimates[("forward", call.batch, call.dev)] = call.fwd_s
-            _say_estimated(self, call.ident, call.dev, tap.mix, quiet=unit)
+            _say_estimated(self, call.ident, call.dev, tap.mix, tap.precisions, quiet=unit or call.ident.quiet)
             call.bwd_s = None  # measured when the backward runs
+            if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
+                engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
         else:
             ratio = _ratio(tap)
             call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
-            _say_measured(self, call.ident, call.dev, call.times, ratio, "forward", tap.mix, quiet=unit)
+            _say_measured(
+                self,
+                call.ident,
+                call.dev,
+                call.times,
+                ratio,
+                "forward",
+                tap.mix,
+                tap.precisions,
+                quiet=unit or call.ident.quiet,
+            )
             if call.fwd_s > 0:
                 # Issued when the call started (t0), not after the op-by-op forward's host time.
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
@@ -388,9 +419,11 @@ def _say_measured(
     ratio: float,
     kind: str,
     mix: dict[str, float],
+    precisions: dict[str, float],
     quiet: bool = False,
 ) -> None:
-    """Say (once) and keep where a measured model's ``kind`` time comes from."""
+    """Say (once) and keep where a measured model's ``kind`` time comes from (``mix`` and
+    ``precisions``: the ops' GPU seconds per kind of work and per dtype)."""
     if quiet:
         return
     rt = mt.rt
@@ -412,14 +445,14 @@ def _say_measured(
     # Carried to another GPU: the cross-validated error of carrying a measured time from one GPU to
     # another by the cost model's ratio applies; a precision ratio alone has no AMP measurements to
     # check it against, so it carries no figure (and says so).
-    u = costs.uncertainty(rt, dev, mix, transferred=True) if other_gpu else None
+    u = costs.uncertainty(rt, dev, mix, transferred=True, precisions=precisions) if other_gpu else None
     source[kind] = "scaled"
     source["scaled_for"] = " and ".join(
         (["precision"] if "this precision vs fp32" in what else [])
         + ([f"GPU, from {rt.db.gpu(times.gpu).short_name}"] if other_gpu else [])
     )
     if u is not None:
-        source["uncertainty"] = str(u)
+        source["uncertainty"] = u.labelled
     rt.say_once(
         f"{ident.name} on {spec.short_name}: {kind} time scaled from the profile database's "
         f"{rt.db.gpu(times.gpu).short_name} measurement ({times.provenance}) by the cost model's ratio "
@@ -429,20 +462,22 @@ def _say_measured(
     )
 
 
-def _say_estimated(mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], quiet: bool = False) -> None:
+def _say_estimated(
+    mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], precisions: dict[str, float], quiet: bool = False
+) -> None:
     """Say (once) and keep that a model is priced by the ops it runs, with the cost model's error."""
     if quiet:
         return
     rt = mt.rt
     spec = rt.gpus[dev]
-    u = costs.uncertainty(rt, dev, mix)
+    u = costs.uncertainty(rt, dev, mix, precisions=precisions)
     source = _source(mt, ident.name or ident.class_name, dev)
     source["forward"] = source["backward"] = "estimated"
     if u is not None:
-        source["uncertainty"] = str(u)
+        source["uncertainty"] = u.labelled
     rt.say_once(
         f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
-        f"by the cost model from the ops they run" + (f", {u} ({u.basis})" if u is not None else "")
+        f"by the cost model from the ops they run" + (f", {u.labelled} ({u.basis})" if u is not None else "")
     )
 
 
@@ -584,7 +619,9 @@ class _BackwardStart(torch.autograd.Function):
                     times, ident = info.times
                     ratio = _ratio(tap)
                     bwd = times.backward * ratio
-                    _say_measured(info.owner, ident, info.dev, times, ratio, "backward", tap.mix)
+                    _say_measured(
+                        info.owner, ident, info.dev, times, ratio, "backward", tap.mix, tap.precisions, ident.quiet
+                    )
                 engine.exit_charged()
                 if bwd > 0:
                     engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
@@ -695,6 +732,7 @@ def _make_call(mt: ModelTime, orig_call: Any) -> Any:
 
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not mt.outermost():
+            mt.note_call(self)
             return orig_call(self, *args, **kwargs)
         dev = emulated_device(self, args, kwargs)
         if dev is None:

@@ -22,7 +22,10 @@ Accounting, per emulated GPU (one timeline over all its streams):
 ``busy + data stall + other idle = wall`` by construction, for two windows: **whole run** (from the
 device's first GPU work to the end of its last) and **steady state** (from the end of the first
 iteration to the end of the last, leaving out start-up: model move, DataLoader start, first
-batch). Iterations are marked at each optimizer step.
+batch). Iterations are marked at each optimizer step that follows a backward pass; on a device
+whose program takes no optimizer step (an evaluation or benchmark loop), at each sync point
+(``item()``, ``synchronize()``, a copy to the host) that follows GPU work since the previous one
+(:func:`marks_at_syncs`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
+from .recorder import GpuSpan, HostWait, IterationMark, MemorySample, SyncPoint
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,6 +58,9 @@ __all__ = [
     "format_seconds",
     "format_size",
     "model_source",
+    "marks_at_syncs",
+    "with_sync_marks",
+    "SYNC_REASONS",
 ]
 
 # Categories of a device timeline, in display order.
@@ -112,7 +118,7 @@ def records_from_runtime(rt: Runtime) -> RunRecords:
         spans=list(rec.spans),
         waits=list(rec.waits),
         memory=list(rec.memory),
-        iterations=list(rec.iterations),
+        iterations=with_sync_marks(list(rec.iterations), list(rec.spans), list(rec.syncs), len(rt.gpus)),
         counters=dict(rec.counters),
         notes=list(rec.notes),
         started_at=rec.started_at,
@@ -121,6 +127,40 @@ def records_from_runtime(rt: Runtime) -> RunRecords:
         config=rt.config.describe(),
         models=[dict(m) for m in rt.model_time.sources.values()] if rt.model_time is not None else [],
     )
+
+
+# Sync points of a loop (not a sharing backend's switch or the emulator's own calibration).
+SYNC_REASONS = frozenset({"item", "synchronize", "torch.cuda.synchronize", "cpu", "tolist", "numpy", "print"})
+# GPU work that is not a loop's own (moving the model and inputs, the emulator's calibration).
+_NOT_STEP_WORK = frozenset({"transfer", "calibration"})
+
+
+def marks_at_syncs(spans: Sequence[GpuSpan], syncs: Sequence[SyncPoint], device: int) -> list[IterationMark]:
+    """Iteration marks of a device whose program took no optimizer step: one at each sync point
+    that follows GPU work (forward, backward, ops, collectives) since the previous mark, at the
+    time the host went on (the work was done)."""
+    ends = sorted(s.end for s in spans if s.device == device and s.kind not in _NOT_STEP_WORK)
+    marks: list[IterationMark] = []
+    i = 0
+    points = sorted((p for p in syncs if p.device == device and p.reason in SYNC_REASONS), key=lambda p: p.time)
+    for p in points:
+        j = bisect.bisect_right(ends, p.time, lo=i)
+        if j > i:  # work ended since the previous mark
+            marks.append(IterationMark(device, p.time, len(marks)))
+            i = j
+    return marks
+
+
+def with_sync_marks(
+    marks: list[IterationMark], spans: Sequence[GpuSpan], syncs: Sequence[SyncPoint], devices: int
+) -> list[IterationMark]:
+    """``marks`` (the optimizer steps'), and for each device without any, its marks at syncs."""
+    marked = {m.device for m in marks}
+    out = list(marks)
+    for d in range(devices):
+        if d not in marked:
+            out.extend(marks_at_syncs(spans, syncs, d))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["Recorder", "Records", "GpuSpan", "HostWait", "MemorySample", "IterationMark"]
+__all__ = ["Recorder", "Records", "GpuSpan", "HostWait", "MemorySample", "IterationMark", "SyncPoint"]
 
 _append = list.append  # (records are appended as plain tuples, see Records)
 
@@ -44,6 +44,15 @@ class MemorySample(NamedTuple):
     time: float
     allocated: int
     reserved: int
+
+
+class SyncPoint(NamedTuple):
+    """The host synchronised with a device (``item()``, ``synchronize()``, a copy to the host),
+    whether or not it had to wait: at ``time``, the device's work issued so far was done."""
+
+    device: int
+    reason: str
+    time: float
 
 
 class IterationMark(NamedTuple):
@@ -99,6 +108,7 @@ class Recorder:
     waits: Records = field(default_factory=_records(HostWait))
     memory: Records = field(default_factory=_records(MemorySample))
     iterations: Records = field(default_factory=_records(IterationMark))
+    syncs: Records = field(default_factory=_records(SyncPoint))
     _counts: dict[str, float] = field(default_factory=dict, repr=False)  # see counters
     notes: list[str] = field(default_factory=list)  # provenance messages said once
     keep_memory_samples: bool = True
@@ -130,6 +140,9 @@ class Recorder:
 
     def host_wait(self, device: int, reason: str, start: float, end: float) -> None:
         _append(self.waits, (device, reason, start, end))
+
+    def sync_point(self, device: int, reason: str, t: float) -> None:
+        _append(self.syncs, (device, reason, t))
 
     def memory_sample(self, device: int, t: float, allocated: int, reserved: int) -> None:
         if self.keep_memory_samples:

@@ -3,7 +3,9 @@
 At interpreter exit (``gpemu.unpatch()`` unregisters it), the run's summary is printed
 (``config.summary``), written as JSON (``config.metrics_path``) and its Chrome trace written
 (``config.trace_path``). Ranks of a multi-process job write their own files
-(``metrics.rank3.json``) and prefix every line of their summary with ``[rank N]``. Summaries are
+(``metrics.rank3.json``) and prefix every line of their summary with ``[rank N]``; so do the
+script's child processes that have no rank (``mp.spawn``, ``multiprocessing.Process``: numbered as
+multiprocessing numbers them, ``metrics.proc2.json`` and ``[proc 2]``). Summaries are
 computed by :mod:`gpemu.observe`, traces written by :mod:`gpemu.trace`.
 
 A process stopped by SIGTERM or SIGHUP (Kubernetes stops a pod with SIGTERM) never reaches
@@ -25,7 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from .config import ConfigError, EmuConfig
 from .observe import compute_summary, format_summary, json_safe, records_from_runtime
@@ -42,6 +44,9 @@ __all__ = [
     "unwritable_reason",
     "check_output_paths",
     "per_rank_path",
+    "per_process_path",
+    "process_tag",
+    "ProcessTag",
     "RunOutputs",
     "StopSignalHandler",
     "PLACEHOLDER_NOTE",
@@ -61,10 +66,47 @@ STOP_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGHUP")
 def per_rank_path(path: str | os.PathLike[str], rank: int | None) -> Path:
     """``metrics.json`` for rank 0 (or no rank), ``metrics.rank3.json`` for rank 3, so ranks of a
     multi-process job do not overwrite each other's files."""
+    return per_process_path(path, ProcessTag("rank", str(rank)) if rank else None)
+
+
+class ProcessTag(NamedTuple):
+    """Which process of a job writes an output, when it is not the job's first: ``rank 3``, or
+    ``proc 2`` for the script's second child process without a rank."""
+
+    kind: str  # "rank" | "proc"
+    number: str
+
+    @property
+    def suffix(self) -> str:
+        return f"{self.kind}{self.number}"
+
+    @property
+    def prefix(self) -> str:
+        return f"[{self.kind} {self.number}]"
+
+
+def per_process_path(path: str | os.PathLike[str], tag: ProcessTag | None) -> Path:
+    """``metrics.json`` for the job's first process, ``metrics.rank3.json`` /
+    ``metrics.proc2.json`` for others, so its processes do not overwrite each other's files."""
     p = Path(path)
-    if not rank:
+    if tag is None:
         return p
-    return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+    return p.with_name(f"{p.stem}.{tag.suffix}{p.suffix}")
+
+
+def process_tag() -> ProcessTag | None:
+    """This process's tag (:class:`ProcessTag`): its rank when it has one other than 0; else, in a
+    child process of the script (``mp.spawn``, ``multiprocessing.Process``), its number as
+    multiprocessing gives it (``1``, ``2``, ...; ``1-2`` for a child's second child); else None."""
+    rank = _rank()
+    if rank is not None:
+        return ProcessTag("rank", str(rank)) if rank else None
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        return None
+    identity = multiprocessing.current_process()._identity
+    return ProcessTag("proc", "-".join(map(str, identity)) if identity else f"pid{os.getpid()}")
 
 
 def write_metrics(s: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -197,23 +239,28 @@ def finish(rt: Runtime) -> dict[str, Any] | None:
         return None
     s = compute_summary(records)
     rank = _rank()
+    tag = process_tag()
     if rank is not None:
         s["rank"] = rank
+    elif tag is not None:
+        s["process"] = tag.number
     lines: list[str] = []
     if rt.config.summary:
         lines.append(format_summary(s))
-        if not rank:
+        if tag is None:
             lines.append(PLACEHOLDER_NOTE)
     if rt.config.metrics_path:
-        lines.append(_write_one("metrics", per_rank_path(rt.config.metrics_path, rank), lambda p: write_metrics(s, p)))
+        metrics = per_process_path(rt.config.metrics_path, tag)
+        lines.append(_write_one("metrics", metrics, lambda p: write_metrics(s, p)))
     if rt.config.trace_path:
-        lines.append(
-            _write_one("trace", per_rank_path(rt.config.trace_path, rank), lambda p: write_trace(records, p, summary=s))
-        )
+        trace = per_process_path(rt.config.trace_path, tag)
+        lines.append(_write_one("trace", trace, lambda p: write_trace(records, p, summary=s)))
     if lines:
         text = "\n".join(lines)
         if rank is not None:
             text = "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
+        elif tag is not None:
+            text = "\n".join(f"{tag.prefix} {line}" for line in text.split("\n"))
         _emit(text)
     return s
 

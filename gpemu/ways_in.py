@@ -10,7 +10,11 @@
   usual and parameters keep their Python objects (as on a real GPU, so optimizers built before the
   move keep working), and the model transfer is charged once for the whole module
   (:meth:`gpemu.transfers.TransferState.model_to_device`) instead of once per tensor;
-* optimizers may take their foreach path over emulated tensors.
+* optimizers may take their foreach path over emulated tensors, and torch groups tensors for
+  foreach kernels by their emulated device (``clip_grad_norm_(foreach=True)``, fused optimizers);
+* under a FakeTensorMode (DTensor's sharding propagation) the ways in make the mode's fake
+  tensors on ``cuda``, as on a real GPU, and take no memory; an explicit ``meta`` target
+  (``x.to("meta")``, ``empty_like(x, device="meta")``) gives a meta tensor.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from .device import (
     EmuTensor,
     PeerCopy,
     TensorState,
+    as_meta,
+    fake_mode,
     from_meta,
     host_args,
     peer_copy,
@@ -80,6 +86,38 @@ FACTORIES = (
 )
 
 
+def faking() -> bool:
+    """Whether a FakeTensorMode is active (DTensor's sharding propagation, torch.compile's tracing,
+    ``torch.utils.flop_counter`` estimates): tensors made now are fake tensors of the mode, as on a
+    real GPU, and take no memory; torch's own path makes them (the mode says ``cuda``)."""
+    return fake_mode() is not None
+
+
+def _is_meta(device: Any) -> bool:
+    """Whether a device argument names the meta device."""
+    if isinstance(device, torch.device):
+        return device.type == "meta"
+    return isinstance(device, str) and device.split(":")[0] == "meta"
+
+
+def _fake_to(
+    t: torch.Tensor, device: torch.device, dtype: Any, non_blocking: bool, copy: bool, memory_format: Any
+) -> torch.Tensor:
+    """``t.to(device)`` as aten's own ``to`` does it: ``t`` itself when nothing changes, else
+    ``_to_copy`` (under a fake mode, a fake tensor of the mode), without the CPU build's CUDA
+    check."""
+    same_format = memory_format in (None, torch.preserve_format)
+    if not copy and t.device == device and (dtype is None or dtype == t.dtype) and same_format:
+        return t
+    return torch.ops.aten._to_copy.default(
+        t,
+        dtype=dtype or t.dtype,
+        device=device,
+        non_blocking=non_blocking,
+        memory_format=memory_format if memory_format is not None else torch.preserve_format,
+    )
+
+
 # -- Tensor.to / .cuda / .type -----------------------------------------------------------------
 def _holds_tensors(t: Any) -> bool:
     """A tensor subclass that holds inner tensors (``DTensor``): it moves by moving what it holds,
@@ -117,6 +155,12 @@ def _make_tensor_to(ts: TensorState, orig_to: Callable) -> Callable:
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
         idx = ts.device_index(device)
+        if idx is not None and faking():
+            return _fake_to(self, _DEVICES[ts.check(idx)], dtype, non_blocking, copy, memory_format)
+        if idx is None and isinstance(self, EmuTensor) and _is_meta(device):
+            # (the wrapper's own device is meta: torch's .to would hand back the emulated tensor)
+            out = as_meta(self)
+            return out if dtype is None else out.to(dtype)
         if idx is None:
             call: dict[str, Any] = {"non_blocking": non_blocking, "copy": copy}
             if device is not None:
@@ -154,12 +198,14 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
     def cuda(
         self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = torch.preserve_format
     ) -> torch.Tensor:
-        if device is None and self.__class__ is plain:  # the usual x.cuda() of a host batch
+        if device is None and self.__class__ is plain and not faking():  # the usual x.cuda() of a host batch
             return to_emulated(self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
         if idx is None:
             raise ValueError(f"Invalid device, must be cuda device, got {device!r}")
         idx = ts.check(idx)
+        if faking():
+            return _fake_to(self, _DEVICES[idx], None, non_blocking, False, memory_format)
         if _holds_tensors(self):
             return _inner(self, lambda x: cuda(x, idx, non_blocking))
         if isinstance(self, EmuTensor):
@@ -221,7 +267,14 @@ def _make_factory(ts: TensorState, orig: Callable, name: str) -> Callable:
     @functools.wraps(orig)
     def factory(*args: Any, **kwargs: Any) -> Any:
         d = kwargs.get("device")
-        if d is not None:
+        if d is not None and faking():
+            idx = ts.device_index(d)
+            if idx is not None and name in _DATA_FACTORIES:  # (made on the host, then moved)
+                host = orig(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+                return _fake_to(host, _DEVICES[ts.check(idx)], None, False, False, None)
+        elif d is not None:
+            if args and isinstance(args[0], EmuTensor) and _is_meta(d):  # empty_like(x, device="meta")
+                return orig(as_meta(args[0]), *args[1:], **kwargs)
             idx = ts.device_index(d)
             if idx is not None:
                 if args and _holds_tensors(args[0]):  # empty_like(dtensor, device='cuda')
@@ -238,8 +291,10 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
     @functools.wraps(orig)
     def new(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         d = kwargs.get("device")
+        if isinstance(self, EmuTensor) and _is_meta(d):  # x.new_empty(n, device="meta")
+            return orig(as_meta(self), *args, **kwargs)
         idx = ts.device_index(d) if d is not None else None
-        if idx is None:
+        if idx is None or faking():
             return orig(self, *args, **kwargs)
         idx = ts.check(idx)
         kw = dict(kwargs)
@@ -265,6 +320,43 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
     return new
 
 
+def _cuda_for_cpp(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on cuda for torch's C++ too: a fake tensor of a FakeTensorMode (an
+    emulated tensor's C++ device is meta). The Python methods that take a device guard (copy_,
+    new_tensor) fail on such a tensor in the CPU build, which has no CUDA guard; on a GPU the guard
+    changes nothing here."""
+    return type(t) is not torch.Tensor and not isinstance(t, EmuTensor) and t.device.type == "cuda"
+
+
+def _make_tensor_copy(orig: Callable) -> Callable:
+    """``dst.copy_(src)`` (the mode's own decompositions copy into fake tensors: ``uniform_``): into
+    a tensor on cuda for C++, the op is dispatched as for any other tensor."""
+    copy_op = torch.ops.aten.copy_.default
+
+    @functools.wraps(orig)
+    def copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+        if _cuda_for_cpp(self):
+            return copy_op(self, src, non_blocking)
+        return orig(self, src, non_blocking)
+
+    return copy_
+
+
+def _make_tensor_new_tensor(orig: Callable) -> Callable:
+    """``t.new_tensor(data, ...)`` of a tensor on cuda for C++ (``trunc_normal_`` reads its bounds
+    so under a fake mode): made by ``torch.tensor`` with ``t``'s dtype and device as defaults."""
+
+    @functools.wraps(orig)
+    def new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not _cuda_for_cpp(self) or args:
+            return orig(self, data, *args, **kwargs)
+        kwargs.setdefault("dtype", self.dtype)
+        kwargs.setdefault("device", self.device)
+        return torch.tensor(data, **kwargs)
+
+    return new_tensor
+
+
 def _make_device_context_tf(ts: TensorState, orig_tf: Callable) -> Callable:
     """``torch.set_default_device('cuda')`` / ``with torch.device('cuda')``: torch's DeviceContext
     mode adds ``device='cuda'`` to factories; route those to emulated factories."""
@@ -274,7 +366,7 @@ def _make_device_context_tf(ts: TensorState, orig_tf: Callable) -> Callable:
 
     def __torch_function__(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.device.type == "cuda" and func in constructors:
+        if self.device.type == "cuda" and func in constructors and not faking():
             d = kwargs.get("device")
             idx = ts.device_index(self.device if d is None else d)
             if idx is not None:
@@ -418,6 +510,8 @@ def install(rt: Runtime) -> None:
     p.replace(T, "type", _make_tensor_type(ts, T.type))
     for name in ("new_empty", "new_zeros", "new_ones", "new_full"):
         p.replace(T, name, _make_tensor_new(ts, getattr(T, name)))
+    p.replace(T, "copy_", _make_tensor_copy(T.copy_))
+    p.replace(T, "new_tensor", _make_tensor_new_tensor(T.new_tensor))
     from torch.utils._device import DeviceContext, _device_constructors
 
     _device_constructors()  # fill its cache with torch's own functions before ours replace them
@@ -439,3 +533,34 @@ def install(rt: Runtime) -> None:
         types = getattr(mod, "_foreach_supported_types", None)
         if isinstance(types, list) and EmuTensor not in types:
             p.replace(mod, "_foreach_supported_types", types + [EmuTensor])
+    # ... and decide foreach support (clip_grad_norm_'s foreach=True) and per-device state
+    # (fused optimizers' grad scale) from the devices the tensors are grouped by.
+    grouping = getattr(fe_mod, "_group_tensors_by_device_and_dtype", None)
+    if grouping is not None:
+        p.replace_everywhere(grouping, group_tensors_by_device_and_dtype)
+
+
+@torch.no_grad()
+def group_tensors_by_device_and_dtype(tensorlistlist: list, with_indices: bool = False) -> dict:
+    """torch's ``_group_tensors_by_device_and_dtype`` with emulated tensors grouped by their
+    emulated device (torch's C++ sees their meta storage: every emulated GPU's tensors would be one
+    group on ``meta``, where foreach kernels are refused)."""
+    grouped = torch._C._group_tensors_by_device_and_dtype(tensorlistlist, with_indices)
+    if not any(device is not None and device.type == "meta" for device, _ in grouped):
+        return grouped
+    out: dict = {}
+    for (device, dtype), (lists, indices) in grouped.items():
+        if device is None or device.type != "meta":
+            out[(device, dtype)] = (lists, indices)
+            continue
+        members: dict[torch.device, list[int]] = {}  # each device's positions in the group
+        for j, t in enumerate(lists[0]):
+            members.setdefault(t.device if isinstance(t, EmuTensor) else device, []).append(j)
+        for dev, js in members.items():
+            if len(members) == 1:
+                out[(dev, dtype)] = (lists, indices)
+            else:
+                # (a list the caller left empty, e.g. amsgrad's state without amsgrad, stays empty)
+                parts = [[lst[j] for j in js] if lst else [] for lst in lists]
+                out[(dev, dtype)] = (parts, [indices[j] for j in js] if indices else [])
+    return out

@@ -121,6 +121,45 @@ def test_a_rank_prints_one_block_of_marked_lines_for_its_own_gpu(monkeypatch, ca
     assert "placeholders" not in err  # said once, by rank 0
 
 
+SPAWN_SCRIPT = textwrap.dedent("""
+    import torch, torch.multiprocessing as mp
+
+    def work(i):
+        x = torch.zeros(256, 256 * (i + 1), device="cuda")
+        (x.T @ x).sum().item()
+
+    if __name__ == "__main__":
+        mp.spawn(work, nprocs=2, join=True)
+        work(2)
+""")
+
+
+@pytest.mark.subprocess
+def test_spawned_children_write_files_of_their_own(tmp_path: Path) -> None:
+    """mp.spawn children have no rank: each writes its own metrics and trace (numbered as
+    multiprocessing numbers them), and marks its summary lines; the script's own are unchanged."""
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN_SCRIPT)
+    metrics, trace = tmp_path / "m.json", tmp_path / "t.json"
+    proc = subprocess.run(
+        [*GPEMU, "run", "--gpu", "A100", "--metrics", str(metrics), "--trace", str(trace), "--", "python", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    written = {p.name for p in tmp_path.glob("*.json")}
+    assert written == {"m.json", "m.proc1.json", "m.proc2.json", "t.json", "t.proc1.json", "t.proc2.json"}
+    runs = {name: json.loads((tmp_path / name).read_text()) for name in ("m.json", "m.proc1.json", "m.proc2.json")}
+    assert runs["m.json"].get("process") is None and {
+        runs["m.proc1.json"]["process"],
+        runs["m.proc2.json"]["process"],
+    } == {"1", "2"}
+    busy = {name: r["devices"][0]["whole"]["busy_s"] for name, r in runs.items()}
+    assert len(set(busy.values())) == 3, busy  # three processes' own work (their matrices differ)
+    assert "[proc 1] gpemu summary" in proc.stderr and "[proc 2] gpemu summary" in proc.stderr
+
+
 @pytest.mark.subprocess
 def test_a_script_that_never_ran_gets_no_gpemu_line(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"

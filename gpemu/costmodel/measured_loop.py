@@ -25,7 +25,8 @@ also timed (:func:`measured_loss_ops`), which a program's own loss is charged fo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import cache, lru_cache
 from typing import Any
@@ -114,13 +115,22 @@ def measured_loss_ops(batch: int) -> tuple[OpFeatures, ...]:
     over :data:`MEASURED_CLASSES` logits and its gradient, recorded as :func:`record_measured_step`
     records them (every op of the column as backward work). A program's own loss is charged as its
     own ops, so a shipped backward is charged without these too."""
-    logits = torch.empty(batch, MEASURED_CLASSES, device="meta", requires_grad=True)
-    targets = torch.zeros(batch, dtype=torch.long, device="meta")
-    rec = OpRecorder(saved_input_clones=False)
-    rec.backward = True
-    with rec:
-        F.cross_entropy(logits, targets).backward()
+    # (the caller may be under no_grad or inference_mode: a first call at a new batch size in evaluation)
+    with _with_autograd():
+        logits = torch.empty(batch, MEASURED_CLASSES, device="meta", requires_grad=True)
+        targets = torch.zeros(batch, dtype=torch.long, device="meta")
+        rec = OpRecorder(saved_input_clones=False)
+        rec.backward = True
+        with rec:
+            F.cross_entropy(logits, targets).backward()
     return tuple(rec.ops)
+
+
+@contextmanager
+def _with_autograd() -> Iterator[None]:
+    """Autograd on, whatever the caller's mode: the measured loop's recordings run a backward pass."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 @cache

@@ -163,9 +163,23 @@ class Uncertainty:
     p50: float
     p90: float
     basis: str
+    # What of the estimate the cross-validation did not cover, "" when it did: the figure then
+    # comes from models unlike this one (say so wherever it is printed: :attr:`labelled`).
+    unchecked: str = ""
 
     def __str__(self) -> str:
         return f"±{100 * self.p50:.0f}% (p90 {100 * self.p90:.0f}%)"
+
+    @property
+    def labelled(self) -> str:
+        """The figure, and where it comes from when that is not models like this one."""
+        return f"{self} (checked on {_CHECKED_ON}: {self.unchecked})" if self.unchecked else str(self)
+
+
+# What the cross-validation figures were measured on: the profile database's models (torchvision's
+# ImageNet CNNs), timed in fp32.
+_CHECKED_ON = "fp32 CNNs"
+_FP32 = "float32"
 
 
 @dataclass(frozen=True)
@@ -480,7 +494,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ uncertainty
     def uncertainty(
-        self, gpu: str | GpuSheet | Any, mix: str | None = None, transferred: bool = False
+        self, gpu: str | GpuSheet | Any, mix: str | None = None, transferred: bool = False, precision: str | None = None
     ) -> Uncertainty | None:
         """Cross-validated error of an estimate on ``gpu``: leave-one-model-out figures for a GPU
         whose curves were fitted on its own measurements, leave-one-GPU-out figures for any other
@@ -489,7 +503,8 @@ class CostModel:
         (:meth:`transfer_seconds`, provenance ``scaled``), whose error is the leave-one-GPU-out
         error of that transfer (falls back to the op model's where the fit did not record it);
         ``mix`` (see :func:`dominant_mix`) narrows to models whose time is dominated by that kind
-        of op when the fit recorded it."""
+        of op when the fit recorded it; ``precision``: the dtype most of the priced work ran in
+        (the figures were measured in fp32: another is said to be unchecked)."""
         u = self.params.get("uncertainty")
         if not u:
             return None
@@ -501,14 +516,19 @@ class CostModel:
         block = u.get(name) or {}
         entry = (block.get("by_mix") or {}).get(mix) if mix else None
         basis = str(block.get("basis", ""))
+        unchecked = []
         if entry is None and mix:
             # No calibration model is dominated by this kind of work (GEMM-heavy ones: the
             # database holds CNNs): the overall figure stands in, and the basis says so.
             basis += f"; no measured model is dominated by {mix} work, so nothing checked this kind"
+            unchecked.append(f"no {mix}-dominated model checked")
+        if precision is not None and precision != _FP32:
+            basis += f"; measured in fp32 only, this work ran in {precision}"
+            unchecked.append(f"{precision} not checked")
         entry = entry or block.get("overall")
         if not entry:
             return None
-        return Uncertainty(float(entry["p50"]), float(entry["p90"]), basis)
+        return Uncertainty(float(entry["p50"]), float(entry["p90"]), basis, ", ".join(unchecked))
 
 
 _MIX_GROUPS = {

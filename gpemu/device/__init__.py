@@ -5,7 +5,9 @@ Rooms: :mod:`~gpemu.device.emutensor` (the ``EmuTensor`` type and its public fie
 doors other modules use), :mod:`~gpemu.device.dispatch` (every aten op),
 :mod:`~gpemu.device.signature` and :mod:`~gpemu.device.ops` (the op metadata cache: fast and slow
 paths), :mod:`~gpemu.device.special` (ops the emulator handles itself), :mod:`~gpemu.device.shadows`
-(known small values), :mod:`~gpemu.device.copies` (host <-> device and peer copies).
+(known small values), :mod:`~gpemu.device.copies` (host <-> device and peer copies),
+:mod:`~gpemu.device.storage` (``untyped_storage()``: a CUDA storage; resizes allocate and free),
+:mod:`~gpemu.device.fake` (ops under a FakeTensorMode: fake results, as for a GPU's tensors).
 
 Values: what host code reads back follows :mod:`gpemu.hostvalues`. The ways in (``.cuda()``,
 factories, ``Module.to``) are :mod:`gpemu.ways_in`. The fast paths (:mod:`gpemu.fastpaths`)
@@ -19,12 +21,14 @@ from typing import TYPE_CHECKING
 from . import dispatch  # noqa: F401  (binds EmuTensor.__torch_dispatch__)
 from .copies import PeerCopy, peer_copy, to_emulated, to_host
 from .emutensor import DTYPE_NAMES, TYPE_NAMES, WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
+from .fake import fake_mode
 from .shadows import host_args, host_shadow, set_host_shadow
 from .state import (
     CostTap,
     OutputSpec,
     OwnNodes,
     TensorState,
+    as_meta,
     backward_pass,
     cache_info,
     contiguous_stride,
@@ -52,6 +56,8 @@ __all__ = [
     "cache_info",
     "device_index",
     "from_meta",
+    "as_meta",
+    "fake_mode",
     "host_args",
     "host_shadow",
     "set_host_shadow",

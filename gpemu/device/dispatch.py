@@ -19,6 +19,7 @@ from typing import Any
 from ..costmodel.precision import tf32_cudnn, tf32_matmul
 from ..runtime import current
 from .emutensor import EmuTensor
+from .fake import fake_mode, run_faked
 from .ops import cached_op, current_task
 from .signature import FLOAT_SENSITIVE, keyword_signature, signature
 from .special import DETACH, SPECIAL, detach
@@ -32,6 +33,9 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     fid = id(func)
     if fid == DETACH:  # (hot inside autograd; a few attribute copies)
         return detach(func, args, kwargs)
+    faking = fake_mode()
+    if faking is not None:  # (the mode refused our tensors: fake results, as for a GPU's)
+        return run_faked(faking, func, args, kwargs or {})
     special = SPECIAL.get(fid)
     if special is not None:
         ts = _owner(args)
@@ -43,8 +47,12 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     arg_sig = signature(args, emus, exact)
     kw_sig = keyword_signature(kwargs, emus, exact) if kwargs else None
     ts = emus[0].emu_state if emus else current_state()
+    backward = current_task() != -1 and backward_pass(ts)
+    if backward and emus:
+        # (however the backward pass was started: a model's own marks see only module calls)
+        ts.engine.note_backward(emus[0].emu_device)
     # (one op's price differs between the passes: see backward_pass; and with the TF32 switches)
-    key = (fid, arg_sig, kw_sig, current_task() != -1 and backward_pass(ts), tf32_matmul(), tf32_cudnn())
+    key = (fid, arg_sig, kw_sig, backward, tf32_matmul(), tf32_cudnn())
     # Note: TensorState.call (gpemu.time.host.HostTime.call) written out: this is the path of every
     # op, where its call level and argument tuple cost ~0.3 us of a ~4 us op (measured with
     # benchmarks/step_parts.py); everywhere else the emulator enters through call().

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .storage import storage_of
+
 if TYPE_CHECKING:  # pragma: no cover
     from .state import TensorState
 
@@ -159,6 +161,11 @@ class EmuTensor(torch.Tensor):
         _GRAD_SET(self, None)
 
     _grad = grad  # (torch's alias, as its C property)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """Its storage, on the emulated GPU (:mod:`gpemu.device.storage`: resizes allocate and free
+        emulated memory; sharing is a no-op, as for any CUDA storage)."""
+        return storage_of(self)
 
     def record_stream(self, stream: Any) -> None:
         """No-op: emulated blocks are freed when the last tensor dies; stream-ordered reuse

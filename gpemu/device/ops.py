@@ -101,6 +101,20 @@ def fast_path(ts: TensorState, entry: OpEntry, func: Any, args: tuple, kwargs: d
     return out
 
 
+_COMPOSITE: dict[int, bool] = {}  # id(op) -> has a CompositeImplicitAutograd kernel (per process)
+
+
+def composite(func: Any) -> bool:
+    """Whether ``func`` has a composite (CompositeImplicitAutograd) kernel: it is made of other ops."""
+    known = _COMPOSITE.get(id(func))
+    if known is None:
+        name = getattr(func, "name", None)
+        known = _COMPOSITE[id(func)] = callable(name) and torch._C._dispatch_has_kernel_for_dispatch_key(
+            name(), "CompositeImplicitAutograd"
+        )
+    return known
+
+
 def _same_device_error(a: str, b: str) -> RuntimeError:
     return RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
 
@@ -170,6 +184,13 @@ def slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -
         finally:
             if depth:
                 engine.resume(depth)
+    if composite(func):
+        # Below autograd (inference_mode excludes its keys; another subclass's dispatch) an op
+        # with a composite kernel arrives whole; on a CUDA tensor it runs as its parts (conv2d ->
+        # convolution, batch_norm -> native_batch_norm, to -> _to_copy), priced and charged so.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     margs, mkw, emus, out_dev = _to_meta_args(ts, func, args, kwargs)
     if not emus and out_dev is None:
         return func(*args, **kwargs)
@@ -179,12 +200,6 @@ def slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -
     try:
         mout = func(*margs, **mkw)
     except (NotImplementedError, RuntimeError) as exc:
-        # A composite op reaches dispatch undecomposed when called below autograd (inside another
-        # tensor subclass's dispatch, e.g. DTensor's): its parts know what to do (is_nonzero -> item).
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-            out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
         return _data_dependent(ts, func, args, kwargs, margs, mkw, emus, dev, exc)
     entry = OpEntry()
     entry.name = getattr(func, "__name__", str(func))
@@ -276,7 +291,7 @@ def _tensor_output(ts: TensorState, spec: OutputSpec, leaf: torch.Tensor, emus: 
     src = emus[spec.alias]
     if spec.write:
         return src
-    t = ts.wrap(leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype, src.emu_device, src.emu_block)
+    t = ts.view(src, leaf.shape, leaf.stride(), leaf.storage_offset(), leaf.dtype)
     t.emu_meta = leaf
     return t
 

@@ -22,6 +22,7 @@ __all__ = ["SPECIAL", "DETACH", "detach"]
 aten = torch.ops.aten
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _META = torch.device("meta")
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def _local_scalar_dense(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -122,7 +123,12 @@ def detach(func: Any, args: tuple, kwargs: dict | None) -> Any:
     # Hot (autograd detaches every gradient it stores): an alias with the same metadata.
     t = args[0]
     k = t.emu_key
-    out = _make_wrapper(EmuTensor, k[0], strides=k[1], storage_offset=k[2], dtype=k[3], device=_META)
+    if _inference_mode() and not t.is_inference():
+        # (a view of a normal tensor stays normal: see TensorState.view)
+        with torch.inference_mode(False):
+            out = _make_wrapper(EmuTensor, k[0], strides=k[1], storage_offset=k[2], dtype=k[3], device=_META)
+    else:
+        out = _make_wrapper(EmuTensor, k[0], strides=k[1], storage_offset=k[2], dtype=k[3], device=_META)
     out.emu_device = t.emu_device
     out.emu_block = t.emu_block
     out.emu_shadow = t.emu_shadow

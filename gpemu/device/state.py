@@ -42,10 +42,12 @@ __all__ = [
     "device_index",
     "from_meta",
     "meta_of",
+    "as_meta",
 ]
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _META = torch.device("meta")
+_inference_mode = torch.is_inference_mode_enabled
 
 
 class OutputSpec(NamedTuple):
@@ -74,9 +76,10 @@ class CostTap:
     and ``reference_seconds``, the same pass priced as the profile database measured (fp32 on the
     device's reference GPU) — their ratio carries a measured model's time to this GPU and precision.
     Work charged as a span (a replayed unit) counts as GPU time at both prices. ``mix``: GPU
-    seconds per kind of work of the priced ops (the cost model's uncertainty depends on it)."""
+    seconds per kind of work of the priced ops, ``precisions``: per dtype (the cost model's
+    uncertainty depends on both)."""
 
-    __slots__ = ("seconds", "charged", "mix", "_host", "_finish", "_finish_ref", "own")
+    __slots__ = ("seconds", "charged", "mix", "precisions", "_host", "_finish", "_finish_ref", "own")
 
     def __init__(self) -> None:
         # ``own``: for a module's backward window, which ops are its own (:class:`OwnNodes`);
@@ -85,6 +88,7 @@ class CostTap:
         self.seconds = 0.0
         self.charged = 0.0
         self.mix: dict[str, float] = {}
+        self.precisions: dict[str, float] = {}  # GPU seconds per dtype of the priced ops
         self._host = 0.0  # host issue time so far (the queue's host side)
         self._finish = 0.0  # when the pass's GPU work ends, at this GPU and precision
         self._finish_ref = 0.0  # the same at the reference price
@@ -254,7 +258,20 @@ class TensorState:
         src = emus[alias]
         if write:
             return src
-        return self.wrap(shape, stride, offset, src.dtype if dtype is None else dtype, src.emu_device, src.emu_block)
+        return self.view(src, shape, stride, offset, src.dtype if dtype is None else dtype)
+
+    def view(
+        self, src: EmuTensor, shape: Any, stride: Any, offset: int | torch.SymInt, dtype: torch.dtype
+    ) -> EmuTensor:
+        """A view of ``src`` (its memory block, this metadata).
+
+        Inside ``inference_mode`` a view of a tensor made outside it is a normal tensor sharing its
+        base's version counter (a CUDA view's TensorImpl inherits its base's keys); a wrapper made
+        there would be an inference tensor, which autograd's view bookkeeping refuses."""
+        if _inference_mode() and not src.is_inference():
+            with torch.inference_mode(False):
+                return self.wrap(shape, stride, offset, dtype, src.emu_device, src.emu_block)
+        return self.wrap(shape, stride, offset, dtype, src.emu_device, src.emu_block)
 
     @staticmethod
     def spec_of(t: EmuTensor) -> OutputSpec:
@@ -331,6 +348,7 @@ class TensorState:
                 tap.add(cost, host, reference)
                 if price is not None:
                     tap.mix[price.mix] = tap.mix.get(price.mix, 0.0) + cost
+                    tap.precisions[price.precision] = tap.precisions.get(price.precision, 0.0) + cost
 
     def open_tap(self) -> CostTap:
         """Start summing the GPU time of the ops this thread charges from now on (they are still
@@ -381,6 +399,15 @@ class TensorState:
     def set_block(t: EmuTensor, block: Any) -> None:
         """``t`` now lives in memory ``block`` (a gradient given a share of a group's block)."""
         t.emu_block = block
+
+    def resize_block(self, t: EmuTensor, nbytes: int) -> None:
+        """``t``'s storage resized to ``nbytes`` (:class:`gpemu.device.storage.EmuStorage`): its
+        block (shared by its views) freed or allocated anew; a tensor without one gets one."""
+        block = t.emu_block
+        if block is not None:
+            block.resize(nbytes)
+        elif nbytes > 0:
+            t.emu_block = self.memory[t.emu_device].allocate(nbytes)
 
     @staticmethod
     def release(t: EmuTensor) -> None:
@@ -439,6 +466,13 @@ def from_meta(
     t = ts.wrap(meta.shape, meta.stride(), meta.storage_offset(), meta.dtype, dev, block, requires_grad)
     t.emu_meta = meta
     return t
+
+
+def as_meta(t: EmuTensor) -> torch.Tensor:
+    """A new meta tensor with ``t``'s shape, strides and dtype: what a GPU tensor's ``.to("meta")``
+    or ``empty_like(t, device="meta")`` gives (no memory). Only the program's explicit requests
+    come here: torch itself names the wrapper's own device, meta, for "the same device"."""
+    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=_META)
 
 
 def meta_of(t: EmuTensor) -> torch.Tensor:

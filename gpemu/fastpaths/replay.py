@@ -212,6 +212,7 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         local = mt.local
         if getattr(local, "depth", 0):
+            mt.note_call(self)
             if not getattr(local, "open", False):
                 return orig_call(self, *args, **kwargs)
             # A unit of its own inside an ancestor whose outputs cannot be replayed.

@@ -193,7 +193,11 @@ class TimeEngine(HostTime):
             self.local.host.wait_deadline = None
             wait_device = self.timeline.wait_device
             for d in devices:
-                wait_device(d, self._busy[d], reason)
+                busy = self._busy[d]
+                wait_device(d, busy, reason)
+                # (waited for or not: a loop's sync point, where the summary counts iterations of a
+                # loop without optimizer steps)
+                self.recorder.sync_point(d, reason, max(self.now(), busy))
         finally:
             self.leave()
 
