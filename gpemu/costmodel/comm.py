@@ -174,10 +174,19 @@ def gradient_buckets(sizes: Sequence[int], cap: int) -> list[int]:
     return buckets
 
 
-def overlapped_all_reduce_end(start: float, end: float, buckets: Sequence[int], world_size: int, link: Link) -> float:
+def overlapped_all_reduce_end(
+    start: float,
+    end: float,
+    buckets: Sequence[int],
+    world_size: int,
+    link: Link | CommPath,
+    k: float = math.inf,
+) -> float:
     """When the last bucket's all-reduce ends, for a backward pass from ``start`` to ``end``
     whose gradients become ready evenly by bytes, each bucket's all-reduce starting when its
-    gradients are ready and the previous bucket's is done (never before ``end``)."""
+    gradients are ready and the previous bucket's is done (never before ``end``). ``link``: one
+    link (the ring formula) or the group's path (NCCL's choice); a bucket that runs beside the
+    backward is slowed by the overlap form with exponent ``k`` (inf: not at all)."""
     total = sum(buckets) or 1
     duration = end - start
     done = 0
@@ -185,7 +194,13 @@ def overlapped_all_reduce_end(start: float, end: float, buckets: Sequence[int], 
     for size in buckets:
         done += size
         ready = start + duration * done / total
-        link_free = max(ready, link_free) + collective_seconds(Collective.ALL_REDUCE, size, world_size, link)
+        begin = max(ready, link_free)
+        if isinstance(link, CommPath):
+            alone = collective_cost(Collective.ALL_REDUCE, size, link).seconds
+        else:
+            alone = collective_seconds(Collective.ALL_REDUCE, size, world_size, link)
+        beside = min(max(0.0, end - begin), alone)  # the backward still running meanwhile
+        link_free = begin + alone + (overlap_penalty(alone, beside, k) if math.isfinite(k) else 0.0)
     return max(link_free, end)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .gpus import GpuSheet, find_gpu, nvlink_generation, nvlink_per_direction, pcie_link_rate
+from .gpus import NVLS_FROM_NVLINK, GpuSheet, find_gpu, nvlink_generation, nvlink_per_direction, pcie_link_rate
 
 __all__ = [
     "TopologyError",
@@ -172,25 +172,27 @@ class Cluster:
 
 
 # ------------------------------------------------------------------------------------- presets
-def _sheet(gpu: str) -> GpuSheet:
+def _sheet(gpu: str | GpuSheet) -> GpuSheet:
+    if isinstance(gpu, GpuSheet):
+        return gpu
     sheet = find_gpu(gpu)
     if sheet is None:
         raise TopologyError(f"cluster gpu {gpu!r} is not a GPU gpemu knows (see `gpemu gpus`)")
     return sheet
 
 
-def _nvswitch(gpu: str) -> NodeFabric:
+def _nvswitch(gpu: str | GpuSheet) -> NodeFabric:
     sheet = _sheet(gpu)
     gen = nvlink_generation(sheet)
-    return NodeFabric("nvswitch", nvlink_per_direction(sheet), nvls=gen >= 4, nvlink_generation=gen)
+    return NodeFabric("nvswitch", nvlink_per_direction(sheet), nvls=gen >= NVLS_FROM_NVLINK, nvlink_generation=gen)
 
 
-def _pcie(gpu: str, per_switch: int, p2p: bool = True) -> NodeFabric:
+def _pcie(gpu: str | GpuSheet, per_switch: int, p2p: bool = True) -> NodeFabric:
     sheet = _sheet(gpu)
     return NodeFabric("pcie", pcie_link_rate(sheet.pcie_gen), gpus_per_pcie_switch=per_switch, p2p=p2p)
 
 
-def _bridged(gpu: str, per_switch: int) -> NodeFabric:
+def _bridged(gpu: str | GpuSheet, per_switch: int) -> NodeFabric:
     sheet = _sheet(gpu)
     return NodeFabric(
         "nvlink-bridge",
@@ -268,20 +270,21 @@ def preset(name: str, nodes: int = 1) -> Cluster:
     return PRESETS[key][1]().with_nodes(nodes)
 
 
-def default_cluster(gpu: str, gpus_per_node: int, nodes: int = 1) -> Cluster:
+def default_cluster(gpu: str | GpuSheet, gpus_per_node: int, nodes: int = 1) -> Cluster:
     """The node a run assumes when no cluster is described: its GPUs on NVSwitch where their
     NVLink joins a whole node (SXM boards), bridged pairs or PCIe otherwise; between nodes (when
-    there are several) one 400 Gb/s InfiniBand NIC per GPU."""
+    there are several) one 400 Gb/s InfiniBand NIC per GPU. ``gpu``: a name, or the sheet of a GPU
+    the table does not have (``gpus.gpu_sheet`` of a database row)."""
     sheet = _sheet(gpu)
     if nvlink_generation(sheet) and not sheet.nvlink_bridge:
-        fabric = _nvswitch(gpu)
+        fabric = _nvswitch(sheet)
     elif sheet.nvlink_bridge:
-        fabric = _bridged(gpu, max(1, gpus_per_node // 2))
+        fabric = _bridged(sheet, max(1, gpus_per_node // 2))
     else:
-        fabric = _pcie(gpu, max(1, gpus_per_node // 2))
+        fabric = _pcie(sheet, max(1, gpus_per_node // 2))
     network = Network("ib", _gbit(400), gpus_per_node) if nodes > 1 else None
     name = f"{nodes} x {gpus_per_node} {sheet.short_name}"
-    return _checked(Cluster(name, gpu, nodes, gpus_per_node, fabric, network))
+    return _checked(Cluster(name, sheet.name, nodes, gpus_per_node, fabric, network))
 
 
 # ------------------------------------------------------------------------------------- the YAML form
@@ -432,11 +435,10 @@ def _bool(value: Any, name: str) -> bool:
 def describe(cluster: Cluster) -> str:
     """What a run assumes, as ``gpemu topo`` prints it."""
     f, net = cluster.fabric, cluster.network
-    sheet = _sheet(cluster.gpu)
-    lines = [
-        f"cluster {cluster.name}: {cluster.nodes} node(s) x {cluster.gpus_per_node} {sheet.name}"
-        f" = {cluster.world_size} GPUs",
-    ]
+    sheet = find_gpu(cluster.gpu)
+    gpu = sheet.name if sheet is not None else cluster.gpu
+    size = f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {gpu} = {cluster.world_size} GPUs"
+    lines = [f"cluster {cluster.name}: {size}"]
     if f.fabric == "nvswitch":
         inside = f"NVSwitch, NVLink {f.nvlink_generation} at {format_rate(f.link_bandwidth)} per GPU and direction"
         inside += ", NVLS (in-switch reduction)" if f.nvls else ""

@@ -289,7 +289,7 @@ class ConstructionCollectives:
         # and the time is charged.
         call = Call("broadcast parameters and buffers", process_group, device_of(emulated))
         nbytes = sum(tensor_bytes(t) for t in emulated)
-        self.shared.charge(call, self.shared.seconds(Collective.BROADCAST, [nbytes], call), False)
+        self.shared.charge(call, self.shared.price(Collective.BROADCAST, [nbytes], call), False)
         return None
 
     def verify_params_across_processes(self, process_group: ProcessGroup, tensors: list, logger: Any = None) -> Any:
