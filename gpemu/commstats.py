@@ -19,7 +19,7 @@ from typing import Any
 
 from .recorder import GpuSpan
 
-__all__ = ["exposed_intervals", "device_communication", "by_kind_and_link", "communication_lines"]
+__all__ = ["exposed_intervals", "device_communication", "by_kind_and_link", "run_communication", "communication_lines"]
 
 _COUNTERS = {"comm_seconds": "seconds", "comm_bytes": "bytes", "comm_count": "count"}
 
@@ -67,9 +67,10 @@ def _clipped(intervals: Iterable[tuple[float, float]], a: float, b: float) -> fl
     return sum(max(0.0, min(end, b) - max(start, a)) for start, end in intervals)
 
 
-def device_communication(spans: Sequence[GpuSpan], a: float, b: float) -> dict[str, float]:
-    """One device's communication inside ``[a, b]``: on the GPU (its comm spans' union), exposed
-    and overlapped."""
+def device_communication(spans: Sequence[GpuSpan], window: Mapping[str, Any], t0: float) -> dict[str, float]:
+    """One device's communication inside a summary ``window`` (``start_s`` / ``end_s`` after
+    ``t0``): on the GPU (its comm spans' union), exposed and overlapped."""
+    a, b = window["start_s"] + t0, window["end_s"] + t0
     comm = _clipped(_union((s.start, s.end) for s in spans if s.kind == "comm"), a, b)
     exposed = _clipped(exposed_intervals(spans), a, b)
     return {"comm_s": comm, "exposed_s": exposed, "overlapped_s": max(0.0, comm - exposed)}
@@ -84,6 +85,11 @@ def by_kind_and_link(counters: Mapping[str, float]) -> dict[str, dict[str, float
         if prefix in _COUNTERS and key:
             out.setdefault(key, {"seconds": 0.0, "bytes": 0.0, "count": 0.0})[_COUNTERS[prefix]] += value
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
+
+
+def run_communication(counters: Mapping[str, float]) -> dict[str, Any]:
+    """The run's communication: per collective kind and link, and the wait for slower ranks."""
+    return {"by_kind_link": by_kind_and_link(counters), "wait_s": counters.get("comm_wait_seconds", 0.0)}
 
 
 def communication_lines(summary: Mapping[str, Any], width: int, seconds: Any, size: Any) -> list[str]:

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .commstats import by_kind_and_link, communication_lines, device_communication
+from .commstats import communication_lines, device_communication, run_communication
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
 from .units import format_bytes
 
@@ -284,11 +284,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
             dev["steady"] = None
             dev["iteration_time"] = None
         headline = dev["steady"] or dev["whole"]
-        if headline is not None:
-            a, b = headline["start_s"] + t0, headline["end_s"] + t0
-            dev["communication"] = device_communication(spans, a, b)
-        else:
-            dev["communication"] = None
+        dev["communication"] = device_communication(spans, headline, t0) if headline else None
         dev["au"] = headline["utilisation"] if headline else 0.0
         dev["au_window"] = "steady" if dev["steady"] else ("whole" if dev["whole"] else None)
         by_reason: dict[str, float] = {}
@@ -333,10 +329,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         "counters": dict(sorted(counters.items())),
         "notes": list(records.notes),
         "models": list(records.models),
-        "communication": {
-            "by_kind_link": by_kind_and_link(counters),
-            "wait_s": counters.get("comm_wait_seconds", 0.0),
-        },
+        "communication": run_communication(counters),
     }
 
 
