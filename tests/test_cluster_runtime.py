@@ -90,3 +90,11 @@ def test_collectives_are_priced_over_the_links_their_ranks_cross(tmp_path: Path,
         assert r["beside"]["comm_seconds/all_reduce/nvlink"] == pytest.approx(
             overlapped_seconds(inside, inside, 4.0), rel=1e-6
         )
+
+
+def test_without_a_cluster_ranks_spread_evenly_over_the_nodes_asked_for() -> None:
+    from gpemu.distributed.placement import spread
+
+    assert [spread(r, 8, 2) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [spread(r, 3, 2) for r in range(3)] == [0, 0, 1]
+    assert [spread(r, 4, 1) for r in range(4)] == [0, 0, 0, 0]

@@ -32,7 +32,7 @@ from .meeting import ORIGINAL
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
 
-__all__ = ["Placement", "PlacementError", "CommLog", "CommInterval"]
+__all__ = ["Placement", "PlacementError", "CommLog", "CommInterval", "spread"]
 
 _KEEP = 256  # recent collectives remembered per device (older ones cannot overlap new work)
 
@@ -90,11 +90,15 @@ class Placement:
         self._paths: dict[tuple[str, int], CommPath] = {}
 
     # ------------------------------------------------------------------ nodes
-    def own_node(self, rank: int) -> int:
-        """This process's node: said by the configuration, else the cluster's layout, else 0."""
-        if self.rt.config.node_rank is not None:
-            return self.rt.config.node_rank
-        return self.described.node_of(rank) if self.described is not None else 0
+    def own_node(self, rank: int, world: int) -> int:
+        """This process's node: said by the configuration, else the cluster's layout, else the
+        ranks split evenly over ``config.nodes`` nodes (``--nodes`` without a cluster), else 0."""
+        config = self.rt.config
+        if config.node_rank is not None:
+            return config.node_rank
+        if self.described is not None:
+            return self.described.node_of(rank)
+        return spread(rank, world, config.nodes or 1)
 
     def node_of(self, rank: int) -> int:
         if self.rank_nodes is not None and 0 <= rank < len(self.rank_nodes):
@@ -106,7 +110,7 @@ class Placement:
         each rank writes its node + 1 at its index, a SUM fills the rest)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         said = torch.zeros(world, dtype=torch.int64)
-        said[rank] = self.own_node(rank) + 1
+        said[rank] = self.own_node(rank, world) + 1
         ORIGINAL["all_reduce"](said, op=dist.ReduceOp.SUM)
         nodes = [int(v) - 1 for v in said.tolist()]
         self.cluster = self._cluster_for(nodes)
@@ -128,7 +132,7 @@ class Placement:
         largest = max(per_node.values())
         if self.described is None:
             sheet = gpu_sheet(self.rt.gpus[0])
-            return default_cluster(sheet, largest, max(nodes) + 1)
+            return default_cluster(sheet, largest, max(max(nodes) + 1, self.rt.config.nodes or 1))
         cluster = self.described
         if max(nodes) >= cluster.nodes:
             rank = next(r for r, n in enumerate(nodes) if n >= cluster.nodes)
@@ -171,6 +175,11 @@ class Placement:
     @property
     def overlap_k(self) -> float:
         return self.cluster.overlap_k if self.cluster is not None else 4.0
+
+
+def spread(rank: int, world: int, nodes: int) -> int:
+    """The node of ``rank`` when ``world`` ranks fill ``nodes`` nodes evenly, in order."""
+    return min(rank * nodes // max(world, 1), nodes - 1)
 
 
 def _ranks(group: ProcessGroup | None) -> list[int]:
