@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .costmodel.topology import Cluster, TopologyError, cluster_from_mapping, preset, preset_names
 from .units import redact_url
 
 if TYPE_CHECKING:  # pragma: no cover
     from .clock import Clock
+    from .costmodel.topology import Cluster
 
 __all__ = [
     "EmuConfig",
@@ -485,6 +485,10 @@ def _coerce(name: str, value: Any) -> Any:
 def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
     """The cluster named by ``spec``: a preset name, or a YAML file describing one
     (:func:`gpemu.costmodel.topology.cluster_from_mapping`); ``nodes`` wins over its count."""
+    # (imported here: gpemu.costmodel imports torch, which a process started without
+    # GPEMU_ENABLE must not pay for at its sitecustomize bootstrap)
+    from .costmodel.topology import TopologyError, preset
+
     try:
         path = Path(spec).expanduser()
         if path.suffix.lower() in (".yaml", ".yml", ".json") or path.is_file():
@@ -496,6 +500,8 @@ def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
 
 def _cluster_file(path: Path, nodes: int | None) -> Cluster:
     import yaml
+
+    from .costmodel.topology import TopologyError, cluster_from_mapping, preset_names
 
     try:
         text = path.read_text()
