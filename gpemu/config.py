@@ -13,6 +13,7 @@ same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -23,6 +24,7 @@ from .units import redact_url
 
 if TYPE_CHECKING:  # pragma: no cover
     from .clock import Clock
+    from .costmodel.topology import Cluster
 
 __all__ = [
     "EmuConfig",
@@ -33,6 +35,7 @@ __all__ = [
     "amqp_url_problem",
     "fill_amqp_password",
     "costmodel_cache_dir",
+    "load_cluster",
 ]
 
 ENV_PREFIX = "GPEMU_"
@@ -182,6 +185,14 @@ class EmuConfig:
     enable: bool = False
     # GPEMU_TUNING: the emulator's own knobs (see Tuning), e.g. "hub_after=-1,spare_limit=0".
     tuning: Tuning = field(default_factory=Tuning)
+    # GPEMU_CLUSTER: the cluster the run's GPUs are in: a preset (dgx-h100, ...) or a YAML file
+    # (docs/clusters.md). Unset: one node of the run's GPUs (as many nodes as torchrun says).
+    cluster: str | None = None
+    # GPEMU_NODES: how many nodes the cluster has (wins over the description's count).
+    nodes: int | None = None
+    # GPEMU_NODE_RANK (else torchrun's GROUP_RANK): the node this process runs on. Unset: ranks
+    # fill nodes in order (rank // GPUs per node).
+    node_rank: int | None = None
     # The host clock of the run (default: the real one). Tests and overhead benchmarks pass a
     # gpemu.clock.VirtualClock. Not an environment setting: child processes use the real clock.
     clock: Clock | None = field(default=None, compare=False)
@@ -205,6 +216,8 @@ class EmuConfig:
         xdg = env.get("XDG_DATA_HOME")
         if "data_dir" not in values and xdg:
             values["data_dir"] = str(Path(xdg) / "gpemu")
+        if "node_rank" not in values and env.get("GROUP_RANK"):
+            values["node_rank"] = env["GROUP_RANK"]  # torchrun's node rank, for its workers
         known = {f.name for f in fields(cls)}
         for key, value in overrides.items():
             if value is None:
@@ -212,7 +225,14 @@ class EmuConfig:
             if key not in known:
                 raise ConfigError(f"unknown setting {key!r}; valid settings: {', '.join(sorted(known))}")
             values[key] = value
-        return cls(**{k: _coerce(k, v) for k, v in values.items()})
+        coerced = {k: _coerce(k, v) for k, v in values.items()}
+        if coerced.get("cluster"):
+            # The cluster says which GPUs it has and how many a node holds, unless the run says.
+            described = load_cluster(coerced["cluster"], coerced.get("nodes"))
+            coerced.setdefault("gpu", described.gpu)
+            if "num_gpus" not in coerced and "device_gpus" not in coerced:
+                coerced["num_gpus"] = min(described.gpus_per_node, 64)
+        return cls(**coerced)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_gpus, int) or isinstance(self.num_gpus, bool) or not 1 <= self.num_gpus <= 64:
@@ -254,6 +274,32 @@ class EmuConfig:
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
+        self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        """The cluster, node count and node rank: a description that loads, GPUs it has, a node
+        it holds."""
+        for name in ("nodes", "node_rank"):
+            value = getattr(self, name)
+            low = 1 if name == "nodes" else 0
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        described = self.described_cluster()
+        nodes = described.nodes if described is not None else self.nodes
+        if self.node_rank is not None and nodes is not None and self.node_rank >= nodes:
+            raise ConfigError(
+                f"node_rank {self.node_rank} is not one of the cluster's {nodes} node(s) (0 to {nodes - 1}); "
+                "give --nodes (GPEMU_NODES) for a larger cluster"
+            )
+        if described is None or self.device_gpus is not None:
+            return
+        from .costmodel.gpus import find_gpu
+
+        if find_gpu(self.gpu) != find_gpu(described.gpu):
+            raise ConfigError(
+                f"the cluster {described.name!r} has {described.gpu} GPUs but gpu is {self.gpu!r}: leave --gpu out, "
+                f"or describe a cluster of {self.gpu} (gpu: {self.gpu} in its YAML)"
+            )
 
     def _check_sharing_ids(self) -> None:
         """The settings a sharing manager would refuse at a job's registration, refused here
@@ -292,6 +338,10 @@ class EmuConfig:
                 "to a writable directory or GPEMU_DB to a database URL"
             ) from None
 
+    def described_cluster(self) -> Cluster | None:
+        """The cluster ``cluster`` describes (with ``nodes`` nodes when given); None without one."""
+        return load_cluster(self.cluster, self.nodes) if self.cluster else None
+
     def replace(self, **changes: Any) -> EmuConfig:
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
 
@@ -321,7 +371,8 @@ class EmuConfig:
         """A one-line, credential-free description for logs."""
         gpus = ",".join(self.gpus_per_device)
         share = f" sharing={redact_url(self.sharing)}" if self.sharing else ""
-        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}"
+        cluster = f" cluster={self.cluster}" + (f" nodes={self.nodes}" if self.nodes else "") if self.cluster else ""
+        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}"
 
 
 def costmodel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -358,6 +409,10 @@ def _name_list(name: str, value: str) -> tuple[str, ...] | None:
     return items
 
 
+# Settings that are free text (stripped; empty means unset).
+_TEXT_SETTINGS = frozenset(
+    ("model", "db_url", "sharing", "job_id", "metrics_path", "trace_path", "device_dir", "data_dir", "cluster")
+)
 # Settings that cannot travel through the environment (objects, not text).
 _NOT_IN_ENV = frozenset(("clock",))
 
@@ -376,6 +431,11 @@ def _coerce(name: str, value: Any) -> Any:
             except ValueError:
                 raise ConfigError(f"num_gpus must be an integer from 1 to 64, got {value!r}") from None
         return value
+    if name in ("nodes", "node_rank") and isinstance(value, str):
+        try:
+            return int(value.strip()) if value.strip() else None
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
     if name in ("replay", "pinned", "summary", "debug", "enable"):
         if isinstance(value, str):
             low = value.strip().lower()
@@ -389,7 +449,17 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str):
             return _name_list(name, value)
         return tuple(value) if value is not None else None
-    if name in ("model", "db_url", "sharing", "job_id", "metrics_path", "trace_path", "device_dir", "data_dir"):
+    if name in (
+        "model",
+        "db_url",
+        "sharing",
+        "job_id",
+        "metrics_path",
+        "trace_path",
+        "device_dir",
+        "data_dir",
+        "cluster",
+    ):
         if isinstance(value, str):
             value = value.strip()
             return value or None
@@ -418,6 +488,47 @@ def _coerce(name: str, value: Any) -> Any:
                 )
             return Tuning(**value)
     return value
+
+
+@functools.lru_cache(maxsize=16)
+def load_cluster(spec: str, nodes: int | None = None) -> Cluster:
+    """The cluster named by ``spec``: a preset name, or a YAML file describing one
+    (:func:`gpemu.costmodel.topology.cluster_from_mapping`); ``nodes`` wins over its count."""
+    # (imported here: gpemu.costmodel imports torch, which a process started without
+    # GPEMU_ENABLE must not pay for at its sitecustomize bootstrap)
+    from .costmodel.topology import TopologyError, preset
+
+    try:
+        path = Path(spec).expanduser()
+        if path.suffix.lower() in (".yaml", ".yml", ".json") or path.is_file():
+            return _cluster_file(path, nodes)
+        return preset(spec, nodes or 1)
+    except TopologyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _cluster_file(path: Path, nodes: int | None) -> Cluster:
+    import yaml
+
+    from .costmodel.topology import TopologyError, cluster_from_mapping, preset_names
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"cluster file {str(path)!r} cannot be read ({exc.strerror or exc}); give a YAML file or a preset "
+            f"({', '.join(preset_names())})"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"cluster file {str(path)!r} is not valid YAML{line}") from None
+    try:
+        return cluster_from_mapping(data if data is not None else {}, nodes)
+    except TopologyError as exc:
+        raise ConfigError(f"{path.name}: {exc}") from None
 
 
 def fill_amqp_password(url: str, password: str | None) -> str:

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .commstats import communication_lines, device_communication, run_communication
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample, SyncPoint
 from .units import format_bytes
 
@@ -323,6 +324,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
             dev["steady"] = None
             dev["iteration_time"] = None
         headline = dev["steady"] or dev["whole"]
+        dev["communication"] = device_communication(spans, headline, t0) if headline else None
         dev["au"] = headline["utilisation"] if headline else 0.0
         dev["au_window"] = "steady" if dev["steady"] else ("whole" if dev["whole"] else None)
         by_reason: dict[str, float] = {}
@@ -367,6 +369,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         "counters": dict(sorted(counters.items())),
         "notes": list(records.notes),
         "models": list(records.models),
+        "communication": run_communication(counters),
     }
 
 
@@ -446,6 +449,7 @@ def format_summary(s: dict[str, Any]) -> str:
     models = s.get("models") or []
     if models:
         lines.append("model time".ljust(w + 2) + "; ".join(model_source(m) for m in models))
+    lines += communication_lines(s, w, format_seconds, format_size)
     t = s["transfers"]
     lines.append(
         "transfers".ljust(w + 2)
@@ -490,6 +494,14 @@ def _device_lines(dev: dict[str, Any]) -> list[str]:
     head = steady or whole
     lines.append("  " + f"GPU busy by kind ({window})".ljust(w) + _by(head["busy_by_kind_s"]))
     lines.append("  " + f"stall, waiting for ({window})".ljust(w) + _by(head["stall_before_s"]))
+    comm = dev.get("communication")
+    if comm and comm["comm_s"] > 0:
+        lines.append(
+            "  "
+            + f"communication ({window})".ljust(w)
+            + f"{format_seconds(comm['comm_s'])} on the GPU, {format_seconds(comm['exposed_s'])} exposed "
+            f"(not overlapped by computation), {format_seconds(comm['overlapped_s'])} overlapped"
+        )
     hw = dev["host_waits"]
     waited = (
         f"{format_seconds(hw['total_s'])} in {hw['count']} waits ({_by(hw['by_reason_s'])})" if hw["count"] else "-"

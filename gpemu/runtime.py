@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .costs import CostState
     from .cuda_api import CudaSurface
     from .device import TensorState
+    from .distributed.placement import Placement
     from .fastpaths.gradients import GradientState
     from .fastpaths.loss import LossState
     from .fastpaths.optimizer import OptimizerFastPath
@@ -113,6 +114,7 @@ class Runtime:
     optimizer_fastpath: OptimizerFastPath | None = None  # gpemu.fastpaths.optimizer
     pinned: PinnedState | None = None  # gpemu.integrations.pinned_memory
     sharing: SharingBackend | None = None  # gpemu.integrations.sharing.client
+    placement: Placement | None = None  # gpemu.distributed: the cluster, each rank's node
     at_exit: Any = None  # gpemu.run_outputs: the end-of-run output
     _local: threading.local = field(default_factory=threading.local, repr=False)
 

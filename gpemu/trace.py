@@ -9,6 +9,8 @@ Loads in https://ui.perfetto.dev and chrome://tracing:
   the iteration boundaries as instant events (``"ph": "i"``);
 * an **idle** thread showing when the GPU sat idle: data stall (host had not enqueued the next
   work) and other idle;
+* a **communication** thread showing exposed communication: when collectives ran and nothing
+  else did (:mod:`gpemu.commstats`); each comm span's name says its links and NCCL's algorithm;
 * **memory** as a counter track (``"ph": "C"``, MiB allocated / reserved).
 
 Times are relative to patch time. ``otherData`` holds what a summary needs besides the events
@@ -24,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .commstats import exposed_intervals
 from .observe import Timeline, compute_summary, json_safe
 
 __all__ = ["write_trace", "trace_events", "TRACE_FORMAT"]
@@ -31,6 +34,7 @@ __all__ = ["write_trace", "trace_events", "TRACE_FORMAT"]
 TRACE_FORMAT = "gpemu-trace/1"
 HOST_TID = 0
 IDLE_TID = 99999  # after the streams in the viewer (sort index below)
+EXPOSED_TID = 99998  # exposed communication, just above the idle thread
 _MiB = float(1 << 20)
 
 
@@ -79,7 +83,7 @@ def trace_events(records: Any) -> list[dict[str, Any]]:
              "tid": HOST_TID,
              "args": {"allocated_MiB": sample.allocated / _MiB, "reserved_MiB": sample.reserved / _MiB}}
         )  # fmt: skip
-    return events + _idle_events(records)
+    return events + _idle_events(records) + _exposed_events(records)
 
 
 def _metadata_events(records: Any) -> list[dict[str, Any]]:
@@ -99,6 +103,7 @@ def _metadata_events(records: Any) -> list[dict[str, Any]]:
             (sid + 1, "stream 0 (default)" if sid == 0 else f"stream {sid}", sid + 1)
             for sid in sorted(streams.get(d, ()))
         ]
+        threads.append((EXPOSED_TID, "communication not overlapped", (1 << 20) - 1))
         threads.append((IDLE_TID, "GPU idle (data stall / other)", 1 << 20))
         for tid, name, order in threads:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
@@ -121,6 +126,19 @@ def _idle_events(records: Any) -> list[dict[str, Any]]:
             events.append(
                 {"name": name, "cat": cat, "ph": "X", "ts": _us(start, t0), "dur": round((end - start) * 1e6, 3),
                  "pid": d + 1, "tid": IDLE_TID, "args": {}}
+            )  # fmt: skip
+    return events
+
+
+def _exposed_events(records: Any) -> list[dict[str, Any]]:
+    """Exposed communication per device (derived from the spans, drawn for the eye)."""
+    t0 = records.started_at
+    events: list[dict[str, Any]] = []
+    for d in range(records.num_devices):
+        for start, end in exposed_intervals(s for s in records.spans if s.device == d):
+            events.append(
+                {"name": "communication, nothing overlapping", "cat": "comm_exposed", "ph": "X", "ts": _us(start, t0),
+                 "dur": round((end - start) * 1e6, 3), "pid": d + 1, "tid": EXPOSED_TID, "args": {}}
             )  # fmt: skip
     return events
 

@@ -45,6 +45,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "k8s": ("gpemu.k8s.cli", "k8s", "Kubernetes: emuGPU device files and the device plugin."),
     "report": ("gpemu.cli.report_cmd", "report", "Summarise, compare or plot traces written by `gpemu run --trace`."),
+    "topo": ("gpemu.cli.cluster_cmds", "topo", "Show the cluster a run assumes: nodes, NVLink/PCIe, network, costs."),
+    "comm-bench": (
+        "gpemu.cli.cluster_cmds",
+        "comm_bench",
+        "Print collective times and bus bandwidth in nccl-tests' columns for a cluster.",
+    ),
 }
 
 

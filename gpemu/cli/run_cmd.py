@@ -36,12 +36,39 @@ __all__ = ["run"]
 @click.option(
     "--share", "sharing", metavar="URL", help="amqp:// URL of a sharing manager to time-slice emuGPUs through."
 )
+@click.option(
+    "--cluster",
+    metavar="PRESET|FILE",
+    help="The cluster the GPUs are in: a preset (dgx-h100, ...) or a YAML file; `gpemu topo` shows it.",
+)
+@click.option("--nodes", type=int, metavar="N", help="How many nodes the cluster has (default: its description's).")
+@click.option(
+    "--node-rank",
+    type=int,
+    metavar="N",
+    help="The node these processes run on (default: torchrun's GROUP_RANK, else ranks fill nodes in order).",
+)
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
 @click.option("-m", "module", metavar="MODULE", help="Run a Python module, like `python -m MODULE`.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_path, module, command) -> None:
+def run(
+    gpu,
+    gpus,
+    model,
+    db_url,
+    memory,
+    sharing,
+    cluster,
+    nodes,
+    node_rank,
+    summary,
+    metrics_path,
+    trace_path,
+    module,
+    command,
+) -> None:
     """Run COMMAND with every Python process in it on emulated GPUs.
 
     The script runs unchanged: torch.cuda sees the emulated GPUs, and GPU work takes the time
@@ -53,6 +80,7 @@ def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_
     \b
       gpemu run --gpu V100 -- python train.py --epochs 1
       gpemu run --gpu A100 --gpus 2 -- torchrun --nproc-per-node 2 train_ddp.py
+      gpemu run --cluster dgx-h100 --nodes 2 -- torchrun --nnodes 2 --nproc-per-node 8 ... train.py
       gpemu run --gpu V100 -m mypackage.train
       gpemu run --gpu V100 --trace t.json -- python train.py && gpemu report t.json --plot t.png
     """
@@ -65,6 +93,9 @@ def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_
         db_url=db_url,
         memory=memory,
         sharing=sharing,
+        cluster=cluster,
+        nodes=nodes,
+        node_rank=node_rank,
         summary=summary,
         metrics_path=metrics_path,
         trace_path=trace_path,

@@ -1,21 +1,26 @@
-"""Communication time between GPUs: what a collective over a link costs (a pure formula library).
+"""Communication time between GPUs: what a collective costs (a pure formula library).
 
-    from gpemu.costmodel.comm import Collective, collective_seconds, gpu_link
-    link = gpu_link(spec)                        # a gpemu.db.GpuSpec, or any object with its fields
-    collective_seconds(Collective.ALL_REDUCE, 100 << 20, 8, link)      # seconds
+    from gpemu.costmodel.comm import Collective, collective_cost, CommPath
+    path = CommPath.of(cluster, rank_nodes)      # a gpemu.costmodel.topology.Cluster, each rank's node
+    collective_cost(Collective.ALL_REDUCE, 100 << 20, path)     # CommCost(seconds, algorithm, ...)
+    overlapped_seconds(comm, compute, k)          # both at once on one GPU (Morphling's form)
 
-Today's model is NCCL's ring over one link per GPU model (NVLink where it joins every GPU of a
-node, else PCIe), ``n`` ranks, ``b`` bytes, bus bandwidth ``bw``, per-step latency ``a``:
+:func:`collective_cost` is NCCL's choice of algorithm and protocol over a cluster's links
+(:mod:`.nccl`, topologies in :mod:`.topology`). The older single-link form stays for a caller
+without a cluster: :func:`collective_seconds` over a :class:`Link` (:func:`gpu_link`) is NCCL's
+ring over one link per GPU model (NVLink where it joins every GPU of a node, else PCIe), ``n``
+ranks, ``b`` bytes, bus bandwidth ``bw``, per-step latency ``a``:
 
 * all-reduce: ``2 (n-1)/n * b / bw + 2 (n-1) * a`` (a reduce-scatter, then an all-gather);
 * reduce-scatter, all-gather, broadcast, reduce, scatter, gather, all-to-all: half of that, of the
   bytes :class:`Collective` names for each;
 * point to point (send/recv): ``b / bw + a``, whatever the world size.
 
-It is meant to grow into a topology model (NCCL's ring / tree / NVLS algorithms, protocol regimes
-by message size, intra- and inter-node links): a new algorithm is a branch of
-:func:`collective_seconds`, a new kind of path a :class:`Link` (or a list of them) from
-:func:`gpu_link`; callers name only a :class:`Collective`, bytes, a world size and a link.
+**Overlap.** Communication on one stream beside computation on another shares the GPU: NCCL's
+kernels take SMs and memory bandwidth the computation wanted. Morphling's form (Wang et al.,
+"Morphling", the overlap model of issue 30) prices the two together as ``f(Tx, Ty) = (Tx^k +
+Ty^k)^(1/k)``: ``k = 1`` serialises them (two transfers sharing one link's bandwidth), ``k -> inf``
+overlaps them perfectly; :func:`overlapped_seconds`.
 """
 
 from __future__ import annotations
@@ -27,9 +32,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .gpus import find_gpu
+from .nccl import Algorithm, CommCost, CommPath, NcclProtocol, bus_factor, nccl_cost
 
 __all__ = [
     "Collective",
+    "CommPath",
+    "CommCost",
+    "Algorithm",
+    "NcclProtocol",
+    "collective_cost",
+    "busbw_factor",
+    "overlapped_seconds",
+    "overlap_penalty",
     "Link",
     "GpuLinkFacts",
     "collective_seconds",
@@ -160,10 +174,19 @@ def gradient_buckets(sizes: Sequence[int], cap: int) -> list[int]:
     return buckets
 
 
-def overlapped_all_reduce_end(start: float, end: float, buckets: Sequence[int], world_size: int, link: Link) -> float:
+def overlapped_all_reduce_end(
+    start: float,
+    end: float,
+    buckets: Sequence[int],
+    world_size: int,
+    link: Link | CommPath,
+    k: float = math.inf,
+) -> float:
     """When the last bucket's all-reduce ends, for a backward pass from ``start`` to ``end``
     whose gradients become ready evenly by bytes, each bucket's all-reduce starting when its
-    gradients are ready and the previous bucket's is done (never before ``end``)."""
+    gradients are ready and the previous bucket's is done (never before ``end``). ``link``: one
+    link (the ring formula) or the group's path (NCCL's choice); a bucket that runs beside the
+    backward is slowed by the overlap form with exponent ``k`` (inf: not at all)."""
     total = sum(buckets) or 1
     duration = end - start
     done = 0
@@ -171,5 +194,44 @@ def overlapped_all_reduce_end(start: float, end: float, buckets: Sequence[int], 
     for size in buckets:
         done += size
         ready = start + duration * done / total
-        link_free = max(ready, link_free) + collective_seconds(Collective.ALL_REDUCE, size, world_size, link)
+        begin = max(ready, link_free)
+        if isinstance(link, CommPath):
+            alone = collective_cost(Collective.ALL_REDUCE, size, link).seconds
+        else:
+            alone = collective_seconds(Collective.ALL_REDUCE, size, world_size, link)
+        beside = min(max(0.0, end - begin), alone)  # the backward still running meanwhile
+        link_free = begin + alone + (overlap_penalty(alone, beside, k) if math.isfinite(k) else 0.0)
     return max(link_free, end)
+
+
+def collective_cost(kind: Collective, nbytes: int, path: CommPath) -> CommCost:
+    """``kind`` of ``nbytes`` (as :class:`Collective` counts them) over ``path``, run as NCCL
+    would: the algorithm and protocol, the links, the seconds and nccl-tests' bus bandwidth."""
+    if not isinstance(kind, Collective):
+        valid = ", ".join(c.name for c in Collective)
+        raise ValueError(f"collective_cost: kind must be a Collective ({valid}), got {kind!r}")
+    return nccl_cost(kind.value, int(nbytes), path)
+
+
+def busbw_factor(kind: Collective, ranks: int) -> float:
+    """nccl-tests' bus bandwidth over algorithm bandwidth for ``kind`` among ``ranks``."""
+    return bus_factor(kind.value, ranks)
+
+
+def overlapped_seconds(first: float, second: float, k: float) -> float:
+    """How long two pieces of GPU work take together, ``first`` and ``second`` seconds alone, when
+    they share the GPU (Morphling's ``(Tx^k + Ty^k)^(1/k)``; ``k >= 1``)."""
+    if first <= 0 or second <= 0:
+        return max(first, second, 0.0)
+    if not k >= 1:
+        raise ValueError(f"overlapped_seconds: k must be >= 1 (1: no overlap at all), got {k!r}")
+    if math.isinf(k):
+        return max(first, second)
+    big = max(first, second)
+    return big * ((first / big) ** k + (second / big) ** k) ** (1.0 / k)
+
+
+def overlap_penalty(comm: float, beside: float, k: float) -> float:
+    """What running ``comm`` seconds of communication beside ``beside`` seconds of other work
+    adds over a perfect overlap (``max`` of the two): the seconds the communication is late."""
+    return overlapped_seconds(comm, beside, k) - max(comm, beside, 0.0)

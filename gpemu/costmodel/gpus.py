@@ -64,6 +64,10 @@ __all__ = [
     "pinned_copy_rate",
     "pageable_copy_rate",
     "datasheet_memory_bytes",
+    "NVLINK_GENERATIONS",
+    "NVLS_FROM_NVLINK",
+    "nvlink_generation",
+    "nvlink_per_direction",
 ]
 
 _GiB = 1 << 30
@@ -118,6 +122,27 @@ def pageable_copy_rate(pcie_gen: int) -> float:
     """Host->GPU copies from pageable memory on a host with this PCIe generation, bytes/s (host
     memcpy bound: measured on Gen3 and Gen4 hosts, the Gen4 figure taken for newer ones)."""
     return _PAGEABLE_GEN3 if pcie_gen <= 3 else _PAGEABLE_GEN4PLUS
+
+
+# NVLink generation of each architecture with NVLink (NVIDIA NVLink pages and architecture
+# whitepapers): Volta NVLink 2, Ampere 3, Hopper 4, Blackwell 5. The per-GPU bandwidth is each
+# sheet's ``nvlink_bandwidth``.
+NVLINK_GENERATIONS: dict[str, int] = {"pascal": 1, "volta": 2, "ampere": 3, "hopper": 4, "blackwell": 5}
+# NVLink SHARP (NVLS: the NVSwitch reduces and multicasts) exists from the third-generation
+# NVSwitch, which joins NVLink 4 GPUs (Hopper whitepaper, "NVLink Switch System").
+NVLS_FROM_NVLINK = 4
+
+
+def nvlink_generation(sheet: GpuSheet) -> int:
+    """The NVLink generation of a GPU (0: it has no NVLink)."""
+    if not sheet.nvlink_bandwidth:
+        return 0
+    return NVLINK_GENERATIONS.get(sheet.generation, 0)
+
+
+def nvlink_per_direction(sheet: GpuSheet) -> float:
+    """A GPU's NVLink bandwidth per direction, bytes/s: half the datasheet's both-ways total."""
+    return sheet.nvlink_bandwidth / 2
 
 
 def datasheet_memory_bytes(gb: float) -> int:

@@ -8,8 +8,9 @@
   ``reduce``, ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
   ``reduce_scatter``, ``scatter``, ``gather``, ``all_to_all(_single)``, send / recv) and torch's
   functional form (:mod:`.functional`: ``torch.ops._c10d_functional.*``, which DTensor and FSDP2
-  use), each written once (:mod:`.collectives`): priced by :mod:`gpemu.costmodel.comm` (a ring over
-  the GPU interconnect), charged on the device's current stream, and the ranks meet in ONE small
+  use), each written once (:mod:`.collectives`): priced by :mod:`gpemu.costmodel.comm` as NCCL
+  would run them over the links of the run's cluster (:mod:`.placement`: each rank's node, learnt
+  in one message after ``init_process_group``), charged on the device's current stream, and the ranks meet in ONE small
   real gloo message per collective (:mod:`.meeting`): the latest finish time and whether every
   rank knows the values. Only then, and only for known values (:mod:`gpemu.hostvalues`), a second
   message carries them, so ``dist.all_reduce(torch.tensor([correct, seen], device='cuda'))`` is
@@ -58,7 +59,7 @@ def install(rt: Runtime) -> None:
     parts = RunParts.of(rt)
     shared = Collectives(parts)
     patcher = rt.patcher
-    replacements = {**ProcessGroups(rt).replacements(), **C10d(shared).replacements()}
+    replacements = {**ProcessGroups(rt, parts.placement).replacements(), **C10d(shared).replacements()}
     # One pass over torch's modules replaces every by-name copy (torch.distributed re-exports
     # c10d's functions; other modules import them by name).
     patcher.replace_everywhere_many(

@@ -2,7 +2,9 @@
 
 ``init_process_group('nccl')`` and ``new_group(backend='nccl')`` use gloo instead (also inside
 ``'cuda:nccl,cpu:gloo'`` strings): NCCL does not exist on the CPU build, gloo works between local
-processes, so ranks really rendezvous and really exchange small messages.
+processes (and between machines or network namespaces: it binds where ``GLOO_SOCKET_IFNAME``
+says), so ranks really rendezvous and really exchange small messages. Right after, the ranks
+tell each other their nodes (:meth:`.placement.Placement.meet`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .meeting import ORIGINAL
+from .placement import Placement
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
@@ -38,8 +41,9 @@ class ProcessGroups:
     """``init_process_group``, ``new_group`` and ``is_nccl_available`` of one run (patched in as
     bound methods)."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, placement: Placement) -> None:
         self.rt = rt
+        self.placement = placement
 
     def replacements(self) -> dict[str, Callable[..., Any]]:
         return {
@@ -55,6 +59,7 @@ class ProcessGroups:
         if backend is not None and mapped != backend:
             rt.say_once(f"torch.distributed backend {backend!r} runs as {mapped!r} (NCCL needs real GPUs)")
         ORIGINAL["init_process_group"](mapped, *args, **kwargs)
+        self.placement.meet()  # every rank learns every rank's node (one message)
         if device_id is not None:
             index = device_id if isinstance(device_id, int) else torch.device(device_id).index
             if index is not None:

@@ -214,7 +214,7 @@ class C10d:
     ) -> Any:
         call, how, shared = Call("reduce", group, device_of(tensor)), values_op(op), self.shared
         is_root = Root(dst, group_dst).is_me(group)
-        seconds = shared.seconds(Collective.REDUCE, [tensor_bytes(tensor)], call)
+        seconds = shared.price(Collective.REDUCE, [tensor_bytes(tensor)], call)
         met = shared.charge(call, seconds, knows(tensor) and how.op is not None)
         work = met.work
         if met.everyone_knows:
@@ -230,7 +230,7 @@ class C10d:
         self, tensor_list: list, tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
     ) -> Any:
         call, shared = Call("all_gather", group, device_of(tensor, tensor_list)), self.shared
-        seconds = shared.seconds(Collective.ALL_GATHER, [tensor_bytes(tensor) * call.world], call)
+        seconds = shared.price(Collective.ALL_GATHER, [tensor_bytes(tensor) * call.world], call)
         met = shared.charge(call, seconds, known_or_host(tensor))
         work = met.work
         if not met.everyone_knows:
@@ -262,7 +262,7 @@ class C10d:
         knowing = not is_root or (
             bool(shares) and all(known_or_host(t) for t in shares) and share * world <= SHADOW_MAX_ELEMENTS
         )
-        met = shared.charge(call, shared.seconds(Collective.SCATTER, [tensor_bytes(tensor) * world], call), knowing)
+        met = shared.charge(call, shared.price(Collective.SCATTER, [tensor_bytes(tensor) * world], call), knowing)
         work, value = met.work, None
         if met.everyone_knows:
             dtype = proxy_dtype(tensor)
@@ -287,9 +287,7 @@ class C10d:
     ) -> Any:
         call, shared = Call("gather", group, device_of(tensor, gather_list)), self.shared
         world = call.world
-        met = shared.charge(
-            call, shared.seconds(Collective.GATHER, [tensor_bytes(tensor) * world], call), knows(tensor)
-        )
+        met = shared.charge(call, shared.price(Collective.GATHER, [tensor_bytes(tensor) * world], call), knows(tensor))
         work, outs = met.work, None
         if met.everyone_knows:
             share = proxy(tensor)
@@ -320,7 +318,8 @@ class C10d:
         engine = shared.parts.engine
         stream = engine.stream(call.dev)
         start = max(stream.busy_until, engine.now())
-        finish = start + shared.seconds(Collective.SEND, [tensor_bytes(tensor)], call)
+        priced = shared.price_pair(tensor_bytes(tensor), call, _global_rank(group, dst, group_dst))
+        finish = start + priced.seconds
         knowing = knows(tensor)
         header = torch.tensor([finish, 1.0 if knowing else 0.0], dtype=torch.float64)
         work = ORIGINAL["isend"](header, dst=dst, group=group, tag=tag, group_dst=group_dst)
@@ -329,8 +328,8 @@ class C10d:
             work = ORIGINAL["isend"](proxy(tensor), dst=dst, group=group, tag=tag, group_dst=group_dst)
             work.wait()
             shared.values_sent()
-        stream.enqueue(finish - start, "comm", call.name, 0, start)
-        shared.parts.rt.recorder.add_many(("comm_collectives", 1.0), ("comm_messages", 1.0))
+        stream.enqueue(finish - start, "comm", f"{call.name} ({priced.links})", 0, start)
+        shared.record(priced, priced.seconds, 0.0)
         return work
 
     @c10d_form("irecv")
@@ -357,9 +356,10 @@ class C10d:
             work = ORIGINAL["irecv"](value, src=src, group=group, tag=tag, group_src=group_src)
             work.wait()
             shared.values_sent()
-        finish = max(float(header[0]), start + shared.seconds(Collective.SEND, [tensor_bytes(tensor)], call))
-        stream.enqueue(finish - start, "comm", call.name, 0, start)
-        shared.parts.rt.recorder.add_many(("comm_collectives", 1.0), ("comm_messages", 1.0))
+        priced = shared.price_pair(tensor_bytes(tensor), call, _global_rank(group, src, group_src))
+        finish = max(float(header[0]), start + priced.seconds)
+        stream.enqueue(finish - start, "comm", f"{call.name} ({priced.links})", 0, start)
+        shared.record(priced, priced.seconds, finish - start - priced.seconds)
         store(tensor, value)
         return work
 
@@ -390,3 +390,12 @@ class C10d:
         if group_src is None:
             return work._source_rank()
         return dist.get_global_rank(group if group is not None else c10d_module._get_default_group(), group_src)
+
+
+def _global_rank(group: ProcessGroup | None, rank: int | None, group_rank: int | None) -> int | None:
+    """The peer's global rank from c10d's ``dst``/``src`` or ``group_dst``/``group_src`` (None: any)."""
+    if rank is not None:
+        return rank
+    if group_rank is None:
+        return None
+    return dist.get_global_rank(group if group is not None else c10d_module._get_default_group(), group_rank)

@@ -1,11 +1,17 @@
 """Each collective on emulated tensors, written once for both of torch's forms of it.
 
-A collective is priced by :mod:`gpemu.costmodel.comm` over the GPU's link, charged on the device's
-current stream ending when the last rank's ends (the ranks meet once, :mod:`.meeting`), and, when
-every rank knows its values, the values are exchanged for real and stored in the outputs. The
-c10d form (:mod:`.c10d`: ``dist.all_reduce(t)``) and the functional form (:mod:`.functional`:
-``torch.ops._c10d_functional.all_reduce``, what DTensor and FSDP2 use) read their arguments into
-a :class:`Call` and the tensors, and call the same method here.
+A collective is priced by :mod:`gpemu.costmodel.comm` as NCCL would run it over the links its
+group's ranks cross (:mod:`.placement`), slowed where it shares the GPU with other streams' work
+(Morphling's overlap form), charged on the device's current stream ending when the last rank's
+ends (the ranks meet once, :mod:`.meeting`), and, when every rank knows its values, the values are
+exchanged for real and stored in the outputs. The c10d form (:mod:`.c10d`: ``dist.all_reduce(t)``)
+and the functional form (:mod:`.functional`: ``torch.ops._c10d_functional.all_reduce``, what
+DTensor and FSDP2 use) read their arguments into a :class:`Call` and the tensors, and call the
+same method here.
+
+Each collective leaves counters (``comm_seconds/<kind>/<links>``, ``comm_bytes/...``,
+``comm_count/...``, and ``comm_wait_seconds``: the time spent waiting for slower ranks) that the
+summary shows per collective kind and link.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..costmodel.comm import Collective, Link, collective_seconds, gpu_link
+from ..costmodel.comm import Collective, collective_cost, overlap_penalty
 from ..hostvalues import SHADOW_MAX_ELEMENTS
 from .meeting import (
     HOST_PATH,
@@ -34,9 +40,10 @@ from .meeting import (
     store,
     tensor_bytes,
 )
+from .placement import CommInterval
 from .run_parts import RunParts
 
-__all__ = ["Call", "Root", "Collectives"]
+__all__ = ["Call", "Root", "Collectives", "Priced"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,16 @@ class Root(NamedTuple):
         return dist.get_rank() == self.rank
 
 
+class Priced(NamedTuple):
+    """A collective's price: seconds alone on the GPU, what it is, its bytes and links."""
+
+    seconds: float
+    kind: Collective
+    nbytes: int
+    links: str
+    how: str  # NCCL's algorithm/protocol, e.g. "ring/LL128"
+
+
 class Collectives:
     """The collectives of one run's emulated tensors (shared by the c10d and functional forms)."""
 
@@ -72,27 +89,76 @@ class Collectives:
         self.parts = parts
 
     # ---------------------------------------------------------------- time and the meeting
-    def link(self, dev: int) -> Link:
-        return gpu_link(self.parts.rt.gpus[dev])
+    def price(self, kind: Collective, sizes: Iterable[int], call: Call) -> Priced:
+        """``kind``'s price for messages of ``sizes`` bytes, one after the other, over the links
+        the call's group crosses."""
+        path = self.parts.placement.path(call.group)
+        seconds, total, how = 0.0, 0, ""
+        for nbytes in sizes:
+            cost = collective_cost(kind, nbytes, path)
+            seconds += cost.seconds
+            total += nbytes
+            how = how or f"{cost.algorithm.value}/{cost.protocol.value}"
+        links = collective_cost(kind, 1, path).links
+        return Priced(seconds, kind, total, links, how)
 
-    def seconds(self, kind: Collective, sizes: Iterable[int], call: Call) -> float:
-        """``kind``'s time for messages of ``sizes`` bytes, one after the other."""
-        world, link = call.world, self.link(call.dev)
-        return sum(collective_seconds(kind, nbytes, world, link) for nbytes in sizes)
+    def price_pair(self, nbytes: int, call: Call, peer: int | None) -> Priced:
+        """A point-to-point send of ``nbytes`` between this rank and global rank ``peer`` (None:
+        any rank of the call's group)."""
+        placement = self.parts.placement
+        if peer is None or not dist.is_initialized():
+            path = placement.path(call.group)
+        else:
+            path = placement.pair_path(dist.get_rank(), peer)
+        cost = collective_cost(Collective.SEND, nbytes, path)
+        return Priced(cost.seconds, Collective.SEND, nbytes, cost.links, "")
 
-    def charge(self, call: Call, seconds: float, knows: bool) -> Meeting:
-        """Charge ``seconds`` of communication on the device's current stream, ending when the last
-        rank's ends (the ranks meet once)."""
+    def charge(self, call: Call, priced: Priced, knows: bool) -> Meeting:
+        """Charge ``priced`` communication on the device's current stream (slowed by what other
+        streams of the device run meanwhile), ending when the last rank's ends (the ranks meet
+        once)."""
         engine = self.parts.engine
         stream = engine.stream(call.dev)
         start = max(stream.busy_until, engine.now())
+        seconds = priced.seconds + self.contention(call.dev, stream.stream_id, start, priced)
         met = meet(call.group, start + seconds, knows)
         # Issued at ``start``: the host time the message itself took is the emulator's (NCCL
         # would have returned to the program at once), waiting for a later rank is the GPU's.
         if met.finish > start:
-            stream.enqueue(met.finish - start, "comm", call.name, 0, start)
-        self.parts.rt.recorder.add_many(("comm_collectives", 1.0), ("comm_messages", 1.0))
+            name = f"{call.name} ({priced.links}, {priced.how})" if priced.how else call.name
+            stream.enqueue(met.finish - start, "comm", name, 0, start)
+            self.parts.placement.comm.add(call.dev, CommInterval(stream.stream_id, start, met.finish, priced.links))
+        self.record(priced, seconds, max(0.0, met.finish - start - seconds))
         return met
+
+    def contention(self, dev: int, stream_id: int, start: float, priced: Priced) -> float:
+        """Seconds a collective is late because other streams of its GPU work meanwhile: other
+        collectives over the same links share their bandwidth (one after the other, k = 1);
+        computation and collectives over other links share SMs and memory (the cluster's k)."""
+        if priced.seconds <= 0:
+            return 0.0
+        placement = self.parts.placement
+        same, other = placement.comm.beside(dev, stream_id, start, priced.links)
+        busy = max(0.0, self.parts.engine.device_busy_until(dev) - start)
+        compute = max(0.0, busy - same - other)
+        alone, k = priced.seconds, placement.overlap_k
+        return (
+            overlap_penalty(alone, min(same, alone), 1.0)
+            + overlap_penalty(alone, min(other, alone), k)
+            + overlap_penalty(alone, min(compute, alone), k)
+        )
+
+    def record(self, priced: Priced, seconds: float, waited: float) -> None:
+        """Counters for the summary: per collective kind and links, and waiting for slower ranks."""
+        key = f"{priced.kind.value}/{priced.links}"
+        self.parts.rt.recorder.add_many(
+            ("comm_collectives", 1.0),
+            ("comm_messages", 1.0),
+            (f"comm_seconds/{key}", seconds),
+            (f"comm_bytes/{key}", float(priced.nbytes)),
+            (f"comm_count/{key}", 1.0),
+            ("comm_wait_seconds", waited),
+        )
 
     def values_sent(self) -> None:
         self.parts.rt.recorder.add("comm_messages", 1.0)
@@ -116,7 +182,7 @@ class Collectives:
     ) -> Any:
         """All-reduce of each input into its output, priced as messages of ``sizes`` bytes."""
         knowing = how.op is not None and all(known_or_host(t) for t in inputs)
-        met = self.charge(call, self.seconds(Collective.ALL_REDUCE, sizes, call), knowing)
+        met = self.charge(call, self.price(Collective.ALL_REDUCE, sizes, call), knowing)
         work = met.work
         for src, dst in zip(inputs, outputs, strict=False):
             value = None
@@ -130,7 +196,7 @@ class Collectives:
         knowing = all(
             knows(src) and dst.numel() <= SHADOW_MAX_ELEMENTS for src, dst in zip(inputs, outputs, strict=False)
         )
-        met = self.charge(call, self.seconds(Collective.ALL_GATHER, map(tensor_bytes, outputs), call), knowing)
+        met = self.charge(call, self.price(Collective.ALL_GATHER, map(tensor_bytes, outputs), call), knowing)
         work = met.work
         for src, dst in zip(inputs, outputs, strict=False):
             value = None
@@ -154,7 +220,7 @@ class Collectives:
         """Each full input (a host proxy of every rank's share; None: unknown) reduced among the
         ranks, this rank's share stored in its output; priced as messages of ``sizes`` bytes."""
         knowing = how.op is not None and all(full is not None for full in inputs)
-        met = self.charge(call, self.seconds(Collective.REDUCE_SCATTER, sizes, call), knowing)
+        met = self.charge(call, self.price(Collective.REDUCE_SCATTER, sizes, call), knowing)
         work = met.work
         rank = group_rank(call.group)
         for full, dst in zip(inputs, outputs, strict=False):
@@ -170,7 +236,7 @@ class Collectives:
     def broadcast(self, call: Call, tensor: torch.Tensor, out: torch.Tensor, root: Root) -> Any:
         """``tensor`` of the root rank into ``out`` of every rank (``out`` is ``tensor`` in c10d)."""
         is_root = root.is_me(call.group)
-        seconds = self.seconds(Collective.BROADCAST, [tensor_bytes(tensor)], call)
+        seconds = self.price(Collective.BROADCAST, [tensor_bytes(tensor)], call)
         met = self.charge(call, seconds, knows(tensor) if is_root else True)
         work, value = met.work, None
         if met.everyone_knows:
@@ -185,7 +251,7 @@ class Collectives:
 
     def all_to_all(self, call: Call, sizes: Iterable[int], outputs: Sequence[torch.Tensor]) -> Any:
         """Every rank's shares to every other; values are not carried (the outputs are unknown)."""
-        met = self.charge(call, self.seconds(Collective.ALL_TO_ALL, sizes, call), False)
+        met = self.charge(call, self.price(Collective.ALL_TO_ALL, sizes, call), False)
         for t in outputs:
             store(t, None)
         return met.work

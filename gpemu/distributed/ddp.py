@@ -147,8 +147,8 @@ class EmulatedDDP(TorchDDP):
         object.__setattr__(self, "_gpemu_measured", {})
         super().__init__(*args, **kwargs)
         rt.say_once(
-            "DistributedDataParallel is emulated: gradient all-reduce time is a ring estimate "
-            "over the GPUs' interconnect; ranks stay in lock-step through real gloo messages"
+            "DistributedDataParallel is emulated: the gradient all-reduce is priced as NCCL runs it over "
+            "the cluster's links (`gpemu topo`); ranks stay in lock-step through real gloo messages"
         )
 
     # ---------------------------------------------------------------- the C++ parts, emulated
@@ -245,7 +245,7 @@ class EmulatedDDP(TorchDDP):
             value = _measured_exposed_comm(rt, self.module, device, world, batch)
         except Exception as exc:  # the estimate still applies
             if rt.config.debug:
-                rt.say_once(f"DDP: measured all-reduce time unavailable ({exc!r}); using the ring estimate")
+                rt.say_once(f"DDP: measured all-reduce time unavailable ({exc!r}); using the NCCL estimate")
             value = None
         self._gpemu_measured[batch] = value
         return value
@@ -289,7 +289,7 @@ class ConstructionCollectives:
         # and the time is charged.
         call = Call("broadcast parameters and buffers", process_group, device_of(emulated))
         nbytes = sum(tensor_bytes(t) for t in emulated)
-        self.shared.charge(call, self.shared.seconds(Collective.BROADCAST, [nbytes], call), False)
+        self.shared.charge(call, self.shared.price(Collective.BROADCAST, [nbytes], call), False)
         return None
 
     def verify_params_across_processes(self, process_group: ProcessGroup, tensors: list, logger: Any = None) -> Any:

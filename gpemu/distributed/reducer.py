@@ -13,15 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..costmodel.comm import (
-    UNKNOWN_LINK_BANDWIDTH,
-    Collective,
-    Link,
-    collective_seconds,
-    gpu_link,
-    gradient_buckets,
-    overlapped_all_reduce_end,
-)
+from ..costmodel.comm import Collective, CommPath, collective_cost, gradient_buckets, overlapped_all_reduce_end
 from ..runtime import current
 from .meeting import lockstep, tensor_bytes
 from .run_parts import RunParts
@@ -175,8 +167,9 @@ class EmulatedReducer:
         stream = self._stream()
         finish = 0.0
         if stream is not None:
-            finish = max(stream.busy_until, self.parts.engine.now()) + collective_seconds(
-                Collective.ALL_REDUCE, self.grad_bytes, self.world, self._link()
+            finish = (
+                max(stream.busy_until, self.parts.engine.now())
+                + collective_cost(Collective.ALL_REDUCE, self.grad_bytes, self._path()).seconds
             )
         lockstep(self.process_group, finish)
         fut: torch.futures.Future = torch.futures.Future()
@@ -193,10 +186,9 @@ class EmulatedReducer:
         self.logger = logger
 
     # -- the emulated synchronisation -----------------------------------------------------------
-    def _link(self) -> Link:
-        if self.device is None:
-            return Link(UNKNOWN_LINK_BANDWIDTH)
-        return gpu_link(self.rt.gpus[self.device])
+    def _path(self) -> CommPath:
+        """What the process group's ranks have between them (the gradients' all-reduce crosses it)."""
+        return self.parts.placement.path(self.process_group)
 
     def _stream(self) -> VirtualStream | None:
         return None if self.device is None else self.parts.engine.stream(self.device)
@@ -232,18 +224,33 @@ class EmulatedReducer:
         backward_start = min(backward_start, backward_end)
         measured = self.measured_comm()
         exposed_by_measure = measured(self.device, self.world) if measured is not None else None
+        path = self._path()
         if exposed_by_measure is not None:
-            finish = backward_end + exposed_by_measure
+            own = backward_end + exposed_by_measure
         else:
-            finish = overlapped_all_reduce_end(
-                backward_start, backward_end, self.bucket_bytes, self.world, self._link()
+            own = overlapped_all_reduce_end(
+                backward_start, backward_end, self.bucket_bytes, self.world, path, self.parts.placement.overlap_k
             )
         # Ranks wait for the slowest one: the all-reduce ends when the last rank's ends. (Issued
         # when the backward ended: the message's own host time is the emulator's.)
-        finish = lockstep(self.process_group, finish)
-        rt.recorder.add("ddp_allreduce_bytes", float(self.grad_bytes))
+        finish = lockstep(self.process_group, own)
+        self._record(path, finish - own)
         exposed = max(0.0, finish - max(stream.busy_until, backward_end))
         self.last_comm_seconds = exposed
         self.comm_seconds += exposed
         if exposed > 0:
-            stream.enqueue(exposed, "comm", "DDP gradient all-reduce", 0, backward_end)
+            name = f"DDP gradient all-reduce ({collective_cost(Collective.ALL_REDUCE, 1, path).links})"
+            stream.enqueue(exposed, "comm", name, 0, backward_end)
+
+    def _record(self, path: CommPath, waited: float) -> None:
+        """Counters for the summary: the buckets' all-reduce time alone (overlapped or not), per
+        link, and the time spent waiting for slower ranks."""
+        costs = [collective_cost(Collective.ALL_REDUCE, size, path) for size in self.bucket_bytes]
+        key = f"all_reduce/{costs[0].links}" if costs else "all_reduce/-"
+        self.rt.recorder.add_many(
+            ("ddp_allreduce_bytes", float(self.grad_bytes)),
+            (f"comm_seconds/{key}", sum(c.seconds for c in costs)),
+            (f"comm_bytes/{key}", float(self.grad_bytes)),
+            (f"comm_count/{key}", float(len(costs))),
+            ("comm_wait_seconds", max(0.0, waited)),
+        )

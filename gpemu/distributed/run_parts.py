@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .placement import Placement
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..cuda_api import CudaSurface
     from ..device import TensorState
@@ -23,7 +25,11 @@ class RunParts:
     engine: TimeEngine
     tensors: TensorState
     cuda: CudaSurface
+    placement: Placement
 
     @classmethod
     def of(cls, rt: Runtime) -> RunParts:
-        return cls(rt, rt.engine, rt.tensors, rt.cuda)
+        """The run's parts; its :class:`Placement` is made once, by the component's install."""
+        if rt.placement is None:
+            rt.placement = Placement(rt)
+        return cls(rt, rt.engine, rt.tensors, rt.cuda, rt.placement)

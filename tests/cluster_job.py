@@ -1,0 +1,54 @@
+"""A comm-heavy DDP job for the multi-node tests (run by torchrun under `gpemu run`).
+
+Prints one JSON line per rank: its node, its steps' wall times, and the emulator's counters.
+``--sleep-rank R --sleep S``: rank R's host is slow by S seconds a step (a straggler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--sleep-rank", type=int, default=-1)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(4)]
+    model = DDP(torch.nn.Sequential(*layers).cuda(), device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        if rank == args.sleep_rank:
+            time.sleep(args.sleep)
+        model(torch.randn(8, args.width, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+    import gpemu.runtime
+
+    rt = gpemu.runtime.current()
+    assert rt is not None and rt.placement is not None
+    out = {"rank": rank, "nodes": rt.placement.rank_nodes, "steps": steps, "counters": rt.recorder.counters}
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
