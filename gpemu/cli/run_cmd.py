@@ -36,12 +36,19 @@ __all__ = ["run"]
 @click.option(
     "--share", "sharing", metavar="URL", help="amqp:// URL of a sharing manager to time-slice emuGPUs through."
 )
+@click.option(
+    "--clock",
+    type=click.Choice(["real", "virtual"]),
+    help="real (default): emulated time is wall-clock time. virtual: each process's host time is its CPU time "
+    "and GPU waits jump to their deadline, so results do not depend on how busy this host is and a GPU-bound "
+    "hour runs in seconds (docs/time.md, 'Virtual time').",
+)
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
 @click.option("-m", "module", metavar="MODULE", help="Run a Python module, like `python -m MODULE`.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_path, module, command) -> None:
+def run(gpu, gpus, model, db_url, memory, sharing, clock, summary, metrics_path, trace_path, module, command) -> None:
     """Run COMMAND with every Python process in it on emulated GPUs.
 
     The script runs unchanged: torch.cuda sees the emulated GPUs, and GPU work takes the time
@@ -55,6 +62,7 @@ def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_
       gpemu run --gpu A100 --gpus 2 -- torchrun --nproc-per-node 2 train_ddp.py
       gpemu run --gpu V100 -m mypackage.train
       gpemu run --gpu V100 --trace t.json -- python train.py && gpemu report t.json --plot t.png
+      gpemu run --gpu V100 --clock virtual -- python train.py   # an emulated hour in about a minute
     """
     from gpemu import launcher
 
@@ -65,11 +73,14 @@ def run(gpu, gpus, model, db_url, memory, sharing, summary, metrics_path, trace_
         db_url=db_url,
         memory=memory,
         sharing=sharing,
+        clock=clock,
         summary=summary,
         metrics_path=metrics_path,
         trace_path=trace_path,
     )
     argv = launcher.command_argv(command, module)
     env = launcher.child_env(config)
+    if config.virtual_time:  # the run's first line: what its times mean
+        print(f"[gpemu] {launcher.VIRTUAL_TIME_NOTE}", file=sys.stderr, flush=True)
     print(f"[gpemu] {config.describe()}: {' '.join(argv)}", file=sys.stderr, flush=True)
     launcher.run_command(argv, env)

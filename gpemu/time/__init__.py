@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..clock import RealClock
+from ..clock import Clock, RealClock
 from .allowance import calibrate_return_allowance
 from .engine import TimeEngine
 from .host import HostState, HostTime
 from .streams import EmuEvent, VirtualStream
 from .timeline import EventMark, GpuTimeBackend
+from .virtual import install as install_virtual
+from .virtual import make_clock
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
@@ -36,11 +38,20 @@ __all__ = [
 
 
 def install(rt: Runtime) -> None:
-    """Create the run's engine (``rt.engine``) on the configured clock (``config.clock``: tests
-    use :class:`gpemu.clock.VirtualClock`) with the configured return allowance and spin margin
+    """Create the run's engine (``rt.engine``) on the configured clock (``config.clock``: real,
+    virtual (:mod:`gpemu.time.virtual`), or a clock object such as the tests'
+    :class:`gpemu.clock.VirtualClock`) with the configured return allowance and spin margin
     (``config.tuning``)."""
-    tuning = rt.config.tuning
-    clock = rt.config.clock if rt.config.clock is not None else RealClock(tuning.spin_margin)
+    config = rt.config
+    tuning = config.tuning
+    virtual_clock = make_clock(config.clock_origin) if config.virtual_time else None
+    clock: Clock
+    if virtual_clock is not None:
+        clock = virtual_clock
+    elif config.clock is None or isinstance(config.clock, str):
+        clock = RealClock(tuning.spin_margin)
+    else:
+        clock = config.clock
     engine = TimeEngine(
         rt.num_devices,
         rt.recorder,
@@ -52,3 +63,10 @@ def install(rt: Runtime) -> None:
     )
     rt.engine = engine
     rt.patcher.on_restore(engine.close)
+    if virtual_clock is not None:
+        # The run's records start on the virtual timeline, and a forked child continues from the
+        # host's time (the emulator's own forgiven), not from its raw clock.
+        rt.recorder.started_at = engine.now()
+        virtual_clock.fork_reading = engine.now
+        rt.patcher.on_restore(lambda: setattr(virtual_clock, "fork_reading", virtual_clock.now))
+        install_virtual(rt, virtual_clock)

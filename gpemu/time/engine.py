@@ -69,6 +69,9 @@ class TimeEngine(HostTime):
         self._memory = memory
         self.current_device: Callable[[], int] = current_device if current_device is not None else (lambda: 0)
 
+    def current_device_index(self) -> int:
+        return self.current_device()
+
     # ------------------------------------------------------------------ streams
     def check_device(self, device: int) -> int:
         return check_ordinal(device, self.num_devices)

@@ -1,0 +1,163 @@
+"""Virtual time (``clock="virtual"``): each thread's CPU time, waits that jump, the program's
+clocks on the emulated timeline (docs/time.md, "Virtual time")."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+import time
+
+import pytest
+
+from gpemu.clock import REAL
+from gpemu.time.cpuclock import BlockedTime, CpuTimeClock
+
+
+def _spin(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+# ------------------------------------------------------------------ the clock
+def test_a_thread_advances_by_its_cpu_time_and_jumps_to_deadlines():
+    clock = CpuTimeClock(start=100.0)
+    t0 = clock.now()
+    REAL.sleep(0.05)  # blocked, not on a core: no time passes
+    assert clock.now() - t0 < 0.01
+    _spin(0.02)
+    assert 0.02 <= clock.now() - t0 < 0.05
+    clock.wait_until(t0 + 10.0)  # a wait jumps, at once
+    assert t0 + 10.0 <= clock.now() < t0 + 10.01
+    clock.wait_until(t0 + 5.0)  # never back
+    assert clock.now() >= t0 + 10.0
+    after = clock.advance(2.5)
+    assert after >= t0 + 12.5
+    with pytest.raises(ValueError, match="back in time"):
+        clock.advance(-1)
+
+
+def test_threads_keep_their_own_lanes_and_start_at_the_latest_time():
+    clock = CpuTimeClock(start=0.0)
+    clock.wait_until(50.0)
+    seen: dict[str, float] = {}
+
+    def helper() -> None:
+        seen["start"] = clock.now()  # starts where the process's latest reading was
+        clock.wait_until(80.0)  # its own wait moves only its own lane
+        seen["end"] = clock.now()
+
+    t = threading.Thread(target=helper)
+    t.start()
+    t.join()
+    assert 50.0 <= seen["start"] < 50.01 and seen["end"] >= 80.0
+    assert clock.now() < 50.01  # the main thread was not moved by the helper's wait
+
+
+def test_blocked_time_counts_blocking_but_not_cpu():
+    blocked = BlockedTime()
+    if not BlockedTime.available():
+        pytest.skip("no /proc/thread-self/schedstat here")
+    _spin(0.01)
+    assert blocked.seconds() < 0.008
+    blocked.start()
+    REAL.sleep(0.05)
+    assert 0.04 < blocked.seconds() < 0.2
+
+
+# ------------------------------------------------------------------ a run on virtual time
+def _virtual_run(**settings):
+    import gpemu
+
+    return gpemu.patch(gpu="V100", summary=False, clock="virtual", **settings)
+
+
+def test_gpu_waits_sleeps_and_readings_are_on_the_emulated_timeline():
+    import torch
+
+    rt = _virtual_run()
+    real0 = REAL.perf_counter()
+    p0, m0, w0 = time.perf_counter(), time.monotonic(), time.time()
+    stream = rt.engine.default_stream(0)
+    stream.enqueue(30.0, "op", "thirty seconds of GPU work")
+    torch.cuda.synchronize()
+    time.sleep(100.0)  # returns at once, the program's time moves on
+    p1, m1, w1 = time.perf_counter(), time.monotonic(), time.time()
+    assert REAL.perf_counter() - real0 < 2.0
+    for a, b in ((p0, p1), (m0, m1), (w0, w1)):
+        assert 130.0 <= b - a < 131.0
+    assert abs(time.time_ns() / 1e9 - time.time()) < 0.01
+    now = datetime.datetime.now()
+    assert type(now) is datetime.datetime.__mro__[1]  # a plain datetime
+    assert isinstance(now, datetime.datetime) and abs(now.timestamp() - time.time()) < 0.01
+    assert pickle.loads(pickle.dumps(now)) == now  # pickles as datetime.datetime, unpickles plain
+    assert datetime.datetime(2020, 1, 2).year == 2020
+
+
+def test_unpatch_restores_the_real_clocks():
+    import gpemu
+
+    originals = {name: getattr(time, name) for name in ("time", "perf_counter", "monotonic", "sleep", "time_ns")}
+    real_datetime = datetime.datetime
+    _virtual_run()
+    assert time.perf_counter is not originals["perf_counter"] and datetime.datetime is not real_datetime
+    gpemu.unpatch()
+    assert {name: getattr(time, name) for name in originals} == originals
+    assert datetime.datetime is real_datetime
+    assert real_datetime not in __import__("copyreg").dispatch_table
+
+
+def test_a_gpu_bound_loop_reads_its_gpu_time_whatever_the_host_does():
+    """Per-iteration times of a GPU-bound loop are its GPU time plus the few microseconds of CPU
+    the loop itself spends between a sync and the next enqueue: the host's work while the GPU
+    runs (here a 3 ms busy wait per step) hides behind it, and the host's real speed and load do
+    not enter."""
+    import torch
+
+    rt = _virtual_run()
+    stream = rt.engine.default_stream(0)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        stream.enqueue(0.25, "forward", "step")
+        _spin(0.003)  # host work while the GPU runs
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    assert times == pytest.approx([0.25] * 5, abs=2e-4)
+
+
+def test_modelled_host_time_and_the_emulators_own_time():
+    """charge_host() moves the program's time (a host model's issue time); the emulator's own
+    CPU time is forgiven however long an entry takes."""
+    rt = _virtual_run()
+    engine = rt.engine
+    t0 = time.perf_counter()
+    engine.charge_host(0.5)
+    assert 0.5 <= time.perf_counter() - t0 < 0.51
+    t1 = time.perf_counter()
+    with engine.emulator_work():
+        _spin(0.08)  # longer than the real clock's 50 ms cap on forgiven work
+    assert time.perf_counter() - t1 < 0.005
+    with pytest.raises(ValueError, match="modelled host time"):
+        engine.charge_host(-1.0)
+
+
+def test_the_summary_says_virtual_time_and_the_speed_up():
+    import torch
+
+    from gpemu.observe import format_summary, summary
+
+    rt = _virtual_run()
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(8, 64).cuda()).sum().backward()
+        opt.step()
+    rt.engine.default_stream(0).enqueue(60.0, "op", "a minute")
+    torch.cuda.synchronize()
+    s = summary()
+    assert s["clock"] == "virtual" and s["run_s"] > 60.0 and 0 < s["wall_s"] < 30.0
+    text = format_summary(s)
+    assert "every time in this summary is virtual" in text and "of real time (" in text
