@@ -161,3 +161,64 @@ def test_the_summary_says_virtual_time_and_the_speed_up():
     assert s["clock"] == "virtual" and s["run_s"] > 60.0 and 0 < s["wall_s"] < 30.0
     text = format_summary(s)
     assert "every time in this summary is virtual" in text and "of real time (" in text
+
+
+# ------------------------------------------------------------------ ranks meet on virtual time
+def _straggler_rank(rank: int, port: int, origin: float, out_dir: str, data_dir: str) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    import gpemu
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GPEMU_DATA_DIR=data_dir)
+    rt = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock="virtual", clock_origin=origin)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    grads = torch.ones(1 << 20, device="cuda")  # 4 MiB
+    stream = rt.engine.default_stream(rank)
+    dist.barrier()
+    steps = []
+    for step in range(3):
+        t0 = time.perf_counter()
+        stream.enqueue(0.1, "backward", "step")
+        if rank == 1 and step == 1:
+            time.sleep(0.5)  # a straggler: its host is late by half a second
+        dist.all_reduce(grads)
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+    if rank == 0:
+        time.sleep(2.0)  # rank 0 reaches the barrier late: rank 1 waits for it there
+    dist.barrier()
+    out = {"steps": steps, "after_barrier": time.perf_counter()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+    gpemu.unpatch()
+
+
+@pytest.mark.torchrun
+def test_two_gloo_ranks_meet_on_virtual_time_and_a_straggler_slows_both(tmp_path, _gpemu_data_dir):
+    """Two real processes in a gloo group, on one virtual-time origin: rank 1's host is late by
+    0.5 s in step 1, so both ranks' step 1 lasts 0.4 s longer than their others (the all-reduce
+    ends at the latest arrival plus its price), and a barrier releases both at the later rank's
+    time, whatever the real order in which they got there."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from gpemu.ports import free_port
+
+    origin = REAL.perf_counter()
+    args = (free_port(), origin, str(tmp_path), str(_gpemu_data_dir))
+    mp.spawn(_straggler_rank, args=args, nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    comm = r0["steps"][0] - 0.1
+    assert 0 < comm < 0.01  # the all-reduce's price, exposed after the step's GPU work
+    for r in (r0, r1):
+        assert r["steps"][1] - r["steps"][0] == pytest.approx(0.4, abs=1e-3)
+        assert r["steps"][2] == pytest.approx(r["steps"][0], abs=1e-3)
+    assert r0["steps"] == pytest.approx(r1["steps"], abs=1e-3)
+    assert r1["after_barrier"] == pytest.approx(r0["after_barrier"], abs=1e-3)
