@@ -17,7 +17,7 @@ from .allowance import calibrate_return_allowance
 from .engine import TimeEngine
 from .host import HostState, HostTime
 from .streams import EmuEvent, VirtualStream
-from .timeline import EventMark, GpuTimeBackend
+from .timeline import EventMark, GpuTimeBackend, Grant
 from .virtual import install as install_virtual
 from .virtual import make_clock
 
@@ -32,6 +32,7 @@ __all__ = [
     "EmuEvent",
     "EventMark",
     "GpuTimeBackend",
+    "Grant",
     "install",
     "calibrate_return_allowance",
 ]

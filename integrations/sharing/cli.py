@@ -166,6 +166,24 @@ def _debug() -> bool:
     "up to this long before it arrived (0: when it arrives) [default: 0.05].",
 )
 @click.option(
+    "--clock",
+    "time_mode",
+    default="real",
+    show_default=True,
+    type=click.Choice(["real", "virtual"]),
+    help="virtual: serve jobs on virtual time (`gpemu run --clock virtual`): slots are decided on the jobs' "
+    "virtual clocks, so a study runs as fast as the jobs' hosts allow with the schedule real time would give.",
+)
+@click.option(
+    "--jobs",
+    "expected_jobs",
+    default=0,
+    type=click.IntRange(0, 1024),
+    metavar="N",
+    help="With --clock virtual: grant nothing before N jobs registered (a study's closed set of jobs; a job "
+    "that registers later starts no earlier than the slots already granted).",
+)
+@click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 def share_manager(
@@ -180,6 +198,8 @@ def share_manager(
     status_interval: float,
     lookahead_s: float | None,
     backdate_s: float | None,
+    time_mode: str,
+    expected_jobs: int,
     log_level: str,
 ) -> None:
     """Run the sharing manager: time-slices emuGPUs among registered jobs, one slot at a time,
@@ -240,6 +260,8 @@ def share_manager(
         backdate_s=backdate_s,
         quantum_s=quantum_s or None,
         job_secret=secret,
+        time_mode=time_mode,
+        expected_jobs=expected_jobs,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: manager.stop())
