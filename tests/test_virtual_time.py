@@ -222,3 +222,70 @@ def test_two_gloo_ranks_meet_on_virtual_time_and_a_straggler_slows_both(tmp_path
         assert r["steps"][2] == pytest.approx(r["steps"][0], abs=1e-3)
     assert r0["steps"] == pytest.approx(r1["steps"], abs=1e-3)
     assert r1["after_barrier"] == pytest.approx(r0["after_barrier"], abs=1e-3)
+
+
+# ------------------------------------------------------------------ DataLoader workers
+class _SlowDataset:
+    """Each sample costs ``cpu_s`` of CPU and ``blocked_s`` of blocking I/O (a real sleep)."""
+
+    def __init__(self, cpu_s: float, blocked_s: float, n: int = 64) -> None:
+        self.cpu_s, self.blocked_s, self.n = cpu_s, blocked_s, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        import torch
+
+        _spin(self.cpu_s)
+        REAL.sleep(self.blocked_s)
+        return torch.zeros(4)
+
+
+def _iteration_times(rt, loader, gpu_s: float) -> list[float]:
+    stream = rt.engine.default_stream(0)
+    marks = []
+    for batch in loader:
+        batch.cuda()
+        stream.enqueue(gpu_s, "forward", "step")
+        torch_sync()
+        marks.append(time.perf_counter())
+    return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def torch_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_dataloader_workers_deliver_batches_on_virtual_time(pin_memory):
+    """Two workers, each batch costing 2 x (10 ms CPU + 5 ms blocking I/O) = 30 ms of worker time:
+    with 5 ms of GPU work a step the loop is data-bound at one batch per 15 ms (two workers), on
+    virtual time, whatever the real machine does; with 40 ms of GPU work a step it is GPU-bound.
+    The counts are CPU and blocked time, so two workers on a loaded 2-core host give the same."""
+    from torch.utils.data import DataLoader
+
+    rt = _virtual_run()
+    rt.engine.default_stream(0).enqueue(0.001, "op", "the program has used the GPU")
+    data = _SlowDataset(cpu_s=0.010, blocked_s=0.005)
+    loader = DataLoader(data, batch_size=2, num_workers=2, pin_memory=pin_memory, persistent_workers=True)
+    data_bound = _iteration_times(rt, loader, 0.005)[6:]
+    assert sum(data_bound) / len(data_bound) == pytest.approx(0.015, rel=0.15)
+    gpu_bound = _iteration_times(rt, loader, 0.040)[6:]
+    # (plus the loop's own host time after each sync: taking a batch, ~1 ms of CPU here)
+    assert 0.040 < sum(gpu_bound) / len(gpu_bound) < 0.043
+    assert any(w.reason == "data" for w in rt.recorder.waits)  # the program waited for batches
+
+
+def test_a_fetch_in_the_program_counts_its_blocking_io():
+    """num_workers=0: the program fetches itself; its CPU and its blocking I/O both count."""
+    from torch.utils.data import DataLoader
+
+    rt = _virtual_run()
+    loader = DataLoader(_SlowDataset(cpu_s=0.002, blocked_s=0.010, n=8), batch_size=2)
+    times = _iteration_times(rt, loader, 0.001)
+    if BlockedTime.available():
+        assert sum(times) / len(times) == pytest.approx(0.001 + 2 * 0.012, rel=0.2)
