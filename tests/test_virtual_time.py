@@ -289,3 +289,33 @@ def test_a_fetch_in_the_program_counts_its_blocking_io():
     times = _iteration_times(rt, loader, 0.001)
     if BlockedTime.available():
         assert sum(times) / len(times) == pytest.approx(0.001 + 2 * 0.012, rel=0.2)
+
+
+# ------------------------------------------------------------------ libraries built on the clocks
+@pytest.mark.compat
+def test_tqdm_hf_trainer_and_lightning_measure_virtual_time():
+    """The real libraries under `gpemu run --clock virtual` (tests/compat/virtual_clock.py): three
+    steps of 20 s of the program's time each read 60 s in tqdm, the Trainer's train_runtime and
+    Lightning's Timer, in a fraction of that of real time; the run's first line says what
+    virtual time models."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parent / "compat" / "virtual_clock.py"
+    t0 = REAL.perf_counter()
+    proc = subprocess.run(
+        ["gpemu", "run", "--gpu", "A100", "--clock", "virtual", "--no-summary", "--", "python", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+    wall = REAL.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.startswith("[gpemu] virtual time: each process's host time is the CPU time")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 60.0 <= out["tqdm"]["elapsed"] < 62.0 and out["tqdm"]["rate"] == pytest.approx(0.05, rel=0.03)
+    assert 60.0 <= out["hf_train_runtime"] < 62.0
+    assert 60.0 <= out["lightning_train"] < 62.0
+    assert wall < 60.0
