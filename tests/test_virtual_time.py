@@ -319,3 +319,28 @@ def test_tqdm_hf_trainer_and_lightning_measure_virtual_time():
     assert 60.0 <= out["hf_train_runtime"] < 62.0
     assert 60.0 <= out["lightning_train"] < 62.0
     assert wall < 60.0
+
+
+def test_torch_profiler_timestamps_are_virtual(tmp_path):
+    """The torch profiler's events and Chrome trace span the program's virtual time: three steps
+    with a second's sleep after each (virtual: no real time) span two seconds between the first
+    step's op and the last's."""
+    import json
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _virtual_run()
+    w, x = torch.randn(64, 64).cuda(), torch.randn(8, 64).cuda()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.mm(x, w).sum().item()
+            time.sleep(1.0)
+    ops = [e for e in prof.events() if e.name == "aten::mm" and e.cpu_parent is None]
+    assert len(ops) == 3
+    assert ops[2].time_range.start - ops[0].time_range.start == pytest.approx(2e6, rel=0.01)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    doc = json.loads(path.read_text())
+    mm = sorted(e["ts"] for e in doc["traceEvents"] if e.get("name") == "aten::mm")
+    assert doc["gpemuClock"] == "virtual" and mm[-1] - mm[0] == pytest.approx(2e6, rel=0.01)

@@ -28,10 +28,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..clock import REAL, Clock, RealClock
 from ..recorder import Recorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .profiling import TimeMap
 
 __all__ = ["HostState", "HostTime", "MAX_FORGIVEN_LATENESS", "MAX_FORGIVEN_WORK", "LONG_WAIT_S"]
 
@@ -112,6 +115,9 @@ class HostTime:
         self.virtual = bool(getattr(clock, "virtual", False))
         self.max_forgiven_work = float("inf") if self.virtual else MAX_FORGIVEN_WORK
         self.started_wall = REAL.perf_counter()  # real time at the start (the speed-up of a virtual run)
+        # While the torch profiler records on virtual time: its (real, virtual) samples
+        # (gpemu.time.profiling), taken where the two part: leaving emulator code, after waits.
+        self.time_map: TimeMap | None = None
         recorder.add_source(self._counters)
         if self.virtual:
             _FORKED_FRESH.add(self)
@@ -142,6 +148,8 @@ class HostTime:
             if spent > 0:
                 cap = self.max_forgiven_work
                 local.late += spent if spent < cap else cap
+            if self.time_map is not None:
+                self.time_map.sample(self)
 
     def call(self, fn: Callable[..., _R], *args: Any) -> _R:
         """``fn(*args)`` as emulator work: an outermost entry when the thread is in the
@@ -223,6 +231,8 @@ class HostTime:
             if spent > 0:
                 cap = self.max_forgiven_work
                 local.late += spent if spent < cap else cap
+        if self.time_map is not None:  # (both sides of a jump)
+            self.time_map.sample(self)
         self.clock.wait_until(deadline)
         last = self.waited(deadline, start, device, reason)
         if depth:  # (resume from the wait's last reading)
@@ -265,6 +275,8 @@ class HostTime:
         if late > MAX_FORGIVEN_LATENESS:
             late = MAX_FORGIVEN_LATENESS
         local.late = (late if late > 0 else 0.0) + allowance
+        if self.time_map is not None:
+            self.time_map.sample(self)
         return last
 
     def settle(self) -> None:
@@ -300,7 +312,17 @@ class HostTime:
         afterwards starts later and a sync point waits from there."""
         if not seconds >= 0:
             raise ValueError(f"modelled host time must be >= 0 seconds, got {seconds!r}")
-        self.local.host.late -= seconds
+        self.jump(lambda: setattr(self.local.host, "late", self.local.host.late - seconds))
+
+    def jump(self, move: Callable[[], object]) -> None:
+        """``move()`` moves the calling thread's time at once (a sleep, a modelled cost): the
+        torch profiler's samples, when it records, see both sides (gpemu.time.profiling)."""
+        tmap = self.time_map
+        if tmap is not None:
+            tmap.sample(self)
+        move()
+        if tmap is not None:
+            tmap.sample(self)
 
     def arrive(self, at: float, reason: str) -> None:
         """The calling thread receives something that was ready at ``at`` (a batch, the last rank

@@ -8,7 +8,8 @@ an emulated GPU that ran an hour in a minute. So :class:`ProgramClocks` replaces
 ``perf_counter``, ``monotonic`` (and their ``_ns`` forms), ``time.sleep`` and ``datetime.now``
 for the program, in the ``time`` module and in every copy a module made with ``from time import
 ...`` (third-party and the program's own modules; not the standard library's, whose real
-timeouts stay real, nor gpemu's). All of it through ``rt.patcher``: ``gpemu.unpatch()`` restores it.
+timeouts stay real, nor gpemu's), and maps the torch profiler's timestamps (:mod:`.profiling`).
+All of it through ``rt.patcher``: ``gpemu.unpatch()`` restores it.
 
 - A reading is the calling thread's host time on the emulated timeline (``engine.now()``: its CPU
   time, the emulator's own time forgiven, waits jumped), shifted so each clock keeps its own
@@ -106,7 +107,7 @@ class ProgramClocks:
         if not self._program_thread() or not self.has_work():
             REAL.sleep(seconds)
             return
-        self.clock.advance(seconds)
+        self.engine.jump(lambda: self.clock.advance(seconds))
         REAL.sleep(0)  # let other threads run, as a sleep does
 
     def table(self) -> dict[str, Callable[..., Any]]:
@@ -202,9 +203,10 @@ def install(rt: Runtime, clock: CpuTimeClock) -> None:
     modules = _program_modules()
     _patch_time(rt, clocks, modules)
     _patch_datetime(rt, clocks, modules)
-    from . import dataloader
+    from . import dataloader, profiling
 
     dataloader.install(rt, clock)
+    profiling.install(rt, clocks.wall_offset)
     if not rt.config.enable:  # (under `gpemu run` the launcher said it, once for the whole run)
         rt.say_once(VIRTUAL_TIME_NOTE)
     if not BlockedTime.available():
