@@ -206,26 +206,13 @@ def share_manager(
     refusing work whose memory would not fit."""
     from gpemu.cli import UserError
 
-    from .manager import (
-        DEFAULT_BACKDATE_S,
-        DEFAULT_LOOKAHEAD_S,
-        DEFAULT_QUANTUM_S,
-        ManagerConflict,
-        SharingManager,
-        parse_device,
-    )
+    from .manager import ManagerConflict, SharingManager, parse_device
     from .policies import load_policy
 
     url = resolve_amqp_url(url, amqp_password, amqp_password_file, "--amqp")
     if lease_s <= 0 or status_interval <= 0:
         raise UserError("--lease and --status-interval must be positive seconds")
-    lookahead_s = DEFAULT_LOOKAHEAD_S if lookahead_s is None else lookahead_s
-    backdate_s = DEFAULT_BACKDATE_S if backdate_s is None else backdate_s
-    if not 0 <= lookahead_s <= 1 or not 0 <= backdate_s <= 1:
-        raise UserError("--lookahead and --backdate must be from 0 to 1 second")
-    quantum_s = DEFAULT_QUANTUM_S if quantum_s is None else quantum_s
-    if quantum_s != 0 and not 0.001 <= quantum_s <= 3600:
-        raise UserError(f"--quantum must be from 0.001 to 3600 seconds, or 0 for no slicing; got {quantum_s:g}")
+    lookahead_s, backdate_s, quantum_s = _slot_timing(lookahead_s, backdate_s, quantum_s)
     secret = read_secret_file(job_secret_file, "job secret") if job_secret_file else None
     if secret is not None and len(secret) < 16:
         raise UserError(
@@ -269,6 +256,24 @@ def share_manager(
         manager.serve_forever()
     except ManagerConflict as exc:
         raise UserError(str(exc)) from None
+
+
+def _slot_timing(
+    lookahead_s: float | None, backdate_s: float | None, quantum_s: float | None
+) -> tuple[float, float, float]:
+    """--lookahead, --backdate and --quantum with their defaults, checked (one line each)."""
+    from gpemu.cli import UserError
+
+    from .manager import DEFAULT_BACKDATE_S, DEFAULT_LOOKAHEAD_S, DEFAULT_QUANTUM_S
+
+    lookahead_s = DEFAULT_LOOKAHEAD_S if lookahead_s is None else lookahead_s
+    backdate_s = DEFAULT_BACKDATE_S if backdate_s is None else backdate_s
+    if not 0 <= lookahead_s <= 1 or not 0 <= backdate_s <= 1:
+        raise UserError("--lookahead and --backdate must be from 0 to 1 second")
+    quantum_s = DEFAULT_QUANTUM_S if quantum_s is None else quantum_s
+    if quantum_s != 0 and not 0.001 <= quantum_s <= 3600:
+        raise UserError(f"--quantum must be from 0.001 to 3600 seconds, or 0 for no slicing; got {quantum_s:g}")
+    return lookahead_s, backdate_s, quantum_s
 
 
 @click.command("share-status")

@@ -264,10 +264,8 @@ class SharingClient:
         clock: str = "real",
         vtime: float = 0.0,
     ) -> None:
-        """``clock="virtual"``: the job runs on virtual time (protocol, "Virtual time"): ``vtime``
-        is its virtual time now (it registers then), each request says when it is sent
-        (``run(at=...)``, default :attr:`vtime`), a grant moves :attr:`vtime` to the work's end
-        and ``run`` returns without waiting for real; :meth:`advance` spends host time."""
+        """``clock="virtual"``: on virtual time (protocol, "Virtual time"), from ``vtime`` on (see
+        :meth:`run` and :meth:`advance`)."""
         if not url.startswith(("amqp://", "amqps://")):
             raise ValueError(f"sharing URL must be amqp:// or amqps://, got {redact_url(url)!r}")
         if not lease_s > 0 or not manager_timeout_s > 0:
@@ -516,8 +514,7 @@ class SharingClient:
                 self._heartbeat.wake.set()  # tell the manager our presence queue now
 
     def advance(self, seconds: float) -> float:
-        """On virtual time: the job's host spends ``seconds`` (its next request is sent that much
-        later); returns its time."""
+        """On virtual time: the job's host spends ``seconds``; returns its time."""
         if not seconds >= 0:
             raise ValueError(f"a job's time cannot go back (advance by {seconds!r} s)")
         self.vtime += seconds
@@ -629,18 +626,8 @@ class SharingClient:
         if not isinstance(begin, (int, float)) or not isinstance(end, (int, float)) or end < begin:
             raise ValueError(f"the sharing manager's grant has no virtual start and end: {P.short(reply)}")
         self.vtime = max(self.vtime, float(end))
-        return RunResult(
-            rid,
-            seconds,
-            float(reply.get("waited_s") or 0.0),
-            time.monotonic() - start,
-            float(end),
-            float(end),
-            0.0,
-            True,
-            float(begin),
-            float(end),
-        )
+        waited, elapsed = float(reply.get("waited_s") or 0.0), time.monotonic() - start
+        return RunResult(rid, seconds, waited, elapsed, end, end, 0.0, True, begin, end)
 
     def _wait_until(self, deadline: float) -> None:
         """Block until ``deadline`` (time.monotonic) with gpemu.clock's sleep-then-spin, serving
