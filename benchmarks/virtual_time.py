@@ -162,6 +162,10 @@ def sharing(args: argparse.Namespace) -> None:
         f"per-job completion time, virtual vs real: mean |diff| {100 * sum(errors) / len(errors):.2f}%, "
         f"max {100 * max(errors):.2f}%; virtual run {real.wall_s / virtual.wall_s:.1f}x faster"
     )
+    worst = sorted(zip(errors, real.jobs, virtual.jobs, strict=True), key=lambda t: -t[0])[:3]
+    for err, r, v in worst:
+        print(f"  {r.name}: arrived {r.arrival:.2f} s, {r.iterations} iterations, completion {r.completion:.3f} s "
+              f"real, {v.completion:.3f} s virtual ({100 * err:.2f}%)")  # fmt: skip
 
 
 def main() -> None:

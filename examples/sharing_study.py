@@ -1,8 +1,10 @@
 """A GPU-sharing study: 40 training jobs arrive at one emulated V100 and share it through the
-sharing manager, first come first served or round-robin. Which gives the shorter job completion
-times? An hour of GPU work, so in real time an hour per policy; on virtual time about a minute.
+sharing manager, either in equal shares (round-robin) or least attained service first (a job that
+has had the least GPU time goes next, newcomers first, as Tiresias does). Which gives the shorter
+job completion times? An hour of GPU work, so in real time an hour per policy; on virtual time
+about a minute.
 
-    python examples/sharing_study.py                                  # 40 jobs, fifo vs round-robin
+    python examples/sharing_study.py                                  # 40 jobs, both policies
     python examples/sharing_study.py --policies round-robin --jobs 10 # one policy, fewer jobs
     python examples/sharing_study.py --clock real --scale 0.05        # the same study in real time, 20x shorter
 
@@ -30,9 +32,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpemu.integrations.sharing.policies import JobView, PendingView, Policy
 
 GPU, MODEL, BATCH = "V100", "resnet50", 32
+POLICIES = {"round-robin": "round-robin", "least-attained": "sharing_study:LeastAttained"}
+
+
+class LeastAttained(Policy):
+    """Least attained service: the waiting job that has had the least GPU time goes next, and a
+    job that arrives starts at none (the manager loads it by name: ``sharing_study:LeastAttained``)."""
+
+    name = "least-attained"
+
+    def pick(self, pending: Sequence[PendingView], jobs: Mapping[str, JobView]) -> PendingView:
+        return min(pending, key=lambda r: (jobs[r.job_id].served_s, r.seq))
 
 
 @dataclass
@@ -85,10 +102,15 @@ def make_jobs(count: int, seed: int, mean_gap_s: float, mean_gpu_s: float, itera
 
 
 def start_manager(url: str, policy: str, clock: str, jobs: int) -> subprocess.Popen:
+    """``gpemu share-manager`` for one V100 (it finds this file's policy: examples/ on its path)."""
+    import os
+
     code = "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"
-    argv = ["share-manager", "--amqp", url, "--device", f"0={GPU}", "--policy", policy, "--log-level", "warning"]
+    spec = POLICIES.get(policy, policy)
+    argv = ["share-manager", "--amqp", url, "--device", f"0={GPU}", "--policy", spec, "--log-level", "warning"]
     argv += ["--clock", clock] + (["--jobs", str(jobs)] if clock == "virtual" else [])
-    return subprocess.Popen([sys.executable, "-c", code, *argv])
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-c", code, *argv], env={**os.environ, "PYTHONPATH": path})
 
 
 def run_job(url: str, job: Job, clock: str, iteration_s: float, host_s: float, t0: float) -> None:
@@ -148,9 +170,13 @@ def report(study: Study) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=40)
-    ap.add_argument("--policies", default="fifo,round-robin", help="comma separated (see `gpemu share-manager`)")
+    ap.add_argument(
+        "--policies",
+        default="round-robin,least-attained",
+        help="comma separated: round-robin, least-attained, or any `gpemu share-manager --policy`",
+    )
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual")
-    ap.add_argument("--mean-gap", type=float, default=45.0, help="mean seconds between arrivals")
+    ap.add_argument("--mean-gap", type=float, default=110.0, help="mean seconds between arrivals (load ~0.8)")
     ap.add_argument("--mean-work", type=float, default=90.0, help="mean GPU seconds of a job")
     ap.add_argument("--host-ms", type=float, default=5.0, help="host work between iterations (ms)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply arrivals and job lengths (shorter runs)")
