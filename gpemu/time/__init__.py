@@ -5,7 +5,10 @@ Rooms: :mod:`~gpemu.time.host` (each host thread's emulated time; the emulator's
 forgiven), :mod:`~gpemu.time.timeline` (local deadline arithmetic, or a sharing manager's
 backend), :mod:`~gpemu.time.streams` (``torch.cuda.Stream`` / ``Event`` shapes),
 :mod:`~gpemu.time.engine` (the run's :class:`TimeEngine`), :mod:`~gpemu.time.allowance` (the
-return allowance, measured once per process).
+return allowance, measured once per process). Virtual time (``clock="virtual"``):
+:mod:`~gpemu.time.cpuclock` (each thread's CPU time; waits jump), :mod:`~gpemu.time.virtual`
+(the program's clocks), :mod:`~gpemu.time.dataloader` (batches carry their ready time),
+:mod:`~gpemu.time.profiling` (the torch profiler's timestamps).
 """
 
 from __future__ import annotations
