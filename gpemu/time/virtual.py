@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copyreg
 import datetime as _datetime_module
+import numbers
 import sys
 import threading
 import time
@@ -99,8 +100,8 @@ class ProgramClocks:
     def sleep(self, seconds: float) -> None:
         """Advance this thread's virtual time by ``seconds`` and return at once (see the module's
         docstring for when it sleeps for real)."""
-        if not isinstance(seconds, (int, float)):
-            REAL.sleep(seconds)  # (raises time.sleep's own TypeError)
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+            REAL.sleep(seconds)  # (time.sleep's own TypeError)
             return
         if seconds < 0:
             raise ValueError("sleep length must be non-negative")
