@@ -344,3 +344,24 @@ def test_torch_profiler_timestamps_are_virtual(tmp_path):
     doc = json.loads(path.read_text())
     mm = sorted(e["ts"] for e in doc["traceEvents"] if e.get("name") == "aten::mm")
     assert doc["gpemuClock"] == "virtual" and mm[-1] - mm[0] == pytest.approx(2e6, rel=0.01)
+
+
+# ------------------------------------------------------------------ the setting
+def test_the_clock_setting_travels_and_bad_values_say_what_is_valid():
+    import gpemu
+    from gpemu.clock import VirtualClock
+    from gpemu.config import ConfigError, EmuConfig
+
+    config = EmuConfig.from_env({"GPEMU_CLOCK": " Virtual ", "GPEMU_CLOCK_ORIGIN": "123.5"})
+    assert config.virtual_time and config.clock_origin == 123.5 and "clock=virtual" in config.describe()
+    env = config.to_env()
+    assert env["GPEMU_CLOCK"] == "virtual" and EmuConfig.from_env(env) == config
+    assert EmuConfig() == EmuConfig(clock="real") == EmuConfig(clock=VirtualClock())  # a test's clock object
+    assert "GPEMU_CLOCK" not in EmuConfig(clock=VirtualClock()).to_env()  # (stays in its process)
+    with pytest.raises(ConfigError, match="clock must be one of real, virtual, got 'fast'"):
+        EmuConfig.from_env({"GPEMU_CLOCK": "fast"})
+    with pytest.raises(ConfigError, match="clock_origin must be a number"):
+        EmuConfig.from_env({"GPEMU_CLOCK_ORIGIN": "soon"})
+    _virtual_run()
+    with pytest.raises(RuntimeError, match="time_mode='real' asked, 'virtual' in use"):
+        gpemu.patch(gpu="V100", summary=False)
