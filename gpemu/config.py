@@ -198,6 +198,10 @@ class EmuConfig:
     # thread's CPU time; waits jump to their deadline; see docs/time.md). Tests and overhead
     # benchmarks may pass a gpemu.clock.VirtualClock object instead (not sent to child processes).
     clock: Clock | str | None = field(default=None, compare=False)
+    # GPEMU_CLOCK_ORIGIN: where virtual time starts for every process of a run (perf_counter
+    # seconds, i.e. CLOCK_MONOTONIC on Linux); set by `gpemu run --clock virtual`, None: this
+    # process's own start.
+    clock_origin: float | None = field(default=None, compare=False)
     # "virtual" when `clock` asks for virtual time, else "real": compared between runs.
     time_mode: str = field(default="real", init=False)
 
@@ -320,6 +324,11 @@ class EmuConfig:
                 f"got {type(clock).__name__}"
             )
         object.__setattr__(self, "time_mode", mode)
+        origin = self.clock_origin
+        if origin is not None and (
+            isinstance(origin, bool) or not isinstance(origin, (int, float)) or not 0 <= origin < 1e12
+        ):
+            raise ConfigError(f"clock_origin must be perf_counter seconds (a number >= 0), got {origin!r}")
 
     @property
     def virtual_time(self) -> bool:
@@ -485,6 +494,11 @@ def _coerce(name: str, value: Any) -> Any:
         return value.strip().lower()
     if name == "clock" and isinstance(value, str):
         return value.strip().lower() or None
+    if name == "clock_origin" and isinstance(value, str):
+        try:
+            return float(value.strip()) if value.strip() else None
+        except ValueError:
+            raise ConfigError(f"clock_origin must be a number of seconds, got {value!r}") from None
     if name in ("sharing_weight", "sharing_lease_s") and isinstance(value, str):
         try:
             return float(value.strip())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ def build_config(gpu: str | None = None, gpus: str | int | None = None, **settin
                 f"--gpus must be a count (e.g. 2) or GPU models separated by commas (e.g. V100,A100), got {gpus!r}"
             )
     config = EmuConfig.from_env(gpu=gpu, **overrides)
+    if config.virtual_time and config.clock_origin is None:
+        # Every process of the run (ranks, workers) starts its virtual time from this moment.
+        config = config.replace(clock_origin=time.perf_counter())
     if (
         (gpu is not None or "num_gpus" in overrides)
         and "device_gpus" not in overrides

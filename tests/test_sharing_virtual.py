@@ -127,8 +127,9 @@ import sys, time
 import torch
 import gpemu
 
-url, job, iterations = sys.argv[1], sys.argv[2], int(sys.argv[3])
-gpemu.patch(gpu="P100", sharing=url, model="resnet50", job_id=job, summary=False, clock="virtual")
+url, job, origin, iterations = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+gpemu.patch(gpu="P100", sharing=url, model="resnet50", job_id=job, summary=False, clock="virtual",
+            clock_origin=origin)
 model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
                             torch.nn.Flatten(), torch.nn.Linear(16, 1000)).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -153,6 +154,7 @@ def test_two_emulated_jobs_share_a_gpu_on_virtual_time(broker, purge, tmp_path):
     import subprocess
     import sys
 
+    from gpemu.clock import REAL
     from gpemu.config import EmuConfig
     from gpemu.db import open_profile_db
 
@@ -160,10 +162,11 @@ def test_two_emulated_jobs_share_a_gpu_on_virtual_time(broker, purge, tmp_path):
     manager = ThreadManager(broker.url, "round-robin", time_mode="virtual", expected_jobs=2, quantum_s=None)
     script = tmp_path / "job.py"
     script.write_text(_EMULATED_JOB)
+    origin = str(REAL.perf_counter())
     counts = {"a": 12, "b": 6}
     try:
         procs = {
-            j: subprocess.Popen([sys.executable, str(script), broker.url, j, str(n)], stdout=subprocess.PIPE)
+            j: subprocess.Popen([sys.executable, str(script), broker.url, j, origin, str(n)], stdout=subprocess.PIPE)
             for j, n in counts.items()
         }
         outs = {j: p.communicate(timeout=120)[0].decode() for j, p in procs.items()}

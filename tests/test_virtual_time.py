@@ -164,7 +164,7 @@ def test_the_summary_says_virtual_time_and_the_speed_up():
 
 
 # ------------------------------------------------------------------ ranks meet on virtual time
-def _straggler_rank(rank: int, port: int, out_dir: str, data_dir: str) -> None:
+def _straggler_rank(rank: int, port: int, origin: float, out_dir: str, data_dir: str) -> None:
     import json
     import os
     from pathlib import Path
@@ -175,7 +175,7 @@ def _straggler_rank(rank: int, port: int, out_dir: str, data_dir: str) -> None:
     import gpemu
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GPEMU_DATA_DIR=data_dir)
-    rt = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock="virtual")
+    rt = gpemu.patch(gpu="V100", num_gpus=2, summary=False, clock="virtual", clock_origin=origin)
     dist.init_process_group("nccl", rank=rank, world_size=2)
     torch.cuda.set_device(rank)
     grads = torch.ones(1 << 20, device="cuda")  # 4 MiB
@@ -201,7 +201,7 @@ def _straggler_rank(rank: int, port: int, out_dir: str, data_dir: str) -> None:
 
 @pytest.mark.torchrun
 def test_two_gloo_ranks_meet_on_virtual_time_and_a_straggler_slows_both(tmp_path, _gpemu_data_dir):
-    """Two real processes in a gloo group on virtual time: rank 1's host is late by
+    """Two real processes in a gloo group, on one virtual-time origin: rank 1's host is late by
     0.5 s in step 1, so both ranks' step 1 lasts 0.4 s longer than their others (the all-reduce
     ends at the latest arrival plus its price), and a barrier releases both at the later rank's
     time, whatever the real order in which they got there."""
@@ -211,7 +211,8 @@ def test_two_gloo_ranks_meet_on_virtual_time_and_a_straggler_slows_both(tmp_path
 
     from gpemu.ports import free_port
 
-    args = (free_port(), str(tmp_path), str(_gpemu_data_dir))
+    origin = REAL.perf_counter()
+    args = (free_port(), origin, str(tmp_path), str(_gpemu_data_dir))
     mp.spawn(_straggler_rank, args=args, nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     comm = r0["steps"][0] - 0.1
@@ -351,14 +352,16 @@ def test_the_clock_setting_travels_and_bad_values_say_what_is_valid():
     from gpemu.clock import VirtualClock
     from gpemu.config import ConfigError, EmuConfig
 
-    config = EmuConfig.from_env({"GPEMU_CLOCK": " Virtual "})
-    assert config.virtual_time and "clock=virtual" in config.describe()
+    config = EmuConfig.from_env({"GPEMU_CLOCK": " Virtual ", "GPEMU_CLOCK_ORIGIN": "123.5"})
+    assert config.virtual_time and config.clock_origin == 123.5 and "clock=virtual" in config.describe()
     env = config.to_env()
     assert env["GPEMU_CLOCK"] == "virtual" and EmuConfig.from_env(env) == config
     assert EmuConfig() == EmuConfig(clock="real") == EmuConfig(clock=VirtualClock())  # a test's clock object
     assert "GPEMU_CLOCK" not in EmuConfig(clock=VirtualClock()).to_env()  # (stays in its process)
     with pytest.raises(ConfigError, match="clock must be one of real, virtual, got 'fast'"):
         EmuConfig.from_env({"GPEMU_CLOCK": "fast"})
+    with pytest.raises(ConfigError, match="clock_origin must be a number"):
+        EmuConfig.from_env({"GPEMU_CLOCK_ORIGIN": "soon"})
     _virtual_run()
     with pytest.raises(RuntimeError, match="time_mode='real' asked, 'virtual' in use"):
         gpemu.patch(gpu="V100", summary=False)

@@ -55,7 +55,7 @@ def install(rt: Runtime) -> None:
     (``config.tuning``)."""
     config = rt.config
     tuning = config.tuning
-    virtual_clock = make_clock() if config.virtual_time else None
+    virtual_clock = make_clock(config.clock_origin) if config.virtual_time else None
     clock: Clock
     if virtual_clock is not None:
         clock = virtual_clock

@@ -12,14 +12,8 @@ Threads: every thread keeps its own lane (its own CPU time plus its own jumps), 
 cores of their own would; a new thread starts at the latest time any thread of the process has
 read. A forked child (a DataLoader worker) continues from its parent's time at the fork.
 
-Times are in ``time.perf_counter`` seconds (the same on every process of this host), so ranks
-compare their times directly when they meet.
-
-Note: why a clock starts real. Until its process first uses the emulated GPU (its first jump or
-:meth:`CpuTimeClock.start`) a clock reads the real ``perf_counter``: a process that never does
-(a launcher such as torchrun's agent, a helper) meets other processes only in real time (a
-rendezvous across nodes compares heartbeats' timestamps and waits with timeouts), and a program's
-clock then goes on from the real time of its first GPU work, never backwards.
+Times are in ``time.perf_counter`` seconds, from an origin shared by every process of a run
+(``EmuConfig.clock_origin``), so ranks compare their times directly when they meet.
 """
 
 from __future__ import annotations
@@ -61,11 +55,9 @@ class CpuTimeClock:
 
     virtual = True  # waits jump (the time engine and the sharing timeline ask)
 
-    def __init__(self, start: float | None = None) -> None:
-        """``start``: the virtual time at once (None: real time until :meth:`start`)."""
+    def __init__(self, start: float) -> None:
         self._lanes = _Lanes()
-        self.started = start is not None
-        self.latest = float(start) if start is not None else _perf()  # the latest time a thread read
+        self.latest = float(start)  # the latest time a thread of this process read
         self._fork_at = self.latest
         # What a forked child continues from: the forking thread's time (the time engine makes
         # it the host's time on the emulated timeline, the emulator's own time forgiven).
@@ -78,20 +70,8 @@ class CpuTimeClock:
             lane = self._lanes.lane = _Lane(self.latest)
         return lane
 
-    def start(self) -> None:
-        """Start virtual time now, at the real time now (a no-op once started)."""
-        if not self.started:
-            self._lanes = _Lanes()  # every thread's lane starts here
-            self.latest = max(self.latest, _perf())
-            self.started = True
-
     def now(self) -> float:
-        """The calling thread's virtual time (the real time before :meth:`start`)."""
-        if not self.started:
-            t = _perf()
-            if t > self.latest:
-                self.latest = t
-            return t
+        """The calling thread's virtual time."""
         lane = self._lanes.lane
         if lane is None:
             lane = self._lanes.lane = _Lane(self.latest)
@@ -102,7 +82,6 @@ class CpuTimeClock:
 
     def wait_until(self, deadline: float) -> None:
         """The calling thread waits until ``deadline``: its time jumps there (no real wait)."""
-        self.start()
         lane = self._lane()
         cpu = _thread_time()
         if deadline > lane.base + (cpu - lane.cpu0):
@@ -114,7 +93,6 @@ class CpuTimeClock:
         """The calling thread spends ``seconds`` (a sleep, a modelled cost); returns its new time."""
         if not seconds >= 0:
             raise ValueError(f"a clock cannot go back in time (advance by {seconds!r} s)")
-        self.start()
         self._lane().base += seconds
         return self.now()
 
@@ -154,11 +132,13 @@ if hasattr(os, "register_at_fork"):
 _process_clock: CpuTimeClock | None = None
 
 
-def process_clock() -> CpuTimeClock:
-    """This process's virtual clock (made on first use, real until started)."""
+def process_clock(start: float | None = None) -> CpuTimeClock:
+    """This process's virtual clock (made on first use, at ``start``: by default the real
+    ``perf_counter`` now minus the CPU time the process has spent, as if it had started on a core
+    of its own)."""
     global _process_clock
     if _process_clock is None:
-        _process_clock = CpuTimeClock()
+        _process_clock = CpuTimeClock(start if start is not None else _perf() - time.process_time())
     return _process_clock
 
 

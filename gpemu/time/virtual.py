@@ -50,10 +50,12 @@ RealDatetime = _datetime_module.datetime
 _KEEP_REAL = frozenset(getattr(sys, "stdlib_module_names", ())) | {"gpemu", "pika", "_pytest", "pytest", "pluggy"}
 
 
-def make_clock() -> CpuTimeClock:
-    """This process's virtual clock (the same one again when this process made one before): real
-    time until the process first uses the emulated GPU (:mod:`.cpuclock`)."""
-    return process_clock()
+def make_clock(origin: float | None) -> CpuTimeClock:
+    """This process's virtual clock: started at the run's ``origin`` plus the CPU time this
+    process has spent so far (as if it started then, on a core of its own), or at the real time
+    now without an origin; the same clock again when this process made one before."""
+    start = origin + time.process_time() if origin is not None else REAL.perf_counter()
+    return process_clock(start)
 
 
 class ProgramClocks:
