@@ -752,6 +752,7 @@ def install(rt: Runtime) -> None:
     """Patch ``nn.Module.__call__`` to charge outermost modules (the replay fast path, when on,
     patches over it)."""
     mt = rt.model_time = ModelTime(rt)
+    rt.tensors.in_model = lambda: not mt.outermost()
     M = torch.nn.Module
     mt.orig_call = M.__call__
     rt.patcher.replace(M, "__call__", _make_call(mt, M.__call__))

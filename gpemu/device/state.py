@@ -169,6 +169,10 @@ class OwnNodes:
         return id(getattr(node, "variable", None)) in self._ids
 
 
+def _never() -> bool:
+    return False
+
+
 class TensorState:
     """The emulated tensor type's per-run state (``rt.tensors``), and the fast paths' interface
     to it: :meth:`wrap`, :meth:`new`, :meth:`signature`, :meth:`build`, :meth:`charge`, :meth:`cost_tap`, the
@@ -203,6 +207,9 @@ class TensorState:
         # Ops another component emulates itself, by id(op) (gpemu.distributed: torch's functional
         # collectives): ``handler(func, args, kwargs)`` returns the op's result. Never cached.
         self.op_handlers: dict[int, Callable[[Any, tuple, dict], Any]] = {}
+        # Whether the calling thread is inside a model's forward (set by gpemu.model_time): the
+        # program's own logic on placeholders runs outside it (gpemu.device.shadows).
+        self.in_model: Callable[[], bool] = _never
 
     # -------------------------------------------------------------- building
     def wrap(
