@@ -199,8 +199,9 @@ class ModelTime:
         leaves, treespec = tree_flatten(out)
         ok = _replayable(leaves, args, kwargs, params, record)
         if record is not None:
+            _fill_times(record, call, params, mem.allocated, peak)
             if ok:
-                _fill_record(record, call, leaves, treespec, params, mem.allocated, peak)
+                _fill_record(record, call, leaves, treespec, params, mem.allocated)
             else:
                 record.out_specs = None
                 record.treespec = None
@@ -343,10 +344,20 @@ def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: C
     return True
 
 
-def _fill_record(
-    record: CallRecord, call: _Call, leaves: list, treespec: Any, params: list, allocated: int, peak: int | None
-) -> None:
-    """What a replay of the call needs (its outputs, memory, times, parameters)."""
+def _fill_times(record: CallRecord, call: _Call, params: list, allocated: int, peak: int | None) -> None:
+    """What the call cost and who it was (filled whether or not its outputs can be replayed)."""
+    record.fwd_extra = max(0, call.fwd_peak - allocated)
+    record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
+    record.label = call.ident.label
+    record.params = params
+    record.batch = call.batch
+    record.ident = call.ident
+    record.dev = call.dev
+    record.profiled_peak = peak
+
+
+def _fill_record(record: CallRecord, call: _Call, leaves: list, treespec: Any, params: list, allocated: int) -> None:
+    """What a replay of the call needs (its outputs, memory, parameters)."""
     out_blocks: dict[int, int] = {}
     for x in leaves:
         if isinstance(x, EmuTensor) and x.emu_block is not None:
@@ -363,14 +374,6 @@ def _fill_record(
     record.all_diff = all(record.out_requires_grad)
     record.treespec = treespec
     record.saved_bytes = max(0, allocated - call.before - sum(out_blocks.values()))
-    record.fwd_extra = max(0, call.fwd_peak - allocated)
-    record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
-    record.label = call.ident.label
-    record.params = params
-    record.batch = call.batch
-    record.ident = call.ident
-    record.dev = call.dev
-    record.profiled_peak = peak
     reached = _params_reached(leaves)
     record.grad_params = [id(p) in reached for p in params]
     record.grad_param_list = [p for p, g in zip(params, record.grad_params, strict=True) if g]

@@ -54,6 +54,7 @@ from gpemu.device import EmuTensor
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device
 
 from .gradients import GradientState, grad_spec
+from .shape_class import ShapeClasses, class_call
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
@@ -135,6 +136,11 @@ class ReplayState:
         # Calls of a module whose object argument was new each time (see _outer_call).
         self.object_misses: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.hub_used = False  # some replay ran in hub mode (see Direct)
+        # Calls without autograd (generation, serving): modules replayed by shape class from now
+        # on (gpemu.fastpaths.shape_class), and how many exact-shape recordings each made.
+        self.classes = ShapeClasses()
+        self.by_class: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self.no_grad_keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run
         # Graph heads that can hand a replayed module its output's gradient without the engine:
         # node class -> (ready(node) -> bool, without side effects; run(node) -> the memory block
@@ -145,8 +151,13 @@ class ReplayState:
         self.implicit: dict[tuple, float] = {}
 
     def info(self) -> dict[str, int]:
-        """How many outermost-module calls were recorded, replayed, or ran the fallback path."""
-        return {**self.stats, "fallback": self.model_time.stats["fallback"]}
+        """How many outermost-module calls were recorded, replayed, or ran the fallback path
+        (``shape_class``: of the replays, those of calls without autograd replayed by shape class)."""
+        return {
+            **self.stats,
+            "fallback": self.model_time.stats["fallback"],
+            "shape_class": self.classes.stats["replayed"],
+        }
 
     def params_of(self, module: torch.nn.Module) -> list | None:
         """The parameters of ``module``'s tree (each once), from the cached walk (None for a
@@ -249,7 +260,7 @@ def _unit_call(
     dev = emulated_device(module, args, kwargs, first)
     if dev is None:
         return orig_call(module, *args, **kwargs)
-    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now())
+    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now(), unit=True)
 
 
 class _Tree:
@@ -334,9 +345,11 @@ def _outer_call(
     kwargs: dict,
     dev: int,
     t0: float | None = None,
+    unit: bool = False,
 ) -> Any:
     """An outermost module call: replayed when a recording of the same situation exists, else
-    run op by op (recorded when its outputs can be made again)."""
+    run op by op (recorded when its outputs can be made again). ``unit``: a unit inside an
+    op-by-op ancestor."""
     run_charged = R.model_time.run_charged
     params, flags, hooks = _walk(R, module)
     if _graph_task() != -1:
@@ -344,7 +357,12 @@ def _outer_call(
         # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
         # forward's; a replay saves none. Op by op, never recorded.
         return run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0)
-    reason = "module hooks are registered" if hooks or _global_hooks() else R.unreplayable.get(module)
+    hooked = hooks or _global_hooks()
+    by_class = not hooked and not torch.is_grad_enabled()
+    if by_class and (module in R.by_class or _holds_objects(R, module, args, kwargs)):
+        # Generation and serving: calls that change their cache, or whose sizes grow step by step
+        return class_call(R, orig_call, module, args, kwargs, dev, params, flags, t0, unit)
+    reason = "module hooks are registered" if hooked else R.unreplayable.get(module)
     emus: list = []
     key = None if reason is not None else _call_key(R, args, kwargs, flags, emus)
     if reason is None and key is None:
@@ -369,16 +387,39 @@ def _outer_call(
         # A replay runs no user code: an emulator entry (gpemu.time.HostTime.call), its host
         # time is not the program's.
         return R.ts.call(_replay, rec, emus, params, t0)
+    if by_class and R.no_grad_keys.get(module, 0) >= 1:
+        # a second situation without autograd: sizes that change from call to call
+        R.by_class.add(module)
+        return class_call(R, orig_call, module, args, kwargs, dev, params, flags, t0, unit)
     rec = Recording(R)
     out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
+    if not torch.is_grad_enabled():
+        R.no_grad_keys[module] = R.no_grad_keys.get(module, 0) + 1
     if rec.out_specs is not None and rec.treespec is not None:
         R.stats["recorded"] += 1
         if len(table) >= _RECORDS_PER_MODULE:
             del table[next(iter(table))]  # the oldest situation goes
         table[key] = rec
     elif rec.not_replayable is not None:
-        R.unreplayable[module] = rec.not_replayable
+        if torch.is_grad_enabled():
+            R.unreplayable[module] = rec.not_replayable
+        else:  # (it returns its cache: by shape class)
+            R.by_class.add(module)
     return out
+
+
+def _holds_objects(R: ReplayState, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call without autograd goes to the shape-class fast path from now on: an object
+    among its arguments (a cache it may change), or a module whose outputs cannot be replayed."""
+    objects = any(not isinstance(a, _KEYED) for a in args) or any(not isinstance(v, _KEYED) for v in kwargs.values())
+    if objects or module in R.unreplayable:
+        R.by_class.add(module)
+        return True
+    return False
+
+
+# Arguments the exact-shape recordings key by value or by shape (anything else: by shape class)
+_KEYED = (torch.Tensor, *PLAIN_VALUES)
 
 
 def _call_key(R: ReplayState, args: tuple, kwargs: dict, flags: tuple, emus: list) -> tuple | None:
