@@ -118,3 +118,76 @@ def test_transformers_generate_replays_its_decode_steps(cache: str) -> None:
         assert rt.replay.info()["shape_class"] >= 30
     finally:
         gpemu.unpatch()
+
+
+def _serve(rt, steps: int, batch: int = 2, prompt: int = 16, dim: int = 32) -> KVCache:
+    model = TinyDecoder(dim=dim).cuda().eval()
+    cache = KVCache(len(model.blocks))
+    with torch.no_grad():
+        tok = model(torch.randint(0, 64, (batch, prompt)).cuda(), cache).argmax(-1, keepdim=True)
+        for _ in range(steps):
+            tok = model(tok, cache).argmax(-1, keepdim=True)
+    torch.cuda.synchronize()
+    return cache
+
+
+def test_serving_metrics_of_a_generation_loop(tmp_path) -> None:
+    from gpemu.observe import compute_summary, format_summary, records_from_runtime
+    from gpemu.trace import write_trace
+    from gpemu.trace_reader import load_trace
+
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        cache = _serve(rt, steps=30, batch=2, prompt=16, dim=32)
+        records = records_from_runtime(rt)
+    finally:
+        gpemu.unpatch()
+    s = compute_summary(records)["serving"]
+    assert (s["prefills"], s["decode_steps"], s["prompt_tokens"], s["generated_tokens"]) == (1, 30, 32, 62)
+    # the cache after the last step: 2 layers x (keys, values), each (batch, heads, 46, dim/heads) fp32
+    assert s["kv_cache_peak_bytes"] == sum(k.untyped_storage().nbytes() for k in cache.keys + cache.values)
+    assert s["kv_cache_peak_bytes"] == 2 * 2 * 2 * 46 * 32 * 4
+    assert 0 < s["tpot"]["p50_s"] <= s["tpot"]["p99_s"] and s["ttft"]["count"] == 1
+    assert s["tokens_per_s"] == pytest.approx(62 / (records.serving[-1].end - records.serving[0].start))
+    assert "serving" in format_summary(compute_summary(records))
+    back = load_trace(write_trace(records, tmp_path / "t.json"))  # what `gpemu report` reads
+    again = compute_summary(back)["serving"]
+    assert again["kv_cache_peak_bytes"] == s["kv_cache_peak_bytes"] and again["decode_steps"] == 30
+    assert again["tpot"]["p99_s"] == pytest.approx(s["tpot"]["p99_s"], rel=1e-6)
+    assert again["ttft"]["p50_s"] == pytest.approx(s["ttft"]["p50_s"], rel=1e-3)
+
+
+def test_a_training_loop_is_no_serving_run() -> None:
+    from gpemu.observe import summary
+
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        model = TinyDecoder().cuda()
+        for _ in range(3):
+            model(torch.randint(0, 64, (2, 8)).cuda(), KVCache(2)).sum().backward()
+        with torch.no_grad():  # evaluation over whole sequences: prefills only
+            model(torch.randint(0, 64, (2, 8)).cuda(), KVCache(2))
+        assert summary(rt)["serving"] is None
+    finally:
+        gpemu.unpatch()
+
+
+def test_a_growing_kv_cache_runs_out_of_memory_as_on_a_gpu() -> None:
+    """Replayed decode steps allocate the cache's new memory first: at the GPU's capacity a real
+    OOM, and the cache is as before the step (a server can evict and go on)."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        torch.cuda.set_per_process_memory_fraction(128 * 2**20 / rt.memory[0].total)
+        model = TinyDecoder(dim=256, heads=4).cuda().eval()
+        cache = KVCache(len(model.blocks))
+        with torch.no_grad():
+            tok = model(torch.randint(0, 64, (8, 128)).cuda(), cache).argmax(-1, keepdim=True)
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                for _ in range(2000):
+                    tok = model(tok, cache).argmax(-1, keepdim=True)
+        assert rt.replay.info()["shape_class"] > 100  # (the OOM came from a replayed step)
+        # per layer, keys and values (8, 4, length, 64) fp32: 8 KiB each per token
+        assert 128 + 100 < cache.length < 128 * 2**20 // (2 * 2 * 8 * 1024)
+        assert [k.shape[2] for k in cache.keys] == [cache.length] * 2
+    finally:
+        gpemu.unpatch()

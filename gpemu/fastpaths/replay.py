@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_unflatten
 from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
 from gpemu.device import EmuTensor
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device
+from gpemu.serving import ServingLog
 
 from .gradients import GradientState, grad_spec
 from .shape_class import ShapeClasses, class_call
@@ -139,6 +140,7 @@ class ReplayState:
         # Calls without autograd (generation, serving): modules replayed by shape class from now
         # on (gpemu.fastpaths.shape_class), and how many exact-shape recordings each made.
         self.classes = ShapeClasses()
+        self.serving = ServingLog()  # the token steps of generation loops (gpemu.serving)
         self.by_class: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.no_grad_keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run
@@ -244,9 +246,12 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
         t0 = engine.now()
         local.depth = 1
         try:
-            return _outer_call(R, orig_call, self, args, kwargs, dev, t0)
+            out = _outer_call(R, orig_call, self, args, kwargs, dev, t0)
         finally:
             local.depth = 0
+        if not torch.is_grad_enabled():  # generation, serving (evaluation: no token ids, not noted)
+            R.serving.note(engine, args, kwargs, dev, t0)
+        return out
 
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__
