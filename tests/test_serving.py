@@ -191,3 +191,22 @@ def test_a_growing_kv_cache_runs_out_of_memory_as_on_a_gpu() -> None:
         assert [k.shape[2] for k in cache.keys] == [cache.length] * 2
     finally:
         gpemu.unpatch()
+
+
+def test_a_lookup_or_an_in_place_scatter_is_priced_by_the_rows_it_touches() -> None:
+    """A decode step's embedding lookup reads one row per token, not the table; writing a token
+    into a preallocated cache touches that token's rows, not the cache."""
+    from gpemu.costmodel import classify
+
+    aten = torch.ops.aten
+    table = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(1, 1, dtype=torch.long, device="meta")
+    out = torch.empty(1, 1, 4096, dtype=torch.bfloat16, device="meta")
+    assert classify(aten.embedding.default, (table, ids), {}, out).nbytes == 8 + 2 * 4096 * 2
+    cache = torch.empty(16, 8, 4096, 128, dtype=torch.float16, device="meta")
+    slots = torch.empty(16, 1, dtype=torch.long, device="meta")
+    new = torch.empty(16, 1, 8, 128, dtype=torch.float16, device="meta")
+    put = classify(aten.index_put_.default, (cache, [slots, None, slots], new), {}, cache).nbytes
+    assert put == 2 * 16 * 8 + 2 * new.numel() * 2
+    whole = classify(aten.index_put.default, (cache, [slots, None, slots], new), {}, cache).nbytes
+    assert whole > 2 * cache.numel() * 2  # out of place: a new cache, all of it written
