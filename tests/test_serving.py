@@ -210,3 +210,31 @@ def test_a_lookup_or_an_in_place_scatter_is_priced_by_the_rows_it_touches() -> N
     assert put == 2 * 16 * 8 + 2 * new.numel() * 2
     whole = classify(aten.index_put.default, (cache, [slots, None, slots], new), {}, cache).nbytes
     assert whole > 2 * cache.numel() * 2  # out of place: a new cache, all of it written
+
+
+@pytest.mark.subprocess
+def test_the_batching_policy_example_runs_to_its_end(tmp_path) -> None:
+    """examples/serving_policies.py under `gpemu run --clock virtual`: every request served under
+    both policies, continuous batching gives the first token sooner, the run is a serving run."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    metrics = tmp_path / "metrics.json"
+    cli = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main())"]
+    proc = subprocess.run(
+        [*cli, "run", "--gpu", "A100", "--clock", "virtual", "--no-summary", "--metrics", str(metrics), "--"]
+        + [sys.executable, "serving_policies.py", "--requests", "3", "--layers", "2", "--slots", "2"],
+        cwd=examples,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ttft = {m[0]: float(m[1]) for m in re.findall(r"^(static|continuous)\s+TTFT p50\s+([\d.]+) ms", proc.stdout, re.M)}
+    assert set(ttft) == {"static", "continuous"} and ttft["continuous"] < ttft["static"]
+    serving = json.loads(metrics.read_text())["serving"]
+    assert serving["prefills"] == 6 and serving["decode_steps"] > 0 and serving["kv_cache_peak_bytes"] > 0
