@@ -77,6 +77,7 @@ class CallRecord:
         "fwd_extra",
         "bwd_extra",
         "fwd_seconds",
+        "kernel_share",
         "bwd_seconds",
         "label",
         "params",
@@ -101,6 +102,9 @@ class CallRecord:
         self.fwd_extra = 0  # used for a moment during forward, above what it ends with
         self.bwd_extra = 0  # used for a moment during backward (set when the backward ends)
         self.fwd_seconds = 0.0
+        # of the forward's time, its kernels' (the rest: gaps while the host issued them, which a
+        # CUDA graph's replay does not have)
+        self.kernel_share = 1.0
         self.bwd_seconds = 0.0
         self.label = ""
         self.params: list = []
@@ -269,6 +273,7 @@ class ModelTime:
             self.local.level = call.level
             self.local.watch = outer_watch
         call.fwd_peak = scope.peak
+        call.kernel_share = min(1.0, tap.seconds / tap.pass_seconds) if tap.pass_seconds > 0 else 1.0
         uncharged = call.times is not None  # its ops ran under the measured time's cover
         if watch is not None:
             call.ident = confirm_parts(rt, module, call.ident, watch)
@@ -304,7 +309,19 @@ class ModelTime:
 class _Call:
     """One op-by-op call of :meth:`ModelTime.run_charged`, as its parts fill it in."""
 
-    __slots__ = ("ident", "batch", "dev", "level", "t0", "before", "times", "fwd_s", "bwd_s", "fwd_peak")
+    __slots__ = (
+        "ident",
+        "batch",
+        "dev",
+        "level",
+        "t0",
+        "before",
+        "times",
+        "fwd_s",
+        "bwd_s",
+        "fwd_peak",
+        "kernel_share",
+    )
 
     def __init__(self, ident: Any, batch: int, dev: int, level: int, t0: float | None, before: int) -> None:
         self.ident = ident
@@ -317,6 +334,7 @@ class _Call:
         self.fwd_s = 0.0
         self.bwd_s: float | None = None  # None: measured when the backward runs
         self.fwd_peak = 0
+        self.kernel_share = 1.0  # its kernels' share of the forward's time (see CallRecord)
 
 
 def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: CallRecord | None) -> bool:
@@ -348,6 +366,7 @@ def _fill_times(record: CallRecord, call: _Call, params: list, allocated: int, p
     """What the call cost and who it was (filled whether or not its outputs can be replayed)."""
     record.fwd_extra = max(0, call.fwd_peak - allocated)
     record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
+    record.kernel_share = call.kernel_share
     record.label = call.ident.label
     record.params = params
     record.batch = call.batch

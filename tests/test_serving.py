@@ -238,3 +238,41 @@ def test_the_batching_policy_example_runs_to_its_end(tmp_path) -> None:
     assert set(ttft) == {"static", "continuous"} and ttft["continuous"] < ttft["static"]
     serving = json.loads(metrics.read_text())["serving"]
     assert serving["prefills"] == 6 and serving["decode_steps"] > 0 and serving["kv_cache_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("with_cache", [True, False])
+def test_a_decode_step_captured_in_a_cuda_graph_replays_its_kernels_alone(with_cache: bool) -> None:
+    """A replayed step charges a pass with the host's launch gaps; captured into a CUDA graph
+    (a decode loop's usual form), the graph's replay runs the same kernels back to back."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        model = TinyDecoder(dim=64).cuda().eval()
+        tok = torch.zeros(4, 1, dtype=torch.long, device="cuda")
+        cache = KVCache(2) if with_cache else None
+
+        def step() -> torch.Tensor:
+            if cache is None:  # (a static-shape call: the exact-shape replay)
+                return model.head(model.emb(tok))
+            cache.keys, cache.values = [None, None], [None, None]
+            return model(tok, cache)
+
+        with torch.no_grad():
+            for _ in range(6):  # recordings, then replays
+                step()
+            torch.cuda.synchronize()
+            t0 = rt.engine.now()
+            step()
+            torch.cuda.synchronize()
+            eager = rt.engine.now() - t0
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            torch.cuda.synchronize()
+            t0 = rt.engine.now()
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = rt.engine.now() - t0
+        assert rt.replay.info()["replayed"] >= 3
+        assert 0 < replayed < 0.8 * eager
+    finally:
+        gpemu.unpatch()

@@ -497,7 +497,7 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
     dev = rec.dev
     mem = R.ts.memory[dev]
     if not torch.is_grad_enabled():
-        charge_recording(rec.fwd_seconds, "forward", rec, t0)
+        charge_recording(forward_seconds(rec), "forward", rec, t0)
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, dev)
         if rec.profiled_peak is not None:
@@ -604,6 +604,14 @@ def _accumulator(t: torch.Tensor) -> Any:
     return node.next_functions[0][0]
 
 
+def forward_seconds(rec: Recording) -> float:
+    """A replayed forward's time: a pass from its host's first issue to its GPU's end; captured
+    into a CUDA graph, its kernels alone (the graph's replays run them back to back)."""
+    if rec.state.ts.engine.capture_here(rec.dev) is not None:
+        return rec.fwd_seconds * rec.kernel_share
+    return rec.fwd_seconds
+
+
 def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
     # (through the tensor state: inside another model's charge nothing more is charged, and an
     # enclosing model priced by its ops counts it)
@@ -619,7 +627,7 @@ class ReplayFunction(torch.autograd.Function):
         t0: float | None,
         *tensors: torch.Tensor,
     ) -> tuple:
-        charge_recording(rec.fwd_seconds, "forward", rec, t0)
+        charge_recording(forward_seconds(rec), "forward", rec, t0)
         ctx.set_materialize_grads(False)  # the gradients' values are never read (see gpemu.model_time._BackwardStart)
         R = rec.state
         mem = R.ts.memory[rec.dev]

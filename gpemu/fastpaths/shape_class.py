@@ -129,6 +129,13 @@ class ShapeClass:
         return seconds
 
 
+    def kernel_seconds_at(self, rt: Any, dev: int, m: int) -> float:
+        """The forward's kernels alone, back to back (a CUDA graph's replay: no launch gaps)."""
+        if self._price is None:
+            self._price = _Pricing(rt, dev, self.a, self.b)
+        return float(self._price.kernels(1 + m).sum())
+
+
 class _Pricing:
     """The ops of two recordings as GPU and host seconds at any point of their line: the ops
     whose features differ are an affine table priced by the cost model, the rest as recorded."""
@@ -147,12 +154,17 @@ class _Pricing:
             table = affine_table([a.ops[i][2] for i in priced], 0, [b.ops[i][2] for i in priced], 1)
             self.table_at = costs.table_pricer(rt, dev, table)
 
-    def at(self, s: float) -> float:
+    def kernels(self, s: float) -> np.ndarray:
+        """Each op's GPU seconds at ``s``."""
         g = self.g.copy()
         if len(self.linear):
             g[self.linear] = self.ga[self.linear] + s * (self.g[self.linear] - self.ga[self.linear])
         if self.table_at is not None:
             g[self.priced] = self.table_at(s)[0]
+        return g
+
+    def at(self, s: float) -> float:
+        g = self.kernels(s)
         if self.unit or not len(g):
             return float(g.sum())
         # the ops as one queue (host issue, GPU in order): max over i of (host up to i + GPU from i)
@@ -505,7 +517,10 @@ def _replay_step(R: ReplayState, cls: ShapeClass, m: int, entry: list[Leaf], dev
     mem.touch(cls.extra_at(m))
     R.classes.stats["replayed"] += 1
     R.stats["replayed"] += 1
-    ts.charge_span(cls.seconds_at(R.rt, dev, m), dev, "forward", b.label, t0)
+    # (captured into a CUDA graph: its kernels, which the graph's replays run back to back)
+    captured = ts.engine.capture_here(dev) is not None
+    seconds = cls.kernel_seconds_at(R.rt, dev, m) if captured else cls.seconds_at(R.rt, dev, m)
+    ts.charge_span(seconds, dev, "forward", b.label, t0)
     for parent, step, ref in program.writes:
         assign(at[parent], step, made[ref])
     for change in program.changes:
