@@ -128,7 +128,6 @@ class ShapeClass:
         self._seconds[m] = seconds
         return seconds
 
-
     def kernel_seconds_at(self, rt: Any, dev: int, m: int) -> float:
         """The forward's kernels alone, back to back (a CUDA graph's replay: no launch gaps)."""
         if self._price is None:
