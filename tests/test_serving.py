@@ -276,3 +276,34 @@ def test_a_decode_step_captured_in_a_cuda_graph_replays_its_kernels_alone(with_c
         assert 0 < replayed < 0.8 * eager
     finally:
         gpemu.unpatch()
+
+
+class _NoCacheLM(TinyDecoder):
+    """nanoGPT's model in sample.py: every call reads the whole sequence so far, no cache."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(ids, KVCache(len(self.blocks)))
+
+
+@pytest.mark.slow
+def test_a_loop_without_cache_is_one_shape_class_along_its_length() -> None:
+    """nanoGPT's sample.py: each call's sequence one token longer; replayed by shape class after a
+    few recordings, each call priced at its own length."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        model = _NoCacheLM(dim=256).cuda().eval()
+        idx = torch.randint(0, 64, (4, 512)).cuda()
+        times = []
+        with torch.no_grad():
+            for _ in range(16):
+                torch.cuda.synchronize()
+                t0 = rt.engine.now()
+                nxt = model(idx).argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                times.append(rt.engine.now() - t0)
+                idx = torch.cat([idx, nxt], dim=1)
+        assert idx.shape == (4, 528)
+        assert rt.replay.info()["shape_class"] >= 10
+        assert times[-1] > times[-2] > times[-3]  # a longer sequence costs more
+    finally:
+        gpemu.unpatch()
