@@ -16,6 +16,8 @@ A run is a serving run when it has at least one decode step; then:
 * **tokens/s**: tokens produced (one per sequence per step) over the span of the steps;
 * **KV-cache peak**: the largest cache seen.
 
+A run keeps its first :data:`MAX_STEPS` token steps (a bound on memory and on the trace).
+
 Only the emulator's own view of a loop: what a request waited before its prefill was issued is
 the server's (its own clock), not seen here.
 """
@@ -28,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["TokenStep", "ServingLog", "serving_summary", "serving_lines", "step_rows", "steps_from_rows"]
+__all__ = ["MAX_STEPS", "TokenStep", "ServingLog", "serving_summary", "serving_lines", "step_rows", "steps_from_rows"]
 
 
 class TokenStep(NamedTuple):
@@ -42,14 +44,20 @@ class TokenStep(NamedTuple):
     kv_bytes: int  # the KV cache it was given, after the call
 
 
+# Token steps kept per run (a trace stores each): a serving run's first 200,000 model calls.
+MAX_STEPS = 200_000
+
+
 class ServingLog:
-    """The token steps of one run (``rt.replay.serving``)."""
+    """The token steps of one run (``rt.replay.serving``): the first :data:`MAX_STEPS`."""
 
     def __init__(self) -> None:
         self.steps: list[TokenStep] = []
 
     def note(self, engine: Any, args: tuple, kwargs: dict, dev: int, t0: float) -> None:
         """Note an outermost call without autograd that just returned, if it was given token ids."""
+        if len(self.steps) >= MAX_STEPS:
+            return
         ids = _token_ids(args, kwargs)
         if ids is None:
             return

@@ -49,7 +49,7 @@ _OTHER_LIMITS = {  # otherData fields the report uses: (depth, items, string len
     "notes": (1, 1_000, 4096),
     "models": (2, 256, 512),
     "memory_stats": (2, MAX_GPUS, 64),
-    "serving": (2, 1_000_000, 64),
+    "serving": (2, 200_000, 64),  # (gpemu.serving.MAX_STEPS rows)
 }
 _SCALARS = ("string", "number", "boolean", "null")
 
