@@ -8,7 +8,7 @@ stream of requests under two policies:
   waiting requests into free slots (each prefilled on arrival) and retire finished ones.
 
     gpemu run --gpu A100 --clock virtual -- python examples/serving_policies.py
-    gpemu run --gpu H100 --clock virtual -- python examples/serving_policies.py --requests 96 --rate 40
+    gpemu run --gpu H100 --clock virtual -- python examples/serving_policies.py --requests 96 --rate 12
 
 Requests arrive as a Poisson process (``--rate`` per second) with random prompt and output
 lengths (the same seed gives the same requests). On virtual time (``--clock virtual``) arrival
@@ -206,7 +206,7 @@ def report(policy: str, requests: list[Request]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=20.0, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
     ap.add_argument("--slots", type=int, default=16, help="the largest batch (KV cache slots)")
     ap.add_argument("--policies", default="static,continuous")
     ap.add_argument("--layers", type=int, default=16)
