@@ -600,4 +600,6 @@ def _change_value(ts: Any, t: Any, w: tuple) -> None:
     elif w[0] == "know":
         ts.set_known_value(t, torch.tensor(w[2], dtype=t.dtype).reshape(t.shape))
     elif w[0] == "shift" and t.emu_shadow is not None:
+        # in place, as the recorded call's in-place op did: the views that share this host value
+        # see the change too (replacing it would part them)
         t.emu_shadow.add_(torch.tensor(w[2], dtype=t.dtype).reshape(t.shape))
