@@ -1,13 +1,14 @@
 """Serving metrics (issue 33): time to first token, time per output token, tokens/s and the
 KV cache's peak, from the model calls of a generation or serving loop.
 
-A **token step** is an outermost model call without autograd whose arguments include token ids
-(an integer tensor, ``(batch, positions)``): a call over several positions is a **prefill** (it
-reads a prompt and gives each sequence its first token), a call over one position is a
-**decode** step (one more token per sequence). Each step is noted with when it was issued (host
-time) and when its GPU work ends, and the bytes of the KV cache it was given: the memory blocks
-of the tensors held by its non-tensor arguments (an HF ``Cache``, a server's own cache object),
-each block once, after the call (a dynamic cache grows, a static or paged one is all there).
+A **token step** (noted by :mod:`gpemu.fastpaths.token_steps`) is an outermost model call
+without autograd whose arguments include token ids (an integer tensor, ``(batch, positions)``):
+a call over several positions is a **prefill** (it reads a prompt and gives each sequence its
+first token), a call over one position is a **decode** step (one more token per sequence).
+Each step is noted with when it was issued (host time) and when its GPU work ends, and the
+bytes of the KV cache it was given: the memory blocks of the tensors held by its non-tensor
+arguments (an HF ``Cache``, a server's own cache object), each block once, after the call (a
+dynamic cache grows, a static or paged one is all there).
 
 A run is a serving run when it has at least one decode step; then:
 
@@ -28,9 +29,11 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import torch
+__all__ = ["MAX_STEPS", "TokenStep", "serving_summary", "serving_lines", "step_rows", "steps_from_rows"]
 
-__all__ = ["MAX_STEPS", "TokenStep", "ServingLog", "serving_summary", "serving_lines", "step_rows", "steps_from_rows"]
+
+# Token steps kept per run (a trace stores each): a serving run's first 200,000 model calls.
+MAX_STEPS = 200_000
 
 
 class TokenStep(NamedTuple):
@@ -42,71 +45,6 @@ class TokenStep(NamedTuple):
     sequences: int  # the batch: sequences that each get one token
     positions: int  # token positions per sequence (1: a decode step; more: a prefill)
     kv_bytes: int  # the KV cache it was given, after the call
-
-
-# Token steps kept per run (a trace stores each): a serving run's first 200,000 model calls.
-MAX_STEPS = 200_000
-
-
-class ServingLog:
-    """The token steps of one run (``rt.replay.serving``): the first :data:`MAX_STEPS`."""
-
-    def __init__(self) -> None:
-        self.steps: list[TokenStep] = []
-
-    def note(self, engine: Any, args: tuple, kwargs: dict, dev: int, t0: float) -> None:
-        """Note an outermost call without autograd that just returned, if it was given token ids."""
-        if len(self.steps) >= MAX_STEPS:
-            return
-        ids = _token_ids(args, kwargs)
-        if ids is None:
-            return
-        sequences = int(ids.shape[0]) if ids.dim() >= 2 else 1
-        positions = int(ids.shape[-1]) if ids.dim() >= 1 else 1
-        end = max(t0, engine.stream(dev).busy_until)
-        self.steps.append(TokenStep(dev, t0, end, sequences, positions, _cache_bytes(args, kwargs)))
-
-
-def _token_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, torch.Tensor) and x.dim() <= 2 and not (x.is_floating_point() or x.dtype == torch.bool):
-            return x
-    return None
-
-
-def _cache_bytes(args: tuple, kwargs: dict) -> int:
-    """Bytes of the memory blocks of the emulated tensors held by the call's non-tensor arguments."""
-    blocks: dict[int, int] = {}
-    seen: set[int] = set()
-    for x in (*args, *kwargs.values()):
-        if not isinstance(x, torch.Tensor):
-            _collect(x, blocks, seen, 0)
-    return sum(blocks.values())
-
-
-_MAX_DEPTH = 6  # an HF cache: cache -> layers -> layer -> keys
-
-
-def _collect(x: Any, blocks: dict[int, int], seen: set[int], depth: int) -> None:
-    if isinstance(x, torch.Tensor):
-        blk = getattr(x, "emu_block", None)  # (an emulated tensor's memory block; a host tensor: none)
-        if blk is not None:
-            blocks[id(blk)] = blk.size
-        return
-    if depth >= _MAX_DEPTH or id(x) in seen or isinstance(x, (torch.nn.Module, type, str, bytes)):
-        return
-    seen.add(id(x))
-    if isinstance(x, (list, tuple)):
-        items: Any = x
-    elif isinstance(x, dict):
-        items = x.values()
-    else:
-        attrs = getattr(x, "__dict__", None)
-        if attrs is None or callable(x):
-            return
-        items = list(attrs.values())
-    for v in items:
-        _collect(v, blocks, seen, depth + 1)
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float] | None:

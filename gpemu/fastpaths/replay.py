@@ -52,10 +52,10 @@ from torch.utils._pytree import tree_unflatten
 from gpemu.costmodel.precision import tf32_cudnn, tf32_matmul
 from gpemu.device import EmuTensor
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device
-from gpemu.serving import ServingLog
 
 from .gradients import GradientState, grad_spec
 from .shape_class import ShapeClasses, class_call
+from .token_steps import ServingLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
