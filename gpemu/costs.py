@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -34,6 +36,7 @@ from .calibration import model_for
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, OpRecorder, Precision, classify, default_model, gpu_sheet
 from .costmodel.measured_loop import measured_loss_ops, parameter_bookkeeping_ops
 from .costmodel.model import Uncertainty, dominant_mix_of
+from .costmodel.table import OpTable
 from .db.records import ARTIFACT_SOURCE
 from .identify import ModelIdentity
 from .reference import measured_on
@@ -55,6 +58,7 @@ __all__ = [
     "optimizer_step_seconds",
     "op_price",
     "op_seconds",
+    "table_pricer",
     "attention_price",
     "uncertainty",
     "precision",
@@ -83,6 +87,7 @@ class OpPrice(NamedTuple):
     reference: float  # its kernel's seconds as the database measured: fp32 on the reference GPU
     mix: str  # the kind of work: dense_conv, light_conv, gemm or memory (uncertainty)
     precision: str = "float32"  # the dtype it ran in (uncertainty: the figures were measured in fp32)
+    op: OpFeatures | None = None  # what was priced (a recording prices it again at other sizes)
 
 
 _NOTHING = OpPrice(0.0, 0.0, 0.0, "memory")
@@ -277,7 +282,7 @@ def _price(rt: Runtime, device: int, op: OpFeatures) -> OpPrice:
         reference = gpu  # exactly as measured: the ratio is 1
     else:
         reference = model.op_seconds(ref_op, d.reference_sheet, FP32)
-    return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)), op.dtype)
+    return OpPrice(gpu, host, reference, dominant_mix_of((op,), (1.0,)), op.dtype, op)
 
 
 def op_price(
@@ -288,6 +293,23 @@ def op_price(
     backward pass (priced with the backward curves, as the cost model was calibrated), None to
     tell by its name (``*_backward``)."""
     return _price(rt, device, classify(func, args, kwargs or {}, out, backward=backward))
+
+
+def table_pricer(rt: Runtime, device: int, table: OpTable) -> Callable[[float], tuple[np.ndarray, np.ndarray]]:
+    """Prices of many ops whose features are affine in one variable (an :class:`OpTable`, e.g.
+    a decode step's ops against its cache length): ``at(x)`` gives each op's GPU seconds on
+    ``device`` and the host seconds to issue it, as :func:`op_price` prices one op (the curves
+    are resolved once)."""
+    d = _device(rt, device)
+    model = model_for(rt.db, d.sheet)
+    prec = precision()
+    terms = model.table_terms(table, d.sheet, prec)
+    host = np.asarray(terms["h"], dtype=float)
+
+    def at(x: float) -> tuple[np.ndarray, np.ndarray]:
+        return model.table_seconds(table, x, d.sheet, prec, terms), host
+
+    return at
 
 
 def op_seconds(rt: Runtime, func: Any, args: tuple, kwargs: dict | None, out: Any, device: int) -> float:

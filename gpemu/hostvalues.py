@@ -11,9 +11,15 @@ depends on values, gpemu answers with this policy (documented in docs/device.md)
    scale, step counters, ``torch.full((), 65536.0, device='cuda')``, small ``arange``) keeps a host
    *shadow* copy, propagated through any op whose tensor inputs all have shadows (elementwise math,
    views, reductions, in-place updates). ``.item()`` on such a tensor gives the right number.
-3. **Unknown values are zeros** of the right shape and dtype (``False`` for bool). Zero keeps
+3. **Unknown values are zeros** of the right shape and dtype (``False`` for bool), and the program's
+   own logic on a model's outputs computes with those zeros: without autograd (generation,
+   evaluation), outside a model's forward and a backward pass, an op that mixes known values with
+   unknown ones gives a known result computed with zeros in their place (a token buffer written
+   with generated tokens, beam search's bookkeeping). An in-place write of unknown values into
+   part of a known tensor (through a view) reads as zeros there, never as the old values. Zero keeps
    the usual host checks quiet (``if not torch.isfinite(loss)`` passes, ``found_inf`` is 0,
-   accuracy counts are 0) and is deterministic; a printed loss reads ``0.000``.
+   accuracy counts are 0, or in an evaluation without autograd the labels that are class 0) and
+   is deterministic; a printed loss reads ``0.000``.
    Ops that make values from scalars alone (``x.new_ones(3)``, ``fill_``, ``zero_``) give known
    results from unknown inputs. Gradients and everything computed from parameters stay unknown
    (a model's parameters carry no values), so the emulator never computes a model on the host.
@@ -21,7 +27,11 @@ depends on values, gpemu answers with this policy (documented in docs/device.md)
    row per element, ``masked_select`` and boolean-mask indexing return as many elements as the
    mask has, ``unique`` returns every element (all distinct). When the inputs have shadows,
    the real shape is computed from them instead. Said once per op.
-5. **Non-finite checks see finite values**: ``_amp_foreach_non_finite_check_and_unscale_`` leaves
+5. **Known values decide where the unknown ones cannot matter**: ``known_true | unknown`` is
+   true, ``known_zero & unknown`` and an integer ``known_zero * unknown`` are zero,
+   ``where(known_cond, a, b)`` is the known side it selects. A generation loop's length limit
+   (``max_length_reached | eos_seen``) then ends it as on a GPU whatever the tokens were.
+6. **Non-finite checks see finite values**: ``_amp_foreach_non_finite_check_and_unscale_`` leaves
    ``found_inf`` as it was (0), so GradScaler never skips a step and its scale grows on schedule.
 
 This module holds the policy and the host computations; attaching shadows to emulated tensors
@@ -46,6 +56,7 @@ __all__ = [
     "DATA_DEPENDENT_OPS",
     "RANDOM_FACTORIES",
     "VALUE_INDEPENDENT_OPS",
+    "decided_by_known",
 ]
 
 aten = torch.ops.aten
@@ -133,6 +144,63 @@ def known_factory_value(
     if name in RANDOM_FACTORIES:
         return None
     return factory(*host_args, device="cpu", **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# results the known inputs decide alone
+# ----------------------------------------------------------------------------------------------
+def _all_true(x: Any) -> bool:
+    return isinstance(x, (bool, int, float)) and bool(x) or isinstance(x, torch.Tensor) and bool(x.all())
+
+
+def _all_zero(x: Any) -> bool:
+    return isinstance(x, (bool, int, float)) and not x or isinstance(x, torch.Tensor) and not bool(x.any())
+
+
+def _or_decided(known: list, out_dtype: torch.dtype) -> bool:
+    # (a bitwise or of integers is decided only by all bits set; booleans and logical_or by true)
+    return (out_dtype is torch.bool) and any(_all_true(x) for x in known)
+
+
+def _and_decided(known: list, out_dtype: torch.dtype) -> bool:
+    return any(_all_zero(x) for x in known)
+
+
+def _mul_decided(known: list, out_dtype: torch.dtype) -> bool:
+    # (integers only: a float zero times an unknown inf or NaN is NaN on a GPU)
+    return not out_dtype.is_floating_point and not out_dtype.is_complex and any(_all_zero(x) for x in known)
+
+
+_ABSORBING: dict[Any, Callable[[list, torch.dtype], bool]] = {
+    **dict.fromkeys(
+        (aten.bitwise_or, aten.bitwise_or_, aten.logical_or, aten.logical_or_, aten.__or__, aten.__ior__), _or_decided
+    ),
+    **dict.fromkeys(
+        (aten.bitwise_and, aten.bitwise_and_, aten.logical_and, aten.logical_and_, aten.__and__, aten.__iand__),
+        _and_decided,
+    ),
+    **dict.fromkeys((aten.mul, aten.mul_), _mul_decided),
+}
+_WHERE = aten.where
+
+
+def decided_by_known(func: Any, values: list, unknown: list[bool], out_dtype: torch.dtype) -> bool:
+    """Whether an op's result does not depend on its unknown inputs (rule 5 above): ``values``
+    are its positional arguments' host values (an unknown tensor's entry is not read),
+    ``unknown`` says which are unknown. The caller then computes the result with zeros in their
+    place, which is exact."""
+    packet = func.overloadpacket
+    if packet is _WHERE:
+        if len(values) < 3 or unknown[0]:
+            return False
+        cond = values[0]
+        # every element takes the known side
+        return (not unknown[1] and _all_true(cond)) or (not unknown[2] and _all_zero(cond))
+    rule = _ABSORBING.get(packet)
+    if rule is None:
+        return False
+    known = [v for v, u in zip(values, unknown, strict=False) if not u]
+    return rule(known, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ class CallRecord:
         "fwd_extra",
         "bwd_extra",
         "fwd_seconds",
+        "kernel_share",
         "bwd_seconds",
         "label",
         "params",
@@ -101,6 +102,9 @@ class CallRecord:
         self.fwd_extra = 0  # used for a moment during forward, above what it ends with
         self.bwd_extra = 0  # used for a moment during backward (set when the backward ends)
         self.fwd_seconds = 0.0
+        # of the forward's time, its kernels' (the rest: gaps while the host issued them, which a
+        # CUDA graph's replay does not have)
+        self.kernel_share = 1.0
         self.bwd_seconds = 0.0
         self.label = ""
         self.params: list = []
@@ -199,8 +203,9 @@ class ModelTime:
         leaves, treespec = tree_flatten(out)
         ok = _replayable(leaves, args, kwargs, params, record)
         if record is not None:
+            _fill_times(record, call, params, mem.allocated, peak)
             if ok:
-                _fill_record(record, call, leaves, treespec, params, mem.allocated, peak)
+                _fill_record(record, call, leaves, treespec, params, mem.allocated)
             else:
                 record.out_specs = None
                 record.treespec = None
@@ -268,6 +273,7 @@ class ModelTime:
             self.local.level = call.level
             self.local.watch = outer_watch
         call.fwd_peak = scope.peak
+        call.kernel_share = min(1.0, tap.seconds / tap.pass_seconds) if tap.pass_seconds > 0 else 1.0
         uncharged = call.times is not None  # its ops ran under the measured time's cover
         if watch is not None:
             call.ident = confirm_parts(rt, module, call.ident, watch)
@@ -303,7 +309,19 @@ class ModelTime:
 class _Call:
     """One op-by-op call of :meth:`ModelTime.run_charged`, as its parts fill it in."""
 
-    __slots__ = ("ident", "batch", "dev", "level", "t0", "before", "times", "fwd_s", "bwd_s", "fwd_peak")
+    __slots__ = (
+        "ident",
+        "batch",
+        "dev",
+        "level",
+        "t0",
+        "before",
+        "times",
+        "fwd_s",
+        "bwd_s",
+        "fwd_peak",
+        "kernel_share",
+    )
 
     def __init__(self, ident: Any, batch: int, dev: int, level: int, t0: float | None, before: int) -> None:
         self.ident = ident
@@ -316,6 +334,7 @@ class _Call:
         self.fwd_s = 0.0
         self.bwd_s: float | None = None  # None: measured when the backward runs
         self.fwd_peak = 0
+        self.kernel_share = 1.0  # its kernels' share of the forward's time (see CallRecord)
 
 
 def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: CallRecord | None) -> bool:
@@ -343,10 +362,21 @@ def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: C
     return True
 
 
-def _fill_record(
-    record: CallRecord, call: _Call, leaves: list, treespec: Any, params: list, allocated: int, peak: int | None
-) -> None:
-    """What a replay of the call needs (its outputs, memory, times, parameters)."""
+def _fill_times(record: CallRecord, call: _Call, params: list, allocated: int, peak: int | None) -> None:
+    """What the call cost and who it was (filled whether or not its outputs can be replayed)."""
+    record.fwd_extra = max(0, call.fwd_peak - allocated)
+    record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
+    record.kernel_share = call.kernel_share
+    record.label = call.ident.label
+    record.params = params
+    record.batch = call.batch
+    record.ident = call.ident
+    record.dev = call.dev
+    record.profiled_peak = peak
+
+
+def _fill_record(record: CallRecord, call: _Call, leaves: list, treespec: Any, params: list, allocated: int) -> None:
+    """What a replay of the call needs (its outputs, memory, parameters)."""
     out_blocks: dict[int, int] = {}
     for x in leaves:
         if isinstance(x, EmuTensor) and x.emu_block is not None:
@@ -363,14 +393,6 @@ def _fill_record(
     record.all_diff = all(record.out_requires_grad)
     record.treespec = treespec
     record.saved_bytes = max(0, allocated - call.before - sum(out_blocks.values()))
-    record.fwd_extra = max(0, call.fwd_peak - allocated)
-    record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
-    record.label = call.ident.label
-    record.params = params
-    record.batch = call.batch
-    record.ident = call.ident
-    record.dev = call.dev
-    record.profiled_peak = peak
     reached = _params_reached(leaves)
     record.grad_params = [id(p) in reached for p in params]
     record.grad_param_list = [p for p, g in zip(params, record.grad_params, strict=True) if g]
@@ -752,6 +774,7 @@ def install(rt: Runtime) -> None:
     """Patch ``nn.Module.__call__`` to charge outermost modules (the replay fast path, when on,
     patches over it)."""
     mt = rt.model_time = ModelTime(rt)
+    rt.tensors.in_model = lambda: not mt.outermost()
     M = torch.nn.Module
     mt.orig_call = M.__call__
     rt.patcher.replace(M, "__call__", _make_call(mt, M.__call__))

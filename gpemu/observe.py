@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from .clock import REAL
 from .commstats import communication_lines, device_communication, run_communication
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample, SyncPoint
+from .serving import TokenStep, serving_lines, serving_summary
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,6 +97,8 @@ class RunRecords:
     # for a live run on virtual time, the real seconds it took (its speed-up).
     clock: str = "real"
     wall_s: float | None = None
+    # The token steps of generation and serving loops (gpemu.serving): the serving metrics.
+    serving: list[TokenStep] = field(default_factory=list)
 
     @property
     def num_devices(self) -> int:
@@ -134,6 +137,7 @@ def records_from_runtime(rt: Runtime) -> RunRecords:
         models=[dict(m) for m in rt.model_time.sources.values()] if rt.model_time is not None else [],
         clock="virtual" if rt.config.virtual_time else "real",
         wall_s=REAL.perf_counter() - engine.started_wall if rt.config.virtual_time and engine is not None else None,
+        serving=list(rt.replay.serving.steps) if rt.replay is not None else [],
     )
 
 
@@ -379,6 +383,7 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         "communication": run_communication(counters),
         "clock": records.clock,
         "wall_s": records.wall_s,
+        "serving": serving_summary(records.serving),
     }
 
 
@@ -462,6 +467,7 @@ def format_summary(s: dict[str, Any]) -> str:
     if models:
         lines.append("model time".ljust(w + 2) + "; ".join(model_source(m) for m in models))
     lines += communication_lines(s, w, format_seconds, format_size)
+    lines += serving_lines(s.get("serving"), w, format_seconds, format_size)
     t = s["transfers"]
     lines.append(
         "transfers".ljust(w + 2)

@@ -29,6 +29,7 @@ from typing import Any
 
 from .commstats import exposed_intervals
 from .observe import Timeline, compute_summary, json_safe
+from .serving import step_rows
 
 __all__ = ["write_trace", "trace_events", "TRACE_FORMAT"]
 
@@ -164,6 +165,8 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
             # "virtual": every time in this file is on the run's virtual timeline (docs/time.md).
             "clock": getattr(records, "clock", "real"),
             "summary": json_safe(summary),
+            # the token steps of generation loops (gpemu.serving): the serving metrics
+            "serving": step_rows(getattr(records, "serving", []), records.started_at),
         },
     }
     p = Path(path)

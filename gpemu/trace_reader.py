@@ -29,6 +29,7 @@ from typing import Any
 
 from .observe import RunRecords
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample
+from .serving import steps_from_rows
 from .trace import TRACE_FORMAT
 
 __all__ = ["load_trace", "TraceError", "MAX_EVENTS", "MAX_GPUS"]
@@ -48,6 +49,7 @@ _OTHER_LIMITS = {  # otherData fields the report uses: (depth, items, string len
     "notes": (1, 1_000, 4096),
     "models": (2, 256, 512),
     "memory_stats": (2, MAX_GPUS, 64),
+    "serving": (2, 200_000, 64),  # (gpemu.serving.MAX_STEPS rows)
 }
 _SCALARS = ("string", "number", "boolean", "null")
 
@@ -210,6 +212,10 @@ def _records(other: dict[str, Any], rec: RunRecords) -> RunRecords:
     config = other.get("config")
     rec.config = config if isinstance(config, str) else ""
     rec.models = [m for m in models if isinstance(m, dict) and isinstance(m.get("model"), str)]
+    try:
+        rec.serving = steps_from_rows(other.get("serving") or [], len(gpus))
+    except ValueError as exc:
+        raise TraceError(f"otherData.{exc}") from None
     for kind, items in (
         ("span", rec.spans),
         ("wait", rec.waits),

@@ -493,6 +493,23 @@ def _make_module_cpu(rt: Runtime, orig_cpu: Callable) -> Callable:
     return cpu
 
 
+def _make_where(orig: Callable) -> Callable:
+    """``torch.where(cond, x, -1e9)`` and ``x.where(cond, 0)``: a Python number enters as a host
+    0-dim tensor, as CUDA takes host scalars. torch's own form wraps it in a tensor on the
+    emulated tensor's C++ device (meta), where its value is lost; a value the program decides
+    with (beam search's worst score) must stay known."""
+
+    @functools.wraps(orig)
+    def where(*args: Any, **kwargs: Any) -> Any:
+        if len(args) == 3 and any(isinstance(a, EmuTensor) for a in args):
+            args = tuple(
+                torch.tensor(a) if isinstance(a, (bool, int, float)) and i > 0 else a for i, a in enumerate(args)
+            )
+        return orig(*args, **kwargs)
+
+    return where
+
+
 # ----------------------------------------------------------------------------------------------
 # install
 # ----------------------------------------------------------------------------------------------
@@ -512,6 +529,8 @@ def install(rt: Runtime) -> None:
         p.replace(T, name, _make_tensor_new(ts, getattr(T, name)))
     p.replace(T, "copy_", _make_tensor_copy(T.copy_))
     p.replace(T, "new_tensor", _make_tensor_new_tensor(T.new_tensor))
+    p.replace(torch, "where", _make_where(torch.where))
+    p.replace(T, "where", _make_where(T.where))
     from torch.utils._device import DeviceContext, _device_constructors
 
     _device_constructors()  # fill its cache with torch's own functions before ours replace them

@@ -466,6 +466,24 @@ def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size())
 
 
+# Ops that read (gather) or write in place (scatter) only the rows their indices name: an
+# embedding lookup of one token reads one row of its table, not the table (a decode step).
+_GATHERS = frozenset({"embedding", "index", "index_select", "gather"})
+_SCATTERS = frozenset({"index_put", "_index_put_impl", "index_copy", "index_add"})
+
+
+def _indexed_bytes(name: str, func: Any, args: tuple, out_ts: list[Any]) -> float | None:
+    """Bytes of a gather (indices, the rows read, the output written) or of an in-place scatter
+    (indices, the values read, as many bytes written); None for any other op."""
+    if name in _GATHERS and out_ts:
+        idx = [t for t in _tensors(args[1:]) if not t.dtype.is_floating_point]
+        return float(sum(_nbytes(t) for t in idx) + 2 * sum(_nbytes(t) for t in out_ts))
+    if name in _SCATTERS and str(getattr(func, "overloadpacket", func)).endswith("_") and len(args) >= 3:
+        ts = list(_tensors(args[1:]))
+        return float(sum(_nbytes(t) for t in ts) + sum(_nbytes(t) for t in _tensors(args[2:3])))
+    return None
+
+
 def _bytes_moved(read: Iterable[Any], written: Iterable[Any]) -> float:
     # Each distinct input tensor is read once (add(x, x) reads x once); every output is written.
     seen: set[int] = set()
@@ -616,7 +634,9 @@ def classify(
             return OpFeatures(name=name, backward=is_bwd, **_conv(name, args, kwargs, out, out_ts))
         except (IndexError, TypeError, ValueError, AttributeError):
             cls = OpClass.CONV  # odd overload: fall through to bytes-only features
-    nbytes = _bytes_moved(in_ts, out_ts)
+    nbytes = _indexed_bytes(name, func, args, out_ts)
+    if nbytes is None:
+        nbytes = _bytes_moved(in_ts, out_ts)
     n_out = float(sum(int(t.numel()) for t in out_ts))
     if cls is OpClass.GEMM:
         try:

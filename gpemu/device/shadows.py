@@ -25,15 +25,18 @@ __all__ = [
     "set_host_shadow",
     "propagate_shadow",
     "drop_written_shadows",
+    "placeholder_logic",
+    "mixed_conv",
     "small_shadow",
     "host_to_emu",
     "shadow_conv",
-    "zeros_conv",
     "host_args",
 ]
 
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
+_grad_enabled = torch.is_grad_enabled
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 # How an op's result values relate to its inputs' (gpemu.device.ops.OpEntry.values): computed from
 # them, random (never known), or independent of them (e.g. zeros_like: known whatever the inputs).
@@ -70,23 +73,30 @@ def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
 
 def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any, values: int) -> None:
     """Give the op's emulated outputs their values computed on the host from the inputs' known
-    values (``values``: how the result relates to the inputs, see ``_Entry``)."""
-    independent = values == INDEPENDENT
-    if values == RANDOM or (not independent and any(e.emu_shadow is None for e in emus)):
+    values (``values``: how the result relates to the inputs, see ``_Entry``). With some inputs
+    unknown the result is known only when the known ones decide it (``known_true | unknown``) or
+    the op is the program's own logic on a model's placeholders (:func:`placeholder_logic`):
+    zeros stand in for the unknown values."""
+    if values == RANDOM or (
+        values == FROM_INPUTS
+        and any(e.emu_shadow is None for e in emus)
+        and not _decided(func, args, out)
+        and not placeholder_logic(emus[0].emu_state)
+    ):
         # Unknown inputs: any tensor written in place loses its known value.
         drop_written_shadows(out, emus)
         return
-
     outs = tree_flatten(out)[0]
     if not any(isinstance(o, EmuTensor) and o.numel() <= SHADOW_MAX_ELEMENTS for o in outs):
         # Only large results (e.g. small.repeat(1000, 1000)): not worth computing on the host.
+        drop_written_shadows(out, emus)
         for o in outs:
             if isinstance(o, EmuTensor):
                 o.emu_shadow = None
         return
-    conv = zeros_conv if independent else shadow_conv
-    sargs = conv(list(args))
-    skw = {k: conv(v) for k, v in kwargs.items()}
+    # (known inputs as their shadows themselves: an in-place op updates the shadow its views share)
+    sargs = mixed_conv(list(args))
+    skw = {k: mixed_conv(v) for k, v in kwargs.items()}
     try:
         with torch.no_grad():
             sout = func(*sargs, **skw)
@@ -106,10 +116,33 @@ def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any,
                 o.emu_shadow = None
 
 
+def placeholder_logic(ts: TensorState) -> bool:
+    """Whether an op now is the program's own logic on a model's outputs, run without autograd:
+    generation (stopping criteria, beam bookkeeping, a server's slots) or evaluation, outside any
+    model's forward and outside a backward pass. There a mix of known values and a model's
+    placeholders is computed on the host with zeros for the placeholders, as a host would compute
+    from the zeros it reads back (gpemu.hostvalues, rule 3)."""
+    return not _grad_enabled() and _graph_task() == -1 and not ts.in_model()
+
+
+def _decided(func: Any, args: tuple, out: Any) -> bool:
+    """Whether the op's known inputs decide its result alone (``known_true | unknown``: see
+    :func:`gpemu.hostvalues.decided_by_known`)."""
+    if not isinstance(out, EmuTensor):
+        return False
+    unknown = [isinstance(a, EmuTensor) and a.emu_shadow is None for a in args]
+    values = [a.emu_shadow if isinstance(a, EmuTensor) else a for a in args]
+    return hostvalues.decided_by_known(func, values, unknown, out.dtype)
+
+
 def drop_written_shadows(out: Any, emus: list) -> None:
+    """Tensors the op wrote in place with unknown values lose their known values. Their shadow is
+    zeroed first: a view or base sharing it reads the placeholder there, never a stale value."""
     ids = {id(e) for e in emus}
     for o in tree_flatten(out)[0]:
         if isinstance(o, EmuTensor) and id(o) in ids:
+            if isinstance(o.emu_shadow, torch.Tensor):
+                o.emu_shadow.zero_()
             o.emu_shadow = None
 
 
@@ -138,12 +171,13 @@ def shadow_conv(a: Any) -> Any:
     return a
 
 
-def zeros_conv(a: Any) -> Any:
-    """As :func:`shadow_conv`, with an unknown value as zeros (for ops that do not read values)."""
+def mixed_conv(a: Any) -> Any:
+    """As :func:`shadow_conv`, with an unknown value as zeros."""
     if isinstance(a, EmuTensor):
-        return hostvalues.host_values(a.shape, a.dtype, a.emu_shadow)
+        shadow = a.emu_shadow
+        return shadow if shadow is not None else torch.zeros(a.shape, dtype=a.dtype)
     if isinstance(a, (list, tuple)):
-        return type(a)(zeros_conv(x) for x in a)
+        return type(a)(mixed_conv(x) for x in a)
     if isinstance(a, torch.device) and a.type in ("cuda", "meta"):
         return _CPU
     return a

@@ -79,9 +79,12 @@ class CostTap:
     seconds per kind of work of the priced ops, ``precisions``: per dtype (the cost model's
     uncertainty depends on both)."""
 
-    __slots__ = ("seconds", "charged", "mix", "precisions", "_host", "_finish", "_finish_ref", "own")
+    __slots__ = ("seconds", "charged", "mix", "precisions", "_host", "_finish", "_finish_ref", "own", "ops")
 
     def __init__(self) -> None:
+        # When a list: each op as (GPU seconds, host seconds, its priced OpFeatures or None), in
+        # order (a recording that prices the same ops again at other sizes).
+        self.ops: list | None = None
         # ``own``: for a module's backward window, which ops are its own (:class:`OwnNodes`);
         # None: every op charged while the tap is open.
         self.own: OwnNodes | None = None
@@ -169,6 +172,10 @@ class OwnNodes:
         return id(getattr(node, "variable", None)) in self._ids
 
 
+def _never() -> bool:
+    return False
+
+
 class TensorState:
     """The emulated tensor type's per-run state (``rt.tensors``), and the fast paths' interface
     to it: :meth:`wrap`, :meth:`new`, :meth:`signature`, :meth:`build`, :meth:`charge`, :meth:`cost_tap`, the
@@ -203,6 +210,9 @@ class TensorState:
         # Ops another component emulates itself, by id(op) (gpemu.distributed: torch's functional
         # collectives): ``handler(func, args, kwargs)`` returns the op's result. Never cached.
         self.op_handlers: dict[int, Callable[[Any, tuple, dict], Any]] = {}
+        # Whether the calling thread is inside a model's forward (set by gpemu.model_time): the
+        # program's own logic on placeholders runs outside it (gpemu.device.shadows).
+        self.in_model: Callable[[], bool] = _never
 
     # -------------------------------------------------------------- building
     def wrap(
@@ -346,6 +356,8 @@ class TensorState:
                 if charged:
                     tap.charged += cost
                 tap.add(cost, host, reference)
+                if tap.ops is not None:
+                    tap.ops.append((cost, host, price.op if price is not None else None))
                 if price is not None:
                     tap.mix[price.mix] = tap.mix.get(price.mix, 0.0) + cost
                     tap.precisions[price.precision] = tap.precisions.get(price.precision, 0.0) + cost

@@ -54,6 +54,8 @@ from gpemu.device import EmuTensor
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device
 
 from .gradients import GradientState, grad_spec
+from .shape_class import ShapeClasses, class_call
+from .token_steps import ServingLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
@@ -135,6 +137,12 @@ class ReplayState:
         # Calls of a module whose object argument was new each time (see _outer_call).
         self.object_misses: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.hub_used = False  # some replay ran in hub mode (see Direct)
+        # Calls without autograd (generation, serving): modules replayed by shape class from now
+        # on (gpemu.fastpaths.shape_class), and how many exact-shape recordings each made.
+        self.classes = ShapeClasses()
+        self.serving = ServingLog()  # the token steps of generation loops (gpemu.serving)
+        self.by_class: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self.no_grad_keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run
         # Graph heads that can hand a replayed module its output's gradient without the engine:
         # node class -> (ready(node) -> bool, without side effects; run(node) -> the memory block
@@ -145,8 +153,13 @@ class ReplayState:
         self.implicit: dict[tuple, float] = {}
 
     def info(self) -> dict[str, int]:
-        """How many outermost-module calls were recorded, replayed, or ran the fallback path."""
-        return {**self.stats, "fallback": self.model_time.stats["fallback"]}
+        """How many outermost-module calls were recorded, replayed, or ran the fallback path
+        (``shape_class``: of the replays, those of calls without autograd replayed by shape class)."""
+        return {
+            **self.stats,
+            "fallback": self.model_time.stats["fallback"],
+            "shape_class": self.classes.stats["replayed"],
+        }
 
     def params_of(self, module: torch.nn.Module) -> list | None:
         """The parameters of ``module``'s tree (each once), from the cached walk (None for a
@@ -233,9 +246,12 @@ def _make_call(R: ReplayState, orig_call: Any) -> Any:
         t0 = engine.now()
         local.depth = 1
         try:
-            return _outer_call(R, orig_call, self, args, kwargs, dev, t0)
+            out = _outer_call(R, orig_call, self, args, kwargs, dev, t0)
         finally:
             local.depth = 0
+        if not torch.is_grad_enabled():  # generation, serving (evaluation: no token ids, not noted)
+            R.serving.note(engine, args, kwargs, dev, t0)
+        return out
 
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__
@@ -249,7 +265,7 @@ def _unit_call(
     dev = emulated_device(module, args, kwargs, first)
     if dev is None:
         return orig_call(module, *args, **kwargs)
-    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now())
+    return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now(), unit=True)
 
 
 class _Tree:
@@ -334,9 +350,11 @@ def _outer_call(
     kwargs: dict,
     dev: int,
     t0: float | None = None,
+    unit: bool = False,
 ) -> Any:
     """An outermost module call: replayed when a recording of the same situation exists, else
-    run op by op (recorded when its outputs can be made again)."""
+    run op by op (recorded when its outputs can be made again). ``unit``: a unit inside an
+    op-by-op ancestor."""
     run_charged = R.model_time.run_charged
     params, flags, hooks = _walk(R, module)
     if _graph_task() != -1:
@@ -344,7 +362,12 @@ def _outer_call(
         # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
         # forward's; a replay saves none. Op by op, never recorded.
         return run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0)
-    reason = "module hooks are registered" if hooks or _global_hooks() else R.unreplayable.get(module)
+    hooked = hooks or _global_hooks()
+    by_class = not hooked and not torch.is_grad_enabled()
+    if by_class and (module in R.by_class or _holds_objects(R, module, args, kwargs)):
+        # Generation and serving: calls that change their cache, or whose sizes grow step by step
+        return class_call(R, orig_call, module, args, kwargs, dev, params, flags, t0, unit)
+    reason = "module hooks are registered" if hooked else R.unreplayable.get(module)
     emus: list = []
     key = None if reason is not None else _call_key(R, args, kwargs, flags, emus)
     if reason is None and key is None:
@@ -369,16 +392,39 @@ def _outer_call(
         # A replay runs no user code: an emulator entry (gpemu.time.HostTime.call), its host
         # time is not the program's.
         return R.ts.call(_replay, rec, emus, params, t0)
+    if by_class and R.no_grad_keys.get(module, 0) >= 1:
+        # a second situation without autograd: sizes that change from call to call
+        R.by_class.add(module)
+        return class_call(R, orig_call, module, args, kwargs, dev, params, flags, t0, unit)
     rec = Recording(R)
     out = run_charged(orig_call, module, args, kwargs, dev, params, rec, None, t0)
+    if not torch.is_grad_enabled():
+        R.no_grad_keys[module] = R.no_grad_keys.get(module, 0) + 1
     if rec.out_specs is not None and rec.treespec is not None:
         R.stats["recorded"] += 1
         if len(table) >= _RECORDS_PER_MODULE:
             del table[next(iter(table))]  # the oldest situation goes
         table[key] = rec
     elif rec.not_replayable is not None:
-        R.unreplayable[module] = rec.not_replayable
+        if torch.is_grad_enabled():
+            R.unreplayable[module] = rec.not_replayable
+        else:  # (it returns its cache: by shape class)
+            R.by_class.add(module)
     return out
+
+
+def _holds_objects(R: ReplayState, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call without autograd goes to the shape-class fast path from now on: an object
+    among its arguments (a cache it may change), or a module whose outputs cannot be replayed."""
+    objects = any(not isinstance(a, _KEYED) for a in args) or any(not isinstance(v, _KEYED) for v in kwargs.values())
+    if objects or module in R.unreplayable:
+        R.by_class.add(module)
+        return True
+    return False
+
+
+# Arguments the exact-shape recordings key by value or by shape (anything else: by shape class)
+_KEYED = (torch.Tensor, *PLAIN_VALUES)
 
 
 def _call_key(R: ReplayState, args: tuple, kwargs: dict, flags: tuple, emus: list) -> tuple | None:
@@ -451,7 +497,7 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
     dev = rec.dev
     mem = R.ts.memory[dev]
     if not torch.is_grad_enabled():
-        charge_recording(rec.fwd_seconds, "forward", rec, t0)
+        charge_recording(forward_seconds(rec), "forward", rec, t0)
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, dev)
         if rec.profiled_peak is not None:
@@ -558,6 +604,14 @@ def _accumulator(t: torch.Tensor) -> Any:
     return node.next_functions[0][0]
 
 
+def forward_seconds(rec: Recording) -> float:
+    """A replayed forward's time: a pass from its host's first issue to its GPU's end; captured
+    into a CUDA graph, its kernels alone (the graph's replays run them back to back)."""
+    if rec.state.ts.engine.capture_here(rec.dev) is not None:
+        return rec.fwd_seconds * rec.kernel_share
+    return rec.fwd_seconds
+
+
 def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
     # (through the tensor state: inside another model's charge nothing more is charged, and an
     # enclosing model priced by its ops counts it)
@@ -573,7 +627,7 @@ class ReplayFunction(torch.autograd.Function):
         t0: float | None,
         *tensors: torch.Tensor,
     ) -> tuple:
-        charge_recording(rec.fwd_seconds, "forward", rec, t0)
+        charge_recording(forward_seconds(rec), "forward", rec, t0)
         ctx.set_materialize_grads(False)  # the gradients' values are never read (see gpemu.model_time._BackwardStart)
         R = rec.state
         mem = R.ts.memory[rec.dev]

@@ -1,0 +1,231 @@
+"""Serving on emulated GPUs (issue 33): TTFT and TPOT of transformers' ``generate()`` for GPT-2
+small and a Llama-3-8B-shaped model in bf16 (random weights from a config: no download), on A100
+and H100, batch 1/8/32, 128- and 2048-token prompts; the emulator's wall time per decode step;
+each decode step's GPU time against the bandwidth bound implied by the bytes it must read.
+
+    python benchmarks/serving.py                      # the whole table (a few minutes)
+    python benchmarks/serving.py --models gpt2 --gpus A100 --batches 1 --prompts 128
+
+Columns:
+
+* **TTFT**: the prefill call, issue to the end of its GPU work; **TPOT p50/p99**: the decode
+  steps, end to end (gpemu.serving), on the virtual clock (no host time but the modelled one:
+  an eager step that is host-bound, as HF's is at batch 1, shows the host issue time the cost
+  model prices for its kernels);
+* **step GPU**: the kernels of one decode step at the prompt's length, back to back (op by op,
+  replay off, on a virtual clock: no host time at all); **bound**: the bytes it must read
+  (the weights but the input embedding's table, the KV cache) over the GPU's memory
+  bandwidth; the ratio of the two; **GEMM**: the step's matrix products against the time to read
+  the weights they multiply at that bandwidth (how close the memory-bound part is priced);
+* **wall/step**: this machine's wall time per replayed decode step (a generate of 40 tokens less
+  one of 8, over 32), HF's own loop included; **in model**: of it, inside the model's call (the
+  emulator's replay: the target being <= 1 ms); medians over the replayed steps.
+
+GPT-2's position table is extended to 2,112 positions for the 2048-token prompts (GPT-2 small
+has 1,024). A case that does not fit the GPU's memory shows the emulated OOM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, NamedTuple
+
+import torch
+from _common import machine
+
+import gpemu
+from gpemu.clock import VirtualClock
+from gpemu.costmodel import gpu_sheet
+from gpemu.serving import serving_summary
+
+NEW_TOKENS = 40
+
+
+class Case(NamedTuple):
+    """One row of the table."""
+
+    model: str
+    gpu: str
+    batch: int
+    prompt: int
+
+
+def build(name: str) -> Any:
+    """A model with random weights made directly on the emulated GPU, in bf16."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_positions=2048 + 64)
+        cls: Any = transformers.GPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        )
+        cls = transformers.LlamaForCausalLM
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class Timed(NamedTuple):
+    """Wall seconds of a generate()'s model calls: when each started, how long it took."""
+
+    starts: list[float]
+    inside: list[float]
+
+
+def _generate(model: Any, case: Case, new: int) -> Timed:
+    ids = torch.randint(0, 50000, (case.batch, case.prompt)).cuda()
+    timed_calls = Timed([], [])
+    patched = torch.nn.Module.__call__  # (gpemu's: the replay)
+
+    def timed(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is not model:
+            return patched(self, *args, **kwargs)
+        t = time.perf_counter()
+        try:
+            return patched(self, *args, **kwargs)
+        finally:
+            timed_calls.starts.append(t)
+            timed_calls.inside.append(time.perf_counter() - t)
+
+    torch.nn.Module.__call__ = timed  # type: ignore[method-assign]
+    try:
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    finally:
+        torch.nn.Module.__call__ = patched  # type: ignore[method-assign]
+    assert out.shape == (case.batch, case.prompt + new), out.shape
+    return timed_calls
+
+
+def serve_rows(name: str, gpu: str, cases: list[Case]) -> dict[Case, dict[str, Any]]:
+    """TTFT, TPOT, KV peak and wall per replayed step of each case (one patch, one model)."""
+    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock())
+    rows: dict[Case, dict[str, Any]] = {}
+    try:
+        model = build(name)
+        for case in cases:
+            try:
+                _generate(model, case, NEW_TOKENS)  # records and finds the decode steps' line
+                first = len(rt.replay.serving.steps)
+                calls = _generate(model, case, NEW_TOKENS)
+                s = serving_summary(rt.replay.serving.steps[first:])
+                # replayed decode steps (the prefill and the first decode step left out): medians
+                # (this machine is shared: a mean takes in other programs' bursts)
+                gaps = [b - a for a, b in zip(calls.starts[2:], calls.starts[3:], strict=False)]
+                rows[case] = {
+                    "serving": s,
+                    "wall_step": statistics.median(gaps),
+                    "wall_call": statistics.median(calls.inside[2:]),
+                }
+            except torch.cuda.OutOfMemoryError:
+                rows[case] = {"oom": True}
+    finally:
+        gpemu.unpatch()
+    return rows
+
+
+class StepKernels(NamedTuple):
+    """One decode step's kernels back to back."""
+
+    seconds: float  # all of them
+    gemm_seconds: float  # its matrix products (the weights' reads)
+    weight_bytes: int  # the weights a step reads (all but the input embedding's table)
+    kv_bytes: int  # its KV cache
+
+
+_GEMMS = ("mm.default", "addmm.default", "bmm.default")
+
+
+def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepKernels]:
+    """One decode step's kernels back to back at the prompt's length, and the bytes it must read:
+    every weight once but the input embedding's table (one row per token), and the KV cache."""
+    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock(), replay=False)
+    out: dict[Case, StepKernels] = {}
+    try:
+        import transformers
+
+        model = build(name)
+        table = model.get_input_embeddings().weight
+        weights = sum(p.numel() * p.element_size() for p in model.parameters()) - table.numel() * table.element_size()
+        for case in cases:
+            try:
+                cache = transformers.DynamicCache(config=model.config)
+                ids = torch.randint(0, 50000, (case.batch, case.prompt)).cuda()
+                with torch.no_grad():
+                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    kv = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+                    t0, n0 = rt.engine.now(), len(rt.recorder.spans)
+                    model(ids[:, :1], past_key_values=cache, use_cache=True)
+                    torch.cuda.synchronize()
+                gemm = sum(sp.end - sp.start for sp in list(rt.recorder.spans)[n0:] if sp.name in _GEMMS)
+                out[case] = StepKernels(rt.engine.now() - t0, gemm, weights, kv)
+                del cache
+            except torch.cuda.OutOfMemoryError:
+                pass
+    finally:
+        gpemu.unpatch()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="gpt2,llama3-8b")
+    ap.add_argument("--gpus", default="A100,H100")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompts", default="128,2048")
+    a = ap.parse_args()
+    print(f"# {machine()}")
+    print(f"# transformers generate(), bf16, greedy, {NEW_TOKENS} new tokens, virtual clock")
+    head = (
+        f"{'model':<10} {'gpu':<9} {'batch':>5} {'prompt':>6} {'TTFT':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+        f"{'tok/s':>8} {'KV peak':>9} {'step GPU':>9} {'bound':>9} {'ratio':>6} {'GEMM':>6} "
+        f"{'wall/step':>9} {'in model':>9}"
+    )
+    print(head)
+    for name in a.models.split(","):
+        for gpu in a.gpus.split(","):
+            cases = [Case(name, gpu, int(b), int(p)) for p in a.prompts.split(",") for b in a.batches.split(",")]
+            rows = serve_rows(name, gpu, cases)
+            kernels = step_gpu_seconds(name, gpu, cases)
+            bandwidth = gpu_sheet(gpu).memory_bandwidth
+            for case in cases:
+                print(_line(case, rows[case], kernels.get(case), bandwidth))
+
+
+def _line(case: Case, row: dict[str, Any], kernels: StepKernels | None, bandwidth: float) -> str:
+    lead = f"{case.model:<10} {case.gpu:<9} {case.batch:>5} {case.prompt:>6}"
+    if row.get("oom"):
+        return f"{lead} out of memory on the emulated GPU"
+    s = row["serving"]
+    ms = 1e3
+    line = (
+        f"{lead} {s['ttft']['p50_s'] * ms:>7.2f}ms {s['tpot']['p50_s'] * ms:>7.2f}ms {s['tpot']['p99_s'] * ms:>7.2f}ms "
+        f"{s['tokens_per_s']:>8.0f} {s['kv_cache_peak_bytes'] / 2**30:>7.2f}Gi"
+    )
+    if kernels is not None:
+        bound = (kernels.weight_bytes + kernels.kv_bytes) / bandwidth
+        gemm = kernels.gemm_seconds / (kernels.weight_bytes / bandwidth)
+        line += f" {kernels.seconds * ms:>7.2f}ms {bound * ms:>7.2f}ms {kernels.seconds / bound:>6.2f} {gemm:>6.2f}"
+    else:
+        line += f" {'-':>9} {'-':>9} {'-':>6} {'-':>6}"
+    return line + f" {row['wall_step'] * ms:>7.2f}ms {row['wall_call'] * ms:>7.2f}ms"
+
+
+if __name__ == "__main__":
+    main()
