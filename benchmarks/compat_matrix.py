@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from _common import machine  # (puts the repository on sys.path)
@@ -140,7 +141,7 @@ def third_party_rows(names: list[str]) -> list[thirdparty.Row]:
     return [r for r in thirdparty.ROWS if r.name in wanted]
 
 
-def run_third_party(rows: list[thirdparty.Row], base: Path, args: argparse.Namespace) -> list[dict]:
+def run_third_party(rows: list[thirdparty.Row], base: Path, args: argparse.Namespace) -> Iterator[dict]:
     """Each row in a copy of its repository (one copy per repository, rows in order); a row that
     cannot run says why."""
     folders = [Path(f) for f in args.repos]
@@ -153,7 +154,6 @@ def run_third_party(rows: list[thirdparty.Row], base: Path, args: argparse.Names
             known[key] = thirdparty.interpreter_facts(python, row.needs)
         return known[key]
 
-    out = []
     for row in rows:
         source = thirdparty.find_source(row.repo, folders)
         python = args.python
@@ -168,7 +168,7 @@ def run_third_party(rows: list[thirdparty.Row], base: Path, args: argparse.Names
         else:
             reason = thirdparty.why_not(row, facts)
         if source is None or reason:
-            out.append({**entry, "works": None, "why": reason, "provenance": row.repo})
+            yield {**entry, "works": None, "why": reason, "provenance": row.repo}
             continue
         if row.repo not in copies:
             copies[row.repo] = base / row.repo.replace("/", "+")
@@ -181,23 +181,20 @@ def run_third_party(rows: list[thirdparty.Row], base: Path, args: argparse.Names
         try:
             result = thirdparty.run(row, copies[row.repo], base / "runs" / row.name, python, facts)
         except subprocess.CalledProcessError as exc:  # its data or the repository's own preparation
-            out.append({**entry, "works": False, "why": f"preparation failed: {exc}", "provenance": row.repo})
+            yield {**entry, "works": False, "why": f"preparation failed: {exc}", "provenance": row.repo}
             continue
         (base / "runs" / row.name / "output.txt").write_text(result.output)
-        out.append(
-            {
-                **entry,
-                "works": result.works,
-                "why": None if result.works else result.output[-2500:],
-                "gpu_ms_per_step": scenarios.gpu_ms_per_step(result.metrics),
-                "iterations": int(result.metrics[0].get("iterations") or 0) if result.metrics else None,
-                "model_time": scenarios.time_provenance(result.metrics),
-                "torch": facts["torch"],
-                "run_s": round(time.perf_counter() - t0, 1),
-                "provenance": thirdparty.provenance_line(row, source),
-            }
-        )
-    return out
+        yield {
+            **entry,
+            "works": result.works,
+            "why": None if result.works else result.output[-2500:],
+            "gpu_ms_per_step": scenarios.gpu_ms_per_step(result.metrics),
+            "iterations": int(result.metrics[0].get("iterations") or 0) if result.metrics else None,
+            "model_time": scenarios.time_provenance(result.metrics),
+            "torch": facts["torch"],
+            "run_s": round(time.perf_counter() - t0, 1),
+            "provenance": thirdparty.provenance_line(row, source),
+        }
 
 
 def third_party_line(row: dict) -> str:
