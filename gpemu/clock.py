@@ -19,11 +19,45 @@ import threading
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "RealClock", "VirtualClock", "wait_until", "now", "DEFAULT_SPIN_MARGIN"]
+__all__ = [
+    "Clock",
+    "RealClock",
+    "VirtualClock",
+    "wait_until",
+    "now",
+    "DEFAULT_SPIN_MARGIN",
+    "REAL",
+    "VIRTUAL_TIME_NOTE",
+]
 
 # How long before a deadline we stop sleeping and start spinning. time.sleep overshoots by
 # ~0.1 ms median on a quiet machine; 1 ms leaves room for a busier one without burning much CPU.
 DEFAULT_SPIN_MARGIN = 1e-3
+
+
+# The first line of a run on virtual time (`gpemu run --clock virtual`, or patch(clock="virtual")):
+# what its times model and what they do not (docs/time.md, "Virtual time", says it at length).
+VIRTUAL_TIME_NOTE = (
+    "virtual time: each process's host time is the CPU time its threads spend (plus blocking file "
+    "I/O in data fetches), never waiting for a core; GPU waits, sleeps and waits for other ranks or "
+    "batches jump to their deadline. Not modelled: contention for this host's disk, memory "
+    "bandwidth and network, and time a thread spends blocked outside those waits"
+)
+
+
+class RealTime:
+    """The host's real clocks and sleep, as they were when gpemu was imported: a run on virtual
+    time replaces ``time.perf_counter``, ``time.sleep``, ... for the program (gpemu.time.virtual),
+    while the emulator's own real waits (a sharing manager's deadlines, broker timeouts) keep
+    reading the real ones from here."""
+
+    perf_counter = staticmethod(time.perf_counter)
+    monotonic = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
+    time = staticmethod(time.time)  # (last: the name shadows the module in this class body)
+
+
+REAL = RealTime()
 
 
 class Clock(Protocol):
@@ -37,6 +71,8 @@ class Clock(Protocol):
 class RealClock:
     """``time.perf_counter`` with deadline waits (coarse sleep, then spin)."""
 
+    virtual = False  # waits take real time
+
     def __init__(self, spin_margin: float = DEFAULT_SPIN_MARGIN) -> None:
         if spin_margin < 0:
             raise ValueError(f"spin_margin must be >= 0 seconds, got {spin_margin!r}")
@@ -44,22 +80,22 @@ class RealClock:
 
     @staticmethod
     def now() -> float:
-        return time.perf_counter()
+        return REAL.perf_counter()
 
     def wait_until(self, deadline: float) -> None:
-        perf = time.perf_counter
+        perf = REAL.perf_counter
         margin = self.spin_margin
         remaining = deadline - perf()
         # Several coarse sleeps: one sleep may return early (signals) or very late under load;
         # re-checking keeps us from spinning for long stretches.
         while remaining > margin:
-            time.sleep(remaining - margin)
+            REAL.sleep(remaining - margin)
             remaining = deadline - perf()
         while perf() < deadline:
             pass
 
     def sleep(self, seconds: float) -> None:
-        self.wait_until(time.perf_counter() + seconds)
+        self.wait_until(REAL.perf_counter() + seconds)
 
 
 class VirtualClock:
@@ -100,7 +136,7 @@ _REAL = RealClock()
 
 def now() -> float:
     """The engine's time base (``time.perf_counter`` seconds)."""
-    return time.perf_counter()
+    return REAL.perf_counter()
 
 
 def wait_until(deadline: float) -> None:

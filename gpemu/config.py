@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "ENV_PREFIX",
     "GRANULARITIES",
+    "CLOCKS",
     "amqp_url_problem",
     "fill_amqp_password",
     "costmodel_cache_dir",
@@ -193,9 +194,12 @@ class EmuConfig:
     # GPEMU_NODE_RANK (else torchrun's GROUP_RANK): the node this process runs on. Unset: ranks
     # fill nodes in order (rank // GPUs per node).
     node_rank: int | None = None
-    # The host clock of the run (default: the real one). Tests and overhead benchmarks pass a
-    # gpemu.clock.VirtualClock. Not an environment setting: child processes use the real clock.
-    clock: Clock | None = field(default=None, compare=False)
+    # GPEMU_CLOCK: the host clock of the run: "real" (default: the wall clock) or "virtual" (each
+    # thread's CPU time; waits jump to their deadline; see docs/time.md). Tests and overhead
+    # benchmarks may pass a gpemu.clock.VirtualClock object instead (not sent to child processes).
+    clock: Clock | str | None = field(default=None, compare=False)
+    # "virtual" when `clock` asks for virtual time, else "real": compared between runs.
+    time_mode: str = field(default="real", init=False)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -218,7 +222,7 @@ class EmuConfig:
             values["data_dir"] = str(Path(xdg) / "gpemu")
         if "node_rank" not in values and env.get("GROUP_RANK"):
             values["node_rank"] = env["GROUP_RANK"]  # torchrun's node rank, for its workers
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -271,6 +275,7 @@ class EmuConfig:
             raise ConfigError(f"device_gpus names {len(self.device_gpus)} GPUs; at most 64 per process")
         if self.data_dir is not None:
             _expanded_dir(self.data_dir)
+        self._check_clock()
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
@@ -300,6 +305,26 @@ class EmuConfig:
                 f"the cluster {described.name!r} has {described.gpu} GPUs but gpu is {self.gpu!r}: leave --gpu out, "
                 f"or describe a cluster of {self.gpu} (gpu: {self.gpu} in its YAML)"
             )
+
+    def _check_clock(self) -> None:
+        clock = self.clock
+        if isinstance(clock, str) or clock is None:
+            if clock not in (None, *CLOCKS):
+                raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+            mode = clock or "real"
+        elif callable(getattr(clock, "now", None)) and callable(getattr(clock, "wait_until", None)):
+            mode = "real"  # (a test's clock object: compared as the default, as before)
+        else:
+            raise ConfigError(
+                f"clock must be one of {', '.join(CLOCKS)} or a clock object with now() and wait_until(), "
+                f"got {type(clock).__name__}"
+            )
+        object.__setattr__(self, "time_mode", mode)
+
+    @property
+    def virtual_time(self) -> bool:
+        """Whether the run is on virtual time (``clock="virtual"``)."""
+        return self.time_mode == "virtual"
 
     def _check_sharing_ids(self) -> None:
         """The settings a sharing manager would refuse at a job's registration, refused here
@@ -352,8 +377,8 @@ class EmuConfig:
             if f.name in _NOT_IN_ENV:
                 continue
             value = getattr(self, f.name)
-            if value is None:
-                continue
+            if value is None or (f.name == "clock" and not isinstance(value, str)):
+                continue  # (a clock object stays in this process)
             if isinstance(value, Tuning):
                 text = value.to_text()
                 if not text:
@@ -372,7 +397,8 @@ class EmuConfig:
         gpus = ",".join(self.gpus_per_device)
         share = f" sharing={redact_url(self.sharing)}" if self.sharing else ""
         cluster = f" cluster={self.cluster}" + (f" nodes={self.nodes}" if self.nodes else "") if self.cluster else ""
-        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}"
+        clock = " clock=virtual" if self.virtual_time else ""
+        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}{clock}"
 
 
 def costmodel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -413,8 +439,9 @@ def _name_list(name: str, value: str) -> tuple[str, ...] | None:
 _TEXT_SETTINGS = frozenset(
     ("model", "db_url", "sharing", "job_id", "metrics_path", "trace_path", "device_dir", "data_dir", "cluster")
 )
-# Settings that cannot travel through the environment (objects, not text).
-_NOT_IN_ENV = frozenset(("clock",))
+# Settings that are not read from the environment (derived from others).
+_NOT_IN_ENV = frozenset(("time_mode",))
+CLOCKS = ("real", "virtual")
 
 
 def _env_name(field_name: str) -> str:
@@ -449,23 +476,15 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str):
             return _name_list(name, value)
         return tuple(value) if value is not None else None
-    if name in (
-        "model",
-        "db_url",
-        "sharing",
-        "job_id",
-        "metrics_path",
-        "trace_path",
-        "device_dir",
-        "data_dir",
-        "cluster",
-    ):
+    if name in _TEXT_SETTINGS:
         if isinstance(value, str):
             value = value.strip()
             return value or None
         return None if value is None else str(value)
     if name in ("memory", "sharing_granularity") and isinstance(value, str):
         return value.strip().lower()
+    if name == "clock" and isinstance(value, str):
+        return value.strip().lower() or None
     if name in ("sharing_weight", "sharing_lease_s") and isinstance(value, str):
         try:
             return float(value.strip())

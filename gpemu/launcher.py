@@ -18,9 +18,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .clock import VIRTUAL_TIME_NOTE
 from .config import ConfigError, EmuConfig
 
-__all__ = ["BOOTSTRAP_DIR", "build_config", "child_env", "command_argv", "run_command", "bootstrap"]
+__all__ = [
+    "BOOTSTRAP_DIR",
+    "VIRTUAL_TIME_NOTE",
+    "build_config",
+    "child_env",
+    "command_argv",
+    "run_command",
+    "bootstrap",
+]
 
 # Holds sitecustomize.py only, so putting it on PYTHONPATH adds nothing else importable.
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .clock import REAL
 from .commstats import communication_lines, device_communication, run_communication
 from .recorder import GpuSpan, HostWait, IterationMark, MemorySample, SyncPoint
 from .units import format_bytes
@@ -91,6 +92,10 @@ class RunRecords:
     config: str = ""
     # Where each model's forward/backward time came from (gpemu.model_time's sources).
     models: list[dict[str, Any]] = field(default_factory=list)
+    # The clock every time above is on: "real" (the wall clock) or "virtual" (docs/time.md), and
+    # for a live run on virtual time, the real seconds it took (its speed-up).
+    clock: str = "real"
+    wall_s: float | None = None
 
     @property
     def num_devices(self) -> int:
@@ -127,6 +132,8 @@ def records_from_runtime(rt: Runtime) -> RunRecords:
         memory_stats=stats,
         config=rt.config.describe(),
         models=[dict(m) for m in rt.model_time.sources.values()] if rt.model_time is not None else [],
+        clock="virtual" if rt.config.virtual_time else "real",
+        wall_s=REAL.perf_counter() - engine.started_wall if rt.config.virtual_time and engine is not None else None,
     )
 
 
@@ -370,6 +377,8 @@ def compute_summary(records: RunRecords) -> dict[str, Any]:
         "notes": list(records.notes),
         "models": list(records.models),
         "communication": run_communication(counters),
+        "clock": records.clock,
+        "wall_s": records.wall_s,
     }
 
 
@@ -443,6 +452,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"gpemu summary: {gpus}, {s['iterations']} iteration(s), run {format_seconds(s['run_s'])}"
         + (f"  ({s['config']})" if s.get("config") else "")
     ]
+    virtual = _virtual_time_line(s)
+    if virtual:
+        lines.append(virtual)
     for dev in shown:
         lines += _device_lines(dev)
     w = _LABEL_WIDTH
@@ -458,6 +470,17 @@ def format_summary(s: dict[str, Any]) -> str:
         f"GPU->host {format_size(t['d2h_bytes'])} ({t['d2h_copies']} copies)"
     )
     return "\n".join(lines)
+
+
+def _virtual_time_line(s: dict[str, Any]) -> str | None:
+    """On virtual time: that every time is virtual, and the run's speed-up over real time."""
+    if s.get("clock") != "virtual":
+        return None
+    line = "virtual time".ljust(_LABEL_WIDTH + 2) + "every time in this summary is virtual (docs/time.md)"
+    wall = s.get("wall_s")
+    if isinstance(wall, (int, float)) and wall > 0:
+        line += f"; {format_seconds(s['run_s'])} ran in {format_seconds(wall)} of real time ({s['run_s'] / wall:.1f}x)"
+    return line
 
 
 def _device_lines(dev: dict[str, Any]) -> list[str]:

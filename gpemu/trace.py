@@ -13,7 +13,8 @@ Loads in https://ui.perfetto.dev and chrome://tracing:
   else did (:mod:`gpemu.commstats`); each comm span's name says its links and NCCL's algorithm;
 * **memory** as a counter track (``"ph": "C"``, MiB allocated / reserved).
 
-Times are relative to patch time. ``otherData`` holds what a summary needs besides the events
+Times are relative to patch time, on the run's clock (``otherData.clock``: "real", or "virtual"
+for a run on virtual time, see docs/time.md). ``otherData`` holds what a summary needs besides the events
 (GPU names, counters, memory tracker peaks) and the summary itself, so ``gpemu report`` can
 recompute the summary from the file alone (:func:`gpemu.trace_reader.load_trace`).
 """
@@ -160,6 +161,8 @@ def write_trace(records: Any, path: str | os.PathLike[str], summary: dict[str, A
             "notes": list(records.notes),
             "models": list(records.models),
             "memory_stats": list(records.memory_stats),
+            # "virtual": every time in this file is on the run's virtual timeline (docs/time.md).
+            "clock": getattr(records, "clock", "real"),
             "summary": json_safe(summary),
         },
     }

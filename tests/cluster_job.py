@@ -1,6 +1,8 @@
 """A comm-heavy DDP job for the multi-node tests (run by torchrun under `gpemu run`).
 
-Prints one JSON line per rank: its node, its steps' wall times, and the emulator's counters.
+Writes one JSON file per rank into ``--results DIR`` (``rank<R>.json``): its node, its steps'
+times, and the emulator's counters. (A file, not a printed line: the ranks of a node share one
+unbuffered stdout, where two long lines can interleave.)
 ``--sleep-rank R --sleep S``: rank R's host is slow by S seconds a step (a straggler).
 """
 
@@ -10,6 +12,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--sleep-rank", type=int, default=-1)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--results", required=True, help="directory for rank<R>.json")
     args = parser.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -45,7 +49,7 @@ def main() -> None:
     rt = gpemu.runtime.current()
     assert rt is not None and rt.placement is not None
     out = {"rank": rank, "nodes": rt.placement.rank_nodes, "steps": steps, "counters": rt.recorder.counters}
-    print("RESULT " + json.dumps(out), flush=True)
+    Path(args.results, f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 

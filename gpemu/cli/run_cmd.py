@@ -48,6 +48,13 @@ __all__ = ["run"]
     metavar="N",
     help="The node these processes run on (default: torchrun's GROUP_RANK, else ranks fill nodes in order).",
 )
+@click.option(
+    "--clock",
+    type=click.Choice(["real", "virtual"]),
+    help="real (default): emulated time is wall-clock time. virtual: each process's host time is its CPU time "
+    "and GPU waits jump to their deadline, so results do not depend on how busy this host is and a GPU-bound "
+    "hour runs in seconds (docs/time.md, 'Virtual time').",
+)
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
@@ -63,6 +70,7 @@ def run(
     cluster,
     nodes,
     node_rank,
+    clock,
     summary,
     metrics_path,
     trace_path,
@@ -83,6 +91,7 @@ def run(
       gpemu run --cluster dgx-h100 --nodes 2 -- torchrun --nnodes 2 --nproc-per-node 8 ... train.py
       gpemu run --gpu V100 -m mypackage.train
       gpemu run --gpu V100 --trace t.json -- python train.py && gpemu report t.json --plot t.png
+      gpemu run --gpu V100 --clock virtual -- python train.py   # an emulated hour in about a minute
     """
     from gpemu import launcher
 
@@ -96,11 +105,14 @@ def run(
         cluster=cluster,
         nodes=nodes,
         node_rank=node_rank,
+        clock=clock,
         summary=summary,
         metrics_path=metrics_path,
         trace_path=trace_path,
     )
     argv = launcher.command_argv(command, module)
     env = launcher.child_env(config)
+    if config.virtual_time:  # the run's first line: what its times mean
+        print(f"[gpemu] {launcher.VIRTUAL_TIME_NOTE}", file=sys.stderr, flush=True)
     print(f"[gpemu] {config.describe()}: {' '.join(argv)}", file=sys.stderr, flush=True)
     launcher.run_command(argv, env)

@@ -37,6 +37,7 @@ from .meeting import (
     tensor_bytes,
     values_op,
 )
+from .meeting import barrier as meeting_barrier
 
 __all__ = ["C10d", "c10d_form", "C10D_NAMES"]
 
@@ -301,7 +302,7 @@ class C10d:
 
     def barrier(self, group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None) -> Any:
         # gloo has no per-device barrier; the device list only matters to NCCL.
-        return ORIGINAL["barrier"](group=group, async_op=async_op)
+        return meeting_barrier(group, async_op)
 
     # ---------------------------------------------------------------- point to point
     @c10d_form("isend")

@@ -21,6 +21,7 @@ from torch.distributed import distributed_c10d as c10d_module
 
 from ..device import EmuTensor, host_shadow, set_host_shadow
 from ..hostvalues import SHADOW_MAX_ELEMENTS
+from ..runtime import current
 
 __all__ = [
     "ORIGINAL",
@@ -28,6 +29,7 @@ __all__ = [
     "Meeting",
     "ValuesOp",
     "meet",
+    "barrier",
     "lockstep",
     "knows",
     "known_or_host",
@@ -95,11 +97,38 @@ class Meeting(NamedTuple):
 
 
 def meet(group: ProcessGroup | None, finish: float, knows: bool = True) -> Meeting:
-    """One real gloo all-reduce (MAX) of a 16-byte host tensor among the group's ranks."""
+    """One real gloo all-reduce (MAX) of a 16-byte host tensor among the group's ranks.
+
+    Note: on virtual time the ranks' times are comparable (one origin for the run, each rank's
+    host time its own CPU time), so the latest ``finish`` is the latest arrival plus the
+    collective's price whatever the real order of arrival on a busy host; the message itself is
+    the emulator's own work (NCCL would have returned to the program at once), forgiven."""
+    rt = current()
+    if rt is not None and rt.config.virtual_time:
+        return rt.engine.call(_meet, group, finish, knows)
+    return _meet(group, finish, knows)
+
+
+def _meet(group: ProcessGroup | None, finish: float, knows: bool) -> Meeting:
     t = torch.tensor([finish, 0.0 if knows else 1.0], dtype=torch.float64)
     work = ORIGINAL["all_reduce"](t, op=_MAX, group=group, async_op=True)
     work.wait()
     return Meeting(float(t[0]), t[1].item() == 0.0, work)
+
+
+def barrier(group: ProcessGroup | None, async_op: bool) -> Any:
+    """``dist.barrier()``: torch's own; on virtual time the ranks also meet on their times and
+    each leaves at the latest arrival, an arrival being when both its host and its device's
+    work reached the barrier (NCCL's barrier is a collective its host then waits for)."""
+    rt = current()
+    if rt is None or not rt.config.virtual_time:
+        return ORIGINAL["barrier"](group=group, async_op=async_op)
+    engine = rt.engine
+    device = engine.current_device()
+    arrival = max(engine.now(), engine.device_busy_until(device))
+    met = meet(group, arrival)
+    engine.arrive(met.finish, "barrier")
+    return met.work if async_op else None
 
 
 def lockstep(group: ProcessGroup | None, value: float) -> float:

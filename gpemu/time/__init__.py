@@ -6,20 +6,25 @@ forgiven), :mod:`~gpemu.time.timeline` (local deadline arithmetic, or a sharing 
 backend), :mod:`~gpemu.time.streams` (``torch.cuda.Stream`` / ``Event`` shapes),
 :mod:`~gpemu.time.engine` (the run's :class:`TimeEngine`), :mod:`~gpemu.time.capture` (CUDA
 graph capture: a capturing stream records its work), :mod:`~gpemu.time.allowance` (the return
-allowance, measured once per process).
+allowance, measured once per process). Virtual time (``clock="virtual"``):
+:mod:`~gpemu.time.cpuclock` (each thread's CPU time; waits jump), :mod:`~gpemu.time.virtual`
+(the program's clocks), :mod:`~gpemu.time.dataloader` (batches carry their ready time),
+:mod:`~gpemu.time.profiling` (the torch profiler's timestamps).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..clock import RealClock
+from ..clock import Clock, RealClock
 from .allowance import calibrate_return_allowance
 from .capture import BACKWARD_MARK, CAPTURE_INVALIDATED, ITERATION_END, CapturedWork, StreamCapture
 from .engine import TimeEngine
 from .host import HostState, HostTime
 from .streams import EmuEvent, VirtualStream
-from .timeline import EventMark, GpuTimeBackend
+from .timeline import EventMark, GpuTimeBackend, Grant
+from .virtual import install as install_virtual
+from .virtual import make_clock
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
@@ -37,17 +42,27 @@ __all__ = [
     "BACKWARD_MARK",
     "ITERATION_END",
     "CAPTURE_INVALIDATED",
+    "Grant",
     "install",
     "calibrate_return_allowance",
 ]
 
 
 def install(rt: Runtime) -> None:
-    """Create the run's engine (``rt.engine``) on the configured clock (``config.clock``: tests
-    use :class:`gpemu.clock.VirtualClock`) with the configured return allowance and spin margin
+    """Create the run's engine (``rt.engine``) on the configured clock (``config.clock``: real,
+    virtual (:mod:`gpemu.time.virtual`), or a clock object such as the tests'
+    :class:`gpemu.clock.VirtualClock`) with the configured return allowance and spin margin
     (``config.tuning``)."""
-    tuning = rt.config.tuning
-    clock = rt.config.clock if rt.config.clock is not None else RealClock(tuning.spin_margin)
+    config = rt.config
+    tuning = config.tuning
+    virtual_clock = make_clock() if config.virtual_time else None
+    clock: Clock
+    if virtual_clock is not None:
+        clock = virtual_clock
+    elif config.clock is None or isinstance(config.clock, str):
+        clock = RealClock(tuning.spin_margin)
+    else:
+        clock = config.clock
     engine = TimeEngine(
         rt.num_devices,
         rt.recorder,
@@ -59,3 +74,10 @@ def install(rt: Runtime) -> None:
     )
     rt.engine = engine
     rt.patcher.on_restore(engine.close)
+    if virtual_clock is not None:
+        # The run's records start on the virtual timeline, and a forked child continues from the
+        # host's time (the emulator's own forgiven), not from its raw clock.
+        rt.recorder.started_at = engine.now()
+        virtual_clock.fork_reading = engine.now
+        rt.patcher.on_restore(lambda: setattr(virtual_clock, "fork_reading", virtual_clock.now))
+        install_virtual(rt, virtual_clock)

@@ -73,6 +73,9 @@ class TimeEngine(HostTime):
         # paths read it without the lock).
         self.captures: dict[VirtualStream, StreamCapture] = {}
 
+    def current_device_index(self) -> int:
+        return self.current_device()
+
     # ------------------------------------------------------------------ streams
     def check_device(self, device: int) -> int:
         return check_ordinal(device, self.num_devices)

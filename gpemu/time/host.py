@@ -22,14 +22,19 @@ forgiven, because a real GPU program would not spend them:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..clock import Clock, RealClock
+from ..clock import REAL, Clock, RealClock
 from ..recorder import Recorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .profiling import TimeMap
 
 __all__ = ["HostState", "HostTime", "MAX_FORGIVEN_LATENESS", "MAX_FORGIVEN_WORK", "LONG_WAIT_S"]
 
@@ -105,7 +110,17 @@ class HostTime:
         # Per thread: .host, the calling thread's HostState (read it once per call: see HostState).
         self.local = PerThread()
         self.wake_late_s = 0.0  # wake-up lateness forgiven (the recorder's "wake_late_s")
+        # On virtual time (a clock whose waits jump) the emulator's own time is CPU time, never
+        # the OS holding the process: all of it is forgiven, however long an entry takes.
+        self.virtual = bool(getattr(clock, "virtual", False))
+        self.max_forgiven_work = float("inf") if self.virtual else MAX_FORGIVEN_WORK
+        self.started_wall = REAL.perf_counter()  # real time at the start (the speed-up of a virtual run)
+        # While the torch profiler records on virtual time: its (real, virtual) samples
+        # (gpemu.time.profiling), taken where the two part: leaving emulator code, after waits.
+        self.time_map: TimeMap | None = None
         recorder.add_source(self._counters)
+        if self.virtual:
+            _FORKED_FRESH.add(self)
 
     def _counters(self) -> list[tuple[str, float]]:
         return [("wake_late_s", self.wake_late_s)] if self.wake_late_s else []
@@ -131,7 +146,10 @@ class HostTime:
             local.depth = 0
             spent = self.read_clock() - local.entry
             if spent > 0:
-                local.late += spent if spent < MAX_FORGIVEN_WORK else MAX_FORGIVEN_WORK
+                cap = self.max_forgiven_work
+                local.late += spent if spent < cap else cap
+            if self.time_map is not None:
+                self.time_map.sample(self)
 
     def call(self, fn: Callable[..., _R], *args: Any) -> _R:
         """``fn(*args)`` as emulator work: an outermost entry when the thread is in the
@@ -156,7 +174,8 @@ class HostTime:
             local.depth = 0
             spent = self.read_clock() - local.entry
             if spent > 0:
-                local.late += spent if spent < MAX_FORGIVEN_WORK else MAX_FORGIVEN_WORK
+                cap = self.max_forgiven_work
+                local.late += spent if spent < cap else cap
         return depth
 
     def resume(self, depth: int, at: float | None = None) -> None:
@@ -210,7 +229,10 @@ class HostTime:
             local.depth = 0
             spent = start - local.entry
             if spent > 0:
-                local.late += spent if spent < MAX_FORGIVEN_WORK else MAX_FORGIVEN_WORK
+                cap = self.max_forgiven_work
+                local.late += spent if spent < cap else cap
+        if self.time_map is not None:  # (both sides of a jump)
+            self.time_map.sample(self)
         self.clock.wait_until(deadline)
         last = self.waited(deadline, start, device, reason)
         if depth:  # (resume from the wait's last reading)
@@ -253,6 +275,8 @@ class HostTime:
         if late > MAX_FORGIVEN_LATENESS:
             late = MAX_FORGIVEN_LATENESS
         local.late = (late if late > 0 else 0.0) + allowance
+        if self.time_map is not None:
+            self.time_map.sample(self)
         return last
 
     def settle(self) -> None:
@@ -276,3 +300,58 @@ class HostTime:
     def forget_wait(self) -> None:
         """Start a new settle() scope: only a wait after this call may be forgiven."""
         self.local.host.wait_deadline = None
+
+    # ------------------------------------------------------------------ the program's host time
+    def charge_host(self, seconds: float) -> None:
+        """The calling thread's program spends ``seconds`` of modelled host time (what a real
+        framework would spend issuing work, which the emulator does in less): its time on the
+        emulated timeline moves on by that much, on the real clock and on virtual time alike.
+
+        Note: the place for a host model's per-op issue time (docs/time.md, "Virtual time"):
+        charged here, it is the program's time like its own CPU time, so work it issues
+        afterwards starts later and a sync point waits from there."""
+        if not seconds >= 0:
+            raise ValueError(f"modelled host time must be >= 0 seconds, got {seconds!r}")
+        self.jump(lambda: setattr(self.local.host, "late", self.local.host.late - seconds))
+
+    def jump(self, move: Callable[[], object]) -> None:
+        """``move()`` moves the calling thread's time at once (a sleep, a modelled cost): the
+        torch profiler's samples, when it records, see both sides (gpemu.time.profiling)."""
+        tmap = self.time_map
+        if tmap is not None:
+            tmap.sample(self)
+        move()
+        if tmap is not None:
+            tmap.sample(self)
+
+    def arrive(self, at: float, reason: str) -> None:
+        """The calling thread receives something that was ready at ``at`` (a batch, the last rank
+        at a barrier): when that is later than its time, it waited for it until then."""
+        if at > self.now():
+            self.enter()
+            try:
+                self.wait_until(at, self.current_device_index(), reason)
+            finally:
+                self.leave()
+
+    def current_device_index(self) -> int:
+        """The device a host wait is recorded against (the engine knows the thread's device)."""
+        return 0
+
+    def _forked(self) -> None:
+        """In a forked child (a DataLoader worker): the forking thread starts afresh at the time
+        its clock continues from (see gpemu.time.cpuclock), nothing forgiven yet."""
+        self.local.host = HostState()
+
+
+# Engines on virtual time, whose forked children start their host state afresh.
+_FORKED_FRESH: weakref.WeakSet[HostTime] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for host in list(_FORKED_FRESH):
+        host._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

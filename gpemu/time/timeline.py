@@ -29,15 +29,24 @@ from .host import HostTime
 if TYPE_CHECKING:  # pragma: no cover
     from .streams import VirtualStream
 
-__all__ = ["Timeline", "LocalTimeline", "SharedTimeline", "GpuTimeBackend", "EventMark", "PendingWork"]
+__all__ = ["Timeline", "LocalTimeline", "SharedTimeline", "GpuTimeBackend", "Grant", "EventMark", "PendingWork"]
 
 _append = list.append  # records are appended as plain tuples (see gpemu.recorder.Records)
 
 
 class GpuTimeBackend(Protocol):
-    """Something that 'runs' GPU time for this job, e.g. a sharing manager client."""
+    """Something that 'runs' GPU time for this job, e.g. a sharing manager client. On virtual
+    time it is called with ``at`` (the job's virtual time when it sends the work) and returns the
+    :class:`Grant` (a backend without virtual time is called without it and returns None)."""
 
-    def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None: ...
+    def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> Grant | None: ...
+
+
+class Grant(NamedTuple):
+    """Where a backend ran a piece of work on the virtual timeline."""
+
+    start: float
+    end: float
 
 
 @dataclass
@@ -223,6 +232,9 @@ class SharedTimeline:
         self.lock = threading.Lock()
         self.pending: list[list[PendingWork]] = [[] for _ in busy]
         self.workers: dict[int, BackendWorker] = {}
+        # On virtual time the backend says where it ran the work (a Grant) and the host's time
+        # jumps there when it waits; on real time the host waits for the worker for real.
+        self.virtual = host.virtual
 
     def enqueue(
         self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float, at: float | None
@@ -250,7 +262,8 @@ class SharedTimeline:
         if not items:
             return worker.last_ticket
         label = items[0].kind if all(it.kind == items[0].kind for it in items) else self.granularity
-        return worker.submit(items, label, self.peak_bytes(device))
+        # (on virtual time: the host's time when it hands the work over, the request's send time)
+        return worker.submit(items, label, self.peak_bytes(device), self.host.now())
 
     def wait_device(self, device: int, deadline: float, reason: str) -> None:
         # (the worker decides when the work ends; the deadline is unused)
@@ -259,6 +272,11 @@ class SharedTimeline:
         if worker is None:
             return
         host = self.host
+        if self.virtual:  # the real wait for the manager's answer counts nothing; its time does
+            done = worker.wait(worker.last_ticket)
+            if done > host.now():
+                host.wait_until(done, device, "sharing")
+            return
         depth = host.suspend()
         start = host.clock.now()
         try:
@@ -285,7 +303,8 @@ class SharedTimeline:
         with worker.cond:
             idle = worker.done_ticket >= ticket
         # Nothing outstanding: the event completes now; else when its ticket's work ends.
-        return EventMark(device, self.host.clock.now(), None) if idle else EventMark(device, None, ticket)
+        now = self.host.now() if self.virtual else self.host.clock.now()
+        return EventMark(device, now, None) if idle else EventMark(device, None, ticket)
 
     def mark_done(self, mark: EventMark) -> bool:
         if mark.ticket is None:
@@ -299,6 +318,11 @@ class SharedTimeline:
             return
         w = self.workers.get(mark.device)
         clock = self.host.clock
+        if self.virtual:
+            mark.time = w.wait(mark.ticket) if w is not None else self.host.now()
+            mark.ticket = None
+            _wait_for_time(self.host, mark)
+            return
         if w is not None:
             start = clock.now()
             mark.time = w.wait(mark.ticket)
@@ -333,6 +357,16 @@ class SharedTimeline:
             w.stop()
 
 
+class _Submitted(NamedTuple):
+    """One hand-over of work to a backend worker."""
+
+    ticket: int
+    items: Sequence[PendingWork]
+    label: str
+    device_peak: int
+    at: float  # the host's time when it handed the work over
+
+
 class BackendWorker:
     """Runs one device's GPU work through a backend, in order, off the host thread."""
 
@@ -344,15 +378,17 @@ class BackendWorker:
         self.last_ticket = 0
         self.done_ticket = 0
         self.done_at: dict[int, float] = {}
+        self.free_at = float("-inf")  # virtual time: when the last granted work ended
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name=f"gpemu-gpu{device}-backend", daemon=True)
         self.thread.start()
 
-    def submit(self, items: Sequence[PendingWork], label: str, device_peak: int = 0) -> int:
+    def submit(self, items: Sequence[PendingWork], label: str, device_peak: int = 0, at: float = 0.0) -> int:
+        """Queue ``items`` for the backend (``at``: the host's time when it handed them over)."""
         with self.cond:
             self.last_ticket += 1
             ticket = self.last_ticket
-        self.queue.put((ticket, items, label, device_peak))
+        self.queue.put(_Submitted(ticket, items, label, device_peak, at))
         return ticket
 
     def _loop(self) -> None:
@@ -360,8 +396,10 @@ class BackendWorker:
             job = self.queue.get()
             if job is None:
                 return
-            ticket, items, label, device_peak = job
-            end = self._run(items, label, device_peak)
+            ticket, items, label, device_peak, at = job
+            end = self._run_virtual(items, label, device_peak, at) if self.timeline.virtual else None
+            if end is None:
+                end = self._run(items, label, device_peak)
             self.timeline.worker_done(self.device, end)
             with self.cond:
                 self.done_ticket = ticket
@@ -391,6 +429,31 @@ class BackendWorker:
                 rec.span(self.device, it.stream_id, it.kind, it.name, t, t + it.seconds * scale, it.enqueued_at)
             t += it.seconds * scale
         return t1
+
+    def _run_virtual(self, items: Sequence[PendingWork], label: str, device_peak: int, at: float) -> float | None:
+        """On virtual time: the request is sent at the later of the host's hand-over and the end
+        of the previous request (one at a time), and the items are laid out in the granted
+        window; None when the backend gave no grant (then timed on the clock, as on real time)."""
+        timeline = self.timeline
+        seconds = sum(it.seconds for it in items)
+        peak = max(max((it.peak_bytes for it in items), default=0), device_peak)
+        sent = max(at, self.free_at)
+        try:
+            grant = timeline.backend.run(self.device, seconds, peak, label, at=sent)  # type: ignore[call-arg]
+        except BaseException as exc:  # surfaced to the host at its next wait
+            self.error = exc
+            return sent
+        if grant is None:
+            return None
+        self.free_at = grant.end
+        scale = (grant.end - grant.start) / seconds if seconds > 0 else 0.0
+        t = grant.start
+        for it in items:
+            if it.seconds > 0:
+                end = t + it.seconds * scale
+                timeline.recorder.span(self.device, it.stream_id, it.kind, it.name, t, end, it.enqueued_at)
+            t += it.seconds * scale
+        return grant.end
 
     def wait(self, ticket: int) -> float:
         with self.cond:

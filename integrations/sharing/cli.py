@@ -166,6 +166,24 @@ def _debug() -> bool:
     "up to this long before it arrived (0: when it arrives) [default: 0.05].",
 )
 @click.option(
+    "--clock",
+    "time_mode",
+    default="real",
+    show_default=True,
+    type=click.Choice(["real", "virtual"]),
+    help="virtual: serve jobs on virtual time (`gpemu run --clock virtual`): slots are decided on the jobs' "
+    "virtual clocks, so a study runs as fast as the jobs' hosts allow with the schedule real time would give.",
+)
+@click.option(
+    "--jobs",
+    "expected_jobs",
+    default=0,
+    type=click.IntRange(0, 1024),
+    metavar="N",
+    help="With --clock virtual: grant nothing before N jobs registered (a study's closed set of jobs; a job "
+    "that registers later starts no earlier than the slots already granted).",
+)
+@click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 def share_manager(
@@ -180,32 +198,21 @@ def share_manager(
     status_interval: float,
     lookahead_s: float | None,
     backdate_s: float | None,
+    time_mode: str,
+    expected_jobs: int,
     log_level: str,
 ) -> None:
     """Run the sharing manager: time-slices emuGPUs among registered jobs, one slot at a time,
     refusing work whose memory would not fit."""
     from gpemu.cli import UserError
 
-    from .manager import (
-        DEFAULT_BACKDATE_S,
-        DEFAULT_LOOKAHEAD_S,
-        DEFAULT_QUANTUM_S,
-        ManagerConflict,
-        SharingManager,
-        parse_device,
-    )
+    from .manager import ManagerConflict, SharingManager, parse_device
     from .policies import load_policy
 
     url = resolve_amqp_url(url, amqp_password, amqp_password_file, "--amqp")
     if lease_s <= 0 or status_interval <= 0:
         raise UserError("--lease and --status-interval must be positive seconds")
-    lookahead_s = DEFAULT_LOOKAHEAD_S if lookahead_s is None else lookahead_s
-    backdate_s = DEFAULT_BACKDATE_S if backdate_s is None else backdate_s
-    if not 0 <= lookahead_s <= 1 or not 0 <= backdate_s <= 1:
-        raise UserError("--lookahead and --backdate must be from 0 to 1 second")
-    quantum_s = DEFAULT_QUANTUM_S if quantum_s is None else quantum_s
-    if quantum_s != 0 and not 0.001 <= quantum_s <= 3600:
-        raise UserError(f"--quantum must be from 0.001 to 3600 seconds, or 0 for no slicing; got {quantum_s:g}")
+    lookahead_s, backdate_s, quantum_s = _slot_timing(lookahead_s, backdate_s, quantum_s)
     secret = read_secret_file(job_secret_file, "job secret") if job_secret_file else None
     if secret is not None and len(secret) < 16:
         raise UserError(
@@ -240,6 +247,8 @@ def share_manager(
         backdate_s=backdate_s,
         quantum_s=quantum_s or None,
         job_secret=secret,
+        time_mode=time_mode,
+        expected_jobs=expected_jobs,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: manager.stop())
@@ -247,6 +256,24 @@ def share_manager(
         manager.serve_forever()
     except ManagerConflict as exc:
         raise UserError(str(exc)) from None
+
+
+def _slot_timing(
+    lookahead_s: float | None, backdate_s: float | None, quantum_s: float | None
+) -> tuple[float, float, float]:
+    """--lookahead, --backdate and --quantum with their defaults, checked (one line each)."""
+    from gpemu.cli import UserError
+
+    from .manager import DEFAULT_BACKDATE_S, DEFAULT_LOOKAHEAD_S, DEFAULT_QUANTUM_S
+
+    lookahead_s = DEFAULT_LOOKAHEAD_S if lookahead_s is None else lookahead_s
+    backdate_s = DEFAULT_BACKDATE_S if backdate_s is None else backdate_s
+    if not 0 <= lookahead_s <= 1 or not 0 <= backdate_s <= 1:
+        raise UserError("--lookahead and --backdate must be from 0 to 1 second")
+    quantum_s = DEFAULT_QUANTUM_S if quantum_s is None else quantum_s
+    if quantum_s != 0 and not 0.001 <= quantum_s <= 3600:
+        raise UserError(f"--quantum must be from 0.001 to 3600 seconds, or 0 for no slicing; got {quantum_s:g}")
+    return lookahead_s, backdate_s, quantum_s
 
 
 @click.command("share-status")

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpemu.clock import REAL
 from gpemu.units import redact_url
 
 from . import protocol as P
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
+    from gpemu.time import Grant
 
 __all__ = [
     "SharingClient",
@@ -259,13 +261,21 @@ class SharingClient:
         heartbeat: bool = True,
         deadlines: bool = True,
         key: bytes | None = None,
+        clock: str = "real",
+        vtime: float = 0.0,
     ) -> None:
+        """``clock="virtual"``: on virtual time (protocol, "Virtual time"), from ``vtime`` on (see
+        :meth:`run` and :meth:`advance`)."""
         if not url.startswith(("amqp://", "amqps://")):
             raise ValueError(f"sharing URL must be amqp:// or amqps://, got {redact_url(url)!r}")
         if not lease_s > 0 or not manager_timeout_s > 0:
             raise ValueError("lease_s and manager_timeout_s must be positive seconds")
         if key is not None and (not isinstance(key, bytes) or len(key) != P.KEY_BYTES):
             raise ValueError(f"a job key must be {P.KEY_BYTES} bytes")
+        if clock not in P.CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(P.CLOCKS)}, got {clock!r}")
+        if clock == "virtual" and not deadlines:
+            raise ValueError("a job on virtual time is answered with grants (deadlines=True)")
         job_id = job_id or f"{socket.gethostname()}-{os.getpid()}"
         try:  # what the manager would refuse, refused here: at start, with its reason
             P.check_job_settings(job_id, str(device), persistent_bytes, weight)
@@ -297,6 +307,8 @@ class SharingClient:
         # Ask for grants (deadline scheduling; the wait for the end happens here, overlapping
         # the messages with GPU time) instead of a "done" reply when the work has ended.
         self.deadlines = bool(deadlines)
+        self.virtual = clock == "virtual"
+        self.vtime = float(vtime)  # on virtual time: this job's time now (see __init__)
         from gpemu.clock import RealClock
 
         self._clock = RealClock(self.SPIN_MARGIN_S)
@@ -482,6 +494,8 @@ class SharingClient:
             }
             if self.host:
                 payload["host"] = self.host
+            if self.virtual:
+                payload["clock"], payload["vtime"] = "virtual", self.vtime
             if not self.provisioned:
                 payload["key"] = self.key.hex()
             reply = self._call(payload)
@@ -499,10 +513,26 @@ class SharingClient:
             if self._heartbeat is not None:
                 self._heartbeat.wake.set()  # tell the manager our presence queue now
 
+    def advance(self, seconds: float) -> float:
+        """On virtual time: the job's host spends ``seconds``; returns its time."""
+        if not seconds >= 0:
+            raise ValueError(f"a job's time cannot go back (advance by {seconds!r} s)")
+        self.vtime += seconds
+        return self.vtime
+
     def run(
-        self, seconds: float, peak_bytes: int = 0, kind: str = "iteration", persistent_bytes: int | None = None
+        self,
+        seconds: float,
+        peak_bytes: int = 0,
+        kind: str = "iteration",
+        persistent_bytes: int | None = None,
+        at: float | None = None,
     ) -> RunResult:
         """Block until the manager has run ``seconds`` of GPU work for this job.
+
+        On virtual time, ``at`` is the job's virtual time when it sends the request (default and
+        at least :attr:`vtime`); the grant moves :attr:`vtime` to the work's end, and the call
+        returns as soon as the manager has scheduled it.
 
         With ``deadlines`` (default) the manager answers when it schedules the work, with its
         end on the emuGPU's timeline, and this waits locally until then (absolute deadline on
@@ -538,6 +568,8 @@ class SharingClient:
                 }
                 if persistent_bytes is not None:
                     payload["persistent_bytes"] = self.persistent_bytes
+                if self.virtual:
+                    payload["vtime"] = self.vtime if at is None or at < self.vtime else float(at)
                 try:
                     reply = self._call(payload)
                 except _RouteGone:
@@ -559,6 +591,8 @@ class SharingClient:
 
     def _wait_for_grant(self, rid: str, seconds: float, reply: dict[str, Any], start: float) -> RunResult:
         """The manager scheduled the work: wait here until it ends on the emuGPU's timeline."""
+        if self.virtual:
+            return self._virtual_grant(rid, seconds, reply, start)
         received = time.monotonic()
         end, remaining = reply.get("end"), reply.get("remaining_s")
         exact = self.same_host and isinstance(end, (int, float))
@@ -585,6 +619,15 @@ class SharingClient:
             float(begin) if exact and isinstance(begin, (int, float)) else None,
             received,
         )
+
+    def _virtual_grant(self, rid: str, seconds: float, reply: dict[str, Any], start: float) -> RunResult:
+        """On virtual time: the work ends at the grant's end; the job's time moves there, now."""
+        begin, end = reply.get("start"), reply.get("end")
+        if not isinstance(begin, (int, float)) or not isinstance(end, (int, float)) or end < begin:
+            raise ValueError(f"the sharing manager's grant has no virtual start and end: {P.short(reply)}")
+        self.vtime = max(self.vtime, float(end))
+        waited, elapsed = float(reply.get("waited_s") or 0.0), time.monotonic() - start
+        return RunResult(rid, seconds, waited, elapsed, end, end, 0.0, True, begin, end)
 
     def _wait_until(self, deadline: float) -> None:
         """Block until ``deadline`` (time.monotonic) with gpemu.clock's sleep-then-spin, serving
@@ -671,7 +714,10 @@ class SharingBackend:
         self.memory = memory
         self.fixed_persistent = persistent_bytes  # a configured figure overrides the tracker's
 
-    def run(self, device: int, seconds: float, peak_bytes: int, kind: str) -> None:
+    def run(self, device: int, seconds: float, peak_bytes: int, kind: str, at: float | None = None) -> Grant | None:
+        """Run ``seconds`` of GPU work on ``device`` through the manager. On virtual time ``at``
+        is the job's virtual time when it sends the request, and the grant's virtual start and
+        end come back (on real time: None, the call returns when the work has ended)."""
         client = self.clients[device]
         tracker = self.memory[device] if self.memory is not None and device < len(self.memory) else None
         persistent = self.fixed_persistent
@@ -680,15 +726,22 @@ class SharingBackend:
             if persistent is None:
                 persistent = int(tracker.allocated)
             peak = max(peak, int(tracker.peak_allocated))
-        start = time.perf_counter()
-        result = client.run(seconds, peak, kind, persistent_bytes=persistent)
+        start = REAL.perf_counter()
+        result = client.run(seconds, peak, kind, persistent_bytes=persistent, at=at)
+        grant = None
+        if client.virtual and result.scheduled_start is not None and result.scheduled_end is not None:
+            from gpemu.time import Grant  # (the time engine's; a standalone client needs no torch)
+
+            grant = Grant(result.scheduled_start, result.scheduled_end)
         if self.recorder is not None:
-            self.recorder.add("sharing_wait_s", max(0.0, time.perf_counter() - start - seconds))
+            waited = (grant.end - (at or grant.start)) if grant is not None else REAL.perf_counter() - start
+            self.recorder.add("sharing_wait_s", max(0.0, waited - seconds))
             self.recorder.add("sharing_queued_s", result.waited_s)
             self.recorder.add("sharing_requests", 1)
             self.recorder.add("sharing_gpu_s", seconds)
             if result.added_s is not None:  # deadline scheduling: what the manager's messages cost
                 self.recorder.add("sharing_added_s", result.added_s)
+        return grant
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -727,6 +780,8 @@ def install(rt: Runtime) -> None:
             weight=float(cfg.sharing_weight),
             lease_s=float(cfg.sharing_lease_s),
             key=key,
+            clock="virtual" if cfg.virtual_time else "real",
+            vtime=engine.now(),
         )
     # Jobs register at their first request (real persistent memory by then), not here.
     backend = SharingBackend(clients, rt.recorder, rt.memory, int(fixed) if fixed is not None else None)

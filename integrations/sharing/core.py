@@ -50,6 +50,8 @@ class SharingCore(Scheduler):
         job_secret: bytes | None = None,
         max_jobs: int = MAX_JOBS,
         max_active_per_job: int = MAX_ACTIVE_PER_JOB,
+        clock: str = "real",
+        expected_jobs: int = 0,
     ) -> None:
         policy_cls = load_policy(policy) if isinstance(policy, str) else policy
         self.policy_name = getattr(policy_cls, "name", policy_cls.__name__)
@@ -83,6 +85,16 @@ class SharingCore(Scheduler):
         self.job_secret = job_secret
         self.max_jobs = int(max_jobs)
         self.max_active = int(max_active_per_job)
+        if clock not in P.CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(P.CLOCKS)}, got {clock!r}")
+        if not 0 <= expected_jobs <= self.max_jobs:
+            raise ValueError(f"expected jobs must be from 0 to {self.max_jobs}, got {expected_jobs!r}")
+        # Virtual time (protocol, "Virtual time"): jobs say when they send; the emuGPUs' timeline
+        # is virtual, decided as far as every job has spoken; the first slot waits for
+        # ``expected_jobs`` registrations (a closed set of jobs, e.g. a scheduling study's).
+        self.virtual = clock == "virtual"
+        self.expected_jobs = int(expected_jobs)
+        self.jobs_seen = 0
         self.jobs: dict[str, JobState] = {}
         self._seq = 0
         self.rejected = 0
@@ -241,6 +253,9 @@ class SharingCore(Scheduler):
         if dev is None:
             reason = f"unknown emuGPU {P.short(msg.device)}; this manager has {', '.join(self.devices)}"
             return self._refuse(msg, reply_to, tag, now, reason, P.ERR_UNKNOWN_DEVICE, key)
+        problem = self._clock_problem(msg)
+        if problem is not None:
+            return self._refuse(msg, reply_to, tag, now, problem, P.ERR_BAD_MESSAGE, key)
         job = self.jobs.get(msg.job_id)
         if job is not None:
             # A duplicate delivery, or the same job registering again with its key (it took an
@@ -268,6 +283,22 @@ class SharingCore(Scheduler):
             return [Outgoing(reply_to, {"type": "refused", "request_id": msg.request_id, "reason": reason}, [tag], key)]
         return [Outgoing(reply_to, self._registered(self._admit(msg, dev, key, reply_to, now)), [tag], key)]
 
+    def _clock_problem(self, msg: P.Message) -> str | None:
+        """Why a job's clock does not fit this manager's (one line for the job), or None."""
+        if self.virtual and msg.clock != "virtual":
+            return (
+                "this sharing manager runs on virtual time (share-manager --clock virtual): run the job on "
+                "virtual time too (gpemu run --clock virtual, or SharingClient(clock='virtual'))"
+            )
+        if not self.virtual and msg.clock == "virtual":
+            return (
+                "this sharing manager runs on real time: a job on virtual time needs a manager started with "
+                "`gpemu share-manager --clock virtual`"
+            )
+        if self.virtual and msg.vtime is None:
+            return "a job on virtual time must register with its vtime"
+        return None
+
     def _admit(self, msg: P.Message, dev: DeviceState, key: bytes, reply_to: str | None, now: float) -> JobState:
         """A new job on ``dev``: its state, its place in the policy, its route."""
         view = JobView(msg.job_id, msg.weight)
@@ -283,9 +314,15 @@ class SharingCore(Scheduler):
             same_host=bool(self.host) and msg.host == self.host,
             route=P.new_route(),
         )
+        if msg.vtime is not None:
+            job.frontier = msg.vtime
+        self.jobs_seen += 1
         self.jobs[msg.job_id] = job
         dev.jobs[msg.job_id] = view
-        dev.policy.registered(view, dev.jobs)
+        if self.virtual:  # the policy hears of it when the virtual timeline reaches its arrival
+            dev.joining.append((job.frontier, msg.job_id))
+        else:
+            dev.policy.registered(view, dev.jobs)
         if msg.presence:
             self._saw_presence(job, msg.presence)
         log.info(
@@ -305,6 +342,7 @@ class SharingCore(Scheduler):
             "lease_s": self.lease_s,
             "same_host": job.same_host,
             "route": job.route,
+            "clock": "virtual" if self.virtual else "real",
         }
 
     def _on_request(self, job: JobState, msg: P.Message, reply_to: str | None, tag: Any, now: float) -> list[Outgoing]:
@@ -344,6 +382,9 @@ class SharingCore(Scheduler):
                     job.key,
                 )
             ]
+        if self.virtual and (msg.vtime is None or not msg.grant):
+            reason = "on virtual time a request needs its vtime and grant: true (SharingClient(clock='virtual'))"
+            return [self._reject(reason, msg.request_id, reply_to, tag, msg.job_id, now, P.ERR_BAD_MESSAGE, job.key)]
         if msg.persistent_bytes is not None:
             # What the job holds between iterations now; checked against others' requests from now on.
             job.persistent_bytes = msg.persistent_bytes
@@ -362,7 +403,10 @@ class SharingCore(Scheduler):
             grant=msg.grant,
             origin=now,
         )
-        if job.same_host and msg.sent_at is not None:
+        if self.virtual and msg.vtime is not None:
+            # Sent at its virtual time, and never before the end of the job's previous grant.
+            req.origin = max(msg.vtime, job.frontier)
+        elif job.same_host and msg.sent_at is not None:
             # Never later than now (a clock cannot run ahead) nor more than backdate_s ago.
             req.sent_at = min(msg.sent_at, now)
             req.origin = max(req.sent_at, now - self.backdate_s)

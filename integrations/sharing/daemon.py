@@ -89,7 +89,11 @@ class SharingManager:
         backdate_s: float = DEFAULT_BACKDATE_S,
         quantum_s: float | None = DEFAULT_QUANTUM_S,
         job_secret: bytes | None = None,
+        time_mode: str = "real",
+        expected_jobs: int = 0,
     ) -> None:
+        """``time_mode="virtual"``: serve jobs on virtual time (protocol, "Virtual time"), the
+        first slot once ``expected_jobs`` jobs registered."""
         from gpemu.units import redact_url
 
         self.url = url
@@ -105,6 +109,8 @@ class SharingManager:
             backdate_s=backdate_s,
             quantum_s=quantum_s,
             job_secret=job_secret,
+            clock=time_mode,
+            expected_jobs=expected_jobs,
         )
         self.status_interval_s = status_interval_s
         self.reconnect_s = reconnect_s

@@ -30,13 +30,13 @@ Messages from jobs (``type``):
 ``register``   job_id, request_id, device, persistent_bytes (optional: weight, host — see
                :func:`host_identity`; equal on both sides means a shared CLOCK_MONOTONIC —,
                key: the job's own key in hex when the manager has no job secret, presence: the
-               job's presence queue, see below)
+               job's presence queue, see below; clock, vtime: see "Virtual time")
 ``request``    job_id, request_id, device, seconds, peak_bytes (optional: kind,
                persistent_bytes — the job's persistent memory now, which may have grown since
                it registered, e.g. optimizer state created at the first step —, grant: true to
                get a ``granted`` reply when the request is scheduled instead of ``done`` when it
                ends, sent_at: the job's ``time.monotonic()`` when it published the request,
-               presence)
+               presence, vtime: see "Virtual time")
 ``heartbeat``  job_id (optional: presence)
 ``deregister`` job_id, request_id
 ``status``     (optional: request_id; unauthenticated, answered on reply_to)
@@ -64,6 +64,15 @@ written; waited_s, idle_s — sent before the work starts, so the job waits loca
 ``peak_bytes`` is the job's whole GPU memory at the request's peak (persistent memory included,
 as ``torch.cuda.max_memory_allocated`` reports it). A request fits when the persistent memory
 of all *other* registered jobs on the emuGPU plus this peak is within the GPU's capacity.
+
+Virtual time: a manager started with ``--clock virtual`` serves jobs on virtual time only (each
+registers with ``clock: "virtual"`` and its ``vtime``; a mismatch is refused with an ``error``). A
+request's ``vtime`` is when the job could have sent it (issued, and not before its previous
+request ended); the manager grants in virtual time, answering ``granted`` with ``start`` and
+``end`` on the emuGPU's virtual timeline, and the job does not wait for real. A slot starting at
+virtual time T is decided only when every job without a request queued has said it will send
+nothing before T (its registration's or its last grant's time): jobs run at whatever real speed
+their hosts allow and the schedule is the same (``SharingCore``, docs/sharing.md).
 
 Hostile input: a body is at most :data:`MAX_BODY` bytes and one flat JSON object (nested arrays
 or objects are refused before decoding, so no input can exhaust the decoder's recursion); every
@@ -100,6 +109,7 @@ __all__ = [
     "encode",
     "MAX_SECONDS",
     "MAX_BYTES",
+    "CLOCKS",
     "MAX_BODY",
     "MAX_ID_LEN",
     "MIN_WEIGHT",
@@ -145,6 +155,7 @@ MAX_BYTES = 1 << 50
 MAX_BODY = 16 * 1024  # a real message is a few hundred bytes
 MAX_ID_LEN = 200
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e6  # a job's weight under the weighted policies
+CLOCKS = ("real", "virtual")  # a job's and a manager's time: see "Virtual time" above
 MAX_CLOCK = 1e12  # a time.monotonic() reading (seconds since boot) is far below this
 KEY_BYTES = 32
 _QUOTE = 60  # characters of hostile input a reason may quote
@@ -165,8 +176,8 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "status": (),
 }
 _OPTIONAL: dict[str, tuple[str, ...]] = {
-    "register": ("weight", "host", "key", "presence"),
-    "request": ("kind", "persistent_bytes", "grant", "sent_at", "presence"),
+    "register": ("weight", "host", "key", "presence", "clock", "vtime"),
+    "request": ("kind", "persistent_bytes", "grant", "sent_at", "presence", "vtime"),
     "heartbeat": ("presence",),
     "deregister": (),
     "status": ("request_id",),
@@ -207,6 +218,8 @@ class Message:
     sent_at: float | None = None  # request: the job's CLOCK_MONOTONIC when it sent it
     key: bytes | None = None  # register: the job's own key (managers without a job secret)
     presence: str | None = None  # the job's presence queue
+    clock: str = "real"  # register: "virtual" for a job on virtual time (see "Virtual time" above)
+    vtime: float | None = None  # register, request: the job's virtual time (see "Virtual time")
 
 
 def host_identity() -> str:
@@ -407,7 +420,13 @@ def _validated(data: Any) -> Message:
             out["grant"] = data["grant"]
         if "sent_at" in data:
             out["sent_at"] = float(_number("sent_at", data["sent_at"], 0.0, MAX_CLOCK, rid))
+    if "vtime" in data:
+        out["vtime"] = float(_number("vtime", data["vtime"], 0.0, MAX_CLOCK, rid))
     if kind == "register":
+        if "clock" in data:
+            if data["clock"] not in CLOCKS:
+                raise ProtocolError(f"clock must be one of {', '.join(CLOCKS)}, got {short(data['clock'])}", rid)
+            out["clock"] = data["clock"]
         if "host" in data:
             out["host"] = _text("host", data["host"], rid)
         out["persistent_bytes"] = _bytes("persistent_bytes", data["persistent_bytes"], rid)

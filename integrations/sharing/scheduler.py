@@ -37,6 +37,9 @@ class Scheduler:
 
     devices: dict[str, DeviceState]
     jobs: dict[str, JobState]
+    virtual: bool  # on virtual time (see _advance_virtual)
+    expected_jobs: int  # virtual time: decide nothing before this many jobs registered
+    jobs_seen: int
     lease_s: float
     lookahead_s: float
     quantum_s: float | None
@@ -69,17 +72,88 @@ class Scheduler:
             )
             out += self._drop_job(job, now, "lease expired")
         for dev in self.devices.values():
-            while True:
-                run = dev.running
-                if run is not None and run.end <= now:
-                    out += self._finish(dev, run)
-                    dev.running = dev.reserved.popleft() if dev.reserved else None
-                    continue
-                tail = dev.reserved[-1] if dev.reserved else run
-                if not dev.pending or (tail is not None and tail.end - self.lookahead_s > now):
-                    break
-                out += self._start_next(dev, now, tail)
+            out += self._advance_virtual(dev) if self.virtual else self._advance_real(dev, now)
         return out
+
+    def _advance_real(self, dev: DeviceState, now: float) -> list[Outgoing]:
+        """Real time: finish slots whose end passed, grant the next a lookahead before the tail."""
+        out: list[Outgoing] = []
+        while True:
+            run = dev.running
+            if run is not None and run.end <= now:
+                out += self._finish(dev, run)
+                dev.running = dev.reserved.popleft() if dev.reserved else None
+                continue
+            tail = dev.reserved[-1] if dev.reserved else run
+            if not dev.pending or (tail is not None and tail.end - self.lookahead_s > now):
+                break
+            out += self._start_next(dev, now, tail)
+        return out
+
+    # ------------------------------------------------------------------ virtual time
+    def _frontier(self, dev: DeviceState) -> float:
+        """Virtual time up to which every job of ``dev`` has said what it asks for: a job with a
+        request queued sends nothing else before it is granted; any other job sends nothing
+        before its frontier (protocol, "Virtual time"). Before ``expected_jobs`` registered,
+        nothing is known."""
+        if self.jobs_seen < self.expected_jobs:
+            return float("-inf")
+        queued = {r.job_id for r in dev.pending}
+        return min((self.jobs[j].frontier for j in dev.jobs if j not in queued), default=float("inf"))
+
+    def _advance_virtual(self, dev: DeviceState) -> list[Outgoing]:
+        """Virtual time: the next slot starts when the emuGPU is free and the earliest queued
+        request was sent; it is decided once no job can still send a request at or before that
+        start (:meth:`_frontier`), among the requests sent by then, so the schedule does not
+        depend on the real order of the messages. Decided and granted at once: the jobs wait on
+        their own clocks, not for real."""
+        out: list[Outgoing] = []
+        while dev.pending:
+            start = max(dev.free_at, min(r.origin for r in dev.pending))
+            if self._frontier(dev) <= start:  # (a job at `start` may still ask for it: wait)
+                break
+            self._join_arrived(dev, start)
+            sent = [r for r in dev.pending if r.origin <= start + EPS]
+            out += self._start_virtual(dev, self._pick_among(dev, sent, start), start)
+        return out
+
+    def _join_arrived(self, dev: DeviceState, start: float) -> None:
+        """Tell the policy of the jobs registered by ``start`` on the virtual timeline, in the
+        order they arrived (a fair-share policy starts a job level with the jobs there then)."""
+        dev.joining.sort()
+        while dev.joining and dev.joining[0][0] <= start + EPS:
+            _, job_id = dev.joining.pop(0)
+            view = dev.jobs.get(job_id)
+            if view is not None:
+                waiting = {t[1] for t in dev.joining}
+                dev.policy.registered(view, {j: v for j, v in dev.jobs.items() if j not in waiting})
+
+    def _pick_among(self, dev: DeviceState, requests: list[QueuedRequest], start: float) -> QueuedRequest:
+        """The policy's choice among ``requests`` (each job's earliest), in virtual arrival order."""
+        heads: dict[str, QueuedRequest] = {}
+        # (ties in virtual time go by job id, not by the real order the messages came in)
+        for r in sorted(requests, key=lambda r: (r.origin, r.job_id, r.seq)):
+            heads.setdefault(r.job_id, r)
+        return self._pick(dev, dict(enumerate(heads.values())))
+
+    def _start_virtual(self, dev: DeviceState, req: QueuedRequest, start: float) -> list[Outgoing]:
+        dev.pending.remove(req)
+        job = self.jobs[req.job_id]
+        if req.started is None:
+            refusal = self._refusal(dev, req, job)
+            if refusal is not None:
+                job.frontier = max(job.frontier, start)
+                return [refusal]
+            req.started = start
+        slot = self._slot(dev, req, start)
+        dev.free_at = slot.end
+        if not slot.final:  # the rest is sent again when this slice ends, behind what came meanwhile
+            self._seq += 1
+            req.seq, req.origin = self._seq, slot.end
+            dev.pending.append(req)
+            return []
+        job.frontier = slot.end
+        return [self._answer(job, req, self._granted(req, slot.end))]
 
     def _candidates(self, dev: DeviceState) -> dict[int, QueuedRequest]:
         """One waiting request per job, its oldest, keyed by the arrival order the policy sees.
@@ -97,8 +171,11 @@ class Scheduler:
         holding = {slot.req.job_id for slot in (dev.running, *dev.reserved) if slot is not None}
         return {(r.seq + self._seq if r.job_id in holding else r.seq): r for r in heads.values()}
 
-    def _pick(self, dev: DeviceState) -> QueuedRequest:
-        candidates = self._candidates(dev)
+    def _pick(self, dev: DeviceState, candidates: dict[int, QueuedRequest] | None = None) -> QueuedRequest:
+        """The policy's choice among ``candidates`` keyed by arrival order (default: the queue's
+        heads, :meth:`_candidates`)."""
+        if candidates is None:
+            candidates = self._candidates(dev)
         pending = [
             PendingView(r.job_id, seq, r.left if self.quantum_s is None else min(r.left, self.quantum_s))
             for seq, r in candidates.items()
@@ -113,54 +190,43 @@ class Scheduler:
                 )
             return candidates[Fifo().pick(pending, dev.jobs).seq]
 
-    def _start_next(self, dev: DeviceState, now: float, tail: Slot | None) -> list[Outgoing]:
-        req = self._pick(dev)
-        dev.pending.remove(req)
-        job = self.jobs[req.job_id]
-        first = req.started is None
-        if first:
-            others = sum(self.jobs[j].persistent_bytes for j in dev.jobs if j != req.job_id)
-            need = max(req.peak_bytes, job.persistent_bytes)
-            if others + need > dev.spec.capacity_bytes:
-                self.refused += 1
-                reason = (
-                    f"CUDA out of memory on emuGPU {dev.spec.name} ({dev.spec.gpu}, "
-                    f"{gib(dev.spec.capacity_bytes)} total): this request's peak {gib(need)} plus "
-                    f"{gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it"
-                )
-                return [self._answer(job, req, {"type": "refused", "request_id": req.rid, "reason": reason})]
-        # Back-to-back work starts when the previous slot ends, not when the loop noticed;
-        # on an idle emuGPU a new request starts when the job sent it (same host, see backdate_s).
-        free = tail.end if tail is not None else min(now, dev.free_at)
-        start = max(req.origin, free) if first else free
+    def _refusal(self, dev: DeviceState, req: QueuedRequest, job: JobState) -> Outgoing | None:
+        """The "refused" answer when a request's first slice would not fit in memory, else None."""
+        others = sum(self.jobs[j].persistent_bytes for j in dev.jobs if j != req.job_id)
+        need = max(req.peak_bytes, job.persistent_bytes)
+        if others + need <= dev.spec.capacity_bytes:
+            return None
+        self.refused += 1
+        reason = (
+            f"CUDA out of memory on emuGPU {dev.spec.name} ({dev.spec.gpu}, "
+            f"{gib(dev.spec.capacity_bytes)} total): this request's peak {gib(need)} plus "
+            f"{gib(others)} persistent memory of {len(dev.jobs) - 1} other job(s) sharing it"
+        )
+        return self._answer(job, req, {"type": "refused", "request_id": req.rid, "reason": reason})
+
+    def _slot(self, dev: DeviceState, req: QueuedRequest, start: float) -> Slot:
+        """The next slice of ``req`` from ``start`` (at most one quantum), charged to its job.
+
+        Charged when scheduled: a lookahead decision then sees the slots already given (a job
+        is not picked again for time it has not been charged yet), and the figures are in place
+        before the grant reaches the job. A dropped job's unused time is taken back."""
         piece = req.left if self.quantum_s is None or req.left <= self.quantum_s + EPS else self.quantum_s
         req.left = max(0.0, req.left - piece)
-        final = req.left <= EPS
-        slot = Slot(req, start, start + piece, final)
-        if first:
-            req.started = start
-            # GPU time lost while the request travelled to us: idle emuGPU, request already sent.
-            req.idle = max(0.0, start - max(req.sent_at, free)) if req.sent_at is not None else None
-        if tail is None:
-            dev.running = slot
-        else:
-            dev.reserved.append(slot)
-        # Charged when scheduled: a lookahead decision then sees the slots already given (a job
-        # is not picked again for time it has not been charged yet), and the figures are in
-        # place before the grant reaches the job. A dropped job's unused time is taken back.
+        slot = Slot(req, start, start + piece, req.left <= EPS)
+        job = self.jobs[req.job_id]
         job.view.served_s += piece
         dev.policy.served(job.view, piece)
         dev.busy_s += piece
         dev.recent.append((slot.end, job.job_id, piece))
-        if not final:  # queued again when this slice ends (see _finish)
-            return []
-        req.deadline = slot.end
-        dev.served += 1
-        job.served_count += 1
-        if not req.grant:
-            return []
+        if slot.final:
+            req.deadline = slot.end
+            dev.served += 1
+            job.served_count += 1
+        return slot
+
+    def _granted(self, req: QueuedRequest, now: float) -> dict[str, Any]:
         assert req.deadline is not None
-        payload = {
+        return {
             "type": "granted",
             "request_id": req.rid,
             "start": req.started,
@@ -170,7 +236,32 @@ class Scheduler:
             "waited_s": max(0.0, req.deadline - req.origin - req.seconds),
             "idle_s": req.idle,
         }
-        return [self._answer(job, req, payload)]
+
+    def _start_next(self, dev: DeviceState, now: float, tail: Slot | None) -> list[Outgoing]:
+        req = self._pick(dev)
+        dev.pending.remove(req)
+        job = self.jobs[req.job_id]
+        first = req.started is None
+        if first:
+            refusal = self._refusal(dev, req, job)
+            if refusal is not None:
+                return [refusal]
+        # Back-to-back work starts when the previous slot ends, not when the loop noticed;
+        # on an idle emuGPU a new request starts when the job sent it (same host, see backdate_s).
+        free = tail.end if tail is not None else min(now, dev.free_at)
+        start = max(req.origin, free) if first else free
+        slot = self._slot(dev, req, start)
+        if first:
+            req.started = start
+            # GPU time lost while the request travelled to us: idle emuGPU, request already sent.
+            req.idle = max(0.0, start - max(req.sent_at, free)) if req.sent_at is not None else None
+        if tail is None:
+            dev.running = slot
+        else:
+            dev.reserved.append(slot)
+        if not slot.final or not req.grant:  # queued again when this slice ends (see _finish)
+            return []
+        return [self._answer(job, req, self._granted(req, now))]
 
     def _finish(self, dev: DeviceState, slot: Slot) -> list[Outgoing]:
         dev.free_at = slot.end
@@ -232,7 +323,7 @@ class Scheduler:
     # ------------------------------------------------------------------ queries
     def next_deadline(self) -> float | None:
         ends = []
-        for d in self.devices.values():
+        for d in self.devices.values() if not self.virtual else ():  # (virtual: nothing waits for real)
             if d.running is not None:
                 ends.append(d.running.end)
                 if d.pending:  # the next decision, a lookahead before the tail of the timeline ends
@@ -256,6 +347,8 @@ class Scheduler:
 
     def status(self, now: float) -> dict[str, Any]:
         devices, jobs = [], []
+        if self.virtual:  # the emuGPUs' virtual timeline, up to what is scheduled
+            now = max((d.free_at for d in self.devices.values()), default=now)
         for dev in self.devices.values():
             while dev.recent and dev.recent[0][0] < now - SHARE_WINDOW_S:
                 dev.recent.popleft()

@@ -150,6 +150,10 @@ class JobState:
     served_count: int = 0
     presence: str | None = None  # the job's presence queue (see protocol)
     route: str = ""  # the routing key of the job's own request queue (see protocol, "Routes")
+    # Virtual time: the earliest virtual time the job may still send a request at (its
+    # registration's, then its last grant's end); the scheduler decides nothing later while
+    # the job has no request queued (see Scheduler._frontier).
+    frontier: float = float("-inf")
     done: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     active: dict[str, QueuedRequest] = field(default_factory=dict)
 
@@ -164,6 +168,9 @@ class DeviceState:
     # Scheduled after ``running`` (granted ahead by the lookahead), back to back, in order.
     reserved: deque = field(default_factory=deque)
     free_at: float = 0.0  # when the last slot ended (chains back-to-back work exactly)
+    # Virtual time: jobs registered whose registration time the timeline has not reached yet,
+    # (registration time, job id); the policy hears of each when it has (Scheduler._join_arrived).
+    joining: list = field(default_factory=list)
     busy_s: float = 0.0
     served: int = 0
     recent: deque = field(default_factory=deque)  # (end, job_id, seconds)
