@@ -407,13 +407,18 @@ class Result:
 
 def gpu_ms_per_step(metrics: list[dict[str, Any]]) -> float | None:
     """Emulated GPU busy time per step in the steady state (after the first step), the busiest
-    device of any rank (``metrics``: each process's metrics file)."""
+    device of any rank (``metrics``: each process's metrics file), not counting the time its
+    collectives waited for a slower rank: a rank that waits while rank 0 evaluates and saves a
+    checkpoint is busy on a real GPU too (NCCL's kernel spins), but that is the script's host
+    work, not the step's price."""
     best = None
     for m in metrics:
+        waited = float((m.get("communication") or {}).get("wait_s") or 0.0)
         for dev in m.get("devices", []):
             steady, its = dev.get("steady"), dev.get("iterations") or 0
             if steady and its > 1:
-                value = 1000 * steady["busy_s"] / (its - 1)
+                comm = float(steady.get("busy_by_kind_s", {}).get("comm", 0.0))
+                value = 1000 * (steady["busy_s"] - min(waited, comm)) / (its - 1)
                 best = value if best is None else max(best, value)
     # Devices without iteration marks (DataParallel's replicas) share the step count of the
     # device that has them: compare their whole-run busy time per step.
