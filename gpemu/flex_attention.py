@@ -18,7 +18,9 @@ mask keeps. On emulated tensors:
 * **block masks**: ``create_block_mask`` on an emulated device runs as torch runs it (its GPU work
   and memory charged as usual), and its block counts are computed again on the host, so the
   emulated block mask holds its real counts (placeholders otherwise): the sparsity a kernel is
-  priced with, and what the block mask prints.
+  priced with, and what the block mask prints. A mask_mod that reads tensors on the emulated GPU
+  (packed documents' ids) reads their known values there; values the host does not know leave
+  the counts unknown, and the kernel is priced dense (said once).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C import DispatchKey
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from .costs import attention_price
 from .device import EmuTensor, TensorState, host_shadow, set_host_shadow
@@ -207,6 +211,24 @@ def _make_autograd_rule(original: Callable) -> Callable:
 
 
 # -- block masks ----------------------------------------------------------------------------------
+def _known_value(x: Any) -> Any:
+    if not isinstance(x, EmuTensor):
+        return x
+    value = host_shadow(x)
+    if value is None:
+        raise ValueError("its mask_mod reads tensors on the emulated GPU, whose values are placeholders")
+    return value
+
+
+class _KnownValuesOnHost(TorchFunctionMode):
+    """While a mask_mod runs on the host: each emulated tensor it reads (document ids, offsets of
+    packed sequences) is its known host value, as the GPU's kernel reads its values."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args, kwargs = tree_map(_known_value, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
 def _host_counts(create: Callable, mask_mod: Callable, shape: tuple, block: tuple[int, int], keyword: dict) -> dict:
     """The block counts of ``create_block_mask`` computed on the host, a few query blocks at a time
     (kv counts and indices of each piece side by side, q counts summed over pieces)."""
@@ -216,7 +238,8 @@ def _host_counts(create: Callable, mask_mod: Callable, shape: tuple, block: tupl
     for q0 in range(0, q_len, rows_per_piece):
 
         def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any, q0: int = q0) -> Any:
-            return mask_mod(b, h, q_idx + q0, kv_idx)
+            with _KnownValuesOnHost():
+                return mask_mod(b, h, q_idx + q0, kv_idx)
 
         rows = min(rows_per_piece, q_len - q0)
         piece = create(shifted, batch, heads, rows, kv_len, device="cpu", BLOCK_SIZE=block, **keyword)

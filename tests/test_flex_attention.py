@@ -92,8 +92,26 @@ def test_the_kernel_is_priced_with_its_block_masks_sparsity(rt):
         assert times["window"][kernel] < 0.2 * times["dense"][kernel]  # 95 of 1024 blocks
 
 
+def test_a_mask_reading_known_gpu_tensors_holds_its_real_counts(rt):
+    # packed documents as torchtitan masks them: ids computed on the GPU from positions the data
+    # loader copied there, read by the mask_mod (as the kernel reads them on a GPU)
+    lengths = (300, 700, 1048)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    on_gpu = torch.cumsum((positions.cuda() == 0).int(), dim=0) - 1
+    on_host = torch.cumsum((positions == 0).int(), dim=0) - 1
+
+    def packed(ids):
+        return api.and_masks(causal, lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
+
+    gpu_mask = api.create_block_mask(packed(on_gpu), None, None, 2048, 2048, device="cuda")
+    host_mask = api.create_block_mask(packed(on_host), None, None, 2048, 2048, device="cpu")
+    assert torch.equal(gpu_mask.kv_num_blocks.cpu(), host_mask.kv_num_blocks)
+    density = block_density(gpu_mask.as_tuple())
+    assert density == pytest.approx(1 - host_mask.sparsity() / 100) and density < 0.3  # causal alone: 0.53
+
+
 def test_a_mask_of_placeholder_values_is_priced_dense_and_said(rt, capsys):
-    documents = torch.zeros(4096, dtype=torch.int32, device="cuda")  # values the host does not know
+    documents = torch.randint(0, 4, (4096,), dtype=torch.int32, device="cuda")  # values the host does not know
 
     def same_document(b, h, q_idx, kv_idx):
         return documents[q_idx] == documents[kv_idx]
