@@ -79,7 +79,7 @@ def reduce_for_process(t: EmuTensor) -> tuple[Callable[[SharedTensor], torch.Ten
     spec = SharedTensor(
         tuple(t.shape),
         tuple(t.stride()),
-        t.storage_offset(),
+        int(t.storage_offset()),
         t.dtype,
         t.emu_device,
         t.requires_grad,
@@ -94,7 +94,7 @@ def rebuild_in_process(spec: SharedTensor) -> torch.Tensor:
     sender's); a CPU tensor of placeholder zeros in a process gpemu does not emulate in."""
     rt = current()
     if rt is None:
-        t: torch.Tensor = torch.zeros_strided(spec.shape, spec.stride, dtype=spec.dtype)
+        t: torch.Tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype).zero_()
         if spec.value is not None:
             t.copy_(spec.value.reshape(spec.shape))
     else:
@@ -239,7 +239,7 @@ def install(rt: Runtime) -> None:
 
     rt.patcher.replace(EmuTensor, "__reduce_ex__", reduce_emulated)
     # Another process: registered with the pickler torch.multiprocessing sends tensors with.
-    reducers = ForkingPickler._extra_reducers
+    reducers = vars(ForkingPickler)["_extra_reducers"]  # the table register() fills (not in typeshed)
     before = reducers.get(EmuTensor)
     ForkingPickler.register(EmuTensor, reduce_for_process)
     rt.patcher.on_restore(

@@ -556,7 +556,7 @@ def group_tensors_by_device_and_dtype(tensorlistlist: list, with_indices: bool =
             continue
         members: dict[torch.device, list[int]] = {}  # each device's positions in the group
         for j, t in enumerate(lists[0]):
-            members.setdefault(t.device, []).append(j)
+            members.setdefault(t.device if t is not None else device, []).append(j)
         for dev, js in members.items():
             if len(members) == 1:
                 out[(dev, dtype)] = (lists, indices)

@@ -148,3 +148,13 @@ def test_hogwild_on_cuda_shares_the_model_with_spawned_processes(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[(0, 'cuda:0', True), (1, 'cuda:0', True)]" in proc.stdout, proc.stdout
+
+
+def test_a_tensor_sent_to_a_process_gpemu_does_not_emulate_in_arrives_as_host_values():
+    from gpemu.serialization import SharedTensor, rebuild_in_process
+
+    unknown = SharedTensor((2, 3), (3, 1), 0, torch.float32, 0, False, False, None)
+    t = rebuild_in_process(unknown)
+    assert t.device.type == "cpu" and torch.equal(t, torch.zeros(2, 3))
+    known = rebuild_in_process(unknown._replace(value=torch.arange(6.0), is_parameter=True, requires_grad=True))
+    assert isinstance(known, torch.nn.Parameter) and torch.equal(known.detach(), torch.arange(6.0).reshape(2, 3))
