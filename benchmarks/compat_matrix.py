@@ -16,8 +16,9 @@ git directories, or checkouts named ``name``), the libraries each row names (tim
 prints its provenance: repository, commit and the command line that reproduces it.
 
 Columns: works? (exit 0 and the script's own step count), the script's wall time per step
-(after the first), the emulated GPU busy time per step (steady state, busiest device), their
-ratio (host / GPU: above 1, the emulator's host work shows in the printed time), and the time's
+(after the first), the emulated GPU busy time per step (steady state, busiest device; a
+collective's wait for a slower rank not counted), their ratio (host / GPU: above 1, the
+emulator's host work shows in the printed time), and the time's
 provenance (from the run's notes: ``measured`` when the profile database gave the model's time,
 ``estimated`` otherwise; "expected" is the registry's).
 """
