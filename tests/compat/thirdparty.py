@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,9 +432,14 @@ def interpreter_facts(python: str, modules: tuple[str, ...]) -> dict[str, Any]:
         "import torch; print(json.dumps({'torch': torch.__version__, "
         "'missing': [m for m in mods if importlib.util.find_spec(m) is None]}))"
     )
-    out = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True)
+    # run where no gpemu checkout is (``-m`` puts the working folder first on sys.path): the rows
+    # run in the repositories' copies, with the gpemu the interpreter itself imports
+    elsewhere = tempfile.gettempdir()
+    out = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True, cwd=elsewhere)
     facts: dict[str, Any] = json.loads(out.stdout) if out.returncode == 0 else {"torch": "?", "missing": list(modules)}
-    helptext = subprocess.run([python, "-m", "gpemu.cli", "run", "--help"], capture_output=True, text=True).stdout
+    helptext = subprocess.run(
+        [python, "-m", "gpemu.cli", "run", "--help"], capture_output=True, text=True, cwd=elsewhere
+    ).stdout
     facts["values"] = "--values" in helptext
     return facts
 
