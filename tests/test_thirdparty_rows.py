@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "compat"))
+import scenarios  # noqa: E402
 import synthetic  # noqa: E402
 import thirdparty  # noqa: E402
 
@@ -95,3 +96,17 @@ def test_a_snapshot_without_some_blobs_is_copied_out(tmp_path: Path) -> None:
     missing = thirdparty.copy_out(bare, tmp_path / "copy")
     assert missing == ["data/big.json"] and (tmp_path / "copy" / "train.py").read_text() == "print('hi')\n"
     assert re.fullmatch(r"[0-9a-f]{40}", bare.commit())
+
+
+def test_gpu_time_per_step_leaves_out_a_ranks_wait_for_a_slower_one() -> None:
+    def rank(busy: dict[str, float], waited: float) -> dict:
+        steady = {"busy_s": sum(busy.values()), "busy_by_kind_s": busy}
+        device = {"iterations": 11, "steady": steady}
+        return {"iterations": 11, "communication": {"wait_s": waited}, "devices": [device]}
+
+    # nanoGPT's DDP run: rank 1's all-reduce waited 22 s while rank 0 evaluated and saved a checkpoint
+    saver = rank({"forward": 0.3, "backward": 0.4, "comm": 0.016}, 0.002)
+    waiter = rank({"forward": 0.3, "backward": 0.4, "comm": 22.4}, 22.38)
+    ms = scenarios.gpu_ms_per_step([saver, waiter])
+    assert ms is not None and 70 < ms < 75  # the step's own work, 0.7 s over 10 steps (plus its collective)
+    assert scenarios.gpu_ms_per_step([saver]) == pytest.approx(1000 * 0.714 / 10)
