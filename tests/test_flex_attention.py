@@ -9,6 +9,7 @@ from torch.nn.attention import flex_attention as api
 
 import gpemu
 from gpemu.clock import VirtualClock
+from gpemu.device import host_shadow
 from gpemu.flex_attention import block_density
 
 # torch's own advice to compile flex_attention (the emulated kernel is the fused one either way)
@@ -72,6 +73,7 @@ def test_a_block_mask_computed_in_pieces_matches_the_whole(rt, monkeypatch):
     import gpemu.flex_attention as flex
 
     monkeypatch.setattr(flex, "HOST_MASK_ELEMENTS", 1 << 18)  # 4096 x 4096 in pieces of 64 rows
+    monkeypatch.setattr(flex, "HOST_MASK_BUDGET", 1 << 30)  # (all of it counted)
     gpu_mask = api.create_block_mask(causal, 2, None, 4096, 4096, device="cuda")
     host_mask = api.create_block_mask(causal, 2, None, 4096, 4096, device="cpu")
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
@@ -136,3 +138,24 @@ def test_unpatch_removes_the_rules():
     assert EmuTensor not in flex_attention.python_key_table
     assert EmuTensor not in flex_attention_backward.python_key_table
     assert flex_attention.py_kernels[DispatchKey.Autograd] is autograd and api.create_block_mask is create
+
+
+def test_a_large_mask_is_priced_by_a_sample_of_its_rows(rt):
+    # torchtitan packs a batch into one 16k-token sequence of documents and makes its mask every
+    # step: counted whole on the host, seconds a step; a sample of rows prices the kernels
+    import gpemu.flex_attention as flex
+
+    length, document = 16384, 512
+    assert length * length > flex.HOST_MASK_BUDGET
+    ids = torch.arange(length, device="cuda") // document  # known values, computed on the GPU
+
+    def packed(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
+
+    def causal_only(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    for mask_mod, exact in ((packed, 32 * 10 / 128**2), (causal_only, 128 * 129 / 2 / 128**2)):
+        mask = api.create_block_mask(mask_mod, None, None, length, length, device="cuda")
+        assert host_shadow(mask.kv_num_blocks) is None  # not counted whole
+        assert block_density(mask.as_tuple()) == pytest.approx(exact, rel=0.3), mask_mod.__name__
