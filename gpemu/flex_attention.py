@@ -20,7 +20,9 @@ mask keeps. On emulated tensors:
   emulated block mask holds its real counts (placeholders otherwise): the sparsity a kernel is
   priced with, and what the block mask prints. A mask_mod that reads tensors on the emulated GPU
   (packed documents' ids) reads their known values there; values the host does not know leave
-  the counts unknown, and the kernel is priced dense (said once).
+  the counts unknown, and the kernel is priced dense (said once). A mask larger than
+  ``HOST_MASK_BUDGET`` elements (a 16k-token packed batch) is not counted whole: a sample of its
+  rows gives the density its kernels are priced with, and its counts stay unknown.
 """
 
 from __future__ import annotations
