@@ -18,7 +18,11 @@ mask keeps. On emulated tensors:
 * **block masks**: ``create_block_mask`` on an emulated device runs as torch runs it (its GPU work
   and memory charged as usual), and its block counts are computed again on the host, so the
   emulated block mask holds its real counts (placeholders otherwise): the sparsity a kernel is
-  priced with, and what the block mask prints.
+  priced with, and what the block mask prints. A mask_mod that reads tensors on the emulated GPU
+  (packed documents' ids) reads their known values there; values the host does not know leave
+  the counts unknown, and the kernel is priced dense (said once). A mask larger than
+  ``HOST_MASK_BUDGET`` elements (a 16k-token packed batch) is not counted whole: a sample of its
+  rows gives the density its kernels are priced with, and its counts stay unknown.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C import DispatchKey
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .costs import attention_price
 from .device import EmuTensor, TensorState, host_shadow, set_host_shadow
@@ -37,30 +44,41 @@ from .hostvalues import SHADOW_MAX_ELEMENTS
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "block_density", "HOST_MASK_ELEMENTS"]
+__all__ = ["install", "block_density", "HOST_MASK_ELEMENTS", "HOST_MASK_BUDGET"]
 
 # A block mask is computed on the host in pieces of at most this many mask elements (rows of
 # whole query blocks): a 128k-token causal mask is 2^34 elements.
 HOST_MASK_ELEMENTS = 1 << 24
+# A block mask of more elements than this (batch x heads x query x key) is not counted whole (~0.5 s
+# on a host core): its density comes from a sample of its rows (_sampled_density).
+HOST_MASK_BUDGET = 1 << 24
+_SAMPLED_ROWS = 4  # query rows read in each sampled block row
 
 # Where BlockMask.as_tuple() keeps what pricing reads.
 _KV_NUM_BLOCKS, _KV_INDICES, _FULL_KV_NUM_BLOCKS = 2, 3, 4
+
+
+# The density of a block mask too large to count whole on the host, from a sample of its rows
+# (keyed by its kv_num_blocks tensor): prices its kernels; its counts stay unknown.
+_SAMPLED_DENSITY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def block_density(block_mask: tuple) -> float | None:
     """The fraction of score blocks a kernel computes under ``block_mask`` (``BlockMask.as_tuple()``):
     partial and full blocks over all blocks; None when its counts are unknown (placeholders)."""
     counts = _value(block_mask[_KV_NUM_BLOCKS])
-    indices = block_mask[_KV_INDICES]
-    if counts is None or not isinstance(indices, torch.Tensor):
-        return None
     full = block_mask[_FULL_KV_NUM_BLOCKS]
-    computed = float(counts.sum())
-    if isinstance(full, torch.Tensor):
-        full_counts = _value(full)
-        if full_counts is None:
-            return None
-        computed += float(full_counts.sum())
+    full_counts = _value(full) if isinstance(full, torch.Tensor) else torch.zeros(())
+    if counts is None or full_counts is None:
+        sampled = _SAMPLED_DENSITY.get(block_mask[_KV_NUM_BLOCKS])
+        return float(sampled) if sampled is not None else None
+    return _density(counts, full_counts, block_mask[_KV_INDICES])
+
+
+def _density(counts: torch.Tensor, full_counts: torch.Tensor, indices: Any) -> float | None:
+    if not isinstance(indices, torch.Tensor):
+        return None
+    computed = float(counts.sum()) + float(full_counts.sum())
     total = counts.numel() * max(int(indices.shape[-1]), 1)
     return min(1.0, computed / total) if total else 1.0
 
@@ -207,22 +225,47 @@ def _make_autograd_rule(original: Callable) -> Callable:
 
 
 # -- block masks ----------------------------------------------------------------------------------
+def _known_value(x: Any) -> Any:
+    if not isinstance(x, EmuTensor):
+        return x
+    value = host_shadow(x)
+    if value is None:
+        raise ValueError("its mask_mod reads tensors on the emulated GPU, whose values are placeholders")
+    return value
+
+
+class _KnownValuesOnHost(TorchFunctionMode):
+    """While a mask_mod runs on the host: each emulated tensor it reads (document ids, offsets of
+    packed sequences) is its known host value, as the GPU's kernel reads its values."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args, kwargs = tree_map(_known_value, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _piece(create: Callable, mask_mod: Callable, q0: int, rows: int, shape: tuple, block: tuple, keyword: dict) -> Any:
+    """``create_block_mask`` on the host for query rows ``q0`` to ``q0 + rows``."""
+    batch, heads, _, kv_len = shape
+
+    def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        with _KnownValuesOnHost():
+            return mask_mod(b, h, q_idx + q0, kv_idx)
+
+    piece = create(shifted, batch, heads, rows, kv_len, device="cpu", BLOCK_SIZE=block, **keyword)
+    if type(piece.kv_num_blocks) is not torch.Tensor:
+        raise ValueError("its mask_mod reads tensors on the emulated GPU, whose values are placeholders")
+    return piece
+
+
 def _host_counts(create: Callable, mask_mod: Callable, shape: tuple, block: tuple[int, int], keyword: dict) -> dict:
     """The block counts of ``create_block_mask`` computed on the host, a few query blocks at a time
     (kv counts and indices of each piece side by side, q counts summed over pieces)."""
     batch, heads, q_len, kv_len = shape
     rows_per_piece = max(1, HOST_MASK_ELEMENTS // max(1, (batch or 1) * (heads or 1) * kv_len * block[0])) * block[0]
-    pieces: list[Any] = []
-    for q0 in range(0, q_len, rows_per_piece):
-
-        def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any, q0: int = q0) -> Any:
-            return mask_mod(b, h, q_idx + q0, kv_idx)
-
-        rows = min(rows_per_piece, q_len - q0)
-        piece = create(shifted, batch, heads, rows, kv_len, device="cpu", BLOCK_SIZE=block, **keyword)
-        if type(piece.kv_num_blocks) is not torch.Tensor:
-            raise ValueError("its mask_mod reads tensors on the emulated GPU, whose values are placeholders")
-        pieces.append(piece)
+    pieces = [
+        _piece(create, mask_mod, q0, min(rows_per_piece, q_len - q0), shape, block, keyword)
+        for q0 in range(0, q_len, rows_per_piece)
+    ]
     counts: dict[str, torch.Tensor | None] = {}
     for name in ("kv_num_blocks", "full_kv_num_blocks", "kv_indices", "full_kv_indices"):
         parts = [getattr(p, name) for p in pieces]
@@ -231,6 +274,32 @@ def _host_counts(create: Callable, mask_mod: Callable, shape: tuple, block: tupl
         parts = [getattr(p, name) for p in pieces]
         counts[name] = None if any(x is None for x in parts) else functools.reduce(torch.add, parts)
     return counts
+
+
+def _sampled_density(mask_mod: Callable, shape: tuple, block: tuple[int, int]) -> float:
+    """A large mask's density from a sample of its first batch row and head: block rows drawn at
+    random, one from each of equal stretches (the causal slope followed, documents' periodicity
+    not aliased), each read on a few of its query rows (a key block is computed when one of them
+    keeps a key in it): about HOST_MASK_BUDGET / 8 mask elements."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch, heads, q_len, kv_len = shape
+    q_blocks, kv_blocks = -(-q_len // block[0]), -(-kv_len // block[1])
+    picks = max(1, min(q_blocks, HOST_MASK_BUDGET // (8 * _SAMPLED_ROWS * kv_len)))
+    draws = torch.rand(picks, generator=torch.Generator().manual_seed(q_len * 31 + kv_len))
+    first_rows = [min(q_blocks - 1, int((i + float(draws[i])) * q_blocks / picks)) * block[0] for i in range(picks)]
+    offsets = torch.linspace(0, block[0] - 1, _SAMPLED_ROWS).long()
+    q_rows = (torch.tensor(first_rows).unsqueeze(1) + offsets).clamp(max=q_len - 1).flatten()
+
+    def sampled(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        with _KnownValuesOnHost():
+            return mask_mod(b, h, q_rows[q_idx], kv_idx)
+
+    first = (None if batch is None else 1, None if heads is None else 1)
+    kept = create_mask(sampled, *first, len(q_rows), kv_len, device="cpu").reshape(len(q_rows), kv_len)
+    kept = torch.nn.functional.pad(kept, (0, kv_blocks * block[1] - kv_len))
+    computed = kept.view(picks, _SAMPLED_ROWS, kv_blocks, block[1]).any(dim=3).any(dim=1)
+    return float(computed.sum()) / (picks * kv_blocks)
 
 
 def _make_create_block_mask(rt: Runtime, original: Callable) -> Callable:
@@ -250,10 +319,19 @@ def _make_create_block_mask(rt: Runtime, original: Callable) -> Callable:
             return mask
         block = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else (BLOCK_SIZE, BLOCK_SIZE)
         keyword.pop("_compile", None)
+        shape = (B, H, Q_LEN, KV_LEN)
+        # A large mask (torchtitan's packed documents: one 16k x 16k mask every step) is not
+        # counted whole: seconds of host time a step, where the GPU takes a millisecond. A sample
+        # of its rows gives the density its kernels are priced with; its counts stay unknown.
+        whole = (B or 1) * (H or 1) * Q_LEN * KV_LEN <= HOST_MASK_BUDGET
         engine = rt.engine
         engine.enter()  # the host computation stands in for GPU kernels: the emulator's own time
         try:
-            counts = _host_counts(original, mask_mod, (B, H, Q_LEN, KV_LEN), block, keyword)
+            if whole:
+                counts = _host_counts(original, mask_mod, shape, block, keyword)
+            else:
+                _SAMPLED_DENSITY[mask.kv_num_blocks] = _sampled_density(mask_mod, shape, block)
+                return mask
         except Exception as exc:  # a mask_mod that reads emulated tensors: its values are unknown
             rt.say_once(f"FlexAttention: a block mask's counts could not be computed on the host ({exc!r})")
             return mask

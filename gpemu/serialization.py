@@ -21,22 +21,30 @@ real devices:
   every tensor on the CPU, as in PyTorch).
 
 Host-to-device copy time of loaded tensors is charged like any ``.cuda()``.
+
+Another process (``torch.multiprocessing``: ``mp.Process`` / ``mp.spawn`` arguments, queues): a CUDA
+tensor crosses by CUDA IPC, and the other process gets a tensor on the same device over the same
+memory (Hogwild trains one model shared so). An emulated tensor crosses as its metadata and known
+value (:class:`SharedTensor`); the other process, patched by ``gpemu run`` as every child is,
+rebuilds it on the same emulated device without allocating (IPC memory is the sender's).
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .device import EmuTensor, device_index, to_emulated, to_host
+from .device import EmuTensor, device_index, host_shadow, set_host_shadow, to_emulated, to_host
+from .runtime import current
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["install", "reduce_emulated", "MARKER"]
+__all__ = ["install", "reduce_emulated", "reduce_for_process", "rebuild_in_process", "SharedTensor", "MARKER"]
 
 MARKER = "_gpemu_device"
 _HOST = "host"  # a map_location callable chose to keep this storage on the host
@@ -51,6 +59,51 @@ def reduce_emulated(t: EmuTensor, protocol: int) -> Any:
         host = values.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else values
     setattr(host, MARKER, f"cuda:{t.emu_device}")
     return host.__reduce_ex__(protocol)
+
+
+class SharedTensor(NamedTuple):
+    """What another process needs to rebuild an emulated tensor it was sent."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: int
+    requires_grad: bool
+    is_parameter: bool
+    value: torch.Tensor | None  # its known host value (small tensors), else None
+
+
+def reduce_for_process(t: EmuTensor) -> tuple[Callable[[SharedTensor], torch.Tensor], tuple[SharedTensor]]:
+    """``ForkingPickler``'s reduction of an emulated tensor (what CUDA IPC is for a CUDA tensor)."""
+    spec = SharedTensor(
+        tuple(t.shape),
+        tuple(t.stride()),
+        int(t.storage_offset()),
+        t.dtype,
+        t.emu_device,
+        t.requires_grad,
+        isinstance(t, torch.nn.Parameter) or bool(getattr(t, "_is_param", False)),
+        host_shadow(t),
+    )
+    return rebuild_in_process, (spec,)
+
+
+def rebuild_in_process(spec: SharedTensor) -> torch.Tensor:
+    """The tensor another process was sent: emulated on the same device, over no new memory (the
+    sender's); a CPU tensor of placeholder zeros in a process gpemu does not emulate in."""
+    rt = current()
+    if rt is None:
+        t: torch.Tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype).zero_()
+        if spec.value is not None:
+            t.copy_(spec.value.reshape(spec.shape))
+    else:
+        t = rt.tensors.wrap(spec.shape, spec.stride, spec.offset, spec.dtype, spec.device, None)
+        if spec.value is not None:
+            set_host_shadow(t, spec.value)
+    if spec.is_parameter:
+        return torch.nn.Parameter(t, requires_grad=spec.requires_grad)
+    return t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
 
 
 def _target_for(location: str, map_location: Any) -> str:
@@ -185,6 +238,13 @@ def install(rt: Runtime) -> None:
     import torch.serialization as ser
 
     rt.patcher.replace(EmuTensor, "__reduce_ex__", reduce_emulated)
+    # Another process: registered with the pickler torch.multiprocessing sends tensors with.
+    reducers = vars(ForkingPickler)["_extra_reducers"]  # the table register() fills (not in typeshed)
+    before = reducers.get(EmuTensor)
+    ForkingPickler.register(EmuTensor, reduce_for_process)
+    rt.patcher.on_restore(
+        lambda: reducers.pop(EmuTensor, None) if before is None else reducers.__setitem__(EmuTensor, before)
+    )
     orig = ser.load
     new = _make_load(orig)
     rt.patcher.replace_everywhere(orig, new)

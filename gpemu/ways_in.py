@@ -563,7 +563,8 @@ def install(rt: Runtime) -> None:
 def group_tensors_by_device_and_dtype(tensorlistlist: list, with_indices: bool = False) -> dict:
     """torch's ``_group_tensors_by_device_and_dtype`` with emulated tensors grouped by their
     emulated device (torch's C++ sees their meta storage: every emulated GPU's tensors would be one
-    group on ``meta``, where foreach kernels are refused)."""
+    group on ``meta``, where foreach kernels are refused). A wrapper over an emulated tensor (FSDP2's
+    and DTensor's gradients are DTensors) is grouped by the device it reports too, as on a GPU."""
     grouped = torch._C._group_tensors_by_device_and_dtype(tensorlistlist, with_indices)
     if not any(device is not None and device.type == "meta" for device, _ in grouped):
         return grouped
@@ -574,7 +575,7 @@ def group_tensors_by_device_and_dtype(tensorlistlist: list, with_indices: bool =
             continue
         members: dict[torch.device, list[int]] = {}  # each device's positions in the group
         for j, t in enumerate(lists[0]):
-            members.setdefault(t.device if isinstance(t, EmuTensor) else device, []).append(j)
+            members.setdefault(t.device if t is not None else device, []).append(j)
         for dev, js in members.items():
             if len(members) == 1:
                 out[(dev, dtype)] = (lists, indices)

@@ -9,6 +9,7 @@ from torch.nn.attention import flex_attention as api
 
 import gpemu
 from gpemu.clock import VirtualClock
+from gpemu.device import host_shadow
 from gpemu.flex_attention import block_density
 
 # torch's own advice to compile flex_attention (the emulated kernel is the fused one either way)
@@ -72,6 +73,7 @@ def test_a_block_mask_computed_in_pieces_matches_the_whole(rt, monkeypatch):
     import gpemu.flex_attention as flex
 
     monkeypatch.setattr(flex, "HOST_MASK_ELEMENTS", 1 << 18)  # 4096 x 4096 in pieces of 64 rows
+    monkeypatch.setattr(flex, "HOST_MASK_BUDGET", 1 << 30)  # (all of it counted)
     gpu_mask = api.create_block_mask(causal, 2, None, 4096, 4096, device="cuda")
     host_mask = api.create_block_mask(causal, 2, None, 4096, 4096, device="cpu")
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
@@ -92,8 +94,26 @@ def test_the_kernel_is_priced_with_its_block_masks_sparsity(rt):
         assert times["window"][kernel] < 0.2 * times["dense"][kernel]  # 95 of 1024 blocks
 
 
+def test_a_mask_reading_known_gpu_tensors_holds_its_real_counts(rt):
+    # packed documents as torchtitan masks them: ids computed on the GPU from positions the data
+    # loader copied there, read by the mask_mod (as the kernel reads them on a GPU)
+    lengths = (300, 700, 1048)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    on_gpu = torch.cumsum((positions.cuda() == 0).int(), dim=0) - 1
+    on_host = torch.cumsum((positions == 0).int(), dim=0) - 1
+
+    def packed(ids):
+        return api.and_masks(causal, lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
+
+    gpu_mask = api.create_block_mask(packed(on_gpu), None, None, 2048, 2048, device="cuda")
+    host_mask = api.create_block_mask(packed(on_host), None, None, 2048, 2048, device="cpu")
+    assert torch.equal(gpu_mask.kv_num_blocks.cpu(), host_mask.kv_num_blocks)
+    density = block_density(gpu_mask.as_tuple())
+    assert density == pytest.approx(1 - host_mask.sparsity() / 100) and density < 0.3  # causal alone: 0.53
+
+
 def test_a_mask_of_placeholder_values_is_priced_dense_and_said(rt, capsys):
-    documents = torch.zeros(4096, dtype=torch.int32, device="cuda")  # values the host does not know
+    documents = torch.randint(0, 4, (4096,), dtype=torch.int32, device="cuda")  # values the host does not know
 
     def same_document(b, h, q_idx, kv_idx):
         return documents[q_idx] == documents[kv_idx]
@@ -118,3 +138,24 @@ def test_unpatch_removes_the_rules():
     assert EmuTensor not in flex_attention.python_key_table
     assert EmuTensor not in flex_attention_backward.python_key_table
     assert flex_attention.py_kernels[DispatchKey.Autograd] is autograd and api.create_block_mask is create
+
+
+def test_a_large_mask_is_priced_by_a_sample_of_its_rows(rt):
+    # torchtitan packs a batch into one 16k-token sequence of documents and makes its mask every
+    # step: counted whole on the host, seconds a step; a sample of rows prices the kernels
+    import gpemu.flex_attention as flex
+
+    length, document = 16384, 512
+    assert length * length > flex.HOST_MASK_BUDGET
+    ids = torch.arange(length, device="cuda") // document  # known values, computed on the GPU
+
+    def packed(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
+
+    def causal_only(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    for mask_mod, exact in ((packed, 32 * 10 / 128**2), (causal_only, 128 * 129 / 2 / 128**2)):
+        mask = api.create_block_mask(mask_mod, None, None, length, length, device="cuda")
+        assert host_shadow(mask.kv_num_blocks) is None  # not counted whole
+        assert block_density(mask.as_tuple()) == pytest.approx(exact, rel=0.3), mask_mod.__name__

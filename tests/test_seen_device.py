@@ -38,6 +38,27 @@ def test_foreach_clipping_and_optimizers_see_the_emulated_devices() -> None:
     assert all(p.device.type == "cuda" for p in params)
 
 
+def test_foreach_norm_of_fsdp2_gradients_sees_the_emulated_device(tmp_path) -> None:
+    """FSDP2's gradients are DTensors over emulated tensors: torch's C++ groups them on meta, a
+    GPU on cuda. torchtitan clips them with get_total_norm(..., foreach=True)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    gpemu.patch(gpu="H100", summary=False, clock=VirtualClock())
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).cuda()
+        fully_shard(model)
+        model(torch.randn(4, 16, device="cuda")).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert type(grads[0]).__name__ == "DTensor" and grads[0].device == torch.device("cuda:0")
+        norm = nn.utils.get_total_norm(grads, 2.0, False, True)
+        assert norm.device == torch.device("cuda:0")
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_factories_under_fake_tensor_mode_make_fake_tensors_and_take_no_memory(rt) -> None:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

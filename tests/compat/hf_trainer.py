@@ -3,8 +3,13 @@
     HF_HUB_OFFLINE=1 torchrun --nproc-per-node 2 hf_trainer.py --model gpt2 --steps 4
     HF_HUB_OFFLINE=1 torchrun --nproc-per-node 2 hf_trainer.py --model bert --steps 4
     HF_HUB_OFFLINE=1 python hf_trainer.py --model gpt2,bert --steps 4        # one GPU, both models
+    HF_HUB_OFFLINE=1 python hf_trainer.py --model llama --lora --gradient-checkpointing --bf16
 
-Prints, on rank 0, "hf-<model>: trained <N> steps, <X> ms/step" per model.
+Models: gpt2, bert, and the decoder families fine-tuned most (llama, mistral, qwen2: grouped-query
+attention, RMSNorm, rotary embeddings, SwiGLU), each a tiny config. ``--lora`` wraps the model in
+PEFT's LoRA (adapters on the attention projections: only they train), ``--gradient-checkpointing``
+is the Trainer's own switch. Prints, on rank 0, "hf-<model>: trained <N> steps, <X> ms/step" per
+model.
 """
 
 from __future__ import annotations
@@ -17,14 +22,22 @@ import time
 import torch
 from torch.utils.data import Dataset
 from transformers import (
+    AutoModelForCausalLM,
     BertConfig,
     BertForMaskedLM,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
+
+MODELS = ("gpt2", "bert", "llama", "mistral", "qwen2")
+# tiny decoder configs of each family: 8 query heads over 2 key/value heads (grouped-query attention)
+DECODERS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 
 
 class Tokens(Dataset):
@@ -58,31 +71,54 @@ class StepTimer(TrainerCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="gpt2", help="gpt2, bert or both (gpt2,bert)")
+    parser.add_argument("--model", default="gpt2", help=f"one or several (comma-separated) of {', '.join(MODELS)}")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA adapters on the attention projections")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args()
     models = args.model.split(",")
-    if not models or any(m not in ("gpt2", "bert") for m in models):
-        parser.error(f"--model must be gpt2, bert or gpt2,bert; got {args.model!r}")
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--model must be one or several of {', '.join(MODELS)}; got {args.model!r}")
     for name in models:
-        train(name, args.steps, args.fp16)
+        train(name, args)
 
 
-def train(name: str, steps: int, fp16: bool) -> None:
+def build(name: str) -> torch.nn.Module:
+    """A tiny model of the family ``name``, built from its config (random weights)."""
+    if name in DECODERS:
+        config = DECODERS[name](
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+        return AutoModelForCausalLM.from_config(config)
     if name == "gpt2":
         config = GPT2Config(vocab_size=1024, n_positions=128, n_embd=128, n_layer=2, n_head=4)
-        model = GPT2LMHeadModel(config)
-    else:
-        config = BertConfig(
-            vocab_size=1024,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=512,
-            max_position_embeddings=128,
-        )
-        model = BertForMaskedLM(config)
+        return GPT2LMHeadModel(config)
+    config = BertConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=128,
+    )
+    return BertForMaskedLM(config)
+
+
+def train(name: str, args: argparse.Namespace) -> None:
+    steps = args.steps
+    model = build(name)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
@@ -93,7 +129,9 @@ def train(name: str, steps: int, fp16: bool) -> None:
             logging_steps=2,
             save_strategy="no",
             report_to=[],
-            fp16=fp16,
+            fp16=args.fp16,
+            bf16=args.bf16,
+            gradient_checkpointing=args.gradient_checkpointing,
             dataloader_num_workers=0,
             disable_tqdm=True,
         )
