@@ -26,6 +26,20 @@ CHILD_MARKERS = frozenset({"broker", "torchrun", "postgres", "k8s", "compat", "s
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _gpu_time_only() -> Generator[None, None, None]:
+    """Tests price GPU time alone (GPEMU_HOST=none), so their figures do not depend on this
+    machine's measured dispatch time; the modelled host's own tests (tests/test_host_model.py)
+    ask for a host explicitly."""
+    old = os.environ.get("GPEMU_HOST")
+    os.environ["GPEMU_HOST"] = "none"
+    yield
+    if old is None:
+        os.environ.pop("GPEMU_HOST", None)
+    else:
+        os.environ["GPEMU_HOST"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _gpemu_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Generator[object, None, None]:
     data_dir = tmp_path_factory.mktemp("gpemu-data")
     old = os.environ.get("GPEMU_DATA_DIR")

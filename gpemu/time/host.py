@@ -71,6 +71,7 @@ class HostState:
         "entry",
         "current",
         "enter_stack",
+        "launching",
     )
 
     def __init__(self) -> None:
@@ -83,6 +84,7 @@ class HostState:
         self.entry = 0.0  # clock reading when the outermost one began (or its last wait ended)
         self.current: dict | None = None  # device -> this thread's current stream (None: defaults)
         self.enter_stack: list | None = None  # streams replaced by `with stream:` blocks
+        self.launching = False  # inside one launch (a CUDA graph replay): ops cost no issue time
 
 
 class PerThread(threading.local):
@@ -204,6 +206,18 @@ class HostTime:
             yield
         finally:
             self.resume(depth)
+
+    @contextmanager
+    def one_launch(self) -> Iterator[None]:
+        """Inside, the work this thread enqueues is one launch (a CUDA graph replay): its ops cost
+        the modelled host no issue time of their own (gpemu.time.launch)."""
+        local = self.local.host
+        outer = local.launching
+        local.launching = True
+        try:
+            yield
+        finally:
+            local.launching = outer
 
     @property
     def in_emulator(self) -> bool:

@@ -1,0 +1,219 @@
+"""The host side of a GPU step: what a real framework spends issuing kernels, and the launch queue.
+
+On a real GPU, eager PyTorch spends host time on every op it issues (Python, the dispatcher,
+autograd, the caching allocator, the driver's launch call) before the kernel can start, and the
+host blocks when a stream's launch queue is full. The emulator issues the same work in much less
+time (or more; either way its own time is forgiven, :mod:`gpemu.time.host`), so that time is
+modelled instead, by :class:`HostModel`:
+
+- ``dispatch_s``: the framework's host seconds per op, measured on this machine by a short probe
+  of eager dispatch on the CPU build (:func:`probe_dispatch_seconds`, cached per machine and
+  torch version): what the CPU build spends per small op is a fair proxy for its Python +
+  dispatcher + autograd part;
+- ``launch_s``: the driver's per-launch cost (cudaLaunchKernel and the CUDA runtime around it),
+  a published figure: 4-5 us per launch (an NVIDIA forum measurement of 10,000 launches);
+- both scaled to the target host (``--host``: ``this`` machine, a speed relative to it such as
+  ``0.7x``, or a preset of a measured host, :data:`HOST_PRESETS`);
+- ``queue_depth``: launches a stream holds before the host blocks (about 1,000 per stream in the
+  same measurement: the 1,001st launch waited for the stream's oldest kernel to finish; each of
+  three streams held its own 1,000).
+
+``--host none`` turns the model off: no modelled host time, no bounded queue (GPU time only, as
+gpemu priced it before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "HostModel",
+    "HOST_PRESETS",
+    "LAUNCH_QUEUE_DEPTH",
+    "DRIVER_LAUNCH_S",
+    "host_model",
+    "check_host",
+    "probe_dispatch_seconds",
+]
+
+# Launches a stream holds before cudaLaunchKernel blocks: about a thousand (NVIDIA developer forum
+# "CUDA stream are blocked when launching lots of kernels (>1000)", 2018: launches took 4-5 us
+# until ~1,000 were pending, then one kernel's time each; three streams held 1,000 each).
+LAUNCH_QUEUE_DEPTH = 1024
+# The driver's host time per kernel launch (same measurement: 4-5 us a launch while the queue
+# had room), on the measuring host; scaled with the framework's time to the target host.
+DRIVER_LAUNCH_S = 4.5e-6
+
+
+@dataclass(frozen=True)
+class HostPreset:
+    """A measured host: its framework seconds per op (driver launch included)."""
+
+    op_s: float
+    note: str
+
+
+# Per-op issue time of measured hosts: eager PyTorch's host time per step (benchmarks/overhead.py
+# --real) over the kernels the step issues (counted by torch's own dispatch of the same step).
+HOST_PRESETS: dict[str, HostPreset] = {
+    # The 16-core 2.1 GHz Xeon VM behind the H100 of benchmarks/data (docs/time.md): ResNet-50/32
+    # 16.6 ms for ~470 kernels (forward 283, backward ~180, foreach SGD); AlexNet/32 3.11 ms for
+    # ~70. About 35 us per kernel: cuDNN and cuBLAS set-up per call included.
+    "h100-xeon": HostPreset(35e-6, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per kernel)"),
+}
+
+_PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """What the emulated host spends per op it issues (see the module docstring)."""
+
+    dispatch_s: float  # framework (Python, dispatcher, autograd) seconds per op on the target host
+    launch_s: float  # the driver's seconds per kernel launch on the target host
+    queue_depth: int = LAUNCH_QUEUE_DEPTH  # launches a stream holds before the host blocks
+    source: str = ""  # where the figures come from (said in summaries)
+
+    @property
+    def op_s(self) -> float:
+        """Host seconds to issue one op that launches one kernel."""
+        return self.dispatch_s + self.launch_s
+
+    def issue_seconds(self, ops: int, launches: int | None = None) -> float:
+        """Host seconds to issue ``ops`` framework calls launching ``launches`` kernels (default:
+        one each)."""
+        return ops * self.dispatch_s + (ops if launches is None else launches) * self.launch_s
+
+
+def check_host(spec: str | None) -> str | None:
+    """``spec`` when it is a valid ``--host`` value, else a ValueError saying what is valid."""
+    if spec is None:
+        return None
+    text = spec.strip().lower()
+    if text in ("none", "this") or text in HOST_PRESETS:
+        return text
+    speed = _speed(text)
+    if speed is None or not 0.01 <= speed <= 100:
+        raise ValueError(
+            f"host must be 'this' (this machine), 'none' (no modelled host time), a speed relative to this "
+            f"machine from 0.01x to 100x (e.g. 0.7x), or a preset ({', '.join(HOST_PRESETS)}); got {spec!r}"
+        )
+    return text
+
+
+def _speed(text: str) -> float | None:
+    try:
+        return float(text[:-1] if text.endswith("x") else text)
+    except ValueError:
+        return None
+
+
+def host_model(spec: str | None, cache_dir: Path | None = None) -> HostModel | None:
+    """The host model ``--host`` names (None for ``none``); see :func:`check_host`."""
+    text = check_host(spec) or "this"
+    if text == "none":
+        return None
+    preset = HOST_PRESETS.get(text)
+    if preset is not None:
+        share = DRIVER_LAUNCH_S / preset.op_s if preset.op_s > DRIVER_LAUNCH_S else 0.0
+        return HostModel(preset.op_s * (1 - share), preset.op_s * share, source=f"preset {text}: {preset.note}")
+    speed = 1.0 if text == "this" else float(_speed(text) or 1.0)
+    dispatch = probe_dispatch_seconds(cache_dir)
+    where = "this machine" if speed == 1.0 else f"{speed:g}x this machine"
+    return HostModel(
+        dispatch / speed,
+        DRIVER_LAUNCH_S / speed,
+        source=f"{where}: eager dispatch {dispatch * 1e6:.2f} us/op measured here"
+        f" + {DRIVER_LAUNCH_S * 1e6:.1f} us launch",
+    )
+
+
+def _machine_key() -> str:
+    """This machine and torch build, as the probe's cache key."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"v{_PROBE_VERSION}|{cpu}|{os.cpu_count()}|torch {torch.__version__}|{platform.python_version()}"
+
+
+_MEMO: dict[str, float] = {}
+
+
+def probe_dispatch_seconds(cache_dir: Path | None = None) -> float:
+    """Eager PyTorch's host seconds per op on this machine (the CPU build): the lower quartile of
+    seven rounds of a small training-shaped op mix (a convolution, batch norm, ReLU, addition and
+    a linear layer on tiny tensors whose weights require gradients), so the kernels' own work is
+    negligible. Measured once per machine and torch version (~50 ms) and cached in
+    ``cache_dir/host-probe.json``."""
+    key = _machine_key()
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_dir / "host-probe.json" if cache_dir is not None else None
+    stored = _read_cache(path)
+    value = stored.get(key)
+    if not isinstance(value, float) or not 0 < value < 1e-3:
+        value = _measure()
+        stored[key] = value
+        _write_cache(path, stored)
+    _MEMO[key] = value
+    return value
+
+
+def _measure() -> float:
+    import torch
+    from torch.nn import functional as F
+
+    with torch.inference_mode(False):
+        x = torch.ones(1, 4, 4, 4)
+        w = torch.ones(4, 4, 3, 3, requires_grad=True)
+        g = torch.ones(4, requires_grad=True)
+        lw = torch.ones(4, 16, requires_grad=True)
+
+        def mix() -> None:  # five ops
+            y = F.conv2d(x, w, padding=1)
+            y = F.batch_norm(y, None, None, g, g, training=True)
+            y = F.relu(y) + y
+            F.linear(y.view(4, 16), lw)
+
+        for _ in range(50):
+            mix()
+        rounds = []
+        for _ in range(7):
+            t = time.perf_counter()
+            for _ in range(40):
+                mix()
+            rounds.append((time.perf_counter() - t) / 200)
+    rounds.sort()
+    return rounds[1]
+
+
+def _read_cache(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path | None, data: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # (an unwritable cache: measured again next time)
