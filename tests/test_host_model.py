@@ -126,3 +126,12 @@ def test_a_replayed_step_costs_the_host_what_the_op_by_op_step_did():
     assert op_by_op[0] >= 10 * XEON
     for a, b in zip(replayed, op_by_op, strict=True):
         assert a == pytest.approx(b, rel=0.02)
+
+
+def test_gpemu_run_refuses_an_unknown_host_in_one_line(capsys):
+    from gpemu.cli import main
+
+    rc = main(["run", "--host", "fastest", "--", "python", "-c", "pass"])  # (refused before it starts)
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "h100-xeon" in err[0] and "Traceback" not in err[0]
