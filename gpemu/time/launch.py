@@ -27,9 +27,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..clock import REAL
 
 __all__ = [
     "HostModel",
@@ -39,6 +41,7 @@ __all__ = [
     "host_model",
     "check_host",
     "probe_dispatch_seconds",
+    "reference_loop_ms",
 ]
 
 # Launches a stream holds before cudaLaunchKernel blocks: about a thousand (NVIDIA developer forum
@@ -52,9 +55,12 @@ DRIVER_LAUNCH_S = 4.5e-6
 
 @dataclass(frozen=True)
 class HostPreset:
-    """A measured host: its framework seconds per op (driver launch included)."""
+    """A measured host: its framework seconds per op (driver launch included), and the time of
+    the reference loop of interpreter work there (:func:`reference_loop_ms`): host work measured
+    on this machine is scaled by the ratio of the two machines' loops."""
 
     op_s: float
+    reference_ms: float
     note: str
 
 
@@ -64,7 +70,10 @@ HOST_PRESETS: dict[str, HostPreset] = {
     # The 16-core 2.1 GHz Xeon VM behind the H100 of benchmarks/data (docs/time.md): ResNet-50/32
     # 16.6 ms for ~470 kernels (forward 283, backward ~180, foreach SGD); AlexNet/32 3.11 ms for
     # ~70. About 35 us per kernel: cuDNN and cuBLAS set-up per call included.
-    "h100-xeon": HostPreset(35e-6, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per kernel)"),
+    # Its reference loop took 6.8-7.5 ms in the calls of that session (14.7-18.4 ms while busy).
+    "h100-xeon": HostPreset(
+        35e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per kernel)"
+    ),
 }
 
 _PROBE_VERSION = 1
@@ -78,6 +87,9 @@ class HostModel:
     launch_s: float  # the driver's seconds per kernel launch on the target host
     queue_depth: int = LAUNCH_QUEUE_DEPTH  # launches a stream holds before the host blocks
     source: str = ""  # where the figures come from (said in summaries)
+    # The target host's seconds per second of framework work measured on this machine (host
+    # time the emulator measures here by running torch's own code, e.g. an optimizer's step).
+    scale: float = 1.0
 
     @property
     def op_s(self) -> float:
@@ -118,18 +130,24 @@ def host_model(spec: str | None, cache_dir: Path | None = None) -> HostModel | N
     text = check_host(spec) or "this"
     if text == "none":
         return None
+    dispatch = probe_dispatch_seconds(cache_dir)
     preset = HOST_PRESETS.get(text)
     if preset is not None:
         share = DRIVER_LAUNCH_S / preset.op_s if preset.op_s > DRIVER_LAUNCH_S else 0.0
-        return HostModel(preset.op_s * (1 - share), preset.op_s * share, source=f"preset {text}: {preset.note}")
+        return HostModel(
+            preset.op_s * (1 - share),
+            preset.op_s * share,
+            source=f"preset {text}: {preset.note}",
+            scale=preset.reference_ms / reference_loop_ms(cache_dir),
+        )
     speed = 1.0 if text == "this" else float(_speed(text) or 1.0)
-    dispatch = probe_dispatch_seconds(cache_dir)
     where = "this machine" if speed == 1.0 else f"{speed:g}x this machine"
     return HostModel(
         dispatch / speed,
         DRIVER_LAUNCH_S / speed,
         source=f"{where}: eager dispatch {dispatch * 1e6:.2f} us/op measured here"
         f" + {DRIVER_LAUNCH_S * 1e6:.1f} us launch",
+        scale=1.0 / speed,
     )
 
 
@@ -149,24 +167,64 @@ def _machine_key() -> str:
 _MEMO: dict[str, float] = {}
 
 
+def _reference_work(n: int = 20_000) -> int:
+    # benchmarks/machine.py's reference loop, unchanged (its figures are in docs/time.md): calls,
+    # attribute reads, dict look-ups, small tuples and objects.
+    table: dict[tuple[int, int], int] = {}
+    acc = 0
+    for i in range(n):
+        p = _Point(i, i & 7)
+        key = (p.y, i & 63)
+        table[key] = table.get(key, 0) + p.x
+        acc += len(key) + (p.x >> 3)
+    return acc + len(table)
+
+
+class _Point:
+    __slots__ = ("x", "y")
+
+    def __init__(self, x: int, y: int) -> None:
+        self.x, self.y = x, y
+
+
+def reference_loop_ms(cache_dir: Path | None = None) -> float:
+    """This machine's time of the reference loop of interpreter work (the fastest of 15, ms;
+    cached as the dispatch probe is): how fast its interpreter is, to scale to a preset's host."""
+    return _cached("reference_ms", cache_dir, _measure_reference, 1e-3, 1e4)
+
+
+def _measure_reference() -> float:
+    _reference_work(5_000)
+    times = []
+    for _ in range(15):
+        t0 = REAL.perf_counter()
+        _reference_work()
+        times.append(REAL.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def _cached(what: str, cache_dir: Path | None, measure: Callable[[], float], low: float, high: float) -> float:
+    key = f"{_machine_key()}|{what}"
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_dir / "host-probe.json" if cache_dir is not None else None
+    stored = _read_cache(path)
+    value = stored.get(key)
+    if not isinstance(value, float) or not low < value < high:
+        value = measure()
+        stored[key] = value
+        _write_cache(path, stored)
+    _MEMO[key] = value
+    return value
+
+
 def probe_dispatch_seconds(cache_dir: Path | None = None) -> float:
     """Eager PyTorch's host seconds per op on this machine (the CPU build): the lower quartile of
     seven rounds of a small training-shaped op mix (a convolution, batch norm, ReLU, addition and
     a linear layer on tiny tensors whose weights require gradients), so the kernels' own work is
     negligible. Measured once per machine and torch version (~50 ms) and cached in
     ``cache_dir/host-probe.json``."""
-    key = _machine_key()
-    if key in _MEMO:
-        return _MEMO[key]
-    path = cache_dir / "host-probe.json" if cache_dir is not None else None
-    stored = _read_cache(path)
-    value = stored.get(key)
-    if not isinstance(value, float) or not 0 < value < 1e-3:
-        value = _measure()
-        stored[key] = value
-        _write_cache(path, stored)
-    _MEMO[key] = value
-    return value
+    return _cached("dispatch_s", cache_dir, _measure, 0.0, 1e-3)
 
 
 def _measure() -> float:
@@ -189,10 +247,10 @@ def _measure() -> float:
             mix()
         rounds = []
         for _ in range(7):
-            t = time.perf_counter()
+            t = REAL.perf_counter()
             for _ in range(40):
                 mix()
-            rounds.append((time.perf_counter() - t) / 200)
+            rounds.append((REAL.perf_counter() - t) / 200)
     rounds.sort()
     return rounds[1]
 
