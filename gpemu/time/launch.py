@@ -67,13 +67,13 @@ class HostPreset:
 # Per-op issue time of measured hosts: eager PyTorch's host time per step (benchmarks/overhead.py
 # --real) over the kernels the step issues (counted by torch's own dispatch of the same step).
 HOST_PRESETS: dict[str, HostPreset] = {
-    # The 16-core 2.1 GHz Xeon VM behind the H100 of benchmarks/data (docs/time.md): ResNet-50/32
-    # 16.6 ms for ~470 kernels (forward 283, backward ~180, foreach SGD); AlexNet/32 3.11 ms for
-    # ~70. About 35 us per kernel: cuDNN and cuBLAS set-up per call included.
+    # The 16-core 2.1 GHz Xeon VM behind the H100 of benchmarks/data (docs/time.md): eager
+    # PyTorch's issue time of a training step (overhead.py --real) over the ops gpemu charges in
+    # its forward, loss and backward, the SGD step's ~1 ms aside: ResNet-50/32 15.6 ms for 408
+    # ops (38 us), AlexNet/32 ~2.8 ms for 57 (49 us); its ResNet-50/32 forward took 9.9 ms for
+    # ~235 ops (42 us). About 40 us per op, cuDNN's and cuBLAS's set-up per call included.
     # Its reference loop took 6.8-7.5 ms in the calls of that session (14.7-18.4 ms while busy).
-    "h100-xeon": HostPreset(
-        35e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per kernel)"
-    ),
+    "h100-xeon": HostPreset(40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)"),
 }
 
 _PROBE_VERSION = 1
