@@ -112,6 +112,8 @@ class HostTime:
         # Per thread: .host, the calling thread's HostState (read it once per call: see HostState).
         self.local = PerThread()
         self.wake_late_s = 0.0  # wake-up lateness forgiven (the recorder's "wake_late_s")
+        # Modelled framework host time charged (gpemu.time.launch; the recorder's "host_issue_s")
+        self.issued_s = 0.0
         # On virtual time (a clock whose waits jump) the emulator's own time is CPU time, never
         # the OS holding the process: all of it is forgiven, however long an entry takes.
         self.virtual = bool(getattr(clock, "virtual", False))
@@ -125,7 +127,10 @@ class HostTime:
             _FORKED_FRESH.add(self)
 
     def _counters(self) -> list[tuple[str, float]]:
-        return [("wake_late_s", self.wake_late_s)] if self.wake_late_s else []
+        counters = [("wake_late_s", self.wake_late_s)] if self.wake_late_s else []
+        if self.issued_s:
+            counters.append(("host_issue_s", self.issued_s))
+        return counters
 
     # ------------------------------------------------------------------ the emulator's own time
     def enter(self) -> None:
@@ -326,6 +331,7 @@ class HostTime:
         afterwards starts later and a sync point waits from there."""
         if not seconds >= 0:
             raise ValueError(f"modelled host time must be >= 0 seconds, got {seconds!r}")
+        self.issued_s += seconds
         self.jump(lambda: setattr(self.local.host, "late", self.local.host.late - seconds))
 
     def jump(self, move: Callable[[], object]) -> None:

@@ -82,6 +82,7 @@ class VirtualStream:
             if eng.time_map is not None:
                 eng.time_map.sample(eng)
             now += issue
+            eng.issued_s += issue
             local.late = base - now  # (the host now stands at the launch, past any floor)
         if eng.captures:  # (a CUDA graph capture: the engine records the work of a capturing stream)
             return eng.enqueue(self, seconds, kind, name, peak_bytes, at, now)
