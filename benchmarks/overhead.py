@@ -151,25 +151,27 @@ def measure(
     iterations: int,
     toggle: Callable[[gpemu.runtime.Runtime, int], bool] | None = None,
     tuning: dict | None = None,
+    host_model: str = "this",
 ) -> tuple[float, float, float, dict]:
     """(median host s/iter, p90 host s/iter, emulated GPU s/iter, replay stats). ``toggle(rt, i)``
     is called before iteration i (for interleaved comparisons, see ``--compare-grad-reuse``); the
     stats then hold ``host_by_mode`` (the host times for each mode it returned). ``tuning``: the
-    run's ``config.tuning`` knobs."""
+    run's ``config.tuning`` knobs; ``host_model``: the modelled host issuing the step (gpemu run
+    --host; stats["issue"] is its issue time per step)."""
     gc.collect()  # each case starts without the previous cases' garbage (one model per real run)
     build, x, y, bs = workload(name, bs)
     with torch.device("meta"):
         module = build()
     module = module.to_empty(device="cpu")
-    with gpemu.emulate(gpu=gpu, clock=VirtualClock(), summary=False, tuning=tuning or {}) as rt:
+    with gpemu.emulate(gpu=gpu, clock=VirtualClock(), summary=False, tuning=tuning or {}, host=host_model) as rt:
         engine = rt.engine
         model = module.cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        host, cpu, gpu_times = [], [], []
+        host, cpu, gpu_times, issued = [], [], [], []
         by_mode: dict = {}
         for i in range(iterations + 2):  # two warm-ups: recording, then optimizer state creation
             mode = toggle(rt, i) if toggle is not None else None
-            h0, c0, g0 = time.perf_counter(), time.thread_time(), engine.now()
+            h0, c0, g0, i0 = time.perf_counter(), time.thread_time(), engine.now(), engine.issued_s
             loss = step_loss(model(x.cuda()), y.cuda())
             loss.backward()
             opt.step()
@@ -179,10 +181,12 @@ def measure(
                 host.append(time.perf_counter() - h0)
                 cpu.append(time.thread_time() - c0)
                 gpu_times.append(engine.now() - g0)
+                issued.append(engine.issued_s - i0)
                 by_mode.setdefault(mode, []).append(host[-1])
         stats = rt.replay.info() if rt.replay is not None else {}
         stats["host_by_mode"] = by_mode
         stats["cpu"] = statistics.median(cpu)
+        stats["issue"] = statistics.median(issued)  # the modelled framework's host time per step
         stats["batch"] = bs
     host.sort()
     return statistics.median(host), host[int(0.9 * (len(host) - 1))], statistics.median(gpu_times), stats
@@ -264,6 +268,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the same interleaving for hub mode (one autograd input instead of every parameter)",
     )
     p.add_argument(
+        "--host",
+        default="this",
+        help="the modelled host issuing the emulated step (gpemu run --host; default this machine): the table's "
+        "'issue ms' is its framework issue time per step, 'cpu/issue' the emulator's own CPU time over it",
+    )
+    p.add_argument(
         "--real",
         action="store_true",
         help="run the step unpatched on this machine's real CUDA GPU: eager PyTorch's own host time",
@@ -309,12 +319,12 @@ def _main_emulated(a: argparse.Namespace) -> list[Row]:
     tuning = {"spare_limit": 0} if a.no_grad_reuse else {}
     print(
         f"{'gpu':6} {'model':14} {'bs':>4} {'host ms/iter':>13} {'p90':>8} {'cpu ms/iter':>12} {'emulated ms':>12} "
-        f"{'share':>8} {'cpu share':>9}  load"
+        f"{'share':>8} {'cpu share':>9} {'issue ms':>9} {'cpu/issue':>9}  load"
     )
     rows = []
     for gpu, name, bs in cases(a):
         try:
-            med, p90, emu, stats = measure(gpu, name, bs, a.iterations, tuning=tuning)
+            med, p90, emu, stats = measure(gpu, name, bs, a.iterations, tuning=tuning, host_model=a.host)
         except torch.cuda.OutOfMemoryError:
             print(f"{gpu:6} {name:14} {bs:4d}  out of memory on the emulated GPU (as on the real one)", flush=True)
             continue
@@ -325,7 +335,8 @@ def _main_emulated(a: argparse.Namespace) -> list[Row]:
         print(
             f"{gpu:6} {name:14} {row.batch:4d} {1e3 * med:13.3f} {1e3 * p90:8.3f} {1e3 * cpu:12.3f} "
             f"{1e3 * emu:12.2f} "
-            f"{100 * row.share:7.3f}% {100 * cpu / emu:8.3f}%  {load}",
+            f"{100 * row.share:7.3f}% {100 * cpu / emu:8.3f}% {1e3 * stats['issue']:9.2f} "
+            f"{cpu / stats['issue'] if stats['issue'] else float('nan'):9.3f}  {load}",
             flush=True,
         )
     return rows

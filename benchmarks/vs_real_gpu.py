@@ -24,8 +24,11 @@ Each is printed beside the measured forward, backward and optimizer step and the
 error of the sum; the summary adds the datasheet variant's error phase by phase. The real figures
 are what the profiler's CUDA events measured, so they include any time the GPU waited for the
 host to launch kernels: where the host is slow and the GPU fast
-(small models, small batches), a real forward can take longer at batch 32 than at 128. gpemu
-prices GPU time only; those cases show as large negative errors and are flagged ``host-bound?``.
+(small models, small batches), a real forward can take longer at batch 32 than at 128 (flagged
+``host-bound?``). ``--host`` names the modelled host issuing the emulated loop (gpemu.time.launch):
+by default ``h100-xeon``, the host of the stored H100 measurements; ``--host none`` prices GPU time
+only, as gpemu did before the host model. On this script's manual clock only modelled host time
+counts, not the loop's own Python.
 """
 
 from __future__ import annotations
@@ -73,12 +76,14 @@ def measured(engine, gpu: str) -> dict[tuple[str, int], dict[str, float]]:
     return {k: v for k, v in out.items() if all(p in v for p in PHASES)}
 
 
-def emulated(gpu: str, db_url: str, name: str, batch: int, iterations: int = 4) -> dict[str, float]:
+def emulated(gpu: str, db_url: str, name: str, batch: int, iterations: int = 4, host: str = "none") -> dict[str, float]:
     """The profiler's loop for ``name`` at ``batch`` on an emulated ``gpu``: {phase: seconds}
-    of the last iteration, on the emulated GPU's timeline, and its ``peak_memory`` (bytes)."""
+    of the last iteration, on the emulated GPU's timeline, and its ``peak_memory`` (bytes).
+    ``host``: the modelled host issuing it (gpemu.time.launch; on this manual clock the loop's
+    own Python time does not count, only the modelled issue time)."""
     module, _ = build(name)  # (a torchvision architecture: not a stand-in)
     x, y = torch.empty(batch, 3, 224, 224), torch.zeros(batch, dtype=torch.long)
-    with gpemu.emulate(gpu=gpu, db_url=db_url, clock=VirtualClock(), summary=False) as rt:
+    with gpemu.emulate(gpu=gpu, db_url=db_url, clock=VirtualClock(), summary=False, host=host) as rt:
         now = rt.engine.now
         model = module.cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -115,6 +120,12 @@ def main() -> int:
         "or a `gpemu db export` of it (JSON file or CSV directory)",
     )
     p.add_argument("--gpu", help="the GPU's name in that database (default: its only GPU)")
+    p.add_argument(
+        "--host",
+        default="h100-xeon",
+        help="the modelled host issuing the emulated loop (gpemu run --host: h100-xeon, the host those "
+        "measurements were taken on, by default; none: GPU time only, as before the host model)",
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         url = a.db
@@ -131,10 +142,10 @@ def main() -> int:
                     f"# {len(report.rejected)} rows of {a.db} rejected (first: {report.rejected[0].where}: "
                     f"{report.rejected[0].reason}); `gpemu db import` lists them"
                 )
-        return compare(p, make_engine(url), a.db, a.gpu)
+        return compare(p, make_engine(url), a.db, a.gpu, a.host)
 
 
-def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> int:
+def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None, host: str = "none") -> int:
     """Print the comparison for ``gpu`` of the real GPU's database ``real``."""
     from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
@@ -152,7 +163,7 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
         p.error(f"the database holds no forward/backward/optimizer_step of a torchvision model on {gpu}")
     curves = read_curves(real, gpu)
     print(f"machine: {machine()}; torch {torch.__version__}")
-    print(f"real: {gpu} in {where} ({len(known)} cases; op curves: {len(curves) or 'none'})")
+    print(f"real: {gpu} in {where} ({len(known)} cases; op curves: {len(curves) or 'none'}); emulated host: {host}")
     with tempfile.TemporaryDirectory() as tmp:
         variants = {"datasheet": sqlite_url(ensure_default_db(Path(tmp) / "datasheet"))}
         if curves:
@@ -174,7 +185,7 @@ def compare(p: argparse.ArgumentParser, real, where: str, gpu: str | None) -> in
             )
             peak = 0.0
             for v, url in variants.items():
-                e = emulated(gpu, url, name, bs)
+                e = emulated(gpu, url, name, bs, host=host)
                 if v == "datasheet":
                     for ph in PHASES:
                         by_phase[ph].append(e[ph] / m[ph] - 1)

@@ -82,10 +82,12 @@ class GraphReplays:
             self.graphs[key] = _Graph()
             return self.fn(*args, **kwargs)
         engine = self.rt.engine
+        engine.charge_host(engine.launch_seconds(1))  # (cudaGraphLaunch: one launch's host time)
         engine.enter()  # one launch: the host's time stands at the call's start until it returns
         try:
-            self._copy_inputs(graph, leaves)
-            return self.fn(*args, **kwargs)
+            with engine.one_launch():
+                self._copy_inputs(graph, leaves)
+                return self.fn(*args, **kwargs)
         finally:
             engine.leave()
 

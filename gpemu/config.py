@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -204,6 +205,11 @@ class EmuConfig:
     clock_origin: float | None = field(default=None, compare=False)
     # "virtual" when `clock` asks for virtual time, else "real": compared between runs.
     time_mode: str = field(default="real", init=False)
+    # GPEMU_HOST: the host that issues the GPU work (gpemu.time.launch): "this" (this machine's
+    # eager dispatch, measured once), a speed relative to it ("0.7x"), a measured host's preset
+    # ("h100-xeon"), or "none" (the default: no modelled host time; the cost model's fitted
+    # per-op host term stays in GPU prices until the curves are refitted without it).
+    host: str = "none"
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -280,6 +286,7 @@ class EmuConfig:
         if self.data_dir is not None:
             _expanded_dir(self.data_dir)
         self._check_clock()
+        _check_host(self.host)
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
@@ -444,6 +451,22 @@ def _name_list(name: str, value: str) -> tuple[str, ...] | None:
     return items
 
 
+def _check_host(host: object) -> None:
+    """``host``'s form: this, none, a speed (``0.7x``) or a preset's name (gpemu.time.launch
+    checks the name: this module imports no torch)."""
+    text = host if isinstance(host, str) else ""
+    speed = text[:-1] if text.endswith("x") else text
+    try:
+        ok = 0.01 <= float(speed) <= 100
+    except ValueError:
+        ok = bool(re.fullmatch(r"[a-z][a-z0-9-]*", text))
+    if not ok:
+        raise ConfigError(
+            "host must be 'this' (this machine), 'none' (no modelled host time), a speed relative to this machine "
+            f"from 0.01x to 100x (e.g. 0.7x) or a measured host's preset (e.g. h100-xeon); got {host!r}"
+        )
+
+
 # Settings that are free text (stripped; empty means unset).
 _TEXT_SETTINGS = frozenset(
     ("model", "db_url", "sharing", "job_id", "metrics_path", "trace_path", "device_dir", "data_dir", "cluster")
@@ -499,6 +522,8 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value.strip()) if value.strip() else None
         except ValueError:
             raise ConfigError(f"clock_origin must be a number of seconds, got {value!r}") from None
+    if name == "host" and isinstance(value, str):
+        return value.strip().lower() or "none"
     if name in ("sharing_weight", "sharing_lease_s") and isinstance(value, str):
         try:
             return float(value.strip())

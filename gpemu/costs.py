@@ -22,7 +22,6 @@ Every answer for (identity, batch size, device) is memoised: replay asks on ever
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -33,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .calibration import model_for
+from .clock import REAL
 from .costmodel import FP32, GpuSheet, OpClass, OpFeatures, OpRecorder, Precision, classify, default_model, gpu_sheet
 from .costmodel.measured_loop import measured_loss_ops, parameter_bookkeeping_ops
 from .costmodel.model import Uncertainty, dominant_mix_of
@@ -56,6 +56,11 @@ __all__ = [
     "model_times",
     "reference_gpu",
     "optimizer_step_seconds",
+    "optimizer_step_launches",
+    "optimizer_step_host_seconds",
+    "StepHostTime",
+    "StepLaunches",
+    "multi_tensor_launches",
     "op_price",
     "op_seconds",
     "table_pricer",
@@ -125,6 +130,10 @@ class CostState:
     # (optimizer class, dtype, first group's settings) -> what its own step moves (see
     # _implementation_traffic)
     traffic: dict = field(default_factory=dict)
+    # optimizer -> (its parameter lists' key, StepLaunches)
+    launches: weakref.WeakKeyDictionary[Any, tuple] = field(default_factory=weakref.WeakKeyDictionary)
+    # (optimizer class, settings) -> StepHostTime | None (see _step_host_time)
+    step_host: dict = field(default_factory=dict)
 
 
 def _st(rt: Runtime) -> CostState:
@@ -495,19 +504,155 @@ def _optimizer_seconds(rt: Runtime, optimizer: torch.optim.Optimizer, params: li
         # A fused kernel's one pass: read param + grad, write param; read + write each state.
         traffic = (3 + 2 * k, 2 + k)
     touched = nbytes * traffic[0]
-    per_param_kernels = traffic[1]
-    if fused:
-        kernels = max(1, math.ceil(len(params) / 64))
-    elif foreach is False:
-        kernels = per_param_kernels * len(params)
-    else:  # None: CUDA picks the foreach path
-        kernels = per_param_kernels * max(1, math.ceil(len(params) / 32))
+    kernels = step_launches(params, traffic[1], 2 + k, foreach, fused).launches
     seconds = touched / (spec.memory_bandwidth * BANDWIDTH_EFFICIENCY) + kernels * LAUNCH_LATENCY
     rt.say_once(
         f"{type(optimizer).__name__} step on {spec.short_name}: time estimated from the "
         f"{touched / 1e6:.0f} MB it reads and writes (no optimizer_step measurement)"
     )
     return seconds, "estimated"
+
+
+class StepLaunches(NamedTuple):
+    """What issuing one optimizer step takes: ``calls`` into the framework (one per foreach or
+    fused op, one per op and tensor on the per-tensor path) and the kernels they ``launches``."""
+
+    calls: int
+    launches: int
+
+
+# torch's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): a foreach or fused kernel
+# launch takes at most this many tensors per list depth (1-5 lists), 320 blocks of 65,536
+# elements; a list longer than that is several launches.
+_MTA_TENSORS = (110, 64, 48, 36, 30)
+_MTA_BLOCKS = 320
+_MTA_CHUNK = 65536
+
+
+def multi_tensor_launches(numels: list[int], depth: int) -> int:
+    """Kernels one foreach/fused op over tensors of ``numels`` elements launches, with ``depth``
+    tensor lists (a foreach add of two lists: 2; fused Adam: 4)."""
+    cap = _MTA_TENSORS[min(max(depth, 1), 5) - 1]
+    launches = tensors = blocks = 0
+    for n in numels:
+        if n <= 0:
+            continue
+        tensors += 1
+        blocks += -(-n // _MTA_CHUNK)
+        while blocks >= _MTA_BLOCKS:  # full of blocks: launch; the tensor's rest goes on
+            launches += 1
+            blocks -= _MTA_BLOCKS
+            tensors = 1 if blocks else 0
+        if tensors >= cap:
+            launches += 1
+            tensors = blocks = 0
+    return launches + (1 if tensors or blocks else 0) or 1
+
+
+def step_launches(params: list, passes: int, lists: int, foreach: bool | None, fused: bool | None) -> StepLaunches:
+    """Framework calls and kernel launches of one optimizer step over ``params`` making ``passes``
+    passes over them (:func:`_implementation_traffic`'s kernels per parameter) with ``lists``
+    tensor lists in a fused kernel (parameters, gradients, states): the per-tensor path makes one
+    call and launch per pass and tensor, the foreach path (torch's default on CUDA) one call per
+    pass, launching as multi_tensor_apply chunks it, the fused path one call."""
+    numels = [p.numel() for p in params]
+    if fused:
+        return StepLaunches(1, multi_tensor_launches(numels, lists))
+    if foreach is False:
+        return StepLaunches(passes * len(params), passes * len(params))
+    return StepLaunches(passes, passes * multi_tensor_launches(numels, 2))
+
+
+def optimizer_step_launches(rt: Runtime, optimizer: torch.optim.Optimizer) -> StepLaunches:
+    """:class:`StepLaunches` of one ``optimizer.step()`` (memoised per optimizer and parameter
+    lists): what the modelled host spends issuing it (gpemu.time.launch)."""
+    st = _st(rt)
+    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    hit = st.launches.get(optimizer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    params = [_local(p) for g in optimizer.param_groups for p in g["params"]]
+    fused = optimizer.defaults.get("fused")
+    traffic = None if fused else _implementation_traffic(optimizer, st.traffic)
+    k = _state_tensors(optimizer)
+    result = step_launches(params, traffic[1] if traffic else 2 + k, 2 + k, optimizer.defaults.get("foreach"), fused)
+    try:
+        st.launches[optimizer] = (key, result)
+    except TypeError:
+        pass
+    return result
+
+
+class StepHostTime(NamedTuple):
+    """The framework's host seconds of one optimizer step on this machine, launches aside:
+    ``fixed`` per step plus ``per_tensor`` per parameter (its Python loop over the parameters,
+    the foreach argument checks, the per-tensor path's op calls)."""
+
+    fixed: float
+    per_tensor: float
+
+
+def optimizer_step_host_seconds(rt: Runtime, optimizer: torch.optim.Optimizer) -> float:
+    """What the modelled host (``rt.engine.host_model``) spends issuing one ``optimizer.step()``:
+    torch's own step measured on this machine (:func:`_step_host_time`) scaled to the target
+    host, plus a driver launch per kernel it launches (:func:`optimizer_step_launches`). 0
+    without a host model."""
+    engine = rt.engine
+    model = engine.host_model
+    if model is None:
+        return 0.0
+    launches = optimizer_step_launches(rt, optimizer)
+    measured = engine.call(_step_host_time, optimizer, _st(rt).step_host)
+    if measured is None:  # not torch's own class: each call as one op
+        return engine.launch_seconds(launches.calls, launches.launches)
+    n = sum(len(g["params"]) for g in optimizer.param_groups)
+    return model.scale * (measured.fixed + measured.per_tensor * n) + launches.launches * model.launch_s
+
+
+def _step_host_time(optimizer: torch.optim.Optimizer, memo: dict) -> StepHostTime | None:
+    """Torch's own step of ``optimizer``'s class and settings (foreach as on CUDA: the default
+    picks it) on 16 and 160 tiny CPU parameters: the best of five rounds of ten steps each, the
+    difference per parameter and the rest per step. Only torch's own classes (see
+    :func:`_implementation_traffic`); None for the rest and for settings the CPU cannot run."""
+    if not type(optimizer).__module__.startswith("torch.optim") or not optimizer.param_groups:
+        return None
+    settings = {name: v for name, v in optimizer.param_groups[0].items() if name != "params"}
+    if not settings.get("fused") and settings.get("foreach") is None:
+        settings["foreach"] = True
+    try:
+        key = (type(optimizer), tuple(sorted((name, repr(v)) for name, v in settings.items())))
+    except TypeError:
+        return None
+    if key not in memo:
+        memo[key] = _time_steps(type(optimizer), settings)
+    return memo[key]
+
+
+def _time_steps(optimizer_class: Any, settings: dict) -> StepHostTime | None:
+    step = optimizer_class.step
+    while hasattr(step, "__wrapped__"):  # torch's hook and no-grad wrappers (and gpemu's)
+        step = step.__wrapped__
+    settings = {**settings, "capturable": False} if "capturable" in settings else settings
+    best = []
+    try:
+        for n in (16, 160):
+            params = [torch.zeros(4, requires_grad=True) for _ in range(n)]
+            for p in params:
+                p.grad = torch.zeros(4)
+            opt = optimizer_class([{**settings, "params": params}])
+            rounds = []
+            with torch.no_grad():
+                for r in range(6):
+                    t = REAL.perf_counter()
+                    for _ in range(10):
+                        step(opt)
+                    if r:  # (the first round makes the state)
+                        rounds.append((REAL.perf_counter() - t) / 10)
+            best.append(min(rounds))
+    except Exception:  # noqa: BLE001 - settings the CPU build cannot run
+        return None
+    per_tensor = max(0.0, (best[1] - best[0]) / 144)
+    return StepHostTime(max(0.0, best[0] - 16 * per_tensor), per_tensor)
 
 
 _PROBE_ELEMENTS = 1 << 16  # meta tensors: no memory; large enough that scalar ops do not count

@@ -81,7 +81,9 @@ class GraphState:
     def replay(self, work: tuple[CapturedWork, ...], device: int) -> None:
         """Charge recorded work on ``device``'s current stream as one launch (one emulator entry:
         every kernel is issued at the same host time, so they run back to back)."""
-        self.rt.engine.call(self._launch, work, device)
+        engine = self.rt.engine
+        engine.charge_host(engine.launch_seconds(1))  # (cudaGraphLaunch: one launch's host time)
+        engine.call(self._launch, work, device)
 
     def _launch(self, work: tuple[CapturedWork, ...], device: int) -> None:
         engine, ts = self.rt.engine, self.rt.tensors

@@ -79,6 +79,8 @@ class CallRecord:
         "fwd_seconds",
         "kernel_share",
         "bwd_seconds",
+        "fwd_issue",
+        "bwd_issue",
         "label",
         "params",
         "grad_params",
@@ -106,6 +108,10 @@ class CallRecord:
         # CUDA graph's replay does not have)
         self.kernel_share = 1.0
         self.bwd_seconds = 0.0
+        # The modelled host's issue time of the forward's and the backward's ops (gpemu.time.launch):
+        # a replay charges it as the op-by-op call did.
+        self.fwd_issue = 0.0
+        self.bwd_issue = 0.0
         self.label = ""
         self.params: list = []
         self.grad_params: list[bool] = []  # per parameter: does the outputs' graph reach it
@@ -274,6 +280,7 @@ class ModelTime:
             self.local.watch = outer_watch
         call.fwd_peak = scope.peak
         call.kernel_share = min(1.0, tap.seconds / tap.pass_seconds) if tap.pass_seconds > 0 else 1.0
+        call.fwd_issue = tap.issue
         uncharged = call.times is not None  # its ops ran under the measured time's cover
         if watch is not None:
             call.ident = confirm_parts(rt, module, call.ident, watch)
@@ -286,6 +293,7 @@ class ModelTime:
             call.bwd_s = None  # measured when the backward runs
             if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
+                _charge_issue(engine, tap)
         else:
             ratio = _ratio(tap)
             call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
@@ -303,6 +311,7 @@ class ModelTime:
             if call.fwd_s > 0:
                 # Issued when the call started (t0), not after the op-by-op forward's host time.
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
+                _charge_issue(engine, tap)
         return out
 
 
@@ -321,6 +330,7 @@ class _Call:
         "bwd_s",
         "fwd_peak",
         "kernel_share",
+        "fwd_issue",
     )
 
     def __init__(self, ident: Any, batch: int, dev: int, level: int, t0: float | None, before: int) -> None:
@@ -335,6 +345,7 @@ class _Call:
         self.bwd_s: float | None = None  # None: measured when the backward runs
         self.fwd_peak = 0
         self.kernel_share = 1.0  # its kernels' share of the forward's time (see CallRecord)
+        self.fwd_issue = 0.0  # the modelled host's issue time of the forward's ops
 
 
 def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: CallRecord | None) -> bool:
@@ -367,6 +378,7 @@ def _fill_times(record: CallRecord, call: _Call, params: list, allocated: int, p
     record.fwd_extra = max(0, call.fwd_peak - allocated)
     record.fwd_seconds, record.bwd_seconds = call.fwd_s, call.bwd_s or 0.0
     record.kernel_share = call.kernel_share
+    record.fwd_issue = call.fwd_issue
     record.label = call.ident.label
     record.params = params
     record.batch = call.batch
@@ -409,6 +421,14 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 1
+
+
+def _charge_issue(engine: Any, tap: Any) -> None:
+    """The host pays the modelled issue time of the ops a module charge stands for (those not
+    charged on their own: they paid when they were)."""
+    owed = tap.issue - tap.issue_paid
+    if owed > 0 and not engine.in_charged_scope:
+        engine.charge_host(owed)
 
 
 def _pass_seconds(tap: Any, unit: bool) -> float:
@@ -635,6 +655,7 @@ class _BackwardStart(torch.autograd.Function):
                 info.ident.estimates[("backward", info.batch, info.dev)] = bwd
                 if rec is not None:
                     rec.bwd_seconds = bwd
+                    rec.bwd_issue = tap.issue
             else:
                 bwd = info.bwd_seconds or 0.0
                 if info.times is not None:
@@ -647,8 +668,10 @@ class _BackwardStart(torch.autograd.Function):
                 engine.exit_charged()
                 if bwd > 0:
                     engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
+                    _charge_issue(engine, tap)
                 if rec is not None:
                     rec.bwd_seconds = bwd + tap.charged
+                    rec.bwd_issue = tap.issue
             if rec is not None:
                 rec.bwd_extra = max(0, mem.peak_allocated - start)
                 rec.backward_pending = False

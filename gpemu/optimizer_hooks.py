@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .costs import optimizer_step_seconds
+from .costs import optimizer_step_host_seconds, optimizer_step_seconds
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -80,7 +80,11 @@ class StepHooks:
         if device is None or device >= engine.num_devices:
             return  # a CPU optimizer: no GPU time
         seconds, _ = optimizer_step_seconds(self.rt, optimizer, device)
-        engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
+        issue = optimizer_step_host_seconds(self.rt, optimizer)  # (0 without a host model)
+        # (its last kernel cannot end before the host launched it)
+        engine.stream(device).enqueue(max(seconds, issue), "optimizer", type(optimizer).__name__)
+        if issue:
+            engine.charge_host(issue)
         engine.end_iteration(device)
 
 

@@ -55,6 +55,13 @@ __all__ = ["run"]
     "and GPU waits jump to their deadline, so results do not depend on how busy this host is and a GPU-bound "
     "hour runs in seconds (docs/time.md, 'Virtual time').",
 )
+@click.option(
+    "--host",
+    metavar="this|SPEEDx|PRESET|none",
+    help="The host that issues the GPU work: this machine (this; its eager dispatch time is measured once), "
+    "a speed relative to it (0.7x), a measured host's preset (h100-xeon), or none (default: GPU time only). "
+    "Each op costs the host that issue time and a full launch queue blocks it (docs/host-side.md).",
+)
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
@@ -71,6 +78,7 @@ def run(
     nodes,
     node_rank,
     clock,
+    host,
     summary,
     metrics_path,
     trace_path,
@@ -106,6 +114,7 @@ def run(
         nodes=nodes,
         node_rank=node_rank,
         clock=clock,
+        host=host,
         summary=summary,
         metrics_path=metrics_path,
         trace_path=trace_path,

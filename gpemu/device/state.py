@@ -77,9 +77,24 @@ class CostTap:
     device's reference GPU) — their ratio carries a measured model's time to this GPU and precision.
     Work charged as a span (a replayed unit) counts as GPU time at both prices. ``mix``: GPU
     seconds per kind of work of the priced ops, ``precisions``: per dtype (the cost model's
-    uncertainty depends on both)."""
+    uncertainty depends on both). With a host model (:mod:`gpemu.time.launch`) each op is issued
+    after the modelled host's issue time instead of the calibration hosts', and ``issue`` sums
+    it: what a charge standing for these ops (a replay, a measured module) costs the host
+    (``issue_paid``: the part ops charged on their own have paid already)."""
 
-    __slots__ = ("seconds", "charged", "mix", "precisions", "_host", "_finish", "_finish_ref", "own", "ops")
+    __slots__ = (
+        "seconds",
+        "charged",
+        "mix",
+        "precisions",
+        "issue",
+        "issue_paid",
+        "_host",
+        "_finish",
+        "_finish_ref",
+        "own",
+        "ops",
+    )
 
     def __init__(self) -> None:
         # When a list: each op as (GPU seconds, host seconds, its priced OpFeatures or None), in
@@ -93,6 +108,10 @@ class CostTap:
         self.mix: dict[str, float] = {}
         self.precisions: dict[str, float] = {}  # GPU seconds per dtype of the priced ops
         self._host = 0.0  # host issue time so far (the queue's host side)
+        # The modelled host's issue time of the priced ops (gpemu.time.launch; 0 without one):
+        # what a charge standing for them costs the program's host.
+        self.issue = 0.0
+        self.issue_paid = 0.0  # the part of it already charged (ops charged on their own)
         self._finish = 0.0  # when the pass's GPU work ends, at this GPU and precision
         self._finish_ref = 0.0  # the same at the reference price
 
@@ -322,18 +341,28 @@ class TensorState:
             if self._taps:
                 self._tap(seconds, charged, price)
             if charged:
-                engine.stream(dev).enqueue(seconds, "op", name)
+                engine.stream(dev).enqueue(seconds, "op", name, 0, None, engine.op_issue_s)
 
-    def charge_span(self, seconds: float, dev: int, kind: str, name: str, at: float | None = None) -> None:
+    def charge_span(
+        self, seconds: float, dev: int, kind: str, name: str, at: float | None = None, issue: float = 0.0
+    ) -> None:
         """:meth:`charge` as a span of ``kind`` (``forward``, ``backward``): a replayed module's
-        recorded time. ``at``: the host time it was issued, when earlier than now."""
+        recorded time. ``at``: the host time it was issued, when earlier than now. ``issue``: the
+        modelled host seconds of issuing the ops it stands for (the span's queue arithmetic
+        already overlaps them with its kernels): the host spends them after the span starts."""
         if seconds > 0:
             engine = self.engine
             charged = not engine.in_charged_scope
             if self._taps:
                 self._tap(seconds, charged, None)
+                if issue and self._tap_owner == threading.get_ident():
+                    for tap in self._taps:
+                        tap.issue += issue
+                        tap.issue_paid += issue if charged else 0.0
             if charged:
                 engine.stream(dev).enqueue(seconds, kind, name, 0, at)
+                if issue:
+                    engine.charge_host(issue)
 
     def charge_entry(self, entry: OpEntry, dev: int) -> None:
         """:meth:`charge` for a cached op (its cost and price kept on the entry)."""
@@ -344,11 +373,14 @@ class TensorState:
             if self._taps:
                 self._tap(cost, charged, entry.price)
             if charged:
-                engine.stream(dev).enqueue(cost, "op", entry.name)
+                engine.stream(dev).enqueue(cost, "op", entry.name, 0, None, engine.op_issue_s)
 
     def _tap(self, cost: float, charged: bool, price: Any) -> None:
         if self._tap_owner == threading.get_ident():
             host, reference = (price.host, price.reference) if price is not None else (0.0, cost)
+            issue = self.engine.op_issue_s if price is not None else 0.0
+            if issue:  # (a modelled host issues it, not the cost model's calibration hosts)
+                host = issue
             for tap in self._taps:
                 if tap.own is not None and not tap.own.running():
                     continue
@@ -356,6 +388,10 @@ class TensorState:
                 if charged:
                     tap.charged += cost
                 tap.add(cost, host, reference)
+                if issue:
+                    tap.issue += issue
+                    if charged:
+                        tap.issue_paid += issue
                 if tap.ops is not None:
                     tap.ops.append((cost, host, price.op if price is not None else None))
                 if price is not None:

@@ -614,8 +614,10 @@ def forward_seconds(rec: Recording) -> float:
 
 def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
     # (through the tensor state: inside another model's charge nothing more is charged, and an
-    # enclosing model priced by its ops counts it)
-    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at)
+    # enclosing model priced by its ops counts it). The host pays the recorded calls' modelled
+    # issue time, as the op-by-op run did.
+    issue = rec.bwd_issue if kind == "backward" else rec.fwd_issue
+    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue)
 
 
 class ReplayFunction(torch.autograd.Function):

@@ -6,7 +6,8 @@ forgiven), :mod:`~gpemu.time.timeline` (local deadline arithmetic, or a sharing 
 backend), :mod:`~gpemu.time.streams` (``torch.cuda.Stream`` / ``Event`` shapes),
 :mod:`~gpemu.time.engine` (the run's :class:`TimeEngine`), :mod:`~gpemu.time.capture` (CUDA
 graph capture: a capturing stream records its work), :mod:`~gpemu.time.allowance` (the return
-allowance, measured once per process). Virtual time (``clock="virtual"``):
+allowance, measured once per process), :mod:`~gpemu.time.launch` (the modelled host: framework
+issue time per op, the bounded launch queue). Virtual time (``clock="virtual"``):
 :mod:`~gpemu.time.cpuclock` (each thread's CPU time; waits jump), :mod:`~gpemu.time.virtual`
 (the program's clocks), :mod:`~gpemu.time.dataloader` (batches carry their ready time),
 :mod:`~gpemu.time.profiling` (the torch profiler's timestamps).
@@ -17,10 +18,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..clock import Clock, RealClock
+from ..config import costmodel_cache_dir
 from .allowance import calibrate_return_allowance
 from .capture import BACKWARD_MARK, CAPTURE_INVALIDATED, ITERATION_END, CapturedWork, StreamCapture
 from .engine import TimeEngine
 from .host import HostState, HostTime
+from .launch import HostModel, host_model
 from .streams import EmuEvent, VirtualStream
 from .timeline import EventMark, GpuTimeBackend, Grant
 from .virtual import install as install_virtual
@@ -32,6 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "TimeEngine",
     "HostTime",
+    "HostModel",
+    "host_model",
     "HostState",
     "VirtualStream",
     "EmuEvent",
@@ -72,6 +77,7 @@ def install(rt: Runtime) -> None:
         memory=rt.memory,
         current_device=lambda: rt.current_device,
     )
+    engine.set_host_model(host_model(config.host, costmodel_cache_dir()))
     rt.engine = engine
     rt.patcher.on_restore(engine.close)
     if virtual_clock is not None:

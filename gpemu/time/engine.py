@@ -25,6 +25,7 @@ from ..recorder import Recorder
 from .allowance import MAX_ALLOWANCE, calibrate_return_allowance
 from .capture import BACKWARD_MARK, ITERATION_END, StreamCapture, capture_refusal
 from .host import HostTime
+from .launch import HostModel
 from .streams import VirtualStream
 from .timeline import GpuTimeBackend, LocalTimeline, SharedTimeline, Timeline, bad_duration
 
@@ -72,6 +73,24 @@ class TimeEngine(HostTime):
         # CUDA graph captures under way, by stream (replaced, never changed in place: the hot
         # paths read it without the lock).
         self.captures: dict[VirtualStream, StreamCapture] = {}
+        # The modelled host (gpemu.time.launch; None: GPU time only): its issue time per op
+        # (``op_issue_s``, what an op's enqueue charges the host) and the bounded launch queue.
+        self.host_model: HostModel | None = None
+        self.op_issue_s = 0.0
+
+    def set_host_model(self, model: HostModel | None) -> None:
+        """Model the host that issues the work (see :mod:`gpemu.time.launch`): each op charged
+        with ``issue=engine.op_issue_s`` costs the host that much first, and a stream holds at
+        most ``model.queue_depth`` unfinished launches before the host waits. None: off."""
+        self.host_model = model
+        self.op_issue_s = model.op_s if model is not None else 0.0
+        self.timeline.queue_depth = model.queue_depth if model is not None else 0
+
+    def launch_seconds(self, ops: int, launches: int | None = None) -> float:
+        """The modelled host seconds to issue ``ops`` ops launching ``launches`` kernels (0 with
+        no host model): what a replay or a fused fast path charges for the ops it stands for."""
+        model = self.host_model
+        return model.issue_seconds(ops, launches) if model is not None else 0.0
 
     def current_device_index(self) -> int:
         return self.current_device()
@@ -340,6 +359,7 @@ class TimeEngine(HostTime):
         seen = self._backward_since_mark
         if backend is None:
             self.timeline = LocalTimeline(self, self.recorder, self._busy, seen)
+            self.set_host_model(self.host_model)
         else:
             self.timeline = SharedTimeline(
                 self, self.recorder, self._busy, seen, backend, self.granularity, self.default_stream, self._peak_bytes

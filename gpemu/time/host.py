@@ -71,6 +71,7 @@ class HostState:
         "entry",
         "current",
         "enter_stack",
+        "launching",
     )
 
     def __init__(self) -> None:
@@ -83,6 +84,7 @@ class HostState:
         self.entry = 0.0  # clock reading when the outermost one began (or its last wait ended)
         self.current: dict | None = None  # device -> this thread's current stream (None: defaults)
         self.enter_stack: list | None = None  # streams replaced by `with stream:` blocks
+        self.launching = False  # inside one launch (a CUDA graph replay): ops cost no issue time
 
 
 class PerThread(threading.local):
@@ -110,6 +112,8 @@ class HostTime:
         # Per thread: .host, the calling thread's HostState (read it once per call: see HostState).
         self.local = PerThread()
         self.wake_late_s = 0.0  # wake-up lateness forgiven (the recorder's "wake_late_s")
+        # Modelled framework host time charged (gpemu.time.launch; the recorder's "host_issue_s")
+        self.issued_s = 0.0
         # On virtual time (a clock whose waits jump) the emulator's own time is CPU time, never
         # the OS holding the process: all of it is forgiven, however long an entry takes.
         self.virtual = bool(getattr(clock, "virtual", False))
@@ -123,7 +127,10 @@ class HostTime:
             _FORKED_FRESH.add(self)
 
     def _counters(self) -> list[tuple[str, float]]:
-        return [("wake_late_s", self.wake_late_s)] if self.wake_late_s else []
+        counters = [("wake_late_s", self.wake_late_s)] if self.wake_late_s else []
+        if self.issued_s:
+            counters.append(("host_issue_s", self.issued_s))
+        return counters
 
     # ------------------------------------------------------------------ the emulator's own time
     def enter(self) -> None:
@@ -204,6 +211,18 @@ class HostTime:
             yield
         finally:
             self.resume(depth)
+
+    @contextmanager
+    def one_launch(self) -> Iterator[None]:
+        """Inside, the work this thread enqueues is one launch (a CUDA graph replay): its ops cost
+        the modelled host no issue time of their own (gpemu.time.launch)."""
+        local = self.local.host
+        outer = local.launching
+        local.launching = True
+        try:
+            yield
+        finally:
+            local.launching = outer
 
     @property
     def in_emulator(self) -> bool:
@@ -312,6 +331,7 @@ class HostTime:
         afterwards starts later and a sync point waits from there."""
         if not seconds >= 0:
             raise ValueError(f"modelled host time must be >= 0 seconds, got {seconds!r}")
+        self.issued_s += seconds
         self.jump(lambda: setattr(self.local.host, "late", self.local.host.late - seconds))
 
     def jump(self, move: Callable[[], object]) -> None:

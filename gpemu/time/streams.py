@@ -8,6 +8,7 @@ waits and events go through the engine's public methods and its timeline strateg
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,7 @@ class VirtualStream:
     ``torch.cuda.Stream(device=None, priority=0)``, a subclass the torch.cuda surface defines.
     """
 
-    __slots__ = ("engine", "device_index", "priority", "stream_id", "busy_until", "__weakref__")
+    __slots__ = ("engine", "device_index", "priority", "stream_id", "busy_until", "launches", "__weakref__")
 
     def __init__(self, engine: TimeEngine, device: int, priority: int, stream_id: int) -> None:
         self.engine = engine
@@ -35,6 +36,9 @@ class VirtualStream:
         self.priority = int(priority)
         self.stream_id = stream_id
         self.busy_until = 0.0
+        # When the kernels still in this stream's launch queue end, oldest first (the bounded
+        # queue of gpemu.time.launch; None until the first launch with a host model).
+        self.launches: deque[float] | None = None
 
     @staticmethod
     def make(cls: type[VirtualStream], engine: TimeEngine, device: int, priority: int, stream_id: int) -> VirtualStream:
@@ -48,19 +52,38 @@ class VirtualStream:
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)
 
-    def enqueue(self, seconds: float, kind: str, name: str, peak_bytes: int = 0, at: float | None = None) -> float:
-        """Append GPU work taking ``seconds``; returns the (emulated) GPU time it ends. Never blocks
-        (unless a sharing backend says so).
+    def enqueue(
+        self,
+        seconds: float,
+        kind: str,
+        name: str,
+        peak_bytes: int = 0,
+        at: float | None = None,
+        issue: float = 0.0,
+    ) -> float:
+        """Append GPU work taking ``seconds``; returns the (emulated) GPU time it ends. Blocks
+        only when the stream's launch queue is full (or a sharing backend says so).
 
         ``at``: the host time (``engine.now()``) the work was really issued, when that was
         earlier than now: e.g. a module call's first kernel is issued microseconds into the call,
-        before the emulator's own book-keeping for it (later values count as now)."""
+        before the emulator's own book-keeping for it (later values count as now).
+        ``issue``: the modelled host seconds a real framework spends issuing it before the launch
+        (``engine.op_issue_s`` for one op, :mod:`gpemu.time.launch`): the program's time moves
+        on by that much first, and the work cannot start before (not inside
+        :meth:`HostTime.one_launch`: a graph replay's kernels were launched together)."""
         # The host's time is read here, first: the rest of the entry path is the emulator's.
         eng = self.engine
         local = eng.local.host
-        now = (local.entry if local.depth else eng.read_clock()) - local.late
+        base = local.entry if local.depth else eng.read_clock()
+        now = base - local.late
         if now < local.floor:
             now = local.floor
+        if issue > 0 and not local.launching:
+            if eng.time_map is not None:
+                eng.time_map.sample(eng)
+            now += issue
+            eng.issued_s += issue
+            local.late = base - now  # (the host now stands at the launch, past any floor)
         if eng.captures:  # (a CUDA graph capture: the engine records the work of a capturing stream)
             return eng.enqueue(self, seconds, kind, name, peak_bytes, at, now)
         return eng.timeline.enqueue(self, seconds, kind, name, peak_bytes, now, at)

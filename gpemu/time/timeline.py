@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -72,6 +73,8 @@ class PendingWork(NamedTuple):
 
 class Timeline(Protocol):
     """What the engine asks of a timeline strategy."""
+
+    queue_depth: int  # unfinished launches a stream holds before the host waits (0: unbounded)
 
     def enqueue(
         self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float, at: float | None
@@ -135,6 +138,9 @@ class LocalTimeline:
         self.busy = busy
         self.backward_seen = backward_seen
         self.lock = threading.Lock()
+        # Unfinished launches a stream holds before the host waits (0: unbounded; set by the
+        # engine's host model, gpemu.time.launch).
+        self.queue_depth = 0
 
     def enqueue(
         self, stream: VirtualStream, seconds: float, kind: str, name: str, peak_bytes: int, now: float, at: float | None
@@ -145,6 +151,8 @@ class LocalTimeline:
         if seconds < 0 or seconds != seconds:
             raise bad_duration(seconds, kind, name)
         device = stream.device_index
+        if self.queue_depth:
+            now = self.admit(stream, now)
         if kind == "backward":
             self.backward_seen[device] = True
         with self.lock:
@@ -155,7 +163,28 @@ class LocalTimeline:
                 self.busy[device] = end
         if seconds > 0:
             _append(self.recorder.spans, (device, stream.stream_id, kind, name, start, end, now))
+        if self.queue_depth:
+            launches = stream.launches
+            if launches is not None:
+                launches.append(end)
         return end
+
+    def admit(self, stream: VirtualStream, now: float) -> float:
+        """A launch on ``stream`` at host time ``now``: when the stream's launch queue already
+        holds ``queue_depth`` unfinished kernels, the host waits until the oldest of them ends
+        (as cudaLaunchKernel blocks); returns the host time the launch happens."""
+        launches = stream.launches
+        if launches is None:
+            launches = stream.launches = deque()
+        while launches and launches[0] <= now:
+            launches.popleft()
+        if len(launches) >= self.queue_depth:
+            free_at = launches[len(launches) - self.queue_depth]
+            self.host.wait_until(free_at, stream.device_index, "launch-queue")
+            now = self.host.now()
+            while launches and launches[0] <= now:
+                launches.popleft()
+        return now
 
     def wait_device(self, device: int, deadline: float, reason: str) -> None:
         if deadline > self.host.now():
@@ -232,6 +261,8 @@ class SharedTimeline:
         self.lock = threading.Lock()
         self.pending: list[list[PendingWork]] = [[] for _ in busy]
         self.workers: dict[int, BackendWorker] = {}
+        # Not bounded: the backend decides when work runs, so a launch's end is not known here.
+        self.queue_depth = 0
         # On virtual time the backend says where it ran the work (a Grant) and the host's time
         # jumps there when it waits; on real time the host waits for the worker for real.
         self.virtual = host.virtual

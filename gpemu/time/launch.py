@@ -1,0 +1,277 @@
+"""The host side of a GPU step: what a real framework spends issuing kernels, and the launch queue.
+
+On a real GPU, eager PyTorch spends host time on every op it issues (Python, the dispatcher,
+autograd, the caching allocator, the driver's launch call) before the kernel can start, and the
+host blocks when a stream's launch queue is full. The emulator issues the same work in much less
+time (or more; either way its own time is forgiven, :mod:`gpemu.time.host`), so that time is
+modelled instead, by :class:`HostModel`:
+
+- ``dispatch_s``: the framework's host seconds per op, measured on this machine by a short probe
+  of eager dispatch on the CPU build (:func:`probe_dispatch_seconds`, cached per machine and
+  torch version): what the CPU build spends per small op is a fair proxy for its Python +
+  dispatcher + autograd part;
+- ``launch_s``: the driver's per-launch cost (cudaLaunchKernel and the CUDA runtime around it),
+  a published figure: 4-5 us per launch (an NVIDIA forum measurement of 10,000 launches);
+- both scaled to the target host (``--host``: ``this`` machine, a speed relative to it such as
+  ``0.7x``, or a preset of a measured host, :data:`HOST_PRESETS`);
+- ``queue_depth``: launches a stream holds before the host blocks (about 1,000 per stream in the
+  same measurement: the 1,001st launch waited for the stream's oldest kernel to finish; each of
+  three streams held its own 1,000).
+
+``--host none`` turns the model off: no modelled host time, no bounded queue (GPU time only, as
+gpemu priced it before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..clock import REAL
+
+__all__ = [
+    "HostModel",
+    "HOST_PRESETS",
+    "LAUNCH_QUEUE_DEPTH",
+    "DRIVER_LAUNCH_S",
+    "host_model",
+    "check_host",
+    "probe_dispatch_seconds",
+    "reference_loop_ms",
+]
+
+# Launches a stream holds before cudaLaunchKernel blocks: about a thousand (NVIDIA developer forum
+# "CUDA stream are blocked when launching lots of kernels (>1000)", 2018: launches took 4-5 us
+# until ~1,000 were pending, then one kernel's time each; three streams held 1,000 each).
+LAUNCH_QUEUE_DEPTH = 1024
+# The driver's host time per kernel launch (same measurement: 4-5 us a launch while the queue
+# had room), on the measuring host; scaled with the framework's time to the target host.
+DRIVER_LAUNCH_S = 4.5e-6
+
+
+@dataclass(frozen=True)
+class HostPreset:
+    """A measured host: its framework seconds per op (driver launch included), and the time of
+    the reference loop of interpreter work there (:func:`reference_loop_ms`): host work measured
+    on this machine is scaled by the ratio of the two machines' loops."""
+
+    op_s: float
+    reference_ms: float
+    note: str
+
+
+# Per-op issue time of measured hosts: eager PyTorch's host time per step (benchmarks/overhead.py
+# --real) over the kernels the step issues (counted by torch's own dispatch of the same step).
+HOST_PRESETS: dict[str, HostPreset] = {
+    # The 16-core 2.1 GHz Xeon VM behind the H100 of benchmarks/data (docs/time.md): eager
+    # PyTorch's issue time of a training step (overhead.py --real) over the ops gpemu charges in
+    # its forward, loss and backward, the SGD step's ~1 ms aside: ResNet-50/32 15.6 ms for 408
+    # ops (38 us), AlexNet/32 ~2.8 ms for 57 (49 us); its ResNet-50/32 forward took 9.9 ms for
+    # ~235 ops (42 us). About 40 us per op, cuDNN's and cuBLAS's set-up per call included.
+    # Its reference loop took 6.8-7.5 ms in the calls of that session (14.7-18.4 ms while busy).
+    "h100-xeon": HostPreset(40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)"),
+}
+
+_PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """What the emulated host spends per op it issues (see the module docstring)."""
+
+    dispatch_s: float  # framework (Python, dispatcher, autograd) seconds per op on the target host
+    launch_s: float  # the driver's seconds per kernel launch on the target host
+    queue_depth: int = LAUNCH_QUEUE_DEPTH  # launches a stream holds before the host blocks
+    source: str = ""  # where the figures come from (said in summaries)
+    # The target host's seconds per second of framework work measured on this machine (host
+    # time the emulator measures here by running torch's own code, e.g. an optimizer's step).
+    scale: float = 1.0
+
+    @property
+    def op_s(self) -> float:
+        """Host seconds to issue one op that launches one kernel."""
+        return self.dispatch_s + self.launch_s
+
+    def issue_seconds(self, ops: int, launches: int | None = None) -> float:
+        """Host seconds to issue ``ops`` framework calls launching ``launches`` kernels (default:
+        one each)."""
+        return ops * self.dispatch_s + (ops if launches is None else launches) * self.launch_s
+
+
+def check_host(spec: str | None) -> str | None:
+    """``spec`` when it is a valid ``--host`` value, else a ValueError saying what is valid."""
+    if spec is None:
+        return None
+    text = spec.strip().lower()
+    if text in ("none", "this") or text in HOST_PRESETS:
+        return text
+    speed = _speed(text)
+    if speed is None or not 0.01 <= speed <= 100:
+        raise ValueError(
+            f"host must be 'this' (this machine), 'none' (no modelled host time), a speed relative to this "
+            f"machine from 0.01x to 100x (e.g. 0.7x), or a preset ({', '.join(HOST_PRESETS)}); got {spec!r}"
+        )
+    return text
+
+
+def _speed(text: str) -> float | None:
+    try:
+        return float(text[:-1] if text.endswith("x") else text)
+    except ValueError:
+        return None
+
+
+def host_model(spec: str | None, cache_dir: Path | None = None) -> HostModel | None:
+    """The host model ``--host`` names (None for ``none``); see :func:`check_host`."""
+    text = check_host(spec) or "none"
+    if text == "none":
+        return None
+    dispatch = probe_dispatch_seconds(cache_dir)
+    preset = HOST_PRESETS.get(text)
+    if preset is not None:
+        share = DRIVER_LAUNCH_S / preset.op_s if preset.op_s > DRIVER_LAUNCH_S else 0.0
+        return HostModel(
+            preset.op_s * (1 - share),
+            preset.op_s * share,
+            source=f"preset {text}: {preset.note}",
+            scale=preset.reference_ms / reference_loop_ms(cache_dir),
+        )
+    speed = 1.0 if text == "this" else float(_speed(text) or 1.0)
+    where = "this machine" if speed == 1.0 else f"{speed:g}x this machine"
+    return HostModel(
+        dispatch / speed,
+        DRIVER_LAUNCH_S / speed,
+        source=f"{where}: eager dispatch {dispatch * 1e6:.2f} us/op measured here"
+        f" + {DRIVER_LAUNCH_S * 1e6:.1f} us launch",
+        scale=1.0 / speed,
+    )
+
+
+def _machine_key() -> str:
+    """This machine and torch build, as the probe's cache key."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"v{_PROBE_VERSION}|{cpu}|{os.cpu_count()}|torch {torch.__version__}|{platform.python_version()}"
+
+
+_MEMO: dict[str, float] = {}
+
+
+def _reference_work(n: int = 20_000) -> int:
+    # benchmarks/machine.py's reference loop, unchanged (its figures are in docs/time.md): calls,
+    # attribute reads, dict look-ups, small tuples and objects.
+    table: dict[tuple[int, int], int] = {}
+    acc = 0
+    for i in range(n):
+        p = _Point(i, i & 7)
+        key = (p.y, i & 63)
+        table[key] = table.get(key, 0) + p.x
+        acc += len(key) + (p.x >> 3)
+    return acc + len(table)
+
+
+class _Point:
+    __slots__ = ("x", "y")
+
+    def __init__(self, x: int, y: int) -> None:
+        self.x, self.y = x, y
+
+
+def reference_loop_ms(cache_dir: Path | None = None) -> float:
+    """This machine's time of the reference loop of interpreter work (the fastest of 15, ms;
+    cached as the dispatch probe is): how fast its interpreter is, to scale to a preset's host."""
+    return _cached("reference_ms", cache_dir, _measure_reference, 1e-3, 1e4)
+
+
+def _measure_reference() -> float:
+    _reference_work(5_000)
+    times = []
+    for _ in range(15):
+        t0 = REAL.perf_counter()
+        _reference_work()
+        times.append(REAL.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def _cached(what: str, cache_dir: Path | None, measure: Callable[[], float], low: float, high: float) -> float:
+    key = f"{_machine_key()}|{what}"
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_dir / "host-probe.json" if cache_dir is not None else None
+    stored = _read_cache(path)
+    value = stored.get(key)
+    if not isinstance(value, float) or not low < value < high:
+        value = measure()
+        stored[key] = value
+        _write_cache(path, stored)
+    _MEMO[key] = value
+    return value
+
+
+def probe_dispatch_seconds(cache_dir: Path | None = None) -> float:
+    """Eager PyTorch's host seconds per op on this machine (the CPU build): the lower quartile of
+    seven rounds of a small training-shaped op mix (a convolution, batch norm, ReLU, addition and
+    a linear layer on tiny tensors whose weights require gradients), so the kernels' own work is
+    negligible. Measured once per machine and torch version (~50 ms) and cached in
+    ``cache_dir/host-probe.json``."""
+    return _cached("dispatch_s", cache_dir, _measure, 0.0, 1e-3)
+
+
+def _measure() -> float:
+    import torch
+    from torch.nn import functional as F
+
+    with torch.inference_mode(False):
+        x = torch.ones(1, 4, 4, 4)
+        w = torch.ones(4, 4, 3, 3, requires_grad=True)
+        g = torch.ones(4, requires_grad=True)
+        lw = torch.ones(4, 16, requires_grad=True)
+
+        def mix() -> None:  # five ops
+            y = F.conv2d(x, w, padding=1)
+            y = F.batch_norm(y, None, None, g, g, training=True)
+            y = F.relu(y) + y
+            F.linear(y.view(4, 16), lw)
+
+        for _ in range(50):
+            mix()
+        rounds = []
+        for _ in range(7):
+            t = REAL.perf_counter()
+            for _ in range(40):
+                mix()
+            rounds.append((REAL.perf_counter() - t) / 200)
+    rounds.sort()
+    return rounds[1]
+
+
+def _read_cache(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path | None, data: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # (an unwritable cache: measured again next time)
