@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .costmodel.gpus import compute_capability
 from .costs import attention_price
-from .device import EmuTensor, TensorState
+from .device import EmuTensor, TensorState, host_shadow, set_host_shadow
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -230,6 +230,7 @@ class _FusedAttention(torch.autograd.Function):
         k: EmuTensor,
         v: EmuTensor,
         mask: Any,
+        host: _HostAttention | None = None,
     ) -> EmuTensor:
         *batch, length, heads_dim = q.shape  # (B, H, L, D)
         source = k.shape[-2]
@@ -260,6 +261,7 @@ class _FusedAttention(torch.autograd.Function):
         ctx.shapes = [(t.shape, t.dtype) for t in (q, k, v)]
         ctx.dims = (bh, kv_bh, length, source, heads_dim, value_dim, q.dtype, dev)
         ctx.mask_spec = (mask.shape, mask.dtype) if isinstance(mask, torch.Tensor) else None
+        ctx.host = host.forward(out, q, k, v, mask) if host is not None else None
         return out
 
     @staticmethod
@@ -274,12 +276,61 @@ class _FusedAttention(torch.autograd.Function):
         # Workspace: an fp32 accumulator for dQ (and the softmax row sums), for the kernel's run.
         mem.touch(bh * length * head_dim * 4 + bh * length * 4)
         grads = [ts.new(shape, dt, dev) for shape, dt in ctx.shapes]
-        ctx.kept = None
+        if ctx.host is not None:
+            ctx.host.backward(grad, grads)
+        ctx.kept = ctx.host = None
         mask_grad = None
         if ctx.mask_spec is not None and ctx.needs_input_grad[6]:
             mask_shape, mask_dtype = ctx.mask_spec
             mask_grad = ts.new(mask_shape, mask_dtype, dev)
-        return None, None, None, grads[0], grads[1], grads[2], mask_grad
+        return None, None, None, grads[0], grads[1], grads[2], mask_grad, None
+
+
+class _HostAttention:
+    """A fused kernel's real values in value mode (:mod:`gpemu.device.values`): torch's own
+    attention on the host values, its dropout drawn from the emulated device's generator, and the
+    gradients by recomputing it (with the same dropout) in the backward."""
+
+    def __init__(self, ts: TensorState, orig: Callable, args: _SdpaArgs) -> None:
+        self.ts = ts
+        self.run = functools.partial(
+            orig, dropout_p=args.dropout_p, is_causal=args.is_causal, scale=args.scale, enable_gqa=args.enable_gqa
+        )
+        self.seed: int | None = None
+        self.inputs: tuple = ()
+
+    def _call(self, q: Any, k: Any, v: Any, mask: Any) -> Any:
+        values = self.ts.values
+        if self.seed is None or values is None:
+            return self.run(q, k, v, attn_mask=mask)
+        with values.seeded(self.seed):
+            return self.run(q, k, v, attn_mask=mask)
+
+    def forward(self, out: EmuTensor, q: EmuTensor, k: EmuTensor, v: EmuTensor, mask: Any) -> _HostAttention | None:
+        """Set ``out``'s values; self (kept for the backward), or None when an input is unknown."""
+        inputs = [host_shadow(t) for t in (q, k, v)]
+        mask_value = host_shadow(mask) if isinstance(mask, EmuTensor) else mask
+        values = self.ts.values
+        if values is None or any(x is None for x in inputs) or (isinstance(mask, EmuTensor) and mask_value is None):
+            return None
+        if self.run.keywords["dropout_p"]:
+            self.seed = values.draw(q.emu_device)
+        self.inputs = (*inputs, mask_value)
+        with torch.no_grad():
+            set_host_shadow(out, self._call(*self.inputs))
+        return self
+
+    def backward(self, grad: Any, grads: list[EmuTensor]) -> None:
+        """Set the gradients' values (q, k, v) from the output gradient's."""
+        grad_value = host_shadow(grad)
+        if grad_value is None:
+            return
+        q, k, v, mask = self.inputs
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+            result = self._call(*leaves, mask)
+            for target, value in zip(grads, torch.autograd.grad(result, leaves, grad_value), strict=True):
+                set_host_shadow(target, value)
 
 
 def _held(t: Any) -> EmuTensor | None:
@@ -387,7 +438,8 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
         kernel = _kernel(capabilities[q.emu_device], q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
         if kernel == "math":
             return args.run(orig)
-        return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask)
+        host = _HostAttention(ts, orig, args) if ts.values is not None else None
+        return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask, host)
 
     scaled_dot_product_attention.__wrapped__ = orig
     return scaled_dot_product_attention

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from .clock import VIRTUAL_TIME_NOTE
-from .config import ConfigError, EmuConfig
+from .config import ConfigError, EmuConfig, values_note
 
 __all__ = [
     "BOOTSTRAP_DIR",
     "VIRTUAL_TIME_NOTE",
+    "values_note",
     "build_config",
     "child_env",
     "command_argv",
