@@ -261,7 +261,8 @@ class _FusedAttention(torch.autograd.Function):
         ctx.shapes = [(t.shape, t.dtype) for t in (q, k, v)]
         ctx.dims = (bh, kv_bh, length, source, heads_dim, value_dim, q.dtype, dev)
         ctx.mask_spec = (mask.shape, mask.dtype) if isinstance(mask, torch.Tensor) else None
-        ctx.host = host.forward(out, q, k, v, mask) if host is not None else None
+        # (the values are the emulator's own work: an entry, its time forgiven)
+        ctx.host = ts.call(host.forward, out, q, k, v, mask) if host is not None else None
         return out
 
     @staticmethod
@@ -277,7 +278,7 @@ class _FusedAttention(torch.autograd.Function):
         mem.touch(bh * length * head_dim * 4 + bh * length * 4)
         grads = [ts.new(shape, dt, dev) for shape, dt in ctx.shapes]
         if ctx.host is not None:
-            ctx.host.backward(grad, grads)
+            ts.call(ctx.host.backward, grad, grads)
         ctx.kept = ctx.host = None
         mask_grad = None
         if ctx.mask_spec is not None and ctx.needs_input_grad[6]:
@@ -328,7 +329,7 @@ class _HostAttention:
         q, k, v, mask = self.inputs
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-            result = self._call(*leaves, mask)
+            result = self._call(leaves[0], leaves[1], leaves[2], mask)
             for target, value in zip(grads, torch.autograd.grad(result, leaves, grad_value), strict=True):
                 set_host_shadow(target, value)
 
@@ -368,7 +369,7 @@ def _fused_op(capability: tuple[int, int], args: _SdpaArgs, orig: Callable) -> A
         return torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, mask, need_lse, dropout, bool(causal), False, scale=scale
         )[0]
-    return orig(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return _with_causal_values(args).run(orig)
 
 
 class _SdpaArgs(NamedTuple):
@@ -403,7 +404,25 @@ def _on_held_tensors(capabilities: list[tuple[int, int]], args: _SdpaArgs, orig:
     inner = _held(args.query)
     if inner is not None and args.query.dim() == 4 and _held(args.key) is not None and _held(args.value) is not None:
         return _fused_op(capabilities[inner.emu_device], args, orig)
-    return args.run(orig)
+    return _with_causal_values(args).run(orig)
+
+
+def _with_causal_values(args: _SdpaArgs) -> _SdpaArgs:
+    """The math path's call in value mode (:mod:`gpemu.device.values`): torch's math kernel
+    builds its causal mask without a kernel of its own, on the emulated tensors' C++ device
+    (meta), where it has no values; here it is given as the same mask with its values (no memory,
+    no kernel, as there), which the kernel adds to the scores with the same op."""
+    q, k = args.query, args.key
+    if not args.is_causal or type(q) is not EmuTensor or type(k) is not EmuTensor or q.emu_state.values is None:
+        return args
+    if args.attn_mask is not None:
+        return args  # (torch refuses both; its own error)
+    ts = q.emu_state
+    length, source = q.shape[-2], k.shape[-2]
+    keep = torch.ones(length, source, dtype=torch.bool).tril()
+    mask = ts.wrap((length, source), (source, 1), 0, q.dtype, q.emu_device, None)
+    set_host_shadow(mask, torch.zeros(length, source, dtype=q.dtype).masked_fill(~keep, float("-inf")))
+    return args._replace(attn_mask=mask, is_causal=False)
 
 
 def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
@@ -437,7 +456,7 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
             )
         kernel = _kernel(capabilities[q.emu_device], q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
         if kernel == "math":
-            return args.run(orig)
+            return _with_causal_values(args).run(orig)
         host = _HostAttention(ts, orig, args) if ts.values is not None else None
         return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask, host)
 
