@@ -418,11 +418,17 @@ def _with_causal_values(args: _SdpaArgs) -> _SdpaArgs:
     if args.attn_mask is not None:
         return args  # (torch refuses both; its own error)
     ts = q.emu_state
-    length, source = q.shape[-2], k.shape[-2]
-    keep = torch.ones(length, source, dtype=torch.bool).tril()
-    mask = ts.wrap((length, source), (source, 1), 0, q.dtype, q.emu_device, None)
-    set_host_shadow(mask, torch.zeros(length, source, dtype=q.dtype).masked_fill(~keep, float("-inf")))
+    mask = ts.call(_causal_mask, ts, q.shape[-2], k.shape[-2], q.dtype, q.emu_device)  # (the emulator's own work)
     return args._replace(attn_mask=mask, is_causal=False)
+
+
+def _causal_mask(ts: TensorState, length: int, source: int, dtype: torch.dtype, dev: int) -> EmuTensor:
+    with torch._C.DisableTorchFunction():  # (host tensors: no mode of the program's applies)
+        keep = torch.ones(length, source, dtype=torch.bool).tril()
+        values = torch.zeros(length, source, dtype=dtype).masked_fill(~keep, float("-inf"))
+    mask = ts.wrap((length, source), (source, 1), 0, dtype, dev, None)
+    set_host_shadow(mask, values)
+    return mask
 
 
 def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
