@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .costmodel.gpus import compute_capability
 from .costs import attention_price
-from .device import EmuTensor, TensorState
+from .device import EmuTensor, TensorState, host_shadow, set_host_shadow
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
@@ -230,6 +230,7 @@ class _FusedAttention(torch.autograd.Function):
         k: EmuTensor,
         v: EmuTensor,
         mask: Any,
+        host: _HostAttention | None = None,
     ) -> EmuTensor:
         *batch, length, heads_dim = q.shape  # (B, H, L, D)
         source = k.shape[-2]
@@ -260,6 +261,8 @@ class _FusedAttention(torch.autograd.Function):
         ctx.shapes = [(t.shape, t.dtype) for t in (q, k, v)]
         ctx.dims = (bh, kv_bh, length, source, heads_dim, value_dim, q.dtype, dev)
         ctx.mask_spec = (mask.shape, mask.dtype) if isinstance(mask, torch.Tensor) else None
+        # (the values are the emulator's own work: an entry, its time forgiven)
+        ctx.host = ts.call(host.forward, out, q, k, v, mask) if host is not None else None
         return out
 
     @staticmethod
@@ -274,12 +277,61 @@ class _FusedAttention(torch.autograd.Function):
         # Workspace: an fp32 accumulator for dQ (and the softmax row sums), for the kernel's run.
         mem.touch(bh * length * head_dim * 4 + bh * length * 4)
         grads = [ts.new(shape, dt, dev) for shape, dt in ctx.shapes]
-        ctx.kept = None
+        if ctx.host is not None:
+            ts.call(ctx.host.backward, grad, grads)
+        ctx.kept = ctx.host = None
         mask_grad = None
         if ctx.mask_spec is not None and ctx.needs_input_grad[6]:
             mask_shape, mask_dtype = ctx.mask_spec
             mask_grad = ts.new(mask_shape, mask_dtype, dev)
-        return None, None, None, grads[0], grads[1], grads[2], mask_grad
+        return None, None, None, grads[0], grads[1], grads[2], mask_grad, None
+
+
+class _HostAttention:
+    """A fused kernel's real values in value mode (:mod:`gpemu.device.values`): torch's own
+    attention on the host values, its dropout drawn from the emulated device's generator, and the
+    gradients by recomputing it (with the same dropout) in the backward."""
+
+    def __init__(self, ts: TensorState, orig: Callable, args: _SdpaArgs) -> None:
+        self.ts = ts
+        self.run = functools.partial(
+            orig, dropout_p=args.dropout_p, is_causal=args.is_causal, scale=args.scale, enable_gqa=args.enable_gqa
+        )
+        self.seed: int | None = None
+        self.inputs: tuple = ()
+
+    def _call(self, q: Any, k: Any, v: Any, mask: Any) -> Any:
+        values = self.ts.values
+        if self.seed is None or values is None:
+            return self.run(q, k, v, attn_mask=mask)
+        with values.seeded(self.seed):
+            return self.run(q, k, v, attn_mask=mask)
+
+    def forward(self, out: EmuTensor, q: EmuTensor, k: EmuTensor, v: EmuTensor, mask: Any) -> _HostAttention | None:
+        """Set ``out``'s values; self (kept for the backward), or None when an input is unknown."""
+        inputs = [host_shadow(t) for t in (q, k, v)]
+        mask_value = host_shadow(mask) if isinstance(mask, EmuTensor) else mask
+        values = self.ts.values
+        if values is None or any(x is None for x in inputs) or (isinstance(mask, EmuTensor) and mask_value is None):
+            return None
+        if self.run.keywords["dropout_p"]:
+            self.seed = values.draw(q.emu_device)
+        self.inputs = (*inputs, mask_value)
+        with torch.no_grad():
+            set_host_shadow(out, self._call(*self.inputs))
+        return self
+
+    def backward(self, grad: Any, grads: list[EmuTensor]) -> None:
+        """Set the gradients' values (q, k, v) from the output gradient's."""
+        grad_value = host_shadow(grad)
+        if grad_value is None:
+            return
+        q, k, v, mask = self.inputs
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+            result = self._call(leaves[0], leaves[1], leaves[2], mask)
+            for target, value in zip(grads, torch.autograd.grad(result, leaves, grad_value), strict=True):
+                set_host_shadow(target, value)
 
 
 def _held(t: Any) -> EmuTensor | None:
@@ -317,7 +369,7 @@ def _fused_op(capability: tuple[int, int], args: _SdpaArgs, orig: Callable) -> A
         return torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, mask, need_lse, dropout, bool(causal), False, scale=scale
         )[0]
-    return orig(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return _with_causal_values(args).run(orig)
 
 
 class _SdpaArgs(NamedTuple):
@@ -352,7 +404,31 @@ def _on_held_tensors(capabilities: list[tuple[int, int]], args: _SdpaArgs, orig:
     inner = _held(args.query)
     if inner is not None and args.query.dim() == 4 and _held(args.key) is not None and _held(args.value) is not None:
         return _fused_op(capabilities[inner.emu_device], args, orig)
-    return args.run(orig)
+    return _with_causal_values(args).run(orig)
+
+
+def _with_causal_values(args: _SdpaArgs) -> _SdpaArgs:
+    """The math path's call in value mode (:mod:`gpemu.device.values`): torch's math kernel
+    builds its causal mask without a kernel of its own, on the emulated tensors' C++ device
+    (meta), where it has no values; here it is given as the same mask with its values (no memory,
+    no kernel, as there), which the kernel adds to the scores with the same op."""
+    q, k = args.query, args.key
+    if not args.is_causal or type(q) is not EmuTensor or type(k) is not EmuTensor or q.emu_state.values is None:
+        return args
+    if args.attn_mask is not None:
+        return args  # (torch refuses both; its own error)
+    ts = q.emu_state
+    mask = ts.call(_causal_mask, ts, q.shape[-2], k.shape[-2], q.dtype, q.emu_device)  # (the emulator's own work)
+    return args._replace(attn_mask=mask, is_causal=False)
+
+
+def _causal_mask(ts: TensorState, length: int, source: int, dtype: torch.dtype, dev: int) -> EmuTensor:
+    with torch._C.DisableTorchFunction():  # (host tensors: no mode of the program's applies)
+        keep = torch.ones(length, source, dtype=torch.bool).tril()
+        values = torch.zeros(length, source, dtype=dtype).masked_fill(~keep, float("-inf"))
+    mask = ts.wrap((length, source), (source, 1), 0, dtype, dev, None)
+    set_host_shadow(mask, values)
+    return mask
 
 
 def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
@@ -386,8 +462,9 @@ def _make_sdpa(rt: Runtime, orig: Callable) -> Callable:
             )
         kernel = _kernel(capabilities[q.emu_device], q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
         if kernel == "math":
-            return args.run(orig)
-        return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask)
+            return _with_causal_values(args).run(orig)
+        host = _HostAttention(ts, orig, args) if ts.values is not None else None
+        return _FusedAttention.apply(ts, kernel, bool(is_causal), q, k, v, attn_mask, host)
 
     scaled_dot_product_attention.__wrapped__ = orig
     return scaled_dot_product_attention

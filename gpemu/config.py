@@ -34,6 +34,8 @@ __all__ = [
     "ENV_PREFIX",
     "GRANULARITIES",
     "CLOCKS",
+    "VALUE_MODES",
+    "values_note",
     "amqp_url_problem",
     "fill_amqp_password",
     "costmodel_cache_dir",
@@ -210,6 +212,10 @@ class EmuConfig:
     # ("h100-xeon"), or "none" (the default: no modelled host time; the cost model's fitted
     # per-op host term stays in GPU prices until the curves are refitted without it).
     host: str = "none"
+    # GPEMU_VALUES: what emulated tensors hold: "placeholders" (default: no values; a loss reads
+    # 0.000) or "real" (every tensor also carries its values, computed on the CPU: a CPU-speed
+    # run; emulated times and memory unchanged; implies clock="virtual" unless a clock is given).
+    values: str = "placeholders"
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -285,6 +291,7 @@ class EmuConfig:
             raise ConfigError(f"device_gpus names {len(self.device_gpus)} GPUs; at most 64 per process")
         if self.data_dir is not None:
             _expanded_dir(self.data_dir)
+        self._check_values()
         self._check_clock()
         _check_host(self.host)
         if self.device_gpus is not None and self.num_gpus != len(self.device_gpus):
@@ -316,6 +323,25 @@ class EmuConfig:
                 f"the cluster {described.name!r} has {described.gpu} GPUs but gpu is {self.gpu!r}: leave --gpu out, "
                 f"or describe a cluster of {self.gpu} (gpu: {self.gpu} in its YAML)"
             )
+
+    def _check_values(self) -> None:
+        if self.values not in VALUE_MODES:
+            raise ConfigError(f"values must be one of {', '.join(VALUE_MODES)}, got {self.values!r}")
+        if self.values == "real" and self.clock is None:
+            # The CPU computes every value, so the wall clock runs at CPU speed; the script's clocks
+            # read emulated time instead, so what it prints is the emulated GPU's.
+            object.__setattr__(self, "clock", "virtual")
+
+    @property
+    def real_values(self) -> bool:
+        """Whether emulated tensors carry their real values (``values="real"``)."""
+        return self.values == "real"
+
+    @property
+    def fast_paths(self) -> bool:
+        """Whether the fast paths (:mod:`gpemu.fastpaths`) run: ``replay`` on, and no real values
+        (a replayed module, the fused loss and skipped optimizer steps compute no values)."""
+        return self.replay and self.values != "real"
 
     def _check_clock(self) -> None:
         clock = self.clock
@@ -414,7 +440,23 @@ class EmuConfig:
         share = f" sharing={redact_url(self.sharing)}" if self.sharing else ""
         cluster = f" cluster={self.cluster}" + (f" nodes={self.nodes}" if self.nodes else "") if self.cluster else ""
         clock = " clock=virtual" if self.virtual_time else ""
-        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}{clock}"
+        values = " values=real" if self.real_values else ""
+        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}{clock}{values}"
+
+
+def values_note(config: EmuConfig) -> str:
+    """The first line of a run with real values: what it costs, and what its printed times are."""
+    cost = (
+        "values: real: every tensor on an emulated GPU also holds its real values, computed on this "
+        "machine's CPU, so the run goes at CPU speed (a large model takes as long as training it on "
+        "the CPU); emulated times and memory are as with placeholder values"
+    )
+    if config.virtual_time:
+        return f"{cost}; the script's clocks read emulated time (--clock virtual, implied by --values real)"
+    return (
+        f"{cost}; --clock real: the script's clocks read the wall clock, which runs at CPU speed "
+        "(leave --clock out, or give --clock virtual, for the emulated GPU's step times)"
+    )
 
 
 def costmodel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -474,6 +516,7 @@ _TEXT_SETTINGS = frozenset(
 # Settings that are not read from the environment (derived from others).
 _NOT_IN_ENV = frozenset(("time_mode",))
 CLOCKS = ("real", "virtual")
+VALUE_MODES = ("placeholders", "real")
 
 
 def _env_name(field_name: str) -> str:
@@ -524,6 +567,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise ConfigError(f"clock_origin must be a number of seconds, got {value!r}") from None
     if name == "host" and isinstance(value, str):
         return value.strip().lower() or "none"
+    if name == "values" and isinstance(value, str):
+        return value.strip().lower()
     if name in ("sharing_weight", "sharing_lease_s") and isinstance(value, str):
         try:
             return float(value.strip())

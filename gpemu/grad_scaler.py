@@ -3,7 +3,9 @@
 On the CPU build a ``GradScaler('cuda')`` warns and disables itself; on emulated GPUs it stays
 enabled, as on a real GPU. Gradients carry no values, so the scaler's checks are emulated with
 the values a healthy run has (see :mod:`gpemu.hostvalues`): no inf/NaN is ever found, every step
-is taken, and the scale grows by ``growth_factor`` every ``growth_interval`` steps. The scale is
+is taken, and the scale grows by ``growth_factor`` every ``growth_interval`` steps. With real
+values (``values="real"``) torch's own scaler runs on them: an overflow skips the step and backs
+the scale off, as on a GPU. The scale is
 kept on the host (``get_scale()`` and ``state_dict()`` are right); unscaling charges one
 memory-bound kernel over the gradients, and ``step()`` waits for the backward pass as the real
 ``found_inf.item()`` would.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
@@ -79,6 +81,11 @@ class ScalerEmulation:
             # A memory-bound kernel: read and write every gradient once.
             bandwidth = float(self.rt.gpus[device.index or 0].memory_bandwidth)
             self._charge(device, 2 * n / bandwidth, "amp unscale")
+        if self.rt.config.real_values:  # torch's own unscale and check, on the real values
+            return cast(
+                dict[torch.device, torch.Tensor],
+                self.originals["_unscale_grads_"](scaler, optimizer, inv_scale, found_inf, allow_fp16),
+            )
         return per_device
 
     def maybe_opt_step(
@@ -182,4 +189,8 @@ def install(rt: Runtime) -> None:
     originals = {name: GradScaler.__dict__[name] for name in METHODS}
     emulation = ScalerEmulation(rt, originals)
     for name, ours in METHODS.items():
+        if rt.config.real_values and name != "_unscale_grads_":
+            # Real values: torch's own scaler (found_inf read back, steps skipped on overflow, the
+            # scale backed off), its unscale charged as above.
+            continue
         rt.patcher.replace(GradScaler, name, _scaler_method(getattr(emulation, ours), originals[name]))

@@ -34,6 +34,9 @@ depends on values, gpemu answers with this policy (documented in docs/device.md)
 6. **Non-finite checks see finite values**: ``_amp_foreach_non_finite_check_and_unscale_`` leaves
    ``found_inf`` as it was (0), so GradScaler never skips a step and its scale grows on schedule.
 
+With real values (``values="real"``, :mod:`gpemu.device.values`) every tensor keeps its
+values, whatever its size, random ones included: points 2 to 5 then read the real values.
+
 This module holds the policy and the host computations; attaching shadows to emulated tensors
 is the tensor type's mechanics (:mod:`gpemu.device`), which calls in here with plain host and
 meta tensors only.
@@ -42,6 +45,7 @@ meta tensors only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -134,15 +138,26 @@ VALUE_INDEPENDENT_OPS = frozenset(
 
 
 def known_factory_value(
-    factory: Callable, name: str, host_args: tuple, kwargs: dict, meta: torch.Tensor
+    factory: Callable,
+    name: str,
+    host_args: tuple,
+    kwargs: dict,
+    meta: torch.Tensor,
+    limit: int = SHADOW_MAX_ELEMENTS,
+    random: Callable[[], AbstractContextManager] | None = None,
 ) -> torch.Tensor | None:
     """The shadow of a factory's emulated result (``torch.ones(3, device='cuda')``): its real
-    values computed on the host when small and deterministic, zeros for ``empty*``, else None.
-    ``host_args``: the factory's arguments with emulated tensors replaced by their host values."""
-    if meta.numel() > SHADOW_MAX_ELEMENTS:
+    values computed on the host when at most ``limit`` elements and deterministic, else None.
+    ``host_args``: the factory's arguments with emulated tensors replaced by their host values.
+    ``random``: in value mode (:mod:`gpemu.device.values`), the emulated device's generator, under
+    which random and uninitialised factories are computed too."""
+    if meta.numel() > limit:
         return None
     if name in RANDOM_FACTORIES:
-        return None
+        if random is None:
+            return None
+        with random():
+            return factory(*host_args, device="cpu", **kwargs)
     return factory(*host_args, device="cpu", **kwargs)
 
 

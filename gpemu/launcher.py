@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from .clock import VIRTUAL_TIME_NOTE
-from .config import ConfigError, EmuConfig
+from .config import ConfigError, EmuConfig, values_note
 
 __all__ = [
     "BOOTSTRAP_DIR",
     "VIRTUAL_TIME_NOTE",
+    "values_note",
     "build_config",
     "child_env",
     "command_argv",
@@ -103,6 +104,10 @@ def child_env(config: EmuConfig, base: Mapping[str, str] | None = None) -> dict[
     env.update(config.replace(enable=True).to_env())
     existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
     env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *existing])
+    if config.real_values:
+        # Every op's values are computed on the CPU; OpenMP's workers spinning after each one
+        # would take the cores from the program's own thread (whose CPU time is its host time).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -409,7 +409,7 @@ def _fill_record(record: CallRecord, call: _Call, leaves: list, treespec: Any, p
     record.grad_params = [id(p) in reached for p in params]
     record.grad_param_list = [p for p, g in zip(params, record.grad_params, strict=True) if g]
     for x in leaves:  # replayed outputs carry no host shadow; the recorded ones must not either
-        if isinstance(x, EmuTensor):
+        if isinstance(x, EmuTensor) and x.emu_state.values is None:  # (real values: no replays)
             x.emu_state.forget_value(x)
 
 
@@ -620,8 +620,8 @@ class _BackwardStart(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # New wrappers over the same memory block, not autograd views: the user may modify the
         # outputs in place (``logits /= T``), which autograd forbids on views made in a Function.
-        wrap = info.owner.ts.wrap
-        return tuple(wrap(o.shape, o.stride(), o.storage_offset(), o.dtype, o.emu_device, o.emu_block) for o in outs)
+        alias = info.owner.ts.alias
+        return tuple(alias(o) for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -717,9 +717,7 @@ class _BackwardEnd(torch.autograd.Function):
         ctx.holder = holder
         ctx.set_materialize_grads(False)
         ts = inputs[0].emu_state
-        return tuple(
-            ts.wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t.emu_device, t.emu_block) for t in inputs
-        )
+        return tuple(ts.alias(t) for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:

@@ -247,7 +247,7 @@ def finish(rt: Runtime) -> dict[str, Any] | None:
     lines: list[str] = []
     if rt.config.summary:
         lines.append(format_summary(s))
-        if tag is None:
+        if tag is None and not rt.config.real_values:  # (real values: the run's first line said it)
             lines.append(PLACEHOLDER_NOTE)
     if rt.config.metrics_path:
         metrics = per_process_path(rt.config.metrics_path, tag)

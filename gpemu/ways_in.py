@@ -256,8 +256,13 @@ def _emulated_factory(ts: TensorState, orig: Callable, name: str, args: tuple, k
         out = to_emulated(orig(*args, **kw), dev)
     else:
         meta = orig(*args, device=_META, **kw)
+        values = ts.values
+        if values is not None:  # (value mode: the values take host memory)
+            values.check_room(meta.numel() * meta.element_size())
         out = from_meta(ts, meta, dev)
-        ts.set_known_value(out, hostvalues.known_factory_value(orig, name, host_args(args), kw, meta))
+        random = functools.partial(values.random, dev) if values is not None else None
+        known = hostvalues.known_factory_value(orig, name, host_args(args), kw, meta, ts.shadow_limit, random)
+        ts.set_known_value(out, known)
     if requires_grad:
         out.requires_grad_(True)
     return out
@@ -313,6 +318,7 @@ def _make_tensor_new(ts: TensorState, orig: Callable) -> Callable:
             args,
             host_kw,
             meta,
+            ts.shadow_limit,
         )
         ts.set_known_value(out, known)
         return out.requires_grad_(True) if requires_grad else out

@@ -62,6 +62,14 @@ __all__ = ["run"]
     "a speed relative to it (0.7x), a measured host's preset (h100-xeon), or none (default: GPU time only). "
     "Each op costs the host that issue time and a full launch queue blocks it (docs/host-side.md).",
 )
+@click.option(
+    "--values",
+    type=click.Choice(["placeholders", "real"]),
+    help="placeholders (default): tensors on emulated GPUs hold no values (a loss prints 0.000). real: they also "
+    "hold their real values, computed on the CPU, so losses, early stopping and checkpoints on the best loss "
+    "behave as on a GPU; the run goes at CPU speed, emulated times and memory are unchanged; implies "
+    "--clock virtual (docs/device.md, 'Value mode').",
+)
 @click.option("--summary/--no-summary", default=None, help="Print a per-GPU summary at exit (default: on).")
 @click.option("--metrics", "metrics_path", metavar="FILE", help="Write the summary as JSON to FILE at exit.")
 @click.option("--trace", "trace_path", metavar="FILE", help="Write a Chrome trace (Perfetto) to FILE at exit.")
@@ -79,6 +87,7 @@ def run(
     node_rank,
     clock,
     host,
+    values,
     summary,
     metrics_path,
     trace_path,
@@ -89,7 +98,7 @@ def run(
 
     The script runs unchanged: torch.cuda sees the emulated GPUs, and GPU work takes the time
     measured on the real GPU, or an estimate where nothing was measured (said at run time).
-    Tensor values are placeholders: a loss prints 0.000. At exit, also
+    Tensor values are placeholders (a loss prints 0.000) unless --values real. At exit, also
     after Ctrl-C, SIGTERM or SIGHUP, a per-GPU summary is printed (busy time, data stall, memory);
     --metrics and --trace also write it as JSON and as a Chrome trace (`gpemu report TRACE`).
 
@@ -100,6 +109,7 @@ def run(
       gpemu run --gpu V100 -m mypackage.train
       gpemu run --gpu V100 --trace t.json -- python train.py && gpemu report t.json --plot t.png
       gpemu run --gpu V100 --clock virtual -- python train.py   # an emulated hour in about a minute
+      gpemu run --gpu A100 --values real -- python train.py     # real losses, at CPU speed
     """
     from gpemu import launcher
 
@@ -115,13 +125,16 @@ def run(
         node_rank=node_rank,
         clock=clock,
         host=host,
+        values=values,
         summary=summary,
         metrics_path=metrics_path,
         trace_path=trace_path,
     )
     argv = launcher.command_argv(command, module)
     env = launcher.child_env(config)
-    if config.virtual_time:  # the run's first line: what its times mean
+    if config.real_values:  # the run's first line: what its values cost and what its times mean
+        print(f"[gpemu] {launcher.values_note(config)}", file=sys.stderr, flush=True)
+    elif config.virtual_time:  # the run's first line: what its times mean
         print(f"[gpemu] {launcher.VIRTUAL_TIME_NOTE}", file=sys.stderr, flush=True)
     print(f"[gpemu] {config.describe()}: {' '.join(argv)}", file=sys.stderr, flush=True)
     launcher.run_command(argv, env)

@@ -5,7 +5,8 @@ Rooms: :mod:`~gpemu.device.emutensor` (the ``EmuTensor`` type and its public fie
 doors other modules use), :mod:`~gpemu.device.dispatch` (every aten op),
 :mod:`~gpemu.device.signature` and :mod:`~gpemu.device.ops` (the op metadata cache: fast and slow
 paths), :mod:`~gpemu.device.special` (ops the emulator handles itself), :mod:`~gpemu.device.shadows`
-(known small values), :mod:`~gpemu.device.copies` (host <-> device and peer copies),
+(known small values), :mod:`~gpemu.device.values` (value mode: every tensor's real values),
+:mod:`~gpemu.device.copies` (host <-> device and peer copies),
 :mod:`~gpemu.device.storage` (``untyped_storage()``: a CUDA storage; resizes allocate and free),
 :mod:`~gpemu.device.fake` (ops under a FakeTensorMode: fake results, as for a GPU's tensors).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..config import values_note
 from . import dispatch  # noqa: F401  (binds EmuTensor.__torch_dispatch__)
 from .copies import PeerCopy, peer_copy, to_emulated, to_host
 from .emutensor import DTYPE_NAMES, TYPE_NAMES, WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
@@ -73,3 +75,9 @@ def install(rt: Runtime) -> None:
     """The run's tensor state (``rt.tensors``). The ways in that hand out emulated tensors are
     :mod:`gpemu.ways_in`."""
     rt.tensors = TensorState(rt)
+    if rt.config.real_values:
+        # Every op's values are computed on the CPU inside the emulator's own entries: all of that
+        # time is the emulator's, however long one op takes (gpemu.time.host, MAX_FORGIVEN_WORK).
+        rt.engine.max_forgiven_work = float("inf")
+        if not rt.config.enable:  # (under `gpemu run` the command said it as the run's first line)
+            rt.say_once(values_note(rt.config))

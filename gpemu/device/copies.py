@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from .. import hostvalues
-from ..hostvalues import SHADOW_MAX_ELEMENTS
 from .emutensor import EmuTensor
 from .state import TensorState, current_state
+from .values import laid_out
 
 __all__ = ["to_host", "to_emulated", "peer_copy", "PeerCopy", "charge_h2d"]
 
@@ -55,17 +55,26 @@ def _copy_in(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> 
             stride = t.stride()
         else:
             stride = torch.empty(t.shape, device=_META).stride()
+        # (In value mode they do: gpemu.device.values.)
         nbytes = t.numel() * t.element_size()
+        if ts.values is not None and not t.is_meta:
+            ts.values.check_room(nbytes)
         block = ts.memory[dev].allocate(nbytes) if nbytes else None
-        return ts.wrap(t.shape, stride, 0, t.dtype, dev, block)
+        e = ts.wrap(t.shape, stride, 0, t.dtype, dev, block)
+        if ts.values is not None and not t.is_meta:
+            e.emu_shadow = laid_out(t.detach().clone(), t.shape, stride)
+        return e
     plan = transfers.copy_plan(t, dev, non_blocking)
     nbytes = plan.nbytes
+    if ts.values is not None:
+        ts.values.check_room(nbytes)
     block = ts.memory[dev].allocate(nbytes) if nbytes else None  # (an OOM changes nothing)
     if nbytes:  # (torch copies nothing for an empty tensor: no transfer, no wait)
         transfers.charge(plan, dev)
     e = ts.wrap(plan.shape, plan.stride, 0, plan.dtype, dev, block)
-    if plan.host and plan.numel <= SHADOW_MAX_ELEMENTS:
-        e.emu_shadow = t.detach().clone()  # the copy's values, known on the host (gpemu.hostvalues)
+    if plan.host and plan.numel <= ts.shadow_limit:
+        # the copy's values, known on the host (gpemu.hostvalues)
+        e.emu_shadow = laid_out(t.detach().to(plan.dtype).clone(), plan.shape, plan.stride)
     return e
 
 

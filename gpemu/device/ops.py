@@ -91,8 +91,8 @@ def fast_path(ts: TensorState, entry: OpEntry, func: Any, args: tuple, kwargs: d
         leaves = [ts.build(s, emus, dev) for s in entry.specs]  # type: ignore[arg-type]
         out = tree_unflatten(leaves, entry.treespec) if kind == 3 else entry.treespec(leaves)
     ts.charge_entry(entry, dev)
-    if entry.values == INDEPENDENT:
-        propagate_shadow(func, args, kwargs or {}, emus, out, INDEPENDENT)
+    if entry.values == INDEPENDENT or ts.values is not None:
+        propagate_shadow(func, args, kwargs or {}, emus, out, entry.values)
     else:
         for e in emus:
             if e.emu_shadow is not None:
@@ -216,7 +216,7 @@ def slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -
             ts.cache.clear()
         ts.cache[key] = entry
     ts.charge_entry(entry, dev)
-    if entry.values == INDEPENDENT or any(e.emu_shadow is not None for e in emus):
+    if entry.values == INDEPENDENT or ts.values is not None or any(e.emu_shadow is not None for e in emus):
         propagate_shadow(func, args, kwargs, emus, out, entry.values)
     return out
 

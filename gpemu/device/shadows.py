@@ -16,6 +16,8 @@ from .. import hostvalues
 from ..hostvalues import SHADOW_MAX_ELEMENTS
 from .emutensor import EmuTensor
 from .state import TensorState, from_meta
+from .value_kernels import HOST_KERNELS
+from .values import laid_out
 
 __all__ = [
     "FROM_INPUTS",
@@ -54,19 +56,20 @@ def host_shadow(t: Any) -> torch.Tensor | None:
 
 def set_host_shadow(t: Any, value: torch.Tensor | None) -> bool:
     """Make ``value`` the known host value of emulated tensor ``t`` (None: unknown). A value that
-    does not fit (other element count, or more than SHADOW_MAX_ELEMENTS elements) makes it
-    unknown instead. Returns whether a value is now known."""
+    does not fit (other element count, or more than SHADOW_MAX_ELEMENTS elements with placeholder
+    values) makes it unknown instead. Returns whether a value is now known."""
     if not isinstance(t, EmuTensor):
         return False
     if (
         value is None
         or not isinstance(value, torch.Tensor)
         or value.numel() != t.numel()
-        or t.numel() > SHADOW_MAX_ELEMENTS
+        or t.numel() > t.emu_state.shadow_limit
     ):
         t.emu_shadow = None
         return False
-    t.emu_shadow = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
+    value = value.detach().to("cpu", t.dtype).reshape(t.shape).clone()
+    t.emu_shadow = laid_out(value, t.shape, t.stride())
     t.emu_state.shadow_writes += 1
     return True
 
@@ -76,44 +79,90 @@ def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any,
     values (``values``: how the result relates to the inputs, see ``_Entry``). With some inputs
     unknown the result is known only when the known ones decide it (``known_true | unknown``) or
     the op is the program's own logic on a model's placeholders (:func:`placeholder_logic`):
-    zeros stand in for the unknown values."""
-    if values == RANDOM or (
-        values == FROM_INPUTS
-        and any(e.emu_shadow is None for e in emus)
-        and not _decided(func, args, out)
-        and not placeholder_logic(emus[0].emu_state)
-    ):
+    zeros stand in for the unknown values. In value mode (:mod:`gpemu.device.values`) random
+    results are computed too, whatever their size."""
+    outs = tree_flatten(out)[0]
+    first = emus[0] if emus else next((o for o in outs if isinstance(o, EmuTensor)), None)
+    if first is None:
+        return
+    ts: TensorState = first.emu_state
+    vm = ts.values
+    independent = values == INDEPENDENT
+    unknown = not independent and any(e.emu_shadow is None for e in emus)
+    if (values == RANDOM and vm is None) or (unknown and not _decided(func, args, out) and not placeholder_logic(ts)):
         # Unknown inputs: any tensor written in place loses its known value.
         drop_written_shadows(out, emus)
         return
-    outs = tree_flatten(out)[0]
-    if not any(isinstance(o, EmuTensor) and o.numel() <= SHADOW_MAX_ELEMENTS for o in outs):
+    limit = ts.shadow_limit
+    results = [o for o in outs if isinstance(o, EmuTensor)]
+    if results and not any(o.numel() <= limit for o in results):
         # Only large results (e.g. small.repeat(1000, 1000)): not worth computing on the host.
         drop_written_shadows(out, emus)
-        for o in outs:
-            if isinstance(o, EmuTensor):
-                o.emu_shadow = None
+        for o in results:
+            o.emu_shadow = None
         return
-    # (known inputs as their shadows themselves: an in-place op updates the shadow its views share)
-    sargs = mixed_conv(list(args))
-    skw = {k: mixed_conv(v) for k, v in kwargs.items()}
-    try:
-        with torch.no_grad():
-            sout = func(*sargs, **skw)
-    except Exception:
+    # (No tensor result: an in-place op returning None, e.g. _foreach_add_, writes the values.)
+    device = first.emu_device if values == RANDOM else None
+    souts = _host_results(ts, func, args, kwargs, outs, independent, device, unknown)
+    if souts is None:
         drop_written_shadows(out, emus)
         return
-    souts, _ = tree_flatten(sout)
     if len(outs) != len(souts):
         return
     for o, s in zip(outs, souts, strict=False):
         if isinstance(o, EmuTensor) and isinstance(s, torch.Tensor):
-            if s.shape == o.shape and s.numel() <= SHADOW_MAX_ELEMENTS and s.dtype == o.dtype:
-                o.emu_shadow = s
-                if any(o is e for e in emus):  # an input got it (in place)
-                    o.emu_state.shadow_writes += 1
-            else:
-                o.emu_shadow = None
+            o.emu_shadow = _fitted(o, s, limit, vm is not None)
+            if o.emu_shadow is not None and any(o is e for e in emus):  # an input got it (in place)
+                o.emu_state.shadow_writes += 1
+
+
+def _host_results(
+    ts: TensorState,
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    outs: list,
+    independent: bool,
+    random: int | None,
+    unknown: bool = False,
+) -> list | None:
+    """The op run on the host values of its inputs, its outputs flattened (None when it fails
+    there); ``random``: the device whose generator a random op draws from (value mode);
+    ``unknown``: some inputs' values are unknown (zeros stand in for them). In value mode a
+    CUDA-only op runs as its host kernel (:mod:`gpemu.device.value_kernels`)."""
+    conv = mixed_conv if independent or unknown else shadow_conv
+    sargs = conv(list(args))
+    skw = {k: conv(v) for k, v in kwargs.items()}
+    values = ts.values
+    try:
+        if values is not None:
+            kernel = HOST_KERNELS.get(func)
+            if kernel is not None:
+                return kernel(values, sargs, skw, outs, outs[0].emu_device)
+        with torch.no_grad():
+            if random is not None and values is not None:
+                with values.random(random):
+                    return tree_flatten(func(*sargs, **skw))[0]
+            return tree_flatten(func(*sargs, **skw))[0]
+    except Exception as exc:
+        if ts.values is not None:
+            line = ts.values.failed_op(getattr(func, "__name__", str(func)), exc)
+            if line is not None:
+                ts.say_once(line)
+        return None
+
+
+def _fitted(o: EmuTensor, s: torch.Tensor, limit: int, real: bool) -> torch.Tensor | None:
+    """Host result ``s`` as output ``o``'s values, or None when it does not fit ``o``."""
+    if s.shape != o.shape or s.numel() > limit:
+        return None
+    if s.dtype != o.dtype:
+        if not real:
+            return None
+        s = s.to(o.dtype)
+    if real and s.stride() != o.stride():
+        s = laid_out(s, o.shape, o.stride())
+    return s
 
 
 def placeholder_logic(ts: TensorState) -> bool:
@@ -146,8 +195,8 @@ def drop_written_shadows(out: Any, emus: list) -> None:
             o.emu_shadow = None
 
 
-def small_shadow(t: torch.Tensor) -> torch.Tensor | None:
-    if t.numel() <= SHADOW_MAX_ELEMENTS and t.device.type == "cpu":
+def small_shadow(t: torch.Tensor, limit: int = SHADOW_MAX_ELEMENTS) -> torch.Tensor | None:
+    if t.numel() <= limit and t.device.type == "cpu":
         return t.detach().clone(memory_format=torch.preserve_format)
     return None
 
@@ -156,7 +205,7 @@ def host_to_emu(ts: TensorState, x: Any, dev: int) -> Any:
     """An emulated tensor (with its shadow) from a real CPU result computed on shadows."""
     if isinstance(x, torch.Tensor):
         e = from_meta(ts, torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META), dev)
-        e.emu_shadow = small_shadow(x)
+        e.emu_shadow = small_shadow(x, ts.shadow_limit)
         return e
     return x
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .. import hostvalues
-from ..hostvalues import SHADOW_MAX_ELEMENTS
 from .copies import charge_h2d, peer_copy, to_emulated, to_host
 from .emutensor import EmuTensor
 from .ops import run_op
@@ -77,8 +77,8 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(src, torch.Tensor) and src.dim() > 0 and src.device.type == "cpu":
             charge_h2d(ts, src, dst.emu_device, bool(kwargs.get("non_blocking", False) or (len(args) > 2 and args[2])))
         new_shadow = None
-        if dst.numel() <= SHADOW_MAX_ELEMENTS:
-            base = dst.emu_shadow if dst.emu_shadow is not None else torch.zeros(dst.shape, dtype=dst.dtype)
+        if dst.numel() <= ts.shadow_limit:
+            base = dst.emu_shadow if dst.emu_shadow is not None else _zeros_as(dst)
             try:
                 with torch.no_grad():
                     base.copy_(src if isinstance(src, torch.Tensor) else torch.tensor(src))
@@ -89,21 +89,32 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
         return dst
     if src.emu_device != dst.emu_device:
         # Peer copy between emulated GPUs: allowed by CUDA; metadata of dst is unchanged.
-        if dst.numel() <= SHADOW_MAX_ELEMENTS and src.emu_shadow is not None:
-            base = dst.emu_shadow if dst.emu_shadow is not None else torch.zeros(dst.shape, dtype=dst.dtype)
+        if dst.numel() <= ts.shadow_limit and src.emu_shadow is not None:
+            base = dst.emu_shadow if dst.emu_shadow is not None else _zeros_as(dst)
             with torch.no_grad():
                 base.copy_(src.emu_shadow)
             dst.emu_shadow = base
         else:
             dst.emu_shadow = None
         return dst
-    if dst.emu_shadow is None and src.emu_shadow is not None and dst.numel() <= SHADOW_MAX_ELEMENTS:
-        dst.emu_shadow = torch.zeros(dst.shape, dtype=dst.dtype)
+    if dst.emu_shadow is None and src.emu_shadow is not None and dst.numel() <= ts.shadow_limit:
+        dst.emu_shadow = _zeros_as(dst)
     return run_op(ts, func, args, kwargs)
 
 
+def _zeros_as(t: EmuTensor) -> torch.Tensor:
+    """Zeros laid out as emulated tensor ``t`` (the values a copy into part of it starts from)."""
+    return torch.zeros_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype))
+
+
 def _non_finite_check(func: Any, args: tuple, kwargs: dict) -> Any:
-    # Policy: emulated gradients are finite, found_inf keeps its value (see hostvalues).
+    # Placeholder values: emulated gradients are finite, found_inf keeps its value (see
+    # hostvalues). Real values (gpemu.device.values): the check and unscale run on them.
+    emus = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, EmuTensor)]
+    if not emus or emus[0].emu_state.values is None:
+        return None
+    if all(e.emu_shadow is not None for e in emus):
+        func(*shadow_conv(list(args)), **{k: shadow_conv(v) for k, v in kwargs.items()})
     return None
 
 

@@ -11,6 +11,7 @@ through this class's methods (:meth:`TensorState.forget_value`, :meth:`TensorSta
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,10 +20,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..devices import cuda_index
+from ..hostvalues import SHADOW_MAX_ELEMENTS
 from ..runtime import current
 from .emutensor import EmuTensor
 from .signature import call_signature as _call_signature
 from .signature import signature as _signature
+from .values import ValueMode
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..memory import MemoryTracker
@@ -232,6 +235,10 @@ class TensorState:
         # Whether the calling thread is inside a model's forward (set by gpemu.model_time): the
         # program's own logic on placeholders runs outside it (gpemu.device.shadows).
         self.in_model: Callable[[], bool] = _never
+        # Value mode (gpemu.device.values): every tensor's values, however large; None with
+        # placeholder values, where only small known values are kept (gpemu.hostvalues).
+        self.values: ValueMode | None = ValueMode(rt) if rt.config.real_values else None
+        self.shadow_limit = sys.maxsize if self.values is not None else SHADOW_MAX_ELEMENTS
 
     # -------------------------------------------------------------- building
     def wrap(
@@ -265,6 +272,13 @@ class TensorState:
             "emu_state": self,
         }
         return t
+
+    def alias(self, t: EmuTensor) -> EmuTensor:
+        """A new wrapper over ``t``'s memory with its metadata and its values (not an autograd
+        view: a custom Function's output the program may modify in place)."""
+        out = self.wrap(t.shape, t.stride(), t.storage_offset(), t.dtype, t.emu_device, t.emu_block)
+        out.emu_shadow = t.emu_shadow
+        return out
 
     def new(self, shape: tuple, dtype: torch.dtype, dev: int) -> EmuTensor:
         """A new contiguous emulated tensor of ``shape`` with its memory allocated on ``dev`` (a

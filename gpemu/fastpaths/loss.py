@@ -255,7 +255,7 @@ def _make_cross_entropy(state: LossState, orig: Callable) -> Callable:
 def install(rt: Runtime) -> None:
     """Replace ``torch.nn.functional.cross_entropy`` (restored by unpatch) and let the replay fast
     path's engine-free backward start at a replayed loss (``config.replay``)."""
-    if not rt.config.replay or rt.replay is None:
+    if not rt.config.fast_paths or rt.replay is None:
         return
     state = rt.loss = LossState(rt.tensors, rt.replay)
     F = torch.nn.functional

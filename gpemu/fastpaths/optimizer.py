@@ -443,7 +443,7 @@ def install(rt: Runtime) -> None:
     """Put the fast path under the ``step`` of SGD/Adam/AdamW (inside torch's hook wrapper, so
     step hooks, including gpemu's time charge, still run) and a fast ``zero_grad`` over all
     optimizers (``config.replay``)."""
-    if not rt.config.replay:
+    if not rt.config.fast_paths:
         return
     fp = rt.optimizer_fastpath = OptimizerFastPath(rt)
     kinds = _fast_types()

@@ -763,7 +763,7 @@ def _bump_hooks(R: ReplayState, orig: Any) -> Any:
 
 def install(rt: Runtime) -> None:
     """Patch nn.Module.__call__ with the record/replay fast path (``config.replay``)."""
-    if not rt.config.replay:
+    if not rt.config.fast_paths:
         return
     R = rt.replay = ReplayState(rt)
     rt.gradients = R.gradients
