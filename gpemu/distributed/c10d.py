@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed import distributed_c10d as c10d_module
 
 from ..costmodel.comm import Collective
 from ..device import EmuTensor, host_shadow
@@ -63,6 +62,7 @@ C10D_NAMES = (
     "irecv",
     "send",
     "recv",
+    "batch_isend_irecv",
 )
 # Other names of the single-tensor all-gather and reduce-scatter, where this torch has them.
 _ALIASES = {
@@ -334,6 +334,20 @@ class C10d:
         return meeting_barrier(group, async_op)
 
     # ---------------------------------------------------------------- point to point
+    def batch_isend_irecv(self, p2p_op_list: list) -> list:
+        """torch's batch (pipeline stages' activations and gradients): with emulated tensors, its
+        sends are posted first, then its receives, each as :meth:`isend` / :meth:`irecv` (torch
+        would coalesce them, and a coalesced send is not sent until the batch ends, while an
+        emulated receive waits for its header at once)."""
+        if not any_emulated([op.tensor for op in p2p_op_list]):
+            return HOST_PATH["batch_isend_irecv"](p2p_op_list)
+        sends = [op for op in p2p_op_list if getattr(op.op, "__name__", "") in ("isend", "send")]
+        works = [self.isend(op.tensor, op.peer, op.group, op.tag) for op in sends]
+        for op in p2p_op_list:
+            if op not in sends:
+                works.append(self.irecv(op.tensor, op.peer, op.group, op.tag))
+        return works
+
     @c10d_form("isend")
     def isend(
         self,
@@ -354,7 +368,7 @@ class C10d:
         header = torch.tensor([finish, 1.0 if knowing else 0.0], dtype=torch.float64)
         wire, peer = shared.parts.placement.wire, Root(dst, group_dst)
         work = wire.send(header, peer, group, tag)
-        if knowing:
+        if knowing:  # (gloo keeps one pair's messages in order: the values' work ends last)
             work = wire.send(proxy(tensor), peer, group, tag)
             shared.values_sent()
         stream.enqueue(finish - start, "comm", f"{call.name} ({priced.links})", 0, start)
@@ -370,26 +384,39 @@ class C10d:
         tag: int = 0,
         group_src: int | None = None,
     ) -> Any:
+        self.receive(tensor, Root(src, group_src), group, tag)
+        # (a gloo receive's work, once waited, must not be waited again: a finished one instead)
+        return self.shared.parts.placement.wire.complete()
+
+    def receive(self, tensor: torch.Tensor, peer: Root, group: ProcessGroup | None, tag: int) -> int | None:
+        """A header (when the sender's transfer ends, whether values follow), then the values;
+        the time spent waiting for the sender is the receiving stage's pipeline bubble. The
+        sender's global rank (None: unknown)."""
         call, shared = Call("recv", group, device_of(tensor)), self.shared
         engine = shared.parts.engine
         stream = engine.stream(call.dev)
         start = max(stream.busy_until, engine.now())
         header = torch.zeros(2, dtype=torch.float64)
         wire = shared.parts.placement.wire
-        work = wire.recv(header, Root(src, group_src), group, tag)
+        work = wire.recv(header, peer, group, tag)
         value = None
+        source = global_rank(group, peer.rank, peer.group_rank)
+        if source is None and wire.fold is None:  # received from any rank: the values come from it
+            source = work._source_rank()
         if header[1].item():
-            if src is None and group_src is None:  # received from any rank: the values come from it
-                src = work._source_rank()
             value = proxy(tensor)
-            work = wire.recv(value, Root(src, group_src), group, tag)
+            wire.recv(value, Root(source, None), group, tag)
             shared.values_sent()
-        priced = shared.price_pair(tensor_bytes(tensor), call, global_rank(group, src, group_src))
+        priced = shared.price_pair(tensor_bytes(tensor), call, source)
         finish = max(float(header[0]), start + priced.seconds)
-        stream.enqueue(finish - start, "comm", f"{call.name} ({priced.links})", 0, start)
-        shared.record(priced, priced.seconds, finish - start - priced.seconds)
+        waited = finish - start - priced.seconds
+        if waited > 0:
+            stream.enqueue(waited, "comm", f"{call.name}: waiting for rank {source} (pipeline bubble)", 0, start)
+        stream.enqueue(priced.seconds, "comm", f"{call.name} ({priced.links})", 0, start + max(waited, 0.0))
+        shared.record(priced, priced.seconds, waited)
+        shared.parts.rt.recorder.add("comm_p2p_wait_seconds", max(waited, 0.0))
         store(tensor, value)
-        return work
+        return source
 
     @c10d_form("send")
     def send(
@@ -400,7 +427,7 @@ class C10d:
         tag: int = 0,
         group_dst: int | None = None,
     ) -> None:
-        self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst).wait()
 
     @c10d_form("recv", outside_value=-1)
     def recv(
@@ -412,9 +439,5 @@ class C10d:
         group_src: int | None = None,
     ) -> int:
         """The sender's global rank."""
-        work = self.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
-        if src is not None:
-            return src
-        if group_src is None:
-            return work._source_rank()
-        return dist.get_global_rank(group if group is not None else c10d_module._get_default_group(), group_src)
+        source = self.receive(tensor, Root(src, group_src), group, tag)
+        return -1 if source is None else source

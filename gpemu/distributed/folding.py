@@ -96,6 +96,7 @@ class Wire:
     def __init__(self, fold: Fold | None = None, real: ProcessGroup | None = None) -> None:
         self.fold = fold
         self.real = real
+        self._sending: list[Any] = []
 
     @classmethod
     def folded(cls, fold: Fold, timeout: timedelta | None = None) -> Wire:
@@ -189,15 +190,23 @@ class Wire:
         return work
 
     def send(self, tensor: torch.Tensor, peer: Root, group: ProcessGroup | None = None, tag: int = 0) -> Any:
-        """To ``peer`` (c10d's ``dst`` / ``group_dst``); in a folded run only to another process's rank."""
+        """To ``peer`` (c10d's ``dst`` / ``group_dst``), not waited for (the caller waits: a batch
+        of sends and receives posts its sends first); in a folded run only to another process's
+        rank."""
         if self.fold is None:
             work = ORIGINAL["isend"](tensor, dst=peer.rank, group=group, tag=tag, group_dst=peer.group_rank)
-            work.wait()
-            return work
-        process = self._process(group, peer)
-        if process is not None and self.real is not None:
-            self.real.send([tensor], process, tag).wait()
-        return self.complete()
+        else:
+            process = self._process(group, peer)
+            if process is None or self.real is None:
+                return self.complete()
+            work = self.real.send([tensor], process, tag)
+        self._keep(work)
+        return work
+
+    def _keep(self, work: Any) -> None:
+        """Hold a send's work until it ends (a dropped gloo work object drops its send)."""
+        self._sending = [w for w in self._sending if not w.is_completed()]
+        self._sending.append(work)
 
     def recv(self, tensor: torch.Tensor, peer: Root, group: ProcessGroup | None = None, tag: int = 0) -> Any:
         """From ``peer`` (c10d's ``src`` / ``group_src``; None: any rank). In a folded run a
@@ -205,7 +214,7 @@ class Wire:
         if self.fold is None:
             work = ORIGINAL["irecv"](tensor, src=peer.rank, group=group, tag=tag, group_src=peer.group_rank)
             work.wait()
-            return work
+            return work  # (waited: its source rank, for a receive from any rank)
         process = self._process(group, peer)
         if process is not None and self.real is not None:
             self.real.recv([tensor], process, tag).wait()
@@ -222,10 +231,11 @@ class Wire:
         return None if process == fold.process else process
 
     def complete(self) -> Any:
-        """A finished work object (an empty message within this process)."""
-        work = ORIGINAL["barrier"](async_op=True)
-        work.wait()
-        return work
+        """A finished work object, which may be waited on again (a gloo receive's may not)."""
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result([])
+        # (torch's stubs omit the binding; it exists since torch 2.0)
+        return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
 
     def barrier(self, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
         if self.fold is None or self.route(group).real is None:

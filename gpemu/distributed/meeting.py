@@ -73,6 +73,7 @@ ORIGINAL: dict[str, Callable[..., Any]] = {
         "irecv",
         "send",
         "recv",
+        "batch_isend_irecv",
     )
     if hasattr(c10d_module, name)
 }
