@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--schedule", choices=["1F1B", "Interleaved1F1B", "GPipe"], default="1F1B")
     ap.add_argument("--batch", type=int, default=2, help="local batch (sequences per dp rank)")
+    ap.add_argument("--microbatch", type=int, default=1, help="sequences per pipeline microbatch")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--ac", choices=["full", "selective", "none"], default="selective")
     ap.add_argument("--steps", type=int, default=10)
@@ -251,7 +252,7 @@ def _pipeline_step(args: argparse.Namespace, mesh: dist.DeviceMesh, stages: list
         for k, stage in enumerate(stages)
     ]
     cls = getattr(schedules, f"Schedule{args.schedule}")
-    schedule = cls(piped if per_rank > 1 else piped[0], n_microbatches=args.batch, loss_fn=loss_fn)
+    schedule = cls(piped if per_rank > 1 else piped[0], n_microbatches=args.batch // args.microbatch, loss_fn=loss_fn)
     vocab = SIZES[args.size][5]
     tokens = torch.randint(0, vocab, (args.batch, args.seq + 1))
 
@@ -278,7 +279,8 @@ def _report(args: argparse.Namespace, mesh: dist.DeviceMesh, times: list[float],
         f"llama3 {args.size} on {world} GPUs (pp {args.pp} x dp {dp} x tp {args.tp}, "
         f"{args.schedule if args.pp > 1 else 'no'} pipeline, local batch {args.batch} x {args.seq}, AC {args.ac}), "
         f"stage {pp_rank} (rank {dist.get_rank()}): "
-        f"step {mean:.3f} s (mean of steps 3-{len(times)}), {tps:,.0f} tokens/s/GPU, peak memory {gib:.1f} GiB",
+        f"step {mean:.3f} s (mean of steps {min(3, len(times))}-{len(times)}), {tps:,.0f} tokens/s/GPU, "
+        f"peak memory {gib:.1f} GiB",
         flush=True,
     )
 

@@ -103,6 +103,28 @@ def test_fsdp2_memory_per_rank_is_what_one_rank_of_the_world_holds() -> None:
     assert held[64] == held[4] // 16
 
 
+def test_ddp_in_a_folded_world_prices_its_all_reduce_for_every_rank() -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    seconds = {}
+    for world in (2, 16):
+        rt = _folded(world)
+        try:
+            model = DDP(torch.nn.Linear(1024, 1024).cuda())
+            model(torch.ones(8, 1024, device="cuda")).sum().backward()
+            torch.cuda.synchronize()
+            counters = rt.recorder.counters
+            seconds[world] = sum(v for k, v in counters.items() if k.startswith("comm_seconds/all_reduce/"))
+        finally:
+            dist.destroy_process_group()
+            import gpemu
+
+            gpemu.unpatch()
+    # the same 4 MB of gradients: a ring over 16 ranks (two nodes, their NICs) takes longer than over 2
+    assert 0 < seconds[2] < seconds[16]
+
+
 def test_fold_settings_are_checked_in_one_line() -> None:
     with pytest.raises(ConfigError, match="multiple of processes"):
         EmuConfig(world_size=10, processes=3)
