@@ -65,7 +65,7 @@ TARGETS = {
         64,
         8,
         # 16 microbatches of 2 sequences (torchtitan: 32 of 1; each microbatch costs this host
-        # ~1.5 CPU-s per stage, so 32 x 10 steps x 8 stages would take an hour on 2 cores), 3 steps
+        # ~1 CPU-s per stage, so 32 x 10 steps x 8 stages would take an hour on 2 cores), 3 steps
         ("--size", "405b", "--tp", "8", "--pp", "8", "--batch", "32", "--microbatch", "2", "--ac", "full"),
         "100 TPS/GPU, 82.5 GiB (1F1B, 32 microbatches of 1, compile + Float8 + AsyncTP)",
         steps=3,
