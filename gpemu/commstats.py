@@ -89,7 +89,12 @@ def by_kind_and_link(counters: Mapping[str, float]) -> dict[str, dict[str, float
 
 def run_communication(counters: Mapping[str, float]) -> dict[str, Any]:
     """The run's communication: per collective kind and link, and the wait for slower ranks."""
-    return {"by_kind_link": by_kind_and_link(counters), "wait_s": counters.get("comm_wait_seconds", 0.0)}
+    return {
+        "by_kind_link": by_kind_and_link(counters),
+        "wait_s": counters.get("comm_wait_seconds", 0.0),
+        # of which at point-to-point receives: a pipeline stage waiting for its neighbour (bubbles)
+        "p2p_wait_s": counters.get("comm_p2p_wait_seconds", 0.0),
+    }
 
 
 def communication_lines(summary: Mapping[str, Any], width: int, seconds: Any, size: Any) -> list[str]:
@@ -104,5 +109,7 @@ def communication_lines(summary: Mapping[str, Any], width: int, seconds: Any, si
     ]
     lines = ["communication".ljust(width + 2) + "; ".join(items)]
     if comm.get("wait_s", 0.0) > 0:
-        lines.append("waited for slower ranks".ljust(width + 2) + f"{seconds(comm['wait_s'])} at collectives")
+        bubbles = comm.get("p2p_wait_s", 0.0)
+        at = f", of which {seconds(bubbles)} at receives (pipeline bubbles)" if bubbles > 0 else ""
+        lines.append("waited for slower ranks".ljust(width + 2) + f"{seconds(comm['wait_s'])} at collectives{at}")
     return lines

@@ -197,6 +197,14 @@ class EmuConfig:
     # GPEMU_NODE_RANK (else torchrun's GROUP_RANK): the node this process runs on. Unset: ranks
     # fill nodes in order (rank // GPUs per node).
     node_rank: int | None = None
+    # GPEMU_WORLD_SIZE: more GPUs than processes: the job has this many ranks, and `processes`
+    # processes run them, each standing for world_size / processes identical ranks (a symmetric
+    # job: data parallel, FSDP, TP; docs/clusters.md). Unset: one process per rank (torchrun).
+    world_size: int | None = None
+    # GPEMU_PROCESSES: how many processes run the world_size ranks (one per pipeline stage).
+    processes: int = 1
+    # GPEMU_FOLD_PROCESS: which of those processes this one is (set by `gpemu run` per process).
+    fold_process: int = 0
     # GPEMU_CLOCK: the host clock of the run: "real" (default: the wall clock) or "virtual" (each
     # thread's CPU time; waits jump to their deadline; see docs/time.md). Tests and overhead
     # benchmarks may pass a gpemu.clock.VirtualClock object instead (not sent to child processes).
@@ -252,6 +260,9 @@ class EmuConfig:
             coerced.setdefault("gpu", described.gpu)
             if "num_gpus" not in coerced and "device_gpus" not in coerced:
                 coerced["num_gpus"] = min(described.gpus_per_node, 64)
+        elif isinstance(coerced.get("world_size"), int) and "num_gpus" not in coerced and "device_gpus" not in coerced:
+            # A folded run without a cluster: nodes of 8 GPUs (the emulated ranks' neighbours)
+            coerced["num_gpus"] = max(1, min(8, coerced["world_size"]))
         return cls(**coerced)
 
     def __post_init__(self) -> None:
@@ -298,6 +309,34 @@ class EmuConfig:
             # device_gpus decides the count; keep num_gpus consistent with it.
             object.__setattr__(self, "num_gpus", len(self.device_gpus))
         self._check_cluster()
+        self._check_fold()
+
+    def _check_fold(self) -> None:
+        """world_size, processes and fold_process: counts that divide, a world the cluster holds."""
+        for name, low in (("world_size", 1), ("processes", 1), ("fold_process", 0)):
+            value = getattr(self, name)
+            if value is None and name == "world_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        world = self.world_size
+        if world is None:
+            if self.processes != 1:
+                raise ConfigError("processes needs world_size: give --world-size N (the ranks the processes stand for)")
+            return
+        if world > _MAX_WORLD or world % self.processes:
+            raise ConfigError(
+                f"world_size must be at most {_MAX_WORLD} and a multiple of processes ({self.processes}), got {world}"
+            )
+        if self.fold_process >= self.processes:
+            raise ConfigError(f"fold_process must be from 0 to {self.processes - 1}, got {self.fold_process}")
+        described = self.described_cluster()
+        if described is not None and world > described.nodes * described.gpus_per_node:
+            raise ConfigError(
+                f"world_size {world} is more than the cluster {described.name!r} holds "
+                f"({described.nodes} node(s) x {described.gpus_per_node} GPUs); give --nodes "
+                f"{-(-world // described.gpus_per_node)}"
+            )
 
     def _check_cluster(self) -> None:
         """The cluster, node count and node rank: a description that loads, GPUs it has, a node
@@ -441,7 +480,8 @@ class EmuConfig:
         cluster = f" cluster={self.cluster}" + (f" nodes={self.nodes}" if self.nodes else "") if self.cluster else ""
         clock = " clock=virtual" if self.virtual_time else ""
         values = " values=real" if self.real_values else ""
-        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}{clock}{values}"
+        fold = f" world_size={self.world_size} processes={self.processes}" if self.world_size else ""
+        return f"gpus=[{gpus}] model={self.model or 'auto'} memory={self.memory}{share}{cluster}{fold}{clock}{values}"
 
 
 def values_note(config: EmuConfig) -> str:
@@ -517,6 +557,7 @@ _TEXT_SETTINGS = frozenset(
 _NOT_IN_ENV = frozenset(("time_mode",))
 CLOCKS = ("real", "virtual")
 VALUE_MODES = ("placeholders", "real")
+_MAX_WORLD = 1_000_000  # emulated ranks of one folded job
 
 
 def _env_name(field_name: str) -> str:
@@ -533,7 +574,7 @@ def _coerce(name: str, value: Any) -> Any:
             except ValueError:
                 raise ConfigError(f"num_gpus must be an integer from 1 to 64, got {value!r}") from None
         return value
-    if name in ("nodes", "node_rank") and isinstance(value, str):
+    if name in ("nodes", "node_rank", "world_size", "processes", "fold_process") and isinstance(value, str):
         try:
             return int(value.strip()) if value.strip() else None
         except ValueError:

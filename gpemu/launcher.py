@@ -30,6 +30,9 @@ __all__ = [
     "child_env",
     "command_argv",
     "run_command",
+    "fold_line",
+    "fold_envs",
+    "run_folded",
     "bootstrap",
 ]
 
@@ -139,6 +142,69 @@ def run_command(argv: Sequence[str], env: Mapping[str, str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(resolved, list(argv), env)
+
+
+def fold_line(config: EmuConfig) -> str:
+    """The first line of a folded run (``--world-size``): what stands for what."""
+    from .distributed.folding import Fold
+
+    world = config.world_size or 1
+    described = config.described_cluster()
+    per_node = described.gpus_per_node if described is not None else config.num_gpus
+    nodes = described.nodes if described is not None else (config.nodes or -(-world // per_node))
+    lines = [Fold(world, config.processes, p).describe(config.gpu, nodes, per_node) for p in range(config.processes)]
+    return "\n[gpemu] ".join(lines)
+
+
+def fold_envs(config: EmuConfig, env: Mapping[str, str]) -> list[dict[str, str]]:
+    """One environment per process of a folded run: torchrun's variables for the rank it runs
+    (RANK, WORLD_SIZE, LOCAL_RANK, ...) and which process it is."""
+    world = config.world_size or 1
+    per_process = world // config.processes
+    port = env.get("MASTER_PORT") or str(_free_port())
+    envs = []
+    for process in range(config.processes):
+        rank = process * per_process
+        child = dict(env)
+        child.update(config.replace(fold_process=process, enable=True).to_env())
+        child.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank % config.num_gpus),
+                "LOCAL_WORLD_SIZE": str(config.num_gpus),
+                "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+                "MASTER_PORT": port,
+            }
+        )
+        envs.append(child)
+    return envs
+
+
+def run_folded(argv: Sequence[str], envs: Sequence[Mapping[str, str]]) -> int:
+    """Run ``argv`` once per environment (the processes of a folded run), all at once; the exit
+    status is the first failing process's (0 when all succeed). One process is exec'd in place."""
+    import subprocess
+
+    if len(envs) == 1:
+        run_command(argv, envs[0])
+        return 0  # (not reached: the command replaced this process)
+    program = argv[0]
+    if shutil.which(program, path=envs[0].get("PATH")) is None and not os.path.exists(program):
+        raise ConfigError(f"command not found: {program!r} (is it installed and on PATH?)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = [subprocess.Popen(list(argv), env=dict(env)) for env in envs]
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code), 0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def bootstrap() -> None:

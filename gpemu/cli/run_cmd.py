@@ -49,6 +49,21 @@ __all__ = ["run"]
     help="The node these processes run on (default: torchrun's GROUP_RANK, else ranks fill nodes in order).",
 )
 @click.option(
+    "--world-size",
+    type=int,
+    metavar="N",
+    help="More GPUs than processes: the job has N ranks, run by --processes processes, each standing for its "
+    "identical peers (a symmetric job: DDP, FSDP, TP); torchrun's variables are set for the ranks that run.",
+)
+@click.option(
+    "--processes",
+    type=int,
+    metavar="P",
+    help="How many processes run the --world-size ranks (default 1; one per pipeline stage): process p runs "
+    "rank p*N/P and stands for ranks p*N/P to (p+1)*N/P-1.",
+)
+@click.option("--fold", is_flag=True, help="--world-size is every GPU of the cluster (--cluster, --nodes).")
+@click.option(
     "--clock",
     type=click.Choice(["real", "virtual"]),
     help="real (default): emulated time is wall-clock time. virtual: each process's host time is its CPU time "
@@ -85,6 +100,9 @@ def run(
     cluster,
     nodes,
     node_rank,
+    world_size,
+    processes,
+    fold,
     clock,
     host,
     values,
@@ -113,6 +131,7 @@ def run(
     """
     from gpemu import launcher
 
+    world_size = _folded_world(world_size, fold, cluster, nodes)
     config = launcher.build_config(
         gpu=gpu,
         gpus=gpus,
@@ -123,6 +142,8 @@ def run(
         cluster=cluster,
         nodes=nodes,
         node_rank=node_rank,
+        world_size=world_size,
+        processes=processes,
         clock=clock,
         host=host,
         values=values,
@@ -136,5 +157,24 @@ def run(
         print(f"[gpemu] {launcher.values_note(config)}", file=sys.stderr, flush=True)
     elif config.virtual_time:  # the run's first line: what its times mean
         print(f"[gpemu] {launcher.VIRTUAL_TIME_NOTE}", file=sys.stderr, flush=True)
+    if config.world_size:  # what stands for what
+        print(f"[gpemu] {launcher.fold_line(config)}", file=sys.stderr, flush=True)
     print(f"[gpemu] {config.describe()}: {' '.join(argv)}", file=sys.stderr, flush=True)
+    if config.world_size:
+        sys.exit(launcher.run_folded(argv, launcher.fold_envs(config, env)))
     launcher.run_command(argv, env)
+
+
+def _folded_world(world_size: int | None, fold: bool, cluster: str | None, nodes: int | None) -> int | None:
+    """--world-size, or with --fold every GPU of the described cluster."""
+    if not fold:
+        return world_size
+    from gpemu.config import ConfigError, load_cluster
+
+    if not cluster:
+        raise ConfigError("--fold needs --cluster (a preset or YAML file) to count its GPUs; or give --world-size N")
+    described = load_cluster(cluster, nodes)
+    total = described.nodes * described.gpus_per_node
+    if world_size is not None and world_size != total:
+        raise ConfigError(f"--fold means --world-size {total} (the cluster's GPUs), not {world_size}")
+    return total

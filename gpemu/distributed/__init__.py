@@ -22,6 +22,9 @@
   (:class:`EmulatedLogger`), and the coalesced broadcast / parameter check of construction.
 * ``DTensor`` over emulated local tensors reports their device (:mod:`.dtensor`), so FSDP2
   (``fully_shard``) and tensor parallelism see CUDA parameters.
+* More GPUs than processes (``gpemu run --world-size N``): one process stands for its identical
+  ranks on torch's fake process group, a real gloo group among the processes (:mod:`.folding`).
+* Symmetric memory (async TP) is refused in one line that says what to turn off (:mod:`.symmetric`).
 * ``nn.DataParallel`` scatters, broadcasts, gathers and reduces by copies between emulated
   devices (:mod:`.data_parallel`); the replicas' identical work is charged on every device
   without running each replica op by op on the host (:mod:`.replicas`).
@@ -47,6 +50,7 @@ from .dtensor import DTENSOR_MODULE, patch_dtensor
 from .functional import Functional
 from .reducer import EmulatedReducer
 from .run_parts import RunParts
+from .symmetric import SYMMETRIC_MEMORY_MODULE, refuse_symmetric_memory
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
@@ -84,6 +88,8 @@ def install(rt: Runtime) -> None:
     patcher.on_restore(functools.partial(_forget, parts.tensors.op_handlers, handlers))
     # DTensor reports an emulated local tensor's device (now, or when a program imports it).
     patcher.after_import(DTENSOR_MODULE, functools.partial(patch_dtensor, patcher))
+    # Symmetric memory (async TP) is refused in one line that says what to turn off.
+    patcher.after_import(SYMMETRIC_MEMORY_MODULE, functools.partial(refuse_symmetric_memory, patcher))
     # DistributedDataParallel(...) builds an EmulatedDDP, also for names imported before patch().
     patcher.replace(TorchDDP, "__new__", ddp_new)
     install_data_parallel(parts)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .folding import Fold, fold_store
 from .meeting import ORIGINAL
 from .placement import Placement
 
@@ -55,19 +56,38 @@ class ProcessGroups:
     def init_process_group(self, backend: Any = None, *args: Any, **kwargs: Any) -> None:
         rt = self.rt
         device_id = kwargs.pop("device_id", None)  # gloo cannot bind a (meta-backed) CUDA device
-        mapped = map_backend(backend) if backend is not None else "gloo"
-        if backend is not None and mapped != backend:
-            rt.say_once(f"torch.distributed backend {backend!r} runs as {mapped!r} (NCCL needs real GPUs)")
-        ORIGINAL["init_process_group"](mapped, *args, **kwargs)
+        fold = self.placement.fold
+        if fold is not None:
+            self._init_folded(fold, kwargs)
+        else:
+            mapped = map_backend(backend) if backend is not None else "gloo"
+            if backend is not None and mapped != backend:
+                rt.say_once(f"torch.distributed backend {backend!r} runs as {mapped!r} (NCCL needs real GPUs)")
+            ORIGINAL["init_process_group"](mapped, *args, **kwargs)
         self.placement.meet()  # every rank learns every rank's node (one message)
         if device_id is not None:
             index = device_id if isinstance(device_id, int) else torch.device(device_id).index
             if index is not None:
                 rt.current_device = rt.check_device(index)
 
+    def _init_folded(self, fold: Fold, kwargs: dict[str, Any]) -> None:
+        """More GPUs than processes: torch's fake process group of the whole world, this process
+        as the rank it runs (whatever the program or torchrun said), then the processes' real
+        group (:mod:`.folding`)."""
+        said = kwargs.get("world_size", -1)
+        if said not in (-1, None, fold.world):
+            self.rt.say_once(f"init_process_group(world_size={said}) runs as {fold.world} ranks (--world-size)")
+        for name in ("store", "init_method", "rank", "world_size"):
+            kwargs.pop(name, None)
+        ORIGINAL["init_process_group"]("fake", store=fold_store(), rank=fold.rank, world_size=fold.world, **kwargs)
+        self.placement.fold_in(kwargs.get("timeout"))
+
     def new_group(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("device_id", None)
-        if "backend" in kwargs:
+        if self.placement.fold is not None:  # subgroups of the fake world are fake too
+            kwargs["backend"] = "fake"
+            args = args[:2]
+        elif "backend" in kwargs:
             kwargs["backend"] = map_backend(kwargs["backend"])
         elif len(args) >= 3:
             args = (*args[:2], map_backend(args[2]), *args[3:])

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed import distributed_c10d as c10d_module
 
 from ..costmodel.comm import Collective
 from ..device import EmuTensor, host_shadow
 from ..hostvalues import SHADOW_MAX_ELEMENTS
-from .collectives import Call, Collectives, Root
+from .collectives import Call, Collectives
+from .folding import Root, global_rank
 from .meeting import (
     HOST_PATH,
     ORIGINAL,
@@ -42,6 +42,7 @@ from .meeting import barrier as meeting_barrier
 __all__ = ["C10d", "c10d_form", "C10D_NAMES"]
 
 _SUM = dist.ReduceOp.SUM
+_NOT_FOLDED = object()  # a host collective that torch's own function does
 # The c10d functions replaced (module attributes of torch.distributed and every by-name copy).
 C10D_NAMES = (
     "all_reduce",
@@ -61,6 +62,7 @@ C10D_NAMES = (
     "irecv",
     "send",
     "recv",
+    "batch_isend_irecv",
 )
 # Other names of the single-tensor all-gather and reduce-scatter, where this torch has them.
 _ALIASES = {
@@ -86,6 +88,9 @@ def c10d_form(torch_name: str, outside_value: Any = None) -> Callable[[Callable[
             bound = signature.bind(self, *args, **kwargs)
             given = bound.arguments
             if not any_emulated(*given.values()):
+                folded = self.folded_host(torch_name, given)
+                if folded is not _NOT_FOLDED:
+                    return folded if given.get("async_op") else None
                 return HOST_PATH[torch_name](*bound.args[1:], **bound.kwargs)
             if outside(given.get("group")):
                 return outside_value
@@ -108,6 +113,32 @@ class C10d:
         table = {name: getattr(self, name) for name in C10D_NAMES}
         table.update({alias: getattr(self, ours) for alias, ours in _ALIASES.items() if alias in ORIGINAL})
         return table
+
+    def folded_host(self, torch_name: str, given: dict[str, Any]) -> Any:
+        """A collective on host tensors in a folded run, as the ranks the processes stand for
+        would leave it (torch's fake process group leaves a sum one rank's); the work object, or
+        ``_NOT_FOLDED`` where torch's own function does it (outside a folded run, other names)."""
+        wire = self.shared.parts.placement.wire
+        if wire.fold is None:
+            return _NOT_FOLDED
+        group, op = given.get("group"), given.get("op", _SUM)
+        if torch_name in ("all_reduce", "reduce"):
+            return wire.all_reduce(given["tensor"], op, group)
+        if torch_name == "broadcast":
+            return wire.broadcast(given["tensor"], Root(given.get("src"), given.get("group_src")), group)
+        if torch_name == "all_gather_into_tensor":
+            return wire.all_gather_into(given["output_tensor"], given["input_tensor"], group)
+        if torch_name == "all_gather":
+            return wire.all_gather(given["tensor_list"], given["tensor"], group)
+        if torch_name == "reduce_scatter_tensor":
+            output = given["output"]
+            whole = given["input"].detach().reshape(-1).clone()
+            work = wire.all_reduce(whole, op, group)
+            share, rank = output.numel(), group_rank(group)
+            with torch.no_grad():
+                output.copy_(whole[rank * share : (rank + 1) * share].reshape(output.shape))
+            return work
+        return _NOT_FOLDED
 
     # ---------------------------------------------------------------- shared with the functional form
     @c10d_form("all_reduce")
@@ -240,8 +271,7 @@ class C10d:
             return work
         share = proxy(tensor)
         outs = [torch.zeros_like(share) for _ in tensor_list]
-        work = ORIGINAL["all_gather"](outs, share, group=group, async_op=True)
-        work.wait()
+        work = shared.parts.placement.wire.all_gather(outs, share, group)
         shared.values_sent()
         for dst, value in zip(tensor_list, outs, strict=False):
             store(dst, value)
@@ -268,8 +298,8 @@ class C10d:
         if met.everyone_knows:
             dtype = proxy_dtype(tensor)
             joined = torch.cat([proxy(t) for t in shares]) if is_root else torch.zeros(share * world, dtype=dtype)
-            work = ORIGINAL["broadcast"](joined.to(dtype), src=src, group=group, async_op=True, group_src=group_src)
-            work.wait()
+            joined = joined.to(dtype)
+            work = shared.parts.placement.wire.broadcast(joined, Root(src, group_src), group)
             shared.values_sent()
             rank = group_rank(group)
             value = joined[rank * share : (rank + 1) * share]
@@ -293,8 +323,7 @@ class C10d:
         if met.everyone_knows:
             share = proxy(tensor)
             outs = [torch.zeros_like(share) for _ in range(world)]
-            work = ORIGINAL["all_gather"](outs, share, group=group, async_op=True)
-            work.wait()
+            work = shared.parts.placement.wire.all_gather(outs, share, group)
             shared.values_sent()
         for i, t in enumerate(gather_list or ()):
             store(t, outs[i] if outs is not None else None)
@@ -305,6 +334,20 @@ class C10d:
         return meeting_barrier(group, async_op)
 
     # ---------------------------------------------------------------- point to point
+    def batch_isend_irecv(self, p2p_op_list: list) -> list:
+        """torch's batch (pipeline stages' activations and gradients): with emulated tensors, its
+        sends are posted first, then its receives, each as :meth:`isend` / :meth:`irecv` (torch
+        would coalesce them, and a coalesced send is not sent until the batch ends, while an
+        emulated receive waits for its header at once)."""
+        if not any_emulated([op.tensor for op in p2p_op_list]):
+            return HOST_PATH["batch_isend_irecv"](p2p_op_list)
+        sends = [op for op in p2p_op_list if getattr(op.op, "__name__", "") in ("isend", "send")]
+        works = [self.isend(op.tensor, op.peer, op.group, op.tag) for op in sends]
+        for op in p2p_op_list:
+            if op not in sends:
+                works.append(self.irecv(op.tensor, op.peer, op.group, op.tag))
+        return works
+
     @c10d_form("isend")
     def isend(
         self,
@@ -319,15 +362,14 @@ class C10d:
         engine = shared.parts.engine
         stream = engine.stream(call.dev)
         start = max(stream.busy_until, engine.now())
-        priced = shared.price_pair(tensor_bytes(tensor), call, _global_rank(group, dst, group_dst))
+        priced = shared.price_pair(tensor_bytes(tensor), call, global_rank(group, dst, group_dst))
         finish = start + priced.seconds
         knowing = knows(tensor)
         header = torch.tensor([finish, 1.0 if knowing else 0.0], dtype=torch.float64)
-        work = ORIGINAL["isend"](header, dst=dst, group=group, tag=tag, group_dst=group_dst)
-        work.wait()
-        if knowing:
-            work = ORIGINAL["isend"](proxy(tensor), dst=dst, group=group, tag=tag, group_dst=group_dst)
-            work.wait()
+        wire, peer = shared.parts.placement.wire, Root(dst, group_dst)
+        work = wire.send(header, peer, group, tag)
+        if knowing:  # (gloo keeps one pair's messages in order: the values' work ends last)
+            work = wire.send(proxy(tensor), peer, group, tag)
             shared.values_sent()
         stream.enqueue(finish - start, "comm", f"{call.name} ({priced.links})", 0, start)
         shared.record(priced, priced.seconds, 0.0)
@@ -342,27 +384,39 @@ class C10d:
         tag: int = 0,
         group_src: int | None = None,
     ) -> Any:
+        self.receive(tensor, Root(src, group_src), group, tag)
+        # (a gloo receive's work, once waited, must not be waited again: a finished one instead)
+        return self.shared.parts.placement.wire.complete()
+
+    def receive(self, tensor: torch.Tensor, peer: Root, group: ProcessGroup | None, tag: int) -> int | None:
+        """A header (when the sender's transfer ends, whether values follow), then the values;
+        the time spent waiting for the sender is the receiving stage's pipeline bubble. The
+        sender's global rank (None: unknown)."""
         call, shared = Call("recv", group, device_of(tensor)), self.shared
         engine = shared.parts.engine
         stream = engine.stream(call.dev)
         start = max(stream.busy_until, engine.now())
         header = torch.zeros(2, dtype=torch.float64)
-        work = ORIGINAL["irecv"](header, src=src, group=group, tag=tag, group_src=group_src)
-        work.wait()
+        wire = shared.parts.placement.wire
+        work = wire.recv(header, peer, group, tag)
         value = None
+        source = global_rank(group, peer.rank, peer.group_rank)
+        if source is None and wire.fold is None:  # received from any rank: the values come from it
+            source = work._source_rank()
         if header[1].item():
-            if src is None and group_src is None:  # received from any rank: the values come from it
-                src = work._source_rank()
             value = proxy(tensor)
-            work = ORIGINAL["irecv"](value, src=src, group=group, tag=tag, group_src=group_src)
-            work.wait()
+            wire.recv(value, Root(source, None), group, tag)
             shared.values_sent()
-        priced = shared.price_pair(tensor_bytes(tensor), call, _global_rank(group, src, group_src))
+        priced = shared.price_pair(tensor_bytes(tensor), call, source)
         finish = max(float(header[0]), start + priced.seconds)
-        stream.enqueue(finish - start, "comm", f"{call.name} ({priced.links})", 0, start)
-        shared.record(priced, priced.seconds, finish - start - priced.seconds)
+        waited = finish - start - priced.seconds
+        if waited > 0:
+            stream.enqueue(waited, "comm", f"{call.name}: waiting for rank {source} (pipeline bubble)", 0, start)
+        stream.enqueue(priced.seconds, "comm", f"{call.name} ({priced.links})", 0, start + max(waited, 0.0))
+        shared.record(priced, priced.seconds, waited)
+        shared.parts.rt.recorder.add("comm_p2p_wait_seconds", max(waited, 0.0))
         store(tensor, value)
-        return work
+        return source
 
     @c10d_form("send")
     def send(
@@ -373,7 +427,7 @@ class C10d:
         tag: int = 0,
         group_dst: int | None = None,
     ) -> None:
-        self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        self.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst).wait()
 
     @c10d_form("recv", outside_value=-1)
     def recv(
@@ -385,18 +439,5 @@ class C10d:
         group_src: int | None = None,
     ) -> int:
         """The sender's global rank."""
-        work = self.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
-        if src is not None:
-            return src
-        if group_src is None:
-            return work._source_rank()
-        return dist.get_global_rank(group if group is not None else c10d_module._get_default_group(), group_src)
-
-
-def _global_rank(group: ProcessGroup | None, rank: int | None, group_rank: int | None) -> int | None:
-    """The peer's global rank from c10d's ``dst``/``src`` or ``group_dst``/``group_src`` (None: any)."""
-    if rank is not None:
-        return rank
-    if group_rank is None:
-        return None
-    return dist.get_global_rank(group if group is not None else c10d_module._get_default_group(), group_rank)
+        source = self.receive(tensor, Root(src, group_src), group, tag)
+        return -1 if source is None else source

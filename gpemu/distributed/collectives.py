@@ -26,9 +26,8 @@ from torch.distributed import ProcessGroup
 
 from ..costmodel.comm import Collective, collective_cost, overlap_penalty
 from ..hostvalues import SHADOW_MAX_ELEMENTS
+from .folding import Root
 from .meeting import (
-    HOST_PATH,
-    ORIGINAL,
     Meeting,
     ValuesOp,
     group_rank,
@@ -57,19 +56,6 @@ class Call:
     @property
     def world(self) -> int:
         return dist.get_world_size(self.group)
-
-
-class Root(NamedTuple):
-    """The rank a rooted collective (broadcast, reduce, scatter, gather) starts or ends at: a
-    global rank, or a rank within the group (c10d's ``group_src`` / ``group_dst``)."""
-
-    rank: int | None
-    group_rank: int | None
-
-    def is_me(self, group: ProcessGroup | None) -> bool:
-        if self.group_rank is not None:
-            return group_rank(group) == self.group_rank
-        return dist.get_rank() == self.rank
 
 
 class Priced(NamedTuple):
@@ -166,8 +152,7 @@ class Collectives:
     def reduced(self, value: torch.Tensor, how: ValuesOp, group: ProcessGroup | None) -> tuple[torch.Tensor, Any]:
         """``value`` (a host proxy) all-reduced for real among the group, averaged if ``how``
         says, and the real work object."""
-        work = ORIGINAL["all_reduce"](value, op=how.op, group=group, async_op=True)
-        work.wait()
+        work = self.parts.placement.wire.all_reduce(value, how.op, group)
         self.values_sent()
         return (value / dist.get_world_size(group) if how.average else value), work
 
@@ -203,8 +188,7 @@ class Collectives:
             if met.everyone_knows:
                 share = proxy(src)
                 value = torch.zeros(dst.numel(), dtype=share.dtype)
-                work = HOST_PATH["all_gather_into_tensor"](value, share, group=call.group, async_op=True)
-                work.wait()
+                work = self.parts.placement.wire.all_gather_into(value, share, call.group)
                 self.values_sent()
             store(dst, value)
         return work
@@ -241,10 +225,7 @@ class Collectives:
         work, value = met.work, None
         if met.everyone_knows:
             value = proxy(tensor) if is_root else torch.zeros(tensor.numel(), dtype=proxy_dtype(tensor))
-            work = ORIGINAL["broadcast"](
-                value, src=root.rank, group=call.group, async_op=True, group_src=root.group_rank
-            )
-            work.wait()
+            work = self.parts.placement.wire.broadcast(value, root, call.group)
             self.values_sent()
         store(out, value)
         return work

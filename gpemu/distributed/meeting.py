@@ -73,6 +73,7 @@ ORIGINAL: dict[str, Callable[..., Any]] = {
         "irecv",
         "send",
         "recv",
+        "batch_isend_irecv",
     )
     if hasattr(c10d_module, name)
 }
@@ -111,8 +112,12 @@ def meet(group: ProcessGroup | None, finish: float, knows: bool = True) -> Meeti
 
 def _meet(group: ProcessGroup | None, finish: float, knows: bool) -> Meeting:
     t = torch.tensor([finish, 0.0 if knows else 1.0], dtype=torch.float64)
-    work = ORIGINAL["all_reduce"](t, op=_MAX, group=group, async_op=True)
-    work.wait()
+    rt = current()
+    if rt is not None and rt.placement is not None:  # the run's wire (a folded run's processes)
+        work = rt.placement.wire.all_reduce(t, _MAX, group)
+    else:
+        work = ORIGINAL["all_reduce"](t, op=_MAX, group=group, async_op=True)
+        work.wait()
     return Meeting(float(t[0]), t[1].item() == 0.0, work)
 
 
@@ -122,6 +127,8 @@ def barrier(group: ProcessGroup | None, async_op: bool) -> Any:
     work reached the barrier (NCCL's barrier is a collective its host then waits for)."""
     rt = current()
     if rt is None or not rt.config.virtual_time:
+        if rt is not None and rt.placement is not None:
+            return rt.placement.wire.barrier(group, async_op)
         return ORIGINAL["barrier"](group=group, async_op=async_op)
     engine = rt.engine
     device = engine.current_device()

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from ..costmodel.comm import CommPath
 from ..costmodel.gpus import gpu_sheet
 from ..costmodel.topology import Cluster, default_cluster
+from .folding import Fold, Wire
 from .meeting import ORIGINAL
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,6 +89,12 @@ class Placement:
         self.rank_nodes: list[int] | None = None  # global rank -> node, once the ranks met
         self.comm = CommLog()
         self._paths: dict[tuple[str, int], CommPath] = {}
+        config = rt.config
+        # More GPUs than processes (--world-size): which ranks this process stands for.
+        self.fold: Fold | None = (
+            Fold(config.world_size, config.processes, config.fold_process) if config.world_size else None
+        )
+        self.wire = Wire()  # the real messages; the folded run's once its process group exists
 
     # ------------------------------------------------------------------ nodes
     def own_node(self, rank: int, world: int) -> int:
@@ -100,6 +107,19 @@ class Placement:
             return self.described.node_of(rank)
         return spread(rank, world, config.nodes or 1)
 
+    def layout_node(self, rank: int, world: int) -> int:
+        """The node the cluster's layout gives ``rank`` (a folded run: nodes of the run's GPUs
+        per node, as many as the world needs, unless --nodes says)."""
+        if self.described is not None:
+            return self.described.node_of(rank)
+        nodes = self.rt.config.nodes or -(-world // self.rt.num_devices)
+        return spread(rank, world, nodes)
+
+    def fold_in(self, timeout: Any = None) -> None:
+        """Right after the fake process group is made: the processes' real group, if several."""
+        if self.fold is not None:
+            self.wire = Wire.folded(self.fold, timeout)
+
     def node_of(self, rank: int) -> int:
         if self.rank_nodes is not None and 0 <= rank < len(self.rank_nodes):
             return self.rank_nodes[rank]
@@ -107,12 +127,16 @@ class Placement:
 
     def meet(self) -> None:
         """After ``init_process_group``: every rank learns every rank's node (one gloo message:
-        each rank writes its node + 1 at its index, a SUM fills the rest)."""
+        each rank writes its node + 1 at its index, a SUM fills the rest). In a folded run the
+        ranks that do not run are where the cluster's layout puts them."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        said = torch.zeros(world, dtype=torch.int64)
-        said[rank] = self.own_node(rank, world) + 1
-        ORIGINAL["all_reduce"](said, op=dist.ReduceOp.SUM)
-        nodes = [int(v) - 1 for v in said.tolist()]
+        if self.fold is not None:
+            nodes = [self.layout_node(r, world) for r in range(world)]
+        else:
+            said = torch.zeros(world, dtype=torch.int64)
+            said[rank] = self.own_node(rank, world) + 1
+            ORIGINAL["all_reduce"](said, op=dist.ReduceOp.SUM)
+            nodes = [int(v) - 1 for v in said.tolist()]
         self.cluster = self._cluster_for(nodes)
         self.rank_nodes = nodes
         self._paths.clear()
