@@ -21,6 +21,11 @@ from typing import Any
 import psutil
 import pytest
 
+# The CLI's output width follows $COLUMNS (gpemu.cli.make_console); pytest-xdist's workers set it
+# to 80, which would wrap the tables the tests read. Tests see output as a log file would.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 # A test that starts a child process must carry one of these (setup.cfg describes each).
 CHILD_MARKERS = frozenset({"broker", "torchrun", "postgres", "k8s", "compat", "subprocess"})
 

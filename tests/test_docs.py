@@ -44,7 +44,7 @@ def test_readme_set_up_is_two_commands_and_ci_runs_the_second() -> None:
     commands = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert commands == [
         "pip install torch==2.13.0 -e . && gpemu run --gpu V100 -- python examples/imagenet_classifier.py",
-        "pip install torch==2.13.0 -e '.[test]' && python -m pytest -q",
+        "pip install torch==2.13.0 -e '.[test]' && python -m pytest -q -n 2 --dist loadfile",
     ]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in setup  # how to get the small CPU build

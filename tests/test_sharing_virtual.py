@@ -159,7 +159,9 @@ def test_two_emulated_jobs_share_a_gpu_on_virtual_time(broker, purge, tmp_path):
     from gpemu.db import open_profile_db
 
     open_profile_db(EmuConfig.from_env())  # built before the jobs start (else one of them builds it)
-    manager = ThreadManager(broker.url, "round-robin", time_mode="virtual", expected_jobs=2, quantum_s=None)
+    # (a lease long enough for a job process whose heartbeat thread waits for the GIL on a busy host:
+    # this test is about the schedule, not about dropping silent jobs)
+    manager = ThreadManager(broker.url, "round-robin", time_mode="virtual", expected_jobs=2, quantum_s=None, lease=5.0)
     script = tmp_path / "job.py"
     script.write_text(_EMULATED_JOB)
     origin = str(REAL.perf_counter())
