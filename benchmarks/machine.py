@@ -15,43 +15,17 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import time
+
+from gpemu.time.launch import measure_reference_loop_ms
 
 __all__ = ["machine", "reference_loop_ms"]
-
-
-class _Point:
-    __slots__ = ("x", "y")
-
-    def __init__(self, x: int, y: int) -> None:
-        self.x, self.y = x, y
-
-
-def _reference_work(n: int = 20_000) -> int:
-    # The kinds of work the emulator's host path does: calls, attribute reads, dict look-ups,
-    # small tuples and objects. Fixed, so its time measures the interpreter's speed here.
-    table: dict[tuple[int, int], int] = {}
-    acc = 0
-    for i in range(n):
-        p = _Point(i, i & 7)
-        key = (p.y, i & 63)
-        table[key] = table.get(key, 0) + p.x
-        acc += len(key) + (p.x >> 3)
-    return acc + len(table)
 
 
 @functools.cache
 def reference_loop_ms() -> float:
     """The fastest of 15 timings of a fixed loop of interpreter work, in ms (measured once per
-    process). The fastest, as ``timeit`` advises: slower ones measure other processes, not this
-    machine's speed."""
-    _reference_work(5_000)  # warm up
-    times = []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        _reference_work()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
+    process; the loop is gpemu's, :func:`gpemu.time.launch.measure_reference_loop_ms`)."""
+    return measure_reference_loop_ms()
 
 
 def _cpu() -> str:

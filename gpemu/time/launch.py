@@ -42,6 +42,7 @@ __all__ = [
     "check_host",
     "probe_dispatch_seconds",
     "reference_loop_ms",
+    "measure_reference_loop_ms",
 ]
 
 # Launches a stream holds before cudaLaunchKernel blocks: about a thousand (NVIDIA developer forum
@@ -168,8 +169,9 @@ _MEMO: dict[str, float] = {}
 
 
 def _reference_work(n: int = 20_000) -> int:
-    # benchmarks/machine.py's reference loop, unchanged (its figures are in docs/time.md): calls,
-    # attribute reads, dict look-ups, small tuples and objects.
+    # The kinds of work the emulator's host path does: calls, attribute reads, dict look-ups,
+    # small tuples and objects. Fixed, so its time measures the interpreter's speed here (the
+    # figures in docs/time.md and every benchmark's machine line use it).
     table: dict[tuple[int, int], int] = {}
     acc = 0
     for i in range(n):
@@ -190,10 +192,13 @@ class _Point:
 def reference_loop_ms(cache_dir: Path | None = None) -> float:
     """This machine's time of the reference loop of interpreter work (the fastest of 15, ms;
     cached as the dispatch probe is): how fast its interpreter is, to scale to a preset's host."""
-    return _cached("reference_ms", cache_dir, _measure_reference, 1e-3, 1e4)
+    return _cached("reference_ms", cache_dir, measure_reference_loop_ms, 1e-3, 1e4)
 
 
-def _measure_reference() -> float:
+def measure_reference_loop_ms() -> float:
+    """The fastest of 15 timings of the reference loop, in ms, measured now (``benchmarks/
+    machine.py`` prints it beside every benchmark figure). The fastest, as ``timeit`` advises:
+    slower ones measure other processes, not this machine's speed."""
     _reference_work(5_000)
     times = []
     for _ in range(15):
