@@ -11,36 +11,16 @@ all-reduce seconds the cost model charged per step, and the time each rank waite
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
 from _common import REPO, machine
 
 sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "tests"))
 
 import netns_cluster  # noqa: E402
-
-CLUSTER = """\
-name: two-nodes
-gpu: A100
-gpus_per_node: 2
-nodes: 2
-inter_node: {nic: ib, nic_speed: 200Gb/s, nics_per_node: 2}
-"""
-
-
-def run(name: str, description: str, steps: int, tmp: str, *args: str) -> list[dict]:
-    path = f"{tmp}/{name}.yaml"
-    with open(path, "w") as f:
-        f.write(description)
-    script = [str(REPO / "tests" / "cluster_job.py"), "--steps", str(steps), *args]
-    results = netns_cluster.run_nodes(script, 2, 2, ["--cluster", path], timeout=600)
-    for r in results:
-        if r.returncode != 0:
-            sys.exit(f"{name}: node {r.node} failed:\n{r.output[-3000:]}")
-    lines = [line for r in results for line in r.output.splitlines() if "RESULT " in line]
-    ranks = [json.loads(line.split("RESULT ", 1)[1]) for line in lines]
-    return sorted(ranks, key=lambda r: r["rank"])
+from cluster_job import TWO_NODES, run_two_nodes  # noqa: E402
 
 
 def main() -> None:
@@ -54,16 +34,17 @@ def main() -> None:
         sys.exit(f"cannot make network namespaces here: {reason}")
     import tempfile
 
+    slow = TWO_NODES + f"slow_links:\n  - {{node: 1, nic_speed: {args.slow}}}\n"
+    sleep = ("--sleep-rank", "3", "--sleep", str(args.sleep))
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {
-            "baseline": run("base", CLUSTER, args.steps, tmp),
-            f"node 1 NICs at {args.slow}": run(
-                "slow", CLUSTER + f"slow_links:\n  - {{node: 1, nic_speed: {args.slow}}}\n", args.steps, tmp
-            ),
-            f"rank 3 +{args.sleep:g} s/step": run(
-                "straggler", CLUSTER, args.steps, tmp, "--sleep-rank", "3", "--sleep", str(args.sleep)
-            ),
-        }
+        try:
+            runs = {
+                "baseline": run_two_nodes(Path(tmp), "base", TWO_NODES, args.steps),
+                f"node 1 NICs at {args.slow}": run_two_nodes(Path(tmp), "slow", slow, args.steps),
+                f"rank 3 +{args.sleep:g} s/step": run_two_nodes(Path(tmp), "straggler", TWO_NODES, args.steps, *sleep),
+            }
+        except RuntimeError as exc:
+            sys.exit(str(exc))
     print(f"machine: {machine()}")
     print(f"{'run':26} {'rank':>4} {'node':>4} {'step (s)':>9} {'all-reduce charged/step':>24} {'waited/step':>12}")
     for name, ranks in runs.items():

@@ -4,6 +4,8 @@ Writes one JSON file per rank into ``--results DIR`` (``rank<R>.json``): its nod
 times, and the emulator's counters. (A file, not a printed line: the ranks of a node share one
 unbuffered stdout, where two long lines can interleave.)
 ``--sleep-rank R --sleep S``: rank R's host is slow by S seconds a step (a straggler).
+:func:`run_two_nodes` runs it across two network namespaces and reads those files back (the
+multi-node test and ``benchmarks/multinode_netns.py``).
 """
 
 from __future__ import annotations
@@ -11,12 +13,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+# Two nodes of two A100s joined by InfiniBand (the description `gpemu run --cluster` reads).
+TWO_NODES = """\
+name: two-nodes
+gpu: A100
+gpus_per_node: 2
+nodes: 2
+inter_node: {nic: ib, nic_speed: 200Gb/s, nics_per_node: 2}
+"""
+
+
+def run_two_nodes(
+    folder: Path, name: str, description: str, steps: int, *args: str, timeout: float = 600
+) -> list[dict]:
+    """This job on 2 nodes x 2 ranks (examples/netns_cluster.py) under the cluster ``description``,
+    in ``folder``; each rank's result, by rank. A node that fails raises RuntimeError with its output."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import netns_cluster
+
+    described, out = folder / f"{name}.yaml", folder / name
+    described.write_text(description)
+    out.mkdir()
+    script = [__file__, "--steps", str(steps), "--results", str(out), *args]
+    for r in netns_cluster.run_nodes(script, 2, 2, ["--cluster", str(described)], timeout=timeout):
+        if r.returncode != 0:
+            raise RuntimeError(f"{name}: node {r.node} failed:\n{r.output[-4000:]}")
+    return sorted((json.loads(f.read_text()) for f in out.glob("rank*.json")), key=lambda r: r["rank"])
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ addresses on a bridge, c10d rendezvous; examples/netns_cluster.py), DDP over emu
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,33 +16,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "tests"))
 
+import cluster_job  # noqa: E402
 import netns_cluster  # noqa: E402
 
 pytestmark = pytest.mark.torchrun
 
-CLUSTER = """\
-name: two-nodes
-gpu: A100
-gpus_per_node: 2
-nodes: 2
-inter_node: {nic: ib, nic_speed: 200Gb/s, nics_per_node: 2}
-"""
+CLUSTER = cluster_job.TWO_NODES
 THROTTLE = "slow_links:\n  - {node: 1, nic_speed: 1Gb/s}\n"
 STEPS = 4
 
 
 def _job(tmp_path: Path, name: str, description: str, *args: str) -> list[dict]:
-    described = tmp_path / f"{name}.yaml"
-    described.write_text(description)
-    out = tmp_path / name
-    out.mkdir()
-    script = [str(ROOT / "tests" / "cluster_job.py"), "--steps", str(STEPS), "--results", str(out), *args]
-    results = netns_cluster.run_nodes(script, 2, 2, ["--cluster", str(described)], timeout=400)
-    for r in results:
-        assert r.returncode == 0, r.output[-4000:]
-    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
-    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    ranks = cluster_job.run_two_nodes(tmp_path, name, description, STEPS, *args, timeout=400)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     return ranks
 
 
