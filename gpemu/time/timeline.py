@@ -176,6 +176,8 @@ class LocalTimeline:
         launches = stream.launches
         if launches is None:
             launches = stream.launches = deque()
+        if len(launches) < self.queue_depth:  # (room, whatever has ended: nothing to drop yet)
+            return now
         while launches and launches[0] <= now:
             launches.popleft()
         if len(launches) >= self.queue_depth:
