@@ -38,8 +38,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def count(gpu: str, model: str, batch: int, iterations: int, host: str | None) -> dict[str, float]:
-    """Bytecodes per steady-state iteration of ``overhead.py``'s step, by ``module:function``."""
+def count(gpu: str, model: str, batch: int, iterations: int, host: str | None, warmup: int = 10) -> dict[str, float]:
+    """Bytecodes per steady-state iteration of ``overhead.py``'s step, by ``module:function``:
+    ``iterations`` traced after ``warmup`` untraced ones (the recording, the optimizer's first
+    step and the gradient sets' first hand-outs are one-off work)."""
     import overhead  # (this revision's: its workloads and its measured loop)
 
     counts: collections.Counter[str] = collections.Counter()
@@ -58,9 +60,9 @@ def count(gpu: str, model: str, batch: int, iterations: int, host: str | None) -
         return None
 
     def toggle(rt: Any, i: int) -> bool:  # (called before iteration i: 0 records, 1 makes the optimizer's state)
-        if i == 2:
+        if i == 2 + warmup:
             sys.settrace(tracer)
-        elif i == iterations + 1:
+        elif i == 2 + warmup + iterations:
             sys.settrace(None)
         return True
 
@@ -69,9 +71,9 @@ def count(gpu: str, model: str, batch: int, iterations: int, host: str | None) -
         from gpemu.config import EmuConfig
 
         kwargs["host_model"] = host or EmuConfig.from_env({}).host  # (gpemu's default, not overhead.py's)
-    overhead.measure(gpu, model, batch, iterations, toggle=toggle, **kwargs)
+    overhead.measure(gpu, model, batch, warmup + iterations + 1, toggle=toggle, **kwargs)
     sys.settrace(None)
-    return {name: n / (iterations - 1) for name, n in counts.items()}
+    return {name: n / iterations for name, n in counts.items()}
 
 
 def _counts_in(root: Path, a: argparse.Namespace, host: str | None) -> dict[str, dict[str, float]]:

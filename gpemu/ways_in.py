@@ -39,6 +39,7 @@ from .device import (
     as_meta,
     from_meta,
     host_args,
+    host_to_emulated,
     peer_copy,
     to_emulated,
 )
@@ -201,8 +202,8 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
     def cuda(
         self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = torch.preserve_format
     ) -> torch.Tensor:
-        if device is None and self.__class__ is plain and not faking():  # the usual x.cuda() of a host batch
-            return to_emulated(self, rt.current_device, non_blocking)
+        if device is None and self.__class__ is plain and _get_mode(FAKE_KEY) is None:  # the usual x.cuda(), not faking
+            return host_to_emulated(ts, self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
         if idx is None:
             raise ValueError(f"Invalid device, must be cuda device, got {device!r}")

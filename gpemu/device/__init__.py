@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..config import values_note
 from . import dispatch  # noqa: F401  (binds EmuTensor.__torch_dispatch__)
-from .copies import PeerCopy, peer_copy, to_emulated, to_host
+from .copies import PeerCopy, host_to_emulated, peer_copy, to_emulated, to_host
 from .emutensor import DTYPE_NAMES, TYPE_NAMES, WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
 from .fake import FAKE_KEY, fake_mode
 from .shadows import host_args, host_shadow, set_host_shadow
@@ -65,6 +65,7 @@ __all__ = [
     "host_shadow",
     "set_host_shadow",
     "to_emulated",
+    "host_to_emulated",
     "to_host",
     "peer_copy",
     "PeerCopy",
