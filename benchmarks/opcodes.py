@@ -84,7 +84,8 @@ def _counts_in(root: Path, a: argparse.Namespace, host: str | None) -> dict[str,
         shutil.copyfile(__file__, script)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         argv = [sys.executable, str(script), "--gpus", a.gpus, "--models", a.models]
-        argv += ["--batch", str(a.batch), "--iterations", str(a.iterations), "--json", out.name]
+        argv += ["--batch", str(a.batch), "--iterations", str(a.iterations), "--warmup", str(a.warmup)]
+        argv += ["--json", out.name]
         argv += ["--host", host] if host else []
         env = dict(os.environ, PYTHONPATH=str(root))
         proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True)
@@ -115,16 +116,17 @@ def main() -> None:
     p.add_argument("--models", default="gpt2_small,resnet50", help="overhead.py's models, comma-separated")
     p.add_argument("--batch", type=int, default=32, help="batch of the image models (gpt2_small: 8 x 1024 tokens)")
     p.add_argument("--iterations", type=int, default=20, help="traced iterations per case (default 20)")
+    p.add_argument("--warmup", type=int, default=10, help="untraced iterations before them (default 10)")
     p.add_argument("--host", default=None, help="gpemu run --host for this checkout's side (default: gpemu's own)")
     p.add_argument("--old", default=None, help="git revision to count too, e.g. 27becd3")
     p.add_argument("--top", type=int, default=0, help="with --old: the N functions whose counts changed most")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)  # (the child's answer to --old)
     a = p.parse_args()
-    if a.iterations < 2:
-        p.error("--iterations must be at least 2")
+    if a.iterations < 1 or a.warmup < 0:
+        p.error("--iterations must be at least 1 and --warmup at least 0")
     cases = [(g, m) for g in a.gpus.split(",") for m in a.models.split(",")]
     if a.json:
-        result = {f"{g}/{m}": count(g, m, a.batch, a.iterations, a.host) for g, m in cases}
+        result = {f"{g}/{m}": count(g, m, a.batch, a.iterations, a.host, a.warmup) for g, m in cases}
         Path(a.json).write_text(json.dumps(result))
         return
     from _common import machine  # (not in the child: the old revision's benchmarks may lack it)
