@@ -85,6 +85,12 @@ def main() -> None:
         help="compare overhead.py's wall time per iteration (default) or its thread CPU time (on a busy "
         "machine the less disturbed of the two)",
     )
+    p.add_argument(
+        "--new-args",
+        default="",
+        help='arguments added for the new revision only, e.g. "--host none" to run it in the configuration the '
+        "old revision had (an option the old script does not know)",
+    )
     p.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [args]: path relative to the repository")
     a = p.parse_args()
     bench = [x for x in a.benchmark if x != "--"]
@@ -94,7 +100,8 @@ def main() -> None:
         p.error("--rounds must be at least 1")
     print(f"machine: {machine()}")
     print(
-        f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)} ({a.benchmark_from} revision's script)",
+        f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)} ({a.benchmark_from} revision's script)"
+        + (f"; the new one with {a.new_args}" if a.new_args else ""),
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="gpemu-ab-") as tmp:
@@ -107,8 +114,9 @@ def main() -> None:
                 for rev in (a.old, a.new) if r % 2 == 0 else (a.new, a.old):
                     root = roots[rev]
                     env = dict(os.environ, PYTHONPATH=str(root))
+                    extra = a.new_args.split() if rev == a.new and rev != a.old else []
                     proc = subprocess.run(
-                        [sys.executable, str(root / bench[0]), *bench[1:]],
+                        [sys.executable, str(root / bench[0]), *bench[1:], *extra],
                         cwd=root,
                         env=env,
                         capture_output=True,
@@ -128,7 +136,7 @@ def main() -> None:
         new = statistics.median(r[key] for r in results[a.new] if key in r)
         change = (new - old) / old
         worst = max(worst, change)
-        print(f"{'/'.join(map(str, key)):34} {old:8.2f} {new:8.2f} {100 * change:+7.1f}%")
+        print(f"{'/'.join(map(str, key)):34} {old:8.3f} {new:8.3f} {100 * change:+7.1f}%")
     print(f"slowest change: {100 * worst:+.1f}% (medians of {a.rounds} interleaved rounds); machine after: {machine()}")
 
 

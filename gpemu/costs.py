@@ -134,6 +134,8 @@ class CostState:
     launches: weakref.WeakKeyDictionary[Any, tuple] = field(default_factory=weakref.WeakKeyDictionary)
     # (optimizer class, settings) -> StepHostTime | None (see _step_host_time)
     step_host: dict = field(default_factory=dict)
+    # optimizer -> (its parameter lists' and settings' key, host seconds of one step)
+    step_host_s: weakref.WeakKeyDictionary[Any, tuple] = field(default_factory=weakref.WeakKeyDictionary)
 
 
 def _st(rt: Runtime) -> CostState:
@@ -596,34 +598,62 @@ def optimizer_step_host_seconds(rt: Runtime, optimizer: torch.optim.Optimizer) -
     """What the modelled host (``rt.engine.host_model``) spends issuing one ``optimizer.step()``:
     torch's own step measured on this machine (:func:`_step_host_time`) scaled to the target
     host, plus a driver launch per kernel it launches (:func:`optimizer_step_launches`). 0
-    without a host model."""
+    without a host model. Worked out once per optimizer, its parameter lists and the kind of its
+    settings (a learning-rate schedule changes none of it: :func:`_settings_kind`)."""
     engine = rt.engine
     model = engine.host_model
     if model is None:
         return 0.0
+    st = _st(rt)
+    groups = optimizer.param_groups
+    kind = _settings_kind(groups[0]) if groups else None
+    key = (tuple((id(g["params"]), len(g["params"])) for g in groups), kind)
+    hit = st.step_host_s.get(optimizer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
     launches = optimizer_step_launches(rt, optimizer)
-    measured = engine.call(_step_host_time, optimizer, _st(rt).step_host)
+    measured = engine.call(_step_host_time, optimizer, kind, st.step_host)
     if measured is None:  # not torch's own class: each call as one op
-        return engine.launch_seconds(launches.calls, launches.launches)
-    n = sum(len(g["params"]) for g in optimizer.param_groups)
-    return model.scale * (measured.fixed + measured.per_tensor * n) + launches.launches * model.launch_s
+        seconds = engine.launch_seconds(launches.calls, launches.launches)
+    else:
+        n = sum(len(g["params"]) for g in groups)
+        seconds = model.scale * (measured.fixed + measured.per_tensor * n) + launches.launches * model.launch_s
+    try:
+        st.step_host_s[optimizer] = (key, seconds)
+    except TypeError:
+        pass
+    return seconds
 
 
-def _step_host_time(optimizer: torch.optim.Optimizer, memo: dict) -> StepHostTime | None:
+def _settings_kind(group: dict) -> tuple:
+    """What of a parameter group's settings decides the host work of torch's step: the switches
+    (foreach, fused, amsgrad, nesterov, maximize, ...) and whether each number is zero (a zero
+    weight decay or momentum skips its ops); not the numbers themselves, which schedules change
+    every step (a tensor learning rate, betas: their kind alone)."""
+    return tuple(
+        (name, v if v is None or v.__class__ in _SWITCHES else v == 0 if v.__class__ in _NUMBERS else type(v).__name__)
+        for name, v in group.items()
+        if name != "params"
+    )
+
+
+_SWITCHES = (bool, str)
+_NUMBERS = (int, float)
+
+
+def _step_host_time(optimizer: torch.optim.Optimizer, kind: tuple | None, memo: dict) -> StepHostTime | None:
     """Torch's own step of ``optimizer``'s class and settings (foreach as on CUDA: the default
     picks it) on 16 and 160 tiny CPU parameters: the best of five rounds of ten steps each, the
     difference per parameter and the rest per step. Only torch's own classes (see
-    :func:`_implementation_traffic`); None for the rest and for settings the CPU cannot run."""
-    if not type(optimizer).__module__.startswith("torch.optim") or not optimizer.param_groups:
+    :func:`_implementation_traffic`); None for the rest and for settings the CPU cannot run
+    (``kind``: :func:`_settings_kind`, the memo's key)."""
+    if not type(optimizer).__module__.startswith("torch.optim") or not optimizer.param_groups or kind is None:
         return None
-    settings = {name: v for name, v in optimizer.param_groups[0].items() if name != "params"}
-    if not settings.get("fused") and settings.get("foreach") is None:
-        settings["foreach"] = True
-    try:
-        key = (type(optimizer), tuple(sorted((name, repr(v)) for name, v in settings.items())))
-    except TypeError:
-        return None
+    key = (type(optimizer), kind)
     if key not in memo:
+        settings = {name: v for name, v in optimizer.param_groups[0].items() if name != "params"}
+        if not settings.get("fused") and settings.get("foreach") is None:
+            settings["foreach"] = True
         memo[key] = _time_steps(type(optimizer), settings)
     return memo[key]
 

@@ -31,14 +31,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transfor
 from . import hostvalues
 from .device import (
     DTYPE_NAMES,
+    FAKE_KEY,
     TYPE_NAMES,
     EmuTensor,
     PeerCopy,
     TensorState,
     as_meta,
-    fake_mode,
     from_meta,
     host_args,
+    host_to_emulated,
     peer_copy,
     to_emulated,
 )
@@ -90,7 +91,10 @@ def faking() -> bool:
     """Whether a FakeTensorMode is active (DTensor's sharding propagation, torch.compile's tracing,
     ``torch.utils.flop_counter`` estimates): tensors made now are fake tensors of the mode, as on a
     real GPU, and take no memory; torch's own path makes them (the mode says ``cuda``)."""
-    return fake_mode() is not None
+    return _get_mode(FAKE_KEY) is not None  # (gpemu.device.fake_mode, without its call level: every .cuda())
+
+
+_get_mode = torch._C._get_dispatch_mode
 
 
 def _is_meta(device: Any) -> bool:
@@ -198,8 +202,8 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
     def cuda(
         self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = torch.preserve_format
     ) -> torch.Tensor:
-        if device is None and self.__class__ is plain and not faking():  # the usual x.cuda() of a host batch
-            return to_emulated(self, rt.current_device, non_blocking)
+        if device is None and self.__class__ is plain and _get_mode(FAKE_KEY) is None:  # the usual x.cuda(), not faking
+            return host_to_emulated(ts, self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
         if idx is None:
             raise ValueError(f"Invalid device, must be cuda device, got {device!r}")

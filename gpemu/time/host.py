@@ -146,10 +146,10 @@ class HostTime:
         """The calling thread leaves the emulator's own code: when the outermost entry leaves,
         the host time since it began (or since its last wait ended) is forgiven."""
         local = self.local.host
-        depth = local.depth - 1
-        if depth > 0:
-            local.depth = depth
-        elif depth == 0:
+        depth = local.depth
+        if depth > 1:
+            local.depth = depth - 1
+        elif depth == 1:
             local.depth = 0
             spent = self.read_clock() - local.entry
             if spent > 0:
@@ -170,7 +170,16 @@ class HostTime:
         try:
             return fn(*args)
         finally:
-            self.leave()
+            if local.depth == 1:  # (leave() written out for the usual outermost exit)
+                local.depth = 0
+                spent = self.read_clock() - local.entry
+                if spent > 0:
+                    cap = self.max_forgiven_work
+                    local.late += spent if spent < cap else cap
+                if self.time_map is not None:
+                    self.time_map.sample(self)
+            else:
+                self.leave()
 
     def suspend(self) -> int:
         """User code runs now (a hook, a module's own forward): the emulator's time so far is
@@ -332,7 +341,10 @@ class HostTime:
         if not seconds >= 0:
             raise ValueError(f"modelled host time must be >= 0 seconds, got {seconds!r}")
         self.issued_s += seconds
-        self.jump(lambda: setattr(self.local.host, "late", self.local.host.late - seconds))
+        if self.time_map is None:  # (the usual case, written out: a replay's every call)
+            self.local.host.late -= seconds
+        else:
+            self.jump(lambda: setattr(self.local.host, "late", self.local.host.late - seconds))
 
     def jump(self, move: Callable[[], object]) -> None:
         """``move()`` moves the calling thread's time at once (a sleep, a modelled cost): the

@@ -176,6 +176,8 @@ class LocalTimeline:
         launches = stream.launches
         if launches is None:
             launches = stream.launches = deque()
+        if len(launches) < self.queue_depth:  # (room, whatever has ended: nothing to drop yet)
+            return now
         while launches and launches[0] <= now:
             launches.popleft()
         if len(launches) >= self.queue_depth:
@@ -192,10 +194,15 @@ class LocalTimeline:
 
     def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
         host = self.host
+        local = host.local.host
         host.enter()
         try:
-            end = stream.enqueue(seconds, kind, name)
-            host.local.host.wait_deadline = None  # (forget_wait: settle() forgives this wait only)
+            if stream.engine.captures:
+                end = stream.enqueue(seconds, kind, name)
+            else:  # (VirtualStream.enqueue written out: every input batch; in an entry, now is its start)
+                now = local.entry - local.late
+                end = self.enqueue(stream, seconds, kind, name, 0, now if now > local.floor else local.floor, None)
+            local.wait_deadline = None  # (forget_wait: settle() forgives this wait only)
             if end > host.now():
                 host.wait_until(end, stream.device_index, reason)
         finally:
