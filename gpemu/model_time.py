@@ -234,7 +234,9 @@ class ModelTime:
                     None if call.times is None else (call.times, ident),
                 )
                 info.in_pass = level > 0
-                info.gaps = ok and call.times is None
+                # (not for a call inside a backward pass: a checkpointed block's recompute is part
+                # of the enclosing backward's window, whose pass covers its ops)
+                info.gaps = ok and call.times is None and _graph_task() == -1
                 info.own = OwnNodes(first_node, _next_node(), params)
                 if ends is not None:
                     ends[2].info = info  # the backward window closes at the inputs' gradients
