@@ -208,6 +208,8 @@ class ModelTime:
         mem.sample()
         leaves, treespec = tree_flatten(out)
         ok = _replayable(leaves, args, kwargs, params, record)
+        if ok and call.gaps > 0:
+            _charge_issue_gaps(rt.engine, dev, call.gaps, call.ident.label, "forward")
         if record is not None:
             _fill_times(record, call, params, mem.allocated, peak)
             if ok:
@@ -232,6 +234,9 @@ class ModelTime:
                     None if call.times is None else (call.times, ident),
                 )
                 info.in_pass = level > 0
+                # (not for a call inside a backward pass: a checkpointed block's recompute is part
+                # of the enclosing backward's window, whose pass covers its ops)
+                info.gaps = ok and call.times is None and _graph_task() == -1
                 info.own = OwnNodes(first_node, _next_node(), params)
                 if ends is not None:
                     ends[2].info = info  # the backward window closes at the inputs' gradients
@@ -294,6 +299,8 @@ class ModelTime:
             if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
                 _charge_issue(engine, tap)
+            elif not unit and not in_backward:
+                call.gaps = tap.pass_seconds - tap.seconds  # (charged once the call proves replayable)
         else:
             ratio = _ratio(tap)
             call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
@@ -331,6 +338,7 @@ class _Call:
         "fwd_peak",
         "kernel_share",
         "fwd_issue",
+        "gaps",
     )
 
     def __init__(self, ident: Any, batch: int, dev: int, level: int, t0: float | None, before: int) -> None:
@@ -346,6 +354,7 @@ class _Call:
         self.fwd_peak = 0
         self.kernel_share = 1.0  # its kernels' share of the forward's time (see CallRecord)
         self.fwd_issue = 0.0  # the modelled host's issue time of the forward's ops
+        self.gaps = 0.0  # its forward's pass less its kernels (see _charge_issue_gaps)
 
 
 def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: CallRecord | None) -> bool:
@@ -439,6 +448,21 @@ def _pass_seconds(tap: Any, unit: bool) -> float:
     replays must cost the same (``tap.seconds``), or a model replayed by units prices more GPU
     time than the same step op by op (GPT-2 in bf16, each unit a pass from idle: +18%)."""
     return tap.seconds if unit else tap.pass_seconds
+
+
+def _charge_issue_gaps(engine: Any, dev: int, gaps: float, label: str, which: str) -> None:
+    """An outermost call priced by its ops whose replays charge it as a pass (its outputs are
+    replayable), run op by op (its recording, ``--no-replay``, ``--values real``): its kernels
+    were charged as they ran; the pass (:func:`_pass_seconds`) also holds the issue time of the
+    cost model's calibration hosts (``gaps``: the pass less its kernels), where no host is modelled
+    (``--host none``: the fitted per-op host term stays in GPU prices). That is charged too, so a
+    step costs the same GPU time however it runs (a small MLP's replayed step was 5x the same step
+    op by op). Not with a modelled host (the op-by-op kernels waited for their launches already)
+    nor inside a CUDA graph's capture or launch (the graph's kernels run back to back)."""
+    if engine.op_issue_s or engine.in_charged_scope or engine.captures or engine.local.host.launching:
+        return
+    if gaps > 0:
+        engine.stream(dev).enqueue(gaps, "op", f"{label} {which}: host issue gaps")
 
 
 def _ratio(tap: Any) -> float:
@@ -582,7 +606,20 @@ def _params_reached(outputs: list) -> set[int]:
 # where the backward starts
 # ----------------------------------------------------------------------------------------------
 class _BackwardInfo:
-    __slots__ = ("owner", "rec", "bwd_seconds", "label", "dev", "ident", "batch", "times", "close", "in_pass", "own")
+    __slots__ = (
+        "owner",
+        "rec",
+        "bwd_seconds",
+        "label",
+        "dev",
+        "ident",
+        "batch",
+        "times",
+        "close",
+        "in_pass",
+        "own",
+        "gaps",
+    )
 
     def __init__(
         self,
@@ -602,6 +639,7 @@ class _BackwardInfo:
         self.times = times
         self.close: Any = None  # ends the backward window (set when the backward starts)
         self.in_pass = False  # a unit inside an op-by-op ancestor (priced behind queued work)
+        self.gaps = False  # a replayable call priced by its ops: its pass's issue gaps are charged
         self.own: OwnNodes | None = None  # the call's autograd nodes (its backward's own ops)
 
 
@@ -653,6 +691,8 @@ class _BackwardStart(torch.autograd.Function):
             if by_ops:
                 bwd = _pass_seconds(tap, info.in_pass)
                 info.ident.estimates[("backward", info.batch, info.dev)] = bwd
+                if info.gaps and not info.in_pass:
+                    _charge_issue_gaps(engine, info.dev, tap.pass_seconds - tap.seconds, info.label, "backward")
                 if rec is not None:
                     rec.bwd_seconds = bwd
                     rec.bwd_issue = tap.issue

@@ -70,6 +70,7 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.fastpaths.backward",  # engine-free loss.backward(), targeted gradients (fast path)
     "gpemu.fastpaths.loss",  # cross-entropy as one op after a recorded call   (fast path)
     "gpemu.fastpaths.optimizer",  # skipped optimizer steps, fast zero_grad      (fast path)
+    "gpemu.fastpaths.value_entries",  # real values: the fast paths' host time forgiven (fast path)
     "gpemu.autocast",  # autocast('cuda') dtype behaviour                (device)
     "gpemu.attention",  # scaled_dot_product_attention's fused kernels    (device)
     "gpemu.flex_attention",  # FlexAttention's fused kernel, block masks       (device)

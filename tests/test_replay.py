@@ -328,9 +328,10 @@ def test_two_forwards_then_one_backward_charge_both_backwards(rt):
 
     measured = identify(rt, model).estimates[("backward", 16, 0)]
     assert len(backward) == 1 and backward[0].end - backward[0].start == pytest.approx(measured)
-    # and the recording's own backward ops were charged as they ran (their kernels: the pass
-    # adds the time a real host takes to issue them)
-    assert 0 < sum(s.end - s.start for s in rt.recorder.spans[before:] if s.kind == "op") <= measured
+    # and the recording's own backward was charged op by op at what the replay charges: its kernels
+    # and its pass's issue gaps (plus the backward of the two sums and their addition: tiny kernels)
+    ops = sum(s.end - s.start for s in rt.recorder.spans[before:] if s.kind == "op")
+    assert measured <= ops <= 1.1 * measured
 
 
 def test_slices_of_one_tensor_are_the_same_call(rt):

@@ -12,6 +12,8 @@ host work hides behind a real GPU.
 * :mod:`.loss` — ``F.cross_entropy`` replayed as one op after a recorded op-by-op call;
 * :mod:`.optimizer` — ``step()`` of SGD/Adam/AdamW skipped once its state exists (no arithmetic to
   do), fast ``zero_grad``.
+* :mod:`.value_entries` — with real values (when the others step aside), what they would run as
+  the emulator's own work is an emulator entry, so its host time is forgiven as theirs is.
 
 They reach the emulated tensor type through its public fields (``emu_device``, ``emu_block``,
 ``emu_shadow``, ``emu_key``: read only) and :class:`gpemu.device.TensorState`'s methods (``wrap``,

@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .gradients import GradientState
     from .replay import ReplayState
 
-__all__ = ["install", "fast_path_info", "OptimizerFastPath"]
+__all__ = ["skippable", "install", "fast_path_info", "OptimizerFastPath"]
 
 _get_shadow = attrgetter("emu_shadow")
 
@@ -100,6 +100,16 @@ def _fast_types() -> dict[type, str]:
     from torch.optim import SGD, Adam, AdamW
 
     return {SGD: "sgd", Adam: "adam", AdamW: "adam"}
+
+
+def skippable(opt: torch.optim.Optimizer) -> bool:
+    """Whether this fast path may skip ``opt``'s steps (its kind and param groups; its state decides
+    the rest): a run with real values (:mod:`.value_entries`) forgives the same steps' host time."""
+    kind = _fast_types().get(type(opt))
+    attrs = opt.__dict__
+    if kind is None or attrs.get("grad_scale") is not None or attrs.get("found_inf") is not None:
+        return False
+    return _group_signature(opt, kind) is not None
 
 
 def _group_signature(opt: torch.optim.Optimizer, kind: str) -> tuple | None:
