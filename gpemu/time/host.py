@@ -176,7 +176,7 @@ class HostTime:
         try:
             return fn(*args)
         finally:
-            if local.depth == 1:  # (leave() written out for the usual outermost exit)
+            if local.depth == 1 and not local.setup:  # (leave() written out for the usual outermost exit)
                 local.depth = 0
                 spent = self.read_clock() - local.entry
                 if spent > 0:
