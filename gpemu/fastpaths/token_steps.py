@@ -19,9 +19,12 @@ class ServingLog:
 
     def __init__(self) -> None:
         self.steps: list[TokenStep] = []
+        # the bytes the call's object arguments hold, when its replay knows them (else walked)
+        self.held: int | None = None
 
     def note(self, engine: Any, args: tuple, kwargs: dict, dev: int, t0: float) -> None:
         """Note an outermost call without autograd that just returned, if it was given token ids."""
+        held, self.held = self.held, None
         if len(self.steps) >= MAX_STEPS:
             return
         ids = _token_ids(args, kwargs)
@@ -30,7 +33,9 @@ class ServingLog:
         sequences = int(ids.shape[0]) if ids.dim() >= 2 else 1
         positions = int(ids.shape[-1]) if ids.dim() >= 1 else 1
         end = max(t0, engine.stream(dev).busy_until)
-        self.steps.append(TokenStep(dev, t0, end, sequences, positions, _cache_bytes(args, kwargs)))
+        if held is None:
+            held = _cache_bytes(args, kwargs)
+        self.steps.append(TokenStep(dev, t0, end, sequences, positions, held))
 
 
 def _token_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
