@@ -13,7 +13,8 @@ Columns:
   an eager step that is host-bound, as HF's is at batch 1, shows the host issue time the cost
   model prices for its kernels);
 * **step GPU**: the kernels of one decode step at the prompt's length, back to back (op by op,
-  replay off, on a virtual clock: no host time at all); **bound**: the bytes it must read
+  replay off, on a virtual clock: the ops' own spans, not the time they wait for the host that
+  issues them); **bound**: the bytes it must read
   (the weights but the input embedding's table, the KV cache) over the GPU's memory
   bandwidth; the ratio of the two; **GEMM**: the step's matrix products against the time to read
   the weights they multiply at that bandwidth (how close the memory-bound part is priced);
@@ -121,9 +122,9 @@ def serve_rows(name: str, gpu: str, cases: list[Case]) -> dict[Case, dict[str, A
         for case in cases:
             try:
                 _generate(model, case, NEW_TOKENS)  # records and finds the decode steps' line
-                first = len(rt.replay.serving.steps)
+                first = len(rt.model_time.serving.steps)
                 calls = _generate(model, case, NEW_TOKENS)
-                s = serving_summary(rt.replay.serving.steps[first:])
+                s = serving_summary(rt.model_time.serving.steps[first:])
                 # replayed decode steps (the prefill and the first decode step left out): medians
                 # (this machine is shared: a mean takes in other programs' bursts)
                 gaps = [b - a for a, b in zip(calls.starts[2:], calls.starts[3:], strict=False)]
@@ -170,11 +171,13 @@ def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepK
                     model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     torch.cuda.synchronize()
                     kv = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
-                    t0, n0 = rt.engine.now(), len(rt.recorder.spans)
+                    n0 = len(rt.recorder.spans)
                     model(ids[:, :1], past_key_values=cache, use_cache=True)
                     torch.cuda.synchronize()
-                gemm = sum(sp.end - sp.start for sp in list(rt.recorder.spans)[n0:] if sp.name in _GEMMS)
-                out[case] = StepKernels(rt.engine.now() - t0, gemm, weights, kv)
+                # (its kernels: the ops' spans, not the time they waited for the host issuing them)
+                ops = [sp for sp in list(rt.recorder.spans)[n0:] if sp.kind == "op"]
+                gemm = sum(sp.end - sp.start for sp in ops if sp.name in _GEMMS)
+                out[case] = StepKernels(sum(sp.end - sp.start for sp in ops), gemm, weights, kv)
                 del cache
             except torch.cuda.OutOfMemoryError:
                 pass

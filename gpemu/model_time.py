@@ -37,6 +37,7 @@ from . import costs
 from .device import EmuTensor, OutputSpec, OwnNodes
 from .identify import confirm_parts, identify
 from .reference import measured_on
+from .token_steps import ServingLog
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _next_node = torch._C._autograd._get_sequence_nr  # the next autograd node's number on this thread
@@ -142,6 +143,8 @@ class ModelTime:
         # (model, gpu, forward / backward provenance, uncertainty, how).
         self.sources: dict[tuple[str, int], dict[str, Any]] = {}
         self.orig_call: Any = torch.nn.Module.__call__  # torch's own (set at install)
+        # The token steps of generation and serving loops (gpemu.serving), replayed or not.
+        self.serving = ServingLog()
 
     def outermost(self) -> bool:
         """True when the calling thread is not already inside an outermost module call."""
@@ -208,6 +211,11 @@ class ModelTime:
         mem.sample()
         leaves, treespec = tree_flatten(out)
         ok = _replayable(leaves, args, kwargs, params, record)
+        # (a call recorded for replay but whose outputs cannot be replayed is run op by op from now
+        # on with its submodules as units, priced by their kernels: it does not wait either; one
+        # without autograd goes to the shape-class replays, which charge whole passes)
+        if call.wait and (record is None or ok or not torch.is_grad_enabled()):
+            _wait_for_issue(self.rt.engine, call)
         if record is not None:
             _fill_times(record, call, params, mem.allocated, peak)
             if ok:
@@ -294,6 +302,8 @@ class ModelTime:
             if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
                 _charge_issue(engine, tap)
+            else:  # (its ops charged themselves: run_charged decides whether it waits for the host)
+                call.wait = not uncharged and not unit and not in_backward and not open_children
         else:
             ratio = _ratio(tap)
             call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
@@ -331,6 +341,7 @@ class _Call:
         "fwd_peak",
         "kernel_share",
         "fwd_issue",
+        "wait",
     )
 
     def __init__(self, ident: Any, batch: int, dev: int, level: int, t0: float | None, before: int) -> None:
@@ -341,6 +352,7 @@ class _Call:
         self.t0 = t0  # the host time the call started
         self.before = before  # the device's allocated bytes before the call
         self.times: Any = None  # the database's model times (None: priced by the ops it runs)
+        self.wait = False  # charged op by op as a whole pass (see _wait_for_issue)
         self.fwd_s = 0.0
         self.bwd_s: float | None = None  # None: measured when the backward runs
         self.fwd_peak = 0
@@ -429,6 +441,23 @@ def _charge_issue(engine: Any, tap: Any) -> None:
     owed = tap.issue - tap.issue_paid
     if owed > 0 and not engine.in_charged_scope:
         engine.charge_host(owed)
+
+
+def _wait_for_issue(engine: Any, call: _Call) -> None:
+    """An outermost forward charged op by op ends no earlier than its pass (``call.fwd_s``: its
+    ops each issued after the host's time for it, the kernels in order), as its replays charge
+    it: on a GPU an eager forward of many small kernels waits for the host issuing them. The ops
+    charged only their kernels (and the host model's issue time, when there is one); the rest of
+    the pass, what the kernels waited for the host, is charged as the forward's own time. On a
+    real clock the host already took its time here (when it took more: nothing is added). Not
+    for a call whose submodules are units of their own: a replayed unit is charged by its kernels
+    (see :func:`_pass_seconds`), so that call's pass depends on which units replayed."""
+    if call.t0 is None or engine.in_charged_scope:
+        return
+    stream = engine.stream(call.dev)
+    waited = call.t0 + call.fwd_s - max(stream.busy_until, engine.now())
+    if waited > 1e-9:
+        stream.enqueue(waited, "forward", call.ident.label)
 
 
 def _pass_seconds(tap: Any, unit: bool) -> float:
@@ -783,9 +812,12 @@ def _make_call(mt: ModelTime, orig_call: Any) -> Any:
         t0 = engine.now()
         mt.enter()
         try:
-            return mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)
+            out = mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)
         finally:
             mt.leave()
+        if not torch.is_grad_enabled():  # generation, serving (see gpemu.token_steps)
+            mt.serving.note(engine, args, kwargs, dev, t0)
+        return out
 
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__

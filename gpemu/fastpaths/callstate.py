@@ -192,7 +192,7 @@ class Template:
 
     def rescan(self, args: tuple, kwargs: dict) -> CallShape | None:
         """The call's state when its structure is this template's (None: it is not; scan it)."""
-        roots = (args, kwargs)
+        roots: tuple[Any, Any] = (args, kwargs)
         values: list = []
         numbers: list[int] = []
         seen: set[int] = set()

@@ -580,7 +580,7 @@ class _Program:
 
     def held_bytes(self, entry: list[Leaf], made: list) -> int:
         """Bytes of the memory blocks the call's object arguments (its KV cache) hold after it:
-        the tensors it left there and those it wrote (``gpemu.fastpaths.token_steps``'s walk,
+        the tensors it left there and those it wrote (``gpemu.token_steps``'s walk,
         from the plan)."""
         if self.kept is None:
             written = [(*parent, step) for parent, step, _ in self.writes]

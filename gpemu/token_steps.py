@@ -1,5 +1,6 @@
-"""The token steps of a generation or serving loop, noted as its model calls return: the records
-:mod:`gpemu.serving` computes the serving metrics from (kept apart from them: the metrics need no
+"""The token steps of a generation or serving loop, noted as its model calls return (replayed or
+op by op: ``rt.model_time.serving``): the records :mod:`gpemu.serving` computes the serving
+metrics from (kept apart from them: the metrics need no
 torch, and :mod:`gpemu.observe`, which uses them, is imported by ``gpemu run``'s bootstrap in
 processes that never import torch)."""
 
@@ -15,7 +16,7 @@ __all__ = ["ServingLog"]
 
 
 class ServingLog:
-    """The token steps of one run (``rt.replay.serving``): the first :data:`MAX_STEPS`."""
+    """The token steps of one run (``rt.model_time.serving``): the first :data:`MAX_STEPS`."""
 
     def __init__(self) -> None:
         self.steps: list[TokenStep] = []
