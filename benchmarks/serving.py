@@ -22,6 +22,13 @@ Columns:
   one of 8, over 32), HF's own loop included; **in model**: of it, inside the model's call (the
   emulator's replay: the target being <= 1 ms); medians over the replayed steps.
 
+The paged-KV rows run examples/serving_paged.py's continuous-batching server (a pool of 16-token
+blocks sized by vLLM's rule, 90% of the GPU's memory): **blocks** in the pool, bytes per block
+(**/block**, all layers' keys and values), blocks in use at the **peak**, preemptions (**pre**),
+TTFT and TPOT from each request's arrival (queueing included), gpemu's per-call metrics
+(**call TTFT/TPOT**) and the KV cache it saw held (the pool); the last row asks for a pool that
+does not fit.
+
 GPT-2's position table is extended to 2,112 positions for the 2048-token prompts (GPT-2 small
 has 1,024). A case that does not fit the GPU's memory shows the emulated OOM.
 """
@@ -186,14 +193,69 @@ def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepK
     return out
 
 
+def paged_row(gpu: str, requests: int, blocks: int | None = None) -> str:
+    """examples/serving_paged.py's server on ``gpu`` (a 1 B-parameter Llama-shaped decoder in fp16,
+    16 layers, a pool of 16-token blocks sized by vLLM's rule unless ``blocks`` is given): its
+    pool, TTFT/TPOT from arrival (queueing included), blocks in use, and gpemu's serving metrics."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "serving_paged.py"
+    spec = importlib.util.spec_from_file_location("serving_paged", path)
+    assert spec is not None and spec.loader is not None
+    ex = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ex
+    spec.loader.exec_module(ex)
+    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock())
+    try:
+        torch.manual_seed(0)
+        model = ex.Decoder(vocab=32000, dim=2048, layers=16, heads=16, hidden=5632).half().cuda().eval()
+        per_block = ex.PagedKV.block_bytes(16, 16, 16, 128, torch.float16)
+        n = ex.pool_blocks(blocks, 0.9, per_block)
+        try:
+            cache = ex.PagedKV(16, n, 16, 16, 128, torch.float16)
+        except torch.cuda.OutOfMemoryError:
+            return f"{gpu:<9} pool of {n} blocks ({n * per_block / 2**30:.1f} GiB): out of memory on the emulated GPU"
+        reqs = ex.make_requests(requests, 6.0, 0)
+        server = ex.Server(model, cache, 32)
+        with torch.no_grad():
+            ex.serve(server, reqs)
+        s = serving_summary(rt.model_time.serving.steps)
+        del cache
+    finally:
+        gpemu.unpatch()
+    ttft = sorted(r.first_token - r.arrival for r in reqs)
+    tpot = sorted((r.done - r.first_token) / max(1, r.made - 1) for r in reqs)
+    return (
+        f"{gpu:<9} {n:>7} {per_block / 2**20:>6.2f}Mi {server.peak_blocks:>5} {server.preemptions:>4} "
+        f"{statistics.median(ttft) * 1e3:>8.1f}ms {statistics.median(tpot) * 1e3:>7.2f}ms "
+        f"{s['ttft']['p50_s'] * 1e3:>8.2f}ms {s['tpot']['p50_s'] * 1e3:>7.2f}ms "
+        f"{s['kv_cache_peak_bytes'] / 2**30:>7.2f}Gi"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt2,llama3-8b")
     ap.add_argument("--gpus", default="A100,H100")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompts", default="128,2048")
+    ap.add_argument("--paged", type=int, default=16, help="requests for the paged-KV server (0: none)")
+    ap.add_argument("--only-paged", action="store_true", help="the paged-KV server's rows alone")
     a = ap.parse_args()
     print(f"# {machine()}")
+    if a.paged:
+        print(f"# examples/serving_paged.py: {a.paged} requests at 6/s, 1 B Llama-shaped fp16, 16-token blocks")
+        print(
+            f"{'gpu':<9} {'blocks':>7} {'/block':>8} {'peak':>5} {'pre':>4} {'TTFT p50':>10} {'TPOT p50':>9} "
+            f"{'call TTFT':>10} {'call TPOT':>9} {'KV held':>9}"
+        )
+        for gpu in a.gpus.split(","):
+            print(paged_row(gpu, a.paged))
+        print(paged_row(a.gpus.split(",")[0], a.paged, blocks=1_000_000))
+    if a.only_paged:
+        return
     print(f"# transformers generate(), bf16, greedy, {NEW_TOKENS} new tokens, virtual clock")
     head = (
         f"{'model':<10} {'gpu':<9} {'batch':>5} {'prompt':>6} {'TTFT':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
