@@ -16,8 +16,10 @@ Columns:
   replay off, on a virtual clock: the ops' own spans, not the time they wait for the host that
   issues them); **bound**: the bytes it must read
   (the weights but the input embedding's table, the KV cache) over the GPU's memory
-  bandwidth; the ratio of the two; **GEMM**: the step's matrix products against the time to read
-  the weights they multiply at that bandwidth (how close the memory-bound part is priced);
+  bandwidth; the ratio of the two (**static**: the same step with HF's ``StaticCache``, which
+  writes the new keys and values in place instead of copying the cache); **GEMM**: the step's
+  matrix products against the time to read the weights they multiply at that bandwidth (how
+  close the memory-bound part is priced);
 * **wall/step**: this machine's wall time per replayed decode step (a generate of 40 tokens less
   one of 8, over 32), HF's own loop included; **in model**: of it, inside the model's call (the
   emulator's replay: the target being <= 1 ms); medians over the replayed steps.
@@ -154,6 +156,7 @@ class StepKernels(NamedTuple):
     gemm_seconds: float  # its matrix products (the weights' reads)
     weight_bytes: int  # the weights a step reads (all but the input embedding's table)
     kv_bytes: int  # its KV cache
+    static_seconds: float  # the same step with HF's static cache (written in place, no copy)
 
 
 _GEMMS = ("mm.default", "addmm.default", "bmm.default")
@@ -161,7 +164,8 @@ _GEMMS = ("mm.default", "addmm.default", "bmm.default")
 
 def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepKernels]:
     """One decode step's kernels back to back at the prompt's length, and the bytes it must read:
-    every weight once but the input embedding's table (one row per token), and the KV cache."""
+    every weight once but the input embedding's table (one row per token), and the KV cache; with
+    HF's dynamic cache (``cat``: a new cache every step) and its static one (written in place)."""
     rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock(), replay=False)
     out: dict[Case, StepKernels] = {}
     try:
@@ -172,25 +176,35 @@ def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepK
         weights = sum(p.numel() * p.element_size() for p in model.parameters()) - table.numel() * table.element_size()
         for case in cases:
             try:
-                cache = transformers.DynamicCache(config=model.config)
                 ids = torch.randint(0, 50000, (case.batch, case.prompt)).cuda()
-                with torch.no_grad():
-                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    torch.cuda.synchronize()
-                    kv = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
-                    n0 = len(rt.recorder.spans)
-                    model(ids[:, :1], past_key_values=cache, use_cache=True)
-                    torch.cuda.synchronize()
-                # (its kernels: the ops' spans, not the time they waited for the host issuing them)
-                ops = [sp for sp in list(rt.recorder.spans)[n0:] if sp.kind == "op"]
-                gemm = sum(sp.end - sp.start for sp in ops if sp.name in _GEMMS)
-                out[case] = StepKernels(sum(sp.end - sp.start for sp in ops), gemm, weights, kv)
+                cache: Any = transformers.DynamicCache(config=model.config)
+                ops = _decode_step_ops(rt, model, cache, ids)
+                kv = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
                 del cache
+                cache = transformers.StaticCache(config=model.config, max_cache_len=case.prompt + 16)
+                static = _decode_step_ops(rt, model, cache, ids)
+                del cache
+                gemm = sum(sp.end - sp.start for sp in ops if sp.name in _GEMMS)
+                seconds = sum(sp.end - sp.start for sp in ops)
+                out[case] = StepKernels(seconds, gemm, weights, kv, sum(sp.end - sp.start for sp in static))
             except torch.cuda.OutOfMemoryError:
                 pass
     finally:
         gpemu.unpatch()
     return out
+
+
+def _decode_step_ops(rt: Any, model: Any, cache: Any, ids: torch.Tensor) -> list:
+    """The ops (GPU spans) of one decode step after a prefill of ``ids`` into ``cache``: its
+    kernels, not the time they waited for the host issuing them."""
+    prompt = ids.shape[1]
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+        n0 = len(rt.recorder.spans)
+        model(ids[:, :1], past_key_values=cache, use_cache=True, cache_position=torch.tensor([prompt]).cuda())
+        torch.cuda.synchronize()
+    return [sp for sp in list(rt.recorder.spans)[n0:] if sp.kind == "op"]
 
 
 def paged_row(gpu: str, requests: int, blocks: int | None = None) -> str:
@@ -259,7 +273,7 @@ def main() -> None:
     print(f"# transformers generate(), bf16, greedy, {NEW_TOKENS} new tokens, virtual clock")
     head = (
         f"{'model':<10} {'gpu':<9} {'batch':>5} {'prompt':>6} {'TTFT':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
-        f"{'tok/s':>8} {'KV peak':>9} {'step GPU':>9} {'bound':>9} {'ratio':>6} {'GEMM':>6} "
+        f"{'tok/s':>8} {'KV peak':>9} {'step GPU':>9} {'bound':>9} {'ratio':>6} {'GEMM':>6} {'static':>6} "
         f"{'wall/step':>9} {'in model':>9}"
     )
     print(head)
@@ -287,8 +301,9 @@ def _line(case: Case, row: dict[str, Any], kernels: StepKernels | None, bandwidt
         bound = (kernels.weight_bytes + kernels.kv_bytes) / bandwidth
         gemm = kernels.gemm_seconds / (kernels.weight_bytes / bandwidth)
         line += f" {kernels.seconds * ms:>7.2f}ms {bound * ms:>7.2f}ms {kernels.seconds / bound:>6.2f} {gemm:>6.2f}"
+        line += f" {kernels.static_seconds / bound:>6.2f}"
     else:
-        line += f" {'-':>9} {'-':>9} {'-':>6} {'-':>6}"
+        line += f" {'-':>9} {'-':>9} {'-':>6} {'-':>6} {'-':>6}"
     return line + f" {row['wall_step'] * ms:>7.2f}ms {row['wall_call'] * ms:>7.2f}ms"
 
 
