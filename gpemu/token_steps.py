@@ -1,8 +1,7 @@
 """The token steps of a generation or serving loop, noted as its model calls return (replayed or
 op by op: ``rt.model_time.serving``): the records :mod:`gpemu.serving` computes the serving
-metrics from (kept apart from them: the metrics need no
-torch, and :mod:`gpemu.observe`, which uses them, is imported by ``gpemu run``'s bootstrap in
-processes that never import torch)."""
+metrics from (kept apart from them: the metrics need no torch, and :mod:`gpemu.observe`, which
+uses them, is imported by ``gpemu run``'s bootstrap in processes that never import torch)."""
 
 from __future__ import annotations
 

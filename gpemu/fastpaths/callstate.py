@@ -207,22 +207,27 @@ class Template:
                     x = values[parent][step]
                 if x.__class__ is not cls:
                     return None
-                if how == _EMU:
+                # (the kinds in the order an HF cache has most of them: plain values, tensors, objects)
+                if how == _PLAIN_V:
+                    if not (x is check or x == check):
+                        return None
+                elif how == _EMU:
                     k = x.emu_key  # (shape, stride, offset, dtype, device)
                     if (k[3], k[4], len(k[0]), _requires_grad(x), x.emu_shadow is not None) != check:
                         return None
                     numbers += k[0]
                     numbers += k[1]
                     numbers.append(int(k[2]))
+                elif how == _OBJ:
+                    if id(x) in seen or tuple(x.__dict__) != check:
+                        return None
+                    seen.add(id(x))
                 elif how == _NUM:
                     numbers.append(x)
-                elif how >= _SEQ and how <= _OBJ:
+                elif how == _SEQ or how == _MAP:
                     if id(x) in seen or _keys(how, x) != check:
                         return None
                     seen.add(id(x))
-                elif how == _PLAIN_V:
-                    if not (x is check or x == check):
-                        return None
                 elif how == _HOST:
                     if _host_check(x) != check:
                         return None
