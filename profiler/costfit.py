@@ -52,6 +52,7 @@ from gpemu.costmodel.model import (
     INTENSITY_CLASSES,
     MATMUL_CLASSES,
     PARAMS_PATH,
+    STREAMING_KEYS,
     CostModel,
     depth_mask,
     dominant_mix,
@@ -60,7 +61,7 @@ from gpemu.costmodel.model import (
     work_and_shape,
 )
 from gpemu.costmodel.precision import FP32, compute_peak
-from gpemu.costmodel.published import GEMM_PLATEAU_SIMT, KERNEL_RAMP_MAX
+from gpemu.costmodel.published import GEMM_PLATEAU_SIMT, KERNEL_RAMP_MAX, STREAM_FILL_MAX, stream_plateau
 from gpemu.costmodel.table import CLASSES, OpTable, concat_tables
 
 __all__ = [
@@ -209,13 +210,15 @@ def _is_gemm(key: str, path: str) -> bool:
 @dataclass
 class _KeyParameters:
     """One curve key's five fitting parameters (log e, log x0, p, log h, log k0): their bounds,
-    prior means and prior weights; ``fixed_e``: a plateau the fit may not move (GEMMs)."""
+    prior means and prior weights; ``fixed_e``: a plateau the fit may not move (GEMMs, streaming
+    kernels); ``fixed_p``: a ramp shape it may not move (streaming kernels: a fixed fill time)."""
 
     lo: list[float]
     hi: list[float]
     mu: list[float]
     weight: list[float]
     fixed_e: float | None = None
+    fixed_p: float | None = None
 
 
 class _Problem:
@@ -298,12 +301,17 @@ class _Problem:
             if kp.fixed_e is not None:
                 free[_NP * i] = False
                 self.mu_full[_NP * i] = math.log(kp.fixed_e)
+            if kp.fixed_p is not None:
+                free[_NP * i + 2] = False
+                self.mu_full[_NP * i + 2] = kp.fixed_p
         self.free = np.flatnonzero(free)
         self.template = self.mu_full.copy()
         self.template[~free] = math.log(1e-9)
         for i, kp in enumerate(per_key):
             if kp.fixed_e is not None:
                 self.template[_NP * i] = math.log(kp.fixed_e)
+            if kp.fixed_p is not None:
+                self.template[_NP * i + 2] = kp.fixed_p
 
     def _key_parameters(self, k: str, i: int) -> _KeyParameters:
         path = self.paths[k]
@@ -317,6 +325,16 @@ class _Problem:
             # priced at a tenth of the bandwidth. (Depthwise convolutions and pooling, priced
             # by their intensity, keep the ramp the data gives them.)
             x0_hi = KERNEL_RAMP_MAX * self.sheet.memory_bandwidth / self.sheet.sm_count
+        fixed_p = None
+        if path == "memory" and k in STREAMING_KEYS:
+            # Streaming kernels: the plateau is what such kernels reach of this generation's
+            # bandwidth (published, not identifiable from the CNNs' small ops), and the ramp a
+            # fixed fill time (p = 1: seconds = bytes / rate + fill) of at most STREAM_FILL_MAX.
+            # A p below 1 makes the fill grow with the kernel (bytes^(1-p)): the fitted
+            # reduction curve (p = 0.3) priced a 64 MiB sum at 28% of the bandwidth.
+            fixed_e = stream_plateau(self.sheet.generation)
+            fixed_p = 1.0
+            x0_hi = STREAM_FILL_MAX * self.sheet.memory_bandwidth * fixed_e / self.sheet.sm_count
         if _is_gemm(k, path):
             # Depth term: a GEMM's rate halves at K <= 64 at the latest (below that writing its
             # output tile, not multiplying, bounds it; the roofline floor prices that). Unbounded,
@@ -345,6 +363,7 @@ class _Problem:
             ],
             weight=[_PRIOR["le"][1], _PRIOR["lx0_compute"][1], _PRIOR["p"][1], _PRIOR["lh"][1], _PRIOR["lk0"][1]],
             fixed_e=fixed_e,
+            fixed_p=fixed_p,
         )
 
     def full(self, x: np.ndarray) -> np.ndarray:

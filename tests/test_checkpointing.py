@@ -60,8 +60,10 @@ def test_recompute_is_charged_and_memory_drops(model_name) -> None:
     plain = _steps(None, model_name)
     for reentrant in (True, False):
         ck = _steps(reentrant, model_name)
-        # every step the same (the recorded one and the replays)
-        assert ck[1][0] == pytest.approx(ck[2][0]) and ck[1][0] == pytest.approx(ck[0][0], rel=0.02)
+        # every step the same (the replays exactly; the recorded one, run op by op at kernel time,
+        # without the calibration hosts' per-op term (h) a replayed pass carries under --host none:
+        # since the streaming refit, 4% here, three ReLUs' h of ~40 us on an A100)
+        assert ck[1][0] == pytest.approx(ck[2][0]) and ck[1][0] == pytest.approx(ck[0][0], rel=0.05)
         extra = ck[2][0] - plain[2][0]
         assert extra > 0, (reentrant, model_name)  # the recomputed forward is charged
         if model_name is None:  # priced by ops: at most one more forward (of the blocks)

@@ -472,6 +472,10 @@ _GATHERS = frozenset({"embedding", "index", "index_select", "gather"})
 _SCATTERS = frozenset({"index_put", "_index_put_impl", "index_copy", "index_add"})
 
 
+# Ops that overwrite their first argument without reading it (copy_(dst, src) reads src, writes dst).
+_OVERWRITES = frozenset({"copy", "fill", "zero"})
+
+
 def _indexed_bytes(name: str, func: Any, args: tuple, out_ts: list[Any]) -> float | None:
     """Bytes of a gather (indices, the rows read, the output written) or of an in-place scatter
     (indices, the values read, as many bytes written); None for any other op."""
@@ -636,7 +640,8 @@ def classify(
             cls = OpClass.CONV  # odd overload: fall through to bytes-only features
     nbytes = _indexed_bytes(name, func, args, out_ts)
     if nbytes is None:
-        nbytes = _bytes_moved(in_ts, out_ts)
+        read = list(_tensors((args[1:], kwargs))) if name in _OVERWRITES else in_ts
+        nbytes = _bytes_moved(read, out_ts)
     n_out = float(sum(int(t.numel()) for t in out_ts))
     if cls is OpClass.GEMM:
         try:

@@ -51,9 +51,16 @@ import numpy as np
 
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
 from .curve import Curve, kernel_arrays, kernel_seconds, queue_arrays, queue_seconds
-from .gpus import GpuSheet, donor_chain, gpu_sheet
+from .gpus import GENERATIONS, GpuSheet, donor_chain, gpu_sheet
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
-from .published import ATTENTION_FACTOR, GEMM_PLATEAU_SIMT, MEMORY_PLATEAU, carried_share, tensor_plateau
+from .published import (
+    ATTENTION_FACTOR,
+    GEMM_PLATEAU_SIMT,
+    MEMORY_PLATEAU,
+    carried_share,
+    stream_plateau,
+    tensor_plateau,
+)
 from .table import CLASSES, DTYPES, OpTable
 
 __all__ = [
@@ -69,6 +76,7 @@ __all__ = [
     "dominant_mix_of",
     "INTENSITY_CLASSES",
     "MATMUL_CLASSES",
+    "STREAMING_KEYS",
     "work_and_shape",
     "depth_mask",
     "floor_seconds",
@@ -96,6 +104,11 @@ _STANDINS: dict[str, tuple[str, ...]] = {
 INTENSITY_CLASSES = frozenset({OpClass.CONV_DEPTHWISE, OpClass.POOLING})
 # The matmul family: one GEMM curve per generation and pass, a roofline floor (module docstring).
 MATMUL_CLASSES = frozenset({OpClass.GEMM, OpClass.ATTENTION})
+# Streaming kernels (curve keys): each byte read or written once, so a large one runs at the
+# bandwidth a streaming kernel reaches on its GPU (:func:`~gpemu.costmodel.published.stream_plateau`
+# of the GPU's own generation, whichever generation's curve prices it). Not a reduction's backward
+# (softmax's reads its inputs twice: 45% of the bandwidth on a real H100) nor norms (several passes).
+STREAMING_KEYS = frozenset({"elementwise.fwd", "elementwise.bwd", "copy.fwd", "copy.bwd", "reduction.fwd"})
 
 
 def depth_mask(table: OpTable, is_comp: np.ndarray) -> np.ndarray:
@@ -321,6 +334,9 @@ class CostModel:
         else:
             r = self.resolve(sheet, key, "memory")
             curve, floor, peak = r.curve, False, sheet.memory_bandwidth
+            if key in STREAMING_KEYS and curve.path == "memory" and r.generation in GENERATIONS:
+                # (a GPU's own kernel measurements, gpemu profile --ops, keep the plateau they show)
+                curve = replace(curve, e=stream_plateau(sheet.generation))
         share = carried_share(sheet.generation, r.generation)
         hit = _Priced(curve, peak * share, floor, r.generation, sheet.memory_bandwidth * share)
         self._priced_memo[memo_key] = hit

@@ -22,6 +22,10 @@ __all__ = [
     "ATTENTION_FACTOR",
     "KERNEL_RAMP_MAX",
     "MEMORY_PLATEAU",
+    "STREAM_PLATEAU",
+    "STREAM_PLATEAU_DEFAULT",
+    "stream_plateau",
+    "STREAM_FILL_MAX",
     "PUBLISHED_GEMMS",
     "PublishedGemm",
 ]
@@ -66,6 +70,35 @@ ATTENTION_FACTOR = {"fwd": 0.85, "bwd": 0.58}
 # best case, so the top of that range. (The fitted elementwise curves are no floor: a backward
 # elementwise pass fits to 20-50% of the bandwidth, because it also carries autograd's bookkeeping.)
 MEMORY_PLATEAU = 0.9
+
+# What a well-written streaming kernel (an elementwise op, a copy or cat, a large reduction) reaches
+# of the datasheet bandwidth, per generation: the plateau of those curves. The CNN measurements
+# cannot identify it (their streaming ops are small, and their per-op costs drag a fitted plateau
+# to 40-50%, so a 64 MiB add priced at 45% of an A100's bandwidth); fixed here like the GEMMs'.
+#   * Volta: V100 PCIe 750 of 900 GB/s, 83% (Jia et al., "Dissecting the NVIDIA Volta GPU
+#     Architecture via Microbenchmarking", arXiv:1804.06826, 2018, global memory throughput);
+#   * Ampere: A100 80GB SXM 1.80 of 2.04 TB/s, 88%, Nsight Compute agreeing, and "around 90%" the
+#     most any kernel reached in an NVIDIA GTC talk (forums.developer.nvidia.com, "Trouble to reach
+#     peak bandwidth of A100").
+#   * Hopper: H100 80GB HBM3 (SXM), the op sweep in benchmarks/data/h100-2026-11-26.json (CUDA
+#     events, 64-768 MiB): add 3.04, threshold_backward 3.03, clone 2.94, cat 2.88, sum 2.82 TB/s
+#     of 3.35: 84-91%, 88% the middle.
+# Other generations: no figure found here; 85% stands in (the middle of the 80-90% that
+# BabelStream-style copy and triad kernels reach on recent HBM GPUs).
+STREAM_PLATEAU = {"volta": 0.83, "ampere": 0.88, "hopper": 0.88}
+STREAM_PLATEAU_DEFAULT = 0.85
+
+# A streaming kernel's fixed time (its launch on the GPU, its first and last waves) is at most this
+# much: the same sweep's smallest kernels (16 KiB-1 MiB) took 2.1-2.6 us (elementwise, copies) and
+# 3.5-4.8 us (a sum's two stages). A bound for the fit, like KERNEL_RAMP_MAX: the rest of the CNN
+# measurements' per-op costs is host time.
+STREAM_FILL_MAX = 5e-6
+
+
+def stream_plateau(generation: str) -> float:
+    """Plateau of a large streaming kernel on a GPU of ``generation`` (fraction of its bandwidth)."""
+    return STREAM_PLATEAU.get(generation, STREAM_PLATEAU_DEFAULT)
+
 
 # What an SM generation delivers of its datasheet figures, relative to Maxwell's SM and every later
 # one (1.0). Curves calibrated on one generation price another generation's GPU (a datasheet GPU,
