@@ -451,8 +451,12 @@ def _wait_for_issue(engine: Any, call: _Call) -> None:
     the pass, what the kernels waited for the host, is charged as the forward's own time. On a
     real clock the host already took its time here (when it took more: nothing is added). Not
     for a call whose submodules are units of their own: a replayed unit is charged by its kernels
-    (see :func:`_pass_seconds`), so that call's pass depends on which units replayed."""
-    if call.t0 is None or engine.in_charged_scope:
+    (see :func:`_pass_seconds`), so that call's pass depends on which units replayed; nor inside
+    one launch (a CUDA graph's replay, ``torch.compile(mode="reduce-overhead")``): its kernels
+    were issued together; nor while a graph is captured (its replays have no host gaps)."""
+    if call.t0 is None or engine.in_charged_scope or engine.local.host.launching:
+        return
+    if engine.capture_here(call.dev) is not None:
         return
     stream = engine.stream(call.dev)
     waited = call.t0 + call.fwd_s - max(stream.busy_until, engine.now())
