@@ -13,13 +13,23 @@ Columns:
   an eager step that is host-bound, as HF's is at batch 1, shows the host issue time the cost
   model prices for its kernels);
 * **step GPU**: the kernels of one decode step at the prompt's length, back to back (op by op,
-  replay off, on a virtual clock: no host time at all); **bound**: the bytes it must read
+  replay off, on a virtual clock: the ops' own spans, not the time they wait for the host that
+  issues them); **bound**: the bytes it must read
   (the weights but the input embedding's table, the KV cache) over the GPU's memory
-  bandwidth; the ratio of the two; **GEMM**: the step's matrix products against the time to read
-  the weights they multiply at that bandwidth (how close the memory-bound part is priced);
+  bandwidth; the ratio of the two (**static**: the same step with HF's ``StaticCache``, which
+  writes the new keys and values in place instead of copying the cache); **GEMM**: the step's
+  matrix products against the time to read the weights they multiply at that bandwidth (how
+  close the memory-bound part is priced);
 * **wall/step**: this machine's wall time per replayed decode step (a generate of 40 tokens less
   one of 8, over 32), HF's own loop included; **in model**: of it, inside the model's call (the
   emulator's replay: the target being <= 1 ms); medians over the replayed steps.
+
+The paged-KV rows run examples/serving_paged.py's continuous-batching server (a pool of 16-token
+blocks sized by vLLM's rule, 90% of the GPU's memory): **blocks** in the pool, bytes per block
+(**/block**, all layers' keys and values), blocks in use at the **peak**, preemptions (**pre**),
+TTFT and TPOT from each request's arrival (queueing included), gpemu's per-call metrics
+(**call TTFT/TPOT**) and the KV cache it saw held (the pool); the last row asks for a pool that
+does not fit.
 
 GPT-2's position table is extended to 2,112 positions for the 2048-token prompts (GPT-2 small
 has 1,024). A case that does not fit the GPU's memory shows the emulated OOM.
@@ -121,9 +131,9 @@ def serve_rows(name: str, gpu: str, cases: list[Case]) -> dict[Case, dict[str, A
         for case in cases:
             try:
                 _generate(model, case, NEW_TOKENS)  # records and finds the decode steps' line
-                first = len(rt.replay.serving.steps)
+                first = len(rt.model_time.serving.steps)
                 calls = _generate(model, case, NEW_TOKENS)
-                s = serving_summary(rt.replay.serving.steps[first:])
+                s = serving_summary(rt.model_time.serving.steps[first:])
                 # replayed decode steps (the prefill and the first decode step left out): medians
                 # (this machine is shared: a mean takes in other programs' bursts)
                 gaps = [b - a for a, b in zip(calls.starts[2:], calls.starts[3:], strict=False)]
@@ -146,6 +156,7 @@ class StepKernels(NamedTuple):
     gemm_seconds: float  # its matrix products (the weights' reads)
     weight_bytes: int  # the weights a step reads (all but the input embedding's table)
     kv_bytes: int  # its KV cache
+    static_seconds: float  # the same step with HF's static cache (written in place, no copy)
 
 
 _GEMMS = ("mm.default", "addmm.default", "bmm.default")
@@ -153,7 +164,8 @@ _GEMMS = ("mm.default", "addmm.default", "bmm.default")
 
 def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepKernels]:
     """One decode step's kernels back to back at the prompt's length, and the bytes it must read:
-    every weight once but the input embedding's table (one row per token), and the KV cache."""
+    every weight once but the input embedding's table (one row per token), and the KV cache; with
+    HF's dynamic cache (``cat``: a new cache every step) and its static one (written in place)."""
     rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock(), replay=False)
     out: dict[Case, StepKernels] = {}
     try:
@@ -164,23 +176,77 @@ def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepK
         weights = sum(p.numel() * p.element_size() for p in model.parameters()) - table.numel() * table.element_size()
         for case in cases:
             try:
-                cache = transformers.DynamicCache(config=model.config)
                 ids = torch.randint(0, 50000, (case.batch, case.prompt)).cuda()
-                with torch.no_grad():
-                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    torch.cuda.synchronize()
-                    kv = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
-                    t0, n0 = rt.engine.now(), len(rt.recorder.spans)
-                    model(ids[:, :1], past_key_values=cache, use_cache=True)
-                    torch.cuda.synchronize()
-                gemm = sum(sp.end - sp.start for sp in list(rt.recorder.spans)[n0:] if sp.name in _GEMMS)
-                out[case] = StepKernels(rt.engine.now() - t0, gemm, weights, kv)
+                cache: Any = transformers.DynamicCache(config=model.config)
+                ops = _decode_step_ops(rt, model, cache, ids)
+                kv = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
                 del cache
+                cache = transformers.StaticCache(config=model.config, max_cache_len=case.prompt + 16)
+                static = _decode_step_ops(rt, model, cache, ids)
+                del cache
+                gemm = sum(sp.end - sp.start for sp in ops if sp.name in _GEMMS)
+                seconds = sum(sp.end - sp.start for sp in ops)
+                out[case] = StepKernels(seconds, gemm, weights, kv, sum(sp.end - sp.start for sp in static))
             except torch.cuda.OutOfMemoryError:
                 pass
     finally:
         gpemu.unpatch()
     return out
+
+
+def _decode_step_ops(rt: Any, model: Any, cache: Any, ids: torch.Tensor) -> list:
+    """The ops (GPU spans) of one decode step after a prefill of ``ids`` into ``cache``: its
+    kernels, not the time they waited for the host issuing them."""
+    prompt = ids.shape[1]
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+        n0 = len(rt.recorder.spans)
+        model(ids[:, :1], past_key_values=cache, use_cache=True, cache_position=torch.tensor([prompt]).cuda())
+        torch.cuda.synchronize()
+    return [sp for sp in list(rt.recorder.spans)[n0:] if sp.kind == "op"]
+
+
+def paged_row(gpu: str, requests: int, blocks: int | None = None) -> str:
+    """examples/serving_paged.py's server on ``gpu`` (a 1 B-parameter Llama-shaped decoder in fp16,
+    16 layers, a pool of 16-token blocks sized by vLLM's rule unless ``blocks`` is given): its
+    pool, TTFT/TPOT from arrival (queueing included), blocks in use, and gpemu's serving metrics."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "serving_paged.py"
+    spec = importlib.util.spec_from_file_location("serving_paged", path)
+    assert spec is not None and spec.loader is not None
+    ex = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ex
+    spec.loader.exec_module(ex)
+    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock())
+    try:
+        torch.manual_seed(0)
+        model = ex.Decoder(vocab=32000, dim=2048, layers=16, heads=16, hidden=5632).half().cuda().eval()
+        per_block = ex.PagedKV.block_bytes(16, 16, 16, 128, torch.float16)
+        n = ex.pool_blocks(blocks, 0.9, per_block)
+        try:
+            cache = ex.PagedKV(16, n, 16, 16, 128, torch.float16)
+        except torch.cuda.OutOfMemoryError:
+            return f"{gpu:<9} pool of {n} blocks ({n * per_block / 2**30:.1f} GiB): out of memory on the emulated GPU"
+        reqs = ex.make_requests(requests, 6.0, 0)
+        server = ex.Server(model, cache, 32)
+        with torch.no_grad():
+            ex.serve(server, reqs)
+        s = serving_summary(rt.model_time.serving.steps)
+        del cache
+    finally:
+        gpemu.unpatch()
+    ttft = sorted(r.first_token - r.arrival for r in reqs)
+    tpot = sorted((r.done - r.first_token) / max(1, r.made - 1) for r in reqs)
+    return (
+        f"{gpu:<9} {n:>7} {per_block / 2**20:>6.2f}Mi {server.peak_blocks:>5} {server.preemptions:>4} "
+        f"{statistics.median(ttft) * 1e3:>8.1f}ms {statistics.median(tpot) * 1e3:>7.2f}ms "
+        f"{s['ttft']['p50_s'] * 1e3:>8.2f}ms {s['tpot']['p50_s'] * 1e3:>7.2f}ms "
+        f"{s['kv_cache_peak_bytes'] / 2**30:>7.2f}Gi"
+    )
 
 
 def main() -> None:
@@ -189,12 +255,25 @@ def main() -> None:
     ap.add_argument("--gpus", default="A100,H100")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompts", default="128,2048")
+    ap.add_argument("--paged", type=int, default=16, help="requests for the paged-KV server (0: none)")
+    ap.add_argument("--only-paged", action="store_true", help="the paged-KV server's rows alone")
     a = ap.parse_args()
     print(f"# {machine()}")
+    if a.paged:
+        print(f"# examples/serving_paged.py: {a.paged} requests at 6/s, 1 B Llama-shaped fp16, 16-token blocks")
+        print(
+            f"{'gpu':<9} {'blocks':>7} {'/block':>8} {'peak':>5} {'pre':>4} {'TTFT p50':>10} {'TPOT p50':>9} "
+            f"{'call TTFT':>10} {'call TPOT':>9} {'KV held':>9}"
+        )
+        for gpu in a.gpus.split(","):
+            print(paged_row(gpu, a.paged))
+        print(paged_row(a.gpus.split(",")[0], a.paged, blocks=1_000_000))
+    if a.only_paged:
+        return
     print(f"# transformers generate(), bf16, greedy, {NEW_TOKENS} new tokens, virtual clock")
     head = (
         f"{'model':<10} {'gpu':<9} {'batch':>5} {'prompt':>6} {'TTFT':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
-        f"{'tok/s':>8} {'KV peak':>9} {'step GPU':>9} {'bound':>9} {'ratio':>6} {'GEMM':>6} "
+        f"{'tok/s':>8} {'KV peak':>9} {'step GPU':>9} {'bound':>9} {'ratio':>6} {'GEMM':>6} {'static':>6} "
         f"{'wall/step':>9} {'in model':>9}"
     )
     print(head)
@@ -222,8 +301,9 @@ def _line(case: Case, row: dict[str, Any], kernels: StepKernels | None, bandwidt
         bound = (kernels.weight_bytes + kernels.kv_bytes) / bandwidth
         gemm = kernels.gemm_seconds / (kernels.weight_bytes / bandwidth)
         line += f" {kernels.seconds * ms:>7.2f}ms {bound * ms:>7.2f}ms {kernels.seconds / bound:>6.2f} {gemm:>6.2f}"
+        line += f" {kernels.static_seconds / bound:>6.2f}"
     else:
-        line += f" {'-':>9} {'-':>9} {'-':>6} {'-':>6}"
+        line += f" {'-':>9} {'-':>9} {'-':>6} {'-':>6} {'-':>6}"
     return line + f" {row['wall_step'] * ms:>7.2f}ms {row['wall_call'] * ms:>7.2f}ms"
 
 

@@ -37,6 +37,7 @@ from . import costs
 from .device import EmuTensor, OutputSpec, OwnNodes
 from .identify import confirm_parts, identify
 from .reference import measured_on
+from .token_steps import ServingLog
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _next_node = torch._C._autograd._get_sequence_nr  # the next autograd node's number on this thread
@@ -142,6 +143,8 @@ class ModelTime:
         # (model, gpu, forward / backward provenance, uncertainty, how).
         self.sources: dict[tuple[str, int], dict[str, Any]] = {}
         self.orig_call: Any = torch.nn.Module.__call__  # torch's own (set at install)
+        # The token steps of generation and serving loops (gpemu.serving), replayed or not.
+        self.serving = ServingLog()
 
     def outermost(self) -> bool:
         """True when the calling thread is not already inside an outermost module call."""
@@ -208,7 +211,10 @@ class ModelTime:
         mem.sample()
         leaves, treespec = tree_flatten(out)
         ok = _replayable(leaves, args, kwargs, params, record)
-        if ok and call.gaps > 0:
+        # (a call recorded for replay whose outputs cannot be replayed runs op by op from now on with
+        # its submodules as units, priced by their kernels: no gaps; one without autograd, a prefill,
+        # goes to the shape-class replays, which charge whole passes: its gaps are charged too)
+        if call.gaps > 0 and (record is None or ok or not torch.is_grad_enabled()):
             _charge_issue_gaps(rt.engine, dev, call.gaps, call.ident.label, "forward")
         if record is not None:
             _fill_times(record, call, params, mem.allocated, peak)
@@ -299,8 +305,11 @@ class ModelTime:
             if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
                 _charge_issue(engine, tap)
-            elif not unit and not in_backward:
-                call.gaps = tap.pass_seconds - tap.seconds  # (charged once the call proves replayable)
+            elif not unit and not in_backward and not open_children:
+                # (its ops charged themselves; the pass's issue gaps are charged once its outputs
+                # are known. Not for a call whose submodules are units of their own: a replayed
+                # unit is charged by its kernels, so its pass depends on which units replayed)
+                call.gaps = tap.pass_seconds - tap.seconds
         else:
             ratio = _ratio(tap)
             call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
@@ -823,9 +832,12 @@ def _make_call(mt: ModelTime, orig_call: Any) -> Any:
         t0 = engine.now()
         mt.enter()
         try:
-            return mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)
+            out = mt.run_charged(orig_call, self, args, kwargs, dev, list(self.parameters()), t0=t0)
         finally:
             mt.leave()
+        if not torch.is_grad_enabled():  # generation, serving (see gpemu.token_steps)
+            mt.serving.note(engine, args, kwargs, dev, t0)
+        return out
 
     __call__.__wrapped__ = orig_call  # type: ignore[attr-defined]
     return __call__

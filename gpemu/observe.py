@@ -137,7 +137,7 @@ def records_from_runtime(rt: Runtime) -> RunRecords:
         models=[dict(m) for m in rt.model_time.sources.values()] if rt.model_time is not None else [],
         clock="virtual" if rt.config.virtual_time else "real",
         wall_s=REAL.perf_counter() - engine.started_wall if rt.config.virtual_time and engine is not None else None,
-        serving=list(rt.replay.serving.steps) if rt.replay is not None else [],
+        serving=list(rt.model_time.serving.steps) if rt.model_time is not None else [],
     )
 
 

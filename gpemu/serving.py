@@ -1,7 +1,7 @@
 """Serving metrics (issue 33): time to first token, time per output token, tokens/s and the
 KV cache's peak, from the model calls of a generation or serving loop.
 
-A **token step** (noted by :mod:`gpemu.fastpaths.token_steps`) is an outermost model call
+A **token step** (noted by :mod:`gpemu.token_steps`) is an outermost model call
 without autograd whose arguments include token ids (an integer tensor, ``(batch, positions)``):
 a call over several positions is a **prefill** (it reads a prompt and gives each sequence its
 first token), a call over one position is a **decode** step (one more token per sequence).

@@ -307,3 +307,43 @@ def test_a_loop_without_cache_is_one_shape_class_along_its_length() -> None:
         assert times[-1] > times[-2] > times[-3]  # a longer sequence costs more
     finally:
         gpemu.unpatch()
+
+
+def test_an_op_by_op_call_and_its_replays_wait_alike_for_the_host() -> None:
+    """A forward of many small kernels is bound by the host issuing them: run op by op (a prefill,
+    a first call) it ends where its replays end, not when its kernels alone would."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    try:
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)]).cuda().eval()
+        x = torch.randn(2, 16).cuda()
+        took, kernels = [], []
+        with torch.no_grad():
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0, n0 = rt.engine.now(), len(rt.recorder.spans)
+                model(x)
+                torch.cuda.synchronize()
+                took.append(rt.engine.now() - t0)
+                spans = list(rt.recorder.spans)[n0:]
+                kernels.append(sum(s.end - s.start for s in spans if s.kind == "op" and "issue gaps" not in s.name))
+        assert rt.replay.info()["replayed"] >= 2
+        # (op by op: its kernels and the pass's host issue gaps, gpemu.model_time._charge_issue_gaps)
+        assert kernels[0] > 0 and took[0] > 1.5 * kernels[0]
+        assert took[0] == pytest.approx(took[1], rel=1e-6) and took[1] == pytest.approx(took[2], rel=1e-6)
+    finally:
+        gpemu.unpatch()
+
+
+def test_serving_metrics_without_replay() -> None:
+    """Replay off (every call op by op): the same token steps, KV cache and a TPOT as with it."""
+    from gpemu.observe import compute_summary, records_from_runtime
+
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock(), replay=False)
+    try:
+        cache = _serve(rt, steps=6, batch=2, prompt=10, dim=32)  # (16 positions: whole 512-byte blocks)
+        s = compute_summary(records_from_runtime(rt))["serving"]
+    finally:
+        gpemu.unpatch()
+    assert (s["prefills"], s["decode_steps"], s["generated_tokens"]) == (1, 6, 14)
+    assert s["kv_cache_peak_bytes"] == sum(k.untyped_storage().nbytes() for k in cache.keys + cache.values)
+    assert 0 < s["tpot"]["p50_s"] <= s["tpot"]["p99_s"]

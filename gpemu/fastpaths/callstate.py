@@ -20,7 +20,19 @@ import torch
 from gpemu.device import EmuTensor, host_shadow
 from gpemu.model_time import PLAIN_VALUES
 
-__all__ = ["Leaf", "TENSOR", "NUMBER", "PLAIN", "OBJECT", "OPAQUE", "scan", "CallShape", "assign", "TooLarge"]
+__all__ = [
+    "Leaf",
+    "TENSOR",
+    "NUMBER",
+    "PLAIN",
+    "OBJECT",
+    "OPAQUE",
+    "scan",
+    "CallShape",
+    "Template",
+    "assign",
+    "TooLarge",
+]
 
 # Leaf kinds
 TENSOR, NUMBER, PLAIN, OBJECT, OPAQUE = 0, 1, 2, 3, 4
@@ -47,6 +59,7 @@ class CallShape(NamedTuple):
     leaves: list[Leaf]
     structure: tuple
     numbers: list[int]
+    template: Template | None = None  # how to read the next call of this structure quickly
 
 
 class TooLarge(Exception):
@@ -65,17 +78,19 @@ def scan(args: tuple, kwargs: dict) -> CallShape | None:
         scanner.visit(kwargs, ("kw",), 0)
     except TooLarge:
         return None
-    return CallShape(scanner.leaves, tuple(scanner.structure), scanner.numbers)
+    structure = tuple(scanner.structure)
+    return CallShape(scanner.leaves, structure, scanner.numbers, Template(scanner, structure))
 
 
 class _Scanner:
-    __slots__ = ("leaves", "structure", "numbers", "seen")
+    __slots__ = ("leaves", "structure", "numbers", "seen", "repeats")
 
     def __init__(self) -> None:
         self.leaves: list[Leaf] = []
         self.structure: list = []
         self.numbers: list[int] = []
         self.seen: set[int] = set()
+        self.repeats: set[int] = set()  # leaves that are an object met before (kept by identity)
 
     def visit(self, x: Any, path: tuple, depth: int) -> None:
         leaves, structure = self.leaves, self.structure
@@ -105,6 +120,8 @@ class _Scanner:
 
     def _container(self, x: Any, c: type, path: tuple, depth: int) -> None:
         if depth >= _MAX_DEPTH or id(x) in self.seen:
+            if depth < _MAX_DEPTH:
+                self.repeats.add(len(self.leaves))
             self._opaque(x, path)
             return
         visit = self.visit
@@ -143,6 +160,123 @@ _PLAIN = frozenset(PLAIN_VALUES)
 _leaf = tuple.__new__  # (a NamedTuple made without its Python-level __new__: per leaf, per call)
 # (EmuTensor's property, without it; torch's stubs type the descriptor as the bool it gives)
 _requires_grad: Callable[[torch.Tensor], bool] = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
+
+
+# How a template reads a leaf again (see Template.rescan)
+_EMU, _HOST, _NUM, _PLAIN_V, _SEQ, _MAP, _OBJ, _OPQ, _REPEAT = range(9)
+
+
+class Template:
+    """A scan's walk kept to read the next call of the same structure without walking it again:
+    per leaf, where it sits (its parent leaf, an attribute or an item) and what must hold for the
+    structure to be the same (its class, a tensor's dtype and rank, a container's keys). A decode
+    loop calls its model with the same cache object, grown: :meth:`rescan` reads its new sizes
+    in one flat pass instead of building every path and structure entry again."""
+
+    __slots__ = ("structure", "paths", "kinds", "nodes")
+
+    def __init__(self, scanner: _Scanner, structure: tuple) -> None:
+        self.structure = structure
+        self.paths = [leaf.path for leaf in scanner.leaves]
+        self.kinds = [leaf.kind for leaf in scanner.leaves]
+        index = {leaf.path: i for i, leaf in enumerate(scanner.leaves)}
+        self.nodes: list[tuple] = []
+        for i, (path, kind, x) in enumerate(scanner.leaves):
+            if len(path) == 1:  # the arguments' tuple (0) and the keyword arguments' dict (1)
+                parent, attr, step = -1, False, 0 if path[0] == "arg" else 1
+            else:
+                parent = index[path[:-1]]
+                attr = self.nodes[parent][3] == _OBJ  # (an object's attribute ".name"; else an item)
+                step = path[-1][1:] if attr else path[-1]
+            self.nodes.append((parent, attr, step, _how(kind, x, i in scanner.repeats), x.__class__, _check(kind, x)))
+
+    def rescan(self, args: tuple, kwargs: dict) -> CallShape | None:
+        """The call's state when its structure is this template's (None: it is not; scan it)."""
+        roots: tuple[Any, Any] = (args, kwargs)
+        values: list = []
+        numbers: list[int] = []
+        seen: set[int] = set()
+        add = values.append
+        try:
+            for parent, attr, step, how, cls, check in self.nodes:
+                if parent < 0:
+                    x = roots[step]
+                elif attr:
+                    x = values[parent].__dict__[step]
+                else:
+                    x = values[parent][step]
+                if x.__class__ is not cls:
+                    return None
+                # (the kinds in the order an HF cache has most of them: plain values, tensors, objects)
+                if how == _PLAIN_V:
+                    if not (x is check or x == check):
+                        return None
+                elif how == _EMU:
+                    k = x.emu_key  # (shape, stride, offset, dtype, device)
+                    if (k[3], k[4], len(k[0]), _requires_grad(x), x.emu_shadow is not None) != check:
+                        return None
+                    numbers += k[0]
+                    numbers += k[1]
+                    numbers.append(int(k[2]))
+                elif how == _OBJ:
+                    if id(x) in seen or tuple(x.__dict__) != check:
+                        return None
+                    seen.add(id(x))
+                elif how == _NUM:
+                    numbers.append(x)
+                elif how == _SEQ or how == _MAP:
+                    if id(x) in seen or _keys(how, x) != check:
+                        return None
+                    seen.add(id(x))
+                elif how == _HOST:
+                    if _host_check(x) != check:
+                        return None
+                elif how == _REPEAT and id(x) not in seen:
+                    return None
+                add(x)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return None
+        leaves = [_leaf(Leaf, leaf) for leaf in zip(self.paths, self.kinds, values, strict=True)]
+        return CallShape(leaves, self.structure, numbers, self)
+
+
+def _how(kind: int, x: Any, repeat: bool) -> int:
+    if kind == TENSOR:
+        return _EMU if x.__class__ is EmuTensor else _HOST
+    if kind == NUMBER:
+        return _NUM
+    if kind == PLAIN:
+        return _PLAIN_V
+    if kind == OPAQUE:
+        return _REPEAT if repeat else _OPQ
+    if isinstance(x, (tuple, list)):
+        return _SEQ
+    return _MAP if isinstance(x, dict) else _OBJ
+
+
+def _check(kind: int, x: Any) -> Any:
+    if kind == TENSOR:
+        if x.__class__ is EmuTensor:
+            k = x.emu_key
+            return (k[3], k[4], len(k[0]), _requires_grad(x), x.emu_shadow is not None)
+        return _host_check(x)
+    if kind == PLAIN:
+        return x
+    if kind == OBJECT:
+        how = _how(kind, x, False)
+        return _keys(how, x)
+    return None
+
+
+def _keys(how: int, x: Any) -> Any:
+    """What a container's structure holds of it: its length, or its keys in order."""
+    if how == _SEQ:
+        return len(x)
+    return tuple(x) if how == _MAP else tuple(x.__dict__)
+
+
+def _host_check(x: torch.Tensor) -> tuple:
+    return (x.dtype, tuple(x.shape), x.stride(), host_shadow(x) is not None)
 
 
 def assign(parent: Any, step: Any, value: Any) -> None:

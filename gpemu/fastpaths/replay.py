@@ -55,7 +55,6 @@ from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_devic
 
 from .gradients import GradientState, grad_spec
 from .shape_class import ShapeClasses, class_call
-from .token_steps import ServingLog
 
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
@@ -140,7 +139,7 @@ class ReplayState:
         # Calls without autograd (generation, serving): modules replayed by shape class from now
         # on (gpemu.fastpaths.shape_class), and how many exact-shape recordings each made.
         self.classes = ShapeClasses()
-        self.serving = ServingLog()  # the token steps of generation loops (gpemu.serving)
+        self.serving = self.model_time.serving  # the token steps of generation loops (gpemu.serving)
         self.by_class: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self.no_grad_keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from operator import is_
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from gpemu.device import EmuTensor
 from gpemu.memory import round_size
 from gpemu.model_time import CallRecord
 
-from .callstate import NUMBER, OBJECT, OPAQUE, PLAIN, TENSOR, CallShape, Leaf, assign, scan
+from .callstate import NUMBER, OBJECT, OPAQUE, PLAIN, TENSOR, CallShape, Leaf, Template, assign, scan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .replay import ReplayState
@@ -189,6 +189,49 @@ class ShapeClasses:
     def __init__(self) -> None:
         self.modules: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
         self.stats = {"recorded": 0, "replayed": 0, "lines": 0}
+        # per module, its last call's walk and the structure it found: a decode loop's next call
+        # reads its cache along the same walk and finds its structure without hashing it
+        self.templates: weakref.WeakKeyDictionary[torch.nn.Module, Template] = weakref.WeakKeyDictionary()
+        self.last: weakref.WeakKeyDictionary[torch.nn.Module, _Last] = weakref.WeakKeyDictionary()
+
+    def read(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> CallShape | None:
+        """The call's state: along the module's last walk when the structure is the same."""
+        template = self.templates.get(module)
+        shape = template.rescan(args, kwargs) if template is not None else None
+        if shape is None:
+            shape = scan(args, kwargs)
+            if shape is not None and shape.template is not None:
+                self.templates[module] = shape.template
+        return shape
+
+    def structure(self, module: torch.nn.Module, shape: CallShape, situation: tuple) -> _Structure | None:
+        """The recordings and lines of this structure in this situation (None: not hashable)."""
+        last = self.last.get(module)
+        if last is not None and last.structure is shape.structure and last.situation == situation:
+            return last.found
+        key = (shape.structure, situation)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        table = self.modules.get(module)
+        if table is None:
+            table = self.modules[module] = {}
+        st = table.get(key)
+        if st is None:
+            if len(table) >= 64:
+                table.clear()
+            st = table[key] = _Structure()
+        self.last[module] = _Last(shape.structure, situation, st)
+        return st
+
+
+class _Last(NamedTuple):
+    """A module's last structure and situation, and what they found."""
+
+    structure: tuple
+    situation: tuple
+    found: _Structure
 
 
 def _situation(R: ReplayState, flags: tuple, dev: int, unit: bool) -> tuple:
@@ -219,32 +262,18 @@ def class_call(
 ) -> Any:
     """A call without autograd: replayed from its shape class when it lies on a confirmed line,
     else run op by op and recorded."""
-    shape = scan(args, kwargs)
-    key = None
-    if shape is not None:
-        key = (shape.structure, _situation(R, flags, dev, unit))
-        try:
-            hash(key)
-        except TypeError:
-            key = None
-    mt = R.model_time
-    if key is None or shape is None:
-        return mt.run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0, open_children=True)
     C = R.classes
-    table = C.modules.get(module)
-    if table is None:
-        table = C.modules[module] = {}
-    st = table.get(key)
-    if st is None:
-        if len(table) >= 64:
-            table.clear()
-        st = table[key] = _Structure()
+    shape = C.read(module, args, kwargs)
+    st = None if shape is None else C.structure(module, shape, _situation(R, flags, dev, unit))
+    mt = R.model_time
+    if st is None or shape is None:
+        return mt.run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0, open_children=True)
     for i, cls in enumerate(st.classes):
         m = cls.step_of(shape.numbers)
         if m is not None and _same_params(cls.b.params, params):
             if i:
                 st.classes.insert(0, st.classes.pop(i))  # (the line in use first)
-            return R.ts.call(_replay_step, R, cls, m, shape.leaves, dev, t0)
+            return R.ts.call(_replay_step, R, cls, m, shape.leaves, dev, t0, not unit)
     if st.gave_up:
         return mt.run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0, open_children=True)
     out, rec = _record(R, orig_call, module, args, kwargs, dev, params, t0, unit, shape)
@@ -502,9 +531,12 @@ def _value_change(path: tuple, before: torch.Tensor | None, after: Any) -> tuple
 # ----------------------------------------------------------------------------------------------
 # replay
 # ----------------------------------------------------------------------------------------------
-def _replay_step(R: ReplayState, cls: ShapeClass, m: int, entry: list[Leaf], dev: int, t0: float | None) -> Any:
+def _replay_step(
+    R: ReplayState, cls: ShapeClass, m: int, entry: list[Leaf], dev: int, t0: float | None, outermost: bool
+) -> Any:
     """The call ``m`` steps past its line's last recording: its memory, its time, what it writes
-    into its arguments and what it returns."""
+    into its arguments and what it returns (``outermost``: the serving log's, which is told the
+    bytes its cache holds)."""
     b = cls.b
     ts = R.ts
     program = cls.program
@@ -525,6 +557,8 @@ def _replay_step(R: ReplayState, cls: ShapeClass, m: int, entry: list[Leaf], dev
     for change in program.changes:
         _change_value(ts, at.get(change[1]), change)
     mem.sample()
+    if outermost:
+        R.serving.held = program.held_bytes(entry, made)
     return tree_unflatten([made[ref] for ref in program.returned], b.treespec)
 
 
@@ -541,6 +575,26 @@ class _Program:
         self.writes = [(w[1][:-1], w[1][-1], self._ref(w[2])) for w in writes if w[0] == "set"]
         self.changes = [w for w in writes if w[0] != "set"]
         self.returned = [self._ref(r) for r in returned]
+        self.kept: list[int] | None = None  # entry tensors inside object arguments the call left
+        self.stored = [ref for parent, _, ref in self.writes if len(parent) >= 2]  # what it put there
+
+    def held_bytes(self, entry: list[Leaf], made: list) -> int:
+        """Bytes of the memory blocks the call's object arguments (its KV cache) hold after it:
+        the tensors it left there and those it wrote (``gpemu.token_steps``'s walk,
+        from the plan)."""
+        if self.kept is None:
+            written = [(*parent, step) for parent, step, _ in self.writes]
+            self.kept = [
+                i
+                for i, leaf in enumerate(entry)
+                if leaf.kind == TENSOR and len(leaf.path) > 2 and not any(leaf.path[: len(w)] == w for w in written)
+            ]
+        blocks = {}
+        for t in [entry[i].value for i in self.kept] + [made[ref] for ref in self.stored]:
+            blk = t.emu_block if isinstance(t, EmuTensor) else None
+            if blk is not None:
+                blocks[id(blk)] = blk.size
+        return sum(blocks.values())
 
     def _ref(self, ref: tuple) -> int:
         what = ref[0]

@@ -1,7 +1,7 @@
-"""The token steps of a generation or serving loop, noted as its model calls return: the records
-:mod:`gpemu.serving` computes the serving metrics from (kept apart from them: the metrics need no
-torch, and :mod:`gpemu.observe`, which uses them, is imported by ``gpemu run``'s bootstrap in
-processes that never import torch)."""
+"""The token steps of a generation or serving loop, noted as its model calls return (replayed or
+op by op: ``rt.model_time.serving``): the records :mod:`gpemu.serving` computes the serving
+metrics from (kept apart from them: the metrics need no torch, and :mod:`gpemu.observe`, which
+uses them, is imported by ``gpemu run``'s bootstrap in processes that never import torch)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ __all__ = ["ServingLog"]
 
 
 class ServingLog:
-    """The token steps of one run (``rt.replay.serving``): the first :data:`MAX_STEPS`."""
+    """The token steps of one run (``rt.model_time.serving``): the first :data:`MAX_STEPS`."""
 
     def __init__(self) -> None:
         self.steps: list[TokenStep] = []
+        # the bytes the call's object arguments hold, when its replay knows them (else walked)
+        self.held: int | None = None
 
     def note(self, engine: Any, args: tuple, kwargs: dict, dev: int, t0: float) -> None:
         """Note an outermost call without autograd that just returned, if it was given token ids."""
+        held, self.held = self.held, None
         if len(self.steps) >= MAX_STEPS:
             return
         ids = _token_ids(args, kwargs)
@@ -30,7 +33,9 @@ class ServingLog:
         sequences = int(ids.shape[0]) if ids.dim() >= 2 else 1
         positions = int(ids.shape[-1]) if ids.dim() >= 1 else 1
         end = max(t0, engine.stream(dev).busy_until)
-        self.steps.append(TokenStep(dev, t0, end, sequences, positions, _cache_bytes(args, kwargs)))
+        if held is None:
+            held = _cache_bytes(args, kwargs)
+        self.steps.append(TokenStep(dev, t0, end, sequences, positions, held))
 
 
 def _token_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
