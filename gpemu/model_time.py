@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import costs
 from .device import EmuTensor, OutputSpec, OwnNodes
 from .identify import confirm_parts, identify
+from .model_pricing import charge_issue, charge_issue_gaps, pass_seconds, price_ratio, say_estimated, say_measured
 from .reference import measured_on
 from .token_steps import ServingLog
 
@@ -215,7 +216,7 @@ class ModelTime:
         # its submodules as units, priced by their kernels: no gaps; one without autograd, a prefill,
         # goes to the shape-class replays, which charge whole passes: its gaps are charged too)
         if call.gaps > 0 and (record is None or ok or not torch.is_grad_enabled()):
-            _charge_issue_gaps(rt.engine, dev, call.gaps, call.ident.label, "forward")
+            charge_issue_gaps(rt.engine, dev, call.gaps, call.ident.label, "forward")
         if record is not None:
             _fill_times(record, call, params, mem.allocated, peak)
             if ok:
@@ -298,22 +299,22 @@ class ModelTime:
             if uncharged:
                 call.times = costs.model_times(rt, call.ident, call.batch, call.dev)
         if call.times is None:
-            call.fwd_s = _pass_seconds(tap, unit)
+            call.fwd_s = pass_seconds(tap, unit)
             call.ident.estimates[("forward", call.batch, call.dev)] = call.fwd_s
-            _say_estimated(self, call.ident, call.dev, tap.mix, tap.precisions, quiet=unit or call.ident.quiet)
+            say_estimated(self, call.ident, call.dev, tap.mix, tap.precisions, quiet=unit or call.ident.quiet)
             call.bwd_s = None  # measured when the backward runs
             if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
-                _charge_issue(engine, tap)
+                charge_issue(engine, tap)
             elif not unit and not in_backward and not open_children:
                 # (its ops charged themselves; the pass's issue gaps are charged once its outputs
                 # are known. Not for a call whose submodules are units of their own: a replayed
                 # unit is charged by its kernels, so its pass depends on which units replayed)
                 call.gaps = tap.pass_seconds - tap.seconds
         else:
-            ratio = _ratio(tap)
+            ratio = price_ratio(tap)
             call.fwd_s, call.bwd_s = call.times.forward * ratio, call.times.backward * ratio
-            _say_measured(
+            say_measured(
                 self,
                 call.ident,
                 call.dev,
@@ -327,7 +328,7 @@ class ModelTime:
             if call.fwd_s > 0:
                 # Issued when the call started (t0), not after the op-by-op forward's host time.
                 engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
-                _charge_issue(engine, tap)
+                charge_issue(engine, tap)
         return out
 
 
@@ -363,7 +364,7 @@ class _Call:
         self.fwd_peak = 0
         self.kernel_share = 1.0  # its kernels' share of the forward's time (see CallRecord)
         self.fwd_issue = 0.0  # the modelled host's issue time of the forward's ops
-        self.gaps = 0.0  # its forward's pass less its kernels (see _charge_issue_gaps)
+        self.gaps = 0.0  # its forward's pass less its kernels (see charge_issue_gaps)
 
 
 def _replayable(leaves: list, args: tuple, kwargs: dict, params: list, record: CallRecord | None) -> bool:
@@ -439,121 +440,6 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 1
-
-
-def _charge_issue(engine: Any, tap: Any) -> None:
-    """The host pays the modelled issue time of the ops a module charge stands for (those not
-    charged on their own: they paid when they were)."""
-    owed = tap.issue - tap.issue_paid
-    if owed > 0 and not engine.in_charged_scope:
-        engine.charge_host(owed)
-
-
-def _pass_seconds(tap: Any, unit: bool) -> float:
-    """What a call priced by its ops costs per pass. An outermost call: its ops as one pass
-    started on an idle GPU (``tap.pass_seconds``, host issue time included: the cost model is
-    fitted to whole passes timed that way). A unit inside an op-by-op ancestor is issued behind
-    the ancestor's queued work, where its ops are charged one by one at their kernel time: its
-    replays must cost the same (``tap.seconds``), or a model replayed by units prices more GPU
-    time than the same step op by op (GPT-2 in bf16, each unit a pass from idle: +18%)."""
-    return tap.seconds if unit else tap.pass_seconds
-
-
-def _charge_issue_gaps(engine: Any, dev: int, gaps: float, label: str, which: str) -> None:
-    """An outermost call priced by its ops whose replays charge it as a pass (its outputs are
-    replayable), run op by op (its recording, ``--no-replay``, ``--values real``): its kernels
-    were charged as they ran; the pass (:func:`_pass_seconds`) also holds the issue time of the
-    cost model's calibration hosts (``gaps``: the pass less its kernels), where no host is modelled
-    (``--host none``: the fitted per-op host term stays in GPU prices). That is charged too, so a
-    step costs the same GPU time however it runs (a small MLP's replayed step was 5x the same step
-    op by op). Not with a modelled host (the op-by-op kernels waited for their launches already)
-    nor inside a CUDA graph's capture or launch (the graph's kernels run back to back)."""
-    if engine.op_issue_s or engine.in_charged_scope or engine.captures or engine.local.host.launching:
-        return
-    if gaps > 0:
-        engine.stream(dev).enqueue(gaps, "op", f"{label} {which}: host issue gaps")
-
-
-def _ratio(tap: Any) -> float:
-    """This GPU and precision over the database's conditions, for the ops ``tap`` saw (1 when
-    they ran as measured, or when nothing was priced)."""
-    ref = tap.reference_seconds
-    return tap.pass_seconds / ref if ref > 0 else 1.0
-
-
-def _source(mt: ModelTime, name: str, dev: int) -> dict[str, Any]:
-    rt = mt.rt
-    return mt.sources.setdefault((name, dev), {"model": name, "gpu": rt.gpus[dev].short_name})
-
-
-def _say_measured(
-    mt: ModelTime,
-    ident: Any,
-    dev: int,
-    times: costs.ModelTimes,
-    ratio: float,
-    kind: str,
-    mix: dict[str, float],
-    precisions: dict[str, float],
-    quiet: bool = False,
-) -> None:
-    """Say (once) and keep where a measured model's ``kind`` time comes from (``mix`` and
-    ``precisions``: the ops' GPU seconds per kind of work and per dtype)."""
-    if quiet:
-        return
-    rt = mt.rt
-    spec = rt.gpus[dev]
-    source = _source(mt, ident.name, dev)
-    if ratio == 1.0 and times.gpu == spec.name:
-        source[kind] = times.provenance
-        rt.say_once(f"{ident.name} on {spec.short_name}: {kind} time from the profile database ({times.provenance})")
-        return
-    what = []
-    other_gpu = times.gpu != spec.name
-    if other_gpu:
-        what.append(f"{spec.short_name} vs {rt.db.gpu(times.gpu).short_name}")
-    prec = costs.precision()
-    if ratio != 1.0 and (
-        torch.is_autocast_enabled("cuda") or prec.allow_tf32_matmul or not prec.allow_tf32_cudnn or not other_gpu
-    ):
-        what.append("this precision vs fp32")
-    # Carried to another GPU: the cross-validated error of carrying a measured time from one GPU to
-    # another by the cost model's ratio applies; a precision ratio alone has no AMP measurements to
-    # check it against, so it carries no figure (and says so).
-    u = costs.uncertainty(rt, dev, mix, transferred=True, precisions=precisions) if other_gpu else None
-    source[kind] = "scaled"
-    source["scaled_for"] = " and ".join(
-        (["precision"] if "this precision vs fp32" in what else [])
-        + ([f"GPU, from {rt.db.gpu(times.gpu).short_name}"] if other_gpu else [])
-    )
-    if u is not None:
-        source["uncertainty"] = u.labelled
-    rt.say_once(
-        f"{ident.name} on {spec.short_name}: {kind} time scaled from the profile database's "
-        f"{rt.db.gpu(times.gpu).short_name} measurement ({times.provenance}) by the cost model's ratio "
-        f"for {' and '.join(what) or 'these ops'}: x{ratio:.3f} (provenance: scaled"
-        + (f", {u}" if u is not None else ", a ratio no measurement checks")
-        + ")"
-    )
-
-
-def _say_estimated(
-    mt: ModelTime, ident: Any, dev: int, mix: dict[str, float], precisions: dict[str, float], quiet: bool = False
-) -> None:
-    """Say (once) and keep that a model is priced by the ops it runs, with the cost model's error."""
-    if quiet:
-        return
-    rt = mt.rt
-    spec = rt.gpus[dev]
-    u = costs.uncertainty(rt, dev, mix, precisions=precisions)
-    source = _source(mt, ident.name or ident.class_name, dev)
-    source["forward"] = source["backward"] = "estimated"
-    if u is not None:
-        source["uncertainty"] = u.labelled
-    rt.say_once(
-        f"{ident.name or ident.class_name} on {spec.short_name}: forward and backward time estimated "
-        f"by the cost model from the ops they run" + (f", {u.labelled} ({u.basis})" if u is not None else "")
-    )
 
 
 @contextmanager
@@ -698,10 +584,10 @@ class _BackwardStart(torch.autograd.Function):
             rec = info.rec
             ts.close_tap(tap)
             if by_ops:
-                bwd = _pass_seconds(tap, info.in_pass)
+                bwd = pass_seconds(tap, info.in_pass)
                 info.ident.estimates[("backward", info.batch, info.dev)] = bwd
                 if info.gaps and not info.in_pass:
-                    _charge_issue_gaps(engine, info.dev, tap.pass_seconds - tap.seconds, info.label, "backward")
+                    charge_issue_gaps(engine, info.dev, tap.pass_seconds - tap.seconds, info.label, "backward")
                 if rec is not None:
                     rec.bwd_seconds = bwd
                     rec.bwd_issue = tap.issue
@@ -709,15 +595,15 @@ class _BackwardStart(torch.autograd.Function):
                 bwd = info.bwd_seconds or 0.0
                 if info.times is not None:
                     times, ident = info.times
-                    ratio = _ratio(tap)
+                    ratio = price_ratio(tap)
                     bwd = times.backward * ratio
-                    _say_measured(
+                    say_measured(
                         info.owner, ident, info.dev, times, ratio, "backward", tap.mix, tap.precisions, ident.quiet
                     )
                 engine.exit_charged()
                 if bwd > 0:
                     engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
-                    _charge_issue(engine, tap)
+                    charge_issue(engine, tap)
                 if rec is not None:
                     rec.bwd_seconds = bwd + tap.charged
                     rec.bwd_issue = tap.issue

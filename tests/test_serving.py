@@ -327,7 +327,7 @@ def test_an_op_by_op_call_and_its_replays_wait_alike_for_the_host() -> None:
                 spans = list(rt.recorder.spans)[n0:]
                 kernels.append(sum(s.end - s.start for s in spans if s.kind == "op" and "issue gaps" not in s.name))
         assert rt.replay.info()["replayed"] >= 2
-        # (op by op: its kernels and the pass's host issue gaps, gpemu.model_time._charge_issue_gaps)
+        # (op by op: its kernels and the pass's host issue gaps, gpemu.model_pricing.charge_issue_gaps)
         assert kernels[0] > 0 and took[0] > 1.5 * kernels[0]
         assert took[0] == pytest.approx(took[1], rel=1e-6) and took[1] == pytest.approx(took[2], rel=1e-6)
     finally:
