@@ -225,33 +225,51 @@ class ModelTime:
                 record.out_specs = None
                 record.treespec = None
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
-            grads = [x for x in leaves if isinstance(x, EmuTensor) and x.requires_grad]
-            if grads:
-                if record is not None and ok:
-                    record.backward_pending = True
-                ident = call.ident  # (a wrapper's, confirmed by its forward: see _forward)
-                info = _BackwardInfo(
-                    self,
-                    record if ok else None,
-                    call.bwd_s,
-                    ident.label,
-                    dev,
-                    ident if call.times is None else None,
-                    call.batch,
-                    None if call.times is None else (call.times, ident),
-                )
-                info.in_pass = level > 0
-                # (not for a call inside a backward pass: a checkpointed block's recompute is part
-                # of the enclosing backward's window, whose pass covers its ops)
-                info.gaps = ok and call.times is None and _graph_task() == -1
-                info.own = OwnNodes(first_node, _next_node(), params)
-                if ends is not None:
-                    ends[2].info = info  # the backward window closes at the inputs' gradients
-                marked = _BackwardStart.apply(info, *grads)
-                it = iter(marked)
-                leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
-                out = tree_unflatten(leaves, treespec)
+            out = self._mark_backward(call, record if ok else None, ok, out, leaves, treespec, first_node, params, ends)
         return out
+
+    def _mark_backward(
+        self,
+        call: _Call,
+        record: CallRecord | None,
+        replayable: bool,
+        out: Any,
+        leaves: list,
+        treespec: Any,
+        first_node: int,
+        params: list,
+        ends: tuple | None,
+    ) -> Any:
+        """The call's outputs marked so that its backward is charged when autograd reaches them
+        (``record``: the replayable call's record, its backward to be measured; ``replayable``:
+        whether its outputs can be made again, recorded or not)."""
+        grads = [x for x in leaves if isinstance(x, EmuTensor) and x.requires_grad]
+        if not grads:
+            return out
+        if record is not None:
+            record.backward_pending = True
+        ident = call.ident  # (a wrapper's, confirmed by its forward: see _forward)
+        info = _BackwardInfo(
+            self,
+            record,
+            call.bwd_s,
+            ident.label,
+            call.dev,
+            ident if call.times is None else None,
+            call.batch,
+            None if call.times is None else (call.times, ident),
+        )
+        info.in_pass = call.level > 0
+        # (not for a call inside a backward pass: a checkpointed block's recompute is part of the
+        # enclosing backward's window, whose pass covers its ops)
+        info.gaps = replayable and call.times is None and _graph_task() == -1
+        info.own = OwnNodes(first_node, _next_node(), params)
+        if ends is not None:
+            ends[2].info = info  # the backward window closes at the inputs' gradients
+        marked = _BackwardStart.apply(info, *grads)
+        it = iter(marked)
+        leaves = [next(it) if isinstance(x, EmuTensor) and x.requires_grad else x for x in leaves]
+        return tree_unflatten(leaves, treespec)
 
     def _forward(
         self, call: _Call, orig_call: Any, module: torch.nn.Module, args: tuple, kwargs: dict, open_children: bool
