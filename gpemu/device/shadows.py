@@ -102,6 +102,10 @@ def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any,
             o.emu_shadow = None
         return
     # (No tensor result: an in-place op returning None, e.g. _foreach_add_, writes the values.)
+    written = None if results else _writes_large(func, args, kwargs, limit)
+    if written is not None:
+        drop_written_shadows(written, written)
+        return
     device = first.emu_device if values == RANDOM else None
     souts = _host_results(ts, func, args, kwargs, outs, independent, device, unknown)
     if souts is None:
@@ -114,6 +118,22 @@ def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any,
             o.emu_shadow = _fitted(o, s, limit, vm is not None)
             if o.emu_shadow is not None and any(o is e for e in emus):  # an input got it (in place)
                 o.emu_state.shadow_writes += 1
+
+
+def _writes_large(func: Any, args: tuple, kwargs: dict, limit: int) -> list | None:
+    """The emulated tensors the op writes (its schema's mutable arguments) when one is too large to
+    keep a known value, else None. Such an op (an optimizer's fused step over a model's
+    parameters) has unknown inputs: its host run on zeros that size would cost seconds per step
+    to give the small ones what reading them back as unknown gives, zeros' results."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += [t for t in tree_flatten(value)[0] if isinstance(t, EmuTensor)]
+    return written if any(t.numel() > limit for t in written) else None
 
 
 def _host_results(
