@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -80,16 +81,22 @@ class Measured(NamedTuple):
     peak_rss_gib: float  # all the run's processes together
 
 
-def run(target: Target, steps: int) -> Measured:
-    command = ["gpemu", "run", "--cluster", "dgx-h100", "--nodes", str(target.nodes), "--fold"]
-    command += ["--processes", str(target.processes), "--clock", "virtual", "--no-summary", "--"]
-    command += [sys.executable, str(SCRIPT), *target.args, "--steps", str(steps)]
-    # (the replay fast path and a checkpointed tensor-parallel block disagree: op by op instead)
-    env = {**os.environ, "GPEMU_REPLAY": "0"}
+class Finished(NamedTuple):
+    output: str  # stdout and stderr together
+    returncode: int
+    measured: Measured  # (its lines left empty)
+
+
+def measure(command: list[str], env: dict[str, str], cwd: str | None = None) -> Finished:
+    """Run ``command``: its output, exit status, and wall-clock time, CPU time and peak RSS summed
+    over all its processes (sampled every 0.5 s)."""
     started = time.perf_counter()
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     parent, peak = psutil.Process(child.pid), 0
     cpu: dict[int, float] = {}
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(child.stdout or []), daemon=True)
+    reader.start()  # (a pipe left unread fills and stops a chatty run)
     while child.poll() is None:
         rss = 0
         try:
@@ -102,13 +109,22 @@ def run(target: Target, steps: int) -> Measured:
             pass  # a process ended while being read
         peak = max(peak, rss)
         time.sleep(0.5)
-    out = child.stdout.read() if child.stdout else ""
+    reader.join()
     wall = time.perf_counter() - started
-    lines = [line for line in out.splitlines() if line.startswith("llama3 ")]
-    if child.returncode or not lines:
-        tail = "\n".join(out.splitlines()[-15:])
-        raise SystemExit(f"{target.name} failed ({child.returncode}):\n{tail}")
-    return Measured(sorted(lines), wall, sum(cpu.values()), peak / 2**30)
+    return Finished("".join(out), child.returncode, Measured([], wall, sum(cpu.values()), peak / 2**30))
+
+
+def run(target: Target, steps: int) -> Measured:
+    command = ["gpemu", "run", "--cluster", "dgx-h100", "--nodes", str(target.nodes), "--fold"]
+    command += ["--processes", str(target.processes), "--clock", "virtual", "--no-summary", "--"]
+    command += [sys.executable, str(SCRIPT), *target.args, "--steps", str(steps)]
+    # (the replay fast path and a checkpointed tensor-parallel block disagree: op by op instead)
+    done = measure(command, {**os.environ, "GPEMU_REPLAY": "0"})
+    lines = [line for line in done.output.splitlines() if line.startswith("llama3 ")]
+    if done.returncode or not lines:
+        tail = "\n".join(done.output.splitlines()[-15:])
+        raise SystemExit(f"{target.name} failed ({done.returncode}):\n{tail}")
+    return done.measured._replace(lines=sorted(lines))
 
 
 def main() -> None:

@@ -155,8 +155,9 @@ _TWO_STAGES = textwrap.dedent(
     stage = dist.new_group(list(range(rank, rank + 4)))
     mine = x.clone()
     dist.all_reduce(mine, group=stage)  # inside one process's ranks: no message
-    json.dump({"rank": rank, "world": world, "got": got, "total": total.tolist(), "stage": mine.tolist()},
-              open(sys.argv[1] + f".{rank}", "w"))
+    backends = [dist.get_backend(), dist.get_backend(stage)]  # (torch's pipeline schedules read them)
+    json.dump({"rank": rank, "world": world, "got": got, "total": total.tolist(), "stage": mine.tolist(),
+               "backends": backends}, open(sys.argv[1] + f".{rank}", "w"))
     dist.destroy_process_group()
     """
 )
@@ -184,3 +185,5 @@ def test_two_processes_stand_for_eight_ranks(tmp_path: Path) -> None:
     assert second["got"] == [1.0] * 4  # stage 0's values reached stage 1
     assert first["total"] == second["total"] == [4 * 1.0 + 4 * 5.0] * 4  # ranks 0-3 hold 1, ranks 4-7 hold 5
     assert first["stage"] == [4.0] * 4 and second["stage"] == [20.0] * 4
+    # the world's messages cross processes over gloo; a group inside one process's ranks sends none
+    assert first["backends"] == second["backends"] == ["gloo", "fake"]

@@ -102,6 +102,10 @@ def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any,
             o.emu_shadow = None
         return
     # (No tensor result: an in-place op returning None, e.g. _foreach_add_, writes the values.)
+    written = None if results else _writes_large(func, args, kwargs, limit)
+    if written is not None:
+        drop_written_shadows(written, written)
+        return
     device = first.emu_device if values == RANDOM else None
     souts = _host_results(ts, func, args, kwargs, outs, independent, device, unknown)
     if souts is None:
@@ -114,6 +118,22 @@ def propagate_shadow(func: Any, args: tuple, kwargs: dict, emus: list, out: Any,
             o.emu_shadow = _fitted(o, s, limit, vm is not None)
             if o.emu_shadow is not None and any(o is e for e in emus):  # an input got it (in place)
                 o.emu_state.shadow_writes += 1
+
+
+def _writes_large(func: Any, args: tuple, kwargs: dict, limit: int) -> list | None:
+    """The emulated tensors the op writes (its schema's mutable arguments) when one is too large to
+    keep a known value, else None. Such an op (an optimizer's fused step over a model's
+    parameters) has unknown inputs: its host run on zeros that size would cost seconds per step
+    to give the small ones what reading them back as unknown gives, zeros' results."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += [t for t in tree_flatten(value)[0] if isinstance(t, EmuTensor)]
+    return written if any(t.numel() > limit for t in written) else None
 
 
 def _host_results(
@@ -130,9 +150,70 @@ def _host_results(
     there); ``random``: the device whose generator a random op draws from (value mode);
     ``unknown``: some inputs' values are unknown (zeros stand in for them). In value mode a
     CUDA-only op runs as its host kernel (:mod:`gpemu.device.value_kernels`)."""
+    key = _placeholder_key(func, args, kwargs) if unknown and ts.values is None else None
+    if key is not None and key in ts.placeholder_results:
+        return [_copied(r) for r in ts.placeholder_results[key]]
     conv = mixed_conv if independent or unknown else shadow_conv
     sargs = conv(list(args))
     skw = {k: conv(v) for k, v in kwargs.items()}
+    found = _host_results_of(ts, func, sargs, skw, outs, random)
+    if key is not None and found is not None:
+        if len(ts.placeholder_results) >= _PLACEHOLDER_RESULTS:
+            ts.placeholder_results.clear()
+        # (a result too large to keep as a known value is kept as none: see _fitted)
+        ts.placeholder_results[key] = [None if _large(r) else _copied(r) for r in found]
+    return found
+
+
+# Ops on placeholders remembered per run (a step's distinct reductions of gradients: a few).
+_PLACEHOLDER_RESULTS = 4096
+_KEYED_VALUES = 4096  # known values a key may hold, per tensor
+
+
+def _placeholder_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """What an op on placeholders computes from when an emulated input with unknown values is large
+    (zeros the size of a model's gradients cost a second to make and reduce: a gradient norm over
+    every parameter, each step): the op, each emulated input's shape, dtype, strides and known
+    values (small), the other arguments. None when not worth it or an argument is a host tensor."""
+    parts: list = [func]
+    large = [False]
+    for a in (*args, *sorted(kwargs.items())):
+        if not _key_part(a, parts, large):
+            return None
+    return tuple(parts) if large[0] else None
+
+
+def _key_part(a: Any, parts: list, large: list) -> bool:
+    if isinstance(a, EmuTensor):
+        shadow = a.emu_shadow
+        if shadow is not None and shadow.numel() > _KEYED_VALUES:
+            return False  # (keys stay small: a norm layer's weights, a step counter)
+        known = b"" if shadow is None else shadow.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        large[0] = large[0] or (shadow is None and a.numel() > SHADOW_MAX_ELEMENTS)
+        parts.append((tuple(a.shape), a.dtype, a.stride(), shadow is None, known))
+        return True
+    if isinstance(a, (list, tuple)):
+        parts.append(len(a))
+        return all(_key_part(x, parts, large) for x in a)
+    if isinstance(a, torch.Tensor):
+        return False
+    try:
+        hash(a)
+    except TypeError:
+        return False
+    parts.append((type(a), a))  # (1, 1.0 and True are equal keys)
+    return True
+
+
+def _large(r: Any) -> bool:
+    return isinstance(r, torch.Tensor) and r.numel() > SHADOW_MAX_ELEMENTS
+
+
+def _copied(r: Any) -> Any:
+    return r.clone() if isinstance(r, torch.Tensor) else r
+
+
+def _host_results_of(ts: TensorState, func: Any, sargs: list, skw: dict, outs: list, random: int | None) -> list | None:
     values = ts.values
     try:
         if values is not None:
@@ -224,6 +305,8 @@ def mixed_conv(a: Any) -> Any:
     """As :func:`shadow_conv`, with an unknown value as zeros."""
     if isinstance(a, EmuTensor):
         shadow = a.emu_shadow
+        if shadow is not None and shadow.numel() > _KEYED_VALUES:
+            return False  # (keys stay small: a norm layer's weights, a step counter)
         return shadow if shadow is not None else torch.zeros(a.shape, dtype=a.dtype)
     if isinstance(a, (list, tuple)):
         return type(a)(mixed_conv(x) for x in a)

@@ -239,6 +239,9 @@ class TensorState:
         # placeholder values, where only small known values are kept (gpemu.hostvalues).
         self.values: ValueMode | None = ValueMode(rt) if rt.config.real_values else None
         self.shadow_limit = sys.maxsize if self.values is not None else SHADOW_MAX_ELEMENTS
+        # Host results of ops over large placeholders (zeros stand in), by op, shapes and known
+        # values: the same every time (gpemu.device.shadows).
+        self.placeholder_results: dict[tuple, list] = {}
 
     # -------------------------------------------------------------- building
     def wrap(

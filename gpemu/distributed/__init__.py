@@ -63,7 +63,8 @@ def install(rt: Runtime) -> None:
     parts = RunParts.of(rt)
     shared = Collectives(parts)
     patcher = rt.patcher
-    replacements = {**ProcessGroups(rt, parts.placement).replacements(), **C10d(shared).replacements()}
+    groups = ProcessGroups(rt, parts.placement)
+    replacements = {**groups.replacements(), **C10d(shared).replacements()}
     # One pass over torch's modules replaces every by-name copy (torch.distributed re-exports
     # c10d's functions; other modules import them by name).
     patcher.replace_everywhere_many(
@@ -76,6 +77,9 @@ def install(rt: Runtime) -> None:
     for name, new in replacements.items():
         if getattr(dist, name, None) is not new:
             patcher.replace(dist, name, new)
+    # What the program (and torch's pipeline schedules) read as a group's backend; c10d's own
+    # calls keep the fake one.
+    patcher.replace(dist, "get_backend", groups.get_backend)
     # The C++ collectives DDP's Python calls at construction and for buffer syncs.
     for name, new in ConstructionCollectives(shared).replacements().items():
         patcher.replace(dist, name, new)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .folding import Fold, fold_store
 from .meeting import ORIGINAL
@@ -22,6 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
 
 __all__ = ["map_backend", "ProcessGroups"]
+
+ORIGINAL_GET_BACKEND = dist.get_backend  # (this module is imported before install patches it)
 
 
 def map_backend(backend: Any) -> Any:
@@ -95,3 +98,15 @@ class ProcessGroups:
 
     def is_nccl_available(self) -> bool:
         return True
+
+    def get_backend(self, group: Any = None) -> Any:
+        """``torch.distributed.get_backend`` as the program reads it: in a folded run a group whose
+        ranks live in several processes says ``gloo``, what carries its messages (as in an unfolded
+        run), not torch's fake backend (torch's pipeline schedules refuse to exchange shapes
+        between stages over a fake group)."""
+        backend = ORIGINAL_GET_BACKEND(group)
+        fold = self.placement.fold
+        if fold is None or fold.processes == 1 or backend != "fake":
+            return backend
+        ranks = range(fold.world) if group is None else dist.get_process_group_ranks(group)
+        return "gloo" if len({fold.process_of(r) for r in ranks}) > 1 else backend

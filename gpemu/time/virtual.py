@@ -19,13 +19,17 @@ All of it through ``rt.patcher``: ``gpemu.unpatch()`` restores it.
   for real, so a loop polling with ``sleep`` does not spin.
 - gpemu's own threads (named ``gpemu-*``: sharing backends, heartbeats) read real time.
 - ``datetime.datetime`` becomes a subclass whose ``now``/``utcnow`` read the virtual time; every
-  datetime it makes is a plain one (``isinstance`` and pickling behave as before).
+  datetime it makes is a plain one (``isinstance`` and pickling behave as before). A compiled
+  extension module imported during the run (pandas') binds the real class: its static types
+  subclass the class it finds at import, which must be the C type they were compiled against.
 """
 
 from __future__ import annotations
 
 import copyreg
 import datetime as _datetime_module
+import functools
+import importlib.machinery
 import numbers
 import sys
 import threading
@@ -158,6 +162,40 @@ def datetime_class(now: Callable[[], float]) -> type[RealDatetime]:
     return datetime
 
 
+class _CompiledImport:
+    """One of ``ExtensionFileLoader``'s methods (creating, executing a module), run with the real
+    ``datetime.datetime`` in its module: Cython's ``cimport datetime`` reads the class there and
+    lays its own static types (pandas' ``NaT``, ``Timestamp``) out on it; on the stand-in (a heap
+    type) they crash."""
+
+    def __init__(self, original: Callable[..., Any], virtual: type) -> None:
+        self.original = original
+        self.virtual = virtual
+
+    def __get__(self, loader: Any, owner: type | None = None) -> Callable[..., Any]:
+        return functools.partial(self.call, loader)
+
+    def call(self, loader: Any, *args: Any) -> Any:
+        with _RealDatetimeWhile(self.virtual):
+            return self.original(loader, *args)
+
+
+class _RealDatetimeWhile:
+    """``datetime.datetime`` is the real class inside the block (where it was the stand-in)."""
+
+    def __init__(self, virtual: type) -> None:
+        self.swapped = _datetime_module.datetime is virtual
+        self.virtual = virtual
+
+    def __enter__(self) -> None:
+        if self.swapped:
+            setattr(_datetime_module, "datetime", RealDatetime)  # noqa: B010 (the module's own name)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.swapped:
+            setattr(_datetime_module, "datetime", self.virtual)  # noqa: B010
+
+
 def _program_modules() -> list[ModuleType]:
     """Loaded modules that are neither the standard library's nor the emulator's own."""
     out = []
@@ -181,6 +219,9 @@ def _patch_time(rt: Runtime, clocks: ProgramClocks, modules: Iterable[ModuleType
 def _patch_datetime(rt: Runtime, clocks: ProgramClocks, modules: Iterable[ModuleType]) -> None:
     virtual = datetime_class(clocks.time)
     rt.patcher.replace(_datetime_module, "datetime", virtual)
+    loader = importlib.machinery.ExtensionFileLoader
+    for name in ("create_module", "exec_module"):
+        rt.patcher.replace(loader, name, _CompiledImport(getattr(loader, name), virtual))
     rt.patcher.replace_everywhere(RealDatetime, virtual, modules=modules)
     # A plain datetime pickles as `datetime.datetime`, which is now the stand-in: pickle its state
     # through the stand-in (which unpickles into a plain datetime anywhere).
