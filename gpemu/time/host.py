@@ -72,7 +72,6 @@ class HostState:
         "current",
         "enter_stack",
         "launching",
-        "setup",
         "in_setup",
     )
 
@@ -87,7 +86,6 @@ class HostState:
         self.current: dict | None = None  # device -> this thread's current stream (None: defaults)
         self.enter_stack: list | None = None  # streams replaced by `with stream:` blocks
         self.launching = False  # inside one launch (a CUDA graph replay): ops cost no issue time
-        self.setup = 0.0  # set-up time inside the open entry (HostTime.setup_call): forgiven whole
         self.in_setup = False  # inside a set-up call
 
 
@@ -156,8 +154,6 @@ class HostTime:
         elif depth == 1:
             local.depth = 0
             spent = self.read_clock() - local.entry
-            if local.setup:
-                spent -= self._forgive_setup(local)
             if spent > 0:
                 cap = self.max_forgiven_work
                 local.late += spent if spent < cap else cap
@@ -176,7 +172,7 @@ class HostTime:
         try:
             return fn(*args)
         finally:
-            if local.depth == 1 and not local.setup:  # (leave() written out for the usual outermost exit)
+            if local.depth == 1:  # (leave() written out for the usual outermost exit)
                 local.depth = 0
                 spent = self.read_clock() - local.entry
                 if spent > 0:
@@ -204,15 +200,12 @@ class HostTime:
             return fn(*args)
         finally:
             local.in_setup = False
-            # (from its start, or from the end of a wait inside it: a wait is never forgiven)
-            local.setup += self.read_clock() - (start if start > local.entry else local.entry)
-
-    def _forgive_setup(self, local: HostState) -> float:
-        """Forgive the set-up time of the closing entry, whole; returns it (it leaves the capped part)."""
-        setup = local.setup
-        local.setup = 0.0
-        local.late += setup
-        return setup
+            # Forgiven whole at once (from its start, or from the end of a wait inside it: a wait is
+            # never forgiven): the entry's start moves past it, so the entry's own capped time,
+            # forgiven when it ends, excludes it; the host's time inside the entry stays as it was.
+            setup = self.read_clock() - (start if start > local.entry else local.entry)
+            local.late += setup
+            local.entry += setup
 
     def suspend(self) -> int:
         """User code runs now (a hook, a module's own forward): the emulator's time so far is
@@ -222,8 +215,6 @@ class HostTime:
         if depth:
             local.depth = 0
             spent = self.read_clock() - local.entry
-            if local.setup:
-                spent -= self._forgive_setup(local)
             if spent > 0:
                 cap = self.max_forgiven_work
                 local.late += spent if spent < cap else cap
@@ -291,8 +282,6 @@ class HostTime:
         if depth:  # (suspend: the emulator's time so far is forgiven, the wait counts)
             local.depth = 0
             spent = start - local.entry
-            if local.setup:
-                spent -= self._forgive_setup(local)
             if spent > 0:
                 cap = self.max_forgiven_work
                 local.late += spent if spent < cap else cap
