@@ -80,7 +80,7 @@ class StepHooks:
         if device is None or device >= engine.num_devices:
             return  # a CPU optimizer: no GPU time
         seconds, _ = optimizer_step_seconds(self.rt, optimizer, device)
-        issue = optimizer_step_host_seconds(self.rt, optimizer) if engine.host_model is not None else 0.0
+        issue = optimizer_step_host_seconds(self.rt, optimizer)  # (0 without a host model)
         # (its last kernel cannot end before the host launched it)
         engine.stream(device).enqueue(max(seconds, issue), "optimizer", type(optimizer).__name__)
         if issue:

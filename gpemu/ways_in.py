@@ -202,7 +202,7 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
     def cuda(
         self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = torch.preserve_format
     ) -> torch.Tensor:
-        if device is None and self.__class__ is plain and _get_mode(FAKE_KEY) is None:  # the usual x.cuda(), not faking
+        if device is None and self.__class__ is plain and not faking():  # the usual x.cuda() of a host batch
             return host_to_emulated(ts, self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
         if idx is None:

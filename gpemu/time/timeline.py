@@ -199,9 +199,8 @@ class LocalTimeline:
         try:
             if stream.engine.captures:
                 end = stream.enqueue(seconds, kind, name)
-            else:  # (VirtualStream.enqueue written out: every input batch; in an entry, now is its start)
-                now = local.entry - local.late
-                end = self.enqueue(stream, seconds, kind, name, 0, now if now > local.floor else local.floor, None)
+            else:  # (straight to the timeline: no host model or capture applies to a blocking copy's enqueue)
+                end = self.enqueue(stream, seconds, kind, name, 0, host.now(), None)
             local.wait_deadline = None  # (forget_wait: settle() forgives this wait only)
             if end > host.now():
                 host.wait_until(end, stream.device_index, reason)
