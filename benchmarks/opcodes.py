@@ -90,7 +90,8 @@ def _counts_in(root: Path, a: argparse.Namespace, host: str | None) -> dict[str,
         env = dict(os.environ, PYTHONPATH=str(root))
         proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            sys.exit(f"the count failed in {root}:\n{proc.stderr[-2000:]}")
+            last = proc.stderr.strip().splitlines()[-1:] or ["(no message)"]
+            sys.exit(f"opcodes.py: the count failed in {root}: {last[0]}")
         return json.loads(Path(out.name).read_text())
 
 
@@ -110,6 +111,24 @@ def _print_changes(old: dict[str, float], new: dict[str, float], top: int) -> No
         print(f"    {delta:+8.1f}  {before[name]:8.1f} -> {after[name]:8.1f}  {name}")
 
 
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace, models: set[str]) -> None:
+    """One line for a model overhead.py does not know, or a revision git does not."""
+    sys.path.insert(0, str(REPO))
+    from overhead import EXTRA_MODELS
+
+    from examples import tvmodels
+
+    known = set(tvmodels.MODELS) | set(EXTRA_MODELS)
+    unknown = sorted(models - known)
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}: give overhead.py's, e.g. resnet50, gpt2_small, params1000")
+    if a.old:
+        found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{a.old}^{{commit}}"],
+                               capture_output=True)  # fmt: skip
+        if found.returncode != 0:
+            p.error(f"--old {a.old!r} is not a revision of this repository (give a commit, tag or branch)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="V100", help="emulated GPUs, comma-separated (default V100)")
@@ -125,6 +144,8 @@ def main() -> None:
     if a.iterations < 1 or a.warmup < 0:
         p.error("--iterations must be at least 1 and --warmup at least 0")
     cases = [(g, m) for g in a.gpus.split(",") for m in a.models.split(",")]
+    if not a.json:
+        _check(p, a, {m for _, m in cases})
     if a.json:
         result = {f"{g}/{m}": count(g, m, a.batch, a.iterations, a.host, a.warmup) for g, m in cases}
         Path(a.json).write_text(json.dumps(result))
