@@ -98,6 +98,10 @@ def main() -> None:
         p.error("give the benchmark after --, e.g. -- benchmarks/overhead.py --gpus V100")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    for rev in {a.old, a.new} - {"WORKTREE"}:
+        found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"])
+        if found.returncode != 0:
+            p.error(f"{rev!r} is not a revision of this repository (give a commit, tag, branch or WORKTREE)")
     print(f"machine: {machine()}")
     print(
         f"old {a.old} vs new {a.new}, {a.rounds} rounds of: {' '.join(bench)} ({a.benchmark_from} revision's script)"
