@@ -38,19 +38,8 @@ def charge_h2d(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool, i
 def _emulate_plain(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
     """``t`` (a host tensor that needs no gradient) copied onto emulated device ``dev``: an
     emulator entry (the copy is issued when the program asked for it; the emulator's own time
-    around it, before and after the wait of a pageable copy, is forgiven).
-
-    Note: TensorState.call written out, as gpemu.device.dispatch does for every op: this is the
-    path of every input batch, where the call level is ~0.3 us of the copy's ~12 us."""
-    host = ts.local.host
-    if host.depth:
-        return _copy_in(ts, t, dev, non_blocking)
-    host.entry = ts.read_clock()
-    host.depth = 1
-    try:
-        return _copy_in(ts, t, dev, non_blocking)
-    finally:
-        ts.leave()
+    around it, before and after the wait of a pageable copy, is forgiven)."""
+    return ts.call(_copy_in, ts, t, dev, non_blocking)
 
 
 def _copy_in(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
