@@ -162,7 +162,6 @@ class PrivatePool:
             t._grow(new_alloc + spare, size)
         t.allocated = new_alloc
         t.pool_spare = spare
-        t.relimit()
         if new_alloc > t.peak_allocated:
             t.peak_allocated = new_alloc
         t.num_allocs += 1
@@ -179,7 +178,6 @@ class PrivatePool:
         self.live -= size
         if self.open:
             t.pool_spare += size
-            t.relimit()
         else:
             self.size -= size
 
@@ -187,7 +185,6 @@ class PrivatePool:
         """No graph uses the pool any more: its free bytes go back to the caching allocator."""
         if self.open:
             self.tracker.pool_spare -= self.size - self.live
-            self.tracker.relimit()
             self.size = self.live
             self.open = False
 
@@ -309,25 +306,8 @@ class MemoryTracker:
         self.num_alloc_retries = 0
         # CUDA graphs (gpemu.graphs): the private pool allocations come from while a graph is
         # captured, and the bytes pools hold beyond their live tensors (reserved, not allocated).
-        self._pool: PrivatePool | None = None
+        self.pool: PrivatePool | None = None
         self.pool_spare = 0
-        # What ``allocated`` may grow to on allocate()'s short path: the reserved bytes less the
-        # pools' spare ones, -1 while a pool is taken from (see relimit).
-        self.limit = 0
-
-    @property
-    def pool(self) -> PrivatePool | None:
-        """The CUDA graph pool allocations come from while a graph is captured (gpemu.graphs)."""
-        return self._pool
-
-    @pool.setter
-    def pool(self, pool: PrivatePool | None) -> None:
-        self._pool = pool
-        self.relimit()
-
-    def relimit(self) -> None:
-        """Work out :attr:`limit` again (after ``reserved``, ``pool_spare`` or ``pool`` changed)."""
-        self.limit = -1 if self._pool is not None else self.reserved - self.pool_spare
 
     # ------------------------------------------------------------------ hot path
     def allocate(self, nbytes: int) -> Block:
@@ -336,12 +316,12 @@ class MemoryTracker:
         if nbytes <= 0:
             return Block(self, 0)  # (CUDA's allocator hands out nothing for an empty request)
         size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+        pool = self.pool
+        if pool is not None:
+            pool.take(size)
+            return PoolBlock(self, size, pool)
         new_alloc = self.allocated + size
-        if new_alloc > self.limit:  # (beyond the reserved bytes, or a graph's pool is taken from)
-            pool = self._pool
-            if pool is not None:
-                pool.take(size)
-                return PoolBlock(self, size, pool)
+        if new_alloc + self.pool_spare > self.reserved:
             self._grow(new_alloc + self.pool_spare, size)
         self.allocated = new_alloc
         if new_alloc > self.peak_allocated:
@@ -352,12 +332,11 @@ class MemoryTracker:
 
     def _account(self, size: int) -> None:
         """Count an allocation of ``size`` already-rounded bytes (no block object)."""
+        if self.pool is not None:
+            self.pool.take(size)
+            return
         new_alloc = self.allocated + size
-        if new_alloc > self.limit:  # (as in allocate)
-            pool = self._pool
-            if pool is not None:
-                pool.take(size)
-                return
+        if new_alloc + self.pool_spare > self.reserved:
             self._grow(new_alloc + self.pool_spare, size)
         self.allocated = new_alloc
         if new_alloc > self.peak_allocated:
@@ -394,7 +373,6 @@ class MemoryTracker:
                 raise torch.cuda.OutOfMemoryError(self.oom_message(size))
             reserved = footprint
         self.reserved = reserved
-        self.relimit()
         if reserved > self.peak_reserved:
             self.peak_reserved = reserved
 
@@ -463,7 +441,6 @@ class MemoryTracker:
         """Like torch.cuda.empty_cache(): give unused cached segments back (not those that CUDA
         graphs' pools hold)."""
         self.reserved = _round_segment(self.allocated + self.pool_spare)
-        self.relimit()
 
     def sample(self) -> None:
         """Append (allocated, reserved) now to the run's recorder (forward/backward boundaries).
