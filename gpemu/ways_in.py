@@ -31,12 +31,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transfor
 from . import hostvalues
 from .device import (
     DTYPE_NAMES,
-    FAKE_KEY,
     TYPE_NAMES,
     EmuTensor,
     PeerCopy,
     TensorState,
     as_meta,
+    fake_mode,
     from_meta,
     host_args,
     host_to_emulated,
@@ -91,10 +91,7 @@ def faking() -> bool:
     """Whether a FakeTensorMode is active (DTensor's sharding propagation, torch.compile's tracing,
     ``torch.utils.flop_counter`` estimates): tensors made now are fake tensors of the mode, as on a
     real GPU, and take no memory; torch's own path makes them (the mode says ``cuda``)."""
-    return _get_mode(FAKE_KEY) is not None  # (gpemu.device.fake_mode, without its call level: every .cuda())
-
-
-_get_mode = torch._C._get_dispatch_mode
+    return fake_mode() is not None
 
 
 def _is_meta(device: Any) -> bool:

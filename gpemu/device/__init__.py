@@ -23,7 +23,7 @@ from ..config import values_note
 from . import dispatch  # noqa: F401  (binds EmuTensor.__torch_dispatch__)
 from .copies import PeerCopy, host_to_emulated, peer_copy, to_emulated, to_host
 from .emutensor import DTYPE_NAMES, TYPE_NAMES, WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
-from .fake import FAKE_KEY, fake_mode
+from .fake import fake_mode
 from .shadows import host_args, host_shadow, set_host_shadow
 from .state import (
     CostTap,
@@ -59,7 +59,6 @@ __all__ = [
     "device_index",
     "from_meta",
     "as_meta",
-    "FAKE_KEY",
     "fake_mode",
     "host_args",
     "host_shadow",

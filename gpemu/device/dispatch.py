@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..costmodel.precision import tf32_cudnn, tf32_matmul
 from ..runtime import current
 from .emutensor import EmuTensor
-from .fake import FAKE_KEY, run_faked
+from .fake import fake_mode, run_faked
 from .ops import cached_op, current_task
 from .signature import FLOAT_SENSITIVE, keyword_signature, signature
 from .special import DETACH, SPECIAL, detach
@@ -30,15 +28,12 @@ from .state import TensorState, backward_pass, current_state
 __all__ = ["torch_dispatch"]
 
 
-_get_mode = torch._C._get_dispatch_mode
-
-
 def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
     """``EmuTensor.__torch_dispatch__``: one emulated op."""
     fid = id(func)
     if fid == DETACH:  # (hot inside autograd; a few attribute copies)
         return detach(func, args, kwargs)
-    faking = _get_mode(FAKE_KEY)  # (gpemu.device.fake.fake_mode, without its call level)
+    faking = fake_mode()
     if faking is not None:  # (the mode refused our tensors: fake results, as for a GPU's)
         return run_faked(faking, func, args, kwargs or {})
     special = SPECIAL.get(fid)

@@ -18,15 +18,15 @@ from torch.utils._pytree import tree_map
 from .emutensor import EmuTensor
 from .state import meta_of
 
-__all__ = ["FAKE_KEY", "fake_mode", "run_faked"]
+__all__ = ["fake_mode", "run_faked"]
 
 _get_mode = torch._C._get_dispatch_mode
-FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE  # (the dispatch-mode slot a FakeTensorMode takes)
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def fake_mode() -> Any:
     """The active FakeTensorMode, or None."""
-    return _get_mode(FAKE_KEY)
+    return _get_mode(_FAKE)
 
 
 def run_faked(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -304,9 +304,7 @@ class TensorState:
         src = emus[alias]
         if write:
             return src
-        if _inference_mode() and not src.is_inference():  # (see view; the usual view, written out)
-            return self.view(src, shape, stride, offset, src.dtype if dtype is None else dtype)
-        return self.wrap(shape, stride, offset, src.dtype if dtype is None else dtype, src.emu_device, src.emu_block)
+        return self.view(src, shape, stride, offset, src.dtype if dtype is None else dtype)
 
     def view(
         self, src: EmuTensor, shape: Any, stride: Any, offset: int | torch.SymInt, dtype: torch.dtype

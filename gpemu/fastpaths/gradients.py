@@ -79,11 +79,7 @@ def grad_spec(t: torch.Tensor, dev: int) -> GradSpec:
     gdev = t.emu_device if isinstance(t, EmuTensor) else dev
     nbytes = t.numel() * t.element_size()
     key = (tuple(t.shape), tuple(stride), 0, t.dtype, gdev)
-    # (tuple.__new__: a named tuple's own __new__ is a Python function, on every replayed backward)
-    return _new_tuple(GradSpec, (t.shape, stride, t.dtype, gdev, nbytes, key, round_size(nbytes) if nbytes else 0))
-
-
-_new_tuple = tuple.__new__
+    return GradSpec(t.shape, stride, t.dtype, gdev, nbytes, key, round_size(nbytes) if nbytes else 0)
 
 
 _get_block = attrgetter("emu_block")

@@ -78,22 +78,20 @@ class VirtualStream:
         now = base - local.late
         if now < local.floor:
             now = local.floor
-        if issue or eng.captures:  # (a modelled host, a capture: the usual case, neither, skips both)
-            if issue > 0 and not local.launching:
-                if eng.time_map is not None:
-                    eng.time_map.sample(eng)
-                now += issue
-                eng.issued_s += issue
-                local.late = base - now  # (the host now stands at the launch, past any floor)
-            if eng.captures:  # (a CUDA graph capture: the engine records the work of a capturing stream)
-                return eng.enqueue(self, seconds, kind, name, peak_bytes, at, now)
+        if issue > 0 and not local.launching:
+            if eng.time_map is not None:
+                eng.time_map.sample(eng)
+            now += issue
+            eng.issued_s += issue
+            local.late = base - now  # (the host now stands at the launch, past any floor)
+        if eng.captures:  # (a CUDA graph capture: the engine records the work of a capturing stream)
+            return eng.enqueue(self, seconds, kind, name, peak_bytes, at, now)
         return eng.timeline.enqueue(self, seconds, kind, name, peak_bytes, now, at)
 
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
         eng = self.engine
-        if eng.captures:
-            eng.refuse_if_capturing(reason)
+        eng.refuse_if_capturing(reason)
         local = eng.local.host
         outer = not local.depth
         if outer:
