@@ -67,6 +67,24 @@ def test_program_logic_without_autograd_reads_placeholders_as_zeros(rt) -> None:
         assert host_shadow(loss) is None
 
 
+def test_a_large_known_mask_keeps_its_values_beside_placeholders(rt) -> None:
+    """transformers' generate() grows its attention mask each step (``cat`` of the mask and
+    ``mask.new_ones``) beside the model's placeholder logits: a mask of more than 4,096 elements
+    (batch 32 x 2,048) stays known and all ones, step after step (it used to turn unknown, then
+    zeros, every other step: the host values of a large known input were dropped)."""
+    mask = torch.ones(32, 2048, dtype=torch.long).cuda()
+    model = nn.Linear(8, 16).cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            logits = model(torch.zeros(32, 8, device="cuda"))  # placeholders beside the mask
+            ones = mask.new_ones((mask.shape[0], 1))
+            mask = torch.cat([mask, ones], dim=-1)
+            picked = logits.argmax(-1) * mask[:, -1]  # known values mixed with placeholders
+            assert host_shadow(picked) is not None
+    shadow = host_shadow(mask)
+    assert shadow is not None and mask.shape == (32, 2051) and bool(shadow.all())
+
+
 class _TinyLM(nn.Module):
     def __init__(self, vocab: int = 50, dim: int = 16) -> None:
         super().__init__()
