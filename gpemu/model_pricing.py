@@ -14,15 +14,32 @@ from . import costs
 if TYPE_CHECKING:  # pragma: no cover
     from .model_time import ModelTime
 
-__all__ = ["charge_issue", "pass_seconds", "charge_issue_gaps", "price_ratio", "say_measured", "say_estimated"]
+__all__ = [
+    "charge_pass",
+    "kernel_share",
+    "pass_seconds",
+    "charge_issue_gaps",
+    "price_ratio",
+    "say_measured",
+    "say_estimated",
+]
 
 
-def charge_issue(engine: Any, tap: Any) -> None:
-    """The host pays the modelled issue time of the ops a module charge stands for (those not
-    charged on their own: they paid when they were)."""
-    owed = tap.issue - tap.issue_paid
-    if owed > 0 and not engine.in_charged_scope:
-        engine.charge_host(owed)
+def kernel_share(tap: Any, unit: bool) -> float:
+    """The kernels' share of what a call priced by its ops is charged per pass (the rest: gaps
+    while the host issued its ops, which a modelled host pays itself and a CUDA graph's replay
+    does not have)."""
+    charged = pass_seconds(tap, unit)
+    return min(1.0, tap.seconds / charged) if charged > 0 else 1.0
+
+
+def charge_pass(engine: Any, dev: int, seconds: float, tap: Any, kind: str, label: str, at: float | None) -> None:
+    """A call charged as one piece (a measured model's time, or a wrapper's pass), issued at host
+    time ``at``: the GPU runs its kernels' share of ``seconds`` after the host's lead when a host
+    is modelled (:meth:`gpemu.time.engine.TimeEngine.enqueue_pass`), and the host pays the issue
+    time of the ops it stands for (those not charged on their own: they paid when they were)."""
+    owed = tap.issue - tap.issue_paid if not engine.in_charged_scope else 0.0
+    engine.enqueue_pass(dev, seconds, seconds * kernel_share(tap, False), kind, label, at, max(owed, 0.0))
 
 
 def pass_seconds(tap: Any, unit: bool) -> float:

@@ -36,7 +36,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import costs
 from .device import EmuTensor, OutputSpec, OwnNodes
 from .identify import confirm_parts, identify
-from .model_pricing import charge_issue, charge_issue_gaps, pass_seconds, price_ratio, say_estimated, say_measured
+from .model_pricing import (
+    charge_issue_gaps,
+    charge_pass,
+    kernel_share,
+    pass_seconds,
+    price_ratio,
+    say_estimated,
+    say_measured,
+)
 from .reference import measured_on
 from .token_steps import ServingLog
 
@@ -81,6 +89,7 @@ class CallRecord:
         "fwd_seconds",
         "kernel_share",
         "bwd_seconds",
+        "bwd_kernel_share",
         "fwd_issue",
         "bwd_issue",
         "label",
@@ -110,6 +119,7 @@ class CallRecord:
         # CUDA graph's replay does not have)
         self.kernel_share = 1.0
         self.bwd_seconds = 0.0
+        self.bwd_kernel_share = 1.0  # (the same for the backward)
         # The modelled host's issue time of the forward's and the backward's ops (gpemu.time.launch):
         # a replay charges it as the op-by-op call did.
         self.fwd_issue = 0.0
@@ -309,7 +319,7 @@ class ModelTime:
             self.local.level = call.level
             self.local.watch = outer_watch
         call.fwd_peak = scope.peak
-        call.kernel_share = min(1.0, tap.seconds / tap.pass_seconds) if tap.pass_seconds > 0 else 1.0
+        call.kernel_share = kernel_share(tap, unit)
         call.fwd_issue = tap.issue
         uncharged = call.times is not None  # its ops ran under the measured time's cover
         if watch is not None:
@@ -322,8 +332,7 @@ class ModelTime:
             say_estimated(self, call.ident, call.dev, tap.mix, tap.precisions, quiet=unit or call.ident.quiet)
             call.bwd_s = None  # measured when the backward runs
             if uncharged and call.fwd_s > 0:  # (a wrapper that called none of its measured parts)
-                engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
-                charge_issue(engine, tap)
+                charge_pass(engine, call.dev, call.fwd_s, tap, "forward", call.ident.label, call.t0)
             elif not unit and not in_backward and not open_children:
                 # (its ops charged themselves; the pass's issue gaps are charged once its outputs
                 # are known. Not for a call whose submodules are units of their own: a replayed
@@ -345,8 +354,7 @@ class ModelTime:
             )
             if call.fwd_s > 0:
                 # Issued when the call started (t0), not after the op-by-op forward's host time.
-                engine.stream(call.dev).enqueue(call.fwd_s, "forward", call.ident.label, at=call.t0)
-                charge_issue(engine, tap)
+                charge_pass(engine, call.dev, call.fwd_s, tap, "forward", call.ident.label, call.t0)
         return out
 
 
@@ -608,6 +616,7 @@ class _BackwardStart(torch.autograd.Function):
                     charge_issue_gaps(engine, info.dev, tap.pass_seconds - tap.seconds, info.label, "backward")
                 if rec is not None:
                     rec.bwd_seconds = bwd
+                    rec.bwd_kernel_share = kernel_share(tap, info.in_pass)
                     rec.bwd_issue = tap.issue
             else:
                 bwd = info.bwd_seconds or 0.0
@@ -620,10 +629,11 @@ class _BackwardStart(torch.autograd.Function):
                     )
                 engine.exit_charged()
                 if bwd > 0:
-                    engine.stream(info.dev).enqueue(bwd, "backward", info.label, at=issued)
-                    charge_issue(engine, tap)
+                    charge_pass(engine, info.dev, bwd, tap, "backward", info.label, issued)
                 if rec is not None:
                     rec.bwd_seconds = bwd + tap.charged
+                    kernels = bwd * kernel_share(tap, False) + tap.charged
+                    rec.bwd_kernel_share = kernels / rec.bwd_seconds if rec.bwd_seconds > 0 else 1.0
                     rec.bwd_issue = tap.issue
             if rec is not None:
                 rec.bwd_extra = max(0, mem.peak_allocated - start)

@@ -77,7 +77,9 @@ class CostTap:
     after the host time the calibration hosts took for it, the GPU running them in order: host and
     GPU overlapped; how the database timed a model's forward and backward),
     and ``reference_seconds``, the same pass priced as the profile database measured (fp32 on the
-    device's reference GPU) — their ratio carries a measured model's time to this GPU and precision.
+    device's reference GPU, each op issued after the calibration hosts' time even when a host is
+    modelled: the database's times hold that host) — their ratio carries a measured model's time to
+    this GPU, precision and host.
     Work charged as a span (a replayed unit) counts as GPU time at both prices. ``mix``: GPU
     seconds per kind of work of the priced ops, ``precisions``: per dtype (the cost model's
     uncertainty depends on both). With a host model (:mod:`gpemu.time.launch`) each op is issued
@@ -93,6 +95,7 @@ class CostTap:
         "issue",
         "issue_paid",
         "_host",
+        "_host_ref",
         "_finish",
         "_finish_ref",
         "own",
@@ -111,6 +114,7 @@ class CostTap:
         self.mix: dict[str, float] = {}
         self.precisions: dict[str, float] = {}  # GPU seconds per dtype of the priced ops
         self._host = 0.0  # host issue time so far (the queue's host side)
+        self._host_ref = 0.0  # the same at the calibration hosts' issue times (the reference pass)
         # The modelled host's issue time of the priced ops (gpemu.time.launch; 0 without one):
         # what a charge standing for them costs the program's host.
         self.issue = 0.0
@@ -118,11 +122,13 @@ class CostTap:
         self._finish = 0.0  # when the pass's GPU work ends, at this GPU and precision
         self._finish_ref = 0.0  # the same at the reference price
 
-    def add(self, gpu: float, host: float, reference: float) -> None:
+    def add(self, gpu: float, host: float, reference: float, reference_host: float) -> None:
         """One op of ``gpu`` kernel seconds, issued after ``host`` seconds of host work;
-        ``reference``: its kernel seconds at the reference price."""
+        ``reference``: its kernel seconds at the reference price, issued after ``reference_host``
+        (the calibration hosts' time: how the database measured it, whatever host is modelled)."""
         self._host = h = self._host + host
         self._finish = (h if h > self._finish else self._finish) + gpu
+        self._host_ref = h = self._host_ref + reference_host
         self._finish_ref = (h if h > self._finish_ref else self._finish_ref) + reference
 
     @property
@@ -361,12 +367,21 @@ class TensorState:
                 engine.stream(dev).enqueue(seconds, "op", name, 0, None, engine.op_issue_s)
 
     def charge_span(
-        self, seconds: float, dev: int, kind: str, name: str, at: float | None = None, issue: float = 0.0
+        self,
+        seconds: float,
+        dev: int,
+        kind: str,
+        name: str,
+        at: float | None = None,
+        issue: float = 0.0,
+        kernels: float | None = None,
     ) -> None:
         """:meth:`charge` as a span of ``kind`` (``forward``, ``backward``): a replayed module's
         recorded time. ``at``: the host time it was issued, when earlier than now. ``issue``: the
         modelled host seconds of issuing the ops it stands for (the span's queue arithmetic
-        already overlaps them with its kernels): the host spends them after the span starts."""
+        already overlaps them with its kernels): the host spends them after the span starts.
+        ``kernels``: the GPU's part of ``seconds`` (default all of it); with a modelled host the
+        GPU runs only that (:meth:`gpemu.time.engine.TimeEngine.enqueue_pass`)."""
         if seconds > 0:
             engine = self.engine
             charged = not engine.in_charged_scope
@@ -377,9 +392,7 @@ class TensorState:
                         tap.issue += issue
                         tap.issue_paid += issue if charged else 0.0
             if charged:
-                engine.stream(dev).enqueue(seconds, kind, name, 0, at)
-                if issue:
-                    engine.charge_host(issue)
+                engine.enqueue_pass(dev, seconds, seconds if kernels is None else kernels, kind, name, at, issue)
 
     def charge_entry(self, entry: OpEntry, dev: int) -> None:
         """:meth:`charge` for a cached op (its cost and price kept on the entry)."""
@@ -395,6 +408,7 @@ class TensorState:
     def _tap(self, cost: float, charged: bool, price: Any) -> None:
         if self._tap_owner == threading.get_ident():
             host, reference = (price.host, price.reference) if price is not None else (0.0, cost)
+            reference_host = host  # (the reference pass: as the database measured, on its hosts)
             issue = self.engine.op_issue_s if price is not None else 0.0
             if issue:  # (a modelled host issues it, not the cost model's calibration hosts)
                 host = issue
@@ -404,7 +418,7 @@ class TensorState:
                 tap.seconds += cost
                 if charged:
                     tap.charged += cost
-                tap.add(cost, host, reference)
+                tap.add(cost, host, reference, reference_host)
                 if issue:
                     tap.issue += issue
                     if charged:

@@ -615,8 +615,11 @@ def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None
     # (through the tensor state: inside another model's charge nothing more is charged, and an
     # enclosing model priced by its ops counts it). The host pays the recorded calls' modelled
     # issue time, as the op-by-op run did.
-    issue = rec.bwd_issue if kind == "backward" else rec.fwd_issue
-    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue)
+    # With a modelled host the GPU runs the pass's kernels alone (the rest of it is the host's).
+    backward = kind == "backward"
+    issue = rec.bwd_issue if backward else rec.fwd_issue
+    kernels = seconds * (rec.bwd_kernel_share if backward else rec.kernel_share)
+    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue, kernels)
 
 
 class ReplayFunction(torch.autograd.Function):

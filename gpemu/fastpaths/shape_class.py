@@ -128,6 +128,15 @@ class ShapeClass:
         self._seconds[m] = seconds
         return seconds
 
+    def issue_seconds(self, rt: Any, dev: int) -> float:
+        """The modelled host's time to issue the forward's ops (0 without a host model: the
+        recorded host times are then the calibration hosts', priced in the pass)."""
+        if not rt.engine.op_issue_s:
+            return 0.0
+        if self._price is None:
+            self._price = _Pricing(rt, dev, self.a, self.b)
+        return self._price.issue
+
     def kernel_seconds_at(self, rt: Any, dev: int, m: int) -> float:
         """The forward's kernels alone, back to back (a CUDA graph's replay: no launch gaps)."""
         if self._price is None:
@@ -143,6 +152,7 @@ class _Pricing:
         self.unit = b.unit
         self.g = np.array([op[0] for op in b.ops], dtype=float)
         self.h = np.array([op[1] for op in b.ops], dtype=float)
+        self.issue = float(self.h.sum())
         self.ga = np.array([op[0] for op in a.ops], dtype=float)
         var = [i for i, (x, y) in enumerate(zip(a.ops, b.ops, strict=True)) if x[2] != y[2] or x[0] != y[0]]
         priced = [i for i in var if a.ops[i][2] is not None and b.ops[i][2] is not None]
@@ -551,7 +561,11 @@ def _replay_step(
     # (captured into a CUDA graph: its kernels, which the graph's replays run back to back)
     captured = ts.engine.capture_here(dev) is not None
     seconds = cls.kernel_seconds_at(R.rt, dev, m) if captured else cls.seconds_at(R.rt, dev, m)
-    ts.charge_span(seconds, dev, "forward", b.label, t0)
+    if captured or not ts.engine.op_issue_s:
+        ts.charge_span(seconds, dev, "forward", b.label, t0)
+    else:  # (a modelled host issues its ops, the GPU runs its kernels: gpemu.time.engine.enqueue_pass)
+        kernels = min(seconds, cls.kernel_seconds_at(R.rt, dev, m))
+        ts.charge_span(seconds, dev, "forward", b.label, t0, cls.issue_seconds(R.rt, dev), kernels)
     for parent, step, ref in program.writes:
         assign(at[parent], step, made[ref])
     for change in program.changes:

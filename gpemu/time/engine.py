@@ -92,6 +92,38 @@ class TimeEngine(HostTime):
         model = self.host_model
         return model.issue_seconds(ops, launches) if model is not None else 0.0
 
+    def enqueue_pass(
+        self,
+        device: int,
+        seconds: float,
+        kernels: float,
+        kind: str,
+        name: str,
+        at: float | None = None,
+        issue: float = 0.0,
+    ) -> None:
+        """Charge a pass charged as one piece (a replayed or measured module call): ``seconds``
+        from its first issue to its GPU's end (the cost model's queue of host issue and kernels),
+        ``kernels`` of it the GPU's work, ``issue`` the modelled host's time to issue its ops.
+
+        Without a host model the span is the whole pass (its issue gaps are the calibration
+        hosts', priced as GPU time: ``--host none``). With one the GPU runs the kernels alone: they
+        start when the host has issued far enough for the queue to run without a stall
+        (``seconds - kernels`` after the first issue, the lead the queue needs), and the host
+        spends its issue time meanwhile, so the pass ends where the queue did and the GPU's busy
+        time is its kernels'."""
+        stream = self.stream(device)
+        lead = seconds - kernels
+        if not (self.op_issue_s and lead > 0 and not self.captures and not self.local.host.launching):
+            stream.enqueue(seconds, kind, name, 0, at)
+            if issue:
+                self.charge_host(issue)
+            return
+        lead = min(lead, issue)
+        stream.enqueue(seconds - lead, kind, name, 0, None if at is None else at + lead, lead)
+        if issue > lead:
+            self.charge_host(issue - lead)
+
     def current_device_index(self) -> int:
         return self.current_device()
 
