@@ -51,15 +51,34 @@ class Leaf(NamedTuple):
     value: Any
 
 
-class CallShape(NamedTuple):
-    """A call's state: its ``leaves``; the ``structure`` that must match exactly between calls of
-    one class (paths, kinds, dtypes, devices, ranks, plain values, object types) and the
-    ``numbers`` that may vary (tensor sizes, strides and offsets, Python ints)."""
+class CallShape:
+    """A call's state: the ``values`` of its leaves; the ``structure`` that must match exactly
+    between calls of one class (per leaf its path and kind first, then dtypes, devices, ranks,
+    plain values, object types) and the ``numbers`` that may vary (tensor sizes, strides and
+    offsets, Python ints). ``leaves`` (path, kind, value) are made from them when asked for: a
+    replayed call reads its values by their index in the structure."""
 
-    leaves: list[Leaf]
-    structure: tuple
-    numbers: list[int]
-    template: Template | None = None  # how to read the next call of this structure quickly
+    __slots__ = ("values", "structure", "numbers", "template", "_leaves")
+
+    def __init__(
+        self,
+        values: list,
+        structure: tuple,
+        numbers: list[int],
+        template: Template | None = None,
+        leaves: list[Leaf] | None = None,
+    ) -> None:
+        self.values = values
+        self.structure = structure
+        self.numbers = numbers
+        self.template = template  # how to read the next call of this structure quickly
+        self._leaves = leaves
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        if self._leaves is None:
+            self._leaves = [Leaf(e[0], e[1], v) for e, v in zip(self.structure, self.values, strict=True)]
+        return self._leaves
 
 
 class TooLarge(Exception):
@@ -79,7 +98,8 @@ def scan(args: tuple, kwargs: dict) -> CallShape | None:
     except TooLarge:
         return None
     structure = tuple(scanner.structure)
-    return CallShape(scanner.leaves, structure, scanner.numbers, Template(scanner, structure))
+    values = [leaf.value for leaf in scanner.leaves]
+    return CallShape(values, structure, scanner.numbers, Template(scanner, structure), scanner.leaves)
 
 
 class _Scanner:
@@ -173,12 +193,10 @@ class Template:
     loop calls its model with the same cache object, grown: :meth:`rescan` reads its new sizes
     in one flat pass instead of building every path and structure entry again."""
 
-    __slots__ = ("structure", "paths", "kinds", "nodes")
+    __slots__ = ("structure", "nodes")
 
     def __init__(self, scanner: _Scanner, structure: tuple) -> None:
         self.structure = structure
-        self.paths = [leaf.path for leaf in scanner.leaves]
-        self.kinds = [leaf.kind for leaf in scanner.leaves]
         index = {leaf.path: i for i, leaf in enumerate(scanner.leaves)}
         self.nodes: list[tuple] = []
         for i, (path, kind, x) in enumerate(scanner.leaves):
@@ -199,12 +217,12 @@ class Template:
         add = values.append
         try:
             for parent, attr, step, how, cls, check in self.nodes:
-                if parent < 0:
-                    x = roots[step]
-                elif attr:
+                if attr:  # (most leaves of a cache are an object's attributes)
                     x = values[parent].__dict__[step]
-                else:
+                elif parent >= 0:
                     x = values[parent][step]
+                else:
+                    x = roots[step]
                 if x.__class__ is not cls:
                     return None
                 # (the kinds in the order an HF cache has most of them: plain values, tensors, objects)
@@ -236,8 +254,7 @@ class Template:
                 add(x)
         except (KeyError, IndexError, AttributeError, TypeError):
             return None
-        leaves = [_leaf(Leaf, leaf) for leaf in zip(self.paths, self.kinds, values, strict=True)]
-        return CallShape(leaves, self.structure, numbers, self)
+        return CallShape(values, self.structure, numbers, self)
 
 
 def _how(kind: int, x: Any, repeat: bool) -> int:

@@ -30,7 +30,8 @@ op from then on (said once).
 from __future__ import annotations
 
 import weakref
-from operator import is_
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -283,7 +284,7 @@ def class_call(
         if m is not None and _same_params(cls.b.params, params):
             if i:
                 st.classes.insert(0, st.classes.pop(i))  # (the line in use first)
-            return R.ts.call(_replay_step, R, cls, m, shape.leaves, dev, t0, not unit)
+            return R.ts.call(_replay_step, R, cls, m, shape.values, dev, t0, not unit)
     if st.gave_up:
         return mt.run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0, open_children=True)
     out, rec = _record(R, orig_call, module, args, kwargs, dev, params, t0, unit, shape)
@@ -542,18 +543,17 @@ def _value_change(path: tuple, before: torch.Tensor | None, after: Any) -> tuple
 # replay
 # ----------------------------------------------------------------------------------------------
 def _replay_step(
-    R: ReplayState, cls: ShapeClass, m: int, entry: list[Leaf], dev: int, t0: float | None, outermost: bool
+    R: ReplayState, cls: ShapeClass, m: int, entry: list, dev: int, t0: float | None, outermost: bool
 ) -> Any:
-    """The call ``m`` steps past its line's last recording: its memory, its time, what it writes
-    into its arguments and what it returns (``outermost``: the serving log's, which is told the
-    bytes its cache holds)."""
+    """The call ``m`` steps past its line's last recording (``entry``: its state's values, in its
+    structure's order): its memory, its time, what it writes into its arguments and what it
+    returns (``outermost``: the serving log's, which is told the bytes its cache holds)."""
     b = cls.b
     ts = R.ts
     program = cls.program
     if program is None:
-        program = cls.program = _Program(b.plan)
-    at = {leaf.path: leaf.value for leaf in entry}
-    made = program.make(ts, at, cls.numbers_at(m), dev)  # (all memory first: an OOM changes nothing)
+        program = cls.program = _Program(b.plan, b.shape.structure)
+    made = program.make(ts, entry, cls.numbers_at(m), dev)  # (all memory first: an OOM changes nothing)
     mem = ts.memory[dev]
     mem.touch(cls.extra_at(m))
     R.classes.stats["replayed"] += 1
@@ -566,10 +566,9 @@ def _replay_step(
     else:  # (a modelled host issues its ops, the GPU runs its kernels: gpemu.time.engine.enqueue_pass)
         kernels = min(seconds, cls.kernel_seconds_at(R.rt, dev, m))
         ts.charge_span(seconds, dev, "forward", b.label, t0, cls.issue_seconds(R.rt, dev), kernels)
-    for parent, step, ref in program.writes:
-        assign(at[parent], step, made[ref])
-    for change in program.changes:
-        _change_value(ts, at.get(change[1]), change)
+    program.write(entry, made)
+    for i, change in program.changes:
+        _change_value(ts, entry[i] if i >= 0 else None, change)
     mem.sample()
     if outermost:
         R.serving.held = program.held_bytes(entry, made)
@@ -577,43 +576,62 @@ def _replay_step(
 
 
 class _Program:
-    """A plan compiled for replay: the tensors to make (in the order the plan's numbers were
-    recorded), then what to write where and what to return, as indices into what was made."""
+    """A plan compiled for replay against its structure (an entry value by its index there): the
+    tensors to make (in the order the plan's numbers were recorded), then what to write where and
+    what to return, as indices into what was made."""
 
-    def __init__(self, plan: tuple) -> None:
+    def __init__(self, plan: tuple, structure: tuple) -> None:
         writes, returned = plan
-        self.makes: list[tuple] = []  # (kind, block or view path, ndim, dtype, first number, new block)
-        self.values: list[tuple] = []  # what each index of ``made`` is: ("make", i) / ("entry", path) / ...
-        self.index: dict[Any, int] = {}
+        self.index = {e[0]: i for i, e in enumerate(structure)}  # an entry path's index
+        self.makes: list[tuple] = []  # (kind, block or view index, ndim, dtype, first number, new block)
+        self.values: list[tuple] = []  # what each index of ``made`` is: ("make", i) / ("entry", i) / ...
+        self.refs: dict[Any, int] = {}
         self.count = 0  # numbers read so far
-        self.writes = [(w[1][:-1], w[1][-1], self._ref(w[2])) for w in writes if w[0] == "set"]
-        self.changes = [w for w in writes if w[0] != "set"]
+        sets = [(self.index[w[1][:-1]], w[1][-1], self._ref(w[2])) for w in writes if w[0] == "set"]
+        # attributes set with setattr (an object's ".name"), items through assign (in order)
+        self.attrs = [(i, step[1:], ref) for i, step, ref in sets if isinstance(step, str) and step.startswith(".")]
+        self.items = [w for w in sets if not (isinstance(w[1], str) and w[1].startswith("."))]
+        self.attr_objects = [i for i, _, _ in self.attrs]
+        self.attr_names = [name for _, name, _ in self.attrs]
+        self.attr_refs = [ref for _, _, ref in self.attrs]
+        self.changes = [(self.index.get(w[1], -1), w) for w in writes if w[0] != "set"]
         self.returned = [self._ref(r) for r in returned]
-        self.kept: list[int] | None = None  # entry tensors inside object arguments the call left
-        self.stored = [ref for parent, _, ref in self.writes if len(parent) >= 2]  # what it put there
+        # entry tensors inside object arguments the call left, and what it put there
+        written = [w[1] for w in writes if w[0] == "set"]
+        self.kept = [
+            i
+            for i, e in enumerate(structure)
+            if e[1] == TENSOR and len(e[0]) > 2 and not any(e[0][: len(w)] == w for w in written)
+        ]
+        self.stored = [ref for i, _, ref in sets if len(structure[i][0]) >= 2]
+        self.only_made = self.values == [("make", j) for j in range(len(self.makes))]
+        self.plains = [value[1] for value in self.values if value[0] == "plain"]
+        plain = iter(range(len(self.plains)))
+        self.sources = [(v[0], next(plain) if v[0] == "plain" else v[1]) for v in self.values]
+        self.places: list[int] | None = None  # each value's place in make's pool
 
-    def held_bytes(self, entry: list[Leaf], made: list) -> int:
+    def write(self, entry: list, made: list) -> None:
+        """Set what the call set in its arguments."""
+        objects = map(entry.__getitem__, self.attr_objects)
+        for _ in map(setattr, objects, self.attr_names, map(made.__getitem__, self.attr_refs)):
+            pass  # (setattr over the lists in C: a KV cache sets two attributes per layer)
+        for i, step, ref in self.items:
+            assign(entry[i], step, made[ref])
+
+    def held_bytes(self, entry: list, made: list) -> int:
         """Bytes of the memory blocks the call's object arguments (its KV cache) hold after it:
         the tensors it left there and those it wrote (``gpemu.token_steps``'s walk,
         from the plan)."""
-        if self.kept is None:
-            written = [(*parent, step) for parent, step, _ in self.writes]
-            self.kept = [
-                i
-                for i, leaf in enumerate(entry)
-                if leaf.kind == TENSOR and len(leaf.path) > 2 and not any(leaf.path[: len(w)] == w for w in written)
-            ]
-        blocks = {}
-        for t in [entry[i].value for i in self.kept] + [made[ref] for ref in self.stored]:
-            blk = t.emu_block if isinstance(t, EmuTensor) else None
-            if blk is not None:
-                blocks[id(blk)] = blk.size
-        return sum(blocks.values())
+        held = [*map(entry.__getitem__, self.kept), *map(made.__getitem__, self.stored)]
+        # each block once (blocks hash by identity): an EmuTensor's block, None for anything else
+        blocks = set(map(getattr, held, repeat("emu_block", len(held)), repeat(None, len(held))))
+        blocks.discard(None)
+        return sum(map(_SIZE, blocks))
 
     def _ref(self, ref: tuple) -> int:
         what = ref[0]
         if what == "same":
-            return self.index[("tensor", ref[1])]
+            return self.refs[("tensor", ref[1])]
         if what == "number":
             value: tuple = ("number", self.count)
             self.count += 1
@@ -622,42 +640,46 @@ class _Program:
             new_block = base[0] == "block" and not any(mk[0] == "block" and mk[1] == base[1] for mk in self.makes)
             if new_block:
                 self.count += 1
-            self.makes.append((base[0], base[1] if len(base) > 1 else None, ndim, dtype, self.count, new_block))
+            where = None if len(base) < 2 else self.index[base[1]] if base[0] == "view" else base[1]
+            self.makes.append((base[0], where, ndim, dtype, self.count, new_block))
             self.count += 2 * ndim + 1
             value = ("make", len(self.makes) - 1)
-            self.index[("tensor", j)] = len(self.values)
+            self.refs[("tensor", j)] = len(self.values)
+        elif what == "entry":
+            value = ("entry", self.index[ref[1]])
         else:
             value = ref
         self.values.append(value)
         return len(self.values) - 1
 
-    def make(self, ts: Any, at: dict, numbers: list[int], dev: int) -> list:
+    def make(self, ts: Any, entry: list, numbers: list[int], dev: int) -> list:
         """Everything the plan refers to, by index (new memory allocated first)."""
-        mem = ts.memory[dev]
+        allocate = ts.memory[dev].allocate
+        wrap = ts.wrap
         blocks: dict[Any, Any] = {}
         tensors = []
+        add = tensors.append
         for kind, base, ndim, dtype, i, new_block in self.makes:
-            if new_block:
-                blocks[base] = mem.allocate(numbers[i - 1])
-            shape = tuple(numbers[i : i + ndim])
-            stride = tuple(numbers[i + ndim : i + 2 * ndim])
-            offset = numbers[i + 2 * ndim]
-            if kind == "view":
-                tensors.append(ts.view(at[base], shape, stride, offset, dtype))
+            j = i + ndim
+            if kind == "block":
+                blk = blocks[base] = allocate(numbers[i - 1]) if new_block else blocks[base]
+                add(wrap(tuple(numbers[i:j]), tuple(numbers[j : j + ndim]), numbers[j + ndim], dtype, dev, blk))
+            elif kind == "view":
+                add(ts.view(entry[base], tuple(numbers[i:j]), tuple(numbers[j : j + ndim]), numbers[j + ndim], dtype))
             else:
-                tensors.append(ts.wrap(shape, stride, offset, dtype, dev, blocks[base] if kind == "block" else None))
-        made: list[Any] = []
-        for value in self.values:
-            what = value[0]
-            if what == "make":
-                made.append(tensors[value[1]])
-            elif what == "number":
-                made.append(numbers[value[1]])
-            elif what == "entry":
-                made.append(at[value[1]])
-            else:  # plain
-                made.append(value[1])
-        return made
+                add(wrap(tuple(numbers[i:j]), tuple(numbers[j : j + ndim]), numbers[j + ndim], dtype, dev, None))
+        if self.only_made:  # (what the call returns and sets is all new tensors, in order)
+            return tensors
+        # one list holding every source, read at precomputed places (a C-level pass, not a loop)
+        pool = tensors + self.plains + numbers + entry
+        if self.places is None:
+            start = {"make": 0, "plain": len(tensors), "number": len(tensors) + len(self.plains)}
+            start["entry"] = start["number"] + len(numbers)
+            self.places = [start[what] + at for what, at in self.sources]
+        return list(map(pool.__getitem__, self.places))
+
+
+_SIZE = attrgetter("size")
 
 
 def _change_value(ts: Any, t: Any, w: tuple) -> None:
