@@ -12,17 +12,26 @@ Columns:
   steps, end to end (gpemu.serving), on the virtual clock (no host time but the modelled one:
   an eager step that is host-bound, as HF's is at batch 1, shows the host issue time the cost
   model prices for its kernels);
-* **step GPU**: the kernels of one decode step at the prompt's length, back to back (op by op,
-  replay off, on a virtual clock: the ops' own spans, not the time they wait for the host that
-  issues them); **bound**: the bytes it must read
+* **step GPU**: the GPU's busy time in one decode step at the prompt's length: its kernels' spans
+  summed (op by op, replay off, on a virtual clock; not the step's wall time, which is the host's
+  issue time when HF's eager loop is host-bound, nor the calibration hosts' issue gaps that an
+  op-by-op pass is charged without a modelled host: the bound is about the bytes the GPU reads,
+  so it compares the time the GPU spends reading them); **bound**: the bytes it must read
   (the weights but the input embedding's table, the KV cache) over the GPU's memory
   bandwidth; the ratio of the two (**static**: the same step with HF's ``StaticCache``, which
   writes the new keys and values in place instead of copying the cache); **GEMM**: the step's
   matrix products against the time to read the weights they multiply at that bandwidth (how
   close the memory-bound part is priced);
-* **wall/step**: this machine's wall time per replayed decode step (a generate of 40 tokens less
-  one of 8, over 32), HF's own loop included; **in model**: of it, inside the model's call (the
-  emulator's replay: the target being <= 1 ms); medians over the replayed steps.
+* **wall/step**: this machine's wall time per replayed decode step (from one model call's start
+  to the next's), HF's own loop included (its ops on known values run on this machine's CPU, as the
+  emulator computes them); **in model**: of it, the wall time inside the model's outermost call
+  (gpemu's patched ``Module.__call__``: the replay, which runs none of the model's code: the
+  emulator's host time per replayed step, the target being <= 1 ms); medians over the replayed
+  steps; **kBC/step**: the same call's Python bytecodes in thousands (traced as
+  benchmarks/opcodes.py does: a count the machine's load does not move), the median step.
+
+``--host PRESET`` runs everything behind a modelled host (gpemu's ``host`` setting: ``this``, a
+speed such as ``0.7x``, ``h100-xeon``); GPU prices are then kernel time only.
 
 The paged-KV rows run examples/serving_paged.py's continuous-batching server (a pool of 16-token
 blocks sized by vLLM's rule, 90% of the GPU's memory): **blocks** in the pool, bytes per block
@@ -39,7 +48,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
@@ -91,26 +102,45 @@ def build(name: str) -> Any:
 
 
 class Timed(NamedTuple):
-    """Wall seconds of a generate()'s model calls: when each started, how long it took."""
+    """Wall seconds of a generate()'s model calls: when each started, how long it took; with
+    ``count``, each call's Python bytecodes instead of its time."""
 
     starts: list[float]
     inside: list[float]
 
 
-def _generate(model: Any, case: Case, new: int) -> Timed:
+def _generate(model: Any, case: Case, new: int, count: bool = False) -> Timed:
     ids = torch.randint(0, 50000, (case.batch, case.prompt)).cuda()
     timed_calls = Timed([], [])
     patched = torch.nn.Module.__call__  # (gpemu's: the replay)
+    tally = [0]
+
+    def opcode(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            tally[0] += 1
+        return opcode
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            return opcode
+        return None
 
     def timed(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not model:
             return patched(self, *args, **kwargs)
+        tally[0] = 0
+        if count:
+            sys.settrace(tracer)
         t = time.perf_counter()
         try:
             return patched(self, *args, **kwargs)
         finally:
+            inside = time.perf_counter() - t
+            sys.settrace(None)
             timed_calls.starts.append(t)
-            timed_calls.inside.append(time.perf_counter() - t)
+            timed_calls.inside.append(tally[0] if count else inside)
 
     torch.nn.Module.__call__ = timed  # type: ignore[method-assign]
     try:
@@ -122,9 +152,9 @@ def _generate(model: Any, case: Case, new: int) -> Timed:
     return timed_calls
 
 
-def serve_rows(name: str, gpu: str, cases: list[Case]) -> dict[Case, dict[str, Any]]:
+def serve_rows(name: str, gpu: str, cases: list[Case], host: str) -> dict[Case, dict[str, Any]]:
     """TTFT, TPOT, KV peak and wall per replayed step of each case (one patch, one model)."""
-    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock())
+    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock(), host=host)
     rows: dict[Case, dict[str, Any]] = {}
     try:
         model = build(name)
@@ -137,10 +167,12 @@ def serve_rows(name: str, gpu: str, cases: list[Case]) -> dict[Case, dict[str, A
                 # replayed decode steps (the prefill and the first decode step left out): medians
                 # (this machine is shared: a mean takes in other programs' bursts)
                 gaps = [b - a for a, b in zip(calls.starts[2:], calls.starts[3:], strict=False)]
+                counted = _generate(model, case, 12, count=True).inside[2:]
                 rows[case] = {
                     "serving": s,
                     "wall_step": statistics.median(gaps),
                     "wall_call": statistics.median(calls.inside[2:]),
+                    "bytecodes": statistics.median(counted),
                 }
             except torch.cuda.OutOfMemoryError:
                 rows[case] = {"oom": True}
@@ -162,11 +194,11 @@ class StepKernels(NamedTuple):
 _GEMMS = ("mm.default", "addmm.default", "bmm.default")
 
 
-def step_gpu_seconds(name: str, gpu: str, cases: list[Case]) -> dict[Case, StepKernels]:
+def step_gpu_seconds(name: str, gpu: str, cases: list[Case], host: str) -> dict[Case, StepKernels]:
     """One decode step's kernels back to back at the prompt's length, and the bytes it must read:
     every weight once but the input embedding's table (one row per token), and the KV cache; with
     HF's dynamic cache (``cat``: a new cache every step) and its static one (written in place)."""
-    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock(), replay=False)
+    rt = gpemu.patch(gpu=gpu, summary=False, clock=VirtualClock(), replay=False, host=host)
     out: dict[Case, StepKernels] = {}
     try:
         import transformers
@@ -204,7 +236,13 @@ def _decode_step_ops(rt: Any, model: Any, cache: Any, ids: torch.Tensor) -> list
         n0 = len(rt.recorder.spans)
         model(ids[:, :1], past_key_values=cache, use_cache=True, cache_position=torch.tensor([prompt]).cuda())
         torch.cuda.synchronize()
-    return [sp for sp in list(rt.recorder.spans)[n0:] if sp.kind == "op"]
+    # (kernels only: without a modelled host an op-by-op pass is also charged the calibration
+    # hosts' issue gaps as one span of its own, gpemu.model_pricing.charge_issue_gaps: GPU time a
+    # real GPU would spend waiting for its host, not reading bytes)
+    return [sp for sp in list(rt.recorder.spans)[n0:] if sp.kind == "op" and not sp.name.endswith(_GAPS)]
+
+
+_GAPS = ": host issue gaps"
 
 
 def paged_row(gpu: str, requests: int, blocks: int | None = None) -> str:
@@ -257,6 +295,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="128,2048")
     ap.add_argument("--paged", type=int, default=16, help="requests for the paged-KV server (0: none)")
     ap.add_argument("--only-paged", action="store_true", help="the paged-KV server's rows alone")
+    ap.add_argument("--host", default="none", help="gpemu's modelled host (none, this, 0.7x, h100-xeon)")
     a = ap.parse_args()
     print(f"# {machine()}")
     if a.paged:
@@ -270,18 +309,18 @@ def main() -> None:
         print(paged_row(a.gpus.split(",")[0], a.paged, blocks=1_000_000))
     if a.only_paged:
         return
-    print(f"# transformers generate(), bf16, greedy, {NEW_TOKENS} new tokens, virtual clock")
+    print(f"# transformers generate(), bf16, greedy, {NEW_TOKENS} new tokens, virtual clock, host {a.host}")
     head = (
         f"{'model':<10} {'gpu':<9} {'batch':>5} {'prompt':>6} {'TTFT':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
         f"{'tok/s':>8} {'KV peak':>9} {'step GPU':>9} {'bound':>9} {'ratio':>6} {'GEMM':>6} {'static':>6} "
-        f"{'wall/step':>9} {'in model':>9}"
+        f"{'wall/step':>9} {'in model':>9} {'kBC/step':>8}"
     )
     print(head)
     for name in a.models.split(","):
         for gpu in a.gpus.split(","):
             cases = [Case(name, gpu, int(b), int(p)) for p in a.prompts.split(",") for b in a.batches.split(",")]
-            rows = serve_rows(name, gpu, cases)
-            kernels = step_gpu_seconds(name, gpu, cases)
+            rows = serve_rows(name, gpu, cases, a.host)
+            kernels = step_gpu_seconds(name, gpu, cases, a.host)
             bandwidth = gpu_sheet(gpu).memory_bandwidth
             for case in cases:
                 print(_line(case, rows[case], kernels.get(case), bandwidth))
@@ -304,7 +343,8 @@ def _line(case: Case, row: dict[str, Any], kernels: StepKernels | None, bandwidt
         line += f" {kernels.static_seconds / bound:>6.2f}"
     else:
         line += f" {'-':>9} {'-':>9} {'-':>6} {'-':>6} {'-':>6}"
-    return line + f" {row['wall_step'] * ms:>7.2f}ms {row['wall_call'] * ms:>7.2f}ms"
+    line += f" {row['wall_step'] * ms:>7.2f}ms {row['wall_call'] * ms:>7.2f}ms {row['bytecodes'] / 1e3:>8.1f}"
+    return line
 
 
 if __name__ == "__main__":
