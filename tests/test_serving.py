@@ -3,6 +3,8 @@ cache length; KV-cache memory as on a GPU; serving metrics."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -347,3 +349,86 @@ def test_serving_metrics_without_replay() -> None:
     assert (s["prefills"], s["decode_steps"], s["generated_tokens"]) == (1, 6, 14)
     assert s["kv_cache_peak_bytes"] == sum(k.untyped_storage().nbytes() for k in cache.keys + cache.values)
     assert 0 < s["tpot"]["p50_s"] <= s["tpot"]["p99_s"]
+
+
+def _replayed_step_bytecodes(batch: int, prompt: int) -> list[int]:
+    """Python bytecodes inside the model's call of each replayed decode step (traced as
+    benchmarks/opcodes.py does: a count no machine load moves)."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock())
+    counts: list[int] = []
+    tally = [0]
+
+    def opcode(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "opcode":
+            tally[0] += 1
+        return opcode
+
+    def tracer(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            return opcode
+        return None
+
+    try:
+        torch.manual_seed(0)
+        model = TinyDecoder(layers=4).cuda().eval()
+        cache = KVCache(len(model.blocks))
+        with torch.no_grad():
+            tok = model(torch.randint(0, 64, (batch, prompt)).cuda(), cache).argmax(-1, keepdim=True)
+            for _ in range(12):
+                replayed = rt.replay.classes.stats["replayed"]
+                tally[0] = 0
+                sys.settrace(tracer)
+                try:
+                    out = model(tok, cache)
+                finally:
+                    sys.settrace(None)
+                if rt.replay.classes.stats["replayed"] > replayed:
+                    counts.append(tally[0])
+                tok = out.argmax(-1, keepdim=True)
+    finally:
+        gpemu.unpatch()
+    return counts
+
+
+def test_a_replayed_decode_steps_work_does_not_grow_with_batch_or_context() -> None:
+    """The emulator's host work per replayed decode step is reading the cache along its kept walk
+    and making the tensors the step makes: the same at batch 1 x 8 as at batch 8 x 512."""
+    short, long = _replayed_step_bytecodes(1, 8), _replayed_step_bytecodes(8, 512)
+    assert len(short) >= 6 and len(long) >= 6  # (after the recordings that find the line)
+    assert sorted(long)[len(long) // 2] <= 1.02 * sorted(short)[len(short) // 2]
+
+
+def _gpu_busy_per_step(replay: bool, steps: int = 10) -> list[float]:
+    """The GPU's busy time in each decode step (its spans' lengths) behind a modelled host."""
+    rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock(), replay=replay, host="h100-xeon")
+    busy = []
+    try:
+        torch.manual_seed(0)
+        model = TinyDecoder(dim=64, layers=3).cuda().eval()
+        cache = KVCache(len(model.blocks))
+        with torch.no_grad():
+            tok = model(torch.randint(0, 64, (4, 96)).cuda(), cache).argmax(-1, keepdim=True)
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                n0 = len(rt.recorder.spans)
+                tok = model(tok, cache).argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                spans = list(rt.recorder.spans)[n0:]
+                busy.append(sum(sp.end - sp.start for sp in spans if sp.kind in ("op", "forward")))
+        if replay:
+            assert rt.replay.classes.stats["replayed"] >= steps - 4
+    finally:
+        gpemu.unpatch()
+    return busy
+
+
+def test_a_replayed_decode_step_keeps_the_gpu_busy_for_its_kernels_at_its_length() -> None:
+    """Behind a modelled host, a decode step replayed by shape class at a new cache length keeps
+    the GPU busy as long as the same step's kernels op by op: its attention and cache copy
+    re-priced at that length, the host's issue time not counted as GPU time."""
+    replayed, op_by_op = _gpu_busy_per_step(True), _gpu_busy_per_step(False)
+    assert op_by_op[-1] > op_by_op[0]  # (the cache grows: the step's kernels cost more)
+    for r, o in zip(replayed[-5:], op_by_op[-5:], strict=True):
+        assert r == pytest.approx(o, rel=1e-4)  # (a price kept from the recording: 0.2% off)
