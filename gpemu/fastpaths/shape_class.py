@@ -657,7 +657,7 @@ class _Program:
         allocate = ts.memory[dev].allocate
         wrap = ts.wrap
         blocks: dict[Any, Any] = {}
-        tensors = []
+        tensors: list[Any] = []
         add = tensors.append
         for kind, base, ndim, dtype, i, new_block in self.makes:
             j = i + ndim
