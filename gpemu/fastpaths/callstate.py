@@ -223,11 +223,14 @@ class Template:
                     x = values[parent][step]
                 else:
                     x = roots[step]
+                if x is check:  # (a plain value, the same object: True, a device; no other check is one)
+                    add(x)
+                    continue
                 if x.__class__ is not cls:
                     return None
                 # (the kinds in the order an HF cache has most of them: plain values, tensors, objects)
                 if how == _PLAIN_V:
-                    if not (x is check or x == check):
+                    if x != check:
                         return None
                 elif how == _EMU:
                     k = x.emu_key  # (shape, stride, offset, dtype, device)
