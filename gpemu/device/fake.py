@@ -21,12 +21,16 @@ from .state import meta_of
 __all__ = ["fake_mode", "run_faked"]
 
 _get_mode = torch._C._get_dispatch_mode
+_modes_active = torch._C._len_torch_dispatch_stack
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def fake_mode() -> Any:
     """The active FakeTensorMode, or None."""
-    return _get_mode(_FAKE)
+    # Note: asked on every op and every x.cuda(); the length of the mode stack (which counts the
+    # infra modes, a FakeTensorMode among them) is almost always 0 and costs a quarter of the
+    # keyed look-up, whose enum argument pybind converts on each call.
+    return _get_mode(_FAKE) if _modes_active() else None
 
 
 def run_faked(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
