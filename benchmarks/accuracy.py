@@ -22,7 +22,7 @@ Two passes:
    stratified subset (each GPU x 6 models spread over sizes, batch sizes rotating); ``--full``
    runs all 1080 (about 15 minutes of emulated GPU time).
 
-All 36 architectures exist in ``examples/tvmodels.py`` and run as themselves, identified by
+All 36 architectures exist in ``examples/tvmodels/`` and run as themselves, identified by
 their structure. A database model without one there (e.g. a user-added model) runs as a small
 stand-in module with ``gpemu.patch(model=<name>)`` (configured), marked ``*``.
 
@@ -268,7 +268,7 @@ def main() -> None:
     standins = sorted(m for m in models if m not in tvmodels.MODELS)
     print(f"accuracy: {len(gpus)} GPUs x {len(models)} models x batch sizes {BATCHES}")
     print(
-        f"  * stand-in module + configured model (architecture not in examples/tvmodels.py): "
+        f"  * stand-in module + configured model (architecture not in examples/tvmodels/): "
         f"{', '.join(standins) or 'none'}"
     )
 

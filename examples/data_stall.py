@@ -33,7 +33,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tvmodels import alexnet, resnet50  # noqa: E402  (torchvision-equal models, see tvmodels.py)
+from tvmodels import alexnet, resnet50  # noqa: E402  (torchvision-equal models, see tvmodels/)
 
 ARCHS = {"alexnet": alexnet, "resnet50": resnet50}
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)

@@ -7,7 +7,7 @@ momentum, cross-entropy, and a per-iteration time print-out. On a CPU-only machi
     gpemu run --gpu V100 -- python examples/imagenet_classifier.py --arch resnet50 --batch-size 32
     gpemu run --gpu A100 -- python examples/imagenet_classifier.py --steps 50 --batch-size 128
 
-The models come from examples/tvmodels.py (same architectures and parameter counts as
+The models come from examples/tvmodels/ (same architectures and parameter counts as
 torchvision's), so gpemu recognises them and uses measured GPU times.
 """
 

@@ -82,7 +82,7 @@ class StepHooks:
         seconds, _ = optimizer_step_seconds(self.rt, optimizer, device)
         issue = optimizer_step_host_seconds(self.rt, optimizer)  # (0 without a host model)
         # (its last kernel cannot end before the host launched it)
-        engine.stream(device).enqueue(max(seconds, issue), "optimizer", type(optimizer).__name__)
+        engine.stream(device).enqueue(seconds if seconds > issue else issue, "optimizer", type(optimizer).__name__)
         if issue:
             engine.charge_host(issue)
         engine.end_iteration(device)

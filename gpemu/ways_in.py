@@ -40,6 +40,7 @@ from .device import (
     from_meta,
     host_args,
     host_to_emulated,
+    modes_active,
     peer_copy,
     to_emulated,
 )
@@ -199,7 +200,7 @@ def _make_tensor_cuda(ts: TensorState) -> Callable:
     def cuda(
         self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = torch.preserve_format
     ) -> torch.Tensor:
-        if device is None and self.__class__ is plain and not faking():  # the usual x.cuda() of a host batch
+        if device is None and self.__class__ is plain and not modes_active():  # the usual x.cuda() of a batch
             return host_to_emulated(ts, self, rt.current_device, non_blocking)
         idx = ts.rt.current_device if device is None else ts.device_index(device)
         if idx is None:

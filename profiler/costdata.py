@@ -2,7 +2,7 @@
 measured times. A tool (``gpemu.profiler``), not part of the pricing library ``gpemu.costmodel``.
 
 Used by the fit (:mod:`gpemu.profiler.costfit`) and the accuracy benchmark only, never on the
-pricing path. The op lists come from ``examples/tvmodels.py`` of the repository (plain-PyTorch
+pricing path. The op lists come from ``examples/tvmodels/`` of the repository (plain-PyTorch
 copies of the 36 torchvision architectures; found through ``sys.path``, the working directory or
 this file's checkout), built on the meta device in train mode, input ``N x 3 x 224 x 224``,
 one step of the loop the database measured (:mod:`gpemu.costmodel.measured_loop`), recorded at
@@ -115,9 +115,9 @@ def repo_models() -> dict[str, Callable[[], object]]:
         tvmodels = importlib.import_module("examples.tvmodels")
     except ImportError:
         roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
-        root = next((r for r in roots if (r / "examples" / "tvmodels.py").exists()), None)
+        root = next((r for r in roots if (r / "examples" / "tvmodels" / "__init__.py").exists()), None)
         if root is None:
-            raise ImportError("examples/tvmodels.py not found: run from a gpemu repository checkout") from None
+            raise ImportError("examples/tvmodels/ not found: run from a gpemu repository checkout") from None
         sys.path.insert(0, str(root))
         tvmodels = importlib.import_module("examples.tvmodels")
     return tvmodels.MODELS

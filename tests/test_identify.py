@@ -38,7 +38,7 @@ def meta_model(name: str, **kw) -> nn.Module:
 
 @pytest.mark.slow
 def test_tvmodels_match_torchvision_class_and_parameter_count():
-    """examples/tvmodels.py builds torchvision's architectures: the class names, parameter counts and
+    """examples/tvmodels/ builds torchvision's architectures: the class names, parameter counts and
     buffer sizes of the shipped model facts (db/data/models.csv, made with torchvision itself)."""
     text = resources.files("gpemu.db").joinpath("data", "models.csv").read_text()
     rows = {r["model"]: r for r in csv.DictReader(io.StringIO(text))}

@@ -205,7 +205,7 @@ def test_resnet_like_model_from_examples(rt):
     try:
         import tvmodels
     except ImportError:
-        pytest.skip("examples/tvmodels.py not available")
+        pytest.skip("examples/tvmodels/ not available")
     model = tvmodels.resnet18(num_classes=10).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(3):

@@ -442,7 +442,7 @@ def _scale_to(rows: list[list[Any]], info: Any, batch: int, source: Any, spec: A
 
         builder = repo_models().get(info.name)
         if builder is None:
-            raise ImportError(f"examples/tvmodels.py has no {info.name}")
+            raise ImportError(f"examples/tvmodels/ has no {info.name}")
         table = record_model(builder, image=info.input_size or 224)
     except ImportError as exc:
         return (

@@ -23,7 +23,7 @@ from ..config import values_note
 from . import dispatch  # noqa: F401  (binds EmuTensor.__torch_dispatch__)
 from .copies import PeerCopy, host_to_emulated, peer_copy, to_emulated, to_host
 from .emutensor import DTYPE_NAMES, TYPE_NAMES, WRAPPER_ATTRIBUTES, EmuTensor, unhide_grad
-from .fake import fake_mode
+from .fake import fake_mode, modes_active
 from .shadows import host_args, host_shadow, set_host_shadow
 from .state import (
     CostTap,
@@ -60,6 +60,7 @@ __all__ = [
     "from_meta",
     "as_meta",
     "fake_mode",
+    "modes_active",
     "host_args",
     "host_shadow",
     "set_host_shadow",

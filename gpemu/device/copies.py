@@ -35,14 +35,10 @@ def charge_h2d(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool, i
     ts.rt.transfers.copy_to_device(t, dev, non_blocking, issued_at)
 
 
-def _emulate_plain(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
-    """``t`` (a host tensor that needs no gradient) copied onto emulated device ``dev``: an
+def _copy_in(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
+    """``t`` (a host tensor that needs no gradient) copied onto emulated device ``dev``: run as an
     emulator entry (the copy is issued when the program asked for it; the emulator's own time
     around it, before and after the wait of a pageable copy, is forgiven)."""
-    return ts.call(_copy_in, ts, t, dev, non_blocking)
-
-
-def _copy_in(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
     transfers = ts.rt.transfers
     if transfers.moving_model or t.is_meta:
         # Part of a whole-model move (charged once for the model), or a meta tensor: autograd's
@@ -94,7 +90,7 @@ class _ToDevice(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ts: TensorState, t: torch.Tensor, dev: int, non_blocking: bool) -> EmuTensor:
         ctx.host_dtype = t.dtype
-        return _emulate_plain(ts, t.detach(), dev, non_blocking)
+        return ts.call(_copy_in, ts, t.detach(), dev, non_blocking)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -117,7 +113,7 @@ def host_to_emulated(ts: TensorState, t: torch.Tensor, dev: int, non_blocking: b
     ``x.cuda()`` of a batch, whose caller knows both)."""
     if t.requires_grad and torch.is_grad_enabled():
         return _ToDevice.apply(ts, t, dev, non_blocking)
-    return _emulate_plain(ts, t.detach() if t.requires_grad else t, dev, non_blocking)
+    return ts.call(_copy_in, ts, t.detach() if t.requires_grad else t, dev, non_blocking)
 
 
 def peer_copy(t: EmuTensor, idx: int) -> EmuTensor:

@@ -19,7 +19,7 @@ from typing import Any
 from ..costmodel.precision import tf32_cudnn, tf32_matmul
 from ..runtime import current
 from .emutensor import EmuTensor
-from .fake import fake_mode, run_faked
+from .fake import fake_mode, modes_active, run_faked
 from .ops import cached_op, current_task
 from .signature import FLOAT_SENSITIVE, keyword_signature, signature
 from .special import DETACH, SPECIAL, detach
@@ -33,9 +33,10 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     fid = id(func)
     if fid == DETACH:  # (hot inside autograd; a few attribute copies)
         return detach(func, args, kwargs)
-    faking = fake_mode()
-    if faking is not None:  # (the mode refused our tensors: fake results, as for a GPU's)
-        return run_faked(faking, func, args, kwargs or {})
+    if modes_active():
+        faking = fake_mode()
+        if faking is not None:  # (the mode refused our tensors: fake results, as for a GPU's)
+            return run_faked(faking, func, args, kwargs or {})
     special = SPECIAL.get(fid)
     if special is not None:
         ts = _owner(args)

@@ -18,15 +18,21 @@ from torch.utils._pytree import tree_map
 from .emutensor import EmuTensor
 from .state import meta_of
 
-__all__ = ["fake_mode", "run_faked"]
+__all__ = ["fake_mode", "modes_active", "run_faked"]
 
 _get_mode = torch._C._get_dispatch_mode
+# How many dispatch modes are active (the infra modes, a FakeTensorMode among them, counted): 0
+# means no fake mode, for a C call's price (the hot paths' first test).
+modes_active = torch._C._len_torch_dispatch_stack
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def fake_mode() -> Any:
     """The active FakeTensorMode, or None."""
-    return _get_mode(_FAKE)
+    # Note: asked on every op and every x.cuda(); the length of the mode stack (which counts the
+    # infra modes, a FakeTensorMode among them) is almost always 0 and costs a quarter of the
+    # keyed look-up, whose enum argument pybind converts on each call.
+    return _get_mode(_FAKE) if modes_active() else None
 
 
 def run_faked(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -29,6 +29,8 @@ from .launch import HostModel
 from .streams import VirtualStream
 from .timeline import GpuTimeBackend, LocalTimeline, SharedTimeline, Timeline, bad_duration
 
+_append = list.append  # records are appended as plain tuples (see gpemu.recorder.Records)
+
 __all__ = ["TimeEngine"]
 
 
@@ -246,12 +248,14 @@ class TimeEngine(HostTime):
             # settle() forgives only the time since a wait of THIS call (not since an older wait).
             self.local.host.wait_deadline = None
             wait_device = self.timeline.wait_device
+            syncs = self.recorder.syncs
             for d in devices:
                 busy = self._busy[d]
                 wait_device(d, busy, reason)
                 # (waited for or not: a loop's sync point, where the summary counts iterations of a
-                # loop without optimizer steps)
-                self.recorder.sync_point(d, reason, max(self.now(), busy))
+                # loop without optimizer steps; appended as Recorder.sync_point does)
+                now = self.now()
+                _append(syncs, (d, reason, now if now > busy else busy))
         finally:
             self.leave()
 
@@ -321,8 +325,8 @@ class TimeEngine(HostTime):
             return
         self._backward_since_mark[device] = False
         self.timeline.iteration_ended(device)
-        t = max(self.now(), self._busy[device])
-        self.recorder.iteration(device, t)
+        now, busy = self.now(), self._busy[device]
+        self.recorder.iteration(device, now if now > busy else busy)
 
     # ------------------------------------------------------------------ CUDA graph capture
     def begin_capture(self, stream: VirtualStream, mode: str = "global") -> StreamCapture:

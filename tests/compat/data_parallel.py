@@ -1,5 +1,5 @@
 """nn.DataParallel over 4 GPUs, the single-process multi-GPU recipe of pytorch/examples' ImageNet
-script (``torch.nn.DataParallel(model).cuda()``), with ResNet-50 (examples/tvmodels.py: the
+script (``torch.nn.DataParallel(model).cuda()``), with ResNet-50 (examples/tvmodels/: the
 torchvision architecture in plain PyTorch).
 
     python data_parallel.py --arch resnet50 --batch-size 256 --steps 5

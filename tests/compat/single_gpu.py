@@ -18,7 +18,7 @@ Cases (each its own small model and optimizer):
   a padding mask, and a forward that branches on a device-made value.
 - ``sdpa``: a GPT-style block calling ``F.scaled_dot_product_attention(is_causal=True)`` at a
   sequence of 1024.
-- ``amp-resnet18``: a ResNet-18 (examples/tvmodels.py, torchvision's architecture) trained with
+- ``amp-resnet18``: a ResNet-18 (examples/tvmodels/, torchvision's architecture) trained with
   bf16 autocast and channels-last inputs.
 
 Prints "<case>: trained <N> steps, <X> ms/step" per case (wall time after the first step,

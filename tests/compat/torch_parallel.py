@@ -44,7 +44,7 @@ def run_ddp(steps: int, device: torch.device, arch: str = "mlp", batch: int = 64
     if arch == "mlp":
         model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 10))
         shape = (256,)
-    else:  # a torchvision architecture (examples/tvmodels.py: the same modules in plain PyTorch)
+    else:  # a torchvision architecture (examples/tvmodels/: the same modules in plain PyTorch)
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
         import tvmodels
 
