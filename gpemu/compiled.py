@@ -115,7 +115,7 @@ def _forward_region(rt: Runtime) -> Iterator[None]:
     region = ts.fusion = FusionRegion(rt)
     try:
         yield
-        region.flush()
+        rt.engine.call(region.flush)  # (the emulator's own work: forgiven)
     finally:
         ts.fusion = None
 
@@ -151,7 +151,7 @@ class _BackwardRegion(torch.autograd.Function):
 
             def end() -> None:
                 if ts.fusion is region:
-                    region.flush()
+                    ts.engine.call(region.flush)
                     ts.fusion = None
 
             torch.autograd.Variable._execution_engine.queue_callback(end)
@@ -190,7 +190,7 @@ class CompiledFunction:
         first = _next_node()
         with _forward_region(rt):
             out = self.fn(*args, **kwargs)
-        return _mark_backward(rt, out, first)
+        return rt.engine.call(_mark_backward, rt, out, first)
 
 
 # ---------------------------------------------------------------------------------- CUDA graphs
@@ -291,7 +291,7 @@ class CompiledModule(torch.nn.Module):
         out = torch.nn.Module.__call__(self, *args, **kwargs)
         # (marked outside the emulator's own marks, so that the backward region's last kernels are
         # charged before the module's backward window closes)
-        return _mark_backward(rt, out, first)
+        return rt.engine.call(_mark_backward, rt, out, first)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.__dict__["_kind"].fused:
@@ -361,7 +361,7 @@ def graph_break() -> None:
     fused group is charged); eager code does nothing."""
     rt = current()
     if rt is not None and rt.tensors.fusion is not None:
-        rt.tensors.fusion.flush()
+        rt.engine.call(rt.tensors.fusion.flush)
 
 
 class EagerPart:
@@ -379,7 +379,7 @@ class EagerPart:
         if rt is None or region is None:
             return self.fn(*args, **kwargs)
         ts = rt.tensors
-        region.flush()
+        rt.engine.call(region.flush)
         ts.fusion = None
         try:
             return self.fn(*args, **kwargs)
