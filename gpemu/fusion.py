@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
 from torch.utils._pytree import tree_flatten
 
 from . import costs
@@ -54,6 +55,7 @@ FUSIBLE = frozenset(
     {OpClass.ELEMENTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.COPY, OpClass.POOLING, OpClass.EMBEDDING}
 )
 _REDUCING = frozenset({OpClass.REDUCTION, OpClass.NORM})
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
 class OpRecord(NamedTuple):
@@ -213,7 +215,16 @@ class FusionRegion:
     def op(self, entry: Any, dev: int, args: tuple, out: Any) -> None:
         """One cached op (called by the op cache instead of charging it)."""
         ts = self.ts
-        if threading.get_ident() != self.thread or (self.own is not None and not self.own.running()):
+        own = self.own
+        if own is not None and _graph_task() != own.task and threading.get_ident() == self.thread:
+            # A backward region whose pass ended without its end (an error inside the backward
+            # skips the engine's callbacks): it ends now, and the op is the program's own.
+            self.flush()
+            if ts.fusion is self:
+                ts.fusion = None
+            ts.charge_entry(entry, dev)
+            return
+        if threading.get_ident() != self.thread or (own is not None and not own.running()):
             ts.charge_entry(entry, dev)
             return
         price = entry.price

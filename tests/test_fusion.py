@@ -141,3 +141,20 @@ def test_replays_carry_the_compiled_prices():
         assert compiled[-1] < eager[-1]
     finally:
         gpemu.unpatch()
+
+
+def test_a_backward_that_fails_leaves_no_compiled_region_behind(rt):
+    model = torch.compile(torch.nn.Linear(256, 256).cuda())
+    x = torch.empty(64, 256, device="cuda", requires_grad=True)
+    y = model(x)
+
+    def fail(grad):
+        raise RuntimeError("a hook fails")
+
+    x.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook fails"):
+        y.sum().backward()
+    z = torch.empty(1 << 16, device="cuda")
+    # the region ends at the next op (its open group charged first); that op is eager again
+    assert [n for n, _ in _kernels(rt, lambda: z * 2 + 1)][-2:] == ["mul", "add"]
+    assert rt.tensors.fusion is None
