@@ -202,7 +202,7 @@ class FusionRegion:
         self.ts = rt.tensors
         self.own = own
         self.thread = threading.get_ident()
-        # The memory blocks the region's ops touched, numbered in order (see _key).
+        # The memory blocks the region's ops touched, numbered in order (see _number).
         self.keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.blocks: list[weakref.ref] = []
         self.groups = KernelGroups(self._alive)
@@ -235,7 +235,7 @@ class FusionRegion:
             return  # (views, metadata: no kernel)
         self._charge(self.groups.add(self._record(entry, price.op, dev, args, out)))
 
-    def _key(self, block: Any) -> int:
+    def _number(self, block: Any) -> int:
         """A block's number in this region (not ``id()``: a freed block's address is reused)."""
         key = self.keys.get(block)
         if key is None:
@@ -250,13 +250,13 @@ class FusionRegion:
         for t in tree_flatten(args)[0]:
             if isinstance(t, EmuTensor) and t.emu_block is not None:
                 n = t.numel()
-                b = self._key(t.emu_block)
+                b = self._number(t.emu_block)
                 reads[b] = max(reads.get(b, 0), n * t.element_size())
                 size = max(size, n)
         for t in tree_flatten(out)[0]:
             if isinstance(t, EmuTensor) and t.emu_block is not None:
                 n = t.numel()
-                b = self._key(t.emu_block)
+                b = self._number(t.emu_block)
                 writes[b] = max(writes.get(b, 0), n * t.element_size())
                 out_size = max(out_size, n)
         return OpRecord(
