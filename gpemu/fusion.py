@@ -184,11 +184,12 @@ def fused_features(kernel: Kernel) -> OpFeatures:
 def fused_price(streaming: Any, kernel: Kernel) -> Any:
     """A fused kernel's :class:`gpemu.costs.OpPrice`: the streaming price of its boundary bytes
     (``streaming``), but no less than its slowest op alone (a reduction's access pattern, a
-    gather's, are not made faster by fusing what is around them)."""
-    slowest = max(kernel.ops, key=lambda op: op.payload.cost).payload.price
-    if slowest.gpu <= streaming.gpu:
-        return streaming
-    return streaming._replace(gpu=slowest.gpu, reference=max(streaming.reference, slowest.reference))
+    gather's, are not made faster by fusing what is around them). Its reference price is its
+    ops' eager ones (the profile database measured eager runs): a measured model's time carried
+    by the ratio of the ops it ran (``gpemu.model_pricing.price_ratio``) carries the fusion too."""
+    prices = [op.payload.price for op in kernel.ops]
+    gpu = max(streaming.gpu, max(p.gpu for p in prices))
+    return streaming._replace(gpu=gpu, reference=sum(p.reference for p in prices))
 
 
 class FusionRegion:

@@ -158,3 +158,26 @@ def test_a_backward_that_fails_leaves_no_compiled_region_behind(rt):
     # the region ends at the next op (its open group charged first); that op is eager again
     assert [n for n, _ in _kernels(rt, lambda: z * 2 + 1)][-2:] == ["mul", "add"]
     assert rt.tensors.fusion is None
+
+
+@pytest.mark.slow  # (AlexNet's ops through their meta kernels: ~5 s alone)
+def test_a_measured_model_compiled_carries_the_fusion_by_the_cost_models_ratio(rt, capsys):
+    """AlexNet's measured (eager) times are carried to its compiled run by the ratio of its fused
+    kernels to the same ops' eager prices: the compiled step is cheaper, the model still measured."""
+    from examples import tvmodels
+
+    model = tvmodels.alexnet().cuda()
+    x = torch.empty(32, 3, 224, 224, device="cuda")
+
+    def step(m):
+        torch.cuda.synchronize()
+        t0 = rt.engine.now()
+        m(x).sum().backward()
+        torch.cuda.synchronize()
+        return rt.engine.now() - t0
+
+    eager = [step(model) for _ in range(2)][-1]
+    compiled = [step(torch.compile(model)) for _ in range(2)][-1]
+    err = capsys.readouterr().err
+    assert "alexnet on A100: forward time scaled from the profile database" in err
+    assert 0.8 * eager < compiled < 0.995 * eager
