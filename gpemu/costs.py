@@ -52,6 +52,7 @@ __all__ = [
     "OpPrice",
     "ModelTimes",
     "forward_seconds",
+    "kernel_price",
     "backward_seconds",
     "model_times",
     "reference_gpu",
@@ -311,6 +312,12 @@ def op_price(
     backward pass (priced with the backward curves, as the cost model was calibrated), None to
     tell by its name (``*_backward``)."""
     return _price(rt, device, classify(func, args, kwargs or {}, out, backward=backward))
+
+
+def kernel_price(rt: Runtime, device: int, op: OpFeatures) -> OpPrice:
+    """What one kernel described by its features costs on ``device`` (a kernel no single aten op
+    is: a compiler's fused pointwise/reduction kernel, priced by the bytes at its boundary)."""
+    return _price(rt, device, op)
 
 
 def table_pricer(rt: Runtime, device: int, table: OpTable) -> Callable[[float], tuple[np.ndarray, np.ndarray]]:

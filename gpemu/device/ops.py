@@ -90,7 +90,10 @@ def fast_path(ts: TensorState, entry: OpEntry, func: Any, args: tuple, kwargs: d
     else:
         leaves = [ts.build(s, emus, dev) for s in entry.specs]  # type: ignore[arg-type]
         out = tree_unflatten(leaves, entry.treespec) if kind == 3 else entry.treespec(leaves)
-    ts.charge_entry(entry, dev)
+    if ts.fusion is None:
+        ts.charge_entry(entry, dev)
+    else:  # (a compiled region: its kernels are priced as the compiler fuses them)
+        ts.fusion.op(entry, dev, args, out)
     if entry.values == INDEPENDENT or ts.values is not None:
         propagate_shadow(func, args, kwargs or {}, emus, out, entry.values)
     else:
@@ -215,7 +218,10 @@ def slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -
         if len(ts.cache) >= _CACHE_LIMIT:
             ts.cache.clear()
         ts.cache[key] = entry
-    ts.charge_entry(entry, dev)
+    if ts.fusion is None:
+        ts.charge_entry(entry, dev)
+    else:
+        ts.fusion.op(entry, dev, args, out)
     if entry.values == INDEPENDENT or ts.values is not None or any(e.emu_shadow is not None for e in emus):
         propagate_shadow(func, args, kwargs, emus, out, entry.values)
     return out

@@ -248,6 +248,10 @@ class TensorState:
         # Host results of ops over large placeholders (zeros stand in), by op, shapes and known
         # values: the same every time (gpemu.device.shadows).
         self.placeholder_results: dict[tuple, list] = {}
+        # A compiled region's op receiver (gpemu.fusion.FusionRegion) while torch.compile'd code
+        # runs: ``op(entry, dev, args, out)`` charges cached ops as the compiler's fused kernels
+        # instead of one by one. None: every op charged as it runs.
+        self.fusion: Any = None
 
     # -------------------------------------------------------------- building
     def wrap(
