@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -330,11 +331,64 @@ def _line(proc: subprocess.Popen, err: Path, timeout: float = 120.0) -> str:
     return box[0].strip()
 
 
+def _job_commands(script: Path, url: str, iters: int, tmp_path: Path) -> dict[str, list[str]]:
+    """The two jobs: "a" through gpemu.patch(sharing=...), "b" through `gpemu run --share`."""
+    cli = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"]
+    commands = {
+        # job a holds 9 GiB for its whole life (persistent memory the manager must learn)
+        "a": [sys.executable, str(script), url, "job-a", str(iters), "9", str(tmp_path / "a.json")],
+        "b": cli
+        + [
+            "run",
+            "--gpu",
+            "P100",
+            "--model",
+            "resnet50",
+            "--share",
+            url,
+            "--no-summary",
+            "--",
+            sys.executable,
+            str(script),
+            url,
+            "job-b",
+            str(iters),
+            "0",
+            str(tmp_path / "b.json"),
+        ],
+    }
+    return commands
+
+
+def _check_shared(reports: dict, jobs: dict, core: Any, iters: int) -> None:
+    """Both jobs were served, time-sliced and saw their waits; job b's refusal reached it as a CUDA OOM."""
+    import torch
+
+    a, b = reports["a"]["counters"], reports["b"]["counters"]
+    for name, rep in reports.items():
+        c = rep["counters"]
+        assert rep["iterations"] == iters
+        assert c["sharing_requests"] >= iters  # at least one request per iteration
+        assert jobs[f"job-{name}"][1] == c["sharing_requests"]  # manager served each request once
+        assert c["sharing_wait_s"] > 0 and c["sharing_queued_s"] > 0  # each waited behind the other
+        assert rep["sharing_waits"] and sum(rep["sharing_waits"]) > 0  # host waits, reason "sharing"
+    dev = core.devices["0"]
+    assert dev.served == a["sharing_requests"] + b["sharing_requests"]
+    assert dev.busy_s == pytest.approx(a["sharing_gpu_s"] + b["sharing_gpu_s"], rel=1e-6)
+    # Equal jobs asked for equal GPU time; round-robin interleaved them (both queued above).
+    assert a["sharing_gpu_s"] == pytest.approx(b["sharing_gpu_s"], rel=0.05)
+    oom = reports["b"]["oom"]
+    assert oom is not None, "8 GiB on top of job a's 9 GiB fit on a 16 GiB P100"
+    assert "out of memory" in oom["message"] and "9.00 GiB persistent memory of 1 other job" in oom["message"]
+    # The engine's backend worker hands the refusal to the host as the program's CUDA OOM
+    # (until gpemu.time re-raises it unwrapped, it arrives as the RuntimeError's cause).
+    assert torch.cuda.OutOfMemoryError.__name__ in (oom["type"], oom["cause"])
+
+
 def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, purge, tmp_path):
     """Two real processes train under gpemu (one via gpemu.patch(sharing=...), one via
     `gpemu run --share`) against a real manager: both are served, time-sliced, the waits land
     in the emulator's statistics, and a memory refusal reaches user code as a CUDA OOM."""
-    import torch
 
     mgr = ThreadManager(broker.url, lease=10.0)
     script = tmp_path / "job.py"
@@ -342,30 +396,7 @@ def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, p
     iters = 10
     procs, errs = {}, {}
     try:
-        cli = [sys.executable, "-c", "import sys; from gpemu.cli import main; sys.exit(main(sys.argv[1:]))"]
-        commands = {
-            # job a holds 9 GiB for its whole life (persistent memory the manager must learn)
-            "a": [sys.executable, str(script), broker.url, "job-a", str(iters), "9", str(tmp_path / "a.json")],
-            "b": cli
-            + [
-                "run",
-                "--gpu",
-                "P100",
-                "--model",
-                "resnet50",
-                "--share",
-                broker.url,
-                "--no-summary",
-                "--",
-                sys.executable,
-                str(script),
-                broker.url,
-                "job-b",
-                str(iters),
-                "0",
-                str(tmp_path / "b.json"),
-            ],
-        }
+        commands = _job_commands(script, broker.url, iters, tmp_path)
         for name, argv in commands.items():
             errs[name] = tmp_path / f"{name}.err"
             procs[name] = subprocess.Popen(
@@ -398,25 +429,7 @@ def test_two_emulated_training_jobs_share_one_gpu_through_the_emulator(broker, p
         for p in procs.values():
             assert p.wait(60) == 0
         reports = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in procs}
-        a, b = reports["a"]["counters"], reports["b"]["counters"]
-        for name, rep in reports.items():
-            c = rep["counters"]
-            assert rep["iterations"] == iters
-            assert c["sharing_requests"] >= iters  # at least one request per iteration
-            assert jobs[f"job-{name}"][1] == c["sharing_requests"]  # manager served each request once
-            assert c["sharing_wait_s"] > 0 and c["sharing_queued_s"] > 0  # each waited behind the other
-            assert rep["sharing_waits"] and sum(rep["sharing_waits"]) > 0  # host waits, reason "sharing"
-        dev = core.devices["0"]
-        assert dev.served == a["sharing_requests"] + b["sharing_requests"]
-        assert dev.busy_s == pytest.approx(a["sharing_gpu_s"] + b["sharing_gpu_s"], rel=1e-6)
-        # Equal jobs asked for equal GPU time; round-robin interleaved them (both queued above).
-        assert a["sharing_gpu_s"] == pytest.approx(b["sharing_gpu_s"], rel=0.05)
-        oom = reports["b"]["oom"]
-        assert oom is not None, "8 GiB on top of job a's 9 GiB fit on a 16 GiB P100"
-        assert "out of memory" in oom["message"] and "9.00 GiB persistent memory of 1 other job" in oom["message"]
-        # The engine's backend worker hands the refusal to the host as the program's CUDA OOM
-        # (until gpemu.time re-raises it unwrapped, it arrives as the RuntimeError's cause).
-        assert torch.cuda.OutOfMemoryError.__name__ in (oom["type"], oom["cause"])
+        _check_shared(reports, jobs, core, iters)
         assert core.refused == 1 and not core.jobs  # both deregistered at exit
     finally:
         for p in procs.values():
