@@ -6,14 +6,11 @@
     gpemu run --cluster dgx-h100 --nodes 1 --fold --clock virtual -- python benchmarks/llama_plans.py --size 8b
     gpemu run --cluster dgx-h100 --nodes 16 --fold --clock virtual -- python benchmarks/llama_plans.py --size 8b
     # 70B FSDP 32 x TP 8 on 256
-    GPEMU_REPLAY=0 gpemu run --cluster dgx-h100 --nodes 32 --fold --clock virtual -- \
+    gpemu run --cluster dgx-h100 --nodes 32 --fold --clock virtual -- \
         python benchmarks/llama_plans.py --size 70b --tp 8 --batch 16 --ac full
     # 405B FSDP 8 x TP 8 x PP 8 on 512: one process per pipeline stage
-    GPEMU_REPLAY=0 gpemu run --cluster dgx-h100 --nodes 64 --fold --processes 8 --clock virtual -- \
+    gpemu run --cluster dgx-h100 --nodes 64 --fold --processes 8 --clock virtual -- \
         python benchmarks/llama_plans.py --size 405b --tp 8 --pp 8 --batch 32 --ac full
-
-(``GPEMU_REPLAY=0``: the replay fast path and a checkpointed tensor-parallel block disagree on
-the recomputed tensors today; op by op they agree.)
 
 The mesh is (pp, dp, tp), pipeline stages outermost (torchtitan's order; `--processes` = the
 pipeline degree runs one process per stage). Each block is tensor-parallel as torchtitan's llama3

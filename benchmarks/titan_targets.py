@@ -66,9 +66,7 @@ TARGETS = {
         8,
         "llama3_405b_offline",
         "100 TPS/GPU, 82.5 GiB (local batch 32, compile + Float8 + AsyncTP)",
-        # (replay and the recomputation of a checkpointed tensor-parallel block disagree, an open bug
-        # of the replay fast path: op by op instead)
-        (("TITAN_MICROBATCHES", "16"), ("GPEMU_REPLAY", "0")),
+        (("TITAN_MICROBATCHES", "16"),),
     ),
 }
 

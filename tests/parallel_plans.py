@@ -158,11 +158,10 @@ def plan_cp(world: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cuda", (world,))
     embed, qkv = nn.Embedding(100, DIM).cuda().bfloat16(), nn.Linear(DIM, 3 * DIM).cuda().bfloat16()
-    # torch shards the buffers in place (resize_), which emulated tensors do not support yet: the
-    # tokens are sharded on the host, then moved
-    tokens = torch.randint(0, 100, (2, 32 * world))
+    # (torch shards the buffers in place: resize_ to the rank's shard)
+    tokens = torch.randint(0, 100, (2, 32 * world), device="cuda")
     with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1]):
-        x = embed(tokens.cuda())
+        x = embed(tokens)
         q, k, v = (t.view(2, -1, 4, DIM // 4).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # (what an H100 runs for bf16)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -78,3 +78,66 @@ def test_checkpointed_blocks_are_not_replayed_during_backward() -> None:
     for reentrant in (True, False):
         steps = _steps(reentrant, None, hooks=True)
         assert steps[1][0] == pytest.approx(steps[2][0]) and steps[1][1] == steps[2][1]
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(64, 256, bias=False), nn.Linear(256, 64, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class _TpBlock(nn.Module):
+    """A transformer-like block: its norm has no hooks (a unit the replay fast path may take), its
+    MLP is tensor-parallel (DTensor's hooks: the block runs op by op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.RMSNorm(64), _Mlp()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def _tp_steps(checkpointed: bool) -> list[float]:
+    """Emulated seconds of three steps of two TP blocks, each under non-reentrant checkpointing
+    without early stop (torchtitan's default), on a folded world of two ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    rt = gpemu.patch(gpu="H100", world_size=2, summary=False, clock=VirtualClock())
+    dist.init_process_group("nccl")
+    try:
+        blocks = nn.ModuleList([_TpBlock() for _ in range(2)]).cuda()
+        mesh = init_device_mesh("cuda", (2,))
+        for block in blocks:
+            parallelize_module(block.mlp, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        x = torch.ones(4, 16, 64, device="cuda", requires_grad=True)
+        out = []
+        with set_checkpoint_early_stop(False):
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = rt.engine.now()
+                y = x
+                for block in blocks:
+                    y = checkpoint(block, y, use_reentrant=False) if checkpointed else block(y)
+                y.sum().backward()
+                torch.cuda.synchronize()
+                out.append(rt.engine.now() - t0)
+        return out
+    finally:
+        dist.destroy_process_group()
+        gpemu.unpatch()
+
+
+def test_a_checkpointed_tp_block_recomputes_what_its_forward_saved() -> None:
+    """A unit replayed inside a checkpointed forward saved no tensors, and its recompute (op by
+    op, in the backward) saved more: torch's CheckpointError from the second step on. Under
+    saved-tensor hooks calls run op by op, as a GPU saves: every step alike, the recompute charged."""
+    ck = _tp_steps(True)
+    assert ck[1] == pytest.approx(ck[2])  # (the first step also pays DTensor's first dispatches)
+    assert ck[2] > _tp_steps(False)[2]  # the recomputed forward is charged

@@ -1,6 +1,6 @@
 """The ops the emulator handles itself instead of through the op cache: reading a value
-(``item``), device changes and copies (``_to_copy``, ``copy_``), GradScaler's finite check and
-scale update, and ``detach`` (hot inside autograd)."""
+(``item``), device changes and copies (``_to_copy``, ``copy_``), a tensor resized in place
+(``resize_``), GradScaler's finite check and scale update, and ``detach`` (hot inside autograd)."""
 
 from __future__ import annotations
 
@@ -102,6 +102,32 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
     return run_op(ts, func, args, kwargs)
 
 
+def _resize_(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``t.resize_(size)`` as CUDA does it (ATen's ``resize_``): the tensor takes the new shape
+    in place, contiguous (or in ``memory_format``) from its storage offset; its storage grows
+    when the new shape needs more bytes (a new allocation: both count at the peak, as
+    :meth:`gpemu.memory.Block.resize` says) and is kept otherwise. Context parallelism shards its
+    buffers so (``context_parallel(mesh, buffers=...)``), and restores them on exit."""
+    t, size = args[0], args[1]
+    if not isinstance(t, EmuTensor):
+        return func(*args, **kwargs)
+    ts = t.emu_state
+    fmt = kwargs.get("memory_format") or torch.contiguous_format
+    layout = torch.empty(size, dtype=t.dtype, device=_META, memory_format=fmt)
+    offset = int(t.storage_offset())
+    needed = (offset + layout.numel()) * t.element_size() if layout.numel() else 0
+    block = t.emu_block
+    if needed > (block.size if block is not None else 0):
+        ts.resize_block(t, needed)
+    shadow = t.emu_shadow
+    kept = None
+    if shadow is not None and layout.numel() <= shadow.numel() and offset == 0 and t.is_contiguous():
+        kept = shadow.reshape(-1)[: layout.numel()].reshape(layout.shape).contiguous(memory_format=fmt)
+    t.data = ts.wrap(layout.shape, layout.stride(), offset, t.dtype, t.emu_device, t.emu_block)
+    ts.set_known_value(t, kept)  # (growing: the new elements are uninitialised, as on a GPU)
+    return t
+
+
 def _zeros_as(t: EmuTensor) -> torch.Tensor:
     """Zeros laid out as emulated tensor ``t`` (the values a copy into part of it starts from)."""
     return torch.zeros_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype))
@@ -156,6 +182,7 @@ SPECIAL: dict[int, Callable] = {
         aten._local_scalar_dense.default: _local_scalar_dense,
         aten._to_copy.default: _to_copy,
         aten.copy_.default: _copy_,
+        aten.resize_.default: _resize_,
         aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check,
         aten._amp_update_scale_.default: _amp_update_scale,
     }.items()

@@ -75,6 +75,9 @@ __all__ = [
 _nn_module = torch.nn.modules.module
 _weakref = weakref.ref
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+# The innermost torch.autograd.graph.saved_tensors_hooks in force (None: none); its argument says
+# whether to ignore them while torch.compile traces.
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # Recorded situations kept per module (input shapes, flags): enough for a few batch sizes and
 # sequence lengths in train and eval; a program that sends ever new shapes keeps only the last.
 _RECORDS_PER_MODULE = 32
@@ -361,6 +364,14 @@ def _outer_call(
         # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
         # forward's; a replay saves none. Op by op, never recorded.
         return run_charged(orig_call, module, args, kwargs, dev, params, None, None, t0)
+    if _saved_tensor_hooks(False) is not None:
+        # Saved-tensor hooks (torch.utils.checkpoint, save_on_cpu, activation offloading) see
+        # every tensor a forward saves, as on a GPU; a replay saves none. Non-reentrant
+        # checkpointing would then recompute the call op by op in the backward and find more
+        # saved tensors than its forward had (CheckpointError), and never charge the recompute
+        # of a block whose saved tensors all came from replays.
+        why = "saved-tensor hooks are active (activation checkpointing or offloading)"
+        return run_charged(orig_call, module, args, kwargs, dev, params, None, why, t0, open_children=True)
     hooked = hooks or _global_hooks()
     by_class = not hooked and not torch.is_grad_enabled()
     if by_class and (module in R.by_class or _holds_objects(R, module, args, kwargs)):
