@@ -65,6 +65,7 @@ __all__ = [
     "op_seconds",
     "table_pricer",
     "attention_price",
+    "accumulate_price",
     "uncertainty",
     "precision",
     "PROVENANCE_ORDER",
@@ -451,6 +452,15 @@ def copy_price(rt: Runtime, device: int, nbytes: int, dtype: torch.dtype, backwa
     element = dtype.itemsize
     return _price(
         rt, device, OpFeatures("copy", OpClass.COPY, backward, float(nbytes // (2 * element)), float(nbytes), d)
+    )
+
+
+def accumulate_price(rt: Runtime, device: int, nbytes: int, dtype: torch.dtype) -> OpPrice:
+    """Autograd's accumulation of a new gradient of ``nbytes`` into a parameter's existing one
+    (``grad += new``, one elementwise backward kernel reading both and writing one)."""
+    d = str(dtype).replace("torch.", "")
+    return _price(
+        rt, device, OpFeatures("add_", OpClass.ELEMENTWISE, True, float(nbytes // dtype.itemsize), 3.0 * nbytes, d)
     )
 
 

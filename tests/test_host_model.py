@@ -231,3 +231,33 @@ def test_with_a_modelled_host_the_gpu_runs_kernels_only_and_a_small_model_is_hos
     # (the cost model's fitted per-op host term: docs/time.md), so the GPU is busy longer
     none_busy, _ = _busy_and_steps("none", replay=True)
     assert none_busy[-1] > 2 * kernels[-1]
+
+
+def _accumulating_steps(replay: bool) -> tuple[list[float], list[float]]:
+    """GPU busy time and time of four backward passes of the MLP into gradients never zeroed."""
+    with _run("h100-xeon", replay=replay) as rt:
+        eng = rt.engine
+        model = _Mlp().cuda()
+        x = torch.ones(16, 64, device="cuda")
+        busy, steps = [], []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            first, t0 = len(rt.recorder.spans), eng.now()
+            model(x).sum().backward()
+            torch.cuda.synchronize()
+            steps.append(eng.now() - t0)
+            busy.append(sum(s[5] - s[4] for s in rt.recorder.spans[first:]))
+        return busy, steps
+
+
+def test_a_replayed_backward_accumulating_into_gradients_charges_their_kernels_and_launches():
+    # (gradient accumulation over micro-batches, or a loop that never zeroes: autograd adds each
+    # new gradient into the parameter's, one kernel and one launch per parameter)
+    by_ops_busy, by_ops = _accumulating_steps(replay=False)
+    busy, replayed = _accumulating_steps(replay=True)
+    assert by_ops_busy[1] > by_ops_busy[0]  # (the first backward made the gradients: no adds)
+    assert by_ops[1] >= by_ops[0] + 6 * XEON  # six parameters' adds, each issued by the host
+    for a, b in zip(busy, by_ops_busy, strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    for a, b in zip(replayed, by_ops, strict=True):
+        assert a == pytest.approx(b, rel=0.02)
