@@ -77,13 +77,16 @@ class TimeEngine(HostTime):
         # (``op_issue_s``, what an op's enqueue charges the host) and the bounded launch queue.
         self.host_model: HostModel | None = None
         self.op_issue_s = 0.0
+        self.backward_issue_s = 0.0  # (the same for an op of a backward pass)
 
     def set_host_model(self, model: HostModel | None) -> None:
         """Model the host that issues the work (see :mod:`gpemu.time.launch`): each op charged
-        with ``issue=engine.op_issue_s`` costs the host that much first, and a stream holds at
+        with ``issue=engine.op_issue_s`` (``backward_issue_s`` in a backward pass) costs the host
+        that much first, and a stream holds at
         most ``model.queue_depth`` unfinished launches before the host waits. None: off."""
         self.host_model = model
         self.op_issue_s = model.op_s if model is not None else 0.0
+        self.backward_issue_s = model.backward_op_s if model is not None else 0.0
         self.timeline.queue_depth = model.queue_depth if model is not None else 0
 
     def launch_seconds(self, ops: int, launches: int | None = None) -> float:
