@@ -281,3 +281,32 @@ def test_a_backward_passs_ops_cost_the_hosts_backward_figure():
         for _ in range(10):
             w.detach().add_(1)
         assert eng.now() - t0 == pytest.approx(10 * XEON)
+
+
+@pytest.mark.slow  # (~10 s: 2,460 launches op by op on a busy host)
+def test_replayed_passes_take_their_launches_places_in_the_queue():
+    """A replayed forward stands for all its kernels' launches: un-synced replayed steps fill the
+    1,024-launch queue as the op-by-op ones do, so the host cannot run ahead of the GPU by more
+    than a queue's worth of work (nanoGPT's printed iteration time between its syncs)."""
+
+    def host_ahead(replay: bool) -> float:
+        with _run("this", replay=replay) as rt:
+            eng = rt.engine
+            layers: list[torch.nn.Module] = []
+            for _ in range(20):  # (GPU-bound: large GEMMs, 41 launches a forward)
+                layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+            model = torch.nn.Sequential(*layers).cuda()
+            x = torch.ones(1024, 1024, device="cuda")
+            with torch.no_grad():
+                model(x)
+                torch.cuda.synchronize()
+                t0 = eng.now()
+                for _ in range(60):  # 2,460 launches, no sync
+                    model(x)
+                issued = eng.now() - t0
+                torch.cuda.synchronize()
+            return issued / (eng.now() - t0)
+
+    by_ops, replayed = host_ahead(False), host_ahead(True)
+    assert by_ops > 0.4  # the queue held the host back (unbounded: its issue time, ~0.1 of the GPU's)
+    assert replayed == pytest.approx(by_ops, abs=0.05)
