@@ -233,13 +233,16 @@ def measure_reference_loop_ms() -> float:
 
 def _cached(what: str, cache_dir: Path | None, measure: Callable[[], float], low: float, high: float) -> float:
     key = f"{_machine_key()}|{what}"
-    if key in _MEMO:
-        return _MEMO[key]
     path = cache_dir / "host-probe.json" if cache_dir is not None else None
+    value = _MEMO.get(key)
+    if value is not None and path is None:
+        return value
     stored = _read_cache(path)
-    value = stored.get(key)
-    if not isinstance(value, float) or not low < value < high:
-        value = measure()
+    if value is None:
+        value = stored.get(key)
+        if not isinstance(value, float) or not low < value < high:
+            value = measure()
+    if stored.get(key) != value:  # (measured now, or by this process for another cache folder)
         stored[key] = value
         _write_cache(path, stored)
     _MEMO[key] = value
