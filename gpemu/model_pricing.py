@@ -45,7 +45,8 @@ def charge_pass(engine: Any, dev: int, seconds: float, tap: Any, kind: str, labe
 def pass_seconds(tap: Any, unit: bool) -> float:
     """What a call priced by its ops costs per pass. An outermost call: its ops as one pass
     started on an idle GPU (``tap.pass_seconds``, host issue time included: the cost model is
-    fitted to whole passes timed that way). A unit inside an op-by-op ancestor is issued behind
+    fitted to whole passes timed that way; behind a modelled host its issue time, of which the GPU
+    runs only the kernels: :func:`kernel_share`). A unit inside an op-by-op ancestor is issued behind
     the ancestor's queued work, where its ops are charged one by one at their kernel time: its
     replays must cost the same (``tap.seconds``), or a model replayed by units prices more GPU
     time than the same step op by op (GPT-2 in bf16, each unit a pass from idle: +18%)."""

@@ -50,6 +50,9 @@ def _steps(reentrant: bool | None, model_name: str | None, hooks: bool = False) 
             net(x).sum().backward()
             torch.cuda.synchronize()
             out.append((rt.engine.now() - t0, torch.cuda.max_memory_allocated() - base))
+            # (as a training loop does: a backward into existing gradients also charges their adds)
+            net.zero_grad()
+            x.grad = None
         return out
     finally:
         gpemu.unpatch()

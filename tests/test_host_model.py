@@ -12,6 +12,7 @@ from gpemu.config import ConfigError, EmuConfig
 from gpemu.time.launch import DRIVER_LAUNCH_S, HOST_PRESETS, LAUNCH_QUEUE_DEPTH, host_model, probe_dispatch_seconds
 
 XEON = HOST_PRESETS["h100-xeon"].op_s
+XEON_BACKWARD = HOST_PRESETS["h100-xeon"].backward_op_s or XEON  # (an op of a backward pass)
 
 
 def _run(host: str, **kw):
@@ -231,3 +232,81 @@ def test_with_a_modelled_host_the_gpu_runs_kernels_only_and_a_small_model_is_hos
     # (the cost model's fitted per-op host term: docs/time.md), so the GPU is busy longer
     none_busy, _ = _busy_and_steps("none", replay=True)
     assert none_busy[-1] > 2 * kernels[-1]
+
+
+def _accumulating_steps(replay: bool) -> tuple[list[float], list[float]]:
+    """GPU busy time and time of four backward passes of the MLP into gradients never zeroed."""
+    with _run("h100-xeon", replay=replay) as rt:
+        eng = rt.engine
+        model = _Mlp().cuda()
+        x = torch.ones(16, 64, device="cuda")
+        busy, steps = [], []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            first, t0 = len(rt.recorder.spans), eng.now()
+            model(x).sum().backward()
+            torch.cuda.synchronize()
+            steps.append(eng.now() - t0)
+            busy.append(sum(s[5] - s[4] for s in rt.recorder.spans[first:]))
+        return busy, steps
+
+
+def test_a_replayed_backward_accumulating_into_gradients_charges_their_kernels_and_launches():
+    # (gradient accumulation over micro-batches, or a loop that never zeroes: autograd adds each
+    # new gradient into the parameter's, one kernel and one launch per parameter)
+    by_ops_busy, by_ops = _accumulating_steps(replay=False)
+    busy, replayed = _accumulating_steps(replay=True)
+    assert by_ops_busy[1] > by_ops_busy[0]  # (the first backward made the gradients: no adds)
+    assert by_ops[1] >= by_ops[0] + 6 * XEON_BACKWARD  # six parameters' adds, each issued by the host
+    for a, b in zip(busy, by_ops_busy, strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    for a, b in zip(replayed, by_ops, strict=True):
+        assert a == pytest.approx(b, rel=0.02)
+
+
+def test_a_backward_passs_ops_cost_the_hosts_backward_figure():
+    """Autograd's engine issues a backward pass's ops without Python frames: the preset's host
+    took 26-31 us per backward op against 40-49 per forward op (gpemu.time.launch)."""
+    assert XEON_BACKWARD < XEON
+    with _run("h100-xeon") as rt:
+        eng = rt.engine
+        w = torch.ones(64, 64, device="cuda", requires_grad=True)
+        y = (w * 2).sum()
+        t0 = eng.now()
+        y.backward()
+        # the seed gradient (ones_like, made before the engine runs) and the multiplication's
+        # gradient (the sum's is a view: no kernel)
+        assert eng.now() - t0 == pytest.approx(XEON + XEON_BACKWARD, rel=0.02)
+        t0 = eng.now()
+        for _ in range(10):
+            w.detach().add_(1)
+        assert eng.now() - t0 == pytest.approx(10 * XEON)
+
+
+@pytest.mark.slow  # (~10 s: 2,460 launches op by op on a busy host)
+def test_replayed_passes_take_their_launches_places_in_the_queue():
+    """A replayed forward stands for all its kernels' launches: un-synced replayed steps fill the
+    1,024-launch queue as the op-by-op ones do, so the host cannot run ahead of the GPU by more
+    than a queue's worth of work (nanoGPT's printed iteration time between its syncs)."""
+
+    def host_ahead(replay: bool) -> float:
+        with _run("this", replay=replay) as rt:
+            eng = rt.engine
+            layers: list[torch.nn.Module] = []
+            for _ in range(20):  # (GPU-bound: large GEMMs, 41 launches a forward)
+                layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+            model = torch.nn.Sequential(*layers).cuda()
+            x = torch.ones(1024, 1024, device="cuda")
+            with torch.no_grad():
+                model(x)
+                torch.cuda.synchronize()
+                t0 = eng.now()
+                for _ in range(60):  # 2,460 launches, no sync
+                    model(x)
+                issued = eng.now() - t0
+                torch.cuda.synchronize()
+            return issued / (eng.now() - t0)
+
+    by_ops, replayed = host_ahead(False), host_ahead(True)
+    assert by_ops > 0.4  # the queue held the host back (unbounded: its issue time, ~0.1 of the GPU's)
+    assert replayed == pytest.approx(by_ops, abs=0.05)

@@ -140,6 +140,13 @@ class CostTap:
         return self._finish_ref
 
 
+def issue_seconds(engine: Any, price: Any) -> float:
+    """The modelled host's time to issue an op priced ``price`` (0 without a host model): an op
+    of a backward pass is issued by autograd's engine, at the host's backward figure."""
+    op = price.op if price is not None else None
+    return engine.backward_issue_s if op is not None and op.backward else engine.op_issue_s
+
+
 def contiguous_stride(shape: Any) -> tuple:
     """Contiguous strides of ``shape``, as torch makes them (a size-0 or -1 dimension counts
     as 1), without making a meta tensor (~20 us each)."""
@@ -368,7 +375,7 @@ class TensorState:
             if self._taps:
                 self._tap(seconds, charged, price)
             if charged:
-                engine.stream(dev).enqueue(seconds, "op", name, 0, None, engine.op_issue_s)
+                engine.stream(dev).enqueue(seconds, "op", name, 0, None, issue_seconds(engine, price))
 
     def charge_span(
         self,
@@ -407,13 +414,13 @@ class TensorState:
             if self._taps:
                 self._tap(cost, charged, entry.price)
             if charged:
-                engine.stream(dev).enqueue(cost, "op", entry.name, 0, None, engine.op_issue_s)
+                engine.stream(dev).enqueue(cost, "op", entry.name, 0, None, issue_seconds(engine, entry.price))
 
     def _tap(self, cost: float, charged: bool, price: Any) -> None:
         if self._tap_owner == threading.get_ident():
             host, reference = (price.host, price.reference) if price is not None else (0.0, cost)
             reference_host = host  # (the reference pass: as the database measured, on its hosts)
-            issue = self.engine.op_issue_s if price is not None else 0.0
+            issue = issue_seconds(self.engine, price) if price is not None else 0.0
             if issue:  # (a modelled host issues it, not the cost model's calibration hosts)
                 host = issue
             for tap in self._taps:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from gpemu import costs
 from gpemu.device import WRAPPER_ATTRIBUTES, EmuTensor, contiguous_stride, unhide_grad
 from gpemu.memory import round_size
 
@@ -167,6 +168,16 @@ class GradientState:
             return True
         return state is RELEASED and _rearm(gs)
 
+    def _charge_accumulation(self, params: list, specs: list, needs: tuple | None) -> None:
+        """Each parameter that already had a gradient: autograd's ``grad += new``, a kernel and a
+        launch as in the op-by-op backward (a loop accumulating over micro-batches, or one that
+        never zeroes its gradients)."""
+        ts = self.ts
+        for i, (p, spec) in enumerate(zip(params, specs, strict=False)):
+            if (needs is None or needs[i]) and _gget(p) is not None:
+                price = costs.accumulate_price(ts.rt, spec.device, spec.nbytes, spec.dtype)
+                ts.charge(price.gpu, spec.device, "add_ (gradient accumulation)", price)
+
     def store(self, holder: Any, params: list, specs: list, needs: tuple | None, every: bool) -> None:
         """Store the parameter gradients of a replayed backward one parameter at a time (the path
         behind :meth:`hand_out`). ``specs``: each parameter's gradient spec (see
@@ -189,6 +200,7 @@ class GradientState:
                 g = _gget(p)
                 if g is not None and getattr(g, "emu_shadow", None) is not None:
                     self.ts.forget_value(g)
+            self._charge_accumulation(params, specs, needs)
         if not todo:
             return  # accumulation in place: the set (if any) still holds
         if holder.gradset is not None:

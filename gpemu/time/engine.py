@@ -79,13 +79,16 @@ class TimeEngine(HostTime):
         # (``op_issue_s``, what an op's enqueue charges the host) and the bounded launch queue.
         self.host_model: HostModel | None = None
         self.op_issue_s = 0.0
+        self.backward_issue_s = 0.0  # (the same for an op of a backward pass)
 
     def set_host_model(self, model: HostModel | None) -> None:
         """Model the host that issues the work (see :mod:`gpemu.time.launch`): each op charged
-        with ``issue=engine.op_issue_s`` costs the host that much first, and a stream holds at
+        with ``issue=engine.op_issue_s`` (``backward_issue_s`` in a backward pass) costs the host
+        that much first, and a stream holds at
         most ``model.queue_depth`` unfinished launches before the host waits. None: off."""
         self.host_model = model
         self.op_issue_s = model.op_s if model is not None else 0.0
+        self.backward_issue_s = model.backward_op_s if model is not None else 0.0
         self.timeline.queue_depth = model.queue_depth if model is not None else 0
 
     def launch_seconds(self, ops: int, launches: int | None = None) -> float:
@@ -113,16 +116,16 @@ class TimeEngine(HostTime):
         start when the host has issued far enough for the queue to run without a stall
         (``seconds - kernels`` after the first issue, the lead the queue needs), and the host
         spends its issue time meanwhile, so the pass ends where the queue did and the GPU's busy
-        time is its kernels'."""
+        time is its kernels'; they take as many places in the launch queue as the issue time
+        stands for ops."""
         stream = self.stream(device)
-        lead = seconds - kernels
-        if not (self.op_issue_s and lead > 0 and not self.captures and not self.local.host.launching):
-            stream.enqueue(seconds, kind, name, 0, at)
-            if issue:
-                self.charge_host(issue)
-            return
-        lead = min(lead, issue)
-        stream.enqueue(seconds - lead, kind, name, 0, None if at is None else at + lead, lead)
+        modelled = bool(self.op_issue_s) and not self.captures and not self.local.host.launching
+        lead = min(seconds - kernels, issue) if modelled and seconds > kernels else 0.0
+        end = stream.enqueue(seconds - lead, kind, name, 0, None if at is None else at + lead, lead)
+        if modelled and issue:
+            # its kernels take their places in the launch queue: as many as its issue time stands for
+            per_op = self.backward_issue_s if kind == "backward" else self.op_issue_s
+            self.timeline.hold_launches(stream, end - (seconds - lead), end, round(issue / per_op))
         if issue > lead:
             self.charge_host(issue - lead)
 

@@ -64,6 +64,9 @@ class HostPreset:
     op_s: float
     reference_ms: float
     note: str
+    # The same per op of a backward pass (issued by autograd's C++ engine: no Python frames, no
+    # module calls), driver launch included; None: as ``op_s``.
+    backward_op_s: float | None = None
 
 
 # Per-op issue time of measured hosts: eager PyTorch's host time per step (benchmarks/overhead.py
@@ -75,7 +78,15 @@ HOST_PRESETS: dict[str, HostPreset] = {
     # ops (38 us), AlexNet/32 ~2.8 ms for 57 (49 us); its ResNet-50/32 forward took 9.9 ms for
     # ~235 ops (42 us). About 40 us per op, cuDNN's and cuBLAS's set-up per call included.
     # Its reference loop took 6.8-7.5 ms in the calls of that session (14.7-18.4 ms while busy).
-    "h100-xeon": HostPreset(40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)"),
+    # Its backward passes, where host-bound (a small model at batch 32: the GPU's kernels priced at a
+    # fifth to a third of the pass), took 26-31 us per op autograd ran (torch's own dispatch of the
+    # same pass on the CPU build counts them, gradient accumulations included): DenseNet-121 33.2 ms
+    # for 1,272 ops (26 us), MobileNetV3-small 8.74 ms for 332 (26 us), ShuffleNetV2-x0.5 10.96 ms
+    # for 359 (31 us); its forwards 40-49 us per op (MobileNetV3-small 8.51 ms / 213,
+    # ShuffleNetV2 11.89 / 242).
+    "h100-xeon": HostPreset(
+        40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)", 28e-6
+    ),
 }
 
 _PROBE_VERSION = 1
@@ -92,11 +103,20 @@ class HostModel:
     # The target host's seconds per second of framework work measured on this machine (host
     # time the emulator measures here by running torch's own code, e.g. an optimizer's step).
     scale: float = 1.0
+    # The framework's seconds per op of a backward pass (autograd's engine issues it), when
+    # measured apart; None: as ``dispatch_s``.
+    backward_dispatch_s: float | None = None
 
     @property
     def op_s(self) -> float:
         """Host seconds to issue one op that launches one kernel."""
         return self.dispatch_s + self.launch_s
+
+    @property
+    def backward_op_s(self) -> float:
+        """The same for an op of a backward pass."""
+        dispatch = self.dispatch_s if self.backward_dispatch_s is None else self.backward_dispatch_s
+        return dispatch + self.launch_s
 
     def issue_seconds(self, ops: int, launches: int | None = None) -> float:
         """Host seconds to issue ``ops`` framework calls launching ``launches`` kernels (default:
@@ -136,11 +156,13 @@ def host_model(spec: str | None, cache_dir: Path | None = None) -> HostModel | N
     preset = HOST_PRESETS.get(text)
     if preset is not None:
         share = DRIVER_LAUNCH_S / preset.op_s if preset.op_s > DRIVER_LAUNCH_S else 0.0
+        backward = None if preset.backward_op_s is None else preset.backward_op_s - preset.op_s * share
         return HostModel(
             preset.op_s * (1 - share),
             preset.op_s * share,
             source=f"preset {text}: {preset.note}",
             scale=preset.reference_ms / reference_loop_ms(cache_dir),
+            backward_dispatch_s=backward,
         )
     speed = 1.0 if text == "this" else float(_speed(text) or 1.0)
     where = "this machine" if speed == 1.0 else f"{speed:g}x this machine"
@@ -211,13 +233,16 @@ def measure_reference_loop_ms() -> float:
 
 def _cached(what: str, cache_dir: Path | None, measure: Callable[[], float], low: float, high: float) -> float:
     key = f"{_machine_key()}|{what}"
-    if key in _MEMO:
-        return _MEMO[key]
     path = cache_dir / "host-probe.json" if cache_dir is not None else None
+    value = _MEMO.get(key)
+    if value is not None and path is None:
+        return value
     stored = _read_cache(path)
-    value = stored.get(key)
-    if not isinstance(value, float) or not low < value < high:
-        value = measure()
+    if value is None:
+        value = stored.get(key)
+        if not isinstance(value, float) or not low < value < high:
+            value = measure()
+    if stored.get(key) != value:  # (measured now, or by this process for another cache folder)
         stored[key] = value
         _write_cache(path, stored)
     _MEMO[key] = value

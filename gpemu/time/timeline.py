@@ -91,6 +91,12 @@ class Timeline(Protocol):
         """A blocking piece of work: enqueue, then wait for it."""
         ...
 
+    def hold_launches(self, stream: VirtualStream, start: float, end: float, launches: int) -> None:
+        """The work just enqueued on ``stream`` (from ``start`` to ``end``) stands for ``launches``
+        kernels (a replayed pass): they take as many places in the stream's launch queue, ending
+        one after another across it."""
+        ...
+
     def stream_done(self, stream: VirtualStream) -> bool: ...
 
     def mark(self, stream: VirtualStream) -> EventMark:
@@ -168,6 +174,15 @@ class LocalTimeline:
             if launches is not None:
                 launches.append(end)
         return end
+
+    def hold_launches(self, stream: VirtualStream, start: float, end: float, launches: int) -> None:
+        held = stream.launches
+        if not self.queue_depth or held is None or launches <= 1 or not held or held[-1] != end:
+            return
+        held.pop()
+        n = min(launches, self.queue_depth)  # (older places than a full queue's never block)
+        step = (end - start) / launches
+        held.extend(end - (n - 1 - i) * step for i in range(n))
 
     def admit(self, stream: VirtualStream, now: float) -> float:
         """A launch on ``stream`` at host time ``now``: when the stream's launch queue already
@@ -327,6 +342,9 @@ class SharedTimeline:
     def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
         stream.enqueue(seconds, kind, name)
         stream.synchronize(reason)
+
+    def hold_launches(self, stream: VirtualStream, start: float, end: float, launches: int) -> None:
+        pass  # (the launch queue is not bounded here: see queue_depth)
 
     def stream_done(self, stream: VirtualStream) -> bool:
         device = stream.device_index
