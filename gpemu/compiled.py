@@ -32,6 +32,7 @@ A module comes back wrapped as torch wraps it (``_orig_mod``, its state dict key
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -371,6 +372,10 @@ class EagerPart:
     def __init__(self, fn: Callable[..., Any]) -> None:
         functools.update_wrapper(self, fn)  # (first: it copies the wrapped object's __dict__)
         self.fn = fn
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        # A method decorated in a class body binds as the function it replaces does.
+        return self if instance is None else types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # (the active run's: a function decorated while patched outlives the run)

@@ -118,6 +118,25 @@ def test_a_graph_break_leaves_the_broken_part_eager(rt):
     assert [n for n, _ in _kernels(rt, broken, x)] == ["mul", "add"]
 
 
+def test_a_method_under_compiler_disable_binds_its_instance(rt):
+    # A library imported while patched decorates methods (torchmetrics, Lightning): each call must
+    # get its instance, as the undecorated function would, inside a compiled call and outside it.
+    class Scaler(torch.nn.Module):
+        @torch.compiler.disable
+        def scaled(self, y):
+            return y * self.factor
+
+        def forward(self, x):
+            return self.scaled(x + 1)
+
+    m = Scaler()
+    m.factor = 3
+    x = torch.empty(1 << 20, device="cuda")
+    assert m(x).shape == x.shape
+    assert torch.compile(m)(x).shape == x.shape
+    assert Scaler.scaled(m, x).shape == x.shape
+
+
 def test_replays_carry_the_compiled_prices():
     rt = gpemu.patch(gpu="A100", summary=False, clock=VirtualClock(), replay=True)
     try:
