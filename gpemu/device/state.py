@@ -143,8 +143,10 @@ class CostTap:
 def issue_seconds(engine: Any, price: Any) -> float:
     """The modelled host's time to issue an op priced ``price`` (0 without a host model): an op
     of a backward pass is issued by autograd's engine, at the host's backward figure."""
-    op = price.op if price is not None else None
-    return engine.backward_issue_s if op is not None and op.backward else engine.op_issue_s
+    issue = engine.op_issue_s  # (0.0 without a host model: the usual case, decided first)
+    if issue and price is not None and price.op is not None and price.op.backward:
+        return engine.backward_issue_s
+    return issue
 
 
 def contiguous_stride(shape: Any) -> tuple:

@@ -119,7 +119,12 @@ class TimeEngine(HostTime):
         time is its kernels'; they take as many places in the launch queue as the issue time
         stands for ops."""
         stream = self.stream(device)
-        modelled = bool(self.op_issue_s) and not self.captures and not self.local.host.launching
+        if not self.op_issue_s:  # (no modelled host: the span is the whole pass)
+            stream.enqueue(seconds, kind, name, 0, at)
+            if issue > 0:
+                self.charge_host(issue)
+            return
+        modelled = not self.captures and not self.local.host.launching
         lead = min(seconds - kernels, issue) if modelled and seconds > kernels else 0.0
         end = stream.enqueue(seconds - lead, kind, name, 0, None if at is None else at + lead, lead)
         if modelled and issue:
