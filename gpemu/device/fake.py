@@ -29,9 +29,8 @@ _FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 def fake_mode() -> Any:
     """The active FakeTensorMode, or None."""
-    # Note: asked on every op and every x.cuda(); the length of the mode stack (which counts the
-    # infra modes, a FakeTensorMode among them) is almost always 0 and costs a quarter of the
-    # keyed look-up, whose enum argument pybind converts on each call.
+    # Note: asked on every x.cuda(); the stack's length (above) is a quarter of the keyed look-up's
+    # cost, whose enum argument pybind converts on each call.
     return _get_mode(_FAKE) if modes_active() else None
 
 

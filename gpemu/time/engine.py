@@ -29,8 +29,6 @@ from .launch import HostModel
 from .streams import VirtualStream
 from .timeline import GpuTimeBackend, LocalTimeline, SharedTimeline, Timeline, bad_duration
 
-_append = list.append  # records are appended as plain tuples (see gpemu.recorder.Records)
-
 __all__ = ["TimeEngine"]
 
 
@@ -256,14 +254,13 @@ class TimeEngine(HostTime):
             # settle() forgives only the time since a wait of THIS call (not since an older wait).
             self.local.host.wait_deadline = None
             wait_device = self.timeline.wait_device
-            syncs = self.recorder.syncs
             for d in devices:
                 busy = self._busy[d]
                 wait_device(d, busy, reason)
                 # (waited for or not: a loop's sync point, where the summary counts iterations of a
-                # loop without optimizer steps; appended as Recorder.sync_point does)
+                # loop without optimizer steps)
                 now = self.now()
-                _append(syncs, (d, reason, now if now > busy else busy))
+                self.recorder.sync_point(d, reason, now if now > busy else busy)
         finally:
             self.leave()
 
