@@ -197,9 +197,9 @@ def test_the_emulators_set_up_is_forgiven_however_long_it_takes():
     assert plain > 0.15 - MAX_FORGIVEN_WORK - 0.01, plain
 
 
-def _busy_and_steps(host: str, replay: bool) -> tuple[list[float], list[float]]:
+def _busy_and_steps(host: str, replay: bool, zero: bool = True) -> tuple[list[float], list[float]]:
     """GPU busy time (the spans' durations) and the time of each of four forward+backward steps
-    of the small MLP."""
+    of the small MLP (``zero=False``: into gradients never zeroed)."""
     with _run(host, replay=replay) as rt:
         eng = rt.engine
         model = _Mlp().cuda()
@@ -212,7 +212,8 @@ def _busy_and_steps(host: str, replay: bool) -> tuple[list[float], list[float]]:
             torch.cuda.synchronize()
             steps.append(eng.now() - t0)
             busy.append(sum(s[5] - s[4] for s in rt.recorder.spans[first:]))
-            model.zero_grad()
+            if zero:
+                model.zero_grad()
         return busy, steps
 
 
@@ -234,28 +235,11 @@ def test_with_a_modelled_host_the_gpu_runs_kernels_only_and_a_small_model_is_hos
     assert none_busy[-1] > 2 * kernels[-1]
 
 
-def _accumulating_steps(replay: bool) -> tuple[list[float], list[float]]:
-    """GPU busy time and time of four backward passes of the MLP into gradients never zeroed."""
-    with _run("h100-xeon", replay=replay) as rt:
-        eng = rt.engine
-        model = _Mlp().cuda()
-        x = torch.ones(16, 64, device="cuda")
-        busy, steps = [], []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            first, t0 = len(rt.recorder.spans), eng.now()
-            model(x).sum().backward()
-            torch.cuda.synchronize()
-            steps.append(eng.now() - t0)
-            busy.append(sum(s[5] - s[4] for s in rt.recorder.spans[first:]))
-        return busy, steps
-
-
 def test_a_replayed_backward_accumulating_into_gradients_charges_their_kernels_and_launches():
     # (gradient accumulation over micro-batches, or a loop that never zeroes: autograd adds each
     # new gradient into the parameter's, one kernel and one launch per parameter)
-    by_ops_busy, by_ops = _accumulating_steps(replay=False)
-    busy, replayed = _accumulating_steps(replay=True)
+    by_ops_busy, by_ops = _busy_and_steps("h100-xeon", replay=False, zero=False)
+    busy, replayed = _busy_and_steps("h100-xeon", replay=True, zero=False)
     assert by_ops_busy[1] > by_ops_busy[0]  # (the first backward made the gradients: no adds)
     assert by_ops[1] >= by_ops[0] + 6 * XEON_BACKWARD  # six parameters' adds, each issued by the host
     for a, b in zip(busy, by_ops_busy, strict=True):
