@@ -38,32 +38,50 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
+class BytecodeCounter:
+    """The Python bytecodes executed between :meth:`start` and :meth:`stop` on this thread, torch's
+    own Python included, by ``module:function`` (``counts``)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            self.counts[f"{Path(code.co_filename).stem}:{code.co_name}"] += 1
+        return self._opcode
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            return self._opcode
+        return None
+
+    def start(self) -> None:
+        sys.settrace(self._call)
+
+    def stop(self) -> None:
+        sys.settrace(None)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
 def count(gpu: str, model: str, batch: int, iterations: int, host: str | None, warmup: int = 10) -> dict[str, float]:
     """Bytecodes per steady-state iteration of ``overhead.py``'s step, by ``module:function``:
     ``iterations`` traced after ``warmup`` untraced ones (the recording, the optimizer's first
     step and the gradient sets' first hand-outs are one-off work)."""
     import overhead  # (this revision's: its workloads and its measured loop)
 
-    counts: collections.Counter[str] = collections.Counter()
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            code = frame.f_code
-            counts[f"{Path(code.co_filename).stem}:{code.co_name}"] += 1
-        return local
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "call":
-            frame.f_trace_opcodes = True
-            frame.f_trace_lines = False
-            return local
-        return None
+    counter = BytecodeCounter()
 
     def toggle(rt: Any, i: int) -> bool:  # (called before iteration i: 0 records, 1 makes the optimizer's state)
         if i == 2 + warmup:
-            sys.settrace(tracer)
+            counter.start()
         elif i == 2 + warmup + iterations:
-            sys.settrace(None)
+            counter.stop()
         return True
 
     kwargs = {}
@@ -72,8 +90,8 @@ def count(gpu: str, model: str, batch: int, iterations: int, host: str | None, w
 
         kwargs["host_model"] = host or EmuConfig.from_env({}).host  # (gpemu's default, not overhead.py's)
     overhead.measure(gpu, model, batch, warmup + iterations + 1, toggle=toggle, **kwargs)
-    sys.settrace(None)
-    return {name: n / iterations for name, n in counts.items()}
+    counter.stop()
+    return {name: n / iterations for name, n in counter.counts.items()}
 
 
 def _counts_in(root: Path, a: argparse.Namespace, host: str | None) -> dict[str, dict[str, float]]:

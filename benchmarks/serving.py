@@ -50,11 +50,11 @@ import argparse
 import statistics
 import sys
 import time
-from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
 from _common import machine
+from opcodes import BytecodeCounter
 
 import gpemu
 from gpemu.clock import VirtualClock
@@ -113,34 +113,22 @@ def _generate(model: Any, case: Case, new: int, count: bool = False) -> Timed:
     ids = torch.randint(0, 50000, (case.batch, case.prompt)).cuda()
     timed_calls = Timed([], [])
     patched = torch.nn.Module.__call__  # (gpemu's: the replay)
-    tally = [0]
-
-    def opcode(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            tally[0] += 1
-        return opcode
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "call":
-            frame.f_trace_opcodes = True
-            frame.f_trace_lines = False
-            return opcode
-        return None
+    counter = BytecodeCounter()
 
     def timed(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not model:
             return patched(self, *args, **kwargs)
-        tally[0] = 0
+        counter.counts.clear()
         if count:
-            sys.settrace(tracer)
+            counter.start()
         t = time.perf_counter()
         try:
             return patched(self, *args, **kwargs)
         finally:
             inside = time.perf_counter() - t
-            sys.settrace(None)
+            counter.stop()
             timed_calls.starts.append(t)
-            timed_calls.inside.append(tally[0] if count else inside)
+            timed_calls.inside.append(counter.total if count else inside)
 
     torch.nn.Module.__call__ = timed  # type: ignore[method-assign]
     try:
@@ -250,7 +238,6 @@ def paged_row(gpu: str, requests: int, blocks: int | None = None) -> str:
     16 layers, a pool of 16-token blocks sized by vLLM's rule unless ``blocks`` is given): its
     pool, TTFT/TPOT from arrival (queueing included), blocks in use, and gpemu's serving metrics."""
     import importlib.util
-    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "examples" / "serving_paged.py"
