@@ -171,6 +171,19 @@ def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None
     help="With --ops: about five sizes per op class, 1 warm-up and at most 5 samples per kernel "
     "(a minute or less on a GPU; a coarser fit).",
 )
+@click.option(
+    "--host-side",
+    is_flag=True,
+    help="Instead of models: time this host issuing work to the GPU (eager PyTorch's host time per op of a "
+    "forward and of a backward pass, and per kernel launch) and record it as a host that --host db:NAME "
+    "models (docs/host-side.md).",
+)
+@click.option(
+    "--host-name",
+    default=None,
+    metavar="NAME",
+    help="With --host-side: the name to record the host under [this machine's host name].",
+)
 def profile(**given: Any) -> None:
     """Measure models on this machine's GPU into the profile database.
 
@@ -186,6 +199,11 @@ def profile(**given: Any) -> None:
       gpemu profile --device cpu --model mypkg.models:tiny --batch-sizes 1,2,4 --db sqlite:///p.sqlite
 
     \b
+    Calibrating the host model on this GPU's host (--host-side): eager PyTorch's issue time per
+    op, recorded under a name that `gpemu run --host db:NAME` then models (`gpemu hosts` lists them).
+      gpemu profile --host-side --host-name lab-h100
+
+    \b
     Calibrating the op-level cost model on this GPU (--ops): every op class's kernels are timed
     with CUDA events (--warmup launches first, median of --iterations samples) and a curve per
     op class is fitted and stored; emulating this GPU then prices ops with it.
@@ -196,6 +214,13 @@ def profile(**given: Any) -> None:
 
     args = _Args(**given)
     console = Console(stderr=True)
+    if args.host_side:
+        if args.models or args.ops_mode:
+            raise click.UsageError("--host-side times the host, not models or kernels: run it on its own")
+        _profile_host(args, console)
+        return
+    if args.host_name is not None:
+        raise click.UsageError("--host-name goes with --host-side")
     if args.ops_mode:
         if args.models:
             raise click.UsageError("--ops times single kernels, not models: run --model and --ops separately")
@@ -233,6 +258,8 @@ class _Args:
     ops_mode: bool = False
     op_classes: tuple[str, ...] = ()
     quick: bool = False
+    host_side: bool = False
+    host_name: str | None = None
 
     @property
     def named_gpu(self) -> str | None:
@@ -530,4 +557,46 @@ def _print_curves(report: OpsReport, console: Console) -> None:
         f"[green]done[/green]: {report.measured} kernel(s) timed on '{report.gpu}', "
         f"{len(report.curves)} curve(s) stored; emulating this GPU now prices ops with them",
         highlight=False,
+    )
+
+
+def _profile_host(args: _Args, console: Console) -> None:
+    """--host-side: this host's issue times measured on the GPU and recorded under a name."""
+    from gpemu import runtime
+    from gpemu.cli import UserError
+    from gpemu.db.host_records import check_host_name, write_host
+
+    from .device import device_name, resolve_device
+    from .hostside import default_host_name, host_record, measure_host_side
+    from .store import ProfileStore
+
+    if args.device.strip().lower() == "cpu":
+        raise UserError("--host-side times a host issuing work to a CUDA GPU; --device cpu is for models only")
+    rt = runtime.current()
+    if rt is not None and not rt.config.virtual_time:
+        raise UserError(
+            "under gpemu, --host-side reads the emulated host's time only on virtual time: "
+            "gpemu run --gpu A100 --host h100-xeon --clock virtual -- gpemu profile --host-side"
+        )
+    name = check_host_name(args.host_name.strip().lower()) if args.host_name is not None else default_host_name()
+    dev = resolve_device(args.device)
+    store = ProfileStore.open(args.db_url)
+    try:
+        gpu = args.named_gpu or device_name(dev)
+        record = host_record(name, gpu, measure_host_side(dev, samples=max(3, min(args.iterations, 15))))
+        record = write_host(store.db.engine, record)
+    finally:
+        store.close()
+    note = "" if record.metadata.get("covered", True) else " (some samples may include waits for the GPU)"
+    console.print(
+        f"host '{record.name}' ({record.cpu}, torch {record.torch_version}, on {record.gpu}): "
+        f"{record.forward_op_s * 1e6:.1f} us per forward op, {record.backward_op_s * 1e6:.1f} us per backward op, "
+        f"{record.launch_s * 1e6:.1f} us of it a kernel launch; reference loop {record.reference_ms:.1f} ms{note}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"[green]done[/green]: recorded host '{record.name}'; model it with: gpemu run --host db:{record.name} ...",
+        highlight=False,
+        soft_wrap=True,
     )

@@ -43,6 +43,7 @@ from gpemu.db.op_measurements import OpMeasurement
 
 __all__ = [
     "KernelSpec",
+    "Blocker",
     "OP_CLASSES",
     "CLASS_GROUPS",
     "sweep",
@@ -274,7 +275,7 @@ def work_of(op: OpFeatures, sheet: GpuSheet, precision: Precision = SWEEP_PRECIS
 
 
 # ------------------------------------------------------------------------------ timing
-class _Blocker:
+class Blocker:
     """Large matrix products enqueued before a sample so the GPU is busy while the host launches
     the sample's kernels (see the module docstring); ``grow`` doubles it."""
 
@@ -309,7 +310,7 @@ class Timing:
         return float(statistics.median(self.samples))
 
 
-def _sample(fn: Callable[[], Any], inner: int, device: torch.device, blocker: _Blocker) -> tuple[float, bool]:
+def _sample(fn: Callable[[], Any], inner: int, device: torch.device, blocker: Blocker) -> tuple[float, bool]:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while True:
         torch.cuda.synchronize(device)
@@ -331,13 +332,13 @@ def time_kernel(
     device: torch.device,
     warmup: int = 3,
     repeats: int = 10,
-    blocker: _Blocker | None = None,
+    blocker: Blocker | None = None,
     target_seconds: float = 2e-4,
 ) -> Timing:
     """Seconds per launch of ``fn`` on CUDA ``device``: ``warmup`` launches, then ``repeats``
     samples of ``inner`` back-to-back launches each (``inner`` chosen so a sample lasts about
     ``target_seconds``, at most 64)."""
-    blocker = blocker or _Blocker(device)
+    blocker = blocker or Blocker(device)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize(device)
@@ -376,7 +377,7 @@ def measure_kernels(
     rows: list[OpMeasurement] = []
     try:
         with torch.cuda.device(device):
-            blocker = _Blocker(device)
+            blocker = Blocker(device)
             for spec in specs:
                 op = features_of(spec)
                 path, peak, work, z = work_of(op, sheet)

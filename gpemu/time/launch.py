@@ -44,6 +44,7 @@ __all__ = [
     "probe_dispatch_seconds",
     "reference_loop_ms",
     "measure_reference_loop_ms",
+    "cpu_name",
 ]
 
 # Launches a stream holds before cudaLaunchKernel blocks: about a thousand (NVIDIA developer forum
@@ -175,17 +176,22 @@ def host_model(spec: str | None, cache_dir: Path | None = None) -> HostModel | N
     )
 
 
-def _machine_key() -> str:
-    """This machine and torch build, as the probe's cache key."""
-    import torch
-
+def cpu_name() -> str:
+    """This machine's CPU model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"v{_PROBE_VERSION}|{cpu}|{os.cpu_count()}|torch {torch.__version__}|{platform.python_version()}"
+    return cpu
+
+
+def _machine_key() -> str:
+    """This machine and torch build, as the probe's cache key."""
+    import torch
+
+    return f"v{_PROBE_VERSION}|{cpu_name()}|{os.cpu_count()}|torch {torch.__version__}|{platform.python_version()}"
 
 
 _MEMO: dict[str, float] = {}
