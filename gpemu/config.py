@@ -217,8 +217,9 @@ class EmuConfig:
     time_mode: str = field(default="real", init=False)
     # GPEMU_HOST: the host that issues the GPU work (gpemu.time.launch): "this" (this machine's
     # eager dispatch, measured once), a speed relative to it ("0.7x"), a measured host's preset
-    # ("h100-xeon"), or "none" (the default: no modelled host time; the cost model's fitted
-    # per-op host term stays in GPU prices until the curves are refitted without it).
+    # ("h100-xeon"), a host recorded in the database by `gpemu profile --host-side` ("db:NAME"),
+    # or "none" (the default: no modelled host time; the cost model's fitted per-op host term
+    # stays in GPU prices until the curves are refitted without it).
     host: str = "none"
     # GPEMU_VALUES: what emulated tensors hold: "placeholders" (default: no values; a loss reads
     # 0.000) or "real" (every tensor also carries its values, computed on the CPU: a CPU-speed
@@ -534,18 +535,20 @@ def _name_list(name: str, value: str) -> tuple[str, ...] | None:
 
 
 def _check_host(host: object) -> None:
-    """``host``'s form: this, none, a speed (``0.7x``) or a preset's name (gpemu.time.launch
-    checks the name: this module imports no torch)."""
+    """``host``'s form: this, none, a speed (``0.7x``), a preset's name or ``db:NAME``
+    (gpemu.time.launch checks the name: this module imports no torch)."""
     text = host if isinstance(host, str) else ""
     speed = text[:-1] if text.endswith("x") else text
     try:
         ok = 0.01 <= float(speed) <= 100
     except ValueError:
-        ok = bool(re.fullmatch(r"[a-z][a-z0-9-]*", text))
+        # a preset's name, or db: and a recorded host's name (gpemu.db.host_records.HOST_NAME_FORM)
+        ok = bool(re.fullmatch(r"[a-z][a-z0-9-]*|db:[a-z0-9][a-z0-9._-]{0,63}", text))
     if not ok:
         raise ConfigError(
             "host must be 'this' (this machine), 'none' (no modelled host time), a speed relative to this machine "
-            f"from 0.01x to 100x (e.g. 0.7x) or a measured host's preset (e.g. h100-xeon); got {host!r}"
+            f"from 0.01x to 100x (e.g. 0.7x), a measured host's preset (e.g. h100-xeon) or db:NAME (a host recorded "
+            f"by `gpemu profile --host-side`; `gpemu hosts` lists them); got {host!r}"
         )
 
 

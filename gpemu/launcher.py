@@ -87,9 +87,11 @@ def _validate(config: EmuConfig) -> None:
         raise ConfigError(describe_error(db_location(config), exc)) from None
     for name in config.gpus_per_device:
         db.gpu(name)  # UnknownNameError (a ValueError) suggests the close match
-    from .time.launch import check_host
+    from .time.launch import check_host, recorded_hosts
 
-    check_host(config.host)  # a preset's name: one line saying which exist
+    check_host(
+        config.host, recorded_hosts(db.engine)
+    )  # a preset's or recorded host's name: one line saying which exist
     if config.model:
         db.model(config.model)
     from .run_outputs import check_output_paths

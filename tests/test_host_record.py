@@ -8,6 +8,7 @@ files throughout.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from gpemu.clock import VirtualClock
 from gpemu.config import EmuConfig
 from gpemu.db import open_profile_db
 from gpemu.db.host_records import HostRecord, read_host, read_hosts, write_host
-from gpemu.profiler.hostside import measure_host_side
-from gpemu.time.launch import HOST_PRESETS
+from gpemu.profiler.hostside import HostSideTiming, measure_host_side
+from gpemu.time.launch import HOST_PRESETS, HostModel
 
 XEON = HOST_PRESETS["h100-xeon"]
 
@@ -35,28 +36,21 @@ def db_url(tmp_path: Path) -> str:
     return f"sqlite:///{dst}"
 
 
-def _emulated_issue_times(host: str):
+def _emulated_issue_times(host: str, db_url: str | None = None) -> tuple[HostSideTiming, HostModel | None]:
     # (a manual clock: only modelled host time and waits move it; the timer is the host's time
     # on the emulated timeline, which `gpemu run --clock virtual` gives the program's clocks)
-    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False, host=host) as rt:
+    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False, host=host, db_url=db_url) as rt:
         timing = measure_host_side(torch.device("cuda:0"), samples=3, inner=4, timer=rt.engine.now)
-        model = rt.engine.host_model
-        # the ops counted are the ops the emulator charged: one forward of the chain costs
-        # forward_ops issue times
-        return timing, model
+        return timing, rt.engine.host_model
 
 
 def test_profiling_an_emulated_gpu_reads_back_the_modelled_hosts_issue_times():
-    timing, model = _emulated_issue_times("h100-xeon")
+    # (the ops counted on the CPU build are the ops the emulator charged an issue time)
+    timing, _ = _emulated_issue_times("h100-xeon")
     assert timing.covered and timing.forward_ops > 10 and timing.backward_ops > timing.forward_ops
     assert timing.forward_op_s == pytest.approx(XEON.op_s, rel=1e-6)  # 40 us
     assert timing.backward_op_s == pytest.approx(XEON.backward_op_s, rel=1e-6)  # 28 us
     assert 0 < timing.launch_s <= timing.backward_op_s
-    # another host model, another reading: the model's own figure, not the preset's
-    timing, model = _emulated_issue_times("0.5x")
-    assert model is not None and model.op_s > 0
-    assert timing.forward_op_s == pytest.approx(model.op_s, rel=1e-6)
-    assert timing.backward_op_s == pytest.approx(model.backward_op_s, rel=1e-6)
 
 
 def test_host_records_round_trip_through_sqlite(db_url):
@@ -112,3 +106,53 @@ def test_host_side_refuses_what_it_cannot_measure_in_one_line(db_url, capsys):
     finally:
         gpemu.unpatch()
     assert "--clock virtual" in capsys.readouterr().err
+
+
+def _record(db_url: str, *records: HostRecord) -> None:
+    db = open_profile_db(EmuConfig.from_env(db_url=db_url))
+    try:
+        for rec in records:
+            write_host(db.engine, rec)
+    finally:
+        db.close()
+
+
+def test_a_recorded_host_is_modelled_as_recorded_and_profiles_back_to_its_figures(db_url):
+    _record(db_url, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False, host="db:lab-a", db_url=db_url) as rt:
+        model = rt.engine.host_model
+        assert model is not None and "Lab CPU" in model.source
+        assert (model.op_s, model.backward_op_s, model.launch_s) == pytest.approx((20e-6, 12e-6, 5e-6))
+        x = torch.ones(64, 64, device="cuda")
+        torch.cuda.synchronize()
+        t0 = rt.engine.now()
+        for _ in range(100):
+            x = x + 1
+        assert rt.engine.now() - t0 == pytest.approx(100 * 20e-6)  # each op issued at the recorded figure
+    # the calibration loop closes: profiling the host side behind the recorded host reads it back
+    timing, _ = _emulated_issue_times("db:lab-a", db_url)
+    assert (timing.forward_op_s, timing.backward_op_s) == pytest.approx((20e-6, 12e-6))
+
+
+def test_unknown_recorded_hosts_get_one_line_listing_what_is_valid(db_url, capsys):
+    _record(db_url, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+    with pytest.raises(ValueError, match="db:lab-a") as err:
+        gpemu.patch(gpu="A100", host="db:lab-b", db_url=db_url, summary=False)
+    assert "h100-xeon" in str(err.value)
+    assert not gpemu.is_patched()
+    rc = main(["run", "--db", db_url, "--host", "db:lab-b", "--", "python", "-c", "pass"])  # (refused before it starts)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "db:lab-a" in lines[0] and "'db:lab-b'" in lines[0]
+
+
+def test_gpemu_hosts_lists_presets_and_recorded_hosts(db_url, capsys):
+    assert main(["hosts", "--db", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "h100-xeon" in out and "no recorded hosts yet" in out
+    _record(db_url, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+    assert main(["hosts", "--db", db_url, "--json"]) == 0
+    rows = {r["host"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["db:lab-a"]["forward_op_us"] == pytest.approx(20) and rows["db:lab-a"]["kind"] == "recorded"
+    assert rows["h100-xeon"]["backward_op_us"] == pytest.approx(28)
+    assert main(["run", "--help"]) == 0
+    assert "db:NAME" in capsys.readouterr().out

@@ -30,6 +30,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "List the GPUs you can emulate, measured or datasheet-only (`gpus add`: add one).",
     ),
     "models": ("gpemu.cli.db_cmds", "models", "List the models the profile database knows."),
+    "hosts": (
+        "gpemu.cli.hosts_cmd",
+        "hosts",
+        "List the hosts `run --host` can model: presets and hosts recorded by `profile --host-side`.",
+    ),
     "show": ("gpemu.cli.db_cmds", "show", "Show every measurement for a model on a GPU at a batch size."),
     "db": ("gpemu.cli.db_cmds", "db", "Manage the profile database (path, init, export, import)."),
     "profile": ("gpemu.profiler.cli", "profile", "Measure models on a real GPU into the profile database."),

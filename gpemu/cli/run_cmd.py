@@ -72,10 +72,12 @@ __all__ = ["run"]
 )
 @click.option(
     "--host",
-    metavar="this|SPEEDx|PRESET|none",
+    metavar="this|SPEEDx|PRESET|db:NAME|none",
     help="The host that issues the GPU work: this machine (this; its eager dispatch time is measured once), "
-    "a speed relative to it (0.7x), a measured host's preset (h100-xeon), or none (default: GPU time only). "
-    "Each op costs the host that issue time and a full launch queue blocks it (docs/host-side.md).",
+    "a speed relative to it (0.7x), a measured host's preset (h100-xeon), a host recorded in the database by "
+    "`gpemu profile --host-side` (db:NAME; `gpemu hosts` lists presets and recorded hosts), or none (default: "
+    "GPU time only). Each op costs the host that issue time and a full launch queue blocks it "
+    "(docs/host-side.md).",
 )
 @click.option(
     "--values",

@@ -23,7 +23,7 @@ from .allowance import calibrate_return_allowance
 from .capture import BACKWARD_MARK, CAPTURE_INVALIDATED, ITERATION_END, CapturedWork, StreamCapture
 from .engine import TimeEngine
 from .host import HostState, HostTime
-from .launch import HostModel, host_model
+from .launch import RECORDED_PREFIX, HostModel, host_model, recorded_hosts
 from .streams import EmuEvent, VirtualStream
 from .timeline import EventMark, GpuTimeBackend, Grant
 from .virtual import install as install_virtual
@@ -77,7 +77,9 @@ def install(rt: Runtime) -> None:
         memory=rt.memory,
         current_device=lambda: rt.current_device,
     )
-    engine.set_host_model(host_model(config.host, costmodel_cache_dir()))
+    # (a host recorded in the database, --host db:NAME, is read from the run's database)
+    recorded = recorded_hosts(rt.db.engine) if config.host.startswith(RECORDED_PREFIX) else None
+    engine.set_host_model(host_model(config.host, costmodel_cache_dir(), recorded))
     rt.engine = engine
     rt.patcher.on_restore(engine.close)
     if virtual_clock is not None:

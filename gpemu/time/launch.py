@@ -13,7 +13,8 @@ modelled instead, by :class:`HostModel`:
 - ``launch_s``: the driver's per-launch cost (cudaLaunchKernel and the CUDA runtime around it),
   a published figure: 4-5 us per launch (an NVIDIA forum measurement of 10,000 launches);
 - both scaled to the target host (``--host``: ``this`` machine, a speed relative to it such as
-  ``0.7x``, or a preset of a measured host, :data:`HOST_PRESETS`);
+  ``0.7x``, a preset of a measured host, :data:`HOST_PRESETS`, or a host recorded in the profile
+  database by ``gpemu profile --host-side``, ``db:NAME``, :func:`recorded_hosts`);
 - ``queue_depth``: launches a stream holds before the host blocks (about 1,000 per stream in the
   same measurement: the 1,001st launch waited for the stream's oldest kernel to finish; each of
   three streams held its own 1,000).
@@ -28,15 +29,22 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..clock import REAL
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sqlalchemy import Engine
 
 __all__ = [
     "HostModel",
     "HOST_PRESETS",
+    "HostPreset",
+    "RECORDED_PREFIX",
+    "recorded_hosts",
     "LAUNCH_QUEUE_DEPTH",
     "DRIVER_LAUNCH_S",
     "host_model",
@@ -68,6 +76,8 @@ class HostPreset:
     # The same per op of a backward pass (issued by autograd's C++ engine: no Python frames, no
     # module calls), driver launch included; None: as ``op_s``.
     backward_op_s: float | None = None
+    # The kernel launch's part of ``op_s``; None: the published DRIVER_LAUNCH_S.
+    launch_s: float | None = None
 
 
 # Per-op issue time of measured hosts: eager PyTorch's host time per step (benchmarks/overhead.py
@@ -91,6 +101,25 @@ HOST_PRESETS: dict[str, HostPreset] = {
 }
 
 _PROBE_VERSION = 1
+# ``--host db:NAME``: the host recorded under NAME in the profile database.
+RECORDED_PREFIX = "db:"
+
+
+def recorded_hosts(engine: Engine) -> dict[str, HostPreset]:
+    """The hosts ``gpemu profile --host-side`` recorded in the database at ``engine``, as presets
+    by name (their issue times as measured; the reference loop timed there)."""
+    from ..db.host_records import read_hosts
+
+    return {
+        h.name: HostPreset(
+            h.forward_op_s,
+            h.reference_ms,
+            f"recorded host {h.name}: {h.cpu}, torch {h.torch_version}, on {h.gpu}, {h.measured_at[:10]}",
+            h.backward_op_s,
+            h.launch_s,
+        )
+        for h in read_hosts(engine)
+    }
 
 
 @dataclass(frozen=True)
@@ -125,18 +154,24 @@ class HostModel:
         return ops * self.dispatch_s + (ops if launches is None else launches) * self.launch_s
 
 
-def check_host(spec: str | None) -> str | None:
-    """``spec`` when it is a valid ``--host`` value, else a ValueError saying what is valid."""
+def check_host(spec: str | None, recorded: Mapping[str, HostPreset] | None = None) -> str | None:
+    """``spec`` when it is a valid ``--host`` value, else a ValueError saying what is valid
+    (``recorded``: the database's recorded hosts, :func:`recorded_hosts`; None: a ``db:`` name
+    is not checked)."""
     if spec is None:
         return None
     text = spec.strip().lower()
     if text in ("none", "this") or text in HOST_PRESETS:
         return text
+    if text.startswith(RECORDED_PREFIX) and (recorded is None or text[len(RECORDED_PREFIX) :] in recorded):
+        return text
     speed = _speed(text)
     if speed is None or not 0.01 <= speed <= 100:
+        names = ", ".join(RECORDED_PREFIX + name for name in recorded or {}) or "none yet"
         raise ValueError(
             f"host must be 'this' (this machine), 'none' (no modelled host time), a speed relative to this "
-            f"machine from 0.01x to 100x (e.g. 0.7x), or a preset ({', '.join(HOST_PRESETS)}); got {spec!r}"
+            f"machine from 0.01x to 100x (e.g. 0.7x), a preset ({', '.join(HOST_PRESETS)}), or a host recorded "
+            f"by `gpemu profile --host-side` (in this database: {names}); got {spec!r}"
         )
     return text
 
@@ -148,23 +183,18 @@ def _speed(text: str) -> float | None:
         return None
 
 
-def host_model(spec: str | None, cache_dir: Path | None = None) -> HostModel | None:
-    """The host model ``--host`` names (None for ``none``); see :func:`check_host`."""
-    text = check_host(spec) or "none"
+def host_model(
+    spec: str | None, cache_dir: Path | None = None, recorded: Mapping[str, HostPreset] | None = None
+) -> HostModel | None:
+    """The host model ``--host`` names (None for ``none``); see :func:`check_host`. A recorded
+    host (``db:NAME``) is looked up in ``recorded`` (:func:`recorded_hosts`)."""
+    text = check_host(spec, recorded if recorded is not None else {}) or "none"
     if text == "none":
         return None
-    dispatch = probe_dispatch_seconds(cache_dir)
-    preset = HOST_PRESETS.get(text)
+    preset = HOST_PRESETS.get(text) or (recorded or {}).get(text[len(RECORDED_PREFIX) :])
     if preset is not None:
-        share = DRIVER_LAUNCH_S / preset.op_s if preset.op_s > DRIVER_LAUNCH_S else 0.0
-        backward = None if preset.backward_op_s is None else preset.backward_op_s - preset.op_s * share
-        return HostModel(
-            preset.op_s * (1 - share),
-            preset.op_s * share,
-            source=f"preset {text}: {preset.note}",
-            scale=preset.reference_ms / reference_loop_ms(cache_dir),
-            backward_dispatch_s=backward,
-        )
+        return _preset_model(preset, text, cache_dir)
+    dispatch = probe_dispatch_seconds(cache_dir)
     speed = 1.0 if text == "this" else float(_speed(text) or 1.0)
     where = "this machine" if speed == 1.0 else f"{speed:g}x this machine"
     return HostModel(
@@ -185,6 +215,21 @@ def cpu_name() -> str:
     except OSError:
         pass
     return cpu
+
+
+def _preset_model(preset: HostPreset, name: str, cache_dir: Path | None) -> HostModel:
+    """A measured host's model: its issue time per op, of which a kernel launch (its own figure,
+    or the published one), the rest the framework's dispatch."""
+    launch = DRIVER_LAUNCH_S if preset.launch_s is None else preset.launch_s
+    share = min(1.0, launch / preset.op_s) if preset.op_s > 0 else 0.0
+    backward = None if preset.backward_op_s is None else max(0.0, preset.backward_op_s - preset.op_s * share)
+    return HostModel(
+        preset.op_s * (1 - share),
+        preset.op_s * share,
+        source=f"{'preset ' if name in HOST_PRESETS else ''}{name}: {preset.note}",
+        scale=preset.reference_ms / reference_loop_ms(cache_dir),
+        backward_dispatch_s=backward,
+    )
 
 
 def _machine_key() -> str:
