@@ -3,10 +3,12 @@
 Formats (both carry every table, so an export imported into an empty database reproduces it):
 - JSON: one file ``{"format": "gpemu-profile-db", "schema_version", "gpus": [...], "models": [...],
   "measurements": {"columns": [...], "rows": [[...], ...]}, "distributions": [...],
-  "op_measurements": [...], "op_curves": [...]}`` (the last two: ``gpemu profile --ops``, a GPU's
-  own calibration, :mod:`gpemu.db.op_measurements`; keyed by GPU name).
+  "op_measurements": [...], "op_curves": [...], "host_records": [...]}`` (``op_*``: ``gpemu profile
+  --ops``, a GPU's own calibration, :mod:`gpemu.db.op_measurements`, keyed by GPU name;
+  ``host_records``: ``gpemu profile --host-side``, a GPU host's issue times,
+  :mod:`gpemu.db.host_records`, keyed by host name).
 - CSV: a directory with ``gpus.csv``, ``models.csv``, ``measurements.csv``, ``distributions.csv``,
-  ``op_measurements.csv``, ``op_curves.csv``.
+  ``op_measurements.csv``, ``op_curves.csv``, ``host_records.csv``.
 Import also takes a single ``measurements.csv``-style file (columns gpu, model, kind,
 batch_size, value and optionally the rest) for GPUs and models the database already knows.
 
@@ -27,6 +29,7 @@ from typing import Any, TypeVar
 from sqlalchemy import select
 
 from . import schema as S
+from .host_records import HostRecord, check_host_name, read_hosts, write_host
 from .lookup import (
     ProfileDB,
     check_generation,
@@ -40,7 +43,7 @@ from .lookup import (
 )
 from .op_measurements import OpCurveRow, OpMeasurement, op_gpus, read_curves, read_measurements, stamps, write_curves
 from .op_measurements import write_measurements as write_op_measurements
-from .records import GpuSpec, Measurement, ModelInfo, normalize_name
+from .records import GpuSpec, Measurement, ModelInfo, UnknownNameError, normalize_name
 
 __all__ = ["export_db", "import_path", "gpu_json", "ImportReport", "Rejected", "MEASUREMENT_COLUMNS", "FORMAT_NAME"]
 
@@ -53,6 +56,7 @@ _OPTIONAL_FLOATS = ("std", "p50", "p90", "p99")
 _OP_COLUMNS = ["gpu"] + [f.name for f in fields(OpMeasurement)] + ["measured_at"]
 _CURVE_COLUMNS = ["gpu"] + [f.name for f in fields(OpCurveRow)] + ["fitted_at"]
 _OP_PATHS = ("simt", "tensor", "memory")
+_HOST_COLUMNS = [f.name for f in fields(HostRecord)]
 
 
 @dataclass
@@ -69,11 +73,13 @@ class ImportReport:
     distributions: int = 0
     op_measurements: int = 0
     op_curves: int = 0
+    host_records: int = 0
     rejected: list[Rejected] = field(default_factory=list)
 
     @property
     def accepted(self) -> int:
-        return self.gpus + self.models + self.measurements + self.distributions + self.op_measurements + self.op_curves
+        tables = (self.gpus, self.models, self.measurements, self.distributions, self.op_measurements, self.op_curves)
+        return sum(tables) + self.host_records
 
 
 # ---------------------------------------------------------------------------------- export
@@ -131,7 +137,16 @@ def _dump(db: ProfileDB, gpus: Iterable[str] | None, models: Iterable[str] | Non
         ],
         "op_measurements": ops,
         "op_curves": curves,
+        "host_records": [asdict(h) for h in read_hosts(db.engine) if not gpus or _gpu_name(db, h.gpu) in gpu_names],
     }
+
+
+def _gpu_name(db: ProfileDB, name: str) -> str | None:
+    """The database's name of GPU ``name`` (None: unknown), for a partial export's host records."""
+    try:
+        return db.gpu(name).name
+    except UnknownNameError:
+        return None
 
 
 def gpu_json(spec: GpuSpec) -> dict[str, Any]:
@@ -195,6 +210,14 @@ def export_db(
             ],
         )
         _write_csv(path / "op_curves.csv", _CURVE_COLUMNS, [[r[c] for c in _CURVE_COLUMNS] for r in data["op_curves"]])
+        _write_csv(
+            path / "host_records.csv",
+            _HOST_COLUMNS,
+            [
+                [json.dumps(r[c], sort_keys=True) if c == "metadata" else r[c] for c in _HOST_COLUMNS]
+                for r in data["host_records"]
+            ],
+        )
     return {
         "gpus": len(data["gpus"]),
         "models": len(data["models"]),
@@ -202,6 +225,7 @@ def export_db(
         "distributions": len(data["distributions"]),
         "op_measurements": len(data["op_measurements"]),
         "op_curves": len(data["op_curves"]),
+        "host_records": len(data["host_records"]),
     }
 
 
@@ -275,7 +299,7 @@ def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
             else f"this gpemu reads exports with schema_version 1 to {S.SCHEMA_VERSION}"
         )
         raise ValueError(f"{path} has schema_version {_quote(version)}; {hint}")
-    for name in ("gpus", "models", "distributions", "op_measurements", "op_curves"):
+    for name in ("gpus", "models", "distributions", "op_measurements", "op_curves", "host_records"):
         if not isinstance(data.get(name, []), list):
             raise ValueError(f'{path}: "{name}" must be a list of objects, got {type(data[name]).__name__}')
     meas = data.get("measurements", {"columns": MEASUREMENT_COLUMNS, "rows": []})
@@ -303,7 +327,7 @@ def _read_json(path: Path) -> dict[str, list[tuple[str, Any]]]:
         ],
         **{
             name: [(f"{path.name} {name} #{i}", d) for i, d in enumerate(data.get(name, []), 1)]
-            for name in ("op_measurements", "op_curves")
+            for name in ("op_measurements", "op_curves", "host_records")
         },
     }
 
@@ -321,6 +345,7 @@ def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
         "distributions.csv",
         "op_measurements.csv",
         "op_curves.csv",
+        "host_records.csv",
     )
     if not any((path / f).exists() for f in expected):
         raise ValueError(f"{path} holds none of {', '.join(expected)} (is it a `gpemu db export` directory?)")
@@ -335,6 +360,7 @@ def _read_csv_dir(path: Path) -> dict[str, list[tuple[str, Any]]]:
         "distributions": rows("distributions.csv", _parse_dist_cells),
         "op_measurements": rows("op_measurements.csv", _parse_op_cells),
         "op_curves": rows("op_curves.csv", _parse_op_cells),
+        "host_records": rows("host_records.csv", _parse_host_cells),
     }
 
 
@@ -518,6 +544,40 @@ def _op_curve(raw: Any) -> tuple[str, str | None, OpCurveRow]:
     return gpu, when, OpCurveRow(**d)
 
 
+def _parse_host_cells(c: dict[str, str]) -> dict[str, Any]:
+    """A row of host_records.csv: numbers as numbers, metadata as JSON (checked on import)."""
+    out: dict[str, Any] = {}
+    for k, v in c.items():
+        v = (v or "").strip()
+        if k in ("forward_op_s", "backward_op_s", "launch_s", "reference_ms"):
+            out[k] = _num(v, k)
+        elif k == "metadata":
+            try:
+                out[k] = json.loads(v or "{}")
+            except json.JSONDecodeError:
+                raise ValueError(f"metadata must be a JSON object, got {v!r}") from None
+        else:
+            out[k] = v
+    return out
+
+
+def _host_record(raw: Any) -> HostRecord:
+    """One imported host record, its name, texts and figures checked."""
+    d = dict(_only(raw, _HOST_COLUMNS, "host record"))
+    name = d.get("name")
+    check_host_name(name if isinstance(name, str) else repr(name))
+    for k in ("cpu", "torch_version", "gpu", "measured_at"):
+        if not isinstance(d.get(k, ""), str):
+            raise ValueError(f"{k} must be a string, got {_quote(d.get(k))}")
+    _finite(d, ("forward_op_s", "backward_op_s", "reference_ms"), 0.0, strict=True)
+    _finite(d, ("launch_s",), 0.0, strict=False)
+    if not isinstance(d.get("metadata", {}), dict):
+        raise ValueError(f"metadata must be an object, got {_quote(d.get('metadata'))}")
+    for k in ("cpu", "torch_version", "gpu"):
+        d.setdefault(k, "")
+    return HostRecord(**d)
+
+
 def _parse_dist_cells(c: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = dict(c)
     try:
@@ -581,6 +641,10 @@ def _import_sections(db: ProfileDB, sections: dict[str, list[tuple[str, Any]]]) 
         report.op_measurements += write_op_measurements(db.engine, gpu, op_rows, when)
     for (gpu, when), curve_rows in curves.items():
         report.op_curves += write_curves(db.engine, gpu, curve_rows, when)
+    # A GPU host's issue times (gpemu profile --host-side), keyed by host name; stamps kept.
+    for host in _accepted(sections.get("host_records", []), _host_record, report, "bad host record: "):
+        write_host(db.engine, host)
+        report.host_records += 1
     db.invalidate()
     report.measurements, report.distributions = len(prepared), len(dist_rows)
     return report

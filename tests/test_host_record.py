@@ -156,3 +156,52 @@ def test_gpemu_hosts_lists_presets_and_recorded_hosts(db_url, capsys):
     assert rows["h100-xeon"]["backward_op_us"] == pytest.approx(28)
     assert main(["run", "--help"]) == 0
     assert "db:NAME" in capsys.readouterr().out
+
+
+@pytest.fixture
+def two_dbs(tmp_path: Path):
+    """Two fresh (empty) databases: where a host was recorded, and a lab machine importing it."""
+    from gpemu.db.build import open_url
+
+    source, lab = (open_url(f"sqlite:///{tmp_path / name}") for name in ("source.sqlite", "lab.sqlite"))
+    yield source, lab
+    source.close()
+    lab.close()
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_db_export_carries_recorded_hosts_to_the_machines_that_emulate(two_dbs, tmp_path, fmt):
+    from gpemu.db.io import export_db, import_path
+
+    source, lab = two_dbs
+    write_host(
+        source.engine, HostRecord("lab-a", "Lab CPU", "2.5", "H100", 20e-6, 12e-6, 5e-6, 9.0, metadata={"n": 16})
+    )
+    out = tmp_path / ("hosts.json" if fmt == "json" else "hosts_csv")
+    assert export_db(source, out)["host_records"] == 1
+    report = import_path(lab, out)
+    assert report.rejected == [] and report.host_records == 1
+    assert read_hosts(lab.engine) == read_hosts(source.engine)  # (its time stamp too)
+
+
+def test_import_rejects_bad_host_records_with_their_reasons(two_dbs, tmp_path):
+    from gpemu.db.io import export_db, import_path
+
+    source, lab = two_dbs
+    write_host(source.engine, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+    export_db(source, tmp_path / "good.json")
+    data = json.loads((tmp_path / "good.json").read_text())
+    good = data["host_records"][0]
+    data["host_records"] = [
+        good,
+        {**good, "name": "Lab B"},
+        {**good, "forward_op_s": 0},
+        {**good, "launch_s": -1e-6},
+        {**good, "speed": "fast"},
+    ]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    report = import_path(lab, tmp_path / "bad.json")
+    reasons = [r.reason for r in report.rejected]
+    assert report.host_records == 1 and len(reasons) == 4
+    for needle in ("lower-case letters", "forward_op_s must be a finite number > 0", "launch_s must be", "speed"):
+        assert any(needle in r for r in reasons), (needle, reasons)

@@ -552,7 +552,7 @@ def db_export(
     click.echo(
         f"exported {counts['gpus']} GPUs, {counts['models']} models, {counts['measurements']} "
         f"measurements, {counts['distributions']} distributions, {counts['op_curves']} op curves "
-        f"({counts['op_measurements']} kernels) to {path}"
+        f"({counts['op_measurements']} kernels), {counts['host_records']} host records to {path}"
     )
 
 
@@ -573,7 +573,7 @@ def db_import(path: Path, show_rejected: int, db_url: str | None) -> None:
     click.echo(
         f"imported {report.gpus} GPUs, {report.models} models, {report.measurements} measurements, "
         f"{report.distributions} distributions, {report.op_curves} op curves ({report.op_measurements} "
-        f"kernels) from {path}"
+        f"kernels), {report.host_records} host records from {path}"
     )
     if report.rejected:
         click.echo(f"rejected {len(report.rejected)} rows:", err=True)
