@@ -155,6 +155,7 @@ def test_db_path_init_export_import_with_db_url(runner, tmp_path):
     assert sorted(p.name for p in csv_dir.iterdir()) == [
         "distributions.csv",
         "gpus.csv",
+        "host_records.csv",
         "measurements.csv",
         "models.csv",
         "op_curves.csv",
