@@ -89,9 +89,8 @@ def _validate(config: EmuConfig) -> None:
         db.gpu(name)  # UnknownNameError (a ValueError) suggests the close match
     from .time.launch import check_host, recorded_hosts
 
-    check_host(
-        config.host, recorded_hosts(db.engine)
-    )  # a preset's or recorded host's name: one line saying which exist
+    # (a preset's or a recorded host's name: one line saying which exist)
+    check_host(config.host, recorded_hosts(db.engine))
     if config.model:
         db.model(config.model)
     from .run_outputs import check_output_paths

@@ -175,8 +175,8 @@ def _memory_option(ctx: click.Context, param: click.Parameter, value: str | None
     "--host-side",
     is_flag=True,
     help="Instead of models: time this host issuing work to the GPU (eager PyTorch's host time per op of a "
-    "forward and of a backward pass, and per kernel launch) and record it as a host that --host db:NAME "
-    "models (docs/host-side.md).",
+    "forward and of a backward pass, and per kernel launch; the median of --iterations samples, 3 to 15) and "
+    "record it as a host that `gpemu run --host db:NAME` models (docs/host-side.md).",
 )
 @click.option(
     "--host-name",

@@ -144,6 +144,8 @@ def measure_host_side(
     (module docstring); ``timer``: the host clock (default ``time.perf_counter``, read at call)."""
     if device.type != "cuda":
         raise ValueError(f"host-side profiling times the host issuing to a CUDA GPU; {device} is not one")
+    # (looked up at each call: under `gpemu run --clock virtual` time.perf_counter is the
+    # program's emulated clock, installed after this module was imported)
     clock = timer if timer is not None else (lambda: time.perf_counter())
     torch.manual_seed(0)
     with torch.cuda.device(device):

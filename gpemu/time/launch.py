@@ -226,7 +226,7 @@ def _preset_model(preset: HostPreset, name: str, cache_dir: Path | None) -> Host
     return HostModel(
         preset.op_s * (1 - share),
         preset.op_s * share,
-        source=f"{'preset ' if name in HOST_PRESETS else ''}{name}: {preset.note}",
+        source=f"preset {name}: {preset.note}" if name in HOST_PRESETS else preset.note,
         scale=preset.reference_ms / reference_loop_ms(cache_dir),
         backward_dispatch_s=backward,
     )
