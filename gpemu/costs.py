@@ -15,7 +15,8 @@
   class's efficiency curve for this GPU's generation against the peak its dtype and PyTorch's TF32
   switches select (tensor cores for fp16/bf16/TF32 where the GPU has them).
 * Optimizer step: the database's ``optimizer_step`` kind when present, else bytes the update
-  touches (parameters, gradients, optimizer state) over memory bandwidth.
+  touches (parameters, gradients, optimizer state) over memory bandwidth; without a modelled
+  host, its launches queued behind the calibration hosts' per-op issue time, as any pass.
 
 Every answer for (identity, batch size, device) is memoised: replay asks on every call.
 """
@@ -532,11 +533,34 @@ def _optimizer_seconds(rt: Runtime, optimizer: torch.optim.Optimizer, params: li
     touched = nbytes * traffic[0]
     kernels = step_launches(params, traffic[1], 2 + k, foreach, fused).launches
     seconds = touched / (spec.memory_bandwidth * BANDWIDTH_EFFICIENCY) + kernels * LAUNCH_LATENCY
+    if rt.engine.host_model is None:
+        seconds = _with_calibration_issue(rt, device, seconds, kernels)
     rt.say_once(
         f"{type(optimizer).__name__} step on {spec.short_name}: time estimated from the "
         f"{touched / 1e6:.0f} MB it reads and writes (no optimizer_step measurement)"
     )
     return seconds, "estimated"
+
+
+# One kernel of an optimizer step as the shipped database's measured loop recorded the step (one
+# parameter's elementwise update, in its backward column): what the cost model's per-op host term
+# of such a kernel is (:func:`_with_calibration_issue`).
+_STEP_KERNEL = OpFeatures("add_", OpClass.ELEMENTWISE, True, 1024.0, 3 * 4096.0)
+
+
+def _with_calibration_issue(rt: Runtime, device: int, seconds: float, launches: int) -> float:
+    """An optimizer step's GPU seconds without a modelled host (``--host none``): as every pass
+    the cost model prices, its ``launches`` kernels run as a queue behind the calibration hosts'
+    per-op issue time ``h`` (:func:`gpemu.costmodel.curve.queue_seconds`), ``seconds`` shared
+    among them. ``h`` is that of the step's kernels as the measured loop's backward column held
+    them (:mod:`gpemu.costmodel.measured_loop`), the price a measured model's backward is charged
+    without: taken off there, charged here. A per-tensor step (``foreach=False``) pays it per
+    tensor and pass; a foreach or fused step per launch."""
+    d = _device(rt, device)
+    h = model_for(rt.db, d.sheet).host_seconds(_STEP_KERNEL, d.sheet)
+    g = seconds / max(launches, 1)
+    # the queue of n equal (h, g) ops, in closed form: n h + g when the host is the bound, else h + n g
+    return max(launches * h + g, h + seconds)
 
 
 class StepLaunches(NamedTuple):
