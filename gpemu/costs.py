@@ -542,25 +542,18 @@ def _optimizer_seconds(rt: Runtime, optimizer: torch.optim.Optimizer, params: li
     return seconds, "estimated"
 
 
-# One kernel of an optimizer step as the shipped database's measured loop recorded the step (one
-# parameter's elementwise update, in its backward column): what the cost model's per-op host term
-# of such a kernel is (:func:`_with_calibration_issue`).
+# A kernel of an optimizer step as the measured loop's backward column held it (_with_calibration_issue).
 _STEP_KERNEL = OpFeatures("add_", OpClass.ELEMENTWISE, True, 1024.0, 3 * 4096.0)
 
 
 def _with_calibration_issue(rt: Runtime, device: int, seconds: float, launches: int) -> float:
-    """An optimizer step's GPU seconds without a modelled host (``--host none``): as every pass
-    the cost model prices, its ``launches`` kernels run as a queue behind the calibration hosts'
-    per-op issue time ``h`` (:func:`gpemu.costmodel.curve.queue_seconds`), ``seconds`` shared
-    among them. ``h`` is that of the step's kernels as the measured loop's backward column held
-    them (:mod:`gpemu.costmodel.measured_loop`), the price a measured model's backward is charged
-    without: taken off there, charged here. A per-tensor step (``foreach=False``) pays it per
-    tensor and pass; a foreach or fused step per launch."""
-    d = _device(rt, device)
-    h = model_for(rt.db, d.sheet).host_seconds(_STEP_KERNEL, d.sheet)
-    g = seconds / max(launches, 1)
-    # the queue of n equal (h, g) ops, in closed form: n h + g when the host is the bound, else h + n g
-    return max(launches * h + g, h + seconds)
+    """An optimizer step's GPU seconds without a modelled host (``--host none``): as in every pass
+    the cost model prices, its ``launches`` kernels (``seconds`` shared among them) queue behind the
+    calibration hosts' per-op issue time ``h``, that of the step's kernels in the measured loop
+    (:mod:`gpemu.costmodel.measured_loop`): taken off a measured backward there, charged here."""
+    sheet = _device(rt, device).sheet
+    h = model_for(rt.db, sheet).host_seconds(_STEP_KERNEL, sheet)  # (the queue of n equal ops, closed form:)
+    return max(launches * h + seconds / max(launches, 1), h + seconds)
 
 
 class StepLaunches(NamedTuple):
