@@ -15,7 +15,8 @@
   class's efficiency curve for this GPU's generation against the peak its dtype and PyTorch's TF32
   switches select (tensor cores for fp16/bf16/TF32 where the GPU has them).
 * Optimizer step: the database's ``optimizer_step`` kind when present, else bytes the update
-  touches (parameters, gradients, optimizer state) over memory bandwidth.
+  touches (parameters, gradients, optimizer state) over memory bandwidth; without a modelled
+  host, its launches queued behind the calibration hosts' per-op issue time, as any pass.
 
 Every answer for (identity, batch size, device) is memoised: replay asks on every call.
 """
@@ -532,11 +533,27 @@ def _optimizer_seconds(rt: Runtime, optimizer: torch.optim.Optimizer, params: li
     touched = nbytes * traffic[0]
     kernels = step_launches(params, traffic[1], 2 + k, foreach, fused).launches
     seconds = touched / (spec.memory_bandwidth * BANDWIDTH_EFFICIENCY) + kernels * LAUNCH_LATENCY
+    if rt.engine.host_model is None:
+        seconds = _with_calibration_issue(rt, device, seconds, kernels)
     rt.say_once(
         f"{type(optimizer).__name__} step on {spec.short_name}: time estimated from the "
         f"{touched / 1e6:.0f} MB it reads and writes (no optimizer_step measurement)"
     )
     return seconds, "estimated"
+
+
+# A kernel of an optimizer step as the measured loop's backward column held it (_with_calibration_issue).
+_STEP_KERNEL = OpFeatures("add_", OpClass.ELEMENTWISE, True, 1024.0, 3 * 4096.0)
+
+
+def _with_calibration_issue(rt: Runtime, device: int, seconds: float, launches: int) -> float:
+    """An optimizer step's GPU seconds without a modelled host (``--host none``): as in every pass
+    the cost model prices, its ``launches`` kernels (``seconds`` shared among them) queue behind the
+    calibration hosts' per-op issue time ``h``, that of the step's kernels in the measured loop
+    (:mod:`gpemu.costmodel.measured_loop`): taken off a measured backward there, charged here."""
+    sheet = _device(rt, device).sheet
+    h = model_for(rt.db, sheet).host_seconds(_STEP_KERNEL, sheet)  # (the queue of n equal ops, closed form:)
+    return max(launches * h + seconds / max(launches, 1), h + seconds)
 
 
 class StepLaunches(NamedTuple):

@@ -68,6 +68,8 @@ __all__ = [
     "NVLS_FROM_NVLINK",
     "nvlink_generation",
     "nvlink_per_direction",
+    "TENSOR_CONV_SHARE",
+    "tensor_conv_share",
 ]
 
 _GiB = 1 << 30
@@ -106,6 +108,34 @@ DONORS: dict[str, tuple[str, ...]] = {
     "hopper": ("hopper", "ampere", "turing", "volta", "pascal", "maxwell", "kepler"),
     "blackwell": ("blackwell", "ampere", "turing", "volta", "pascal", "maxwell", "kepler"),
 }
+
+
+# What cuDNN's convolutions deliver of a generation's tensor-core peak, relative to what the
+# generation whose curves price them (DONORS: Ampere's, for every GPU without its own) delivers of
+# its own, by convolution kind (the curve key's base). Hopper's peak (3.2x the A100's TF32 and FP16)
+# needs its warpgroup MMA instructions (wgmma, fed by TMA); kernels built on Ampere's mma.sync reach
+# a much smaller share of it (Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU
+# Architecture", arXiv:2402.13499), and cuDNN 9 runs most 3x3 and strided convolutions so. Measured,
+# not taken from the datasheet: the H100 op sweep in benchmarks/data/h100-2026-11-26.json (`gpemu
+# profile --ops`, CUDA events, TF32 and FP16, forward and backward), the larger half of each kind's
+# kernels (n = 16 each), geometric mean of measured rate over the rate Ampere's curves give at the
+# H100's datasheet peak (`python benchmarks/hopper_share.py`). The training steps that
+# benchmarks/vs_real_gpu.py compares with are not in that sweep. 1x1 convolutions are plain GEMMs
+# and run faster than Ampere's curve says; GEMMs themselves are priced by the published tensor-core
+# plateau (published.TENSOR_PLATEAU), which the same sweep confirms (1.01), so they take no share.
+TENSOR_CONV_SHARE: dict[str, dict[str, float]] = {
+    "hopper": {"conv1x1": 1.13, "conv_spatial": 0.62, "conv_strided": 0.44, "conv_grouped": 0.75},
+}
+
+
+def tensor_conv_share(generation: str, kind: str, curve_generation: str) -> float:
+    """Factor on a GPU's tensor-core peak for a convolution of ``kind`` (``conv1x1``,
+    ``conv_spatial``, ``conv_strided``, ``conv_grouped``) priced with a curve calibrated on
+    ``curve_generation`` (:data:`TENSOR_CONV_SHARE`; 1 for the GPU's own generation's curves or
+    its own calibration, whose generation is not a generation name)."""
+    if curve_generation == generation or curve_generation not in GENERATIONS:
+        return 1.0
+    return TENSOR_CONV_SHARE.get(generation, {}).get(kind, 1.0)
 
 
 def pcie_link_rate(gen: int) -> float:

@@ -51,7 +51,7 @@ import numpy as np
 
 from .classify import COMPUTE_CLASSES, OpClass, OpFeatures
 from .curve import Curve, kernel_arrays, kernel_seconds, queue_arrays, queue_seconds
-from .gpus import GENERATIONS, GpuSheet, donor_chain, gpu_sheet
+from .gpus import GENERATIONS, GpuSheet, donor_chain, gpu_sheet, tensor_conv_share
 from .precision import FP32, Precision, byte_scale, compute_peak, effective_dtype, simt_peak
 from .published import (
     ATTENTION_FACTOR,
@@ -100,6 +100,8 @@ _STANDINS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Convolutions that run on tensor cores (:func:`~gpemu.costmodel.gpus.tensor_conv_share`).
+_TENSOR_CONVS = frozenset({OpClass.CONV, OpClass.CONV_GROUPED})
 # Memory-priced classes whose shape term is their arithmetic intensity (see curve.py).
 INTENSITY_CLASSES = frozenset({OpClass.CONV_DEPTHWISE, OpClass.POOLING})
 # The matmul family: one GEMM curve per generation and pass, a roofline floor (module docstring).
@@ -331,6 +333,9 @@ class CostModel:
                     # removed, as in leave-one-GPU-out): carried over from its SIMT curve as a
                     # GEMM's is, with the GEMM family's bytes floor (8x the rate makes bytes matter).
                     curve, floor = tensor_from_simt(r.curve, sheet, peak), True
+                if path == "tensor" and op_class in _TENSOR_CONVS:
+                    # (another generation's curve: what cuDNN delivers of this GPU's tensor cores)
+                    peak *= tensor_conv_share(sheet.generation, key.partition(".")[0], r.generation)
         else:
             r = self.resolve(sheet, key, "memory")
             curve, floor, peak = r.curve, False, sheet.memory_bandwidth
