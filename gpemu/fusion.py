@@ -28,7 +28,8 @@ the backward instead of saving it: here what eager autograd saves is written.)
 as one kernel (one launch) through the usual :meth:`~gpemu.device.TensorState.charge`, so cost
 taps, module passes and replays see the compiled kernels. A group of one op is that op, priced
 as it is in eager mode. The cost model prices a fused kernel on its memory-bound (streaming,
-elementwise) curve at its boundary bytes, and no lower than its slowest op alone.
+elementwise) curve at its boundary bytes, and no lower than its slowest op alone that is more than
+a stream of its bytes (a reduction, a norm, a gather: :func:`sets_floor`).
 """
 
 from __future__ import annotations
@@ -181,14 +182,28 @@ def fused_features(kernel: Kernel) -> OpFeatures:
     )
 
 
+# Ops whose whole cost is streaming their bytes once: pointwise math (the elementwise class) and
+# dtype casts and plain copies. Fused, they cost what the group's boundary moves.
+_STREAMING_COPIES = frozenset({"_to_copy", "copy_", "clone"})
+
+
+def sets_floor(op: OpRecord) -> bool:
+    """Whether an op's eager price is a floor for a fused kernel holding it: a reduction's, a
+    norm's, a gather's access pattern is not made faster by fusing what is around it; a pointwise
+    op or a cast is nothing but its bytes, which fusion keeps in registers (an fp32 upcast that a
+    float8 cast multiplies and clamps is never written)."""
+    return op.op_class is not OpClass.ELEMENTWISE and op.name.split(".")[0] not in _STREAMING_COPIES
+
+
 def fused_price(streaming: Any, kernel: Kernel) -> Any:
     """A fused kernel's :class:`gpemu.costs.OpPrice`: the streaming price of its boundary bytes
-    (``streaming``), but no less than its slowest op alone (a reduction's access pattern, a
-    gather's, are not made faster by fusing what is around them). Its reference price is its
-    ops' eager ones (the profile database measured eager runs): a measured model's time carried
-    by the ratio of the ops it ran (``gpemu.model_pricing.price_ratio``) carries the fusion too."""
+    (``streaming``), but no less than the slowest of its ops that :func:`sets_floor` alone. Its
+    reference price is its ops' eager ones (the profile database measured eager runs): a measured
+    model's time carried by the ratio of the ops it ran (``gpemu.model_pricing.price_ratio``)
+    carries the fusion too."""
     prices = [op.payload.price for op in kernel.ops]
-    gpu = max(streaming.gpu, max(p.gpu for p in prices))
+    floor = max((p.gpu for op, p in zip(kernel.ops, prices, strict=True) if sets_floor(op)), default=0.0)
+    gpu = max(streaming.gpu, floor)
     return streaming._replace(gpu=gpu, reference=sum(p.reference for p in prices))
 
 
