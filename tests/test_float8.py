@@ -183,7 +183,7 @@ def test_torchao_float8_training_on_an_h100_beats_bf16_and_is_refused_on_an_a100
     """torchao's Float8Linear, compiled as torchao recommends: its six FP8 GEMMs cost half of bf16's
     (bf16 autograd skips the first layer's input gradient: five), its amax reductions and casts
     add memory-bound kernels, AdamW is the same; the step is a few percent faster (1.04x measured,
-    docs/time.md). On an A100 the first float8 GEMM raises torch's error."""
+    docs/compile.md). On an A100 the first float8 GEMM raises torch's error."""
     pytest.importorskip("torchao.float8")
     bf16, fp8 = _mlp_step_ms("H100", float8=False), _mlp_step_ms("H100", float8=True)
     assert 1.0 < bf16 / fp8 < 1.2
