@@ -5,6 +5,7 @@ cores; and torchao's float8 training (when torchao is installed)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -117,6 +118,25 @@ def test_gpus_without_fp8_tensor_cores_refuse_scaled_mm_as_torch_does(gpu: str) 
     for _ in range(2):  # (the refusal is not cached away)
         with pytest.raises(RuntimeError, match=re.escape(_SCALED_MM_REFUSED)):
             torch._scaled_mm(a, b, scale, scale, out_dtype=torch.bfloat16)
+
+
+def test_torchs_public_scaled_mm_v2_is_priced_as_scaled_mm_and_refused_on_an_a100() -> None:
+    """``torch.nn.functional.scaled_mm`` (``_scaled_mm_v2``, recipes by enum): the same kernel."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    tensorwise = ScalingType.TensorWise
+    rt = _patch("H100")
+    a, b, scale = _fp8_operands(1024, 2048, 512)
+    v2_call = functools.partial(scaled_mm, a, b, scale, tensorwise, scale, tensorwise, output_dtype=torch.bfloat16)
+    out, v2 = _spans(rt, v2_call)
+    _, v1 = _spans(rt, torch._scaled_mm, a, b, scale, scale, None, None, torch.bfloat16)
+    assert (out.shape, out.dtype) == ((1024, 512), torch.bfloat16)
+    assert [n for n, _ in v2] == ["_scaled_mm_v2"] and v2[0][1] == pytest.approx(v1[0][1], rel=1e-9)
+    gpemu.unpatch()
+    _patch("A100")
+    a, b, scale = _fp8_operands(1024, 2048, 512)
+    with pytest.raises(NotImplementedError, match=re.escape(_SCALED_MM_REFUSED)):
+        scaled_mm(a, b, scale, tensorwise, scale, tensorwise, output_dtype=torch.bfloat16)
 
 
 def test_grouped_fp8_gemms_run_on_hopper_and_are_refused_on_ada() -> None:
