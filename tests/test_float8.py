@@ -202,10 +202,10 @@ def _mlp_step_ms(gpu: str, float8: bool, width: int = 4096, tokens: int = 8192) 
 def test_torchao_float8_training_on_an_h100_beats_bf16_and_is_refused_on_an_a100() -> None:
     """torchao's Float8Linear, compiled as torchao recommends: its six FP8 GEMMs cost half of bf16's
     (bf16 autograd skips the first layer's input gradient: five), its amax reductions and casts
-    add memory-bound kernels, AdamW is the same; the step is a few percent faster (1.04x measured,
+    add memory-bound kernels, AdamW is the same; the step is 1.11x faster (measured,
     docs/compile.md). On an A100 the first float8 GEMM raises torch's error."""
     pytest.importorskip("torchao.float8")
     bf16, fp8 = _mlp_step_ms("H100", float8=False), _mlp_step_ms("H100", float8=True)
-    assert 1.0 < bf16 / fp8 < 1.2
+    assert 1.05 < bf16 / fp8 < 1.2
     with pytest.raises(RuntimeError, match=re.escape(_SCALED_MM_REFUSED)):
         _mlp_step_ms("A100", float8=True)

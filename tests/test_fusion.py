@@ -70,6 +70,36 @@ def test_a_float8_cast_chain_costs_its_boundary_not_its_fp32_intermediates(rt):
     assert kernel[1] < max(s for _, s in eager)
 
 
+class _AmaxScaledGrad(torch.autograd.Function):
+    """A backward that takes its gradient's amax, as float8 training's backward casts do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * g.abs().amax()
+
+
+def test_a_reduction_in_a_compiled_backward_costs_what_the_same_kernel_costs_forward(rt):
+    """Inductor generates the same reduction kernel into a backward graph as into a forward one:
+    the backward's ``abs + amax + mul`` is not priced on the backward curves' eager rates."""
+
+    @torch.compile
+    def forward_kernel(x):
+        return x * x.abs().amax()
+
+    x = torch.empty(4096, 4096, device="cuda")
+    with torch.no_grad():
+        ((name, forward),) = _kernels(rt, forward_kernel, x)
+    xg = torch.empty(4096, 4096, device="cuda", requires_grad=True)
+    y = torch.compile(_AmaxScaledGrad.apply)(xg)
+    backward = [k for k in _kernels(rt, lambda: y.backward(torch.empty_like(y))) if k[0] == name]
+    assert name == "fused: abs+amax+mul" and len(backward) == 1
+    assert backward[0][1] == pytest.approx(forward, rel=0.1)
+
+
 def test_residual_add_and_layer_norm_fuse_and_an_mlp_keeps_its_matrix_products(rt):
     """Inductor: ``add + native_layer_norm`` one kernel; a linear layer an extern addmm; GELU its
     own kernel between two matrix products."""
