@@ -59,7 +59,7 @@ __all__ = [
     "fused_features",
     "fused_price",
     "sets_floor",
-    "floor_seconds",
+    "op_floor_seconds",
 ]
 
 # What Inductor generates itself (Triton loops); the other classes are extern kernels.
@@ -206,7 +206,7 @@ def sets_floor(op: OpRecord) -> bool:
     return op.op_class is not OpClass.ELEMENTWISE and op.name.split(".")[0] not in _STREAMING_COPIES
 
 
-def floor_seconds(rt: Runtime, op: OpRecord) -> float:
+def op_floor_seconds(rt: Runtime, op: OpRecord) -> float:
     """What ``op`` alone costs as the floor of a fused kernel holding it (:func:`sets_floor`): its
     eager price; but a forward kind of op run in a backward pass (a ``sum`` or an ``amax`` that
     Inductor generates into the backward graph) costs its forward price. The backward curves were
@@ -221,7 +221,7 @@ def floor_seconds(rt: Runtime, op: OpRecord) -> float:
 
 def fused_price(streaming: Any, kernel: Kernel, floors: Iterable[float]) -> Any:
     """A fused kernel's :class:`gpemu.costs.OpPrice`: the streaming price of its boundary bytes
-    (``streaming``), but no less than its ``floors`` (:func:`floor_seconds` of each op that
+    (``streaming``), but no less than its ``floors`` (:func:`op_floor_seconds` of each op that
     :func:`sets_floor`). Its reference price is its ops' eager ones (the profile database measured
     eager runs): a measured model's time carried by the ratio of the ops it ran
     (``gpemu.model_pricing.price_ratio``) carries the fusion too."""
@@ -320,7 +320,7 @@ class FusionRegion:
             if not k.fused:
                 ts.charge_entry(first.payload, first.dev)
                 continue
-            floors = [floor_seconds(self.rt, op) for op in k.ops if sets_floor(op)]
+            floors = [op_floor_seconds(self.rt, op) for op in k.ops if sets_floor(op)]
             price = fused_price(costs.kernel_price(self.rt, first.dev, fused_features(k)), k, floors)
             name = "+".join(op.name.split(".")[0] for op in k.ops[:4]) + ("+..." if len(k.ops) > 4 else "")
             ts.charge(price.gpu, first.dev, f"fused: {name}", price)
