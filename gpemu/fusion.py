@@ -28,14 +28,16 @@ the backward instead of saving it: here what eager autograd saves is written.)
 as one kernel (one launch) through the usual :meth:`~gpemu.device.TensorState.charge`, so cost
 taps, module passes and replays see the compiled kernels. A group of one op is that op, priced
 as it is in eager mode. The cost model prices a fused kernel on its memory-bound (streaming,
-elementwise) curve at its boundary bytes, and no lower than its slowest op alone.
+elementwise) curve at its boundary bytes, and no lower than its slowest op alone that is more than
+a stream of its bytes (a reduction, a norm, a gather: :func:`sets_floor`).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -48,7 +50,17 @@ from .device import EmuTensor, OwnNodes
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
-__all__ = ["OpRecord", "Kernel", "KernelGroups", "FusionRegion", "FUSIBLE", "fused_features", "fused_price"]
+__all__ = [
+    "OpRecord",
+    "Kernel",
+    "KernelGroups",
+    "FusionRegion",
+    "FUSIBLE",
+    "fused_features",
+    "fused_price",
+    "sets_floor",
+    "op_floor_seconds",
+]
 
 # What Inductor generates itself (Triton loops); the other classes are extern kernels.
 FUSIBLE = frozenset(
@@ -181,15 +193,40 @@ def fused_features(kernel: Kernel) -> OpFeatures:
     )
 
 
-def fused_price(streaming: Any, kernel: Kernel) -> Any:
+# Ops whose whole cost is streaming their bytes once: pointwise math (the elementwise class) and
+# dtype casts and plain copies. Fused, they cost what the group's boundary moves.
+_STREAMING_COPIES = frozenset({"_to_copy", "copy_", "clone"})
+
+
+def sets_floor(op: OpRecord) -> bool:
+    """Whether an op's eager price is a floor for a fused kernel holding it: a reduction's, a
+    norm's, a gather's access pattern is not made faster by fusing what is around it; a pointwise
+    op or a cast is nothing but its bytes, which fusion keeps in registers (an fp32 upcast that a
+    float8 cast multiplies and clamps is never written)."""
+    return op.op_class is not OpClass.ELEMENTWISE and op.name.split(".")[0] not in _STREAMING_COPIES
+
+
+def op_floor_seconds(rt: Runtime, op: OpRecord) -> float:
+    """What ``op`` alone costs as the floor of a fused kernel holding it (:func:`sets_floor`): its
+    eager price; but a forward kind of op run in a backward pass (a ``sum`` or an ``amax`` that
+    Inductor generates into the backward graph) costs its forward price. The backward curves were
+    fitted to backward kernels (a softmax's backward reads its input twice) and to the bookkeeping
+    eager autograd does around each op; a forward reduction in a compiled backward is neither."""
+    price = op.payload.price
+    features = price.op
+    if not features.backward or "backward" in features.name:
+        return price.gpu
+    return costs.kernel_price(rt, op.dev, replace(features, backward=False)).gpu
+
+
+def fused_price(streaming: Any, kernel: Kernel, floors: Iterable[float]) -> Any:
     """A fused kernel's :class:`gpemu.costs.OpPrice`: the streaming price of its boundary bytes
-    (``streaming``), but no less than its slowest op alone (a reduction's access pattern, a
-    gather's, are not made faster by fusing what is around them). Its reference price is its
-    ops' eager ones (the profile database measured eager runs): a measured model's time carried
-    by the ratio of the ops it ran (``gpemu.model_pricing.price_ratio``) carries the fusion too."""
-    prices = [op.payload.price for op in kernel.ops]
-    gpu = max(streaming.gpu, max(p.gpu for p in prices))
-    return streaming._replace(gpu=gpu, reference=sum(p.reference for p in prices))
+    (``streaming``), but no less than its ``floors`` (:func:`op_floor_seconds` of each op that
+    :func:`sets_floor`). Its reference price is its ops' eager ones (the profile database measured
+    eager runs): a measured model's time carried by the ratio of the ops it ran
+    (``gpemu.model_pricing.price_ratio``) carries the fusion too."""
+    gpu = max(streaming.gpu, max(floors, default=0.0))
+    return streaming._replace(gpu=gpu, reference=sum(op.payload.price.reference for op in kernel.ops))
 
 
 class FusionRegion:
@@ -283,7 +320,8 @@ class FusionRegion:
             if not k.fused:
                 ts.charge_entry(first.payload, first.dev)
                 continue
-            price = fused_price(costs.kernel_price(self.rt, first.dev, fused_features(k)), k)
+            floors = [op_floor_seconds(self.rt, op) for op in k.ops if sets_floor(op)]
+            price = fused_price(costs.kernel_price(self.rt, first.dev, fused_features(k)), k, floors)
             name = "+".join(op.name.split(".")[0] for op in k.ops[:4]) + ("+..." if len(k.ops) > 4 else "")
             ts.charge(price.gpu, first.dev, f"fused: {name}", price)
 

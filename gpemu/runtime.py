@@ -74,6 +74,7 @@ COMPONENTS: tuple[str, ...] = (
     "gpemu.autocast",  # autocast('cuda') dtype behaviour                (device)
     "gpemu.attention",  # scaled_dot_product_attention's fused kernels    (device)
     "gpemu.flex_attention",  # FlexAttention's fused kernel, block masks       (device)
+    "gpemu.float8",  # torch._scaled_mm: FP8 tensor cores' GPU check   (device)
     "gpemu.rnn",  # nn.LSTM / GRU / RNN as one cuDNN op             (device)
     "gpemu.serialization",  # torch.save/torch.load of emulated tensors       (device)
     "gpemu.cuda_api",  # torch.cuda / torch.accelerator / backends        (surface)

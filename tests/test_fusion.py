@@ -46,10 +46,58 @@ def test_softmax_written_out_is_one_kernel_reading_its_input_and_writing_its_out
     (kernel,) = _kernels(rt, softmax, x)
     eager = _kernels(rt, softmax.__wrapped__, x)
     assert kernel[0].startswith("fused") and len(eager) == 5
-    # one streaming pass over x and the output, no faster than its slowest op alone (a reduction)
-    expected = max(_streaming(rt, 2 * x.numel() * 4), max(s for _, s in eager))
+    # one streaming pass over x and the output, no faster than its slowest reduction alone (the
+    # pointwise ops are nothing but their bytes: they set no floor)
+    reductions = [s for name, s in eager if name in ("amax", "sum")]
+    expected = max(_streaming(rt, 2 * x.numel() * 4), max(reductions))
     assert kernel[1] == pytest.approx(expected, rel=1e-9)
     assert kernel[1] < sum(s for _, s in eager) / 3
+
+
+def test_a_float8_cast_chain_costs_its_boundary_not_its_fp32_intermediates(rt):
+    """torchao's cast (bf16 -> fp32, scale, clamp, -> float8) is one Inductor kernel reading bf16
+    and writing float8: the fp32 intermediates its eager ops move are never written."""
+
+    @torch.compile
+    def cast(x, scale):
+        return (x.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    x, scale = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16), torch.ones((), device="cuda")
+    (kernel,) = _kernels(rt, cast, x, scale)
+    eager = _kernels(rt, cast.__wrapped__, x, scale)
+    assert kernel[0].startswith("fused") and len(eager) == 4
+    assert kernel[1] == pytest.approx(_streaming(rt, x.numel() * (2 + 1) + scale.element_size()), rel=1e-9)
+    assert kernel[1] < max(s for _, s in eager)
+
+
+class _AmaxScaledGrad(torch.autograd.Function):
+    """A backward that takes its gradient's amax, as float8 training's backward casts do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * g.abs().amax()
+
+
+def test_a_reduction_in_a_compiled_backward_costs_what_the_same_kernel_costs_forward(rt):
+    """Inductor generates the same reduction kernel into a backward graph as into a forward one:
+    the backward's ``abs + amax + mul`` is not priced on the backward curves' eager rates."""
+
+    @torch.compile
+    def forward_kernel(x):
+        return x * x.abs().amax()
+
+    x = torch.empty(4096, 4096, device="cuda")
+    with torch.no_grad():
+        ((name, forward),) = _kernels(rt, forward_kernel, x)
+    xg = torch.empty(4096, 4096, device="cuda", requires_grad=True)
+    y = torch.compile(_AmaxScaledGrad.apply)(xg)
+    backward = [k for k in _kernels(rt, lambda: y.backward(torch.empty_like(y))) if k[0] == name]
+    assert name == "fused: abs+amax+mul" and len(backward) == 1
+    assert backward[0][1] == pytest.approx(forward, rel=0.1)
 
 
 def test_residual_add_and_layer_norm_fuse_and_an_mlp_keeps_its_matrix_products(rt):

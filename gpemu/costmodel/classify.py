@@ -166,6 +166,10 @@ _GEMM = frozenset(
         "dot",
         "vdot",
         "_scaled_mm",
+        "_scaled_mm_v2",
+        "_grouped_mm",
+        "_scaled_grouped_mm",
+        "_scaled_grouped_mm_v2",
         "_addmm_activation",
         "_int_mm",
         "addr",
@@ -525,6 +529,8 @@ def _gemm(name: str, args: tuple, out_ts: list[Any]) -> tuple[float, int]:
     if len(ts) < 2:
         return 0.0, 0
     a, b = shape_of(ts[0]), shape_of(ts[1])
+    if "grouped_mm" in name:
+        return _grouped_gemm(a, b, out_ts)
     if name in ("mv", "addmv"):
         return gemm_flops(a[0], a[1], 1), a[1]
     if name in ("dot", "vdot"):
@@ -540,6 +546,19 @@ def _gemm(name: str, args: tuple, out_ts: list[Any]) -> tuple[float, int]:
     # other ranks (linear / matmul composites on odd shapes): output elements x 2K
     k = a[-1]
     n_out = sum(int(t.numel()) for t in out_ts[:1])
+    return 2.0 * n_out * k, k
+
+
+def _grouped_gemm(a: tuple[int, ...], b: tuple[int, ...], out_ts: list[Any]) -> tuple[float, int]:
+    """(FLOPs, K) of a grouped GEMM (a mixture of experts' ``_grouped_mm`` / ``_scaled_grouped_mm``):
+    every output element reduces over ``a``'s last dimension, except when both operands are 2-D
+    (a weight gradient: the groups split that dimension, and the output has one matrix per group)."""
+    out = shape_of(out_ts[0]) if out_ts else ()
+    n_out = math.prod(out) if out else 0
+    k = a[-1] if a else 0
+    if len(a) == 2 and len(b) == 2 and len(out) == 3:
+        groups = max(out[0], 1)
+        return 2.0 * n_out / groups * k, k // groups
     return 2.0 * n_out * k, k
 
 

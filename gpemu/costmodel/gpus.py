@@ -22,6 +22,9 @@ GiB, :func:`datasheet_memory_bytes`; CUDA reports a few hundred MiB less).
   only a storage format, 2x on Volta and later).
 * ``tf32_tensor_flops``, ``fp16_tensor_flops``, ``bf16_tensor_flops``: dense tensor-core peaks with
   FP32 accumulation (what PyTorch uses).
+* ``fp8_tensor_flops``: the dense FP8 tensor-core peak with FP32 accumulation (what
+  ``torch._scaled_mm`` runs on), 0 for GPUs without FP8 tensor cores (before Ada and Hopper):
+  :data:`FP8_TENSOR_TFLOPS`.
 * ``host_link_bandwidth_pinned``: the PCIe link's theoretical rate per direction x
   :data:`PINNED_SHARE` (the share page-locked copies reach); ``host_link_bandwidth_pageable``:
   pageable copies go through a staging buffer and are host-memcpy bound — measured values for the
@@ -40,7 +43,7 @@ The six GPUs of the profile database are the ``measured`` sheets, one K80 being 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 __all__ = [
@@ -70,6 +73,8 @@ __all__ = [
     "nvlink_per_direction",
     "TENSOR_CONV_SHARE",
     "tensor_conv_share",
+    "FP8_TENSOR_TFLOPS",
+    "FP8_FROM_CAPABILITY",
 ]
 
 _GiB = 1 << 30
@@ -204,6 +209,7 @@ class GpuSheet:
     measured: bool = False  # in the shipped profile database
     nvlink_bridge: bool = False  # NVLink joins pairs of cards only
     source: str = field(default="", compare=False)
+    fp8_tensor_flops: float = 0.0  # (filled from FP8_TENSOR_TFLOPS below the table)
 
     @property
     def short_name(self) -> str:
@@ -612,6 +618,22 @@ GPUS: tuple[GpuSheet, ...] = (
     ),
 )
 
+# FP8 tensor-core peaks, TFLOP/s, dense with FP32 accumulation (cuBLASLt's FP8 GEMMs, which
+# torch._scaled_mm calls, accumulate in FP32). Datasheets give them with 2:4 sparsity: halved here.
+# GPUs not listed have no FP8 tensor cores (compute capability below FP8_FROM_CAPABILITY).
+FP8_TENSOR_TFLOPS: dict[str, float] = {
+    "NVIDIA L40S": 733.0,  # NVIDIA L40S datasheet: FP8 733 / 1,466 (sparse)
+    "NVIDIA L4": 242.5,  # NVIDIA L4 datasheet: FP8 485 (sparse)
+    "NVIDIA GeForce RTX 4090": 330.3,  # Ada whitepaper, appendix: FP8 with FP32 accumulate 330.3 / 660.6
+    "NVIDIA H100 80GB HBM3": 1978.9,  # NVIDIA H100 datasheet (SXM): FP8 3,958 (sparse)
+    "NVIDIA H100 PCIe": 1513.0,  # NVIDIA H100 datasheet (PCIe): FP8 3,026 (sparse)
+    "NVIDIA H200": 1978.9,  # NVIDIA H200 datasheet (SXM): FP8 3,958 (sparse)
+    "NVIDIA B200": 4500.0,  # HGX B200 datasheet: FP8 72 PFLOPS for 8 GPUs (sparse): / 8 / 2
+}
+# The first compute capability with FP8 tensor cores (Ada 8.9; Hopper 9.0 and later).
+FP8_FROM_CAPABILITY = (8, 9)
+GPUS = tuple(replace(g, fp8_tensor_flops=FP8_TENSOR_TFLOPS.get(g.name, 0.0) * _T) for g in GPUS)
+
 # The measured GPU of each calibrated generation (its database name).
 MEASURED_GENERATION_GPU: dict[str, str] = {g.generation: g.name for g in GPUS if g.measured}
 
@@ -659,7 +681,9 @@ def sheet_from_spec(spec: GpuFacts, generation: str | None = None) -> GpuSheet:
     figures are used where it has them (``gpemu gpus add`` records generation, compute capability,
     tensor-core peaks, PCIe generation, NVLink); what it leaves unknown (None) is inferred: FP16
     above 2.5x FP32 is taken as tensor-core FP16, the generation is :data:`DEFAULT_GENERATION`,
-    the PCIe generation :data:`DEFAULT_PCIE_GEN`; an unknown compute capability stays (0, 0)."""
+    the PCIe generation :data:`DEFAULT_PCIE_GEN`; an unknown compute capability stays (0, 0). A GPU
+    with FP8 tensor cores (:data:`FP8_FROM_CAPABILITY` or later) whose FP8 peak is not known runs
+    FP8 at twice its BF16 tensor rate, as every GPU of the table does."""
 
     def own(attr: str, default: float) -> float:
         v = getattr(spec, attr, None)
@@ -668,6 +692,8 @@ def sheet_from_spec(spec: GpuFacts, generation: str | None = None) -> GpuSheet:
     fp32, fp16 = float(spec.fp32_flops), float(spec.fp16_flops)
     guessed_tensor = fp16 if fp16 > 2.5 * fp32 else 0.0
     cc = getattr(spec, "compute_capability", None)
+    bf16_tensor = own("bf16_tensor_flops", 0.0)
+    has_fp8 = cc is not None and len(cc) == 2 and (int(cc[0]), int(cc[1])) >= FP8_FROM_CAPABILITY
     return GpuSheet(
         name=str(spec.name),
         aliases=tuple(spec.aliases),
@@ -681,12 +707,13 @@ def sheet_from_spec(spec: GpuFacts, generation: str | None = None) -> GpuSheet:
         fp16_flops=own("fp16_nontensor_flops", 2 * fp32 if guessed_tensor else fp16),
         tf32_tensor_flops=own("tf32_tensor_flops", 0.0),
         fp16_tensor_flops=own("fp16_tensor_flops", guessed_tensor),
-        bf16_tensor_flops=own("bf16_tensor_flops", 0.0),
+        bf16_tensor_flops=bf16_tensor,
         pcie_gen=int(getattr(spec, "pcie_gen", None) or DEFAULT_PCIE_GEN),
         host_link_bandwidth_pinned=float(spec.host_link_bandwidth_pinned),
         host_link_bandwidth_pageable=float(spec.host_link_bandwidth_pageable),
         nvlink_bandwidth=own("nvlink_bandwidth", 0.0),
         source=getattr(spec, "source", "") or "built from a GpuSpec (not in the datasheet table)",
+        fp8_tensor_flops=own("fp8_tensor_flops", 2 * bf16_tensor if has_fp8 else 0.0),
     )
 
 

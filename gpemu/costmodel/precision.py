@@ -10,6 +10,9 @@ Rules (``compute_peak``):
 * fp16 / bf16 GEMM, convolution, attention: the GPU's tensor-core peak for that dtype; without
   such tensor cores the non-tensor rate (P100: 2x FP32 for fp16; bf16 on Volta/Turing and fp16
   on Kepler/Maxwell: the FP32 rate).
+* float8 (``torch._scaled_mm``'s operands): the GPU's FP8 tensor-core peak (Ada, Hopper,
+  Blackwell); a GPU without one (torch refuses the op there) is priced as if the operands were
+  fp16, on its fp16 path.
 * fp32: TF32 tensor cores when the switch for that op family allows it and the GPU has them
   (Ampere and later), else the FP32 (SIMT) peak.
 * float64: the FP64 peak.
@@ -35,11 +38,13 @@ __all__ = [
     "effective_dtype",
     "byte_scale",
     "HALF",
+    "FLOAT8",
     "tf32_matmul",
     "tf32_cudnn",
 ]
 
 HALF = ("float16", "bfloat16")
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _CONV = (OpClass.CONV, OpClass.CONV_GROUPED, OpClass.CONV_DEPTHWISE)
 
@@ -98,6 +103,10 @@ def compute_peak(gpu: GpuSheet, op_class: OpClass, dtype: str, precision: Precis
     """(path, FLOP/s) a compute-class op of ``dtype`` runs at: path ``"tensor"`` or ``"simt"``."""
     if op_class not in COMPUTE_CLASSES:
         raise ValueError(f"{op_class} is priced by memory bandwidth, not a compute peak")
+    if dtype in FLOAT8:
+        if gpu.fp8_tensor_flops > 0:
+            return "tensor", gpu.fp8_tensor_flops
+        dtype = "float16"
     if dtype in HALF:
         tensor = gpu.fp16_tensor_flops if dtype == "float16" else gpu.bf16_tensor_flops
         if tensor > 0:

@@ -179,14 +179,17 @@ def slow_path(ts: TensorState, func: Any, args: tuple, kwargs: dict, key: Any) -
     its outputs, price the op, keep the entry, charge it."""
     handler = ts.op_handlers.get(id(func)) if ts.op_handlers else None
     if handler is not None:
-        # Another component's emulation (a collective meeting other ranks): its time counts.
+        # Another component's emulation (a collective meeting other ranks): its time counts. A
+        # handler that only checks the op (gpemu.float8) declines: the op runs, and is cached, here.
         engine = ts.engine
         depth = engine.suspend()
         try:
-            return handler(func, args, kwargs)
+            handled = handler(func, args, kwargs)
         finally:
             if depth:
                 engine.resume(depth)
+        if handled is not NotImplemented:
+            return handled
     if composite(func):
         # Below autograd (inference_mode excludes its keys; another subclass's dispatch) an op
         # with a composite kernel arrives whole; on a CUDA tensor it runs as its parts (conv2d ->
