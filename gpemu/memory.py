@@ -295,7 +295,13 @@ class MemoryTracker:
         self.capacity = int(capacity)  # what this process may use (set_fraction lowers it)
         self.recorder = recorder
         self.allocated = 0
-        self.reserved = 0
+        # The allocated total up to which an allocation needs nothing but counting (reserved
+        # memory less what graphs' pools hold; -1 while a pool is capturing): the hot paths'
+        # one comparison, kept by the setters of ``reserved``, ``pool_spare`` and ``pool``.
+        self.fits_below = 0
+        self._reserved = 0
+        self._pool_spare = 0
+        self._pool: PrivatePool | None = None
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.sampled_peak = 0  # the highest allocation a memory sample has shown (see sample)
@@ -304,25 +310,49 @@ class MemoryTracker:
         self.num_frees = 0
         self.num_ooms = 0
         self.num_alloc_retries = 0
-        # CUDA graphs (gpemu.graphs): the private pool allocations come from while a graph is
-        # captured, and the bytes pools hold beyond their live tensors (reserved, not allocated).
-        self.pool: PrivatePool | None = None
-        self.pool_spare = 0
+
+    # CUDA graphs (gpemu.graphs): ``pool``, the private pool allocations come from while a graph
+    # is captured, and ``pool_spare``, the bytes pools hold beyond their live tensors (reserved,
+    # not allocated).
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @reserved.setter
+    def reserved(self, value: int) -> None:
+        self._reserved = value
+        self._set_fits()
+
+    @property
+    def pool_spare(self) -> int:
+        return self._pool_spare
+
+    @pool_spare.setter
+    def pool_spare(self, value: int) -> None:
+        self._pool_spare = value
+        self._set_fits()
+
+    @property
+    def pool(self) -> PrivatePool | None:
+        return self._pool
+
+    @pool.setter
+    def pool(self, value: PrivatePool | None) -> None:
+        self._pool = value
+        self._set_fits()
+
+    def _set_fits(self) -> None:
+        self.fits_below = -1 if self._pool is not None else self._reserved - self._pool_spare
 
     # ------------------------------------------------------------------ hot path
     def allocate(self, nbytes: int) -> Block:
         """Account one allocation; return its :class:`Block` (freed when garbage)."""
-        # (round_size and _account inline: every emulated tensor's allocation comes here)
-        if nbytes <= 0:
-            return Block(self, 0)  # (CUDA's allocator hands out nothing for an empty request)
+        # (round_size and _account inline: every emulated tensor's allocation comes here; an
+        # empty request, a pool's or one that grows the reservation takes _allocate_rest)
         size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
-        pool = self.pool
-        if pool is not None:
-            pool.take(size)
-            return PoolBlock(self, size, pool)
         new_alloc = self.allocated + size
-        if new_alloc + self.pool_spare > self.reserved:
-            self._grow(new_alloc + self.pool_spare, size)
+        if new_alloc > self.fits_below or size <= 0:
+            return self._allocate_rest(size)
         self.allocated = new_alloc
         if new_alloc > self.peak_allocated:
             self.peak_allocated = new_alloc
@@ -330,14 +360,25 @@ class MemoryTracker:
         self.num_alloc_calls += 1
         return Block(self, size)
 
+    def _allocate_rest(self, size: int) -> Block:
+        """:meth:`allocate` of ``size`` rounded bytes beyond its one comparison."""
+        if size <= 0:
+            return Block(self, 0)  # (CUDA's allocator hands out nothing for an empty request)
+        pool = self._pool
+        if pool is not None:
+            pool.take(size)
+            return PoolBlock(self, size, pool)
+        self._account(size)
+        return Block(self, size)
+
     def _account(self, size: int) -> None:
         """Count an allocation of ``size`` already-rounded bytes (no block object)."""
-        if self.pool is not None:
-            self.pool.take(size)
+        if self._pool is not None:
+            self._pool.take(size)
             return
         new_alloc = self.allocated + size
-        if new_alloc + self.pool_spare > self.reserved:
-            self._grow(new_alloc + self.pool_spare, size)
+        if new_alloc > self.fits_below:
+            self._grow(new_alloc + self._pool_spare, size)
         self.allocated = new_alloc
         if new_alloc > self.peak_allocated:
             self.peak_allocated = new_alloc
@@ -386,15 +427,21 @@ class MemoryTracker:
         replayed forward/backward): raises the peak, and OOMs if it does not fit."""
         if extra <= 0:
             return
-        # allocate() and the block's immediate free, without making the block (hot path)
-        size = round_size(extra)
-        pool = self.pool
-        if pool is not None:
-            pool.take(size)
-            pool.give(size)
-            return
-        self._account(size)
-        self._release(size)
+        # allocate() and the block's immediate free, without making the block (hot path): the
+        # counts of one allocation and one free; allocated is back where it was
+        size = (extra + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+        new_alloc = self.allocated + size
+        if new_alloc > self.fits_below:
+            pool = self._pool
+            if pool is not None:
+                pool.take(size)
+                pool.give(size)
+                return
+            self._grow(new_alloc + self._pool_spare, size)
+        if new_alloc > self.peak_allocated:
+            self.peak_allocated = new_alloc
+        self.num_alloc_calls += 1
+        self.num_frees += 1
 
     @contextmanager
     def peak_scope(self) -> Iterator[PeakScope]:

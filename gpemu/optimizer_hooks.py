@@ -80,10 +80,12 @@ class StepHooks:
         if device is None or device >= engine.num_devices:
             return  # a CPU optimizer: no GPU time
         seconds, _ = optimizer_step_seconds(self.rt, optimizer, device)
-        issue = optimizer_step_host_seconds(self.rt, optimizer)  # (0 without a host model)
-        # (its last kernel cannot end before the host launched it)
-        engine.stream(device).enqueue(seconds if seconds > issue else issue, "optimizer", type(optimizer).__name__)
-        if issue:
+        if engine.host_model is None:
+            engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
+        else:
+            issue = optimizer_step_host_seconds(self.rt, optimizer)
+            # (its last kernel cannot end before the host launched it)
+            engine.stream(device).enqueue(seconds if seconds > issue else issue, "optimizer", type(optimizer).__name__)
             engine.charge_host(issue)
         engine.end_iteration(device)
 

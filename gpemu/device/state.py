@@ -358,12 +358,10 @@ class TensorState:
         cannot be part of a key."""
         return _signature(args, emus, exact)
 
-    @staticmethod
-    def call_signature(args: Any, emus: list) -> tuple:
-        """:meth:`signature` (floats by value) for a module call: emulated tensors by shape,
-        strides, dtype and device, not by where they sit in their storage (``source[i:i+35]``
-        batches of one long tensor are the same call)."""
-        return _call_signature(args, emus)
+    # :meth:`signature` (floats by value) for a module call: emulated tensors by shape, strides,
+    # dtype and device, not by where they sit in their storage (``source[i:i+35]`` batches of one
+    # long tensor are the same call). The function itself: one call level less per module call.
+    call_signature = staticmethod(_call_signature)
 
     # -------------------------------------------------------------- charging
     def charge(self, seconds: float, dev: int, name: str, price: Any = None) -> None:
@@ -377,7 +375,8 @@ class TensorState:
             if self._taps:
                 self._tap(seconds, charged, price)
             if charged:
-                engine.stream(dev).enqueue(seconds, "op", name, 0, None, issue_seconds(engine, price))
+                issue = engine.op_issue_s and issue_seconds(engine, price)  # (0.0 without a host model)
+                engine.stream(dev).enqueue(seconds, "op", name, 0, None, issue)
 
     def charge_span(
         self,
@@ -404,8 +403,12 @@ class TensorState:
                     for tap in self._taps:
                         tap.issue += issue
                         tap.issue_paid += issue if charged else 0.0
-            if charged:
+            if not charged:
+                return
+            if issue or engine.op_issue_s:
                 engine.enqueue_pass(dev, seconds, seconds if kernels is None else kernels, kind, name, at, issue)
+            else:  # (no modelled host and nothing to issue: the span is the whole pass, as enqueue_pass makes it)
+                engine.stream(dev).enqueue(seconds, kind, name, 0, at)
 
     def charge_entry(self, entry: OpEntry, dev: int) -> None:
         """:meth:`charge` for a cached op (its cost and price kept on the entry)."""
@@ -416,7 +419,8 @@ class TensorState:
             if self._taps:
                 self._tap(cost, charged, entry.price)
             if charged:
-                engine.stream(dev).enqueue(cost, "op", entry.name, 0, None, issue_seconds(engine, entry.price))
+                issue = engine.op_issue_s and issue_seconds(engine, entry.price)  # (0.0 without a host model)
+                engine.stream(dev).enqueue(cost, "op", entry.name, 0, None, issue)
 
     def _tap(self, cost: float, charged: bool, price: Any) -> None:
         if self._tap_owner == threading.get_ident():

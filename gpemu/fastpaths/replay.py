@@ -507,7 +507,7 @@ def _replay(rec: Recording, emus: list, params: list, t0: float | None = None) -
     dev = rec.dev
     mem = R.ts.memory[dev]
     if not torch.is_grad_enabled():
-        charge_recording(forward_seconds(rec), "forward", rec, t0)
+        charge_forward(rec, t0)
         mem.touch(rec.fwd_extra)
         outs = _new_outputs(rec, dev)
         if rec.profiled_peak is not None:
@@ -614,23 +614,36 @@ def _accumulator(t: torch.Tensor) -> Any:
     return node.next_functions[0][0]
 
 
-def forward_seconds(rec: Recording) -> float:
-    """A replayed forward's time: a pass from its host's first issue to its GPU's end; captured
+def charge_forward(rec: Recording, at: float | None) -> None:
+    """Charge a replayed forward: a pass from its host's first issue to its GPU's end; captured
     into a CUDA graph, its kernels alone (the graph's replays run them back to back)."""
-    if rec.state.ts.engine.capture_here(rec.dev) is not None:
-        return rec.fwd_seconds * rec.kernel_share
-    return rec.fwd_seconds
+    ts = rec.state.ts
+    engine = ts.engine
+    seconds = rec.fwd_seconds
+    if engine.captures and engine.capture_here(rec.dev) is not None:
+        seconds *= rec.kernel_share
+    issue = rec.fwd_issue
+    if issue or engine.op_issue_s:  # (see charge_recording)
+        ts.charge_span(seconds, rec.dev, "forward", rec.label, at, issue, seconds * rec.kernel_share)
+    else:
+        ts.charge_span(seconds, rec.dev, "forward", rec.label, at)
 
 
 def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
-    # (through the tensor state: inside another model's charge nothing more is charged, and an
-    # enclosing model priced by its ops counts it). The host pays the recorded calls' modelled
-    # issue time, as the op-by-op run did.
-    # With a modelled host the GPU runs the pass's kernels alone (the rest of it is the host's).
+    """Charge ``seconds`` of a replayed pass of ``kind`` (``forward``, ``backward``).
+
+    Through the tensor state: inside another model's charge nothing more is charged, and an
+    enclosing model priced by its ops counts it. The host pays the recorded calls' modelled
+    issue time, as the op-by-op run did, and with a modelled host the GPU runs the pass's
+    kernels alone (the rest of it is the host's)."""
+    ts = rec.state.ts
     backward = kind == "backward"
     issue = rec.bwd_issue if backward else rec.fwd_issue
+    if not issue and not ts.engine.op_issue_s:  # (no modelled host: the pass is the span)
+        ts.charge_span(seconds, rec.dev, kind, rec.label, at)
+        return
     kernels = seconds * (rec.bwd_kernel_share if backward else rec.kernel_share)
-    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue, kernels)
+    ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue, kernels)
 
 
 class ReplayFunction(torch.autograd.Function):
@@ -642,7 +655,7 @@ class ReplayFunction(torch.autograd.Function):
         t0: float | None,
         *tensors: torch.Tensor,
     ) -> tuple:
-        charge_recording(forward_seconds(rec), "forward", rec, t0)
+        charge_forward(rec, t0)
         ctx.set_materialize_grads(False)  # the gradients' values are never read (see gpemu.model_time._BackwardStart)
         R = rec.state
         mem = R.ts.memory[rec.dev]

@@ -239,7 +239,8 @@ class TimeEngine(HostTime):
     def enqueue_wait(self, stream: VirtualStream, seconds: float, kind: str, name: str, reason: str) -> None:
         """``stream.enqueue(seconds, kind, name)`` then ``stream.synchronize(reason)`` in one
         call: a blocking copy (every pageable input batch)."""
-        self.refuse_if_capturing(reason)
+        if self.captures:
+            self.refuse_if_capturing(reason)
         self.timeline.enqueue_wait(stream, seconds, kind, name, reason)
 
     def device_busy_until(self, device: int) -> float:
@@ -247,7 +248,8 @@ class TimeEngine(HostTime):
 
     def synchronize(self, device: int | None = None, reason: str = "synchronize") -> None:
         """Host waits until every stream of ``device`` (all devices when None) is idle."""
-        self.refuse_if_capturing(reason)
+        if self.captures:
+            self.refuse_if_capturing(reason)
         self.enter()
         try:
             devices = range(self.num_devices) if device is None else (self.check_device(device),)
@@ -311,20 +313,22 @@ class TimeEngine(HostTime):
         """A backward pass ran on ``device`` (also one charged op by op, whose spans are ops):
         the next optimizer step ends an iteration. Captured as a mark while this thread's stream
         on ``device`` is capturing (its replays note it)."""
-        capture = self.capture_here(device)
-        if capture is not None:
-            capture.record(0.0, BACKWARD_MARK, "")
-            return
+        if self.captures:
+            capture = self.capture_here(device)
+            if capture is not None:
+                capture.record(0.0, BACKWARD_MARK, "")
+                return
         self._backward_since_mark[device] = True
 
     def end_iteration(self, device: int) -> None:
         """An optimizer step finished on ``device``: mark an iteration (at the GPU time its work
         ends) and hand the iteration's work to a backend when one is plugged in. Captured as a
         mark while this thread's stream on ``device`` is capturing (its replays end the iteration)."""
-        capture = self.capture_here(device)
-        if capture is not None:
-            capture.record(0.0, ITERATION_END, "")
-            return
+        if self.captures:
+            capture = self.capture_here(device)
+            if capture is not None:
+                capture.record(0.0, ITERATION_END, "")
+                return
         if not self._backward_since_mark[device]:
             # e.g. a second optimizer in the same iteration, or steps without backward
             return

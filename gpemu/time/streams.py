@@ -91,7 +91,8 @@ class VirtualStream:
     def synchronize(self, reason: str = "stream-synchronize") -> None:
         """Host waits until this stream's work is done (absolute deadline)."""
         eng = self.engine
-        eng.refuse_if_capturing(reason)
+        if eng.captures:
+            eng.refuse_if_capturing(reason)
         local = eng.local.host
         outer = not local.depth
         if outer:
