@@ -323,7 +323,9 @@ class TensorState:
         src = emus[alias]
         if write:
             return src
-        return self.view(src, shape, stride, offset, src.dtype if dtype is None else dtype)
+        if _inference_mode():  # (see view; outside inference mode it is the wrap below)
+            return self.view(src, shape, stride, offset, src.dtype if dtype is None else dtype)
+        return self.wrap(shape, stride, offset, src.dtype if dtype is None else dtype, src.emu_device, src.emu_block)
 
     def view(
         self, src: EmuTensor, shape: Any, stride: Any, offset: int | torch.SymInt, dtype: torch.dtype

@@ -54,6 +54,7 @@ from gpemu.device import EmuTensor
 from gpemu.model_time import PLAIN_VALUES, CallRecord, ModelTime, emulated_device
 
 from .gradients import GradientState, grad_spec
+from .module_tree import ModuleTree, walk
 from .shape_class import ShapeClasses, class_call
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -127,8 +128,8 @@ class ReplayState:
         self.records: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
         self.unreplayable: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self.stats = {"recorded": 0, "replayed": 0}
-        # Module trees seen as outermost modules (see _walk); valid while structure_gen holds.
-        self.trees: weakref.WeakKeyDictionary[torch.nn.Module, _Tree] = weakref.WeakKeyDictionary()
+        # Module trees seen as outermost modules (see module_tree.walk); valid while structure_gen holds.
+        self.trees: weakref.WeakKeyDictionary[torch.nn.Module, ModuleTree] = weakref.WeakKeyDictionary()
         # Bumped by every Module attribute set/delete, parameter/submodule registration and
         # _apply (model.to/.cuda/.half): whatever may change a module tree's parameters, submodules
         # or training flags.
@@ -167,7 +168,7 @@ class ReplayState:
         """The parameters of ``module``'s tree (each once), from the cached walk (None for a
         module that cannot be cached)."""
         try:
-            return _walk(self, module)[0]
+            return walk(self.trees, self.structure_gen, module)[0]
         except TypeError:
             return None
 
@@ -270,67 +271,6 @@ def _unit_call(
     return _outer_call(R, orig_call, module, args, kwargs, dev, engine.now(), unit=True)
 
 
-class _Tree:
-    """A module tree's parameters and training flags, cached between calls. Valid while no
-    Module attribute was set anywhere (``ReplayState.structure_gen``) and its ``_parameters``/``_modules``
-    dicts kept their sizes; hooks are re-checked on every call (one C-level ``any``)."""
-
-    __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
-    gen: int
-    params: list
-    flags: tuple
-    hook_dicts: list
-    dicts: list
-    lens: list[int]
-    first: Any
-
-
-def _walk(R: ReplayState, module: torch.nn.Module) -> tuple[list, tuple, bool]:
-    """(parameters, training flags, any hooks) of a module tree (cached, see :class:`_Tree`)."""
-    tree = R.trees.get(module)
-    if tree is not None and tree.gen == R.structure_gen and list(map(len, tree.dicts)) == tree.lens:
-        return tree.params, tree.flags, any(tree.hook_dicts)
-    gen = R.structure_gen
-    params, flags, hooks, mods = _walk_tree(module)
-    tree = _Tree()
-    tree.gen, tree.params, tree.flags = gen, params, flags
-    tree.first = next(module.parameters(), None)  # in parameters() order (see _emulated_device)
-    tree.hook_dicts = [
-        d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    ]
-    tree.dicts = [m._parameters for m in mods] + [m._modules for m in mods]
-    tree.lens = list(map(len, tree.dicts))
-    try:
-        R.trees[module] = tree
-    except TypeError:  # not weak-referenceable: no caching
-        pass
-    return params, flags, hooks
-
-
-def _walk_tree(module: torch.nn.Module) -> tuple[list, tuple, bool, list]:
-    """(parameters, training flags, any hooks, modules) in one pass over the module tree."""
-    mods: list = []
-    params: list = []
-    seen: set[int] = set()
-    flags: list[bool] = []
-    hooks = False
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        mods.append(m)
-        flags.append(m.training)
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            hooks = True
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        for c in m._modules.values():
-            if c is not None:
-                stack.append(c)
-    return params, tuple(flags), hooks, mods
-
-
 # Where the input signature sits in a recording's key (_outer_call).
 _IN_SIG = 5
 
@@ -358,7 +298,7 @@ def _outer_call(
     run op by op (recorded when its outputs can be made again). ``unit``: a unit inside an
     op-by-op ancestor."""
     run_charged = R.model_time.run_charged
-    params, flags, hooks = _walk(R, module)
+    params, flags, hooks = walk(R.trees, R.structure_gen, module)
     if _graph_task() != -1:
         # Called during a backward pass: activation checkpointing recomputes its forward, and
         # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
@@ -799,7 +739,7 @@ def install(rt: Runtime) -> None:
     # (over gpemu.model_time's patch: torch's own __call__ runs the module)
     p.replace(M, "__call__", _make_call(R, R.model_time.orig_call))
     # What can change a module tree's parameters, submodules or training flags invalidates the
-    # cached walk (_Tree): attribute sets/deletes (also `m.training = False`, `m.fc = Linear()`),
+    # cached walk (ModuleTree): attribute sets/deletes (also `m.training = False`, `m.fc = Linear()`),
     # registrations that write the dicts directly, and _apply (it may swap parameters in place).
     for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
         p.replace(M, name, _bump_structure(R, getattr(M, name), swaps=name == "_apply"))

@@ -1,0 +1,72 @@
+"""A module tree's parameters, training flags and hooks, walked once and cached between calls:
+the replay fast path asks for them at every outermost module call (``gpemu.fastpaths.replay``)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["ModuleTree", "walk", "walk_tree"]
+
+
+class ModuleTree:
+    """A module tree's parameters and training flags, cached between calls. Valid while no
+    Module attribute was set anywhere (the replay state's ``structure_gen``) and its ``_parameters``/``_modules``
+    dicts kept their sizes; hooks are re-checked on every call (one C-level ``any``)."""
+
+    __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
+    gen: int
+    params: list
+    flags: tuple
+    hook_dicts: list
+    dicts: list
+    lens: list[int]
+    first: Any
+
+
+def walk(trees: weakref.WeakKeyDictionary, gen: int, module: torch.nn.Module) -> tuple[list, tuple, bool]:
+    """(parameters, training flags, any hooks) of a module tree, cached in ``trees`` for structure
+    generation ``gen`` (see :class:`ModuleTree`)."""
+    tree = trees.get(module)
+    if tree is not None and tree.gen == gen and list(map(len, tree.dicts)) == tree.lens:
+        return tree.params, tree.flags, any(tree.hook_dicts)
+    params, flags, hooks, mods = walk_tree(module)
+    tree = ModuleTree()
+    tree.gen, tree.params, tree.flags = gen, params, flags
+    tree.first = next(module.parameters(), None)  # in parameters() order (see _emulated_device)
+    tree.hook_dicts = [
+        d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    ]
+    tree.dicts = [m._parameters for m in mods] + [m._modules for m in mods]
+    tree.lens = list(map(len, tree.dicts))
+    try:
+        trees[module] = tree
+    except TypeError:  # not weak-referenceable: no caching
+        pass
+    return params, flags, hooks
+
+
+def walk_tree(module: torch.nn.Module) -> tuple[list, tuple, bool, list]:
+    """(parameters, training flags, any hooks, modules) in one pass over the module tree."""
+    mods: list = []
+    params: list = []
+    seen: set[int] = set()
+    flags: list[bool] = []
+    hooks = False
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        mods.append(m)
+        flags.append(m.training)
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            hooks = True
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        for c in m._modules.values():
+            if c is not None:
+                stack.append(c)
+    return params, tuple(flags), hooks, mods
