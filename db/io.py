@@ -394,6 +394,14 @@ def _csv_rows(path: Path, parse: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def _metadata(v: str) -> dict:
+    """A CSV row's ``metadata`` cell: a JSON object (empty: none)."""
+    try:
+        return json.loads(v or "{}")
+    except json.JSONDecodeError:
+        raise ValueError(f"metadata must be a JSON object, got {v!r}") from None
+
+
 def _num(text: str, what: str, integer: bool = False) -> Any:
     try:
         if integer:
@@ -483,10 +491,7 @@ def _parse_op_cells(c: dict[str, str]) -> dict[str, Any]:
         elif k in ("p10", "p90"):
             out[k] = _num(v, k) if v else None
         elif k == "metadata":
-            try:
-                out[k] = json.loads(v or "{}")
-            except json.JSONDecodeError:
-                raise ValueError(f"metadata must be a JSON object, got {v!r}") from None
+            out[k] = _metadata(v)
         else:
             out[k] = v or None
     return out
@@ -552,10 +557,7 @@ def _parse_host_cells(c: dict[str, str]) -> dict[str, Any]:
         if k in ("forward_op_s", "backward_op_s", "launch_s", "reference_ms"):
             out[k] = _num(v, k)
         elif k == "metadata":
-            try:
-                out[k] = json.loads(v or "{}")
-            except json.JSONDecodeError:
-                raise ValueError(f"metadata must be a JSON object, got {v!r}") from None
+            out[k] = _metadata(v)
         else:
             out[k] = v
     return out
