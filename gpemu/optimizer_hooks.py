@@ -80,12 +80,11 @@ class StepHooks:
         if device is None or device >= engine.num_devices:
             return  # a CPU optimizer: no GPU time
         seconds, _ = optimizer_step_seconds(self.rt, optimizer, device)
-        if engine.host_model is None:
-            engine.stream(device).enqueue(seconds, "optimizer", type(optimizer).__name__)
-        else:
-            issue = optimizer_step_host_seconds(self.rt, optimizer)
-            # (its last kernel cannot end before the host launched it)
-            engine.stream(device).enqueue(seconds if seconds > issue else issue, "optimizer", type(optimizer).__name__)
+        # (0 without a host model, decided here: the look-up is a call on every step)
+        issue = 0.0 if engine.host_model is None else optimizer_step_host_seconds(self.rt, optimizer)
+        # (its last kernel cannot end before the host launched it)
+        engine.stream(device).enqueue(seconds if seconds > issue else issue, "optimizer", type(optimizer).__name__)
+        if issue:
             engine.charge_host(issue)
         engine.end_iteration(device)
 
