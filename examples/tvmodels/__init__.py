@@ -92,45 +92,6 @@ __all__ = [
     "MODELS",
 ]
 
-# name -> builder, for tests and benchmarks that iterate over what exists here
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    fn.__name__: fn
-    for fn in (
-        alexnet,
-        resnet18,
-        resnet34,
-        resnet50,
-        resnet101,
-        resnet152,
-        resnext50_32x4d,
-        resnext101_32x8d,
-        wide_resnet50_2,
-        wide_resnet101_2,
-        vgg11,
-        vgg11_bn,
-        vgg13,
-        vgg13_bn,
-        vgg16,
-        vgg16_bn,
-        vgg19,
-        vgg19_bn,
-        mobilenet_v2,
-        squeezenet1_0,
-        squeezenet1_1,
-        densenet121,
-        densenet161,
-        densenet169,
-        densenet201,
-        shufflenet_v2_x0_5,
-        shufflenet_v2_x1_0,
-        shufflenet_v2_x1_5,
-        shufflenet_v2_x2_0,
-        mnasnet0_5,
-        mnasnet0_75,
-        mnasnet1_0,
-        mnasnet1_3,
-        mobilenet_v3_large,
-        mobilenet_v3_small,
-        googlenet,
-    )
-}
+# name -> builder, for tests and benchmarks that iterate over what exists here: the lower-case
+# names of __all__ (the classes are capitalised)
+MODELS: dict[str, Callable[..., nn.Module]] = {name: globals()[name] for name in __all__ if name[0].islower()}
