@@ -562,11 +562,7 @@ def charge_forward(rec: Recording, at: float | None) -> None:
     seconds = rec.fwd_seconds
     if engine.captures and engine.capture_here(rec.dev) is not None:
         seconds *= rec.kernel_share
-    issue = rec.fwd_issue
-    if issue or engine.op_issue_s:  # (see charge_recording)
-        ts.charge_span(seconds, rec.dev, "forward", rec.label, at, issue, seconds * rec.kernel_share)
-    else:
-        ts.charge_span(seconds, rec.dev, "forward", rec.label, at)
+    ts.charge_span(seconds, rec.dev, "forward", rec.label, at, rec.fwd_issue, seconds * rec.kernel_share)
 
 
 def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None = None) -> None:
@@ -576,14 +572,10 @@ def charge_recording(seconds: float, kind: str, rec: Recording, at: float | None
     enclosing model priced by its ops counts it. The host pays the recorded calls' modelled
     issue time, as the op-by-op run did, and with a modelled host the GPU runs the pass's
     kernels alone (the rest of it is the host's)."""
-    ts = rec.state.ts
     backward = kind == "backward"
     issue = rec.bwd_issue if backward else rec.fwd_issue
-    if not issue and not ts.engine.op_issue_s:  # (no modelled host: the pass is the span)
-        ts.charge_span(seconds, rec.dev, kind, rec.label, at)
-        return
     kernels = seconds * (rec.bwd_kernel_share if backward else rec.kernel_share)
-    ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue, kernels)
+    rec.state.ts.charge_span(seconds, rec.dev, kind, rec.label, at, issue, kernels)
 
 
 class ReplayFunction(torch.autograd.Function):

@@ -212,14 +212,10 @@ class LocalTimeline:
         local = host.local.host
         host.enter()
         try:
-            # (host.now() written out: inside an entry the host's time is frozen at its start)
-            now = local.entry - local.late
-            if now < local.floor:
-                now = local.floor
             if stream.engine.captures:
                 end = stream.enqueue(seconds, kind, name)
             else:  # (straight to the timeline: no host model or capture applies to a blocking copy's enqueue)
-                end = self.enqueue(stream, seconds, kind, name, 0, now, None)
+                end = self.enqueue(stream, seconds, kind, name, 0, host.now(), None)
             local.wait_deadline = None  # (forget_wait: settle() forgives this wait only)
             if end > host.now():
                 host.wait_until(end, stream.device_index, reason)
