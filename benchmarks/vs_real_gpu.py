@@ -12,7 +12,8 @@ Anywhere (the database, or its `gpemu db export`)::
     python benchmarks/vs_real_gpu.py --db benchmarks/data/h100-2026-11-26.json
 
 For every (model, batch size) the database measured, the profiler's own loop (forward with its
-cross-entropy loss, backward into accumulating gradients, SGD-momentum step; every phase between
+cross-entropy loss, backward, SGD-momentum step; gradients set to None before each iteration, as
+the profiler does, so a backward assigns them and launches no accumulation; every phase between
 synchronisations) runs under ``gpemu.emulate`` on a virtual clock, emulating the measured GPU by
 name, with the shipped database (which holds no measurement of that GPU), so every time is the
 cost model's estimate:
@@ -90,6 +91,8 @@ def emulated(gpu: str, db_url: str, name: str, batch: int, iterations: int = 4, 
         xd, yd = x.cuda(), y.cuda()
         times: dict[str, float] = {}
         for _ in range(iterations):
+            # (the profiler's loop, profiler/measure.py: the real backward assigned each gradient)
+            opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = now()

@@ -249,9 +249,9 @@ def test_a_replayed_backward_accumulating_into_gradients_charges_their_kernels_a
 
 
 def test_a_backward_passs_ops_cost_the_hosts_backward_figure():
-    """Autograd's engine issues a backward pass's ops without Python frames: the preset's host
-    took 26-31 us per backward op against 40-49 per forward op (gpemu.time.launch)."""
-    assert XEON_BACKWARD < XEON
+    """A backward pass's ops cost the preset's backward figure (its host-bound backwards: 37-58 us
+    per op against 40-49 per forward op, gpemu.time.launch), not the forward's."""
+    assert XEON_BACKWARD != XEON
     with _run("h100-xeon") as rt:
         eng = rt.engine
         w = torch.ones(64, 64, device="cuda", requires_grad=True)

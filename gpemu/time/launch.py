@@ -90,13 +90,14 @@ HOST_PRESETS: dict[str, HostPreset] = {
     # ~235 ops (42 us). About 40 us per op, cuDNN's and cuBLAS's set-up per call included.
     # Its reference loop took 6.8-7.5 ms in the calls of that session (14.7-18.4 ms while busy).
     # Its backward passes, where host-bound (a small model at batch 32: the GPU's kernels priced at a
-    # fifth to a third of the pass), took 26-31 us per op autograd ran (torch's own dispatch of the
-    # same pass on the CPU build counts them, gradient accumulations included): DenseNet-121 33.2 ms
-    # for 1,272 ops (26 us), MobileNetV3-small 8.74 ms for 332 (26 us), ShuffleNetV2-x0.5 10.96 ms
-    # for 359 (31 us); its forwards 40-49 us per op (MobileNetV3-small 8.51 ms / 213,
+    # fifth to a third of the pass), took 41 us per op gpemu charges in them, pooled (the profiler's
+    # loop sets gradients to None before each step, so those passes launched no gradient
+    # accumulation): DenseNet-121 33.2 ms for 908 ops (37 us), MobileNetV3-small 8.74 ms for 190
+    # (46 us), ShuffleNetV2-x0.5 10.96 ms for 189 (58 us; partly GPU-bound): about the forward's
+    # figure, its forwards having taken 40-49 us per op (MobileNetV3-small 8.51 ms / 213,
     # ShuffleNetV2 11.89 / 242).
     "h100-xeon": HostPreset(
-        40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)", 28e-6
+        40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)", 41e-6
     ),
 }
 
