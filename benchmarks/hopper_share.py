@@ -3,8 +3,9 @@ the source of ``gpemu.costmodel.gpus.TENSOR_CONV_SHARE``.
 
 A GPU with no curves of its own (the H100: none in the shipped database) prices its tensor-core
 work with Ampere's curves at its own datasheet peak. ``gpemu profile --ops`` on the real GPU times
-single kernels of every kind (CUDA events); for each compute kind this prints, over the larger half
-of its kernels (the compute-bound end, where the plateau decides), the geometric mean of the
+single kernels of every kind (CUDA events); for each convolution kind and pass (forward, and the
+backward's gradients: different cuDNN kernels), and for GEMMs over both passes, this prints, over
+the larger half of its kernels (the compute-bound end, where the plateau decides), the geometric mean of the
 shipped price over the measured time, and the share that would make it 1 (the shipped share times
 that ratio)::
 
@@ -69,17 +70,20 @@ def priced_over_measured(gpu: str, m: OpMeasurement) -> float:
 
 
 def kind_ratios(gpu: str, rows: list[OpMeasurement]) -> list[KindRatio]:
-    """Per kind: the larger half (by work) of each (key, dtype) sweep, pooled."""
+    """Per convolution kind and pass (``conv_spatial.fwd``, ...), and for GEMMs over both passes:
+    the larger half (by work) of each (key, dtype) sweep, pooled."""
     sheet = gpu_sheet(gpu)
     out = []
-    for kind in KINDS:
+    groups = [f"{kind}.{phase}" for kind in KINDS if kind != "gemm" for phase in ("fwd", "bwd")] + ["gemm"]
+    for group in groups:
         logs: list[float] = []
-        for key, dtype in sorted({(m.key, m.dtype) for m in rows if m.key.partition(".")[0] == kind}):
+        members = {(m.key, m.dtype) for m in rows if group in (m.key, m.key.partition(".")[0])}
+        for key, dtype in sorted(members):
             sweep = sorted((m for m in rows if m.key == key and m.dtype == dtype), key=lambda m: m.work)
             logs += [math.log(priced_over_measured(gpu, m)) for m in sweep[len(sweep) // 2 :]]
         if logs:
-            share = tensor_conv_share(sheet.generation, kind, "ampere") if kind != "gemm" else 1.0
-            out.append(KindRatio(kind, len(logs), math.exp(sum(logs) / len(logs)), share))
+            share = tensor_conv_share(sheet.generation, group, "ampere") if group != "gemm" else 1.0
+            out.append(KindRatio(group, len(logs), math.exp(sum(logs) / len(logs)), share))
     return out
 
 
@@ -100,10 +104,10 @@ def main() -> int:
         print(f"machine: {machine()}")
         for gpu in op_gpus(engine):
             print(f"{gpu} ({gpu_sheet(gpu).generation}): kernels of the op sweep's larger half per kind")
-            print(f"{'kind':14} {'n':>3} {'priced/measured':>16} {'share now':>10} {'share implied':>14}")
+            print(f"{'kind':17} {'n':>3} {'priced/measured':>16} {'share now':>10} {'share implied':>14}")
             for r in kind_ratios(gpu, read_measurements(engine, gpu)):
                 implied = r.share * r.priced_over_measured
-                print(f"{r.kind:14} {r.n:3d} {r.priced_over_measured:16.3f} {r.share:10.2f} {implied:14.2f}")
+                print(f"{r.kind:17} {r.n:3d} {r.priced_over_measured:16.3f} {r.share:10.2f} {implied:14.2f}")
     return 0
 
 

@@ -117,30 +117,42 @@ DONORS: dict[str, tuple[str, ...]] = {
 
 # What cuDNN's convolutions deliver of a generation's tensor-core peak, relative to what the
 # generation whose curves price them (DONORS: Ampere's, for every GPU without its own) delivers of
-# its own, by convolution kind (the curve key's base). Hopper's peak (3.2x the A100's TF32 and FP16)
+# its own, by convolution kind and pass (the curve key: forward kernels and the backward's data and
+# weight gradients are different cuDNN kernels). Hopper's peak (3.2x the A100's TF32 and FP16)
 # needs its warpgroup MMA instructions (wgmma, fed by TMA); kernels built on Ampere's mma.sync reach
 # a much smaller share of it (Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU
 # Architecture", arXiv:2402.13499), and cuDNN 9 runs most 3x3 and strided convolutions so. Measured,
 # not taken from the datasheet: the H100 op sweep in benchmarks/data/h100-2026-11-26.json (`gpemu
-# profile --ops`, CUDA events, TF32 and FP16, forward and backward), the larger half of each kind's
-# kernels (n = 16 each), geometric mean of measured rate over the rate Ampere's curves give at the
-# H100's datasheet peak (`python benchmarks/hopper_share.py`). The training steps that
+# profile --ops`, CUDA events, TF32 and FP16), the larger half of each kind's and pass's kernels
+# (n = 8 each), geometric mean of measured rate over the rate Ampere's curves give at the H100's
+# datasheet peak (`python benchmarks/hopper_share.py`). The training steps that
 # benchmarks/vs_real_gpu.py compares with are not in that sweep. 1x1 convolutions are plain GEMMs
-# and run faster than Ampere's curve says; GEMMs themselves are priced by the published tensor-core
-# plateau (published.TENSOR_PLATEAU), which the same sweep confirms (1.01), so they take no share.
+# and their forwards run faster than Ampere's curve says; GEMMs themselves are priced by the
+# published tensor-core plateau (published.TENSOR_PLATEAU), which the same sweep confirms over both
+# passes (1.01), so they take no share.
 TENSOR_CONV_SHARE: dict[str, dict[str, float]] = {
-    "hopper": {"conv1x1": 1.13, "conv_spatial": 0.62, "conv_strided": 0.44, "conv_grouped": 0.75},
+    "hopper": {
+        "conv1x1.fwd": 1.29,
+        "conv1x1.bwd": 0.99,
+        "conv_spatial.fwd": 0.65,
+        "conv_spatial.bwd": 0.59,
+        "conv_strided.fwd": 0.49,
+        "conv_strided.bwd": 0.39,
+        "conv_grouped.fwd": 0.71,
+        "conv_grouped.bwd": 0.79,
+    },
 }
 
 
-def tensor_conv_share(generation: str, kind: str, curve_generation: str) -> float:
-    """Factor on a GPU's tensor-core peak for a convolution of ``kind`` (``conv1x1``,
-    ``conv_spatial``, ``conv_strided``, ``conv_grouped``) priced with a curve calibrated on
-    ``curve_generation`` (:data:`TENSOR_CONV_SHARE`; 1 for the GPU's own generation's curves or
-    its own calibration, whose generation is not a generation name)."""
+def tensor_conv_share(generation: str, key: str, curve_generation: str) -> float:
+    """Factor on a GPU's tensor-core peak for a convolution priced by the curve ``key``
+    (``conv1x1.fwd``, ``conv_spatial.bwd``, ...; a bare kind is its forward) with a curve
+    calibrated on ``curve_generation`` (:data:`TENSOR_CONV_SHARE`; 1 for the GPU's own
+    generation's curves or its own calibration, whose generation is not a generation name)."""
     if curve_generation == generation or curve_generation not in GENERATIONS:
         return 1.0
-    return TENSOR_CONV_SHARE.get(generation, {}).get(kind, 1.0)
+    kind, _, phase = key.partition(".")
+    return TENSOR_CONV_SHARE.get(generation, {}).get(f"{kind}.{phase or 'fwd'}", 1.0)
 
 
 def pcie_link_rate(gen: int) -> float:

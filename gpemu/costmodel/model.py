@@ -335,7 +335,7 @@ class CostModel:
                     curve, floor = tensor_from_simt(r.curve, sheet, peak), True
                 if path == "tensor" and op_class in _TENSOR_CONVS:
                     # (another generation's curve: what cuDNN delivers of this GPU's tensor cores)
-                    peak *= tensor_conv_share(sheet.generation, key.partition(".")[0], r.generation)
+                    peak *= tensor_conv_share(sheet.generation, key, r.generation)
         else:
             r = self.resolve(sheet, key, "memory")
             curve, floor, peak = r.curve, False, sheet.memory_bandwidth
