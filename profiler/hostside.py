@@ -236,6 +236,6 @@ def host_record(name: str, gpu: str, timing: HostSideTiming, meta: dict[str, Any
         forward_op_s=timing.forward_op_s,
         backward_op_s=timing.backward_op_s,
         launch_s=timing.launch_s,
-        reference_ms=measure_reference_loop_ms(),
+        reference_ms=measure_reference_loop_ms(cpu=True),
         metadata=metadata,
     )
