@@ -9,7 +9,8 @@ modelled instead, by :class:`HostModel`:
 - ``dispatch_s``: the framework's host seconds per op, measured on this machine by a short probe
   of eager dispatch on the CPU build (:func:`probe_dispatch_seconds`, cached per machine and
   torch version): what the CPU build spends per small op is a fair proxy for its Python +
-  dispatcher + autograd part;
+  dispatcher + autograd part; plus what the probe cannot show (:data:`UNPROBED_OP_S`: the CUDA
+  build's per-op runtime and module calls, measured on a real GPU host and scaled here);
 - ``launch_s``: the driver's per-launch cost (cudaLaunchKernel and the CUDA runtime around it),
   a published figure: 4-5 us per launch (an NVIDIA forum measurement of 10,000 launches);
 - both scaled to the target host (``--host``: ``this`` machine, a speed relative to it such as
@@ -47,6 +48,7 @@ __all__ = [
     "recorded_hosts",
     "LAUNCH_QUEUE_DEPTH",
     "DRIVER_LAUNCH_S",
+    "UNPROBED_OP_S",
     "host_model",
     "check_host",
     "probe_dispatch_seconds",
@@ -62,6 +64,16 @@ LAUNCH_QUEUE_DEPTH = 1024
 # The driver's host time per kernel launch (same measurement: 4-5 us a launch while the queue
 # had room), on the measuring host; scaled with the framework's time to the target host.
 DRIVER_LAUNCH_S = 4.5e-6
+# What eager PyTorch spends per op on a GPU host that this machine's probe (the CPU build's
+# dispatch of functional calls on tiny CPU tensors) cannot show: the CUDA build's per-op runtime
+# (the caching allocator, device and stream guards, cuDNN's and cuBLAS's per-call set-up, the
+# CUDA runtime around a launch beyond DRIVER_LAUNCH_S) and nn.Module calls. Taken from the one
+# CUDA host measured, the H100's (HOST_PRESETS["h100-xeon"]: 40 us per op at a reference loop of
+# 7.2 ms), less the probe's dispatch at that host's speed (6.5 us here at 6.3 ms, so ~7.4 us
+# there) and the launch: about 28 us there. Scaled to this machine by the reference loops; with
+# it, `--host this` on that host would read its own 40 us instead of a quarter of it.
+UNPROBED_OP_S = 28e-6
+UNPROBED_REFERENCE_MS = 7.2
 
 
 @dataclass(frozen=True)
@@ -195,14 +207,15 @@ def host_model(
     preset = HOST_PRESETS.get(text) or (recorded or {}).get(text[len(RECORDED_PREFIX) :])
     if preset is not None:
         return _preset_model(preset, text, cache_dir)
-    dispatch = probe_dispatch_seconds(cache_dir)
+    probed = probe_dispatch_seconds(cache_dir)
+    unprobed = UNPROBED_OP_S * reference_loop_ms(cache_dir) / UNPROBED_REFERENCE_MS
     speed = 1.0 if text == "this" else float(_speed(text) or 1.0)
     where = "this machine" if speed == 1.0 else f"{speed:g}x this machine"
     return HostModel(
-        dispatch / speed,
+        (probed + unprobed) / speed,
         DRIVER_LAUNCH_S / speed,
-        source=f"{where}: eager dispatch {dispatch * 1e6:.2f} us/op measured here"
-        f" + {DRIVER_LAUNCH_S * 1e6:.1f} us launch",
+        source=f"{where}: eager dispatch {probed * 1e6:.2f} us/op measured here + {unprobed * 1e6:.1f} us"
+        f" the CUDA build adds (measured on the H100's host, scaled) + {DRIVER_LAUNCH_S * 1e6:.1f} us launch",
         scale=1.0 / speed,
     )
 
