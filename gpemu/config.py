@@ -216,8 +216,9 @@ class EmuConfig:
     # "virtual" when `clock` asks for virtual time, else "real": compared between runs.
     time_mode: str = field(default="real", init=False)
     # GPEMU_HOST: the host that issues the GPU work (gpemu.time.launch): "this" (this machine's
-    # eager dispatch, measured once), a speed relative to it ("0.7x"), a measured host's preset
-    # ("h100-xeon"), a host recorded in the database by `gpemu profile --host-side` ("db:NAME"),
+    # eager dispatch, measured once, plus the CUDA build's per-op work), a speed relative to it
+    # ("0.7x"), a measured host's preset ("h100-xeon"), a host recorded in the database by
+    # `gpemu profile --host-side` ("db:NAME"),
     # or "none" (the default: no modelled host time; the cost model's fitted per-op host term
     # stays in GPU prices until the curves are refitted without it).
     host: str = "none"

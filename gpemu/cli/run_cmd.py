@@ -73,7 +73,8 @@ __all__ = ["run"]
 @click.option(
     "--host",
     metavar="this|SPEEDx|PRESET|db:NAME|none",
-    help="The host that issues the GPU work: this machine (this; its eager dispatch time is measured once), "
+    help="The host that issues the GPU work: this machine (this; its eager dispatch time is measured once, plus "
+    "what the CUDA build adds per op, measured on a real GPU host), "
     "a speed relative to it (0.7x), a measured host's preset (h100-xeon), a host recorded in the database by "
     "`gpemu profile --host-side` (db:NAME; `gpemu hosts` lists presets and recorded hosts), or none (default: "
     "GPU time only). Each op costs the host that issue time and a full launch queue blocks it "
