@@ -24,14 +24,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import machine  # (puts the repository on sys.path)
+from _common import database_url, machine  # (puts the repository on sys.path)
 
 from gpemu.costmodel import OpClass, Precision, default_model
 from gpemu.costmodel.curve import kernel_seconds
 from gpemu.costmodel.gpus import gpu_sheet, tensor_conv_share
 from gpemu.costmodel.model import floor_seconds
-from gpemu.db.build import make_engine, open_url, sqlite_url
-from gpemu.db.io import import_path
+from gpemu.db.build import make_engine
 from gpemu.db.op_measurements import OpMeasurement, op_gpus, read_measurements
 
 KINDS = {
@@ -94,13 +93,7 @@ def main() -> int:
     )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        url = a.db
-        if "://" not in url:
-            if not Path(url).exists():
-                p.error(f"--db {url}: no such export file or directory (or give a SQLAlchemy URL)")
-            url = sqlite_url(Path(tmp) / "ops.sqlite")
-            import_path(open_url(url), a.db)
-        engine = make_engine(url)
+        engine = make_engine(database_url(p, a.db, Path(tmp)))
         print(f"machine: {machine()}")
         for gpu in op_gpus(engine):
             print(f"{gpu} ({gpu_sheet(gpu).generation}): kernels of the op sweep's larger half per kind")

@@ -40,15 +40,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import machine  # (puts the repository on sys.path)
+from _common import database_url, machine  # (puts the repository on sys.path)
 from accuracy import build  # the model on uninitialised host memory, as accuracy.py builds it
 from torch.nn import functional as F
 
 import gpemu
 from examples import tvmodels
 from gpemu.clock import VirtualClock
-from gpemu.db.build import ensure_default_db, make_engine, open_url, sqlite_url
-from gpemu.db.io import import_path
+from gpemu.db.build import ensure_default_db, make_engine, sqlite_url
 from gpemu.db.op_measurements import read_curves, write_curves
 
 PHASES = ("forward", "backward", "optimizer_step")
@@ -131,20 +130,7 @@ def main() -> int:
     )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        url = a.db
-        if "://" not in url:
-            if not Path(url).exists():
-                p.error(f"--db {url}: no such export file or directory (or give a SQLAlchemy URL)")
-            url = sqlite_url(Path(tmp) / "real.sqlite")
-            try:
-                report = import_path(open_url(url), a.db)
-            except ValueError as exc:
-                p.error(f"--db {a.db}: {exc}")
-            if report.rejected:
-                print(
-                    f"# {len(report.rejected)} rows of {a.db} rejected (first: {report.rejected[0].where}: "
-                    f"{report.rejected[0].reason}); `gpemu db import` lists them"
-                )
+        url = database_url(p, a.db, Path(tmp))
         return compare(p, make_engine(url), a.db, a.gpu, a.host)
 
 
