@@ -22,8 +22,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, inspect, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, select
+
+from .schema import has_table
 
 __all__ = ["HostRecord", "host_records", "write_host", "read_host", "read_hosts", "check_host_name", "HOST_NAME_FORM"]
 
@@ -76,13 +77,6 @@ def check_host_name(name: str) -> str:
     return name
 
 
-def _has_table(engine: Engine) -> bool:
-    try:
-        return inspect(engine).has_table(host_records.name)
-    except SQLAlchemyError:
-        return False
-
-
 def write_host(engine: Engine, record: HostRecord) -> HostRecord:
     """Store ``record`` (replacing a host of the same name) and return it as stored (stamped)."""
     check_host_name(record.name)
@@ -110,7 +104,7 @@ def write_host(engine: Engine, record: HostRecord) -> HostRecord:
 
 def read_hosts(engine: Engine) -> list[HostRecord]:
     """Every recorded host, by name (none when nothing was recorded yet: no table)."""
-    if not _has_table(engine):
+    if not has_table(engine, host_records):
         return []
     t = host_records
     with engine.connect() as conn:

@@ -28,8 +28,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, inspect, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, UniqueConstraint, select
+
+from .schema import has_table
 
 __all__ = [
     "OpMeasurement",
@@ -133,13 +134,6 @@ def ensure_tables(engine: Engine) -> None:
     metadata.create_all(engine, checkfirst=True)
 
 
-def _has(engine: Engine, table: Table) -> bool:
-    try:
-        return inspect(engine).has_table(table.name)
-    except SQLAlchemyError:
-        return False
-
-
 def write_measurements(engine: Engine, gpu: str, rows: Iterable[OpMeasurement], stamp: str | None = None) -> int:
     """Store ``rows`` for ``gpu`` in one transaction, replacing rows of the same kernel.
     ``stamp``: when they were measured (default now; an import keeps the export's)."""
@@ -168,7 +162,7 @@ def write_measurements(engine: Engine, gpu: str, rows: Iterable[OpMeasurement], 
 
 def read_measurements(engine: Engine, gpu: str) -> list[OpMeasurement]:
     """Every stored kernel of ``gpu`` (none when the table does not exist yet)."""
-    if not _has(engine, op_measurements):
+    if not has_table(engine, op_measurements):
         return []
     t = op_measurements
     with engine.connect() as conn:
@@ -212,7 +206,7 @@ def write_curves(engine: Engine, gpu: str, curves: Iterable[OpCurveRow], stamp: 
 
 def read_curves(engine: Engine, gpu: str) -> list[OpCurveRow]:
     """``gpu``'s fitted curves (none when nothing was calibrated, or the table does not exist)."""
-    if not _has(engine, op_curves):
+    if not has_table(engine, op_curves):
         return []
     t = op_curves
     with engine.connect() as conn:
@@ -229,7 +223,7 @@ def op_gpus(engine: Engine) -> list[str]:
     """Names of the GPUs with stored kernels or curves."""
     names: set[str] = set()
     for t in (op_measurements, op_curves):
-        if _has(engine, t):
+        if has_table(engine, t):
             with engine.connect() as conn:
                 names.update(r[0] for r in conn.execute(select(t.c.gpu).distinct()))
     return sorted(names)
@@ -240,13 +234,13 @@ def stamps(engine: Engine, gpu: str) -> tuple[dict[tuple, str], dict[tuple, str]
     curve fitted ({(key, path): time}): what an export carries beside the rows."""
     measured: dict[tuple, str] = {}
     fitted: dict[tuple, str] = {}
-    if _has(engine, op_measurements):
+    if has_table(engine, op_measurements):
         t = op_measurements
         with engine.connect() as conn:
             q = select(t.c.key, t.c.path, t.c.dtype, t.c.shape, t.c.measured_at).where(t.c.gpu == gpu)
             for r in conn.execute(q):
                 measured[tuple(r[:4])] = r[4]
-    if _has(engine, op_curves):
+    if has_table(engine, op_curves):
         t = op_curves
         with engine.connect() as conn:
             for row in conn.execute(select(t.c.key, t.c.path, t.c.fitted_at).where(t.c.gpu == gpu)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     Column,
+    Engine,
     Float,
     ForeignKey,
     Integer,
@@ -17,9 +18,21 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    inspect,
 )
+from sqlalchemy.exc import SQLAlchemyError
 
-__all__ = ["SCHEMA_VERSION", "MIGRATIONS", "metadata", "meta", "gpus", "models", "measurements", "distributions"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "MIGRATIONS",
+    "metadata",
+    "meta",
+    "gpus",
+    "models",
+    "measurements",
+    "distributions",
+    "has_table",
+]
 
 # Bump when tables change: default databases built by an older gpemu are rebuilt on open (the
 # user's rows carried over), other databases (--db URL) are migrated in place by MIGRATIONS.
@@ -134,3 +147,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )
     ),
 }
+
+
+def has_table(engine: Engine, table: Table) -> bool:
+    """Whether the database at ``engine`` has ``table`` (False when it cannot be read): the
+    optional tables (op sweeps, recorded hosts) exist only once something was written to them."""
+    try:
+        return inspect(engine).has_table(table.name)
+    except SQLAlchemyError:
+        return False

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 from collections.abc import Generator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -53,6 +55,18 @@ def rt(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
     num_gpus = int(marker.args[0]) if marker is not None else 1
     yield gpemu.patch(gpu="V100", num_gpus=num_gpus, summary=False, clock=VirtualClock())
     gpemu.unpatch()
+
+
+@pytest.fixture
+def db_copy(tmp_path: Path) -> str:
+    """A copy of the session's default database (GPUs known) that a test may write to freely."""
+    from gpemu.config import EmuConfig
+    from gpemu.db import open_profile_db
+
+    src = Path(open_profile_db(EmuConfig.from_env()).engine.url.database)
+    dst = tmp_path / "profile.sqlite"
+    shutil.copy(src, dst)
+    return f"sqlite:///{dst}"
 
 
 @pytest.fixture(autouse=True)

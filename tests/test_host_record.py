@@ -9,7 +9,6 @@ files throughout.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,6 @@ from gpemu.profiler.hostside import HostSideTiming, measure_host_side
 from gpemu.time.launch import HOST_PRESETS, HostModel
 
 XEON = HOST_PRESETS["h100-xeon"]
-
-
-@pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    """A copy of the session's default database that a test may write to freely."""
-    src = Path(open_profile_db(EmuConfig.from_env()).engine.url.database)
-    dst = tmp_path / "profile.sqlite"
-    shutil.copy(src, dst)
-    return f"sqlite:///{dst}"
 
 
 def _emulated_issue_times(host: str, db_url: str | None = None) -> tuple[HostSideTiming, HostModel | None]:
@@ -53,8 +43,8 @@ def test_profiling_an_emulated_gpu_reads_back_the_modelled_hosts_issue_times():
     assert 0 < timing.launch_s <= timing.backward_op_s
 
 
-def test_host_records_round_trip_through_sqlite(db_url):
-    db = open_profile_db(EmuConfig.from_env(db_url=db_url))
+def test_host_records_round_trip_through_sqlite(db_copy):
+    db = open_profile_db(EmuConfig.from_env(db_url=db_copy))
     try:
         assert read_hosts(db.engine) == []  # (no table yet: nothing recorded)
         rec = HostRecord("lab-a", "Some CPU", "2.5.0", "H100", 20e-6, 15e-6, 5e-6, 9.0, metadata={"forward_ops": 16})
@@ -70,18 +60,18 @@ def test_host_records_round_trip_through_sqlite(db_url):
         db.close()
 
 
-def test_gpemu_profile_host_side_records_the_emulated_host(db_url, capsys):
+def test_gpemu_profile_host_side_records_the_emulated_host(db_copy, capsys):
     # The command as a lab runs it, on virtual time so the program's clock is the emulated host's
     # (its own Python counts there as CPU time: a little above the preset's figures).
     gpemu.patch(gpu="A100", clock="virtual", host="h100-xeon", summary=False)
     try:
-        rc = main(["profile", "--host-side", "--host-name", "lab-xeon", "--iterations", "3", "--db", db_url])
+        rc = main(["profile", "--host-side", "--host-name", "lab-xeon", "--iterations", "3", "--db", db_copy])
     finally:
         gpemu.unpatch()
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "recorded host 'lab-xeon'" in err and "--host db:lab-xeon" in err
-    db = open_profile_db(EmuConfig.from_env(db_url=db_url))
+    db = open_profile_db(EmuConfig.from_env(db_url=db_copy))
     try:
         rec = read_host(db.engine, "lab-xeon")
     finally:
@@ -93,16 +83,16 @@ def test_gpemu_profile_host_side_records_the_emulated_host(db_url, capsys):
     assert rec.reference_ms > 0 and rec.metadata["forward_ops"] > 10
 
 
-def test_host_side_refuses_what_it_cannot_measure_in_one_line(db_url, capsys):
-    assert main(["profile", "--host-side", "--host-name", "Bad Name!", "--db", db_url]) == 2
+def test_host_side_refuses_what_it_cannot_measure_in_one_line(db_copy, capsys):
+    assert main(["profile", "--host-side", "--host-name", "Bad Name!", "--db", db_copy]) == 2
     assert "lower-case letters" in capsys.readouterr().err
-    assert main(["profile", "--host-side", "--device", "cpu", "--db", db_url]) == 2
+    assert main(["profile", "--host-side", "--device", "cpu", "--db", db_copy]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
-    assert main(["profile", "--host-name", "x", "--model", "resnet18", "--db", db_url]) == 2
+    assert main(["profile", "--host-name", "x", "--model", "resnet18", "--db", db_copy]) == 2
     assert "--host-name goes with --host-side" in capsys.readouterr().err
     gpemu.patch(gpu="A100", host="h100-xeon", summary=False)  # (the real clock)
     try:
-        assert main(["profile", "--host-side", "--db", db_url]) == 2
+        assert main(["profile", "--host-side", "--db", db_copy]) == 2
     finally:
         gpemu.unpatch()
     assert "--clock virtual" in capsys.readouterr().err
@@ -117,9 +107,9 @@ def _record(db_url: str, *records: HostRecord) -> None:
         db.close()
 
 
-def test_a_recorded_host_is_modelled_as_recorded_and_profiles_back_to_its_figures(db_url):
-    _record(db_url, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
-    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False, host="db:lab-a", db_url=db_url) as rt:
+def test_a_recorded_host_is_modelled_as_recorded_and_profiles_back_to_its_figures(db_copy):
+    _record(db_copy, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+    with gpemu.emulate(gpu="A100", clock=VirtualClock(), summary=False, host="db:lab-a", db_url=db_copy) as rt:
         model = rt.engine.host_model
         assert model is not None and "Lab CPU" in model.source
         assert (model.op_s, model.backward_op_s, model.launch_s) == pytest.approx((20e-6, 12e-6, 5e-6))
@@ -130,27 +120,28 @@ def test_a_recorded_host_is_modelled_as_recorded_and_profiles_back_to_its_figure
             x = x + 1
         assert rt.engine.now() - t0 == pytest.approx(100 * 20e-6)  # each op issued at the recorded figure
     # the calibration loop closes: profiling the host side behind the recorded host reads it back
-    timing, _ = _emulated_issue_times("db:lab-a", db_url)
+    timing, _ = _emulated_issue_times("db:lab-a", db_copy)
     assert (timing.forward_op_s, timing.backward_op_s) == pytest.approx((20e-6, 12e-6))
 
 
-def test_unknown_recorded_hosts_get_one_line_listing_what_is_valid(db_url, capsys):
-    _record(db_url, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+def test_unknown_recorded_hosts_get_one_line_listing_what_is_valid(db_copy, capsys):
+    _record(db_copy, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
     with pytest.raises(ValueError, match="db:lab-a") as err:
-        gpemu.patch(gpu="A100", host="db:lab-b", db_url=db_url, summary=False)
+        gpemu.patch(gpu="A100", host="db:lab-b", db_url=db_copy, summary=False)
     assert "h100-xeon" in str(err.value)
     assert not gpemu.is_patched()
-    rc = main(["run", "--db", db_url, "--host", "db:lab-b", "--", "python", "-c", "pass"])  # (refused before it starts)
+    # (refused before it starts)
+    rc = main(["run", "--db", db_copy, "--host", "db:lab-b", "--", "python", "-c", "pass"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "db:lab-a" in lines[0] and "'db:lab-b'" in lines[0]
 
 
-def test_gpemu_hosts_lists_presets_and_recorded_hosts(db_url, capsys):
-    assert main(["hosts", "--db", db_url]) == 0
+def test_gpemu_hosts_lists_presets_and_recorded_hosts(db_copy, capsys):
+    assert main(["hosts", "--db", db_copy]) == 0
     out = capsys.readouterr().out
     assert "h100-xeon" in out and "no recorded hosts yet" in out
-    _record(db_url, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
-    assert main(["hosts", "--db", db_url, "--json"]) == 0
+    _record(db_copy, HostRecord("lab-a", "Lab CPU", "2.5.0", "H100", 20e-6, 12e-6, 5e-6, 9.0))
+    assert main(["hosts", "--db", db_copy, "--json"]) == 0
     rows = {r["host"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["db:lab-a"]["forward_op_us"] == pytest.approx(20) and rows["db:lab-a"]["kind"] == "recorded"
     assert rows["h100-xeon"]["backward_op_us"] == pytest.approx(1e6 * XEON.backward_op_s)

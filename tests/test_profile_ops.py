@@ -10,7 +10,6 @@ change what the emulator charges on it. Real SQLite files throughout.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,15 +36,6 @@ from gpemu.profiler.store import ProfileStore
 # backward pass by its name, at the forward curve, so their fitted .bwd curve reproduces that,
 # not the model's .bwd curve (a real GPU runs the same kernel either way).
 NAMELESS_PASS = {"gemm.bwd", "copy.bwd"}
-
-
-@pytest.fixture
-def db_copy(tmp_path: Path) -> str:
-    """A copy of the session's default database (GPUs known) that a test may write to freely."""
-    src = Path(open_profile_db(EmuConfig.from_env()).engine.url.database)
-    dst = tmp_path / "profile.sqlite"
-    shutil.copy(src, dst)
-    return f"sqlite:///{dst}"
 
 
 def _profile(gpu: str, url: str, classes: tuple[str, ...] = ops.OP_CLASSES) -> ops.OpsReport:
