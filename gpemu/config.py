@@ -218,9 +218,9 @@ class EmuConfig:
     # GPEMU_HOST: the host that issues the GPU work (gpemu.time.launch): "this" (this machine's
     # eager dispatch, measured once, plus the CUDA build's per-op work), a speed relative to it
     # ("0.7x"), a measured host's preset ("h100-xeon"), a host recorded in the database by
-    # `gpemu profile --host-side` ("db:NAME"),
-    # or "none" (the default: no modelled host time; the cost model's fitted per-op host term
-    # stays in GPU prices until the curves are refitted without it).
+    # `gpemu profile --host-side` ("db:NAME"), or "none" (the default: no modelled host time; the
+    # cost model's fitted per-op host term stays in GPU prices until the curves are refitted
+    # without it).
     host: str = "none"
     # GPEMU_VALUES: what emulated tensors hold: "placeholders" (default: no values; a loss reads
     # 0.000) or "real" (every tensor also carries its values, computed on the CPU: a CPU-speed

@@ -64,16 +64,6 @@ LAUNCH_QUEUE_DEPTH = 1024
 # The driver's host time per kernel launch (same measurement: 4-5 us a launch while the queue
 # had room), on the measuring host; scaled with the framework's time to the target host.
 DRIVER_LAUNCH_S = 4.5e-6
-# What eager PyTorch spends per op on a GPU host that this machine's probe (the CPU build's
-# dispatch of functional calls on tiny CPU tensors) cannot show: the CUDA build's per-op runtime
-# (the caching allocator, device and stream guards, cuDNN's and cuBLAS's per-call set-up, the
-# CUDA runtime around a launch beyond DRIVER_LAUNCH_S) and nn.Module calls. Taken from the one
-# CUDA host measured, the H100's (HOST_PRESETS["h100-xeon"]: 40 us per op at a reference loop of
-# 7.2 ms), less the probe's dispatch at that host's speed (6.5 us here at 6.3 ms, so ~7.4 us
-# there) and the launch: about 28 us there. Scaled to this machine by the reference loops; with
-# it, `--host this` on that host would read its own 40 us instead of a quarter of it.
-UNPROBED_OP_S = 28e-6
-UNPROBED_REFERENCE_MS = 7.2
 
 
 @dataclass(frozen=True)
@@ -112,6 +102,17 @@ HOST_PRESETS: dict[str, HostPreset] = {
         40e-6, 7.2, "the H100's 2.1 GHz Xeon host of benchmarks/data (eager issue time per op)", 41e-6
     ),
 }
+
+# What eager PyTorch spends per op on a GPU host that this machine's probe (the CPU build's
+# dispatch of functional calls on tiny CPU tensors) cannot show: the CUDA build's per-op runtime
+# (the caching allocator, device and stream guards, cuDNN's and cuBLAS's per-call set-up, the
+# CUDA runtime around a launch beyond DRIVER_LAUNCH_S) and nn.Module calls. Taken from the one
+# CUDA host measured, the H100's (HOST_PRESETS["h100-xeon"]: 40 us per op at a reference loop of
+# 7.2 ms), less the probe's dispatch at that host's speed (6.5 us here at 6.3 ms, so ~7.4 us
+# there) and the launch: about 28 us there. Scaled to this machine by the reference loops; with
+# it, `--host this` on that host would read its own 40 us instead of a quarter of it.
+UNPROBED_OP_S = 28e-6
+UNPROBED_REFERENCE_MS = HOST_PRESETS["h100-xeon"].reference_ms  # (the host it was taken on)
 
 _PROBE_VERSION = 1
 # ``--host db:NAME``: the host recorded under NAME in the profile database.
