@@ -78,8 +78,17 @@ class ImportReport:
 
     @property
     def accepted(self) -> int:
-        tables = (self.gpus, self.models, self.measurements, self.distributions, self.op_measurements, self.op_curves)
-        return sum(tables) + self.host_records
+        return sum(
+            (
+                self.gpus,
+                self.models,
+                self.measurements,
+                self.distributions,
+                self.op_measurements,
+                self.op_curves,
+                self.host_records,
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------- export
