@@ -304,9 +304,9 @@ def test_backward_inputs_subset_sets_only_those_gradients(rt) -> None:
 # ----------------------------------------------------------------------------------------------
 # loss.backward() without the autograd engine (gpemu.fastpaths.backward._direct_backward)
 # ----------------------------------------------------------------------------------------------
-def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
+def _classifier_steps(rt, n: int, direct: bool, before_backward=None, head=None) -> dict:
     """n training steps of a small classifier; GPU spans (kind, duration, start offset), memory
-    and gradient metadata of the last one."""
+    and gradient metadata of the last one. ``head(logits)``: what the loss is taken of."""
     rt.replay.direct_enabled = direct
     # Earlier models (the other path's run, earlier tests) are freed by the garbage collector, as
     # torch's own modules and optimizers are: collected now, not in the middle of a measured step
@@ -324,7 +324,8 @@ def _classifier_steps(rt, n: int, direct: bool, before_backward=None) -> dict:
             first = len(rt.recorder.spans)
             mem.reset_peak()
             base = mem.allocated
-            loss = nn.functional.cross_entropy(model(x), y)
+            out = model(x)
+            loss = nn.functional.cross_entropy(out if head is None else head(out), y)
             if before_backward is not None:
                 before_backward(loss)
             loss.backward()
@@ -352,6 +353,66 @@ def test_direct_backward_charges_and_allocates_what_the_engine_path_does(rt) -> 
     assert replay.replay_info()["direct_backward"] >= 2  # the steps after recording and hub mode
     assert got == reference
     assert any(kind == "backward" for kind, *_ in got["spans"])
+
+
+# What a training step does to logits between model and loss: a reshape, a cast, a transpose.
+_HEADS = {
+    "view": lambda out: out.view(2, 2, 10).flatten(0, 1),
+    "cast": lambda out: out.double().reshape(4, 10),
+    "transpose": lambda out: out.t().t(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_HEADS))
+def test_direct_backward_runs_torchs_nodes_between_loss_and_module_as_the_engine_does(rt, name) -> None:
+    reference = _classifier_steps(rt, 6, direct=False, head=_HEADS[name])
+    assert replay.replay_info().get("direct_backward", 0) == 0
+    got = _classifier_steps(rt, 6, direct=True, head=_HEADS[name])
+    assert replay.replay_info()["direct_backward"] >= 2
+    assert got == reference
+    if name == "cast":  # the cast back is a kernel of the backward (priced so: same spans)
+        names = [op for _, op, *_ in got["spans"]]
+        assert "_to_copy.default" in names[names.index("cross_entropy backward") :]
+
+
+def test_direct_backward_leaves_nodes_that_keep_tensors_to_the_engine(rt) -> None:
+    # exp keeps its result for its backward: the engine frees it once the node ran
+    reference = _classifier_steps(rt, 6, direct=False, head=torch.exp)
+    got = _classifier_steps(rt, 6, direct=True, head=torch.exp)
+    assert replay.replay_info().get("direct_backward", 0) == 0
+    assert got == reference
+
+
+def test_direct_backward_leaves_hooks_on_torchs_nodes_and_retained_gradients_to_the_engine(rt) -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+    x, y = torch.zeros(16, 32, device="cuda"), torch.zeros(16, dtype=torch.long, device="cuda")
+    seen: list[str] = []
+
+    def step(retain: str = "", node_hook: bool = False) -> tuple[int, torch.Tensor]:
+        """One step, logits reshaped for the loss; the direct backwards it added, and the logits
+        (``retain="logits"``) or reshaped logits (``"flat"``) whose gradient it retained."""
+        used = replay.replay_info().get("direct_backward", 0)
+        out = model(x)
+        flat = out.view(4, 4, 10).flatten(0, 1)
+        kept = out if retain == "logits" else flat
+        if retain:
+            kept.retain_grad()
+        if node_hook:  # registered in C++ through torch's Python door (_HookMixin)
+            flat.grad_fn.register_prehook(lambda g: seen.append("node"))
+        nn.functional.cross_entropy(flat, y).backward()
+        model.zero_grad()
+        return replay.replay_info().get("direct_backward", 0) - used, kept
+
+    for _ in range(4):
+        step()  # recording, two plain backwards, then hub mode
+    assert step()[0] == 1
+    # a hook on torch's own node between loss and module: the engine runs it
+    assert step(node_hook=True)[0] == 0 and seen == ["node"]
+    # retain_grad() hooks the node in C++ alone: the engine fills .grad, as on a GPU
+    for retain in ("logits", "flat"):
+        used, kept = step(retain)
+        assert used == 0 and kept.grad is not None and kept.grad.shape == kept.shape
+    assert step()[0] == 1
 
 
 def test_direct_backward_leaves_hooked_graphs_and_input_gradients_to_the_engine(rt) -> None:

@@ -48,7 +48,8 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     arg_sig = signature(args, emus, exact)
     kw_sig = keyword_signature(kwargs, emus, exact) if kwargs else None
     ts = emus[0].emu_state if emus else current_state()
-    backward = current_task() != -1 and backward_pass(ts)
+    host = ts.local.host
+    backward = (current_task() != -1 or host.direct_backward) and backward_pass(ts)
     if backward and emus:
         # (however the backward pass was started: a model's own marks see only module calls)
         ts.engine.note_backward(emus[0].emu_device)
@@ -57,7 +58,6 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     # Note: TensorState.call (gpemu.time.host.HostTime.call) written out: this is the path of every
     # op, where its call level and argument tuple cost ~0.3 us of a ~4 us op (measured with
     # benchmarks/step_parts.py); everywhere else the emulator enters through call().
-    host = ts.local.host
     if host.depth:
         return cached_op(ts, key, func, args, kwargs, emus)
     host.entry = ts.read_clock()

@@ -249,10 +249,11 @@ def _fitted(o: EmuTensor, s: torch.Tensor, limit: int, real: bool) -> torch.Tens
 def placeholder_logic(ts: TensorState) -> bool:
     """Whether an op now is the program's own logic on a model's outputs, run without autograd:
     generation (stopping criteria, beam bookkeeping, a server's slots) or evaluation, outside any
-    model's forward and outside a backward pass. There a mix of known values and a model's
-    placeholders is computed on the host with zeros for the placeholders, as a host would compute
-    from the zeros it reads back (gpemu.hostvalues, rule 3)."""
-    return not _grad_enabled() and _graph_task() == -1 and not ts.in_model()
+    model's forward and outside a backward pass (the engine's, or the engine-free one of
+    gpemu.fastpaths.backward). There a mix of known values and a model's placeholders is
+    computed on the host with zeros for the placeholders, as a host would compute from the
+    zeros it reads back (gpemu.hostvalues, rule 3)."""
+    return not _grad_enabled() and _graph_task() == -1 and not ts.local.host.direct_backward and not ts.in_model()
 
 
 def _decided(func: Any, args: tuple, out: Any) -> bool:

@@ -168,10 +168,11 @@ _ACCUMULATE_SEQ = 2**64 - 1  # AccumulateGrad nodes' sequence number
 
 def backward_pass(ts: TensorState) -> bool:
     """Whether an op dispatched now is backward work: the autograd engine is running a backward
-    pass on this thread, and it is not a module's forward recomputed inside it. The cost model
-    was calibrated so (gpemu.costmodel.record marks every op of ``loss.backward()``), and its
+    pass on this thread (or the engine-free backward of gpemu.fastpaths.backward runs torch's
+    nodes itself), and it is not a module's forward recomputed inside it. The cost model was
+    calibrated so (gpemu.costmodel.record marks every op of ``loss.backward()``), and its
     ``.bwd`` curves price such ops whatever their name (autograd's ``mm``, ``add``, ``clone``)."""
-    return _current_task() != -1 and not getattr(ts.recompute, "depth", 0)
+    return (_current_task() != -1 or ts.local.host.direct_backward) and not getattr(ts.recompute, "depth", 0)
 
 
 class OwnNodes:

@@ -6,12 +6,14 @@ inputs of the graph. Component ``gpemu.fastpaths.backward``; installed with the 
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
-from gpemu.device import EmuTensor
+from gpemu.device import EmuTensor, TensorState
 from gpemu.model_time import graph_nodes
 
 from .gradients import grad_spec
@@ -102,12 +104,14 @@ _profiler_on = torch.autograd._profiler_enabled  # a profiler records the engine
 def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
     """``loss.backward()`` for the graph of an ordinary training step, run without the autograd
     engine: a replayed loss (a registered head) on an output of a hub-mode replayed module whose
-    other inputs need no gradient. The engine would call exactly the two nodes' backward
-    functions and an accumulator that receives nothing, so they are called here directly, with
-    the same charges, memory (the implicit gradient and the loss's input gradient are held while
-    the engine would hold them) and gradients; its C++ and per-node Python glue cost ~12 µs per
-    step. Any other graph, hooks registered anywhere since the graph was built, anomaly mode, a
-    recording profiler or a functorch transform: False, and the engine runs as usual."""
+    other inputs need no gradient, maybe through a few of torch's own nodes that keep no tensors
+    (the logits flattened or cast for the loss: see :func:`_plain_chain`). The engine would call
+    exactly these nodes' backward functions and an accumulator that receives nothing, so they
+    are called here directly, with the same charges, memory (the implicit gradient and each
+    node's incoming gradient are held while the engine would hold them) and gradients; its C++
+    and per-node Python glue cost ~12 µs per step, ~60 µs with a reshape between loss and
+    module. Any other graph, hooks registered anywhere since the graph was built, anomaly mode,
+    a recording profiler or a functorch transform: False, and the engine runs as usual."""
     lnode: Any = loss.grad_fn
     head = R.heads.get(type(lnode))
     if (
@@ -116,20 +120,32 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
         or _anomaly_on()
         or functorch_active()
         or _profiler_on()
-        or not head[0](lnode)
+        or not head.ready(lnode)
     ):
         return False
     gen = R.hook_generation
     if getattr(lnode, "hook_gen", None) != gen:
         return False
-    rnode: Any = None
+    first: Any = None
     for fn, _ in lnode.next_functions:
         if fn is None:
             continue
-        if rnode is not None or type(fn) is not ReplayBackward:
+        if first is not None:
             return False
-        rnode = fn
-    if rnode is None or rnode.hook_gen != gen:
+        first = fn
+    if first is None:
+        return False
+    rnode: Any
+    chain: list | None
+    if type(first) is ReplayBackward:
+        rnode, chain = first, None
+    else:
+        found = _plain_chain(R, first)
+        if found is None:
+            return False
+        rnode, chain = found
+    # (a hook on a chain node, made after the replay, bumped the generation past rnode's)
+    if rnode.hook_gen != gen:
         return False
     direct = rnode.direct
     if direct is None or direct.hub is None or rnode.rec.hub_direct is not direct:
@@ -146,12 +162,73 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
     # torch.autograd.backward holds the implicit gradient until the whole backward has run
     implicit = ts.memory[dev].allocate(loss.element_size())
     with torch.no_grad():  # as the engine runs backward without create_graph
-        grad_block = head[1](lnode)
+        if chain is None:
+            grad: Any = head.run(lnode, False)
+        else:
+            grad = head.run(lnode, True)
+            grad = _run_chain(ts, chain, grad)
         replay_backward(rnode, True)
-        del grad_block  # the engine frees the module's incoming gradient after its node ran
+        del grad  # the engine frees the module's incoming gradient after its node ran
     del implicit
     R.stats["direct_backward"] = R.stats.get("direct_backward", 0) + 1
     return True
+
+
+# Note: a training step often reshapes or casts a model's output for its loss
+# (``logits.view(-1, vocab)``, ``.flatten(0, 1).float()``), so torch's own nodes stand between
+# the loss's node and the replayed module's. Such a node is called here as the engine calls it
+# (its backward formula, on the gradient the head made) when it has one input edge and keeps no
+# tensors: the engine, after running a node, releases the tensors it saved, and a node called
+# directly would keep them (memory the engine path frees). Generated derivative nodes name
+# their saved tensors ``_raw_saved_*``; other nodes (C++ custom functions, which keep tensors
+# where this cannot see them) are left to the engine.
+_PLAIN_NODE = re.compile(r"Backward\d+$")
+_MAX_CHAIN = 8  # nodes between loss and module (a reshape and a cast are two)
+_plain_types: dict[type, bool] = {}
+
+
+def _plain_node(fn: Any) -> bool:
+    """Whether ``fn`` is a generated derivative node of torch's that keeps no tensors."""
+    cls = type(fn)
+    plain = _plain_types.get(cls)
+    if plain is None:
+        plain = _plain_types[cls] = (
+            not isinstance(fn, BackwardCFunction)
+            and _PLAIN_NODE.search(cls.__name__) is not None
+            and not any(name.startswith("_raw_saved_") for name in dir(cls))
+        )
+    return plain
+
+
+def _plain_chain(R: ReplayState, first: Any) -> tuple[Any, list] | None:
+    """(the replayed module's node, the nodes from ``first`` down to it) when ``first`` starts a
+    short chain of plain nodes (see the note above) that ends at a replay node, else None."""
+    if not R.node_hooks_seen:
+        return None  # a hook on torch's own nodes could go unseen
+    chain: list = []
+    fn = first
+    while type(fn) is not ReplayBackward:
+        if fn is None or len(chain) == _MAX_CHAIN or not _plain_node(fn):
+            return None
+        edges = fn.next_functions
+        if len(edges) != 1:
+            return None
+        chain.append(fn)
+        fn = edges[0][0]
+    return fn, chain
+
+
+def _run_chain(ts: TensorState, chain: list, grad: Any) -> Any:
+    """``grad`` through the chain's nodes, as the engine would run them: each node's incoming
+    gradient freed once it ran, its ops priced as backward work."""
+    host = ts.local.host
+    host.direct_backward = True
+    try:
+        for node in chain:
+            grad = node(grad)  # (a node with one edge returns its one gradient, not a tuple)
+    finally:
+        host.direct_backward = False
+    return grad
 
 
 # torch.autograd.backward's own engine entry (logging hooks, context for device threads).

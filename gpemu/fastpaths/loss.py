@@ -36,6 +36,8 @@ import torch
 
 from gpemu.device import EmuTensor, OutputSpec, TensorState
 
+from .replay import DirectHead
+
 if TYPE_CHECKING:  # pragma: no cover
     from gpemu.runtime import Runtime
 
@@ -172,13 +174,19 @@ def _direct_ready(node: Any) -> bool:
     return node.inner is None and node.rec.grad_spec is not None
 
 
-def _direct_run(node: Any) -> Any:
+def _direct_run(node: Any, as_tensor: bool) -> Any:
     """The replayed loss backward for :func:`gpemu.fastpaths.backward._direct_backward`: its input
-    gradient as a memory block (the next node never reads its values)."""
+    gradient as a memory block (a replayed module never reads its values), or as the tensor the
+    engine path's backward returns (for torch's own nodes between the loss and the module)."""
     _replayed_backward(node)
     rec: _Record = node.rec
-    mem = rec.state.ts.memory[rec.dev]
+    ts = rec.state.ts
+    mem = ts.memory[rec.dev]
     assert rec.grad_spec is not None  # (see _direct_ready)
+    if as_tensor:
+        out = ts.build(rec.grad_spec, [], rec.dev)
+        mem.touch(rec.bwd_extra)
+        return out
     nbytes = rec.grad_spec.nbytes
     block = mem.allocate(nbytes) if nbytes else None
     mem.touch(rec.bwd_extra)
@@ -260,4 +268,5 @@ def install(rt: Runtime) -> None:
     state = rt.loss = LossState(rt.tensors, rt.replay)
     F = torch.nn.functional
     rt.patcher.replace(F, "cross_entropy", _make_cross_entropy(state, F.cross_entropy))
-    rt.patcher.on_restore(rt.replay.register_direct_head(_FusedLoss._backward_cls, _direct_ready, _direct_run))
+    head = DirectHead(ready=_direct_ready, run=_direct_run)
+    rt.patcher.on_restore(rt.replay.register_direct_head(_FusedLoss._backward_cls, head))

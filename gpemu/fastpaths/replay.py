@@ -42,8 +42,9 @@ forward (print, counters) after the first call.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from operator import is_
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -66,6 +67,7 @@ __all__ = [
     "ReplayState",
     "replay_info",
     "Direct",
+    "DirectHead",
     "ReplayFunction",
     "ReplayBackward",
     "replay_backward",
@@ -114,6 +116,17 @@ def _weakened(sig: Any) -> Any:
 _NEVER = -(1 << 60)
 
 
+class DirectHead(NamedTuple):
+    """A graph head the engine-free backward can start at (a replayed loss's node class)."""
+
+    # ready(node) -> bool: whether this node's backward can run so (no side effects)
+    ready: Callable[[Any], bool]
+    # run(node, as_tensor) -> charges the node's backward and returns the gradient it makes for
+    # its input: its memory block, or (as_tensor) an emulated tensor over it, for torch's nodes
+    # between the head and the replayed module to run on
+    run: Callable[[Any, bool], Any]
+
+
 class ReplayState:
     """The module replay fast path of one run (``rt.replay``)."""
 
@@ -148,9 +161,12 @@ class ReplayState:
         self.no_grad_keys: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.no_hub = False  # targeted gradients met a hub graph: no hub mode for this run
         # Graph heads that can hand a replayed module its output's gradient without the engine:
-        # node class -> (ready(node) -> bool, without side effects; run(node) -> the memory block
-        # of the gradient it makes for its input); see register_direct_head.
-        self.heads: dict[type, tuple[Any, Any]] = {}
+        # node class -> its DirectHead (see register_direct_head).
+        self.heads: dict[type, DirectHead] = {}
+        # Whether hooks registered on torch's own graph nodes bump hook_generation (the patch of
+        # torch.autograd.function._HookMixin._register_hook is in place): only then may the
+        # engine-free backward run such nodes between a loss and a replayed module.
+        self.node_hooks_seen = False
         # The implicit gradient of a scalar loss (what torch.autograd.backward would make with
         # ones_like), per loss metadata: the GPU time of making it op by op (_implicit_grad).
         self.implicit: dict[tuple, float] = {}
@@ -172,11 +188,10 @@ class ReplayState:
         except TypeError:
             return None
 
-    def register_direct_head(self, node_cls: type, ready: Any, run: Any) -> Any:
-        """Let :func:`_direct_backward` start at nodes of ``node_cls``: ``ready(node)`` says
-        whether it can (no side effects), ``run(node)`` charges the node's backward and returns its
-        input gradient's memory block. Returns the function that undoes the registration."""
-        self.heads[node_cls] = (ready, run)
+    def register_direct_head(self, node_cls: type, head: DirectHead) -> Any:
+        """Let :func:`gpemu.fastpaths.backward._direct_backward` start at nodes of ``node_cls``.
+        Returns the function that undoes the registration."""
+        self.heads[node_cls] = head
         return lambda: self.heads.pop(node_cls, None)
 
 
@@ -741,8 +756,17 @@ def install(rt: Runtime) -> None:
     for name in ("register_hook", "register_post_accumulate_grad_hook"):
         if hasattr(T, name):
             p.replace(T, name, _bump_hooks(R, getattr(T, name)))
-    # Hooks on custom-Function graph nodes (grad_fn.register_hook/prehook) end the direct
-    # backward for graphs built before them (see _direct_backward).
+    # Hooks on graph nodes (grad_fn.register_hook/prehook) end the direct backward for graphs
+    # built before them (see gpemu.fastpaths.backward._direct_backward). Custom-Function nodes
+    # and torch's own C++ nodes both register through _HookMixin._register_hook, looked up by
+    # name at each registration; without it, only custom-Function nodes are seen.
     B = torch.autograd.function.BackwardCFunction
     for name in ("register_hook", "register_prehook"):
         p.replace(B, name, _bump_hooks(R, getattr(B, name)))
+    mixin = getattr(torch.autograd.function, "_HookMixin", None)
+    register = vars(mixin).get("_register_hook") if mixin is not None else None
+    if isinstance(register, staticmethod):
+        p.replace(mixin, "_register_hook", staticmethod(_bump_hooks(R, register.__func__)))
+        R.node_hooks_seen = True
+    # retain_grad() on a non-leaf adds a hook to its node in C++, past every Python door above.
+    p.replace(T, "retain_grad", _bump_hooks(R, T.retain_grad))

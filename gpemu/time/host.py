@@ -73,6 +73,7 @@ class HostState:
         "enter_stack",
         "launching",
         "in_setup",
+        "direct_backward",
     )
 
     def __init__(self) -> None:
@@ -87,6 +88,9 @@ class HostState:
         self.enter_stack: list | None = None  # streams replaced by `with stream:` blocks
         self.launching = False  # inside one launch (a CUDA graph replay): ops cost no issue time
         self.in_setup = False  # inside a set-up call
+        # Running a backward pass's nodes without the autograd engine (gpemu.fastpaths.backward):
+        # their ops are backward work although no engine graph task is current.
+        self.direct_backward = False
 
 
 class PerThread(threading.local):
