@@ -142,9 +142,22 @@ def test_walk_cache_sees_new_submodules_training_flags_and_hooks(rt) -> None:
     model.append(nn.Linear(10, 3).cuda())
     assert model(x).shape == (4, 3)
     calls = []
-    model[0].register_forward_hook(lambda *a: calls.append(1))
+    handle = model[0].register_forward_hook(lambda *a: calls.append(1))
     model(x)
     assert calls == [1]  # hooks force the op-by-op path
+    handle.remove()  # (bumps nothing: a tree found hooked is re-checked at every call)
+    model(x)
+    fallback = replay.replay_info()["fallback"]
+    model(x)
+    assert calls == [1] and replay.replay_info()["fallback"] == fallback  # replayed whole again
+    for register in ("register_forward_pre_hook", "register_full_backward_pre_hook", "register_full_backward_hook"):
+        handle = getattr(model[-1], register)(lambda *a, name=register: calls.append(name))
+        model(x).sum().backward()
+        assert calls[-1] == register and replay.replay_info()["fallback"] > fallback
+        fallback = replay.replay_info()["fallback"]
+        handle.remove()
+    model(x)
+    assert replay.replay_info()["fallback"] == fallback
 
 
 @pytest.mark.slow

@@ -14,10 +14,12 @@ __all__ = ["ModuleTree", "walk", "walk_tree"]
 class ModuleTree:
     """A module tree's parameters and training flags, cached between calls. Valid while no
     Module attribute was set anywhere (the replay state's ``structure_gen``) and its ``_parameters``/``_modules``
-    dicts kept their sizes; hooks are re-checked on every call (one C-level ``any``)."""
+    dicts kept their sizes. Its hooks are known absent while no module got a hook anywhere (the
+    replay state's ``module_hook_gen``), else re-checked (one C-level ``any``)."""
 
-    __slots__ = ("gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
+    __slots__ = ("gen", "hook_gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
     gen: int
+    hook_gen: int  # module_hook_gen when the tree was found without hooks (-1: not known)
     params: list
     flags: tuple
     hook_dicts: list
@@ -26,15 +28,22 @@ class ModuleTree:
     first: Any
 
 
-def walk(trees: weakref.WeakKeyDictionary, gen: int, module: torch.nn.Module) -> tuple[list, tuple, bool]:
+def walk(
+    trees: weakref.WeakKeyDictionary, gen: int, hook_gen: int, module: torch.nn.Module
+) -> tuple[list, tuple, bool]:
     """(parameters, training flags, any hooks) of a module tree, cached in ``trees`` for structure
-    generation ``gen`` (see :class:`ModuleTree`)."""
+    generation ``gen`` and module-hook generation ``hook_gen`` (see :class:`ModuleTree`)."""
     tree = trees.get(module)
     if tree is not None and tree.gen == gen and list(map(len, tree.dicts)) == tree.lens:
-        return tree.params, tree.flags, any(tree.hook_dicts)
+        if tree.hook_gen != hook_gen:
+            if any(tree.hook_dicts):
+                return tree.params, tree.flags, True
+            tree.hook_gen = hook_gen
+        return tree.params, tree.flags, False
     params, flags, hooks, mods = walk_tree(module)
     tree = ModuleTree()
     tree.gen, tree.params, tree.flags = gen, params, flags
+    tree.hook_gen = -1 if hooks else hook_gen
     tree.first = next(module.parameters(), None)  # in parameters() order (see _emulated_device)
     tree.hook_dicts = [
         d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)

@@ -147,9 +147,13 @@ class ReplayState:
         # _apply (model.to/.cuda/.half): whatever may change a module tree's parameters, submodules
         # or training flags.
         self.structure_gen = 0
-        # Bumped when any tensor or custom-Function node gets a hook: replays re-check their
-        # parameters, and graphs built before it leave loss.backward() to the engine.
+        # Bumped when any tensor or graph node gets a hook (or retain_grad()): replays re-check
+        # their parameters, and graphs built before it leave loss.backward() to the engine.
         self.hook_generation = 0
+        # Bumped when any module gets a forward or backward (pre-)hook: cached walks re-check
+        # their trees' hook dicts (a handle's remove() bumps nothing: a tree found hooked is
+        # re-checked at every call).
+        self.module_hook_gen = 0
         # Calls of a module whose object argument was new each time (see _outer_call).
         self.object_misses: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self.hub_used = False  # some replay ran in hub mode (see Direct)
@@ -184,7 +188,7 @@ class ReplayState:
         """The parameters of ``module``'s tree (each once), from the cached walk (None for a
         module that cannot be cached)."""
         try:
-            return walk(self.trees, self.structure_gen, module)[0]
+            return walk(self.trees, self.structure_gen, self.module_hook_gen, module)[0]
         except TypeError:
             return None
 
@@ -313,7 +317,7 @@ def _outer_call(
     run op by op (recorded when its outputs can be made again). ``unit``: a unit inside an
     op-by-op ancestor."""
     run_charged = R.model_time.run_charged
-    params, flags, hooks = walk(R.trees, R.structure_gen, module)
+    params, flags, hooks = walk(R.trees, R.structure_gen, R.module_hook_gen, module)
     if _graph_task() != -1:
         # Called during a backward pass: activation checkpointing recomputes its forward, and
         # torch.utils.checkpoint (non-reentrant) matches the tensors it saves with the first
@@ -734,6 +738,24 @@ def _bump_hooks(R: ReplayState, orig: Any) -> Any:
     return wrapper
 
 
+def _bump_module_hooks(R: ReplayState, orig: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        R.module_hook_gen += 1
+        return orig(*args, **kwargs)
+
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+_MODULE_HOOK_REGISTRATIONS = (
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "register_full_backward_pre_hook",
+    "register_full_backward_hook",
+    "register_backward_hook",
+)
+
+
 def install(rt: Runtime) -> None:
     """Patch nn.Module.__call__ with the record/replay fast path (``config.replay``)."""
     if not rt.config.fast_paths:
@@ -750,6 +772,10 @@ def install(rt: Runtime) -> None:
     # registrations that write the dicts directly, and _apply (it may swap parameters in place).
     for name in ("__setattr__", "__delattr__", "register_parameter", "register_module", "add_module", "_apply"):
         p.replace(M, name, _bump_structure(R, getattr(M, name), swaps=name == "_apply"))
+    # Module hooks (forward/backward, pre and post) are registered only through these in torch
+    # (the hook dicts are written elsewhere only by TorchScript and by removals).
+    for name in _MODULE_HOOK_REGISTRATIONS:
+        p.replace(M, name, _bump_module_hooks(R, getattr(M, name)))
     # (torch.autograd.grad / backward: gpemu.fastpaths.backward, installed next)
     # Parameter hooks decide whether the replayed backward may store .grad itself.
     T = torch.Tensor
