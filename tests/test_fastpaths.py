@@ -160,6 +160,22 @@ def test_walk_cache_sees_new_submodules_training_flags_and_hooks(rt) -> None:
     assert replay.replay_info()["fallback"] == fallback
 
 
+def test_walk_cache_sees_parameter_and_submodule_dicts_written_directly(rt) -> None:
+    """Writes that bypass every Module method (torch's own ModuleList.insert, pruning's
+    ``del module._parameters[name]``, a library's direct insertion) still renew the walk."""
+    blocks = nn.ModuleList([nn.Linear(8, 8)])
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), blocks).cuda()
+    first, inner = nn.Linear(8, 8).cuda(), nn.Linear(8, 8).cuda()  # (.cuda() renews every walk)
+    assert len(rt.replay.params_of(model)) == 4
+    blocks.insert(0, first)  # a non-empty dict grows
+    assert len(rt.replay.params_of(model)) == 6
+    model[1]._modules["inner"] = inner  # an empty dict gets an entry
+    assert len(rt.replay.params_of(model)) == 8
+    del model[0]._parameters["bias"]  # a non-empty dict shrinks
+    assert len(rt.replay.params_of(model)) == 7
+    assert set(map(id, rt.replay.params_of(model))) == set(map(id, model.parameters()))
+
+
 @pytest.mark.slow
 def test_grouped_gradient_memory_freed_with_the_gradients(rt) -> None:
     model = _net()

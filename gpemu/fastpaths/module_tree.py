@@ -17,12 +17,16 @@ class ModuleTree:
     dicts kept their sizes. Its hooks are known absent while no module got a hook anywhere (the
     replay state's ``module_hook_gen``), else re-checked (one C-level ``any``)."""
 
-    __slots__ = ("gen", "hook_gen", "params", "flags", "hook_dicts", "dicts", "lens", "first")
+    __slots__ = ("gen", "hook_gen", "params", "flags", "hook_dicts", "empty", "dicts", "lens", "first")
     gen: int
     hook_gen: int  # module_hook_gen when the tree was found without hooks (-1: not known)
     params: list
     flags: tuple
     hook_dicts: list
+    # The ``_parameters``/``_modules`` dicts: those empty when walked (most, in a deep network:
+    # a leaf's ``_modules``, a container's ``_parameters``) need only stay empty, which ``any``
+    # tests at ~5 ns a dict; the others keep their sizes (``len`` through ``map``: ~18 ns).
+    empty: list
     dicts: list
     lens: list[int]
     first: Any
@@ -34,7 +38,7 @@ def walk(
     """(parameters, training flags, any hooks) of a module tree, cached in ``trees`` for structure
     generation ``gen`` and module-hook generation ``hook_gen`` (see :class:`ModuleTree`)."""
     tree = trees.get(module)
-    if tree is not None and tree.gen == gen and list(map(len, tree.dicts)) == tree.lens:
+    if tree is not None and tree.gen == gen and not any(tree.empty) and list(map(len, tree.dicts)) == tree.lens:
         if tree.hook_gen != hook_gen:
             if any(tree.hook_dicts):
                 return tree.params, tree.flags, True
@@ -48,7 +52,9 @@ def walk(
     tree.hook_dicts = [
         d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
     ]
-    tree.dicts = [m._parameters for m in mods] + [m._modules for m in mods]
+    dicts = [m._parameters for m in mods] + [m._modules for m in mods]
+    tree.empty = [d for d in dicts if not d]
+    tree.dicts = [d for d in dicts if d]
     tree.lens = list(map(len, tree.dicts))
     try:
         trees[module] = tree
