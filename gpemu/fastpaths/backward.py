@@ -226,6 +226,8 @@ def _run_chain(ts: TensorState, chain: list, grad: Any) -> Any:
     try:
         for node in chain:
             grad = node(grad)  # (a node with one edge returns its one gradient, not a tuple)
+            if grad is None:  # (no gradient flows on; the module's node still runs, as in the engine)
+                break
     finally:
         host.direct_backward = False
     return grad

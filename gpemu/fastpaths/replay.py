@@ -729,18 +729,11 @@ def _bump_structure(R: ReplayState, orig: Any, swaps: bool = False) -> Any:
     return wrapper
 
 
-def _bump_hooks(R: ReplayState, orig: Any) -> Any:
+def _bump_hooks(R: ReplayState, orig: Any, counter: str = "hook_generation") -> Any:
+    """``orig`` that first bumps the replay state's ``counter`` (a hook registration: rare)."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        R.hook_generation += 1
-        return orig(*args, **kwargs)
-
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _bump_module_hooks(R: ReplayState, orig: Any) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        R.module_hook_gen += 1
+        setattr(R, counter, getattr(R, counter) + 1)
         return orig(*args, **kwargs)
 
     wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -775,7 +768,7 @@ def install(rt: Runtime) -> None:
     # Module hooks (forward/backward, pre and post) are registered only through these in torch
     # (the hook dicts are written elsewhere only by TorchScript and by removals).
     for name in _MODULE_HOOK_REGISTRATIONS:
-        p.replace(M, name, _bump_module_hooks(R, getattr(M, name)))
+        p.replace(M, name, _bump_hooks(R, getattr(M, name), "module_hook_gen"))
     # (torch.autograd.grad / backward: gpemu.fastpaths.backward, installed next)
     # Parameter hooks decide whether the replayed backward may store .grad itself.
     T = torch.Tensor
