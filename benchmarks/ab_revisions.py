@@ -136,8 +136,10 @@ def main() -> None:
         except KeyboardInterrupt:
             sys.exit("interrupted")
     keys = sorted(set().union(*results[a.old]) & set().union(*results[a.new]))
+    if not keys:
+        sys.exit("ab_revisions: the two revisions' tables have no case in common (is the benchmark's table the same?)")
     print(f"\n{'case':34} {'old ms':>8} {'new ms':>8} {'change':>8}   ({a.value} time per iteration)")
-    worst = 0.0
+    worst = -float("inf")  # (every case may be faster: the slowest change is then negative)
     for key in keys:
         old = statistics.median(r[key] for r in results[a.old] if key in r)
         new = statistics.median(r[key] for r in results[a.new] if key in r)
