@@ -404,6 +404,18 @@ def test_direct_backward_runs_torchs_nodes_between_loss_and_module_as_the_engine
         assert "_to_copy.default" in names[names.index("cross_entropy backward") :]
 
 
+def test_direct_backward_through_torchs_nodes_matches_the_engine_behind_a_modelled_host() -> None:
+    """Behind a modelled host each op costs issue time: the nodes' ops cost the same there."""
+    rt = gpemu.patch(gpu="H100", summary=False, clock=VirtualClock(), host="h100-xeon")
+    try:
+        reference = _classifier_steps(rt, 6, direct=False, head=_HEADS["cast"])
+        got = _classifier_steps(rt, 6, direct=True, head=_HEADS["cast"])
+        assert replay.replay_info()["direct_backward"] >= 2
+        assert got == reference
+    finally:
+        gpemu.unpatch()
+
+
 def test_direct_backward_leaves_nodes_that_keep_tensors_to_the_engine(rt) -> None:
     # exp keeps its result for its backward: the engine frees it once the node ran
     reference = _classifier_steps(rt, 6, direct=False, head=torch.exp)
