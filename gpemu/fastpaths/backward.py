@@ -6,6 +6,7 @@ inputs of the graph. Component ``gpemu.fastpaths.backward``; installed with the 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -192,20 +193,16 @@ def _direct_backward(R: ReplayState, loss: EmuTensor) -> bool:
 # where this cannot see them) are left to the engine.
 _PLAIN_NODE = re.compile(r"Backward\d+$")
 _MAX_CHAIN = 8  # nodes between loss and module (a reshape and a cast are two)
-_plain_types: dict[type, bool] = {}
 
 
-def _plain_node(fn: Any) -> bool:
-    """Whether ``fn`` is a generated derivative node of torch's that keeps no tensors."""
-    cls = type(fn)
-    plain = _plain_types.get(cls)
-    if plain is None:
-        plain = _plain_types[cls] = (
-            not isinstance(fn, BackwardCFunction)
-            and _PLAIN_NODE.search(cls.__name__) is not None
-            and not any(name.startswith("_raw_saved_") for name in dir(cls))
-        )
-    return plain
+@functools.cache
+def _plain_node_type(cls: type) -> bool:
+    """Whether nodes of ``cls`` are generated derivative nodes of torch's that keep no tensors."""
+    return (
+        not issubclass(cls, BackwardCFunction)
+        and _PLAIN_NODE.search(cls.__name__) is not None
+        and not any(name.startswith("_raw_saved_") for name in dir(cls))
+    )
 
 
 def _plain_chain(R: ReplayState, first: Any) -> tuple[Any, list] | None:
@@ -216,7 +213,7 @@ def _plain_chain(R: ReplayState, first: Any) -> tuple[Any, list] | None:
     chain: list = []
     fn = first
     while type(fn) is not ReplayBackward:
-        if fn is None or len(chain) == _MAX_CHAIN or not _plain_node(fn):
+        if fn is None or len(chain) == _MAX_CHAIN or not _plain_node_type(fn.__class__):
             return None
         edges = fn.next_functions
         if len(edges) != 1:

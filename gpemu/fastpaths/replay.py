@@ -778,14 +778,15 @@ def install(rt: Runtime) -> None:
     # Hooks on graph nodes (grad_fn.register_hook/prehook) end the direct backward for graphs
     # built before them (see gpemu.fastpaths.backward._direct_backward). Custom-Function nodes
     # and torch's own C++ nodes both register through _HookMixin._register_hook, looked up by
-    # name at each registration; without it, only custom-Function nodes are seen.
-    B = torch.autograd.function.BackwardCFunction
-    for name in ("register_hook", "register_prehook"):
-        p.replace(B, name, _bump_hooks(R, getattr(B, name)))
+    # name at each registration; without it, only custom-Function nodes' own methods are seen.
     mixin = getattr(torch.autograd.function, "_HookMixin", None)
     register = vars(mixin).get("_register_hook") if mixin is not None else None
     if isinstance(register, staticmethod):
         p.replace(mixin, "_register_hook", staticmethod(_bump_hooks(R, register.__func__)))
         R.node_hooks_seen = True
+    else:
+        B = torch.autograd.function.BackwardCFunction
+        for name in ("register_hook", "register_prehook"):
+            p.replace(B, name, _bump_hooks(R, getattr(B, name)))
     # retain_grad() on a non-leaf adds a hook to its node in C++, past every Python door above.
     p.replace(T, "retain_grad", _bump_hooks(R, T.retain_grad))
